@@ -1,0 +1,34 @@
+# `make demo` and `make test` are the README's Quickstart; both set up .venv when needed.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+TORCH_CPU := torch==2.13.0
+STAMP := $(VENV)/.installed
+
+.PHONY: setup demo test test-fast bench clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip setuptools wheel
+	# Only when there is no torch: a plain `pip install torch` would pull several GB of CUDA wheels.
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q $(TORCH_CPU)
+	# DeepSpeed ships as an sdist whose build imports torch: build it against the torch above.
+	$(PY) -m pip install -q --no-build-isolation -e '.[test]'
+	touch $(STAMP)
+
+demo: setup
+	PATH=$(CURDIR)/$(VENV)/bin:$$PATH deepspeed --num_gpus 2 -m finetune --save_checkpoint --output_dir output/demo
+
+test: setup
+	$(PY) -m pytest -ra tests
+
+test-fast: setup
+	$(PY) -m pytest -ra -m "not distributed and not e2e" tests
+
+bench: setup
+	PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(PY) bench/train_throughput.py
+
+clean:
+	rm -rf output bench/results

@@ -1,0 +1,1 @@
+"""Checkpoints: crash-safe partitioned/consolidated saves, manifest, training state, resume."""

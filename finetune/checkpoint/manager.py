@@ -1,0 +1,331 @@
+"""CheckpointManager: crash-safe saves, retention and resume.
+
+A save is snapshot → write → agree → commit:
+  write   every rank calls ``engine.save_checkpoint`` into ``OUT/.staging/<tag>`` (a collective),
+          through a checkpoint engine that fsyncs and checksums each file as it is written and
+          *records* a failure instead of raising, so every rank still reaches DeepSpeed's barriers;
+          then each rank writes its RNG state, rank 0 the tokenizer, config and trainer_state.json;
+  agree   one all-gather of every rank's outcome: all succeeded, or everyone learns who failed;
+  commit  rank 0 writes manifest.json into the staged folder, renames it to ``OUT/<tag>`` (the
+          folder appears complete, in one step) and atomically replaces ``OUT/latest``.
+A crash at any instant leaves ``latest`` naming a complete checkpoint, or absent.
+
+Test seam: ``FINETUNE_FAIL_SAVE="<rank>[:<step>]"`` makes that rank's checkpoint writes fail
+with EIO (at every save, or only the save of that step).
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import time
+from pathlib import Path
+
+import torch
+
+from finetune import distributed as dist
+from finetune.checkpoint.manifest import (
+    MANIFEST,
+    HashingWriter,
+    build_manifest,
+    hash_file,
+    read_manifest,
+    write_json_durably,
+)
+from finetune.checkpoint.state import TRAINER_STATE, TrainingState, rng_state, set_rng_state
+from finetune.checkpoint.storage import STAGING, LocalStorage, fsync_dir, step_of, tag_for
+from finetune.config import ConfigError, RunConfig, zero_stage
+from finetune.distributed import logger
+
+FAIL_ENV = "FINETUNE_FAIL_SAVE"
+# Adam keeps fp32 master weights + two moments (12 B/param); the module states add a copy.
+BYTES_PER_PARAM_ESTIMATE = 16
+SPACE_MARGIN = 1.10
+
+
+class SaveError(RuntimeError):
+    """A save failed on at least one rank; every rank raises it, nothing was committed."""
+
+
+def versions() -> dict:
+    import deepspeed
+    import transformers
+
+    import finetune
+
+    return {"finetune": finetune.__version__, "torch": torch.__version__, "deepspeed": deepspeed.__version__,
+            "transformers": transformers.__version__}
+
+
+class GuardedWriter:
+    """Wraps DeepSpeed's checkpoint engine: durable, checksummed writes; failures recorded, not raised."""
+
+    def __init__(self, inner):
+        self.inner = inner
+        self.reset(None)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def reset(self, staging: Path | None, step: int | None = None) -> None:
+        self.staging, self.step = staging, step
+        self.error: str | None = None
+        self.files: dict[str, tuple[int, str]] = {}
+
+    def makedirs(self, path, exist_ok=False):
+        try:
+            os.makedirs(path, exist_ok=exist_ok)
+        except OSError as e:
+            self._fail(path, e)
+
+    def save(self, state_dict, path) -> None:
+        if self.error is not None:
+            return
+        try:
+            self._maybe_inject_failure()
+            with open(path, "wb") as f:
+                w = HashingWriter(f)
+                torch.save(state_dict, w, _use_new_zipfile_serialization=getattr(self.inner, "zipfile_serialization", True))
+                f.flush()
+                os.fsync(f.fileno())
+            self.files[os.path.relpath(path, self.staging)] = (w.size, w.digest())
+        except Exception as e:  # noqa: BLE001 — any failure is reported to all ranks by the manager
+            self._fail(path, e)
+
+    def _fail(self, path, e: BaseException) -> None:
+        if self.error is None:
+            self.error = f"{type(e).__name__} writing {path}: {getattr(e, 'strerror', None) or e}"
+
+    def _maybe_inject_failure(self) -> None:
+        spec = os.environ.get(FAIL_ENV)
+        if not spec:
+            return
+        rank, _, step = spec.partition(":")
+        if int(rank) == dist.rank() and (not step or int(step) == self.step):
+            raise OSError(errno.EIO, f"injected I/O error ({FAIL_ENV}={spec})")
+
+
+class CheckpointManager:
+    def __init__(self, cfg: RunConfig, engine, tokenizer, storage: LocalStorage | None = None):
+        self.cfg, self.engine, self.tokenizer = cfg, engine, tokenizer
+        self.out = Path(cfg.ckpt.output_dir)
+        self.storage = storage or LocalStorage(self.out)
+        self.writer = GuardedWriter(engine.checkpoint_engine)
+        engine.checkpoint_engine = self.writer
+
+    # --- save ------------------------------------------------------------------------------
+
+    def save(self, state: TrainingState, final: bool) -> Path:
+        """Save and commit a checkpoint of ``state``; raises SaveError on every rank if any failed."""
+        tag, start = tag_for(state.global_step), time.perf_counter()
+        self._check_space(tag)
+        self._write(tag, state)
+        files = self._agree_written(tag)
+        self._commit(tag, files)
+        self._retain(tag)
+        seconds = time.perf_counter() - start
+        total = sum(size for size, _ in files.values())
+        logger.info("Finished saving the checkpoint %s in %.2f seconds (%.1f MB, %.1f MB/s)%s.", tag, seconds,
+                    total / 1e6, total / 1e6 / max(seconds, 1e-9), " [final]" if final else "")
+        return self.out / tag
+
+    def _check_space(self, tag: str) -> None:
+        need = self._estimate_bytes()
+        free = self.storage.free_bytes()
+        errors = dist.all_gather_object(None if free >= need else f"{free / 1e9:.2f} GB free, need ~{need / 1e9:.2f} GB")
+        bad = {r: e for r, e in enumerate(errors) if e}
+        if bad:
+            raise SaveError(f"not saving {tag}: not enough free space in {self.out} ({_describe(bad)})")
+
+    def _estimate_bytes(self) -> int:
+        """The previous checkpoint's size, else a per-parameter estimate for Adam under ZeRO."""
+        for tag in reversed(self.storage.tags()):
+            manifest = read_manifest(self.out / tag)
+            if manifest:
+                return int(manifest["total_bytes"] * SPACE_MARGIN)
+        from finetune.modeling import count_parameters
+
+        return int(count_parameters(self.engine.module) * BYTES_PER_PARAM_ESTIMATE * SPACE_MARGIN)
+
+    def _write(self, tag: str, state: TrainingState) -> None:
+        """Every rank: DeepSpeed's files, then our own. Failures are recorded in ``self.writer``."""
+        staging_root = self.out / STAGING
+        if dist.is_main():
+            self.storage.remove(f"{STAGING}/{tag}")  # leftovers of a crashed save of the same step
+        self.writer.reset(staging_root / tag, state.global_step)
+        try:
+            # Collective: every rank must call it (a rank-0-only call hangs under ZeRO-3).
+            self.engine.save_checkpoint(str(staging_root), tag=tag, save_latest=False)
+        except Exception as e:  # noqa: BLE001 — recorded; the agree step decides for all ranks
+            self.writer._fail(staging_root / tag, e)
+        folder = staging_root / tag
+        self.writer.save(rng_state(), str(folder / f"rng_state_{dist.rank()}.pt"))
+        if dist.is_main() and self.writer.error is None:
+            try:
+                self._write_rank0_files(folder, state)
+            except Exception as e:  # noqa: BLE001 — recorded; the agree step decides for all ranks
+                self.writer._fail(folder, e)
+
+    def _write_rank0_files(self, folder: Path, state: TrainingState) -> None:
+        module = self.engine.module
+        module.config.save_pretrained(folder)
+        if getattr(module, "generation_config", None) is not None and module.can_generate():
+            module.generation_config.save_pretrained(folder)
+        self.tokenizer.save_pretrained(folder)
+        write_json_durably(folder / TRAINER_STATE, self._trainer_state(state))
+        for path in folder.rglob("*"):
+            rel = str(path.relative_to(folder))
+            if path.is_file() and rel not in self.writer.files:
+                self.writer.files[rel] = hash_file(path)
+                _fsync_file(path)
+
+    def _trainer_state(self, state: TrainingState) -> dict:
+        return {**state.state_dict(), "world_size": dist.world_size(), "zero_stage": zero_stage(self.cfg.ds_config),
+                "dtype": self.cfg.train.precision, "args": self.cfg.to_json_dict(), "versions": versions(),
+                "lr_scheduler": "in DeepSpeed's model_states files (lr_scheduler key)"}
+
+    def _agree_written(self, tag: str) -> dict[str, tuple[int, str]]:
+        """Collective: every rank's outcome. On any failure, clean up and raise on every rank."""
+        outcomes = dist.all_gather_object((self.writer.error, self.writer.files))
+        bad = {r: err for r, (err, _) in enumerate(outcomes) if err}
+        if bad:
+            if dist.is_main():
+                self.storage.remove(f"{STAGING}/{tag}")
+            dist.barrier()  # nobody moves on while the staging folder is being removed
+            raise SaveError(f"save of {tag} failed on {_describe(bad)}; latest is unchanged")
+        files: dict[str, tuple[int, str]] = {}
+        for _, rank_files in outcomes:
+            files.update(rank_files)
+        return files
+
+    def _commit(self, tag: str, files: dict[str, tuple[int, str]]) -> None:
+        error = None
+        if dist.is_main():
+            try:
+                self._commit_rank0(tag, files)
+            except OSError as e:
+                error = f"{type(e).__name__}: {e}"
+                self.storage.remove(f"{STAGING}/{tag}")
+        error = dist.all_gather_object(error)[0]  # collective: everyone learns rank 0's outcome
+        if error:
+            raise SaveError(f"commit of {tag} failed on rank 0: {error}; latest is unchanged")
+
+    def _commit_rank0(self, tag: str, files: dict[str, tuple[int, str]]) -> None:
+        staged = self.out / STAGING / tag
+        manifest = build_manifest(tag, files, dist.world_size(), versions())
+        write_json_durably(staged / MANIFEST, manifest)
+        fsync_dir(staged)
+        if self.storage.exists(tag):
+            # Never overwrite in place: an older folder of the same step is moved aside first.
+            self.storage.rename(tag, f"{STAGING}/{tag}.replaced")
+        self.storage.rename(f"{STAGING}/{tag}", tag)
+        self.storage.write_latest(tag)
+        self.storage.remove(f"{STAGING}/{tag}.replaced")
+
+    def _retain(self, newest: str) -> None:
+        limit = self.cfg.ckpt.save_total_limit
+        if limit and dist.is_main():
+            complete = [t for t in self.storage.tags() if self.storage.exists(f"{t}/{MANIFEST}")]
+            for tag in select_for_deletion(complete, limit, {newest, self.storage.read_latest()}):
+                logger.info("save_total_limit %d: deleting %s", limit, tag)
+                self.storage.remove(tag)
+        dist.barrier()
+
+    # --- resume ----------------------------------------------------------------------------
+
+    def resume(self, trainer) -> bool:
+        """Restore ``trainer`` from --resume_from_checkpoint; False when starting fresh."""
+        spec = self.cfg.ckpt.resume_from_checkpoint
+        if spec is None:
+            return False
+        folder = self._resolve(spec)
+        if folder is None:
+            logger.info("--resume_from_checkpoint %s: no checkpoint in %s, starting fresh", spec, self.out)
+            return False
+        start = time.perf_counter()
+        saved = json.loads((folder / TRAINER_STATE).read_text())
+        self._check_compatible(folder, saved)
+        load_path, _ = self.engine.load_checkpoint(str(folder.parent), tag=folder.name, load_optimizer_states=True,
+                                                   load_lr_scheduler_states=True)
+        if load_path is None:
+            raise RuntimeError(f"DeepSpeed could not load the checkpoint {folder}")
+        trainer.state = TrainingState.from_state_dict(saved)
+        trainer.data.sampler.load_state_dict(trainer.state.sampler)
+        set_rng_state(torch.load(folder / f"rng_state_{dist.rank()}.pt", weights_only=True))
+        if dist.is_main():
+            _truncate_metrics(self.out / "metrics.jsonl", trainer.state.global_step)
+        dist.barrier()
+        logger.info("Resumed from %s at step %d (epoch %.2f) in %.2f seconds.", folder, trainer.state.global_step,
+                    trainer.state.epoch, time.perf_counter() - start)
+        return True
+
+    def _resolve(self, spec: str) -> Path | None:
+        if spec in ("latest", "auto"):
+            candidates = resume_candidates(self.storage.read_latest(), self.storage.tags())
+            for tag in candidates:
+                if read_manifest(self.out / tag) is not None:
+                    return self.out / tag
+            if spec == "latest":
+                raise ConfigError(f"--resume_from_checkpoint latest: no complete checkpoint in {self.out}")
+            return None
+        path = Path(spec)
+        if path.is_dir() and not (path / MANIFEST).exists() and (path / "latest").exists():
+            path = path / (path / "latest").read_text().strip()  # an output dir: use its latest
+        if not path.is_dir():
+            raise ConfigError(f"--resume_from_checkpoint: no such checkpoint folder: {spec}")
+        if read_manifest(path) is None:
+            raise ConfigError(f"--resume_from_checkpoint: {path} is not a complete checkpoint (no readable {MANIFEST})")
+        return path
+
+    def _check_compatible(self, folder: Path, saved: dict) -> None:
+        if saved["world_size"] != dist.world_size():
+            raise ConfigError(f"--resume_from_checkpoint: {folder} was written by {saved['world_size']} ranks, "
+                              f"this run has {dist.world_size()}; resume with the same number of ranks")
+        for group, now in self.cfg.to_json_dict().items():
+            for key, value in now.items():
+                before = saved.get("args", {}).get(group, {}).get(key, value)
+                if before != value and key not in IGNORED_ON_RESUME:
+                    logger.warning("resume: --%s is %r now, was %r in the checkpoint", key, value, before)
+
+
+IGNORED_ON_RESUME = {"resume_from_checkpoint", "output_dir", "max_steps", "num_train_epochs", "save_steps",
+                     "save_total_limit", "logging_steps", "eval_steps", "on_save_error", "save_checkpoint"}
+
+
+def resume_candidates(latest: str | None, tags: list[str]) -> list[str]:
+    """Tags to try, best first: the one `latest` names, then the others newest first."""
+    ordered = sorted(tags, key=step_of, reverse=True)
+    if latest in ordered:
+        ordered.remove(latest)
+        ordered.insert(0, latest)
+    return ordered
+
+
+def select_for_deletion(complete: list[str], limit: int, protected: set) -> list[str]:
+    """The oldest complete checkpoints beyond ``limit``, never a protected one (newest, latest)."""
+    ordered = sorted(complete, key=step_of)
+    excess = len(ordered) - limit
+    return [t for t in ordered if t not in protected][:max(excess, 0)]
+
+
+def _describe(bad: dict[int, str]) -> str:
+    return "; ".join(f"rank {r}: {e}" for r, e in sorted(bad.items()))
+
+
+def _fsync_file(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _truncate_metrics(path: Path, step: int) -> None:
+    """Drop rows logged after the resumed step (a crashed run's tail), so the file reads as one run."""
+    if not path.exists():
+        return
+    rows = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= step]
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text("".join(r + "\n" for r in rows))
+    os.replace(tmp, path)

@@ -1,0 +1,77 @@
+"""The filesystem questions the checkpoint policy asks, behind one small interface.
+
+``LocalStorage`` is the real one; tests give the manager's policy functions a fake.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+from pathlib import Path
+
+TAG_RE = re.compile(r"^global_step(\d+)$")
+LATEST = "latest"
+STAGING = ".staging"
+
+
+def tag_for(step: int) -> str:
+    return f"global_step{step}"
+
+
+def step_of(tag: str) -> int | None:
+    m = TAG_RE.match(tag)
+    return int(m.group(1)) if m else None
+
+
+class LocalStorage:
+    def __init__(self, root: str | os.PathLike):
+        self.root = Path(root)
+
+    def tags(self) -> list[str]:
+        """Checkpoint folder names under root, oldest step first (by step, never by mtime)."""
+        if not self.root.is_dir():
+            return []
+        found = [p.name for p in self.root.iterdir() if p.is_dir() and step_of(p.name) is not None]
+        return sorted(found, key=step_of)
+
+    def exists(self, rel: str) -> bool:
+        return (self.root / rel).exists()
+
+    def read_latest(self) -> str | None:
+        try:
+            tag = (self.root / LATEST).read_text().strip()
+        except OSError:
+            return None
+        return tag or None
+
+    def write_latest(self, tag: str) -> None:
+        """Replace OUT/latest atomically: temp file, fsync, rename over, fsync the directory."""
+        tmp = self.root / f".{LATEST}.tmp"
+        with open(tmp, "w") as f:
+            f.write(tag + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, self.root / LATEST)
+        fsync_dir(self.root)
+
+    def rename(self, src: str, dst: str) -> None:
+        os.rename(self.root / src, self.root / dst)
+        fsync_dir(self.root)
+
+    def remove(self, rel: str) -> None:
+        shutil.rmtree(self.root / rel, ignore_errors=True)
+
+    def free_bytes(self) -> int:
+        path = self.root
+        while not path.exists():
+            path = path.parent
+        return shutil.disk_usage(path).free
+
+
+def fsync_dir(path: str | os.PathLike) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

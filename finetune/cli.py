@@ -1,0 +1,270 @@
+"""Command line → typed config. The only module that sees an argparse Namespace.
+
+``finetune [flags]`` trains; ``finetune COMMAND …`` runs a subcommand. Usage errors exit 2 with
+one line naming the flag or file, before any heavy work and before anything is written.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+from pathlib import Path
+from typing import Any, Callable
+
+from finetune import distributed as dist
+from finetune.config import (
+    CheckpointArgs,
+    ConfigError,
+    DataArgs,
+    ModelArgs,
+    RunConfig,
+    TrainArgs,
+    env_world_size,
+    load_ds_json,
+    reconcile,
+    resolve_config_path,
+)
+
+GROUPS = (("model", ModelArgs), ("data", DataArgs), ("train", TrainArgs), ("ckpt", CheckpointArgs))
+DATA_EXTENSIONS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet", ".txt": "text"}
+
+# Fallbacks for unset fields; the embedded tiny model gets values that make it learn in a short run.
+FALLBACKS = dict(per_device_train_batch_size=8, gradient_accumulation_steps=1, learning_rate=5e-5,
+                 weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8,
+                 max_grad_norm=1.0, warmup_steps=0, logging_steps=10, max_seq_length=512)
+EMBEDDED_PRESET = dict(learning_rate=1e-3, warmup_steps=10, logging_steps=5, max_seq_length=128)
+EMBEDDED_MAX_STEPS = 150
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that reports usage errors once (rank 0), not once per rank."""
+
+    def error(self, message: str):
+        if dist.env_rank() == 0:
+            self.print_usage(sys.stderr)
+            print(f"{self.prog}: error: {message}", file=sys.stderr)
+        sys.exit(2)
+
+
+def _help(f: dataclasses.Field) -> str:
+    text = f.metadata["help"]
+    if f.default is not None and f.default is not False:
+        text += f" (default: {f.default})"
+    return text.replace("%", "%%")
+
+
+def build_train_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="finetune", description="ZeRO-3 fine-tuning of HuggingFace causal LMs with DeepSpeed. "
+                "With no flags: trains the embedded tiny model on bundled data.")
+    for title, cls in GROUPS:
+        group = p.add_argument_group(f"{title} arguments")
+        for f in dataclasses.fields(cls):
+            flag = f"--{f.name}"
+            if f.type in (bool, "bool"):
+                group.add_argument(flag, action="store_true", help=_help(f))
+                continue
+            kind = _scalar_type(f)
+            group.add_argument(flag, type=kind, default=None if f.default is None else f.default,
+                               choices=f.metadata.get("choices"), help=_help(f), metavar=f.name.upper())
+    p.add_argument("--bf16", action="store_const", const="bf16", dest="precision_alias", help="Shorthand for --precision bf16.")
+    p.add_argument("--fp16", action="store_const", const="fp16", dest="precision_alias", help="Shorthand for --precision fp16.")
+    # The DeepSpeed launcher appends --local_rank; the environment already carries it.
+    p.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
+    return p
+
+
+def _scalar_type(f: dataclasses.Field) -> Callable[[str], Any]:
+    t = str(f.type)
+    if "int" in t:
+        return int
+    if "float" in t:
+        return float
+    return str
+
+
+def parse_train_args(argv: list[str]) -> RunConfig:
+    ns = build_train_parser().parse_args(argv)
+    values = {k: v for k, v in vars(ns).items() if k not in ("local_rank", "precision_alias")}
+    if ns.precision_alias:
+        if values["precision"] not in ("auto", ns.precision_alias):
+            raise ConfigError(f"Can't give both `--{ns.precision_alias}` and `--precision {values['precision']}`")
+        values["precision"] = ns.precision_alias
+    return build_run_config(values)
+
+
+def build_run_config(values: dict[str, Any]) -> RunConfig:
+    """Validate flag values, reconcile them with the DeepSpeed JSON, and freeze them."""
+    embedded_model = values["model_name_or_path"] is None and values["config_name"] is None
+    embedded_data = values["dataset_name"] is None and values["train_file"] is None
+    _validate_flags(values)
+    _validate_paths(values)
+    if embedded_model:
+        for k, v in EMBEDDED_PRESET.items():
+            values[k] = v if values[k] is None else values[k]
+        if values["max_steps"] is None and values["num_train_epochs"] is None and embedded_data:
+            values["max_steps"] = EMBEDDED_MAX_STEPS
+    if values["max_steps"] is None and values["num_train_epochs"] is None:
+        values["num_train_epochs"] = 3.0
+    world = env_world_size()
+    ds = load_ds_json(values["deepspeed_config"])
+    _reconcile_ds(values, ds, world)
+    for k, v in FALLBACKS.items():
+        values[k] = v if values[k] is None else values[k]
+    fields = {name: cls(**{f.name: values[f.name] for f in dataclasses.fields(cls)}) for name, cls in GROUPS}
+    return RunConfig(**fields, ds_config=ds, world_size=world,
+                     uses_embedded_model=embedded_model, uses_embedded_data=embedded_data)
+
+
+def _validate_flags(v: dict[str, Any]) -> None:
+    if v["max_steps"] is not None and v["num_train_epochs"] is not None:
+        raise ConfigError("Can't give both `--max_steps` and `--num_train_epochs`")
+    if v["dataset_name"] and v["train_file"]:
+        raise ConfigError("Can't give both `--dataset_name` and `--train_file`")
+    if v["config_name"] and v["model_name_or_path"]:
+        raise ConfigError("Can't give both `--config_name` (train from scratch) and `--model_name_or_path` (load weights)")
+    if bool(v["prompt_column"]) != bool(v["completion_column"]):
+        raise ConfigError("`--prompt_column` and `--completion_column` go together: give both or neither")
+    if v["messages_column"] and v["prompt_column"]:
+        raise ConfigError("Can't give both `--messages_column` and `--prompt_column`/`--completion_column`")
+    if v["validation_file"] and not (v["train_file"] or v["dataset_name"]):
+        raise ConfigError("`--validation_file` needs `--train_file` or `--dataset_name`")
+    for name in ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps",
+                 "max_steps", "logging_steps", "eval_steps", "save_steps", "save_total_limit",
+                 "max_seq_length", "max_train_samples", "max_eval_samples"):
+        if v[name] is not None and v[name] <= 0:
+            raise ConfigError(f"`--{name}` must be positive, got {v[name]}")
+    for name in ("num_train_epochs", "learning_rate"):
+        if v[name] is not None and not v[name] > 0:
+            raise ConfigError(f"`--{name}` must be positive, got {v[name]}")
+    for name in ("warmup_steps", "weight_decay", "max_grad_norm", "adam_epsilon"):
+        if v[name] is not None and v[name] < 0:
+            raise ConfigError(f"`--{name}` must not be negative, got {v[name]}")
+    if not 0 <= v["validation_split_percentage"] < 100:
+        raise ConfigError(f"`--validation_split_percentage` must be in [0, 100), got {v['validation_split_percentage']}")
+    if (v["save_steps"] or v["save_total_limit"] or v["save_consolidated"]) and not v["save_checkpoint"]:
+        raise ConfigError("`--save_steps`, `--save_total_limit` and `--save_consolidated` need `--save_checkpoint`")
+
+
+def _validate_paths(v: dict[str, Any]) -> None:
+    out = Path(v["output_dir"])
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"--output_dir: {out} exists and is not a directory")
+    for flag in ("train_file", "validation_file"):
+        path = v[flag]
+        if path is None:
+            continue
+        if not Path(path).is_file():
+            raise ConfigError(f"--{flag}: file not found: {path}")
+        if data_format(path) is None:
+            raise ConfigError(f"--{flag}: unsupported file type '{Path(path).suffix}' for {path} "
+                              f"(use one of {', '.join(sorted(DATA_EXTENSIONS))})")
+    if v["train_file"] and v["validation_file"] and data_format(v["train_file"]) != data_format(v["validation_file"]):
+        raise ConfigError("--validation_file: must have the same format as --train_file")
+    for flag in ("model_name_or_path", "config_name", "tokenizer_name"):
+        if v[flag] and _looks_local(v[flag]) and not Path(v[flag]).exists():
+            raise ConfigError(f"--{flag}: no such directory: {v[flag]}")
+    resolve_config_path(v["deepspeed_config"])
+
+
+def data_format(path: str) -> str | None:
+    return DATA_EXTENSIONS.get(Path(path).suffix.lower())
+
+
+def _looks_local(name: str) -> bool:
+    """Hub ids are `name` or `org/name`; anything else is meant as a path."""
+    return name.startswith((".", "/", "~")) or name.count("/") > 1 or os.sep != "/" and os.sep in name
+
+
+def _reconcile_ds(v: dict[str, Any], ds: dict, world: int) -> None:
+    path = v["deepspeed_config"]
+    if not isinstance(ds.get("zero_optimization", {}), dict):
+        raise ConfigError(f"--deepspeed_config: `zero_optimization` in {path} must be an object")
+    for flag, key in (("per_device_train_batch_size", "train_micro_batch_size_per_gpu"),
+                      ("gradient_accumulation_steps", "gradient_accumulation_steps"),
+                      ("max_grad_norm", "gradient_clipping")):
+        v[flag] = reconcile(flag, v[flag], ds, key, FALLBACKS[flag], path)
+    want = v["per_device_train_batch_size"] * v["gradient_accumulation_steps"] * world
+    tbs = ds.get("train_batch_size", "auto")
+    if tbs != "auto" and tbs != want:
+        raise ConfigError(f"`train_batch_size: {tbs}` in {path} must equal --per_device_train_batch_size × "
+                          f"--gradient_accumulation_steps × world size = {want}")
+    ds["train_batch_size"] = want
+    if isinstance(ds.get("optimizer"), dict):
+        _reconcile_optimizer(v, ds, path)
+    if isinstance(ds.get("scheduler"), dict):
+        v["warmup_steps"] = reconcile("warmup_steps", v["warmup_steps"], ds, "scheduler.params.warmup_num_steps",
+                                      FALLBACKS["warmup_steps"], path, write=False)
+    _reconcile_precision(v, ds, path)
+
+
+def _reconcile_optimizer(v: dict[str, Any], ds: dict, path: str) -> None:
+    p = "optimizer.params."
+    for flag, key in (("learning_rate", "lr"), ("weight_decay", "weight_decay"), ("adam_epsilon", "eps")):
+        v[flag] = reconcile(flag, v[flag], ds, p + key, FALLBACKS[flag], path)
+    betas = ds["optimizer"].setdefault("params", {}).get("betas", "auto")
+    flags = (v["adam_beta1"], v["adam_beta2"])
+    if betas == "auto":
+        b1 = FALLBACKS["adam_beta1"] if flags[0] is None else flags[0]
+        b2 = FALLBACKS["adam_beta2"] if flags[1] is None else flags[1]
+        ds["optimizer"]["params"]["betas"] = [b1, b2]
+        v["adam_beta1"], v["adam_beta2"] = b1, b2
+        return
+    for i, flag in enumerate(("adam_beta1", "adam_beta2")):
+        if flags[i] is not None and float(flags[i]) != float(betas[i]):
+            raise ConfigError(f"`--{flag} {flags[i]}` contradicts `optimizer.params.betas: {betas}` in {path}")
+        v[flag] = betas[i]
+
+
+def _reconcile_precision(v: dict[str, Any], ds: dict, path: str) -> None:
+    explicit = {k for k in ("bf16", "fp16") if isinstance(ds.get(k), dict) and ds[k].get("enabled") is True}
+    if len(explicit) > 1:
+        raise ConfigError(f"--deepspeed_config: {path} enables both bf16 and fp16")
+    if explicit:
+        (json_prec,) = explicit
+        if v["precision"] not in ("auto", json_prec):
+            raise ConfigError(f"`--precision {v['precision']}` contradicts `{json_prec}.enabled: true` in {path}")
+        v["precision"] = json_prec
+    elif v["precision"] == "auto":
+        v["precision"] = auto_precision()
+    for k in ("bf16", "fp16"):
+        section = ds.setdefault(k, {})
+        if not isinstance(section, dict):
+            raise ConfigError(f"--deepspeed_config: `{k}` in {path} must be an object")
+        if section.get("enabled", "auto") in ("auto", False, True):
+            section["enabled"] = v["precision"] == k
+
+
+def auto_precision() -> str:
+    """bf16 where the accelerator supports it; fp32 on CPU (bf16 matmuls there are slow and lossy)."""
+    from deepspeed.accelerator import get_accelerator
+
+    acc = get_accelerator()
+    if acc.device_name() != "cpu" and acc.is_bf16_supported():
+        return "bf16"
+    return "fp32"
+
+
+# --- subcommands ---------------------------------------------------------------------------
+
+def _train(argv: list[str]) -> int:
+    cfg = parse_train_args(argv)
+    from finetune.trainer import run
+
+    return run(cfg)
+
+
+COMMANDS: dict[str, Callable[[list[str]], int]] = {"train": _train}
+
+
+def main(argv: list[str] | None = None) -> int:
+    dist.adopt_slurm_env()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    command = argv.pop(0) if argv and argv[0] in COMMANDS else "train"
+    try:
+        return COMMANDS[command](argv)
+    except ConfigError as e:
+        if dist.rank() == 0:
+            print(f"finetune: error: {e}", file=sys.stderr)
+        return 2

@@ -1,0 +1,142 @@
+"""Process-group setup and rank helpers.
+
+Works unchanged under the DeepSpeed launcher, torchrun, accelerate, srun and plain python: all of
+them (after ``adopt_slurm_env``) export RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR / MASTER_PORT.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import sys
+from datetime import timedelta
+
+import torch
+
+logger = logging.getLogger("finetune")
+
+
+def adopt_slurm_env() -> None:
+    """Under ``srun`` (one task per rank) derive torch's variables from SLURM's.
+
+    Only when no launcher already set RANK: the DeepSpeed launcher inside an sbatch script sets
+    its own, and those must win.
+    """
+    if "RANK" in os.environ or "SLURM_PROCID" not in os.environ or "SLURM_NTASKS" not in os.environ:
+        return
+    os.environ["RANK"] = os.environ["SLURM_PROCID"]
+    os.environ["WORLD_SIZE"] = os.environ["SLURM_NTASKS"]
+    os.environ["LOCAL_RANK"] = os.environ.get("SLURM_LOCALID", "0")
+    os.environ.setdefault("MASTER_PORT", str(29500 + int(os.environ.get("SLURM_JOB_ID", "0")) % 1000))
+    if "MASTER_ADDR" not in os.environ:
+        # The sbatch scripts export MASTER_ADDR from `scontrol show hostnames`; this covers a bare srun.
+        nodelist = os.environ.get("SLURM_STEP_NODELIST") or os.environ.get("SLURM_JOB_NODELIST", "")
+        first = nodelist.split(",")[0]
+        os.environ["MASTER_ADDR"] = first if first and "[" not in first else socket.gethostname()
+
+
+def env_rank() -> int:
+    """The rank from the environment, usable before the process group exists."""
+    return int(os.environ.get("RANK", "0"))
+
+
+def init() -> None:
+    """Create the process group (a 1-rank group under plain python)."""
+    import deepspeed
+
+    os.environ.setdefault("RANK", "0")
+    os.environ.setdefault("LOCAL_RANK", "0")
+    os.environ.setdefault("WORLD_SIZE", "1")
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    if "MASTER_PORT" not in os.environ:
+        os.environ["MASTER_PORT"] = str(_free_port()) if world_size_env() == 1 else "29500"
+    # Long timeout: a consolidated save of a large model legitimately keeps ranks apart a while.
+    deepspeed.init_distributed(timeout=timedelta(minutes=int(os.environ.get("FINETUNE_DIST_TIMEOUT_MIN", "30"))))
+    _setup_logging()
+
+
+def world_size_env() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def rank() -> int:
+    return torch.distributed.get_rank() if torch.distributed.is_initialized() else env_rank()
+
+
+def world_size() -> int:
+    return torch.distributed.get_world_size() if torch.distributed.is_initialized() else world_size_env()
+
+
+def is_main() -> bool:
+    return rank() == 0
+
+
+def barrier() -> None:
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+
+
+def agree(flag: bool) -> bool:
+    """True on every rank iff ``flag`` is true on every rank. Every rank must call this.
+
+    Local facts (a failed write, a signal, a file that verifies) go through here before any
+    branch that leads to different collectives, so no rank is left waiting in one alone.
+    """
+    return not any_rank(not flag)
+
+
+def any_rank(flag: bool) -> bool:
+    """True on every rank iff ``flag`` is true on at least one rank. Every rank must call this."""
+    return bool(all_gather_object(bool(flag)).count(True))
+
+
+def all_gather_object(obj):
+    """Every rank's ``obj`` as a list indexed by rank. Every rank must call this."""
+    if not torch.distributed.is_initialized() or torch.distributed.get_world_size() == 1:
+        return [obj]
+    out = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(out, obj)
+    return out
+
+
+def all_reduce_sum(values: list[float]) -> list[float]:
+    """Element-wise sum over ranks (float64 so sums of counts stay exact). Collective."""
+    t = torch.tensor(values, dtype=torch.float64)
+    if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+        torch.distributed.all_reduce(t)
+    return t.tolist()
+
+
+class _RankFilter(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        # Warnings and errors are worth hearing from whichever rank has them; info is rank 0's.
+        return record.levelno >= logging.WARNING or rank() == 0
+
+
+def _setup_logging() -> None:
+    if logger.handlers:
+        return
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("[%(asctime)s] [finetune] [rank%(rank)s] %(message)s", "%H:%M:%S"))
+    handler.addFilter(_RankFilter())
+    handler.addFilter(_add_rank)
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    logger.propagate = False
+
+
+def _add_rank(record: logging.LogRecord) -> bool:
+    record.rank = rank()
+    return True
+
+
+def shutdown() -> None:
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()

@@ -1,0 +1,81 @@
+"""Model and tokenizer loading.
+
+Under ZeRO-3 the model is built partitioned: transformers sees a live ``HfDeepSpeedConfig`` and
+wraps construction / ``from_pretrained`` in ``deepspeed.zero.Init``, so no rank ever materialises
+the full model (and weights are loaded shard by shard into the partitions).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from finetune.config import RESOURCES_DIR, ConfigError, ModelArgs, zero_stage
+from finetune.distributed import logger
+
+EMBEDDED_MODEL_DIR = RESOURCES_DIR / "model"
+EMBEDDED_TOKENIZER_DIR = RESOURCES_DIR / "tokenizer"
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def load_tokenizer(args: ModelArgs):
+    from transformers import AutoTokenizer
+
+    name = args.tokenizer_name or args.model_name_or_path or args.config_name or str(EMBEDDED_TOKENIZER_DIR)
+    if name == args.config_name and args.tokenizer_name is None and _is_embedded_name(name):
+        name = str(EMBEDDED_TOKENIZER_DIR)
+    try:
+        tok = AutoTokenizer.from_pretrained(name, trust_remote_code=args.trust_remote_code)
+    except (OSError, ValueError) as e:
+        flag = "--tokenizer_name" if args.tokenizer_name else "--model_name_or_path" if args.model_name_or_path else "--config_name"
+        raise ConfigError(f"{flag}: cannot load a tokenizer from '{name}': {_first_line(e)}") from None
+    if tok.pad_token is None:
+        # Causal LMs often ship without one; padded positions are masked from loss and attention.
+        if tok.eos_token is None:
+            raise ConfigError(f"--tokenizer_name: tokenizer '{name}' has neither a pad nor an eos token")
+        tok.pad_token = tok.eos_token
+        logger.info("tokenizer has no pad token; using eos (%r) for padding", tok.eos_token)
+    return tok
+
+
+def _is_embedded_name(name: str) -> bool:
+    return str(name) == str(EMBEDDED_MODEL_DIR)
+
+
+def load_model(args: ModelArgs, ds_config: dict, precision: str, seed: int):
+    """Build or load the model; partitioned at construction when the config is ZeRO-3."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.integrations import HfDeepSpeedConfig
+
+    # Must stay referenced while the model is built: transformers holds only a weakref to it.
+    hf_ds = HfDeepSpeedConfig(ds_config) if zero_stage(ds_config) == 3 else None
+    dtype = DTYPES[precision]
+    torch.manual_seed(seed)
+    if args.model_name_or_path:
+        try:
+            model = AutoModelForCausalLM.from_pretrained(args.model_name_or_path, dtype=dtype,
+                                                         trust_remote_code=args.trust_remote_code)
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"--model_name_or_path: cannot load '{args.model_name_or_path}': {_first_line(e)}") from None
+    else:
+        source = args.config_name or str(EMBEDDED_MODEL_DIR)
+        try:
+            config = AutoConfig.from_pretrained(source, trust_remote_code=args.trust_remote_code)
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"--config_name: cannot load a config from '{source}': {_first_line(e)}") from None
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=args.trust_remote_code)
+    del hf_ds
+    if args.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.config.use_cache = False
+    return model
+
+
+def count_parameters(model) -> int:
+    # Under ZeRO-3 a parameter's local tensor is a shard; ds_numel is the full size.
+    return sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return text[0] if text else type(e).__name__

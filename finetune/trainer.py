@@ -1,0 +1,245 @@
+"""The training loop: optimizer steps, evaluation, logging, and the step boundary where saves happen."""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+from finetune import distributed as dist
+from finetune.checkpoint.manager import CheckpointManager, SaveError
+from finetune.checkpoint.state import TrainingState
+from finetune.config import ConfigError, RunConfig, finalize_ds_config
+from finetune.data import IGNORE, ResumableSampler, TrainData, eval_batches, load_raw, pack, tokenize
+from finetune.distributed import logger
+from finetune.metrics import MetricsWriter
+from finetune.modeling import count_parameters, load_model, load_tokenizer
+
+
+def run(cfg: RunConfig) -> int:
+    """Entry point for a training run; returns the process exit code."""
+    dist.init()
+    try:
+        trainer = Trainer.build(cfg)
+        return trainer.train()
+    finally:
+        dist.shutdown()
+
+
+def set_seed(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def main_first(fn):
+    """Run ``fn`` on rank 0, then on the others (they reuse its dataset cache). Collective.
+
+    A ConfigError on rank 0 is shared with every rank so they all exit 2 instead of waiting.
+    """
+    result, error = None, None
+    if dist.is_main():
+        try:
+            result = fn()
+        except ConfigError as e:
+            error = str(e)
+    errors = dist.all_gather_object(error)
+    if errors[0] is not None:
+        raise ConfigError(errors[0])
+    return result if dist.is_main() else fn()
+
+
+def _prepare_data(cfg: RunConfig, tokenizer):
+    max_len = cfg.data.max_seq_length
+    train_raw, eval_raw = load_raw(cfg.data, cfg.train.seed)
+    train = tokenize(train_raw, tokenizer, cfg.data, max_len)
+    evalset = tokenize(eval_raw, tokenizer, cfg.data, max_len) if eval_raw is not None else None
+    if cfg.data.packing:
+        train = pack(train, max_len)
+        evalset = pack(evalset, max_len) if evalset is not None and len(evalset) else evalset
+    if len(train) == 0:
+        raise ConfigError("--train_file: no training example has tokens to learn from")
+    return train, evalset
+
+
+def _param_groups(model, weight_decay: float) -> list[dict]:
+    """No weight decay on biases and norm weights (1-D); under ZeRO-3 the full shape is ds_shape."""
+    decay, no_decay = [], []
+    for _, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        (decay if len(getattr(p, "ds_shape", p.shape)) >= 2 else no_decay).append(p)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+@dataclass
+class Trainer:
+    cfg: RunConfig
+    engine: object
+    tokenizer: object
+    data: TrainData
+    evalset: object
+    total_steps: int
+    checkpoints: CheckpointManager
+    metrics: MetricsWriter
+    state: TrainingState
+
+    @classmethod
+    def build(cls, cfg: RunConfig) -> "Trainer":
+        import deepspeed
+        from transformers import get_scheduler
+
+        t, start = cfg.train, time.perf_counter()
+        set_seed(t.seed)
+        tokenizer = load_tokenizer(cfg.model)
+        train, evalset = main_first(lambda: _prepare_data(cfg, tokenizer))
+        sampler = ResumableSampler(len(train), dist.world_size(), dist.rank(), t.seed)
+        data = TrainData(train, sampler, t.per_device_train_batch_size, t.gradient_accumulation_steps,
+                         tokenizer.pad_token_id)
+        total = t.max_steps or math.ceil(t.num_train_epochs * data.steps_per_epoch)
+        ds_config = finalize_ds_config(cfg.ds_config, total, t.warmup_steps, t.learning_rate)
+        model = load_model(cfg.model, ds_config, t.precision, t.seed)
+        scheduler = None
+        if "scheduler" not in ds_config:
+            scheduler = lambda opt: get_scheduler(t.lr_scheduler_type, opt, num_warmup_steps=t.warmup_steps,  # noqa: E731
+                                                  num_training_steps=total)
+        optimizer = None
+        if "optimizer" not in ds_config:
+            optimizer = torch.optim.AdamW(_param_groups(model, t.weight_decay), lr=t.learning_rate,
+                                          betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_epsilon)
+        engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config,
+                                          model_parameters=None if optimizer else _param_groups(model, t.weight_decay))
+        logger.info("model: %s parameters, %s; %d train / %s eval examples; %d steps (%d per epoch), world size %d; "
+                    "ready in %.1fs", f"{count_parameters(engine.module):,}", t.precision, len(train),
+                    len(evalset) if evalset is not None else 0, total, data.steps_per_epoch, dist.world_size(),
+                    time.perf_counter() - start)
+        monitor = getattr(engine, "monitor", None)
+        checkpoints = CheckpointManager(cfg, engine, tokenizer)
+        return cls(cfg, engine, tokenizer, data, evalset, total, checkpoints,
+                   MetricsWriter(cfg.ckpt.output_dir, monitor), TrainingState())
+
+    # --- the loop --------------------------------------------------------------------------
+
+    def train(self) -> int:
+        resumed = self.checkpoints.resume(self)
+        if not resumed:
+            self.evaluate()
+        bar = tqdm(total=self.total_steps, initial=self.state.global_step, disable=not dist.is_main(),
+                   desc="train", unit="step", dynamic_ncols=True)
+        t_window = time.perf_counter()
+        while self.state.global_step < self.total_steps:
+            lr = self._train_step()
+            self.state.global_step += 1
+            bar.update(1)
+            if self._due(self.cfg.train.logging_steps):
+                t_window = self._log(lr, t_window, bar)
+            if self.cfg.train.eval_steps and self._due(self.cfg.train.eval_steps) \
+                    and self.state.global_step < self.total_steps:
+                self.evaluate()
+            code = self._step_boundary_save()
+            if code is not None:
+                bar.close()
+                return code
+        bar.close()
+        if self.state.window.steps:
+            self._log(lr, t_window, None)
+        self.evaluate()
+        return self._final_save()
+
+    def _due(self, every: int | None) -> bool:
+        return bool(every) and self.state.global_step % every == 0
+
+    def _train_step(self) -> float:
+        """One optimizer step over gradient-accumulation micro-batches; returns the lr it used."""
+        engine = self.engine
+        engine.train()
+        batches = self.data.next_step()
+        lr = float(engine.get_lr()[0]) if engine.lr_scheduler is not None or engine.optimizer else float("nan")
+        w = self.state.window
+        for batch in batches:
+            out = engine(**batch)
+            # DeepSpeed divides by the accumulation steps and only steps the optimizer at the boundary.
+            engine.backward(out.loss)
+            engine.step()
+            w.loss_sum += float(out.loss.detach())
+            w.micro_batches += 1
+            w.tokens += int(batch["attention_mask"].sum())
+        w.steps += 1
+        self.state.samples_seen += sum(len(b["input_ids"]) for b in batches) * dist.world_size()
+        self.state.epoch = self.data.epoch_float
+        self.state.sampler = self.data.sampler.state_dict()
+        return lr
+
+    def _log(self, lr: float, t_window: float, bar) -> float:
+        """Reduce the window over ranks and write one metrics row. Collective."""
+        w = self.state.window
+        loss_sum, micro, tokens = dist.all_reduce_sum([w.loss_sum, w.micro_batches, w.tokens])
+        now = time.perf_counter()
+        loss = loss_sum / max(micro, 1)
+        grad_norm = self.engine.get_global_grad_norm()
+        self.state.tokens_seen += int(tokens)
+        row = {"step": self.state.global_step, "epoch": round(self.state.epoch, 4), "loss": loss, "lr": lr,
+               "grad_norm": float(grad_norm) if grad_norm is not None else None,
+               "tokens_per_s": round(tokens / max(now - t_window, 1e-9), 2),
+               "samples_seen": self.state.samples_seen, "tokens_seen": self.state.tokens_seen}
+        self.metrics.write(row)
+        self.state.last_losses = (self.state.last_losses + [loss])[-10:]
+        self.state.window = type(w)()
+        if bar is not None:
+            bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}", tok_s=f"{row['tokens_per_s']:.0f}")
+        return now
+
+    @torch.no_grad()
+    def evaluate(self) -> float | None:
+        """Token-weighted eval loss over the whole eval set. Collective (every rank, same batches)."""
+        if self.evalset is None or len(self.evalset) == 0:
+            return None
+        self.engine.eval()
+        loss_sum, n_tokens = 0.0, 0
+        for batch, real in eval_batches(self.evalset, self.cfg.train.per_device_eval_batch_size,
+                                        dist.world_size(), dist.rank(), self.tokenizer.pad_token_id):
+            out = self.engine(**batch)
+            n = int((batch["labels"][:, 1:] != IGNORE).sum())
+            if real:
+                loss_sum += float(out.loss) * n
+                n_tokens += n
+        total, count = dist.all_reduce_sum([loss_sum, n_tokens])
+        eval_loss = total / max(count, 1)
+        self.metrics.write({"step": self.state.global_step, "eval_loss": eval_loss,
+                            "eval_perplexity": math.exp(min(eval_loss, 50.0)), "eval_tokens": int(count)})
+        logger.info("step %d: eval_loss %.4f (perplexity %.2f)", self.state.global_step, eval_loss,
+                    math.exp(min(eval_loss, 50.0)))
+        self.engine.train()
+        return eval_loss
+
+    # --- saves -------------------------------------------------------------------------------
+
+    def _step_boundary_save(self) -> int | None:
+        """Periodic save at an optimizer-step boundary; returns an exit code to stop with, or None."""
+        ck = self.cfg.ckpt
+        if not (ck.save_checkpoint and self._due(ck.save_steps) and self.state.global_step < self.total_steps):
+            return None
+        try:
+            self.checkpoints.save(self.state, final=False)
+        except SaveError as e:
+            if ck.on_save_error == "abort":
+                logger.error("stopping: %s (--on_save_error abort)", e)
+                return 1
+            logger.warning("training on: %s (--on_save_error continue)", e)
+        return None
+
+    def _final_save(self) -> int:
+        if not self.cfg.ckpt.save_checkpoint:
+            return 0
+        try:
+            path = self.checkpoints.save(self.state, final=True)
+        except SaveError as e:
+            logger.error("final save failed: %s", e)
+            return 1
+        logger.info("checkpoint saved to %s", path)
+        return 0
