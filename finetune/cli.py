@@ -87,30 +87,31 @@ def _scalar_type(f: dataclasses.Field) -> Callable[[str], Any]:
 def parse_train_args(argv: list[str]) -> RunConfig:
     ns = build_train_parser().parse_args(argv)
     values = {k: v for k, v in vars(ns).items() if k not in ("local_rank", "precision_alias")}
+    precision_flag = f"precision {values['precision']}"
     if ns.precision_alias:
         if values["precision"] not in ("auto", ns.precision_alias):
             raise ConfigError(f"Can't give both `--{ns.precision_alias}` and `--precision {values['precision']}`")
         values["precision"] = ns.precision_alias
-    return build_run_config(values)
+        precision_flag = ns.precision_alias
+    return build_run_config(values, precision_flag)
 
 
-def build_run_config(values: dict[str, Any]) -> RunConfig:
+def build_run_config(values: dict[str, Any], precision_flag: str | None = None) -> RunConfig:
     """Validate flag values, reconcile them with the DeepSpeed JSON, and freeze them."""
     embedded_model = values["model_name_or_path"] is None and values["config_name"] is None
     embedded_data = values["dataset_name"] is None and values["train_file"] is None
     _validate_flags(values)
     _validate_paths(values)
-    if embedded_model:
-        for k, v in EMBEDDED_PRESET.items():
-            values[k] = v if values[k] is None else values[k]
-        if values["max_steps"] is None and values["num_train_epochs"] is None and embedded_data:
-            values["max_steps"] = EMBEDDED_MAX_STEPS
+    # The preset is a default, not a flag: an explicit DeepSpeed JSON value must win over it.
+    fallbacks = {**FALLBACKS, **EMBEDDED_PRESET} if embedded_model else FALLBACKS
+    if embedded_model and values["max_steps"] is None and values["num_train_epochs"] is None and embedded_data:
+        values["max_steps"] = EMBEDDED_MAX_STEPS
     if values["max_steps"] is None and values["num_train_epochs"] is None:
         values["num_train_epochs"] = 3.0
     world = env_world_size()
     ds = load_ds_json(values["deepspeed_config"])
-    _reconcile_ds(values, ds, world)
-    for k, v in FALLBACKS.items():
+    _reconcile_ds(values, ds, world, fallbacks, precision_flag or f"precision {values['precision']}")
+    for k, v in fallbacks.items():
         values[k] = v if values[k] is None else values[k]
     fields = {name: cls(**{f.name: values[f.name] for f in dataclasses.fields(cls)}) for name, cls in GROUPS}
     return RunConfig(**fields, ds_config=ds, world_size=world,
@@ -177,14 +178,14 @@ def _looks_local(name: str) -> bool:
     return name.startswith((".", "/", "~")) or name.count("/") > 1 or os.sep != "/" and os.sep in name
 
 
-def _reconcile_ds(v: dict[str, Any], ds: dict, world: int) -> None:
+def _reconcile_ds(v: dict[str, Any], ds: dict, world: int, fallbacks: dict[str, Any], precision_flag: str) -> None:
     path = v["deepspeed_config"]
     if not isinstance(ds.get("zero_optimization", {}), dict):
         raise ConfigError(f"--deepspeed_config: `zero_optimization` in {path} must be an object")
     for flag, key in (("per_device_train_batch_size", "train_micro_batch_size_per_gpu"),
                       ("gradient_accumulation_steps", "gradient_accumulation_steps"),
                       ("max_grad_norm", "gradient_clipping")):
-        v[flag] = reconcile(flag, v[flag], ds, key, FALLBACKS[flag], path)
+        v[flag] = reconcile(flag, v[flag], ds, key, fallbacks[flag], path)
     want = v["per_device_train_batch_size"] * v["gradient_accumulation_steps"] * world
     tbs = ds.get("train_batch_size", "auto")
     if tbs != "auto" and tbs != want:
@@ -192,48 +193,51 @@ def _reconcile_ds(v: dict[str, Any], ds: dict, world: int) -> None:
                           f"--gradient_accumulation_steps × world size = {want}")
     ds["train_batch_size"] = want
     if isinstance(ds.get("optimizer"), dict):
-        _reconcile_optimizer(v, ds, path)
+        _reconcile_optimizer(v, ds, path, fallbacks)
     if isinstance(ds.get("scheduler"), dict):
         v["warmup_steps"] = reconcile("warmup_steps", v["warmup_steps"], ds, "scheduler.params.warmup_num_steps",
-                                      FALLBACKS["warmup_steps"], path, write=False)
-    _reconcile_precision(v, ds, path)
+                                      fallbacks["warmup_steps"], path, write=False)
+    _reconcile_precision(v, ds, path, precision_flag)
+    if v["report_to"] == "tensorboard":
+        # DeepSpeed's own monitor writes the events (rank 0 only) to OUT/tensorboard/finetune.
+        ds["tensorboard"] = {**ds.get("tensorboard", {}), "enabled": True,
+                             "output_path": str(Path(v["output_dir"]) / "tensorboard"), "job_name": "finetune"}
 
 
-def _reconcile_optimizer(v: dict[str, Any], ds: dict, path: str) -> None:
+def _reconcile_optimizer(v: dict[str, Any], ds: dict, path: str, fallbacks: dict[str, Any]) -> None:
     p = "optimizer.params."
     for flag, key in (("learning_rate", "lr"), ("weight_decay", "weight_decay"), ("adam_epsilon", "eps")):
-        v[flag] = reconcile(flag, v[flag], ds, p + key, FALLBACKS[flag], path)
-    betas = ds["optimizer"].setdefault("params", {}).get("betas", "auto")
-    flags = (v["adam_beta1"], v["adam_beta2"])
-    if betas == "auto":
-        b1 = FALLBACKS["adam_beta1"] if flags[0] is None else flags[0]
-        b2 = FALLBACKS["adam_beta2"] if flags[1] is None else flags[1]
-        ds["optimizer"]["params"]["betas"] = [b1, b2]
-        v["adam_beta1"], v["adam_beta2"] = b1, b2
-        return
+        v[flag] = reconcile(flag, v[flag], ds, p + key, fallbacks[flag], path)
+    params = ds["optimizer"].setdefault("params", {})
+    betas = params.get("betas", "auto")
+    betas = ["auto", "auto"] if betas == "auto" else list(betas)
     for i, flag in enumerate(("adam_beta1", "adam_beta2")):
-        if flags[i] is not None and float(flags[i]) != float(betas[i]):
-            raise ConfigError(f"`--{flag} {flags[i]}` contradicts `optimizer.params.betas: {betas}` in {path}")
+        if betas[i] == "auto":
+            betas[i] = fallbacks[flag] if v[flag] is None else v[flag]
+        elif v[flag] is not None and float(v[flag]) != float(betas[i]):
+            raise ConfigError(f"`--{flag} {v[flag]}` contradicts `optimizer.params.betas: {params['betas']}` in {path}")
         v[flag] = betas[i]
+    params["betas"] = betas
 
 
-def _reconcile_precision(v: dict[str, Any], ds: dict, path: str) -> None:
-    explicit = {k for k in ("bf16", "fp16") if isinstance(ds.get(k), dict) and ds[k].get("enabled") is True}
+def _reconcile_precision(v: dict[str, Any], ds: dict, path: str, flag: str) -> None:
+    for k in ("bf16", "fp16"):
+        if not isinstance(ds.setdefault(k, {}), dict):
+            raise ConfigError(f"--deepspeed_config: `{k}` in {path} must be an object")
+    enabled = {k: ds[k].get("enabled", "auto") for k in ("bf16", "fp16")}
+    explicit = [k for k, e in enabled.items() if e is True]
     if len(explicit) > 1:
         raise ConfigError(f"--deepspeed_config: {path} enables both bf16 and fp16")
     if explicit:
-        (json_prec,) = explicit
-        if v["precision"] not in ("auto", json_prec):
-            raise ConfigError(f"`--precision {v['precision']}` contradicts `{json_prec}.enabled: true` in {path}")
-        v["precision"] = json_prec
+        if v["precision"] not in ("auto", explicit[0]):
+            raise ConfigError(f"`--{flag}` contradicts `{explicit[0]}.enabled: true` in {path}")
+        v["precision"] = explicit[0]
+    elif v["precision"] in enabled and enabled[v["precision"]] is False:
+        raise ConfigError(f"`--{flag}` contradicts `{v['precision']}.enabled: false` in {path}")
     elif v["precision"] == "auto":
         v["precision"] = auto_precision()
     for k in ("bf16", "fp16"):
-        section = ds.setdefault(k, {})
-        if not isinstance(section, dict):
-            raise ConfigError(f"--deepspeed_config: `{k}` in {path} must be an object")
-        if section.get("enabled", "auto") in ("auto", False, True):
-            section["enabled"] = v["precision"] == k
+        ds[k]["enabled"] = v["precision"] == k
 
 
 def auto_precision() -> str:

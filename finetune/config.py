@@ -203,8 +203,8 @@ def finalize_ds_config(cfg: dict, total_steps: int, warmup_steps: int, learning_
 
 
 def _walk(node: Any, prefix: str = ""):
-    if isinstance(node, dict):
-        for k, v in node.items():
+    if isinstance(node, (dict, list)):
+        for k, v in (node.items() if isinstance(node, dict) else enumerate(node)):
             yield from _walk(v, f"{prefix}{k}.")
     else:
         yield prefix.rstrip("."), node

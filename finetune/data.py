@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from dataclasses import dataclass
 from typing import Any, Iterator
 
@@ -61,6 +62,10 @@ def _load(args: DataArgs):
     if args.validation_file:
         files["validation"] = args.validation_file
     fmt = data_format(files["train"])
+    for flag in ("train_file", "validation_file"):
+        # datasets' json builder raises a bare StopIteration on an empty file.
+        if getattr(args, flag) and os.path.getsize(getattr(args, flag)) == 0:
+            raise ConfigError(f"--{flag}: {getattr(args, flag)} is empty")
     try:
         return datasets.load_dataset(fmt, data_files=files)
     except (ValueError, OSError, datasets.exceptions.DatasetGenerationError) as e:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import random
+import sys
 import time
 from dataclasses import dataclass
 
@@ -129,8 +130,9 @@ class Trainer:
         resumed = self.checkpoints.resume(self)
         if not resumed:
             self.evaluate()
+        # In a log file (sbatch, tee) a redraw per step is noise: refresh twice a minute there.
         bar = tqdm(total=self.total_steps, initial=self.state.global_step, disable=not dist.is_main(),
-                   desc="train", unit="step", dynamic_ncols=True)
+                   desc="train", unit="step", dynamic_ncols=True, mininterval=0.1 if sys.stderr.isatty() else 30)
         t_window = time.perf_counter()
         while self.state.global_step < self.total_steps:
             lr = self._train_step()

@@ -222,6 +222,7 @@ class CheckpointManager:
         self.storage.rename(f"{STAGING}/{tag}", tag)
         self.storage.write_latest(tag)
         self.storage.remove(f"{STAGING}/{tag}.replaced")
+        self.storage.remove_if_empty(STAGING)
 
     def _retain(self, newest: str) -> None:
         limit = self.cfg.ckpt.save_total_limit

@@ -62,6 +62,12 @@ class LocalStorage:
     def remove(self, rel: str) -> None:
         shutil.rmtree(self.root / rel, ignore_errors=True)
 
+    def remove_if_empty(self, rel: str) -> None:
+        try:
+            (self.root / rel).rmdir()
+        except OSError:
+            pass  # not empty (another save's leftovers) or already gone: both fine
+
     def free_bytes(self) -> int:
         path = self.root
         while not path.exists():

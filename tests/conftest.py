@@ -1,0 +1,153 @@
+"""Shared fixtures: tiny models built from configs (no hub), data files, and a launcher runner."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+TOKENIZER_DIR = REPO / "finetune" / "resources" / "tokenizer"
+
+# Each architecture as small as it goes; all share the embedded tokenizer (vocab 513).
+ARCHS = {
+    "llama": dict(model_type="llama", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=False),
+    "gpt2": dict(model_type="gpt2", n_embd=64, n_layer=2, n_head=4, n_positions=256),
+    "qwen2": dict(model_type="qwen2", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=True),
+}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def build_tiny_model(arch: str, out: Path) -> Path:
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(TOKENIZER_DIR)
+    kw = dict(ARCHS[arch])
+    config = AutoConfig.for_model(kw.pop("model_type"), vocab_size=len(tok), bos_token_id=tok.bos_token_id,
+                                  eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, **kw)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config)
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("models")
+    return {arch: build_tiny_model(arch, root / arch) for arch in ARCHS}
+
+
+@pytest.fixture(scope="session")
+def data_files(tmp_path_factory) -> dict[str, Path]:
+    """Small files in each format the CLI reads, from the embedded data's sentences."""
+    root = tmp_path_factory.mktemp("data")
+    lines = [json.loads(l)["text"] for l in (REPO / "finetune/resources/data/train.jsonl").read_text().splitlines()][:240]
+    pairs = [(t.split(". ", 1)[0] + ".", t.split(". ", 1)[1]) for t in lines if ". " in t]
+    import csv
+
+    with open(root / "pc.csv", "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["question", "answer"])
+        w.writerows(pairs)
+    with open(root / "chat.jsonl", "w") as f:
+        for p, c in pairs:
+            msgs = [{"role": "user", "content": p}, {"role": "assistant", "content": c}]
+            f.write(json.dumps({"messages": msgs}) + "\n")
+    with open(root / "text.jsonl", "w") as f:
+        for t in lines:
+            f.write(json.dumps({"text": t}) + "\n")
+    return {"pc_csv": root / "pc.csv", "chat_jsonl": root / "chat.jsonl", "text_jsonl": root / "text.jsonl"}
+
+
+@dataclass
+class Result:
+    returncode: int
+    output: str
+    out_dir: Path
+
+    def metrics(self) -> list[dict]:
+        path = self.out_dir / "metrics.jsonl"
+        return [json.loads(l) for l in path.read_text().splitlines()] if path.exists() else []
+
+    def eval_rows(self) -> list[dict]:
+        return [r for r in self.metrics() if "eval_loss" in r]
+
+    def train_rows(self) -> list[dict]:
+        return [r for r in self.metrics() if "loss" in r]
+
+
+def launcher_cmd(launcher: str, nprocs: int) -> list[str]:
+    port = str(free_port())
+    if launcher == "deepspeed":
+        return [str(BIN / "deepspeed"), "--num_gpus", str(nprocs), "--master_port", port, "--module", "finetune"]
+    if launcher == "torchrun":
+        return [str(BIN / "torchrun"), "--nproc_per_node", str(nprocs), "--master_port", port, "-m", "finetune"]
+    if launcher == "accelerate":
+        return [str(BIN / "accelerate"), "launch", "--multi_gpu", "--num_processes", str(nprocs),
+                "--main_process_port", port, "-m", "finetune"]
+    if launcher == "python":
+        return [sys.executable, "-m", "finetune"]
+    raise ValueError(launcher)
+
+
+def child_env(extra: dict | None = None) -> dict:
+    env = dict(os.environ)
+    env.update({"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1",
+                "HF_DATASETS_OFFLINE": "1", "PYTHONUNBUFFERED": "1", "PATH": f"{BIN}:{env.get('PATH', '')}"})
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k, None)
+    env.update(extra or {})
+    return env
+
+
+@pytest.fixture
+def run_finetune(tmp_path):
+    """Run the real CLI through a launcher; returns a Result (never raises on a non-zero exit)."""
+
+    def run(*args: str, launcher: str = "deepspeed", nprocs: int = 2, out_dir: Path | None = None,
+            env: dict | None = None, timeout: int = 600, output_dir_flag: bool = True) -> Result:
+        out = out_dir or tmp_path / "out"
+        cmd = launcher_cmd(launcher, nprocs) + list(args)
+        if output_dir_flag and "--output_dir" not in args:
+            cmd += ["--output_dir", str(out)]
+        proc = subprocess.run(cmd, cwd=tmp_path, env=child_env(env), stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True, timeout=timeout)
+        return Result(proc.returncode, proc.stdout, out)
+
+    return run
+
+
+def checkpoint_files(folder: Path) -> set[str]:
+    return {str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file()}
+
+
+def partitioned_file_set(world: int, tokenizer_files: set[str]) -> set[str]:
+    files = {"config.json", "generation_config.json", "manifest.json", "trainer_state.json"} | tokenizer_files
+    for r in range(world):
+        files |= {f"rng_state_{r}.pt", f"zero_pp_rank_{r}_mp_rank_00_model_states.pt",
+                  f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt"}
+    return files
+
+
+EMBEDDED_TOKENIZER_FILES = {"tokenizer.json", "tokenizer_config.json", "chat_template.jinja"}
+
+
+def has_tmpfs_mount() -> bool:
+    return shutil.which("mount") is not None and os.geteuid() == 0
