@@ -19,7 +19,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 demo: setup
-	PATH=$(CURDIR)/$(VENV)/bin:$$PATH deepspeed --num_gpus 2 -m finetune --save_checkpoint --output_dir output/demo
+	PATH=$(CURDIR)/$(VENV)/bin:$$PATH deepspeed --num_gpus 2 --module finetune --save_checkpoint --output_dir output/demo
 
 test: setup
 	$(PY) -m pytest -ra tests
