@@ -144,8 +144,22 @@ def _validate_flags(v: dict[str, Any]) -> None:
             raise ConfigError(f"`--{name}` must not be negative, got {v[name]}")
     if not 0 <= v["validation_split_percentage"] < 100:
         raise ConfigError(f"`--validation_split_percentage` must be in [0, 100), got {v['validation_split_percentage']}")
+    if v["max_shard_size"] is not None:
+        _check_size(v["max_shard_size"])
     if (v["save_steps"] or v["save_total_limit"] or v["save_consolidated"]) and not v["save_checkpoint"]:
         raise ConfigError("`--save_steps`, `--save_total_limit` and `--save_consolidated` need `--save_checkpoint`")
+
+
+def _check_size(text: str) -> None:
+    # The parser split_torch_state_dict_into_shards itself uses, so what passes here works there.
+    from huggingface_hub.serialization._base import parse_size_to_int
+
+    try:
+        ok = parse_size_to_int(text) > 0
+    except ValueError:
+        ok = False
+    if not ok:
+        raise ConfigError(f"`--max_shard_size` must be a positive size like 5GB or 500MB, got {text!r}")
 
 
 def _validate_paths(v: dict[str, Any]) -> None:

@@ -88,6 +88,8 @@ class CheckpointArgs:
     save_steps: int | None = _f(None, "Also save every N optimizer steps.")
     save_total_limit: int | None = _f(None, "Keep at most K checkpoints (never deletes the newest complete one).")
     save_consolidated: bool = _f(False, "Also gather the weights into HF safetensors in the checkpoint folder.")
+    max_shard_size: str = _f("5GB", "Largest consolidated safetensors shard (HF size string, e.g. 500MB).")
+    consolidated_dtype: str | None = _f(None, "dtype of consolidated weights (default: the training dtype).", choices=("bf16", "fp16", "fp32"))
     resume_from_checkpoint: str | None = _f(None, "PATH, 'latest' or 'auto' (resume if a checkpoint exists).")
     on_save_error: str = _f("continue", "What a failed periodic save does; a failed final save always exits 1.", choices=("continue", "abort"))
 

@@ -11,7 +11,8 @@ A save is snapshot → write → agree → commit:
 A crash at any instant leaves ``latest`` naming a complete checkpoint, or absent.
 
 Test seam: ``FINETUNE_FAIL_SAVE="<rank>[:<step>]"`` makes that rank's checkpoint writes fail
-with EIO (at every save, or only the save of that step).
+with EIO (at every save, or only the save of that step); ``FINETUNE_SKIP_SPACE_CHECK=1`` skips
+the free-space pre-check so a test can provoke a real ENOSPC in the middle of a write.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from finetune.config import ConfigError, RunConfig, zero_stage
 from finetune.distributed import logger
 
 FAIL_ENV = "FINETUNE_FAIL_SAVE"
+SKIP_SPACE_CHECK_ENV = "FINETUNE_SKIP_SPACE_CHECK"
 # Adam keeps fp32 master weights + two moments (12 B/param); the module states add a copy.
 BYTES_PER_PARAM_ESTIMATE = 16
 SPACE_MARGIN = 1.10
@@ -131,6 +133,8 @@ class CheckpointManager:
         return self.out / tag
 
     def _check_space(self, tag: str) -> None:
+        if os.environ.get(SKIP_SPACE_CHECK_ENV) == "1":
+            return  # test seam: lets tests hit a real ENOSPC mid-write
         need = self._estimate_bytes()
         free = self.storage.free_bytes()
         errors = dist.all_gather_object(None if free >= need else f"{free / 1e9:.2f} GB free, need ~{need / 1e9:.2f} GB")
@@ -160,12 +164,25 @@ class CheckpointManager:
         except Exception as e:  # noqa: BLE001 — recorded; the agree step decides for all ranks
             self.writer._fail(staging_root / tag, e)
         folder = staging_root / tag
+        if self.cfg.ckpt.save_consolidated:
+            self._write_consolidated(folder)
         self.writer.save(rng_state(), str(folder / f"rng_state_{dist.rank()}.pt"))
         if dist.is_main() and self.writer.error is None:
             try:
                 self._write_rank0_files(folder, state)
             except Exception as e:  # noqa: BLE001 — recorded; the agree step decides for all ranks
                 self.writer._fail(folder, e)
+
+    def _write_consolidated(self, folder: Path) -> None:
+        """Collective: every rank gathers, even one whose own writes already failed."""
+        from finetune.checkpoint.consolidate import save_consolidated
+        from finetune.modeling import DTYPES
+
+        dtype = DTYPES[self.cfg.ckpt.consolidated_dtype or self.cfg.train.precision]
+        try:
+            self.writer.files.update(save_consolidated(self.engine.module, folder, dtype, self.cfg.ckpt.max_shard_size))
+        except Exception as e:  # noqa: BLE001 — recorded; the agree step decides for all ranks
+            self.writer._fail(folder, e)
 
     def _write_rank0_files(self, folder: Path, state: TrainingState) -> None:
         module = self.engine.module

@@ -1,0 +1,167 @@
+"""Streaming gather of ZeRO-3 parameters into HuggingFace safetensors shards, written by rank 0.
+
+Why not ``save_16bit_model`` / ``save_pretrained``: both need the whole state dict in rank-0 RAM.
+Here the shard layout is planned up front from parameter *metadata* (full shapes are known under
+ZeRO-3 as ``ds_shape``), each shard's safetensors header is written first, and then parameters
+are gathered one module at a time and their bytes appended to the open shard. Rank 0's extra
+memory is about one module's gathered parameters, whatever the shard size.
+
+Tied parameters are written once, under the first name ``named_parameters`` gives them (what
+``save_pretrained`` does; ``from_pretrained`` re-ties them). Frozen parameters are written too.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+from finetune import distributed as dist
+from finetune.checkpoint.manifest import HashingWriter
+
+SAFE_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
+               torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+               torch.bool: "BOOL"}
+INDEX = "model.safetensors.index.json"
+
+
+def tensor_entries(model) -> list[tuple[str, torch.nn.Module, str, bool]]:
+    """(full name, owning module, attribute name, is_param) in module order, each tensor once."""
+    seen: set[int] = set()
+    out = []
+    for mod_name, module in model.named_modules():
+        prefix = f"{mod_name}." if mod_name else ""
+        for attr, p in module.named_parameters(recurse=False):
+            if id(p) not in seen:
+                seen.add(id(p))
+                out.append((prefix + attr, module, attr, True))
+        for attr, b in module.named_buffers(recurse=False):
+            if b is not None and attr not in module._non_persistent_buffers_set and id(b) not in seen:
+                seen.add(id(b))
+                out.append((prefix + attr, module, attr, False))
+    return out
+
+
+def _full_shape(t: torch.Tensor) -> tuple[int, ...]:
+    return tuple(getattr(t, "ds_shape", t.shape))
+
+
+def _out_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.dtype:
+    return dtype if t.is_floating_point() else t.dtype
+
+
+def plan_shards(entries, dtype: torch.dtype, max_shard_size: str | int):
+    """HF's own sharding policy (and file names), applied to meta tensors of the full shapes."""
+    from huggingface_hub import split_torch_state_dict_into_shards
+
+    meta = {}
+    for name, module, attr, _ in entries:
+        t = getattr(module, attr)
+        meta[name] = torch.empty(_full_shape(t), dtype=_out_dtype(t, dtype), device="meta")
+    return split_torch_state_dict_into_shards(meta, max_shard_size=max_shard_size), meta
+
+
+def _header(names: list[str], meta: dict[str, torch.Tensor]) -> bytes:
+    header: dict = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for name in names:
+        t = meta[name]
+        n = t.numel() * t.element_size()
+        header[name] = {"dtype": SAFE_DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + n]}
+        offset += n
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # safetensors aligns the data section to 8 bytes
+    return struct.pack("<Q", len(raw)) + raw
+
+
+class _ShardWriter:
+    """Rank 0's open shard files; tensors must arrive in the planned order."""
+
+    def __init__(self, folder: Path, split, meta):
+        self.folder, self.split, self.meta = folder, split, meta
+        self.order = [(fname, name) for fname, names in split.filename_to_tensors.items() for name in names]
+        self.pos = 0
+        self.file = self.writer = None
+        self.current: str | None = None
+        self.files: dict[str, tuple[int, str]] = {}
+
+    def write(self, name: str, tensor: torch.Tensor) -> None:
+        fname, expected = self.order[self.pos]
+        assert name == expected, f"consolidation order broke: got {name}, planned {expected}"
+        if fname != self.current:
+            self._close()
+            self.current = fname
+            self.file = open(self.folder / fname, "wb")
+            self.writer = HashingWriter(self.file)
+            self.writer.write(_header(self.split.filename_to_tensors[fname], self.meta))
+        data = tensor.detach().to(self.meta[name].dtype).contiguous().cpu()
+        assert tuple(data.shape) == tuple(self.meta[name].shape), f"{name}: gathered {tuple(data.shape)}"
+        self.writer.write(data.view(torch.uint8).numpy() if data.numel() else b"")
+        self.pos += 1
+
+    def _close(self) -> None:
+        if self.file is not None:
+            self.file.flush()
+            os.fsync(self.file.fileno())
+            self.file.close()
+            self.files[self.current] = (self.writer.size, self.writer.digest())
+            self.file = None
+
+    def finish(self) -> dict[str, tuple[int, str]]:
+        self._close()
+        assert self.pos == len(self.order), f"wrote {self.pos} of {len(self.order)} tensors"
+        if self.split.is_sharded:
+            index = {"metadata": dict(self.split.metadata), "weight_map": dict(self.split.tensor_to_filename)}
+            data = (json.dumps(index, indent=2, sort_keys=True) + "\n").encode()
+            with open(self.folder / INDEX, "wb") as f:
+                w = HashingWriter(f)
+                w.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            self.files[INDEX] = (w.size, w.digest())
+        return self.files
+
+
+def _module_groups(entries) -> Iterator[list[tuple[str, torch.nn.Module, str, bool]]]:
+    """Consecutive entries of the same module: gathered together, one collective per module."""
+    group: list = []
+    for e in entries:
+        if group and group[-1][1] is not e[1]:
+            yield group
+            group = []
+        group.append(e)
+    if group:
+        yield group
+
+
+def save_consolidated(model, folder: Path, dtype: torch.dtype, max_shard_size: str | int) -> dict[str, tuple[int, str]]:
+    """Write HF safetensors shards of ``model`` into ``folder``. Collective: every rank must call it.
+
+    Returns {file name: (size, checksum)} on rank 0, {} elsewhere. A write error on rank 0 is
+    raised only after every gather has been done, so the other ranks are never left waiting.
+    """
+    import deepspeed
+
+    entries = tensor_entries(model)
+    split, meta = plan_shards(entries, dtype, max_shard_size)
+    writer = _ShardWriter(folder, split, meta) if dist.is_main() else None
+    error: BaseException | None = None
+    for group in _module_groups(entries):
+        params = [getattr(m, a) for _, m, a, is_param in group if is_param and hasattr(getattr(m, a), "ds_id")]
+        # Every rank must enter: this all-gathers the module's partitions.
+        with deepspeed.zero.GatheredParameters(params, modifier_rank=None, enabled=bool(params)):
+            if writer is not None and error is None:
+                try:
+                    for name, m, a, _ in group:
+                        writer.write(name, getattr(m, a))
+                except (OSError, AssertionError) as e:
+                    error = e
+    if writer is None:
+        return {}
+    if error is not None:
+        raise error
+    return writer.finish()
