@@ -16,6 +16,7 @@ import json
 import os
 import struct
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -54,15 +55,42 @@ def _out_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.dtype:
     return dtype if t.is_floating_point() else t.dtype
 
 
-def plan_shards(entries, dtype: torch.dtype, max_shard_size: str | int):
-    """HF's own sharding policy (and file names), applied to meta tensors of the full shapes."""
-    from huggingface_hub import split_torch_state_dict_into_shards
+@dataclass
+class ShardPlan:
+    filename_to_tensors: dict[str, list[str]]
+    tensor_to_filename: dict[str, str]
+    total_size: int
 
-    meta = {}
+    @property
+    def is_sharded(self) -> bool:
+        return len(self.filename_to_tensors) > 1
+
+
+def plan_shards(entries, dtype: torch.dtype, max_shard_size: str | int) -> tuple[ShardPlan, dict]:
+    """Fill shards in gather order (a new shard when the next tensor would overflow), HF file names.
+
+    Order matters: tensors are streamed as they are gathered, so each shard must hold a
+    contiguous run of the gather order (huggingface_hub's planner may reorder).
+    """
+    from huggingface_hub.serialization._base import parse_size_to_int
+
+    limit = parse_size_to_int(max_shard_size) if isinstance(max_shard_size, str) else int(max_shard_size)
+    meta, shards, size = {}, [[]], 0
     for name, module, attr, _ in entries:
         t = getattr(module, attr)
         meta[name] = torch.empty(_full_shape(t), dtype=_out_dtype(t, dtype), device="meta")
-    return split_torch_state_dict_into_shards(meta, max_shard_size=max_shard_size), meta
+        n = meta[name].numel() * meta[name].element_size()
+        if shards[-1] and size + n > limit:
+            shards.append([])
+            size = 0
+        shards[-1].append(name)
+        size += n
+    if len(shards) == 1:
+        files = {"model.safetensors": shards[0]}
+    else:
+        files = {f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors": names for i, names in enumerate(shards)}
+    total = sum(m.numel() * m.element_size() for m in meta.values())
+    return ShardPlan(files, {n: f for f, names in files.items() for n in names}, total), meta
 
 
 def _header(names: list[str], meta: dict[str, torch.Tensor]) -> bytes:
@@ -115,7 +143,7 @@ class _ShardWriter:
         self._close()
         assert self.pos == len(self.order), f"wrote {self.pos} of {len(self.order)} tensors"
         if self.split.is_sharded:
-            index = {"metadata": dict(self.split.metadata), "weight_map": dict(self.split.tensor_to_filename)}
+            index = {"metadata": {"total_size": self.split.total_size}, "weight_map": self.split.tensor_to_filename}
             data = (json.dumps(index, indent=2, sort_keys=True) + "\n").encode()
             with open(self.folder / INDEX, "wb") as f:
                 w = HashingWriter(f)

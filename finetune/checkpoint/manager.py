@@ -229,17 +229,7 @@ class CheckpointManager:
             raise SaveError(f"commit of {tag} failed on rank 0: {error}; latest is unchanged")
 
     def _commit_rank0(self, tag: str, files: dict[str, tuple[int, str]]) -> None:
-        staged = self.out / STAGING / tag
-        manifest = build_manifest(tag, files, dist.world_size(), versions())
-        write_json_durably(staged / MANIFEST, manifest)
-        fsync_dir(staged)
-        if self.storage.exists(tag):
-            # Never overwrite in place: an older folder of the same step is moved aside first.
-            self.storage.rename(tag, f"{STAGING}/{tag}.replaced")
-        self.storage.rename(f"{STAGING}/{tag}", tag)
-        self.storage.write_latest(tag)
-        self.storage.remove(f"{STAGING}/{tag}.replaced")
-        self.storage.remove_if_empty(STAGING)
+        commit_staged(self.storage, tag, files, dist.world_size(), versions())
 
     def _retain(self, newest: str) -> None:
         limit = self.cfg.ckpt.save_total_limit
@@ -305,6 +295,23 @@ class CheckpointManager:
                 before = saved.get("args", {}).get(group, {}).get(key, value)
                 if before != value and key not in IGNORED_ON_RESUME:
                     logger.warning("resume: --%s is %r now, was %r in the checkpoint", key, value, before)
+
+
+def commit_staged(storage: LocalStorage, tag: str, files: dict[str, tuple[int, str]], world_size: int,
+                  versions: dict) -> None:
+    """Rank 0's commit of ``.staging/<tag>``. Each step is atomic; a crash between any two leaves
+    ``latest`` naming a complete checkpoint (the old one, or the new one once it is in place).
+
+    The manifest is written *inside* the staged folder before the rename, so the folder never
+    appears under its final name without the file that marks it complete.
+    """
+    staged = storage.root / STAGING / tag
+    write_json_durably(staged / MANIFEST, build_manifest(tag, files, world_size, versions))
+    fsync_dir(staged)
+    # Never overwrite in place: a folder of the same step (an abandoned timeline's) is swapped out.
+    storage.replace_dir(f"{STAGING}/{tag}", tag)
+    storage.write_latest(tag)
+    storage.remove_if_empty(STAGING)
 
 
 IGNORED_ON_RESUME = {"resume_from_checkpoint", "output_dir", "max_steps", "num_train_epochs", "save_steps",

@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import os
 import re
 import shutil
@@ -59,6 +60,19 @@ class LocalStorage:
         os.rename(self.root / src, self.root / dst)
         fsync_dir(self.root)
 
+    def replace_dir(self, src: str, dst: str) -> None:
+        """Put folder ``src`` at ``dst``. If ``dst`` exists, swap atomically where the OS can
+        (so ``dst`` is always a complete folder), then delete the old one now at ``src``."""
+        if not self.exists(dst):
+            self.rename(src, dst)
+            return
+        if not _exchange(self.root / src, self.root / dst):
+            self.rename(dst, f"{src}.replaced")  # fallback: a short window without ``dst``
+            self.rename(src, dst)
+            src = f"{src}.replaced"
+        fsync_dir(self.root)
+        self.remove(src)
+
     def remove(self, rel: str) -> None:
         shutil.rmtree(self.root / rel, ignore_errors=True)
 
@@ -73,6 +87,17 @@ class LocalStorage:
         while not path.exists():
             path = path.parent
         return shutil.disk_usage(path).free
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Atomically swap two paths with Linux renameat2(RENAME_EXCHANGE); False where unsupported."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        renameat2 = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    return renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0
 
 
 def fsync_dir(path: str | os.PathLike) -> None:

@@ -1,0 +1,169 @@
+"""Real multi-rank checkpoint behaviour: file sets, consolidated weights, bitwise resume, failures."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import uuid
+
+import pytest
+from conftest import EMBEDDED_TOKENIZER_FILES, checkpoint_files, partitioned_file_set
+
+from finetune.checkpoint.manifest import hash_file
+
+pytestmark = pytest.mark.distributed
+
+TIMEOUT = 420  # a hang shows up as a timeout, not a stuck CI job
+
+
+def _ok(r):
+    assert r.returncode == 0, r.output[-4000:]
+
+
+def _manifest_matches(folder) -> bool:
+    manifest = json.loads((folder / "manifest.json").read_text())
+    listed = set(manifest["files"])
+    on_disk = checkpoint_files(folder) - {"manifest.json"}
+    return listed == on_disk and all(
+        hash_file(folder / name) == (meta["size"], meta["checksum"]) for name, meta in manifest["files"].items())
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])  # llama: untied head; qwen2: tied embeddings
+def test_consolidated_checkpoint_loads_and_matches_training_weights(run_finetune, tiny_models, arch):
+    import torch
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    r = run_finetune("--model_name_or_path", str(tiny_models[arch]), "--max_steps", "3", "--save_checkpoint",
+                     "--save_consolidated", "--max_shard_size", "40KB", "--learning_rate", "1e-3", timeout=TIMEOUT)
+    _ok(r)
+    folder = r.out_dir / "global_step3"
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    assert len(shards) > 1 and shards[0].endswith(f"-of-{len(shards):05d}.safetensors")
+    assert checkpoint_files(folder) == partitioned_file_set(2, set()) | (checkpoint_files(folder) & {
+        "tokenizer.json", "tokenizer_config.json", "chat_template.jinja"}) | set(shards) | {"model.safetensors.index.json"}
+    assert _manifest_matches(folder)
+
+    model, info = AutoModelForCausalLM.from_pretrained(folder, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
+    assert all(p.numel() > 0 for p in model.parameters())
+    # The reference: DeepSpeed's own reconstruction of the trained fp32 weights from the rank files.
+    ref = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder))
+    ref.load_state_dict(get_fp32_state_dict_from_zero_checkpoint(str(r.out_dir), tag="global_step3"), strict=False)
+    ref.tie_weights()
+    x = torch.randint(0, 500, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(model.eval()(x).logits, ref.eval()(x).logits)
+    if arch == "qwen2":
+        assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+
+
+RESUME_FLAGS = ["--max_train_samples", "80", "--per_device_train_batch_size", "4", "--gradient_accumulation_steps",
+                "2", "--max_steps", "12", "--logging_steps", "1", "--eval_steps", "4", "--max_eval_samples", "40",
+                "--learning_rate", "1e-3", "--warmup_steps", "2"]
+
+
+def _comparable(rows):
+    return [{k: v for k, v in row.items() if k != "tokens_per_s"} for row in rows]
+
+
+@pytest.mark.parametrize("launcher,nprocs", [("deepspeed", 2), ("python", 1)])
+def test_resume_is_bitwise_identical(run_finetune, tiny_models, tmp_path, launcher, nprocs):
+    """N steps + save + resume + M steps == N+M steps: mid-epoch, GA=2, dropout on (GPT-2), across an epoch end."""
+    model = ["--model_name_or_path", str(tiny_models["gpt2"])]
+    straight = run_finetune(*model, *RESUME_FLAGS, launcher=launcher, nprocs=nprocs, out_dir=tmp_path / "a",
+                            timeout=TIMEOUT)
+    _ok(straight)
+    first = run_finetune(*model, *RESUME_FLAGS, "--save_checkpoint", "--save_steps", "4", launcher=launcher,
+                         nprocs=nprocs, out_dir=tmp_path / "b", timeout=TIMEOUT)
+    _ok(first)
+    ckpt = tmp_path / "b" / "global_step8"
+    state = json.loads((ckpt / "trainer_state.json").read_text())
+    assert state["global_step"] == 8 and 0 < state["sampler"]["consumed"], state["sampler"]  # mid-epoch
+    resumed = run_finetune(*model, *RESUME_FLAGS, "--save_checkpoint", "--save_steps", "4",
+                           "--resume_from_checkpoint", str(ckpt), launcher=launcher, nprocs=nprocs,
+                           out_dir=tmp_path / "b", timeout=TIMEOUT)
+    _ok(resumed)
+    assert "Resumed from" in resumed.output
+    assert _comparable(resumed.metrics()) == _comparable(straight.metrics())
+    assert [r["step"] for r in resumed.train_rows()][-4:] == [9, 10, 11, 12]
+
+
+def test_auto_resume_without_checkpoint_starts_fresh_and_world_size_change_is_an_error(run_finetune, tmp_path):
+    out = tmp_path / "o"
+    fresh = run_finetune("--max_steps", "2", "--save_checkpoint", "--resume_from_checkpoint", "auto",
+                         launcher="python", nprocs=1, out_dir=out, timeout=TIMEOUT)
+    _ok(fresh)
+    assert "starting fresh" in fresh.output
+    again = run_finetune("--max_steps", "4", "--save_checkpoint", "--resume_from_checkpoint", "auto",
+                         launcher="python", nprocs=1, out_dir=out, timeout=TIMEOUT)
+    _ok(again)
+    assert [r["step"] for r in again.train_rows()] == [2, 4]  # run 1 flushed at 2; resumed run logs 4
+    other = run_finetune("--max_steps", "6", "--resume_from_checkpoint", "latest", nprocs=2, out_dir=out,
+                         timeout=TIMEOUT)
+    assert other.returncode == 2
+    assert "written by 1 ranks, this run has 2" in other.output
+
+
+def test_retention_keeps_the_newest(run_finetune):
+    r = run_finetune("--max_steps", "8", "--save_checkpoint", "--save_steps", "2", "--save_total_limit", "2",
+                     launcher="python", nprocs=1, timeout=TIMEOUT)
+    _ok(r)
+    assert sorted(p.name for p in r.out_dir.glob("global_step*")) == ["global_step6", "global_step8"]
+    assert (r.out_dir / "latest").read_text().strip() == "global_step8"
+
+
+def test_failure_on_one_rank_is_agreed_and_training_continues(run_finetune):
+    r = run_finetune("--max_steps", "6", "--save_checkpoint", "--save_steps", "2",
+                     env={"FINETUNE_FAIL_SAVE": "1:4"}, timeout=TIMEOUT)
+    _ok(r)
+    assert sorted(p.name for p in r.out_dir.glob("global_step*")) == ["global_step2", "global_step6"]
+    assert (r.out_dir / "latest").read_text().strip() == "global_step6"
+    assert not (r.out_dir / ".staging").exists()
+    failures = [l for l in r.output.splitlines() if "save of global_step4 failed on rank 1" in l]
+    assert failures and "injected I/O error" in failures[0]
+
+
+def test_failure_with_abort_stops_with_exit_1(run_finetune):
+    r = run_finetune("--max_steps", "6", "--save_checkpoint", "--save_steps", "2", "--logging_steps", "1",
+                     "--on_save_error", "abort", env={"FINETUNE_FAIL_SAVE": "0:4"}, timeout=TIMEOUT)
+    assert r.returncode == 1, r.output[-3000:]
+    assert (r.out_dir / "latest").read_text().strip() == "global_step2"
+    assert r.train_rows()[-1]["step"] == 4
+    assert sorted(p.name for p in r.out_dir.glob("global_step*")) == ["global_step2"]
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path):
+    """A 9 MiB tmpfs: room for one checkpoint of the embedded model (~5.6 MB), not two."""
+    mnt = tmp_path / f"tmpfs-{uuid.uuid4().hex[:6]}"
+    mnt.mkdir()
+    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=9m", "tmpfs", str(mnt)], capture_output=True, text=True)
+    if proc.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here (needs root): {proc.stderr.strip()}")
+    yield mnt
+    subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def test_enospc_mid_write_keeps_latest_and_final_failure_exits_1(run_finetune, small_tmpfs):
+    """Real ENOSPC (pre-check skipped): the failed save leaves no staging, training goes on, final save fails."""
+    out = small_tmpfs / "out"
+    r = run_finetune("--max_steps", "6", "--save_checkpoint", "--save_steps", "2", "--logging_steps", "1",
+                     out_dir=out, env={"FINETUNE_SKIP_SPACE_CHECK": "1"}, timeout=TIMEOUT)
+    assert r.returncode == 1, r.output[-3000:]
+    assert "No space left on device" in r.output
+    assert (out / "latest").read_text().strip() == "global_step2"
+    assert sorted(p.name for p in out.glob("global_step*")) == ["global_step2"]
+    assert _manifest_matches(out / "global_step2")
+    assert not list((out / ".staging").glob("*")) if (out / ".staging").exists() else True
+    assert [row["step"] for row in r.train_rows()] == [1, 2, 3, 4, 5, 6]  # trained on past the failure
+
+
+def test_free_space_precheck_fails_fast_without_writing(run_finetune, small_tmpfs):
+    out = small_tmpfs / "out"
+    r = run_finetune("--max_steps", "4", "--save_checkpoint", "--save_steps", "2", out_dir=out, timeout=TIMEOUT)
+    assert r.returncode == 1
+    assert "not enough free space" in r.output
+    assert (out / "latest").read_text().strip() == "global_step2"
+    assert sorted(p.name for p in out.glob("global_step*")) == ["global_step2"]
