@@ -114,6 +114,12 @@ def all_reduce_sum(values: list[float]) -> list[float]:
     return t.tolist()
 
 
+def log_main(level: int, msg: str, *args) -> None:
+    """Log on rank 0 only, whatever the level: for facts every rank knows (an agreed failure)."""
+    if rank() == 0:
+        logger.log(level, msg, *args)
+
+
 class _RankFilter(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         # Warnings and errors are worth hearing from whichever rank has them; info is rank 0's.

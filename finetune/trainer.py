@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import math
 import random
 import sys
@@ -230,9 +231,9 @@ class Trainer:
             self.checkpoints.save(self.state, final=False)
         except SaveError as e:
             if ck.on_save_error == "abort":
-                logger.error("stopping: %s (--on_save_error abort)", e)
+                dist.log_main(logging.ERROR, "stopping: %s (--on_save_error abort)", e)
                 return 1
-            logger.warning("training on: %s (--on_save_error continue)", e)
+            dist.log_main(logging.WARNING, "training on: %s (--on_save_error continue)", e)
         return None
 
     def _final_save(self) -> int:
@@ -241,7 +242,7 @@ class Trainer:
         try:
             path = self.checkpoints.save(self.state, final=True)
         except SaveError as e:
-            logger.error("final save failed: %s", e)
+            dist.log_main(logging.ERROR, "final save failed: %s", e)
             return 1
         logger.info("checkpoint saved to %s", path)
         return 0

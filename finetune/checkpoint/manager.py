@@ -84,6 +84,7 @@ class GuardedWriter:
     def save(self, state_dict, path) -> None:
         if self.error is not None:
             return
+        w = None
         try:
             self._maybe_inject_failure()
             with open(path, "wb") as f:
@@ -93,7 +94,22 @@ class GuardedWriter:
                 os.fsync(f.fileno())
             self.files[os.path.relpath(path, self.staging)] = (w.size, w.digest())
         except Exception as e:  # noqa: BLE001 — any failure is reported to all ranks by the manager
-            self._fail(path, e)
+            self._fail(path, w.os_error if w is not None and w.os_error else e)
+
+    def guard(self, fn):
+        """Wrap a DeepSpeed write helper so it records a failure instead of raising.
+
+        DeepSpeed's rank-0-only ``_copy_recovery_script`` runs *before* the barrier that ends
+        ``save_checkpoint``; had it raised on a full disk, rank 0 would skip that barrier and the
+        ranks would fall out of step (seen here as a gloo collective mismatch).
+        """
+        def guarded(path, *args, **kwargs):
+            try:
+                return fn(path, *args, **kwargs)
+            except Exception as e:  # noqa: BLE001 — reported to all ranks by the manager
+                self._fail(path, e)
+
+        return guarded
 
     def _fail(self, path, e: BaseException) -> None:
         if self.error is None:
@@ -115,6 +131,8 @@ class CheckpointManager:
         self.storage = storage or LocalStorage(self.out)
         self.writer = GuardedWriter(engine.checkpoint_engine)
         engine.checkpoint_engine = self.writer
+        if hasattr(engine, "_copy_recovery_script"):
+            engine._copy_recovery_script = self.writer.guard(engine._copy_recovery_script)
 
     # --- save ------------------------------------------------------------------------------
 
@@ -161,8 +179,12 @@ class CheckpointManager:
         try:
             # Collective: every rank must call it (a rank-0-only call hangs under ZeRO-3).
             self.engine.save_checkpoint(str(staging_root), tag=tag, save_latest=False)
-        except Exception as e:  # noqa: BLE001 — recorded; the agree step decides for all ranks
-            self.writer._fail(staging_root / tag, e)
+        except Exception as e:
+            # Every write inside is guarded, so this is unexpected, and this rank may have skipped
+            # one of DeepSpeed's collectives: agreeing now could hang. Fail the run loudly instead;
+            # nothing was committed, so `latest` still names a complete checkpoint.
+            raise RuntimeError(f"DeepSpeed's save_checkpoint raised on rank {dist.rank()}; stopping because "
+                               f"the ranks may be out of step: {type(e).__name__}: {e}") from e
         folder = staging_root / tag
         if self.cfg.ckpt.save_consolidated:
             self._write_consolidated(folder)
@@ -209,6 +231,7 @@ class CheckpointManager:
         if bad:
             if dist.is_main():
                 self.storage.remove(f"{STAGING}/{tag}")
+                self.storage.finish_staging()
             dist.barrier()  # nobody moves on while the staging folder is being removed
             raise SaveError(f"save of {tag} failed on {_describe(bad)}; latest is unchanged")
         files: dict[str, tuple[int, str]] = {}
@@ -224,6 +247,7 @@ class CheckpointManager:
             except OSError as e:
                 error = f"{type(e).__name__}: {e}"
                 self.storage.remove(f"{STAGING}/{tag}")
+                self.storage.finish_staging()
         error = dist.all_gather_object(error)[0]  # collective: everyone learns rank 0's outcome
         if error:
             raise SaveError(f"commit of {tag} failed on rank 0: {error}; latest is unchanged")
@@ -311,7 +335,7 @@ def commit_staged(storage: LocalStorage, tag: str, files: dict[str, tuple[int, s
     # Never overwrite in place: a folder of the same step (an abandoned timeline's) is swapped out.
     storage.replace_dir(f"{STAGING}/{tag}", tag)
     storage.write_latest(tag)
-    storage.remove_if_empty(STAGING)
+    storage.finish_staging()
 
 
 IGNORED_ON_RESUME = {"resume_from_checkpoint", "output_dir", "max_steps", "num_train_epochs", "save_steps",

@@ -25,12 +25,19 @@ class HashingWriter:
 
     def __init__(self, f: BinaryIO):
         self.f, self.h, self.size = f, xxhash.xxh3_128(), 0
+        # torch.save's C++ writer turns an exception from write() into an opaque RuntimeError;
+        # keep the real one (ENOSPC, EIO…) so the report names it.
+        self.os_error: OSError | None = None
 
     def write(self, data) -> int:
         view = memoryview(data).cast("B")
         self.h.update(view)
         self.size += len(view)
-        return self.f.write(view)
+        try:
+            return self.f.write(view)
+        except OSError as e:
+            self.os_error = self.os_error or e
+            raise
 
     def flush(self) -> None:
         self.f.flush()

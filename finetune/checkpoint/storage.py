@@ -76,9 +76,15 @@ class LocalStorage:
     def remove(self, rel: str) -> None:
         shutil.rmtree(self.root / rel, ignore_errors=True)
 
-    def remove_if_empty(self, rel: str) -> None:
+    def finish_staging(self) -> None:
+        """Tidy ``.staging`` after a save: DeepSpeed copies its recovery scripts (zero_to_fp32.py,
+        zero_to_torch.py) into the directory it saves under; they go where DeepSpeed users expect
+        them, beside the checkpoints. The folder itself goes when empty."""
+        staging = self.root / STAGING
+        for script in staging.glob("zero_to_*.py"):
+            os.replace(script, self.root / script.name)
         try:
-            (self.root / rel).rmdir()
+            staging.rmdir()
         except OSError:
             pass  # not empty (another save's leftovers) or already gone: both fine
 
