@@ -273,7 +273,32 @@ def _train(argv: list[str]) -> int:
     return run(cfg)
 
 
-COMMANDS: dict[str, Callable[[list[str]], int]] = {"train": _train}
+def _verify(argv: list[str]) -> int:
+    from finetune.checkpoint.manifest import verify
+    from finetune.checkpoint.storage import find_checkpoint
+
+    p = _Parser(prog="finetune verify", description="Check a checkpoint against its manifest.json. "
+                "Exit 0 intact, 1 damaged (names the files), 2 not a checkpoint.")
+    p.add_argument("checkpoint", help="A checkpoint folder, or an output dir (its `latest` is checked).")
+    p.add_argument("--quick", action="store_true", help="Check file sizes only, not checksums.")
+    ns = p.parse_args(argv)
+    folder = find_checkpoint(ns.checkpoint)
+    report = verify(folder, checksums=not ns.quick) if folder else None
+    if report is None or not report.is_checkpoint:
+        raise ConfigError(f"{ns.checkpoint}: not a checkpoint (no manifest.json or DeepSpeed files)")
+    what = "sizes" if ns.quick else "sizes and checksums"
+    if report.ok:
+        rate = report.bytes_checked / 1e9 / max(report.seconds, 1e-9)
+        print(f"OK {folder}: {report.files} files, {report.bytes_checked / 1e6:.1f} MB, {what} match "
+              f"({report.seconds:.2f} s, {rate:.2f} GB/s)")
+        return 0
+    print(f"DAMAGED {folder}: {len(report.problems)} problem(s)")
+    for problem in report.problems:
+        print(f"  - {problem}")
+    return 1
+
+
+COMMANDS: dict[str, Callable[[list[str]], int]] = {"train": _train, "verify": _verify}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -91,6 +91,7 @@ class CheckpointArgs:
     max_shard_size: str = _f("5GB", "Largest consolidated safetensors shard (HF size string, e.g. 500MB).")
     consolidated_dtype: str | None = _f(None, "dtype of consolidated weights (default: the training dtype).", choices=("bf16", "fp16", "fp32"))
     resume_from_checkpoint: str | None = _f(None, "PATH, 'latest' or 'auto' (resume if a checkpoint exists).")
+    resume_skip_checksum: bool = _f(False, "Verify only file sizes (not checksums) before resuming.")
     on_save_error: str = _f("continue", "What a failed periodic save does; a failed final save always exits 1.", choices=("continue", "abort"))
 
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import errno
 import json
+import logging
 import os
 import time
 from pathlib import Path
@@ -28,6 +29,8 @@ import torch
 from finetune import distributed as dist
 from finetune.checkpoint.manifest import (
     MANIFEST,
+    looks_like_checkpoint,
+    verify,
     HashingWriter,
     build_manifest,
     hash_file,
@@ -35,7 +38,7 @@ from finetune.checkpoint.manifest import (
     write_json_durably,
 )
 from finetune.checkpoint.state import TRAINER_STATE, TrainingState, rng_state, set_rng_state
-from finetune.checkpoint.storage import STAGING, LocalStorage, fsync_dir, step_of, tag_for
+from finetune.checkpoint.storage import STAGING, LocalStorage, find_checkpoint, fsync_dir, step_of, tag_for
 from finetune.config import ConfigError, RunConfig, zero_stage
 from finetune.distributed import logger
 
@@ -293,22 +296,35 @@ class CheckpointManager:
         return True
 
     def _resolve(self, spec: str) -> Path | None:
+        """The folder to resume from: verified (collectively), falling back past damaged ones."""
         if spec in ("latest", "auto"):
-            candidates = resume_candidates(self.storage.read_latest(), self.storage.tags())
-            for tag in candidates:
-                if read_manifest(self.out / tag) is not None:
+            for tag in resume_candidates(self.storage.read_latest(), self.storage.tags()):
+                problems = self._verify_collectively(self.out / tag)
+                if not problems:
                     return self.out / tag
+                dist.log_main(logging.WARNING, "not resuming from %s: %s; trying an older checkpoint",
+                              tag, "; ".join(problems[:3]))
             if spec == "latest":
                 raise ConfigError(f"--resume_from_checkpoint latest: no complete checkpoint in {self.out}")
             return None
-        path = Path(spec)
-        if path.is_dir() and not (path / MANIFEST).exists() and (path / "latest").exists():
-            path = path / (path / "latest").read_text().strip()  # an output dir: use its latest
-        if not path.is_dir():
-            raise ConfigError(f"--resume_from_checkpoint: no such checkpoint folder: {spec}")
-        if read_manifest(path) is None:
-            raise ConfigError(f"--resume_from_checkpoint: {path} is not a complete checkpoint (no readable {MANIFEST})")
+        path = find_checkpoint(spec)
+        if path is None or not looks_like_checkpoint(path):
+            raise ConfigError(f"--resume_from_checkpoint: no checkpoint at {spec}")
+        problems = self._verify_collectively(path)
+        if problems:
+            raise ConfigError(f"--resume_from_checkpoint: {path} does not verify: {'; '.join(problems[:3])}")
         return path
+
+    def _verify_collectively(self, folder: Path) -> list[str]:
+        """Every rank checks a share of the rank files (rank 0 also the shared ones). Collective."""
+        manifest = read_manifest(folder)
+        if manifest is None:
+            problems = [f"{MANIFEST} missing or unreadable (an incomplete save?)"]
+        else:
+            mine = list(range(dist.rank(), int(manifest.get("world_size", 1)), dist.world_size()))
+            problems = verify(folder, checksums=not self.cfg.ckpt.resume_skip_checksum, ranks=mine,
+                              shared=dist.is_main()).problems
+        return [p for rank_problems in dist.all_gather_object(problems) for p in rank_problems]
 
     def _check_compatible(self, folder: Path, saved: dict) -> None:
         if saved["world_size"] != dist.world_size():
@@ -339,7 +355,8 @@ def commit_staged(storage: LocalStorage, tag: str, files: dict[str, tuple[int, s
 
 
 IGNORED_ON_RESUME = {"resume_from_checkpoint", "output_dir", "max_steps", "num_train_epochs", "save_steps",
-                     "save_total_limit", "logging_steps", "eval_steps", "on_save_error", "save_checkpoint"}
+                     "save_total_limit", "logging_steps", "eval_steps", "on_save_error", "save_checkpoint",
+                     "resume_skip_checksum"}
 
 
 def resume_candidates(latest: str | None, tags: list[str]) -> list[str]:

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import os
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO
 
@@ -78,3 +80,99 @@ def read_manifest(folder: str | os.PathLike) -> dict | None:
         return json.loads(path.read_text())
     except (OSError, ValueError):
         return None
+
+
+# --- verification ----------------------------------------------------------------------------
+
+RANK_FILE_PATTERNS = ("zero_pp_rank_{r}_mp_rank_00_model_states.pt", "zero_pp_rank_{r}_mp_rank_00_optim_states.pt",
+                      "rng_state_{r}.pt")
+
+
+@dataclass
+class Report:
+    folder: Path
+    is_checkpoint: bool = True
+    problems: list[str] = field(default_factory=list)
+    files: int = 0
+    bytes_checked: int = 0
+    seconds: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return self.is_checkpoint and not self.problems
+
+
+def looks_like_checkpoint(folder: Path) -> bool:
+    return folder.is_dir() and ((folder / MANIFEST).exists() or any(folder.glob("zero_pp_rank_*_model_states.pt"))
+                                or (folder / "trainer_state.json").exists())
+
+
+def verify(folder: str | os.PathLike, *, checksums: bool = True, ranks: list[int] | None = None,
+           shared: bool = True) -> Report:
+    """Check ``folder`` against its manifest: every file present with its size (and checksum),
+    one file set per rank of the recorded world size, a readable training state.
+
+    ``ranks``/``shared`` restrict the work to some ranks' files and/or the shared files, so ranks
+    can split a verification between them.
+    """
+    folder = Path(folder)
+    report = Report(folder)
+    start = time.perf_counter()
+    if not looks_like_checkpoint(folder):
+        report.is_checkpoint = False
+        return report
+    manifest = read_manifest(folder)
+    if manifest is None:
+        report.problems.append(f"{MANIFEST} missing or unreadable (an incomplete save?)")
+        return report
+    world = int(manifest.get("world_size", 0))
+    listed = manifest.get("files", {})
+    mine = set(listed) if ranks is None else _files_of(listed, ranks, world, shared)
+    for r in range(world) if ranks is None else ranks:
+        for pattern in RANK_FILE_PATTERNS:
+            name = pattern.format(r=r)
+            if name not in listed and not (name.startswith("zero") and _bf16_variant(name) in listed):
+                report.problems.append(f"{name}: rank {r} of {world} has no such file in the manifest")
+    for name in sorted(mine):
+        report.problems.extend(_check_file(folder / name, name, listed[name], checksums))
+        report.files += 1
+        report.bytes_checked += listed[name]["size"]
+    if shared:
+        report.problems.extend(_check_trainer_state(folder, world))
+    report.seconds = time.perf_counter() - start
+    return report
+
+
+def _bf16_variant(name: str) -> str:
+    return f"bf16_{name}"
+
+
+def _files_of(listed: dict, ranks: list[int], world: int, shared: bool) -> set[str]:
+    """The manifest's files that belong to ``ranks`` (plus the shared ones if ``shared``)."""
+    per_rank = {r: {p.format(r=r) for p in RANK_FILE_PATTERNS} | {_bf16_variant(p.format(r=r)) for p in RANK_FILE_PATTERNS}
+                for r in range(world)}
+    any_rank = set().union(*per_rank.values()) if per_rank else set()
+    wanted = set().union(*(per_rank.get(r, set()) for r in ranks)) if ranks else set()
+    return {n for n in listed if n in wanted or (shared and n not in any_rank)}
+
+
+def _check_file(path: Path, name: str, meta: dict, checksums: bool) -> list[str]:
+    try:
+        size = path.stat().st_size
+    except FileNotFoundError:
+        return [f"{name}: missing"]
+    if size != meta["size"]:
+        return [f"{name}: size {size} bytes, manifest says {meta['size']} (truncated or overwritten)"]
+    if checksums and hash_file(path)[1] != meta["checksum"]:
+        return [f"{name}: checksum mismatch (corrupted)"]
+    return []
+
+
+def _check_trainer_state(folder: Path, world: int) -> list[str]:
+    try:
+        state = json.loads((folder / "trainer_state.json").read_text())
+    except (OSError, ValueError) as e:
+        return [f"trainer_state.json: unreadable ({type(e).__name__})"]
+    if state.get("world_size") != world:
+        return [f"trainer_state.json: world_size {state.get('world_size')} but the manifest says {world}"]
+    return []

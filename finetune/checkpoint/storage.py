@@ -112,3 +112,19 @@ def fsync_dir(path: str | os.PathLike) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def find_checkpoint(path: str | os.PathLike) -> Path | None:
+    """A checkpoint folder as given, or an output dir's newest: the one its `latest` names, else
+    the highest step. None when neither fits."""
+    p = Path(path)
+    if not p.is_dir():
+        return None
+    if step_of(p.name) is not None or (p / "manifest.json").exists():
+        return p
+    latest = LocalStorage(p).read_latest()
+    if latest and (p / latest).is_dir():
+        return p / latest
+    tags = LocalStorage(p).tags()
+    return p / tags[-1] if tags else p
+
