@@ -167,3 +167,24 @@ def test_free_space_precheck_fails_fast_without_writing(run_finetune, small_tmpf
     assert "not enough free space" in r.output
     assert (out / "latest").read_text().strip() == "global_step2"
     assert sorted(p.name for p in out.glob("global_step*")) == ["global_step2"]
+
+
+def test_auto_resume_falls_back_past_a_damaged_checkpoint(run_finetune, tmp_path):
+    out = tmp_path / "fb"
+    first = run_finetune("--max_steps", "8", "--save_checkpoint", "--save_steps", "2", "--logging_steps", "1",
+                         out_dir=out, timeout=TIMEOUT)
+    _ok(first)
+    victim = out / "global_step8" / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # a flipped byte: only the checksum can tell
+    victim.write_bytes(bytes(data))
+    explicit = run_finetune("--max_steps", "8", "--resume_from_checkpoint", str(out / "global_step8"),
+                            out_dir=out, timeout=TIMEOUT)
+    assert explicit.returncode == 2 and "does not verify" in explicit.output
+    resumed = run_finetune("--max_steps", "10", "--save_checkpoint", "--logging_steps", "1",
+                           "--resume_from_checkpoint", "auto", out_dir=out, timeout=TIMEOUT)
+    _ok(resumed)
+    assert "not resuming from global_step8" in resumed.output and "checksum mismatch" in resumed.output
+    assert "Resumed from" in resumed.output and "global_step6 at step 6" in resumed.output
+    assert [r["step"] for r in resumed.train_rows()] == list(range(1, 11))
+    assert (out / "latest").read_text().strip() == "global_step10"
