@@ -14,7 +14,7 @@ import torch
 from tqdm.auto import tqdm
 
 from finetune import distributed as dist
-from finetune.checkpoint.manager import CheckpointManager, SaveError
+from finetune.checkpoint.manager import CheckpointManager, ResumePlan, SaveError
 from finetune.checkpoint.state import TrainingState
 from finetune.config import ConfigError, RunConfig, finalize_ds_config
 from finetune.data import IGNORE, ResumableSampler, TrainData, eval_batches, load_raw, pack, tokenize
@@ -90,6 +90,7 @@ class Trainer:
     checkpoints: CheckpointManager
     metrics: MetricsWriter
     state: TrainingState
+    resume_plan: ResumePlan | None
 
     @classmethod
     def build(cls, cfg: RunConfig) -> "Trainer":
@@ -105,6 +106,10 @@ class Trainer:
                          tokenizer.pad_token_id)
         total = t.max_steps or math.ceil(t.num_train_epochs * data.steps_per_epoch)
         ds_config = finalize_ds_config(cfg.ds_config, total, t.warmup_steps, t.learning_rate)
+        checkpoints = CheckpointManager(cfg, tokenizer)
+        plan = checkpoints.plan_resume()
+        if plan is not None and plan.universal is not None:
+            ds_config["checkpoint"] = {**ds_config.get("checkpoint", {}), "load_universal": True}
         model = load_model(cfg.model, ds_config, t.precision, t.seed)
         scheduler = None
         if "scheduler" not in ds_config:
@@ -121,14 +126,14 @@ class Trainer:
                     len(evalset) if evalset is not None else 0, total, data.steps_per_epoch, dist.world_size(),
                     time.perf_counter() - start)
         monitor = getattr(engine, "monitor", None)
-        checkpoints = CheckpointManager(cfg, engine, tokenizer)
+        checkpoints.attach(engine)
         return cls(cfg, engine, tokenizer, data, evalset, total, checkpoints,
-                   MetricsWriter(cfg.ckpt.output_dir, monitor), TrainingState())
+                   MetricsWriter(cfg.ckpt.output_dir, monitor), TrainingState(), plan)
 
     # --- the loop --------------------------------------------------------------------------
 
     def train(self) -> int:
-        resumed = self.checkpoints.resume(self)
+        resumed = self.checkpoints.resume(self, self.resume_plan)
         if not resumed:
             self.evaluate()
         # In a log file (sbatch, tee) a redraw per step is noise: refresh twice a minute there.

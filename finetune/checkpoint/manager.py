@@ -21,7 +21,11 @@ import errno
 import json
 import logging
 import os
+import shutil
+import subprocess
+import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -47,6 +51,16 @@ SKIP_SPACE_CHECK_ENV = "FINETUNE_SKIP_SPACE_CHECK"
 # Adam keeps fp32 master weights + two moments (12 B/param); the module states add a copy.
 BYTES_PER_PARAM_ESTIMATE = 16
 SPACE_MARGIN = 1.10
+
+
+UNIVERSAL = "universal"
+
+
+@dataclass
+class ResumePlan:
+    folder: Path
+    saved: dict  # trainer_state.json
+    universal: Path | None  # set when the world size changed
 
 
 class SaveError(RuntimeError):
@@ -128,10 +142,14 @@ class GuardedWriter:
 
 
 class CheckpointManager:
-    def __init__(self, cfg: RunConfig, engine, tokenizer, storage: LocalStorage | None = None):
-        self.cfg, self.engine, self.tokenizer = cfg, engine, tokenizer
+    def __init__(self, cfg: RunConfig, tokenizer, storage: LocalStorage | None = None):
+        self.cfg, self.tokenizer, self.engine = cfg, tokenizer, None
         self.out = Path(cfg.ckpt.output_dir)
         self.storage = storage or LocalStorage(self.out)
+
+    def attach(self, engine) -> None:
+        """Take over the engine's checkpoint writes (call once, after deepspeed.initialize)."""
+        self.engine = engine
         self.writer = GuardedWriter(engine.checkpoint_engine)
         engine.checkpoint_engine = self.writer
         if hasattr(engine, "_copy_recovery_script"):
@@ -269,25 +287,73 @@ class CheckpointManager:
 
     # --- resume ----------------------------------------------------------------------------
 
-    def resume(self, trainer) -> bool:
-        """Restore ``trainer`` from --resume_from_checkpoint; False when starting fresh."""
+    def plan_resume(self) -> ResumePlan | None:
+        """Pick (and verify) what to resume from, before the engine exists. Collective.
+
+        A checkpoint from another world size is converted once to DeepSpeed's universal format
+        (cached in ``<checkpoint>/universal``); the caller must then build the engine with
+        ``checkpoint.load_universal``.
+        """
         spec = self.cfg.ckpt.resume_from_checkpoint
         if spec is None:
-            return False
+            return None
         folder = self._resolve(spec)
         if folder is None:
             logger.info("--resume_from_checkpoint %s: no checkpoint in %s, starting fresh", spec, self.out)
-            return False
-        start = time.perf_counter()
+            return None
         saved = json.loads((folder / TRAINER_STATE).read_text())
-        self._check_compatible(folder, saved)
-        load_path, _ = self.engine.load_checkpoint(str(folder.parent), tag=folder.name, load_optimizer_states=True,
+        self._check_compatible(saved)
+        universal = None
+        if saved["world_size"] != dist.world_size():
+            universal = self._universal(folder)
+            dist.log_main(logging.INFO, "Resuming a %d-rank checkpoint on %d ranks: loading DeepSpeed's universal "
+                          "format from %s; the data order continues from global sample %d of epoch %d.",
+                          saved["world_size"], dist.world_size(), universal, saved["sampler"]["consumed"],
+                          saved["sampler"]["epoch"])
+        return ResumePlan(folder, saved, universal)
+
+    def _universal(self, folder: Path) -> Path:
+        """Rank 0 converts with DeepSpeed's ds_to_universal (staged, then renamed); others wait."""
+        target = folder / UNIVERSAL
+        error = None
+        if dist.is_main() and not target.is_dir():
+            start = time.perf_counter()
+            tmp = folder / f"{UNIVERSAL}.tmp"
+            shutil.rmtree(tmp, ignore_errors=True)
+            workers = str(max(1, min(4, os.cpu_count() or 1)))
+            proc = subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
+                                   str(folder), "--output_folder", str(tmp), "--num_extract_workers", workers,
+                                   "--num_merge_workers", workers], capture_output=True, text=True)
+            if proc.returncode == 0:
+                os.rename(tmp, target)
+                logger.info("Converted %s to the universal format in %.1f seconds.", folder.name,
+                            time.perf_counter() - start)
+            else:
+                shutil.rmtree(tmp, ignore_errors=True)
+                error = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
+        error = dist.all_gather_object(error)[0]  # collective: everyone waits for rank 0's conversion
+        if error:
+            raise RuntimeError(f"DeepSpeed's ds_to_universal failed on {folder}: {error[0]}")
+        return target
+
+    def resume(self, trainer, plan: ResumePlan | None) -> bool:
+        """Restore ``trainer`` from ``plan``; False when starting fresh."""
+        if plan is None:
+            return False
+        start, folder = time.perf_counter(), plan.folder
+        load_dir, tag = (str(folder), UNIVERSAL) if plan.universal else (str(folder.parent), folder.name)
+        load_path, _ = self.engine.load_checkpoint(load_dir, tag=tag, load_optimizer_states=True,
                                                    load_lr_scheduler_states=True)
         if load_path is None:
             raise RuntimeError(f"DeepSpeed could not load the checkpoint {folder}")
-        trainer.state = TrainingState.from_state_dict(saved)
+        trainer.state = TrainingState.from_state_dict(plan.saved)
         trainer.data.sampler.load_state_dict(trainer.state.sampler)
-        set_rng_state(torch.load(folder / f"rng_state_{dist.rank()}.pt", weights_only=True))
+        rng_file = folder / f"rng_state_{dist.rank()}.pt"
+        if rng_file.exists():
+            set_rng_state(torch.load(rng_file, weights_only=True))
+        else:
+            logger.warning("no RNG state for rank %d in %s (it had %d ranks); this rank keeps its seeded RNG",
+                           dist.rank(), folder.name, plan.saved["world_size"])
         if dist.is_main():
             _truncate_metrics(self.out / "metrics.jsonl", trainer.state.global_step)
         dist.barrier()
@@ -326,15 +392,12 @@ class CheckpointManager:
                               shared=dist.is_main()).problems
         return [p for rank_problems in dist.all_gather_object(problems) for p in rank_problems]
 
-    def _check_compatible(self, folder: Path, saved: dict) -> None:
-        if saved["world_size"] != dist.world_size():
-            raise ConfigError(f"--resume_from_checkpoint: {folder} was written by {saved['world_size']} ranks, "
-                              f"this run has {dist.world_size()}; resume with the same number of ranks")
+    def _check_compatible(self, saved: dict) -> None:
         for group, now in self.cfg.to_json_dict().items():
             for key, value in now.items():
                 before = saved.get("args", {}).get(group, {}).get(key, value)
                 if before != value and key not in IGNORED_ON_RESUME:
-                    logger.warning("resume: --%s is %r now, was %r in the checkpoint", key, value, before)
+                    dist.log_main(logging.WARNING, "resume: --%s is %r now, was %r in the checkpoint", key, value, before)
 
 
 def commit_staged(storage: LocalStorage, tag: str, files: dict[str, tuple[int, str]], world_size: int,

@@ -90,7 +90,7 @@ def test_resume_is_bitwise_identical(run_finetune, tiny_models, tmp_path, launch
     assert [r["step"] for r in resumed.train_rows()][-4:] == [9, 10, 11, 12]
 
 
-def test_auto_resume_without_checkpoint_starts_fresh_and_world_size_change_is_an_error(run_finetune, tmp_path):
+def test_auto_resume_starts_fresh_then_resumes(run_finetune, tmp_path):
     out = tmp_path / "o"
     fresh = run_finetune("--max_steps", "2", "--save_checkpoint", "--resume_from_checkpoint", "auto",
                          launcher="python", nprocs=1, out_dir=out, timeout=TIMEOUT)
@@ -100,10 +100,6 @@ def test_auto_resume_without_checkpoint_starts_fresh_and_world_size_change_is_an
                          launcher="python", nprocs=1, out_dir=out, timeout=TIMEOUT)
     _ok(again)
     assert [r["step"] for r in again.train_rows()] == [2, 4]  # run 1 flushed at 2; resumed run logs 4
-    other = run_finetune("--max_steps", "6", "--resume_from_checkpoint", "latest", nprocs=2, out_dir=out,
-                         timeout=TIMEOUT)
-    assert other.returncode == 2
-    assert "written by 1 ranks, this run has 2" in other.output
 
 
 def test_retention_keeps_the_newest(run_finetune):
