@@ -5,6 +5,10 @@ PY := $(VENV)/bin/python
 TORCH_CPU := torch==2.13.0
 STAMP := $(VENV)/.installed
 
+# DeepSpeed JIT-compiles its CPU ops into TORCH_EXTENSIONS_DIR. One cache per checkout: checkouts
+# sharing ~/.cache/torch_extensions keep invalidating each other's build (a ~2 min rebuild each time).
+export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/$(VENV)/torch_extensions
+
 .PHONY: setup demo test test-fast bench clean
 
 setup: $(STAMP)

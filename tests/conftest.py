@@ -109,6 +109,8 @@ def launcher_cmd(launcher: str, nprocs: int) -> list[str]:
 
 def child_env(extra: dict | None = None) -> dict:
     env = dict(os.environ)
+    # One DeepSpeed op cache per venv (see the Makefile): a shared one thrashes between checkouts.
+    env.setdefault("TORCH_EXTENSIONS_DIR", str(Path(sys.prefix) / "torch_extensions"))
     env.update({"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1",
                 "HF_DATASETS_OFFLINE": "1", "PYTHONUNBUFFERED": "1", "PATH": f"{BIN}:{env.get('PATH', '')}"})
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
