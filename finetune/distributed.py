@@ -52,8 +52,23 @@ def init() -> None:
     if "MASTER_PORT" not in os.environ:
         os.environ["MASTER_PORT"] = str(_free_port()) if world_size_env() == 1 else "29500"
     # Long timeout: a consolidated save of a large model legitimately keeps ranks apart a while.
+    from deepspeed.accelerator import get_accelerator
+
+    acc = get_accelerator()
+    if acc.device_name() != "cpu":
+        # Before any collective: NCCL runs object/tensor collectives on the *current* device, and
+        # without this every rank of a node would use device 0 until deepspeed.initialize.
+        acc.set_device(int(os.environ["LOCAL_RANK"]))
     deepspeed.init_distributed(timeout=timedelta(minutes=int(os.environ.get("FINETUNE_DIST_TIMEOUT_MIN", "30"))))
     _setup_logging()
+
+
+def device() -> torch.device:
+    """Where this rank's tensors go: the accelerator's current device, or CPU."""
+    from deepspeed.accelerator import get_accelerator
+
+    acc = get_accelerator()
+    return torch.device("cpu") if acc.device_name() == "cpu" else torch.device(acc.current_device_name())
 
 
 def world_size_env() -> int:
@@ -108,10 +123,11 @@ def all_gather_object(obj):
 
 def all_reduce_sum(values: list[float]) -> list[float]:
     """Element-wise sum over ranks (float64 so sums of counts stay exact). Collective."""
-    t = torch.tensor(values, dtype=torch.float64)
+    # On the rank's device: NCCL reduces only accelerator tensors (gloo takes CPU ones).
+    t = torch.tensor(values, dtype=torch.float64, device=device())
     if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
         torch.distributed.all_reduce(t)
-    return t.tolist()
+    return t.cpu().tolist()
 
 
 def log_main(level: int, msg: str, *args) -> None:

@@ -64,11 +64,15 @@ def load_model(args: ModelArgs, ds_config: dict, precision: str, seed: int):
         except (OSError, ValueError) as e:
             raise ConfigError(f"--config_name: cannot load a config from '{source}': {_first_line(e)}") from None
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=args.trust_remote_code)
-    del hf_ds
+    _KEEPALIVE.append(hf_ds)  # transformers checks it again later (generate, resize, checkpointing)
     if args.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        model.config.use_cache = False
+    # Training never reads the KV cache; building it costs time. (Restored in saved configs.)
+    model.config.use_cache = False
     return model
+
+
+_KEEPALIVE: list = []
 
 
 def count_parameters(model) -> int:

@@ -69,6 +69,10 @@ def _prepare_data(cfg: RunConfig, tokenizer):
     return train, evalset
 
 
+def _to(batch: dict, device) -> dict:
+    return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+
+
 def _param_groups(model, weight_decay: float) -> list[dict]:
     """No weight decay on biases and norm weights (1-D); under ZeRO-3 the full shape is ds_shape."""
     decay, no_decay = [], []
@@ -170,6 +174,7 @@ class Trainer:
         lr = float(engine.get_lr()[0]) if engine.lr_scheduler is not None or engine.optimizer else float("nan")
         w = self.state.window
         for batch in batches:
+            batch = _to(batch, engine.device)  # DeepSpeed's forward does not move inputs
             out = engine(**batch)
             # DeepSpeed divides by the accumulation steps and only steps the optimizer at the boundary.
             engine.backward(out.loss)
@@ -211,6 +216,7 @@ class Trainer:
         loss_sum, n_tokens = 0.0, 0
         for batch, real in eval_batches(self.evalset, self.cfg.train.per_device_eval_batch_size,
                                         dist.world_size(), dist.rank(), self.tokenizer.pad_token_id):
+            batch = _to(batch, self.engine.device)
             out = self.engine(**batch)
             n = int((batch["labels"][:, 1:] != IGNORE).sum())
             if real:

@@ -17,6 +17,7 @@ the free-space pre-check so a test can provoke a real ENOSPC in the middle of a 
 
 from __future__ import annotations
 
+import copy
 import errno
 import json
 import logging
@@ -229,7 +230,9 @@ class CheckpointManager:
 
     def _write_rank0_files(self, folder: Path, state: TrainingState) -> None:
         module = self.engine.module
-        module.config.save_pretrained(folder)
+        config = copy.deepcopy(module.config)
+        config.use_cache = True  # turned off for training only; inference wants it
+        config.save_pretrained(folder)
         if getattr(module, "generation_config", None) is not None and module.can_generate():
             module.generation_config.save_pretrained(folder)
         self.tokenizer.save_pretrained(folder)
