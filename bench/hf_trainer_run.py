@@ -1,0 +1,142 @@
+"""HF ``Trainer`` side of ``bench/train_throughput.py``; run by it under the DeepSpeed launcher.
+
+    deepspeed --num_gpus 2 bench/hf_trainer_run.py --config_dir D --tokenizer_dir T --train_file F \
+        --ds_config ds_hf.json --output_dir O --result R --max_steps N ...
+
+Builds the same model (``from_config`` of the bench's config, fp32, same seed, partitioned by
+``zero.Init`` because ``TrainingArguments(deepspeed=...)`` exists before the model), the same data
+(``text`` column, tokenizer special tokens, eos appended, truncated to ``--max_seq_length``, padded
+per batch to the longest row, pad masked from the loss) and trains with ``Trainer``: no eval, no
+saves, no reporting integrations.
+
+What it records, per rank, into ``R.rank{r}.json``: after every optimizer step
+(``TrainerCallback.on_step_end``) the ``time.perf_counter()`` and the cumulative number of non-pad
+tokens (``attention_mask.sum()``) this rank has fed to ``training_step``. The driver sums the tokens
+over ranks and takes the times from rank 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    p.add_argument("--config_dir", required=True)
+    p.add_argument("--tokenizer_dir", required=True)
+    p.add_argument("--train_file", required=True)
+    p.add_argument("--ds_config", required=True)
+    p.add_argument("--output_dir", required=True)
+    p.add_argument("--result", required=True, help="per-rank results go to RESULT.rank{r}.json")
+    p.add_argument("--max_seq_length", type=int, required=True)
+    p.add_argument("--per_device_train_batch_size", type=int, required=True)
+    p.add_argument("--learning_rate", type=float, required=True)
+    p.add_argument("--warmup_steps", type=int, required=True)
+    p.add_argument("--max_steps", type=int, required=True)
+    p.add_argument("--logging_steps", type=int, required=True)
+    p.add_argument("--seed", type=int, default=42)
+    p.add_argument("--local_rank", "--local-rank", type=int, default=-1)
+    return p.parse_args()
+
+
+def main() -> None:
+    t_start = time.perf_counter()
+    args = parse_args()
+    import datasets
+    import torch
+    from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer, DataCollatorForLanguageModeling,
+                              Trainer, TrainerCallback, TrainingArguments, set_seed)
+
+    # Before the model: a live HfDeepSpeedConfig makes from_config build it under zero.Init.
+    targs = TrainingArguments(
+        output_dir=args.output_dir, deepspeed=args.ds_config,
+        per_device_train_batch_size=args.per_device_train_batch_size, gradient_accumulation_steps=1,
+        learning_rate=args.learning_rate, warmup_steps=args.warmup_steps, lr_scheduler_type="linear",
+        weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8, max_grad_norm=1.0,
+        max_steps=args.max_steps, logging_steps=args.logging_steps, eval_strategy="no", save_strategy="no",
+        report_to="none", seed=args.seed, bf16=False, fp16=False, dataloader_num_workers=0,
+        dataloader_drop_last=True,  # finetune's sampler also drops the tail of an epoch
+    )
+    set_seed(args.seed)
+    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer_dir)
+    config = AutoConfig.from_pretrained(args.config_dir)
+    torch.manual_seed(args.seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+
+    datasets.disable_progress_bars()
+    raw = datasets.load_dataset("json", data_files={"train": args.train_file})["train"]
+    eos = tokenizer.eos_token_id
+
+    def encode(row):
+        ids = tokenizer(str(row["text"] or ""), add_special_tokens=True)["input_ids"]
+        if not ids or ids[-1] != eos:
+            ids = ids + [eos]
+        return {"input_ids": ids[: args.max_seq_length]}
+
+    train = raw.map(encode, remove_columns=raw.column_names, load_from_cache_file=False, keep_in_memory=True)
+    collator = DataCollatorForLanguageModeling(tokenizer, mlm=False)
+
+    class CountingTrainer(Trainer):
+        tokens = 0
+
+        def training_step(self, model, inputs, num_items_in_batch=None):
+            # Same count as finetune: non-pad tokens of the micro-batch this rank trains on.
+            CountingTrainer.tokens += int(inputs["attention_mask"].sum())
+            return super().training_step(model, inputs, num_items_in_batch)
+
+    class Recorder(TrainerCallback):
+        def __init__(self):
+            self.steps, self.times, self.tokens = [], [], []
+            self.t_train_begin = None
+
+        def on_train_begin(self, a, state, control, **kw):
+            self.t_train_begin = time.perf_counter()
+
+        def on_step_end(self, a, state, control, **kw):
+            self.times.append(time.perf_counter())
+            self.steps.append(state.global_step)
+            self.tokens.append(CountingTrainer.tokens)
+
+    rec = Recorder()
+    trainer = CountingTrainer(model=model, args=targs, train_dataset=train, data_collator=collator,
+                              callbacks=[rec])
+    t_ready = time.perf_counter()
+    trainer.train()
+    t_end = time.perf_counter()
+
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    n_params = sum(getattr(p, "ds_numel", p.numel()) for p in trainer.model.parameters())
+    out = {
+        "rank": rank,
+        "hf_view": {"args.world_size": targs.world_size, "args.process_index": targs.process_index,
+                    "parallel_mode": str(targs.parallel_mode),
+                    "accelerator.num_processes": trainer.accelerator.num_processes,
+                    "distributed_type": str(trainer.accelerator.distributed_type),
+                    "accelerate_backend": getattr(trainer.accelerator.state, "backend", None)},
+        "world_size": torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1,
+        "backend": torch.distributed.get_backend() if torch.distributed.is_initialized() else None,
+        "torch_num_threads": torch.get_num_threads(),
+        "omp_num_threads_env": os.environ.get("OMP_NUM_THREADS"),
+        "parameters": n_params,
+        "train_examples": len(train),
+        "ds_train_batch_size": trainer.deepspeed.train_batch_size() if trainer.deepspeed else None,
+        "ds_zero_stage": trainer.deepspeed.zero_optimization_stage() if trainer.deepspeed else None,
+        "optimizer": type(trainer.optimizer.optimizer if hasattr(trainer.optimizer, "optimizer")
+                          else trainer.optimizer).__name__,
+        "log_history": trainer.state.log_history,
+        "startup_s": t_ready - t_start,
+        "train_call_s": t_end - t_ready,
+        "t_train_begin": rec.t_train_begin,
+        "steps": rec.steps,
+        "times": rec.times,
+        "tokens_cum": rec.tokens,
+    }
+    with open(f"{args.result}.rank{rank}.json", "w") as f:
+        json.dump(out, f)
+
+
+if __name__ == "__main__":
+    main()
