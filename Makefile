@@ -33,6 +33,8 @@ test-fast: setup
 
 bench: setup
 	PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(PY) bench/train_throughput.py
+	PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(PY) bench/checkpoint_save.py
+	PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(PY) bench/export.py
 
 clean:
 	rm -rf output bench/results

@@ -10,6 +10,7 @@ import argparse
 import dataclasses
 import os
 import sys
+import time
 from pathlib import Path
 from typing import Any, Callable
 
@@ -298,7 +299,40 @@ def _verify(argv: list[str]) -> int:
     return 1
 
 
-COMMANDS: dict[str, Callable[[list[str]], int]] = {"train": _train, "verify": _verify}
+def _export(argv: list[str]) -> int:
+    from finetune.checkpoint.export import export_hf, export_universal
+
+    p = _Parser(prog="finetune export", description="Turn a checkpoint into a HuggingFace model folder (safetensors, "
+                "config, tokenizer), rebuilt from the rank files in one plain process with bounded memory; "
+                "or, with --universal, into DeepSpeed's universal format. Exit 2 on bad input.")
+    p.add_argument("checkpoint", metavar="CKPT", help="A checkpoint folder, or an output dir (its `latest` is exported).")
+    p.add_argument("out", metavar="OUT", nargs="?", help="The folder to create (must not exist, or be empty). "
+                   "With --universal, default CHECKPOINT/universal.")
+    p.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default=None,
+                   help="Weights dtype (default: the training dtype in trainer_state.json, else fp32).")
+    p.add_argument("--max_shard_size", default=None, help="Largest safetensors shard (default: 5GB).")
+    p.add_argument("--exclude_frozen_parameters", action="store_true", help="Leave out parameters that were frozen.")
+    p.add_argument("--universal", action="store_true", help="Write DeepSpeed's universal checkpoint format instead "
+                   "(what resume on another world size loads).")
+    ns = p.parse_args(argv)
+    if ns.universal:
+        if ns.dtype or ns.max_shard_size or ns.exclude_frozen_parameters:
+            raise ConfigError("`--universal` takes no `--dtype`, `--max_shard_size` or `--exclude_frozen_parameters`")
+        start = time.perf_counter()
+        target = export_universal(ns.checkpoint, ns.out)
+        print(f"Converted {ns.checkpoint} to DeepSpeed's universal format in {target} "
+              f"({time.perf_counter() - start:.1f} s)")
+        return 0
+    if ns.out is None:
+        p.error("the following arguments are required: OUT")
+    if ns.max_shard_size is not None:
+        _check_size(ns.max_shard_size)
+    result = export_hf(ns.checkpoint, ns.out, ns.dtype, ns.max_shard_size, ns.exclude_frozen_parameters)
+    print(result.summary())
+    return 0
+
+
+COMMANDS: dict[str, Callable[[list[str]], int]] = {"train": _train, "verify": _verify, "export": _export}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -22,9 +22,6 @@ import errno
 import json
 import logging
 import os
-import shutil
-import subprocess
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -321,19 +318,14 @@ class CheckpointManager:
         error = None
         if dist.is_main() and not target.is_dir():
             start = time.perf_counter()
-            tmp = folder / f"{UNIVERSAL}.tmp"
-            shutil.rmtree(tmp, ignore_errors=True)
-            workers = str(max(1, min(4, os.cpu_count() or 1)))
-            proc = subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
-                                   str(folder), "--output_folder", str(tmp), "--num_extract_workers", workers,
-                                   "--num_merge_workers", workers], capture_output=True, text=True)
-            if proc.returncode == 0:
-                os.rename(tmp, target)
+            from finetune.checkpoint.export import to_universal
+
+            failure = to_universal(folder, target)  # staged in universal.tmp, renamed into place on success
+            if failure is None:
                 logger.info("Converted %s to the universal format in %.1f seconds.", folder.name,
                             time.perf_counter() - start)
             else:
-                shutil.rmtree(tmp, ignore_errors=True)
-                error = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
+                error = [failure]
         error = dist.all_gather_object(error)[0]  # collective: everyone waits for rank 0's conversion
         if error:
             raise RuntimeError(f"DeepSpeed's ds_to_universal failed on {folder}: {error[0]}")

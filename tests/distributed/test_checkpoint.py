@@ -7,7 +7,7 @@ import subprocess
 import uuid
 
 import pytest
-from conftest import EMBEDDED_TOKENIZER_FILES, checkpoint_files, partitioned_file_set
+from conftest import checkpoint_files, partitioned_file_set
 
 from finetune.checkpoint.manifest import hash_file
 

@@ -1,0 +1,208 @@
+"""Offline export, one process: reconstruction from rank files laid out as ZeRO-3 lays them out,
+dtype and sharding, page release, and bad inputs. Real 2-rank checkpoints: tests/distributed/test_export.py."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from collections import OrderedDict
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from finetune.checkpoint import export as ex
+from finetune.checkpoint.consolidate import INDEX
+from finetune.cli import main
+
+VOCAB = 97
+
+
+def tiny(model_type: str, tied: bool):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(model_type, vocab_size=VOCAB, tie_word_embeddings=tied, hidden_size=32,
+                                  intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                                  num_key_value_heads=1, max_position_embeddings=64)
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config)
+
+
+def _partition(t: torch.Tensor, world: int, r: int) -> torch.Tensor:
+    """Rank r's ZeRO-3 partition of ``t``: ceil(numel / world) elements of the flattened tensor, zero-padded."""
+    part = math.ceil(t.numel() / world)
+    flat = torch.zeros(part * world, dtype=t.dtype)
+    flat[:t.numel()] = t.reshape(-1)
+    return flat[r * part:(r + 1) * part].clone()
+
+
+def write_zero3(folder: Path, state: dict[str, torch.Tensor], world: int, *, frozen=(), buffers=(),
+                shared: dict[str, str] | None = None, cuts=(0.5,)) -> None:
+    """Rank files in DeepSpeed's ZeRO-3 layout (what engine.save_checkpoint writes): trainable
+    parameters in two optimizer groups (matrices, then vectors), each rank's flat fp32 space cut into
+    sub-groups at the fractions ``cuts``, which straddle parameter boundaries."""
+    from deepspeed.runtime.zero.config import ZeroStageEnum  # pickled as DeepSpeed pickles it
+
+    shared = shared or {}
+    trainable = [n for n in state if n not in frozen and n not in buffers and n not in shared]
+    groups = [[n for n in trainable if state[n].dim() > 1], [n for n in trainable if state[n].dim() <= 1]]
+    param_shapes = [OrderedDict((n, state[n].shape) for n in g) for g in groups]
+    order = [n for g in groups for n in g]
+    for r in range(world):
+        flat = torch.cat([_partition(state[n].float(), world, r) for n in order])
+        bounds = sorted({0, flat.numel(), *(int(flat.numel() * c) + 1 for c in cuts)})
+        module = OrderedDict((n, state[n].clone() if n in buffers else torch.empty(0)) for n in state)
+        model_states = {"module": module, "buffer_names": list(buffers), "param_shapes": param_shapes,
+                        "frozen_param_shapes": OrderedDict((n, state[n].shape) for n in frozen),
+                        "frozen_param_fragments": OrderedDict((n, _partition(state[n], world, r)) for n in frozen),
+                        "shared_params": dict(shared), "ds_version": "0.19.8"}
+        optim = {"optimizer_state_dict": {
+            "zero_stage": ZeroStageEnum.weights, "partition_count": world,
+            "fp32_flat_groups": [flat[a:b].clone() for a, b in zip(bounds, bounds[1:])],
+            "optimizer_state_dict": {"state": {0: {"exp_avg": torch.full_like(flat, 7.0)}}, "param_groups": []}}}
+        torch.save(model_states, folder / f"zero_pp_rank_{r}_mp_rank_00_model_states.pt")
+        torch.save(optim, folder / f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt")
+    (folder / "trainer_state.json").write_text(json.dumps({"world_size": world, "dtype": "fp32"}))
+    (folder / "manifest.json").write_text(json.dumps({"world_size": world, "files": {}}))
+
+
+@pytest.fixture
+def qwen_checkpoint(tmp_path):
+    """A tied model on 3 ranks (padding on the last rank), one frozen parameter."""
+    model = tiny("qwen2", tied=True)
+    state = model.state_dict()
+    folder = tmp_path / "global_step7"
+    folder.mkdir()
+    write_zero3(folder, state, world=3, frozen=("model.layers.0.mlp.up_proj.weight",),
+                shared={"lm_head.weight": "model.embed_tokens.weight"}, cuts=(1 / 3, 1 / 2))
+    model.config.save_pretrained(folder)
+    (folder / "tokenizer_config.json").write_text("{}")
+    (folder / "rng_state_0.pt").write_bytes(b"x")
+    return model, folder
+
+
+def test_rebuilds_weights_like_save_pretrained(tmp_path, qwen_checkpoint):
+    from transformers import AutoModelForCausalLM
+
+    model, folder = qwen_checkpoint
+    result = ex.export_hf(folder, tmp_path / "hf", progress=False)
+    out = tmp_path / "hf"
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors", "tokenizer_config.json"]
+    ours = load_file(out / "model.safetensors")
+    model.save_pretrained(tmp_path / "ref")
+    ref = load_file(tmp_path / "ref" / "model.safetensors")
+    assert set(ours) == set(ref) and "lm_head.weight" not in ours  # the tied copy is written once
+    assert all(torch.equal(ours[k], ref[k]) for k in ref)
+    assert result.tensors == len(ref) and not result.copied and result.dtype == torch.float32
+    loaded, info = AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    x = torch.randint(0, VOCAB, (2, 9))
+    with torch.no_grad():
+        assert torch.equal(loaded.eval()(x).logits, model.eval()(x).logits)
+
+
+def test_bf16_shards_and_excluded_frozen(tmp_path, qwen_checkpoint):
+    model, folder = qwen_checkpoint
+    out = tmp_path / "hf"
+    ex.export_hf(folder, out, dtype="bf16", max_shard_size="8KB", exclude_frozen=True, progress=False)
+    index = json.loads((out / INDEX).read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    assert len(shards) > 2 and shards[-1] == f"model-{len(shards):05d}-of-{len(shards):05d}.safetensors"
+    ours = {k: v for s in shards for k, v in load_file(out / s).items()}
+    state = model.state_dict()
+    assert set(ours) == set(index["weight_map"]) == set(state) - {"lm_head.weight", "model.layers.0.mlp.up_proj.weight"}
+    assert all(v.dtype == torch.bfloat16 and torch.equal(v, state[k].to(torch.bfloat16)) for k, v in ours.items())
+    assert index["metadata"]["total_size"] == sum(v.numel() * 2 for v in ours.values())
+    assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
+
+
+def test_buffers_keep_their_dtype(tmp_path):
+    state = OrderedDict(w=torch.randn(5, 3), b=torch.randn(7), steps=torch.arange(4), scale=torch.tensor([0.5]))
+    folder = tmp_path / "ckpt"
+    folder.mkdir()
+    write_zero3(folder, state, world=2, buffers=("steps", "scale"))
+    (folder / "config.json").write_text("{}")
+    ex.export_hf(folder, tmp_path / "hf", dtype="fp16", progress=False)
+    ours = load_file(tmp_path / "hf" / "model.safetensors")
+    assert list(ours) == list(state)  # the model's state-dict order
+    assert ours["steps"].dtype == torch.int64 and torch.equal(ours["steps"], state["steps"])
+    assert torch.equal(ours["w"], state["w"].half()) and ours["scale"].dtype == torch.float16
+
+
+def test_reads_rank_files_without_importing_deepspeed(tmp_path, qwen_checkpoint):
+    _, folder = qwen_checkpoint
+    code = ("import sys; from finetune.checkpoint.export import export_hf; "
+            f"export_hf({str(folder)!r}, {str(tmp_path / 'hf')!r}, progress=False); "
+            "assert 'deepspeed' not in sys.modules, 'deepspeed was imported'")
+    subprocess.run([sys.executable, "-c", code], check=True)
+    assert (tmp_path / "hf" / "model.safetensors").exists()
+
+
+def test_released_pages_read_back_intact(tmp_path):
+    t = torch.randn(3 << 20)  # 12 MB: many whole pages
+    torch.save({"x": t}, tmp_path / "t.pt")
+    mapped = ex._load(tmp_path / "t.pt")["x"]
+    pager = ex._Pager(tmp_path / "t.pt", mapped)
+    assert pager.enabled == sys.platform.startswith("linux")
+    pieces = [p.clone() for p in ex._chunks(mapped, pager)]  # each released after it is consumed
+    assert torch.equal(torch.cat(pieces), t) and torch.equal(mapped, t)  # dropped pages come back from the file
+    anonymous = torch.randn(1 << 20)
+    assert not ex._Pager(tmp_path / "t.pt", anonymous).enabled  # never madvise memory not mapped from the file
+
+
+def test_consolidated_weights_are_copied(tmp_path, qwen_checkpoint):
+    model, folder = qwen_checkpoint
+    ex.export_hf(folder, tmp_path / "first", progress=False)
+    for name in ("model.safetensors",):
+        (folder / name).write_bytes((tmp_path / "first" / name).read_bytes())
+    result = ex.export_hf(folder, tmp_path / "hf", progress=False)
+    assert result.copied
+    assert (tmp_path / "hf" / "model.safetensors").read_bytes() == (folder / "model.safetensors").read_bytes()
+    rebuilt = ex.export_hf(folder, tmp_path / "bf16", dtype="bf16", progress=False)  # another dtype: rebuilt
+    assert not rebuilt.copied and rebuilt.dtype == torch.bfloat16
+
+
+# --- bad input: exit 2, one line naming the path, nothing written ---------------------------------
+
+def _error(capsys, *argv) -> str:
+    assert main(["export", *map(str, argv)]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("finetune: error: "), lines
+    return lines[0]
+
+
+def test_not_a_checkpoint(tmp_path, capsys):
+    assert str(tmp_path / "nope") in _error(capsys, tmp_path / "nope", tmp_path / "out")
+    (tmp_path / "empty").mkdir()
+    assert "not a checkpoint" in _error(capsys, tmp_path / "empty", tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_missing_rank_file(tmp_path, capsys, qwen_checkpoint):
+    _, folder = qwen_checkpoint
+    (folder / "zero_pp_rank_2_mp_rank_00_optim_states.pt").unlink()
+    message = _error(capsys, folder, tmp_path / "out")
+    assert str(folder / "zero_pp_rank_2_mp_rank_00_optim_states.pt") in message and "rank 2 of 3" in message
+    assert not (tmp_path / "out").exists() and not any(p.name.startswith(".out") for p in tmp_path.iterdir())
+
+
+def test_out_not_empty(tmp_path, capsys, qwen_checkpoint):
+    _, folder = qwen_checkpoint
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "keep.txt").write_text("mine")
+    assert str(tmp_path / "out") in _error(capsys, folder, tmp_path / "out")
+    assert [p.name for p in (tmp_path / "out").iterdir()] == ["keep.txt"]
+    (tmp_path / "empty_out").mkdir()  # an empty folder is fine
+    assert main(["export", str(folder), str(tmp_path / "empty_out")]) == 0
+
+
+def test_bad_flags(tmp_path, capsys, qwen_checkpoint):
+    _, folder = qwen_checkpoint
+    assert "--max_shard_size" in _error(capsys, folder, tmp_path / "out", "--max_shard_size", "huge")
+    assert "--universal" in _error(capsys, folder, "--universal", "--dtype", "bf16")
+    with pytest.raises(SystemExit) as e:
+        main(["export", str(folder)])  # OUT is required without --universal
+    assert e.value.code == 2
