@@ -74,6 +74,9 @@ def main() -> None:
            "--out", str(work / "out"), "--repeats", str(a.repeats)]
     start = time.time()
     proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    for line in proc.stdout.splitlines():
+        if "Finished saving" in line:
+            print(line.split("] ")[-1])
     lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
     if proc.returncode != 0 or not lines:
         sys.stdout.write(proc.stdout[-5000:])

@@ -118,6 +118,12 @@ class _ShardWriter:
         self.files: dict[str, tuple[int, str]] = {}
 
     def write(self, name: str, tensor: torch.Tensor) -> None:
+        assert tuple(tensor.shape) == tuple(self.meta[name].shape), f"{name}: gathered {tuple(tensor.shape)}"
+        self.begin(name)
+        self.append(tensor)
+        self.end(name, tensor.numel())
+
+    def begin(self, name: str) -> None:
         fname, expected = self.order[self.pos]
         assert name == expected, f"consolidation order broke: got {name}, planned {expected}"
         if fname != self.current:
@@ -126,9 +132,17 @@ class _ShardWriter:
             self.file = open(self.folder / fname, "wb")
             self.writer = HashingWriter(self.file)
             self.writer.write(_header(self.split.filename_to_tensors[fname], self.meta))
-        data = tensor.detach().to(self.meta[name].dtype).contiguous().cpu()
-        assert tuple(data.shape) == tuple(self.meta[name].shape), f"{name}: gathered {tuple(data.shape)}"
-        self.writer.write(data.view(torch.uint8).numpy() if data.numel() else b"")
+        self.appended = 0
+
+    def append(self, piece: torch.Tensor) -> None:
+        """The next elements of the current tensor, in flattened order."""
+        data = piece.detach().reshape(-1).to(self.meta[self.order[self.pos][1]].dtype).contiguous().cpu()
+        if data.numel():
+            self.writer.write(data.view(torch.uint8).numpy())
+        self.appended += data.numel()
+
+    def end(self, name: str, numel: int) -> None:
+        assert self.appended == numel == self.meta[name].numel(), f"{name}: wrote {self.appended} of {numel} elements"
         self.pos += 1
 
     def _close(self) -> None:
@@ -166,6 +180,58 @@ def _module_groups(entries) -> Iterator[list[tuple[str, torch.nn.Module, str, bo
         yield group
 
 
+# Parameters at least this big are not gathered whole: each rank sends its partition to rank 0 in
+# turn, so rank 0 holds 1/world of one parameter (embeddings and LM heads are the large ones).
+# Test seam: FINETUNE_STREAM_BYTES lowers it so tiny test models take the streaming path too.
+STREAM_BYTES = 8 << 20
+
+
+def _streamable(p) -> bool:
+    threshold = int(os.environ.get("FINETUNE_STREAM_BYTES", STREAM_BYTES))
+    return hasattr(p, "ds_tensor") and p.ds_tensor is not None and p.ds_tensor.numel() > 0 \
+        and p.ds_numel * p.ds_tensor.element_size() >= threshold
+
+
+def _stream_partitions(p, writer: _ShardWriter | None, name: str, write: bool) -> BaseException | None:
+    """Every rank must call this: the ZeRO-3 partitions of ``p``, in rank order, to rank 0.
+
+    Partition r holds elements [r*n, (r+1)*n) of the flattened parameter (the last ones padded),
+    so appending them in rank order and stopping at ds_numel rebuilds it.
+    """
+    import torch.distributed as tdist
+
+    part = p.ds_tensor.detach()
+    if not dist.is_main():
+        tdist.send(part.contiguous(), dst=0)
+        return None
+    # Rank 0 receives every partition even when it is not writing (after an earlier error).
+    error, remaining = (None, p.ds_numel) if write else (RuntimeError("skipped"), p.ds_numel)
+    if write:
+        try:
+            writer.begin(name)
+        except (OSError, AssertionError) as e:
+            error = e
+    buf = torch.empty_like(part) if dist.world_size() > 1 else None
+    for r in range(dist.world_size()):
+        piece = part
+        if r:
+            tdist.recv(buf, src=r)  # received even after a write error: rank r is sending regardless
+            piece = buf
+        n = min(remaining, piece.numel())
+        remaining -= n
+        if error is None:
+            try:
+                writer.append(piece[:n])
+            except OSError as e:
+                error = e
+    if error is None:
+        try:
+            writer.end(name, p.ds_numel)
+        except AssertionError as e:
+            error = e
+    return error if write else None
+
+
 def save_consolidated(model, folder: Path, dtype: torch.dtype, max_shard_size: str | int) -> dict[str, tuple[int, str]]:
     """Write HF safetensors shards of ``model`` into ``folder``. Collective: every rank must call it.
 
@@ -179,15 +245,19 @@ def save_consolidated(model, folder: Path, dtype: torch.dtype, max_shard_size: s
     writer = _ShardWriter(folder, split, meta) if dist.is_main() else None
     error: BaseException | None = None
     for group in _module_groups(entries):
-        params = [getattr(m, a) for _, m, a, is_param in group if is_param and hasattr(getattr(m, a), "ds_id")]
-        # Every rank must enter: this all-gathers the module's partitions.
-        with deepspeed.zero.GatheredParameters(params, modifier_rank=None, enabled=bool(params)):
-            if writer is not None and error is None:
-                try:
-                    for name, m, a, _ in group:
-                        writer.write(name, getattr(m, a))
-                except (OSError, AssertionError) as e:
-                    error = e
+        tensors = [(name, getattr(m, a), is_param) for name, m, a, is_param in group]
+        streamed = {id(t) for _, t, is_param in tensors if is_param and _streamable(t)}
+        gathered = [t for _, t, is_param in tensors if is_param and hasattr(t, "ds_id") and id(t) not in streamed]
+        # Every rank must enter: this all-gathers the module's small partitioned parameters.
+        with deepspeed.zero.GatheredParameters(gathered, modifier_rank=None, enabled=bool(gathered)):
+            for name, t, _ in tensors:
+                if id(t) in streamed:
+                    error = _stream_partitions(t, writer, name, write=error is None) or error
+                elif writer is not None and error is None:
+                    try:
+                        writer.write(name, t)
+                    except (OSError, AssertionError) as e:
+                        error = e
     if writer is None:
         return {}
     if error is not None:

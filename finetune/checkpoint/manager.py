@@ -157,16 +157,20 @@ class CheckpointManager:
 
     def save(self, state: TrainingState, final: bool) -> Path:
         """Save and commit a checkpoint of ``state``; raises SaveError on every rank if any failed."""
-        tag, start = tag_for(state.global_step), time.perf_counter()
+        tag, clock = tag_for(state.global_step), _Clock()
         self._check_space(tag)
+        clock.lap("check")
         self._write(tag, state)
+        clock.lap("write")
         files = self._agree_written(tag)
+        clock.lap("agree")
         self._commit(tag, files)
+        clock.lap("commit")
         self._retain(tag)
-        seconds = time.perf_counter() - start
+        clock.lap("retain")
         total = sum(size for size, _ in files.values())
-        logger.info("Finished saving the checkpoint %s in %.2f seconds (%.1f MB, %.1f MB/s)%s.", tag, seconds,
-                    total / 1e6, total / 1e6 / max(seconds, 1e-9), " [final]" if final else "")
+        logger.info("Finished saving the checkpoint %s in %.2f seconds (%.1f MB, %.1f MB/s; %s)%s.", tag, clock.total,
+                    total / 1e6, total / 1e6 / max(clock.total, 1e-9), clock, " [final]" if final else "")
         return self.out / tag
 
     def _check_space(self, tag: str) -> None:
@@ -431,6 +435,26 @@ def select_for_deletion(complete: list[str], limit: int, protected: set) -> list
     ordered = sorted(complete, key=step_of)
     excess = len(ordered) - limit
     return [t for t in ordered if t not in protected][:max(excess, 0)]
+
+
+class _Clock:
+    """Per-phase timings of one save, for the log line."""
+
+    def __init__(self):
+        self.start = self.last = time.perf_counter()
+        self.laps: list[tuple[str, float]] = []
+
+    def lap(self, name: str) -> None:
+        now = time.perf_counter()
+        self.laps.append((name, now - self.last))
+        self.last = now
+
+    @property
+    def total(self) -> float:
+        return self.last - self.start
+
+    def __str__(self) -> str:
+        return " ".join(f"{name} {seconds:.2f}s" for name, seconds in self.laps)
 
 
 def _describe(bad: dict[int, str]) -> str:
