@@ -42,18 +42,23 @@ def set_seed(seed: int) -> None:
 def main_first(fn):
     """Run ``fn`` on rank 0, then on the others (they reuse its dataset cache). Collective.
 
-    A ConfigError on rank 0 is shared with every rank so they all exit 2 instead of waiting.
+    Each phase ends in an all-gather of errors, so a failure on any rank is seen by every rank
+    before anyone moves on to the next collective (model construction all-gathers).
     """
     result, error = None, None
-    if dist.is_main():
-        try:
-            result = fn()
-        except ConfigError as e:
-            error = str(e)
-    errors = dist.all_gather_object(error)
-    if errors[0] is not None:
-        raise ConfigError(errors[0])
-    return result if dist.is_main() else fn()
+    for phase_is_mine in (dist.is_main(), not dist.is_main()):
+        if phase_is_mine:
+            try:
+                result = fn()
+            except Exception as e:  # noqa: BLE001 — re-raised below on every rank, after agreeing
+                error = e
+        errors = [e for e in dist.all_gather_object(None if error is None else (type(error).__name__, str(error))) if e]
+        if error is not None:
+            raise error
+        if errors:
+            kind, message = errors[0]
+            raise ConfigError(message) if kind == "ConfigError" else RuntimeError(f"another rank failed: {message}")
+    return result
 
 
 def _prepare_data(cfg: RunConfig, tokenizer):

@@ -187,9 +187,11 @@ STREAM_BYTES = 8 << 20
 
 
 def _streamable(p) -> bool:
+    """Decided from facts every rank shares (full size, offload config), never from a rank's own
+    partition: the answer picks send/recv or all-gather, and all ranks must pick the same."""
     threshold = int(os.environ.get("FINETUNE_STREAM_BYTES", STREAM_BYTES))
-    return hasattr(p, "ds_tensor") and p.ds_tensor is not None and p.ds_tensor.numel() > 0 \
-        and p.ds_numel * p.ds_tensor.element_size() >= threshold
+    on_nvme = str(getattr(getattr(p, "ds_tensor", None), "final_location", "")).endswith("nvme")
+    return hasattr(p, "ds_numel") and not on_nvme and p.ds_numel * p.element_size() >= threshold
 
 
 def _stream_partitions(p, writer: _ShardWriter | None, name: str, write: bool) -> BaseException | None:

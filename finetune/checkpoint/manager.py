@@ -361,24 +361,36 @@ class CheckpointManager:
         return True
 
     def _resolve(self, spec: str) -> Path | None:
-        """The folder to resume from: verified (collectively), falling back past damaged ones."""
+        """The folder to resume from: verified (collectively), falling back past damaged ones.
+
+        Rank 0 alone looks at the filesystem and sends every rank the same candidate list: ranks
+        that listed for themselves could disagree (node-local storage, a concurrent delete) and
+        then run different numbers of the verification collective below.
+        """
+        candidates, error = dist.all_gather_object(self._candidates(spec) if dist.is_main() else None)[0]
+        if error:
+            raise ConfigError(error)
+        for folder in map(Path, candidates):
+            problems = self._verify_collectively(folder)
+            if not problems:
+                return folder
+            if spec not in ("latest", "auto"):
+                raise ConfigError(f"--resume_from_checkpoint: {folder} does not verify: {'; '.join(problems[:3])}")
+            dist.log_main(logging.WARNING, "not resuming from %s: %s; trying an older checkpoint",
+                          folder.name, "; ".join(problems[:3]))
+        if spec == "latest":
+            raise ConfigError(f"--resume_from_checkpoint latest: no complete checkpoint in {self.out}")
+        return None
+
+    def _candidates(self, spec: str) -> tuple[list[str], str | None]:
+        """Rank 0: folders to try, best first, or an error message for every rank to raise."""
         if spec in ("latest", "auto"):
-            for tag in resume_candidates(self.storage.read_latest(), self.storage.tags()):
-                problems = self._verify_collectively(self.out / tag)
-                if not problems:
-                    return self.out / tag
-                dist.log_main(logging.WARNING, "not resuming from %s: %s; trying an older checkpoint",
-                              tag, "; ".join(problems[:3]))
-            if spec == "latest":
-                raise ConfigError(f"--resume_from_checkpoint latest: no complete checkpoint in {self.out}")
-            return None
+            tags = resume_candidates(self.storage.read_latest(), self.storage.tags())
+            return [str(self.out / t) for t in tags], None
         path = find_checkpoint(spec)
         if path is None or not looks_like_checkpoint(path):
-            raise ConfigError(f"--resume_from_checkpoint: no checkpoint at {spec}")
-        problems = self._verify_collectively(path)
-        if problems:
-            raise ConfigError(f"--resume_from_checkpoint: {path} does not verify: {'; '.join(problems[:3])}")
-        return path
+            return [], f"--resume_from_checkpoint: no checkpoint at {spec}"
+        return [str(path)], None
 
     def _verify_collectively(self, folder: Path) -> list[str]:
         """Every rank checks a share of the rank files (rank 0 also the shared ones). Collective."""
