@@ -21,7 +21,9 @@ from finetune.config import (
     DataArgs,
     ModelArgs,
     RunConfig,
+    DATA_EXTENSIONS,
     TrainArgs,
+    data_format,
     env_world_size,
     load_ds_json,
     reconcile,
@@ -29,7 +31,6 @@ from finetune.config import (
 )
 
 GROUPS = (("model", ModelArgs), ("data", DataArgs), ("train", TrainArgs), ("ckpt", CheckpointArgs))
-DATA_EXTENSIONS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet", ".txt": "text"}
 
 # Fallbacks for unset fields; the embedded tiny model gets values that make it learn in a short run.
 FALLBACKS = dict(per_device_train_batch_size=8, gradient_accumulation_steps=1, learning_rate=5e-5,
@@ -182,10 +183,6 @@ def _validate_paths(v: dict[str, Any]) -> None:
         if v[flag] and _looks_local(v[flag]) and not Path(v[flag]).exists():
             raise ConfigError(f"--{flag}: no such directory: {v[flag]}")
     resolve_config_path(v["deepspeed_config"])
-
-
-def data_format(path: str) -> str | None:
-    return DATA_EXTENSIONS.get(Path(path).suffix.lower())
 
 
 def _looks_local(name: str) -> bool:

@@ -21,6 +21,7 @@ CONFIGS_DIR = PACKAGE_DIR.parent / "configs"
 DEFAULT_DS_CONFIG = "configs/ds_zero3.json"
 
 PRECISIONS = ("auto", "bf16", "fp16", "fp32")
+DATA_EXTENSIONS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet", ".txt": "text"}
 SCHEDULERS = ("linear", "cosine", "constant", "constant_with_warmup")
 
 
@@ -211,6 +212,11 @@ def _walk(node: Any, prefix: str = ""):
             yield from _walk(v, f"{prefix}{k}.")
     else:
         yield prefix.rstrip("."), node
+
+
+def data_format(path: str) -> str | None:
+    """The `datasets` builder for a local data file, from its extension."""
+    return DATA_EXTENSIONS.get(Path(path).suffix.lower())
 
 
 def env_world_size() -> int:

@@ -14,7 +14,7 @@ from typing import Any, Iterator
 
 import torch
 
-from finetune.config import RESOURCES_DIR, ConfigError, DataArgs
+from finetune.config import RESOURCES_DIR, ConfigError, DataArgs, data_format
 from finetune.distributed import logger
 
 IGNORE = -100  # label value the loss skips
@@ -51,7 +51,6 @@ def load_raw(args: DataArgs, seed: int):
 
 def _load(args: DataArgs):
     import datasets
-    from finetune.cli import data_format
 
     if args.dataset_name:
         try:

@@ -145,6 +145,7 @@ class Trainer:
         resumed = self.checkpoints.resume(self, self.resume_plan)
         if not resumed:
             self.evaluate()
+        self.engine.train()  # once: evaluate() puts it back in train mode when it is done
         # In a log file (sbatch, tee) a redraw per step is noise: refresh twice a minute there.
         bar = tqdm(total=self.total_steps, initial=self.state.global_step, disable=not dist.is_main(),
                    desc="train", unit="step", dynamic_ncols=True, mininterval=0.1 if sys.stderr.isatty() else 30)
@@ -174,9 +175,8 @@ class Trainer:
     def _train_step(self) -> float:
         """One optimizer step over gradient-accumulation micro-batches; returns the lr it used."""
         engine = self.engine
-        engine.train()
         batches = self.data.next_step()
-        lr = float(engine.get_lr()[0]) if engine.lr_scheduler is not None or engine.optimizer else float("nan")
+        lr = float(engine.get_lr()[0])  # the rate this step uses (the scheduler steps inside engine.step)
         w = self.state.window
         for batch in batches:
             batch = _to(batch, engine.device)  # DeepSpeed's forward does not move inputs

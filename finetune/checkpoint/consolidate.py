@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from finetune import distributed as dist
-from finetune.checkpoint.manifest import HashingWriter
+from finetune.checkpoint.manifest import HashingWriter, write_json_durably
 
 SAFE_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
                torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
@@ -158,13 +158,7 @@ class _ShardWriter:
         assert self.pos == len(self.order), f"wrote {self.pos} of {len(self.order)} tensors"
         if self.split.is_sharded:
             index = {"metadata": {"total_size": self.split.total_size}, "weight_map": self.split.tensor_to_filename}
-            data = (json.dumps(index, indent=2, sort_keys=True) + "\n").encode()
-            with open(self.folder / INDEX, "wb") as f:
-                w = HashingWriter(f)
-                w.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-            self.files[INDEX] = (w.size, w.digest())
+            self.files[INDEX] = write_json_durably(self.folder / INDEX, index)
         return self.files
 
 

@@ -59,7 +59,7 @@ import torch
 
 from finetune.checkpoint.consolidate import INDEX, _header, plan_shards
 from finetune.checkpoint.manifest import MANIFEST, read_manifest
-from finetune.checkpoint.storage import LATEST, find_checkpoint, fsync_dir
+from finetune.checkpoint.storage import LATEST, find_checkpoint, fsync_path
 from finetune.config import ConfigError
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -131,9 +131,9 @@ def export_hf(checkpoint: str | os.PathLike, out: str | os.PathLike, dtype: str 
             tensors, size, files = source.write_hf(staging, want, max_shard_size or DEFAULT_SHARD_SIZE,
                                                    exclude_frozen, progress)
         files += _copy_model_files(folder, staging, want)
-        fsync_dir(staging)
+        fsync_path(staging)
         os.replace(staging, out)  # over an empty `out` too: rename(2) replaces an empty directory
-        fsync_dir(out.parent)
+        fsync_path(out.parent)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise

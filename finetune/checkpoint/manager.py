@@ -40,7 +40,7 @@ from finetune.checkpoint.manifest import (
     write_json_durably,
 )
 from finetune.checkpoint.state import TRAINER_STATE, TrainingState, rng_state, set_rng_state
-from finetune.checkpoint.storage import STAGING, LocalStorage, find_checkpoint, fsync_dir, step_of, tag_for
+from finetune.checkpoint.storage import STAGING, LocalStorage, find_checkpoint, fsync_path, step_of, tag_for
 from finetune.config import ConfigError, RunConfig, zero_stage
 from finetune.distributed import logger
 
@@ -242,7 +242,7 @@ class CheckpointManager:
             rel = str(path.relative_to(folder))
             if path.is_file() and rel not in self.writer.files:
                 self.writer.files[rel] = hash_file(path)
-                _fsync_file(path)
+                fsync_path(path)
 
     def _trainer_state(self, state: TrainingState) -> dict:
         return {**state.state_dict(), "world_size": dist.world_size(), "zero_stage": zero_stage(self.cfg.ds_config),
@@ -421,7 +421,7 @@ def commit_staged(storage: LocalStorage, tag: str, files: dict[str, tuple[int, s
     """
     staged = storage.root / STAGING / tag
     write_json_durably(staged / MANIFEST, build_manifest(tag, files, world_size, versions))
-    fsync_dir(staged)
+    fsync_path(staged)
     # Never overwrite in place: a folder of the same step (an abandoned timeline's) is swapped out.
     storage.replace_dir(f"{STAGING}/{tag}", tag)
     storage.write_latest(tag)
@@ -471,14 +471,6 @@ class _Clock:
 
 def _describe(bad: dict[int, str]) -> str:
     return "; ".join(f"rank {r}: {e}" for r, e in sorted(bad.items()))
-
-
-def _fsync_file(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _truncate_metrics(path: Path, step: int) -> None:

@@ -54,11 +54,11 @@ class LocalStorage:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, self.root / LATEST)
-        fsync_dir(self.root)
+        fsync_path(self.root)
 
     def rename(self, src: str, dst: str) -> None:
         os.rename(self.root / src, self.root / dst)
-        fsync_dir(self.root)
+        fsync_path(self.root)
 
     def replace_dir(self, src: str, dst: str) -> None:
         """Put folder ``src`` at ``dst``. If ``dst`` exists, swap atomically where the OS can
@@ -70,7 +70,7 @@ class LocalStorage:
             self.rename(dst, f"{src}.replaced")  # fallback: a short window without ``dst``
             self.rename(src, dst)
             src = f"{src}.replaced"
-        fsync_dir(self.root)
+        fsync_path(self.root)
         self.remove(src)
 
     def remove(self, rel: str) -> None:
@@ -106,7 +106,8 @@ def _exchange(a: Path, b: Path) -> bool:
     return renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0
 
 
-def fsync_dir(path: str | os.PathLike) -> None:
+def fsync_path(path: str | os.PathLike) -> None:
+    """fsync a file or a directory (a directory's fsync makes renames in it durable)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
