@@ -10,55 +10,32 @@ A save is snapshot → write → agree → commit:
           folder appears complete, in one step) and atomically replaces ``OUT/latest``.
 A crash at any instant leaves ``latest`` naming a complete checkpoint, or absent.
 
-Test seam: ``FINETUNE_FAIL_SAVE="<rank>[:<step>]"`` makes that rank's checkpoint writes fail
-with EIO (at every save, or only the save of that step); ``FINETUNE_SKIP_SPACE_CHECK=1`` skips
+Test seams: ``FINETUNE_FAIL_SAVE`` (see writer.py); ``FINETUNE_SKIP_SPACE_CHECK=1`` skips
 the free-space pre-check so a test can provoke a real ENOSPC in the middle of a write.
 """
 
 from __future__ import annotations
 
 import copy
-import errno
-import json
-import logging
 import os
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from finetune import distributed as dist
-from finetune.checkpoint.manifest import (
-    MANIFEST,
-    looks_like_checkpoint,
-    verify,
-    HashingWriter,
-    build_manifest,
-    hash_file,
-    read_manifest,
-    write_json_durably,
-)
-from finetune.checkpoint.state import TRAINER_STATE, TrainingState, rng_state, set_rng_state
-from finetune.checkpoint.storage import STAGING, LocalStorage, find_checkpoint, fsync_path, step_of, tag_for
-from finetune.config import ConfigError, RunConfig, zero_stage
+from finetune.checkpoint.manifest import MANIFEST, build_manifest, hash_file, read_manifest, write_json_durably
+from finetune.checkpoint.resume import ResumePlan, Resumer
+from finetune.checkpoint.writer import GuardedWriter
+from finetune.checkpoint.state import TRAINER_STATE, TrainingState, rng_state
+from finetune.checkpoint.storage import STAGING, LocalStorage, fsync_path, step_of, tag_for
+from finetune.config import RunConfig, zero_stage
 from finetune.distributed import logger
 
-FAIL_ENV = "FINETUNE_FAIL_SAVE"
 SKIP_SPACE_CHECK_ENV = "FINETUNE_SKIP_SPACE_CHECK"
 # Adam keeps fp32 master weights + two moments (12 B/param); the module states add a copy.
 BYTES_PER_PARAM_ESTIMATE = 16
 SPACE_MARGIN = 1.10
-
-
-UNIVERSAL = "universal"
-
-
-@dataclass
-class ResumePlan:
-    folder: Path
-    saved: dict  # trainer_state.json
-    universal: Path | None  # set when the world size changed
 
 
 class SaveError(RuntimeError):
@@ -75,75 +52,12 @@ def versions() -> dict:
             "transformers": transformers.__version__}
 
 
-class GuardedWriter:
-    """Wraps DeepSpeed's checkpoint engine: durable, checksummed writes; failures recorded, not raised."""
-
-    def __init__(self, inner):
-        self.inner = inner
-        self.reset(None)
-
-    def __getattr__(self, name):
-        return getattr(self.inner, name)
-
-    def reset(self, staging: Path | None, step: int | None = None) -> None:
-        self.staging, self.step = staging, step
-        self.error: str | None = None
-        self.files: dict[str, tuple[int, str]] = {}
-
-    def makedirs(self, path, exist_ok=False):
-        try:
-            os.makedirs(path, exist_ok=exist_ok)
-        except OSError as e:
-            self._fail(path, e)
-
-    def save(self, state_dict, path) -> None:
-        if self.error is not None:
-            return
-        w = None
-        try:
-            self._maybe_inject_failure()
-            with open(path, "wb") as f:
-                w = HashingWriter(f)
-                torch.save(state_dict, w, _use_new_zipfile_serialization=getattr(self.inner, "zipfile_serialization", True))
-                f.flush()
-                os.fsync(f.fileno())
-            self.files[os.path.relpath(path, self.staging)] = (w.size, w.digest())
-        except Exception as e:  # noqa: BLE001 — any failure is reported to all ranks by the manager
-            self._fail(path, w.os_error if w is not None and w.os_error else e)
-
-    def guard(self, fn):
-        """Wrap a DeepSpeed write helper so it records a failure instead of raising.
-
-        DeepSpeed's rank-0-only ``_copy_recovery_script`` runs *before* the barrier that ends
-        ``save_checkpoint``; had it raised on a full disk, rank 0 would skip that barrier and the
-        ranks would fall out of step (seen here as a gloo collective mismatch).
-        """
-        def guarded(path, *args, **kwargs):
-            try:
-                return fn(path, *args, **kwargs)
-            except Exception as e:  # noqa: BLE001 — reported to all ranks by the manager
-                self._fail(path, e)
-
-        return guarded
-
-    def _fail(self, path, e: BaseException) -> None:
-        if self.error is None:
-            self.error = f"{type(e).__name__} writing {path}: {getattr(e, 'strerror', None) or e}"
-
-    def _maybe_inject_failure(self) -> None:
-        spec = os.environ.get(FAIL_ENV)
-        if not spec:
-            return
-        rank, _, step = spec.partition(":")
-        if int(rank) == dist.rank() and (not step or int(step) == self.step):
-            raise OSError(errno.EIO, f"injected I/O error ({FAIL_ENV}={spec})")
-
-
 class CheckpointManager:
     def __init__(self, cfg: RunConfig, tokenizer, storage: LocalStorage | None = None):
         self.cfg, self.tokenizer, self.engine = cfg, tokenizer, None
         self.out = Path(cfg.ckpt.output_dir)
         self.storage = storage or LocalStorage(self.out)
+        self.resumer = Resumer(cfg, self.storage)
 
     def attach(self, engine) -> None:
         """Take over the engine's checkpoint writes (call once, after deepspeed.initialize)."""
@@ -291,124 +205,15 @@ class CheckpointManager:
 
     # --- resume ----------------------------------------------------------------------------
 
+    # --- resume (see resume.py) --------------------------------------------------------------
+
     def plan_resume(self) -> ResumePlan | None:
-        """Pick (and verify) what to resume from, before the engine exists. Collective.
-
-        A checkpoint from another world size is converted once to DeepSpeed's universal format
-        (cached in ``<checkpoint>/universal``); the caller must then build the engine with
-        ``checkpoint.load_universal``.
-        """
-        spec = self.cfg.ckpt.resume_from_checkpoint
-        if spec is None:
-            return None
-        folder = self._resolve(spec)
-        if folder is None:
-            logger.info("--resume_from_checkpoint %s: no checkpoint in %s, starting fresh", spec, self.out)
-            return None
-        saved = json.loads((folder / TRAINER_STATE).read_text())
-        self._check_compatible(saved)
-        universal = None
-        if saved["world_size"] != dist.world_size():
-            universal = self._universal(folder)
-            dist.log_main(logging.INFO, "Resuming a %d-rank checkpoint on %d ranks: loading DeepSpeed's universal "
-                          "format from %s; the data order continues from global sample %d of epoch %d.",
-                          saved["world_size"], dist.world_size(), universal, saved["sampler"]["consumed"],
-                          saved["sampler"]["epoch"])
-        return ResumePlan(folder, saved, universal)
-
-    def _universal(self, folder: Path) -> Path:
-        """Rank 0 converts with DeepSpeed's ds_to_universal (staged, then renamed); others wait."""
-        target = folder / UNIVERSAL
-        error = None
-        if dist.is_main() and not target.is_dir():
-            start = time.perf_counter()
-            from finetune.checkpoint.export import to_universal
-
-            failure = to_universal(folder, target)  # staged in universal.tmp, renamed into place on success
-            if failure is None:
-                logger.info("Converted %s to the universal format in %.1f seconds.", folder.name,
-                            time.perf_counter() - start)
-            else:
-                error = [failure]
-        error = dist.all_gather_object(error)[0]  # collective: everyone waits for rank 0's conversion
-        if error:
-            raise RuntimeError(f"DeepSpeed's ds_to_universal failed on {folder}: {error[0]}")
-        return target
+        """What to resume from, decided before the engine exists. Collective."""
+        return self.resumer.plan_resume()
 
     def resume(self, trainer, plan: ResumePlan | None) -> bool:
         """Restore ``trainer`` from ``plan``; False when starting fresh."""
-        if plan is None:
-            return False
-        start, folder = time.perf_counter(), plan.folder
-        load_dir, tag = (str(folder), UNIVERSAL) if plan.universal else (str(folder.parent), folder.name)
-        load_path, _ = self.engine.load_checkpoint(load_dir, tag=tag, load_optimizer_states=True,
-                                                   load_lr_scheduler_states=True)
-        if load_path is None:
-            raise RuntimeError(f"DeepSpeed could not load the checkpoint {folder}")
-        trainer.state = TrainingState.from_state_dict(plan.saved)
-        trainer.data.sampler.load_state_dict(trainer.state.sampler)
-        rng_file = folder / f"rng_state_{dist.rank()}.pt"
-        if rng_file.exists():
-            set_rng_state(torch.load(rng_file, weights_only=True))
-        else:
-            logger.warning("no RNG state for rank %d in %s (it had %d ranks); this rank keeps its seeded RNG",
-                           dist.rank(), folder.name, plan.saved["world_size"])
-        if dist.is_main():
-            _truncate_metrics(self.out / "metrics.jsonl", trainer.state.global_step)
-        dist.barrier()
-        logger.info("Resumed from %s at step %d (epoch %.2f) in %.2f seconds.", folder, trainer.state.global_step,
-                    trainer.state.epoch, time.perf_counter() - start)
-        return True
-
-    def _resolve(self, spec: str) -> Path | None:
-        """The folder to resume from: verified (collectively), falling back past damaged ones.
-
-        Rank 0 alone looks at the filesystem and sends every rank the same candidate list: ranks
-        that listed for themselves could disagree (node-local storage, a concurrent delete) and
-        then run different numbers of the verification collective below.
-        """
-        candidates, error = dist.all_gather_object(self._candidates(spec) if dist.is_main() else None)[0]
-        if error:
-            raise ConfigError(error)
-        for folder in map(Path, candidates):
-            problems = self._verify_collectively(folder)
-            if not problems:
-                return folder
-            if spec not in ("latest", "auto"):
-                raise ConfigError(f"--resume_from_checkpoint: {folder} does not verify: {'; '.join(problems[:3])}")
-            dist.log_main(logging.WARNING, "not resuming from %s: %s; trying an older checkpoint",
-                          folder.name, "; ".join(problems[:3]))
-        if spec == "latest":
-            raise ConfigError(f"--resume_from_checkpoint latest: no complete checkpoint in {self.out}")
-        return None
-
-    def _candidates(self, spec: str) -> tuple[list[str], str | None]:
-        """Rank 0: folders to try, best first, or an error message for every rank to raise."""
-        if spec in ("latest", "auto"):
-            tags = resume_candidates(self.storage.read_latest(), self.storage.tags())
-            return [str(self.out / t) for t in tags], None
-        path = find_checkpoint(spec)
-        if path is None or not looks_like_checkpoint(path):
-            return [], f"--resume_from_checkpoint: no checkpoint at {spec}"
-        return [str(path)], None
-
-    def _verify_collectively(self, folder: Path) -> list[str]:
-        """Every rank checks a share of the rank files (rank 0 also the shared ones). Collective."""
-        manifest = read_manifest(folder)
-        if manifest is None:
-            problems = [f"{MANIFEST} missing or unreadable (an incomplete save?)"]
-        else:
-            mine = list(range(dist.rank(), int(manifest.get("world_size", 1)), dist.world_size()))
-            problems = verify(folder, checksums=not self.cfg.ckpt.resume_skip_checksum, ranks=mine,
-                              shared=dist.is_main()).problems
-        return [p for rank_problems in dist.all_gather_object(problems) for p in rank_problems]
-
-    def _check_compatible(self, saved: dict) -> None:
-        for group, now in self.cfg.to_json_dict().items():
-            for key, value in now.items():
-                before = saved.get("args", {}).get(group, {}).get(key, value)
-                if before != value and key not in IGNORED_ON_RESUME:
-                    dist.log_main(logging.WARNING, "resume: --%s is %r now, was %r in the checkpoint", key, value, before)
+        return self.resumer.resume(self.engine, trainer, plan)
 
 
 def commit_staged(storage: LocalStorage, tag: str, files: dict[str, tuple[int, str]], world_size: int,
@@ -426,20 +231,6 @@ def commit_staged(storage: LocalStorage, tag: str, files: dict[str, tuple[int, s
     storage.replace_dir(f"{STAGING}/{tag}", tag)
     storage.write_latest(tag)
     storage.finish_staging()
-
-
-IGNORED_ON_RESUME = {"resume_from_checkpoint", "output_dir", "max_steps", "num_train_epochs", "save_steps",
-                     "save_total_limit", "logging_steps", "eval_steps", "on_save_error", "save_checkpoint",
-                     "resume_skip_checksum"}
-
-
-def resume_candidates(latest: str | None, tags: list[str]) -> list[str]:
-    """Tags to try, best first: the one `latest` names, then the others newest first."""
-    ordered = sorted(tags, key=step_of, reverse=True)
-    if latest in ordered:
-        ordered.remove(latest)
-        ordered.insert(0, latest)
-    return ordered
 
 
 def select_for_deletion(complete: list[str], limit: int, protected: set) -> list[str]:
@@ -471,13 +262,3 @@ class _Clock:
 
 def _describe(bad: dict[int, str]) -> str:
     return "; ".join(f"rank {r}: {e}" for r, e in sorted(bad.items()))
-
-
-def _truncate_metrics(path: Path, step: int) -> None:
-    """Drop rows logged after the resumed step (a crashed run's tail), so the file reads as one run."""
-    if not path.exists():
-        return
-    rows = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= step]
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text("".join(r + "\n" for r in rows))
-    os.replace(tmp, path)

@@ -1,0 +1,86 @@
+"""DeepSpeed's checkpoint writes made durable, checksummed, and unable to desynchronise ranks.
+
+``GuardedWriter`` replaces the engine's checkpoint engine: each file is fsynced and hashed as it is
+written, and a failure is *recorded* instead of raised, so every rank still reaches the collectives
+inside ``engine.save_checkpoint``; the manager then agrees on the outcome across ranks.
+
+Test seam: ``FINETUNE_FAIL_SAVE="<rank>[:<step>]"`` makes that rank's checkpoint writes fail with EIO
+(at every save, or only the save of that step).
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+from pathlib import Path
+
+import torch
+
+from finetune import distributed as dist
+from finetune.checkpoint.manifest import HashingWriter
+
+FAIL_ENV = "FINETUNE_FAIL_SAVE"
+
+
+class GuardedWriter:
+    """Wraps DeepSpeed's checkpoint engine: durable, checksummed writes; failures recorded, not raised."""
+
+    def __init__(self, inner):
+        self.inner = inner
+        self.reset(None)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def reset(self, staging: Path | None, step: int | None = None) -> None:
+        self.staging, self.step = staging, step
+        self.error: str | None = None
+        self.files: dict[str, tuple[int, str]] = {}
+
+    def makedirs(self, path, exist_ok=False):
+        try:
+            os.makedirs(path, exist_ok=exist_ok)
+        except OSError as e:
+            self._fail(path, e)
+
+    def save(self, state_dict, path) -> None:
+        if self.error is not None:
+            return
+        w = None
+        try:
+            self._maybe_inject_failure()
+            with open(path, "wb") as f:
+                w = HashingWriter(f)
+                torch.save(state_dict, w, _use_new_zipfile_serialization=getattr(self.inner, "zipfile_serialization", True))
+                f.flush()
+                os.fsync(f.fileno())
+            self.files[os.path.relpath(path, self.staging)] = (w.size, w.digest())
+        except Exception as e:  # noqa: BLE001 — any failure is reported to all ranks by the manager
+            self._fail(path, w.os_error if w is not None and w.os_error else e)
+
+    def guard(self, fn):
+        """Wrap a DeepSpeed write helper so it records a failure instead of raising.
+
+        DeepSpeed's rank-0-only ``_copy_recovery_script`` runs *before* the barrier that ends
+        ``save_checkpoint``; had it raised on a full disk, rank 0 would skip that barrier and the
+        ranks would fall out of step (seen here as a gloo collective mismatch).
+        """
+        def guarded(path, *args, **kwargs):
+            try:
+                return fn(path, *args, **kwargs)
+            except Exception as e:  # noqa: BLE001 — reported to all ranks by the manager
+                self._fail(path, e)
+
+        return guarded
+
+    def _fail(self, path, e: BaseException) -> None:
+        if self.error is None:
+            self.error = f"{type(e).__name__} writing {path}: {getattr(e, 'strerror', None) or e}"
+
+    def _maybe_inject_failure(self) -> None:
+        spec = os.environ.get(FAIL_ENV)
+        if not spec:
+            return
+        rank, _, step = spec.partition(":")
+        if int(rank) == dist.rank() and (not step or int(step) == self.step):
+            raise OSError(errno.EIO, f"injected I/O error ({FAIL_ENV}={spec})")
