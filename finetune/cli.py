@@ -16,12 +16,12 @@ from typing import Any, Callable
 
 from finetune import distributed as dist
 from finetune.config import (
+    DATA_EXTENSIONS,
     CheckpointArgs,
     ConfigError,
     DataArgs,
     ModelArgs,
     RunConfig,
-    DATA_EXTENSIONS,
     TrainArgs,
     data_format,
     env_world_size,

@@ -17,7 +17,15 @@ from finetune import distributed as dist
 from finetune.checkpoint.manager import CheckpointManager, ResumePlan, SaveError
 from finetune.checkpoint.state import TrainingState
 from finetune.config import ConfigError, RunConfig, finalize_ds_config
-from finetune.data import IGNORE, ResumableSampler, TrainData, eval_batches, load_raw, pack, tokenize
+from finetune.data import (
+    IGNORE,
+    ResumableSampler,
+    TrainData,
+    eval_batches,
+    load_raw,
+    pack,
+    tokenize,
+)
 from finetune.distributed import logger
 from finetune.metrics import MetricsWriter
 from finetune.modeling import count_parameters, load_model, load_tokenizer

@@ -10,7 +10,12 @@ import sys
 
 import pytest
 
-from finetune.cli import EMBEDDED_MAX_STEPS, EMBEDDED_PRESET, FALLBACKS, parse_train_args
+from finetune.cli import (
+    EMBEDDED_MAX_STEPS,
+    EMBEDDED_PRESET,
+    FALLBACKS,
+    parse_train_args,
+)
 from finetune.config import CONFIGS_DIR, ConfigError, finalize_ds_config
 
 

@@ -24,11 +24,23 @@ from pathlib import Path
 import torch
 
 from finetune import distributed as dist
-from finetune.checkpoint.manifest import MANIFEST, build_manifest, hash_file, read_manifest, write_json_durably
+from finetune.checkpoint.manifest import (
+    MANIFEST,
+    build_manifest,
+    hash_file,
+    read_manifest,
+    write_json_durably,
+)
 from finetune.checkpoint.resume import ResumePlan, Resumer
-from finetune.checkpoint.writer import GuardedWriter
 from finetune.checkpoint.state import TRAINER_STATE, TrainingState, rng_state
-from finetune.checkpoint.storage import STAGING, LocalStorage, fsync_path, step_of, tag_for
+from finetune.checkpoint.storage import (
+    STAGING,
+    LocalStorage,
+    fsync_path,
+    step_of,
+    tag_for,
+)
+from finetune.checkpoint.writer import GuardedWriter
 from finetune.config import RunConfig, zero_stage
 from finetune.distributed import logger
 

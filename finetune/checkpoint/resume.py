@@ -17,7 +17,12 @@ from pathlib import Path
 import torch
 
 from finetune import distributed as dist
-from finetune.checkpoint.manifest import MANIFEST, looks_like_checkpoint, read_manifest, verify
+from finetune.checkpoint.manifest import (
+    MANIFEST,
+    looks_like_checkpoint,
+    read_manifest,
+    verify,
+)
 from finetune.checkpoint.state import TRAINER_STATE, TrainingState, set_rng_state
 from finetune.checkpoint.storage import LocalStorage, find_checkpoint, step_of
 from finetune.config import ConfigError, RunConfig

@@ -8,7 +8,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from finetune.checkpoint.consolidate import INDEX, plan_shards, save_consolidated, tensor_entries
+from finetune.checkpoint.consolidate import (
+    INDEX,
+    plan_shards,
+    save_consolidated,
+    tensor_entries,
+)
 
 
 def tiny(model_type: str, tied: bool):

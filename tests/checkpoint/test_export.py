@@ -1,5 +1,5 @@
 """Offline export, one process: reconstruction from rank files laid out as ZeRO-3 lays them out,
-dtype and sharding, page release, and bad inputs. Real 2-rank checkpoints: tests/distributed/test_export.py."""
+dtype and sharding, page release, and bad inputs. Real 2-rank checkpoints: tests/distributed/test_export_checkpoints.py."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ import torch
 from safetensors.torch import load_file
 
 from finetune.checkpoint import export as ex
+from finetune.checkpoint import zero_files as zf
 from finetune.checkpoint.consolidate import INDEX
 from finetune.cli import main
 
@@ -44,7 +45,9 @@ def write_zero3(folder: Path, state: dict[str, torch.Tensor], world: int, *, fro
     """Rank files in DeepSpeed's ZeRO-3 layout (what engine.save_checkpoint writes): trainable
     parameters in two optimizer groups (matrices, then vectors), each rank's flat fp32 space cut into
     sub-groups at the fractions ``cuts``, which straddle parameter boundaries."""
-    from deepspeed.runtime.zero.config import ZeroStageEnum  # pickled as DeepSpeed pickles it
+    from deepspeed.runtime.zero.config import (
+        ZeroStageEnum,  # pickled as DeepSpeed pickles it
+    )
 
     shared = shared or {}
     trainable = [n for n in state if n not in frozen and n not in buffers and n not in shared]
@@ -144,13 +147,13 @@ def test_reads_rank_files_without_importing_deepspeed(tmp_path, qwen_checkpoint)
 def test_released_pages_read_back_intact(tmp_path):
     t = torch.randn(3 << 20)  # 12 MB: many whole pages
     torch.save({"x": t}, tmp_path / "t.pt")
-    mapped = ex._load(tmp_path / "t.pt")["x"]
-    pager = ex._Pager(tmp_path / "t.pt", mapped)
+    mapped = zf._load(tmp_path / "t.pt")["x"]
+    pager = zf._Pager(tmp_path / "t.pt", mapped)
     assert pager.enabled == sys.platform.startswith("linux")
-    pieces = [p.clone() for p in ex._chunks(mapped, pager)]  # each released after it is consumed
+    pieces = [p.clone() for p in zf._chunks(mapped, pager)]  # each released after it is consumed
     assert torch.equal(torch.cat(pieces), t) and torch.equal(mapped, t)  # dropped pages come back from the file
     anonymous = torch.randn(1 << 20)
-    assert not ex._Pager(tmp_path / "t.pt", anonymous).enabled  # never madvise memory not mapped from the file
+    assert not zf._Pager(tmp_path / "t.pt", anonymous).enabled  # never madvise memory not mapped from the file
 
 
 def test_consolidated_weights_are_copied(tmp_path, qwen_checkpoint):

@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from finetune.checkpoint.manager import commit_staged, select_for_deletion
-from finetune.checkpoint.resume import resume_candidates
-from finetune.checkpoint.writer import FAIL_ENV, GuardedWriter
 from finetune.checkpoint.manifest import MANIFEST, hash_file, read_manifest
+from finetune.checkpoint.resume import resume_candidates
 from finetune.checkpoint.storage import STAGING, LocalStorage
+from finetune.checkpoint.writer import FAIL_ENV, GuardedWriter
 
 
 class FakeStorage(LocalStorage):
