@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from finetune import distributed as dist
+from finetune.preemption import parse_signals
 from finetune.config import (
     DATA_EXTENSIONS,
     CheckpointArgs,
@@ -148,6 +149,10 @@ def _validate_flags(v: dict[str, Any]) -> None:
         raise ConfigError(f"`--validation_split_percentage` must be in [0, 100), got {v['validation_split_percentage']}")
     if v["max_shard_size"] is not None:
         _check_size(v["max_shard_size"])
+    try:
+        parse_signals(v["preempt_signals"])
+    except ValueError as e:
+        raise ConfigError(f"`--preempt_signals`: {e} is not a signal that can be caught (e.g. SIGTERM,SIGUSR1 or none)") from None
     if (v["save_steps"] or v["save_total_limit"] or v["save_consolidated"]) and not v["save_checkpoint"]:
         raise ConfigError("`--save_steps`, `--save_total_limit` and `--save_consolidated` need `--save_checkpoint`")
 

@@ -94,6 +94,8 @@ class CheckpointArgs:
     resume_from_checkpoint: str | None = _f(None, "PATH, 'latest' or 'auto' (resume if a checkpoint exists).")
     resume_skip_checksum: bool = _f(False, "Verify only file sizes (not checksums) before resuming.")
     on_save_error: str = _f("continue", "What a failed periodic save does; a failed final save always exits 1.", choices=("continue", "abort"))
+    preempt_signals: str = _f("SIGTERM,SIGUSR1", "Signals that stop training at the next step boundary with a committed "
+                              "checkpoint (partitioned only) and exit code 75, for requeueing; 'none' disables.")
 
 
 @dataclass(frozen=True)

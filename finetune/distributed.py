@@ -61,6 +61,25 @@ def init() -> None:
         acc.set_device(int(os.environ["LOCAL_RANK"]))
     deepspeed.init_distributed(timeout=timedelta(minutes=int(os.environ.get("FINETUNE_DIST_TIMEOUT_MIN", "30"))))
     _setup_logging()
+    _unlink_shm_buffer()
+
+
+def _unlink_shm_buffer() -> None:
+    """Remove the name of DeepSpeed's CPU shared-memory all-reduce buffer once every rank mapped it.
+
+    DeepSpeed's CPU backend (all ranks on one node, LOCAL_SIZE set by its launcher) creates
+    ``/dev/shm/deepspeed_allreduce_buffer_<uid>_<addr>_<port>_<rank>`` (~69 MB per rank) and never
+    unlinks it, so every run leaks RAM until reboot, and a later run on the same port may map a
+    stale buffer. Each rank maps every peer's buffer inside ``init_distributed``; after a barrier
+    the names are no longer needed and the mappings stay valid.
+    """
+    name = "deepspeed_allreduce_buffer_{}_{}_{}_{}".format(
+        os.getuid(), os.environ.get("MASTER_ADDR", ""), os.environ.get("MASTER_PORT", ""), rank())
+    barrier()  # on every rank, whatever its /dev/shm holds
+    try:
+        os.unlink(os.path.join("/dev/shm", name))
+    except FileNotFoundError:
+        pass
 
 
 def device() -> torch.device:

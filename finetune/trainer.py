@@ -16,6 +16,7 @@ from tqdm.auto import tqdm
 from finetune import distributed as dist
 from finetune.checkpoint.manager import CheckpointManager, ResumePlan, SaveError
 from finetune.checkpoint.state import TrainingState
+from finetune.checkpoint.storage import tag_for
 from finetune.config import ConfigError, RunConfig, finalize_ds_config
 from finetune.data import (
     IGNORE,
@@ -27,16 +28,22 @@ from finetune.data import (
     tokenize,
 )
 from finetune.distributed import logger
-from finetune.metrics import MetricsWriter
+from finetune.metrics import MetricsWriter, write_exit_status
 from finetune.modeling import count_parameters, load_model, load_tokenizer
+from finetune.preemption import EXIT_PREEMPTED, Preemption, parse_signals
 
 
 def run(cfg: RunConfig) -> int:
     """Entry point for a training run; returns the process exit code."""
+    # Before anything slow: from here on a preemption signal is recorded, never fatal.
+    preemption = Preemption(parse_signals(cfg.ckpt.preempt_signals))
     dist.init()
     try:
-        trainer = Trainer.build(cfg)
-        return trainer.train()
+        trainer = Trainer.build(cfg, preemption)
+        code = trainer.train()
+        if dist.is_main():
+            write_exit_status(cfg.ckpt.output_dir, code, trainer.stop_note)
+        return code
     finally:
         dist.shutdown()
 
@@ -108,9 +115,12 @@ class Trainer:
     metrics: MetricsWriter
     state: TrainingState
     resume_plan: ResumePlan | None
+    preemption: Preemption
+    stop_note: dict | None = None  # why and where training stopped, for exit_status.json
+    committed_step: int | None = None  # step of the newest checkpoint this run committed
 
     @classmethod
-    def build(cls, cfg: RunConfig) -> "Trainer":
+    def build(cls, cfg: RunConfig, preemption: Preemption | None = None) -> "Trainer":
         import deepspeed
         from transformers import get_scheduler
 
@@ -145,13 +155,15 @@ class Trainer:
         monitor = getattr(engine, "monitor", None)
         checkpoints.attach(engine)
         return cls(cfg, engine, tokenizer, data, evalset, total, checkpoints,
-                   MetricsWriter(cfg.ckpt.output_dir, monitor), TrainingState(), plan)
+                   MetricsWriter(cfg.ckpt.output_dir, monitor), TrainingState(), plan, preemption or Preemption(()))
 
     # --- the loop --------------------------------------------------------------------------
 
     def train(self) -> int:
         resumed = self.checkpoints.resume(self, self.resume_plan)
-        if not resumed:
+        if resumed:
+            self.committed_step = self.state.global_step
+        else:
             self.evaluate()
         self.engine.train()  # once: evaluate() puts it back in train mode when it is done
         # In a log file (sbatch, tee) a redraw per step is noise: refresh twice a minute there.
@@ -159,6 +171,9 @@ class Trainer:
                    desc="train", unit="step", dynamic_ncols=True, mininterval=0.1 if sys.stderr.isatty() else 30)
         t_window = time.perf_counter()
         while self.state.global_step < self.total_steps:
+            if self.preemption.requested():  # collective; also before the first step
+                bar.close()
+                return self._stop_preempted()
             lr = self._train_step()
             self.state.global_step += 1
             bar.update(1)
@@ -253,12 +268,37 @@ class Trainer:
             return None
         try:
             self.checkpoints.save(self.state, final=False)
+            self.committed_step = self.state.global_step
         except SaveError as e:
             if ck.on_save_error == "abort":
                 dist.log_main(logging.ERROR, "stopping: %s (--on_save_error abort)", e)
                 return 1
             dist.log_main(logging.WARNING, "training on: %s (--on_save_error continue)", e)
         return None
+
+    def _stop_preempted(self) -> int:
+        """Every rank, after agreeing on a signal: commit this step (fast: partitioned only), exit 75."""
+        step, ck = self.state.global_step, self.cfg.ckpt
+        first = dist.all_gather_object(self.preemption.received[:1])  # collective: who was signalled
+        signals = ", ".join(f"{got[0]} on rank {r}" for r, got in enumerate(first) if got)
+        self.stop_note = {"reason": "preempted", "signal": signals, "step": step}
+        if not ck.save_checkpoint:
+            dist.log_main(logging.WARNING, "preempted (%s) at step %d: not saving (no --save_checkpoint)", signals, step)
+            return EXIT_PREEMPTED
+        if self.committed_step == step or step == 0:
+            dist.log_main(logging.WARNING, "preempted (%s) at step %d: nothing new to save", signals, step)
+        else:
+            try:
+                path = self.checkpoints.save(self.state, final=False, consolidated=False)
+            except SaveError as e:
+                dist.log_main(logging.ERROR, "preempted (%s) at step %d and the save failed: %s", signals, step, e)
+                self.stop_note["reason"] = "preempted, save failed"
+                return 1
+            self.committed_step = step
+            dist.log_main(logging.WARNING, "preempted (%s): committed %s; exiting with %d so the job is requeued",
+                          signals, path, EXIT_PREEMPTED)
+        self.stop_note["checkpoint"] = tag_for(self.committed_step) if self.committed_step is not None else None
+        return EXIT_PREEMPTED
 
     def _final_save(self) -> int:
         if not self.cfg.ckpt.save_checkpoint:

@@ -8,6 +8,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -48,6 +49,24 @@ def build_tiny_model(arch: str, out: Path) -> Path:
     return out
 
 
+@pytest.fixture(scope="session", autouse=True)
+def no_stale_shm_buffers():
+    """Remove DeepSpeed shared-memory buffers that no live process maps (left by killed runs).
+
+    Each is ~69 MB of RAM; older finetune versions (and bare DeepSpeed) leave two per run, which
+    over a test session on a reused machine adds up to gigabytes and makes everything swap.
+    """
+    mapped = set()
+    for maps in Path("/proc").glob("[0-9]*/maps"):
+        try:
+            mapped.update(line.split()[-1] for line in maps.read_text().splitlines() if "/dev/shm/" in line)
+        except OSError:
+            continue
+    for buf in Path("/dev/shm").glob("deepspeed_allreduce_buffer_*"):
+        if str(buf) not in mapped:
+            buf.unlink(missing_ok=True)
+
+
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("models")
@@ -81,6 +100,7 @@ class Result:
     returncode: int
     output: str
     out_dir: Path
+    leaked_shm: tuple = ()  # DeepSpeed shm buffer names the run left in /dev/shm (then removed)
 
     def metrics(self) -> list[dict]:
         path = self.out_dir / "metrics.jsonl"
@@ -119,6 +139,83 @@ def child_env(extra: dict | None = None) -> dict:
     return env
 
 
+class Running:
+    """A command started in its own process group, output to a file (a pipe could fill and block it).
+
+    ``finish`` always kills the whole group afterwards: ranks that outlived their launcher (or a
+    timeout) would keep both cores busy, and a DeepSpeed op-build lock held, for every later test.
+    """
+
+    def __init__(self, cmd: list[str], cwd: Path, env: dict, out_dir: Path | None = None):
+        self.cmd, self.out_dir = cmd, out_dir
+        cwd.mkdir(parents=True, exist_ok=True)
+        self.log = Path(cwd) / f"run-{os.getpid()}-{id(self)}.log"
+        with open(self.log, "w") as f:
+            self.proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=f, stderr=subprocess.STDOUT,
+                                         start_new_session=True)
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def finish(self, timeout: float) -> Result:
+        try:
+            self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"timed out after {timeout}s: {' '.join(self.cmd)}\n{self.output()[-6000:]}") from None
+        finally:
+            self.kill()
+        return Result(self.proc.returncode, self.output(), self.out_dir, self.leaked_shm)
+
+    def kill(self) -> None:
+        try:
+            os.killpg(self.proc.pid, 9)
+        except (ProcessLookupError, PermissionError):
+            pass
+        if self.proc.poll() is None:
+            self.proc.wait()
+        port = next((self.cmd[i + 1] for i, a in enumerate(self.cmd) if a in ("--master_port", "--main_process_port")), None)
+        self.leaked_shm = tuple(Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_{port}_*")) if port else ()
+        for leaked in self.leaked_shm:
+            leaked.unlink(missing_ok=True)  # left by a run that crashed or was killed on purpose
+
+    def rank_pids(self) -> dict[int, int]:
+        """{RANK: pid} of the training processes under this command (not the launchers)."""
+        import psutil
+
+        ranks = {}
+        for child in psutil.Process(self.proc.pid).children(recursive=True):
+            try:
+                env = child.environ()
+            except (psutil.NoSuchProcess, psutil.AccessDenied):
+                continue
+            if "LOCAL_RANK" in env and "RANK" in env and "finetune" in " ".join(child.cmdline()):
+                ranks[int(env["RANK"])] = child.pid
+        return ranks
+
+
+def run_group(cmd: list[str], cwd: Path, env: dict, timeout: float) -> tuple[str, int]:
+    """Run ``cmd`` to the end in its own process group (see Running); returns (output, exit code)."""
+    r = Running(cmd, cwd, env).finish(timeout)
+    return r.output, r.returncode
+
+
+def wait_until(predicate, timeout: float, what: str, interval: float = 0.05):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    raise AssertionError(f"gave up after {timeout}s waiting for {what}")
+
+
+def finetune_cmd(launcher: str, nprocs: int, args: tuple, out: Path, output_dir_flag: bool = True) -> list[str]:
+    cmd = launcher_cmd(launcher, nprocs) + list(args)
+    if output_dir_flag and "--output_dir" not in args:
+        cmd += ["--output_dir", str(out)]
+    return cmd
+
+
 @pytest.fixture
 def run_finetune(tmp_path):
     """Run the real CLI through a launcher; returns a Result (never raises on a non-zero exit)."""
@@ -126,14 +223,26 @@ def run_finetune(tmp_path):
     def run(*args: str, launcher: str = "deepspeed", nprocs: int = 2, out_dir: Path | None = None,
             env: dict | None = None, timeout: int = 600, output_dir_flag: bool = True) -> Result:
         out = out_dir or tmp_path / "out"
-        cmd = launcher_cmd(launcher, nprocs) + list(args)
-        if output_dir_flag and "--output_dir" not in args:
-            cmd += ["--output_dir", str(out)]
-        proc = subprocess.run(cmd, cwd=tmp_path, env=child_env(env), stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True, timeout=timeout)
-        return Result(proc.returncode, proc.stdout, out)
+        cmd = finetune_cmd(launcher, nprocs, args, out, output_dir_flag)
+        return Running(cmd, tmp_path, child_env(env), out).finish(timeout)
 
     return run
+
+
+@pytest.fixture
+def start_finetune(tmp_path):
+    """Start the real CLI through a launcher and return the Running process (for signal tests)."""
+    started = []
+
+    def start(*args: str, launcher: str = "deepspeed", nprocs: int = 2, out_dir: Path | None = None,
+              env: dict | None = None) -> Running:
+        out = out_dir or tmp_path / "out"
+        started.append(Running(finetune_cmd(launcher, nprocs, args, out), tmp_path, child_env(env), out))
+        return started[-1]
+
+    yield start
+    for r in started:
+        r.kill()
 
 
 def checkpoint_files(folder: Path) -> set[str]:

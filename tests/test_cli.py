@@ -293,6 +293,8 @@ BAD_INPUTS = [
     ("dataset_and_train_file", ["--dataset_name", "org/data", "--train_file", "train.jsonl"], ["--dataset_name", "--train_file"]),
     ("save_steps_without_save", ["--save_steps", "10"], ["--save_steps", "--save_checkpoint"]),
     ("validation_split_100", ["--validation_split_percentage", "100"], ["--validation_split_percentage"]),
+    ("preempt_sigkill", ["--preempt_signals", "SIGTERM,SIGKILL"], ["--preempt_signals", "SIGKILL"]),
+    ("preempt_unknown", ["--preempt_signals", "USR9"], ["--preempt_signals", "USR9"]),
 ]
 
 
@@ -355,3 +357,13 @@ def test_cli_help_lists_design_flags_with_defaults(tmp_path):
 def test_launcher_local_rank_is_accepted():
     cfg = parse("--local_rank", "0", "--max_steps", "3")
     assert cfg.train.max_steps == 3
+
+
+def test_preempt_signals_parse_names_with_or_without_sig_and_none():
+    import signal
+
+    from finetune.preemption import parse_signals
+
+    assert parse_signals("SIGTERM,usr1") == (signal.SIGTERM, signal.SIGUSR1)
+    assert parse_signals("none") == () == parse_signals("")
+    assert parse("--preempt_signals", "SIGUSR2").ckpt.preempt_signals == "SIGUSR2"

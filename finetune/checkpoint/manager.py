@@ -81,12 +81,15 @@ class CheckpointManager:
 
     # --- save ------------------------------------------------------------------------------
 
-    def save(self, state: TrainingState, final: bool) -> Path:
-        """Save and commit a checkpoint of ``state``; raises SaveError on every rank if any failed."""
+    def save(self, state: TrainingState, final: bool, consolidated: bool | None = None) -> Path:
+        """Save and commit a checkpoint of ``state``; raises SaveError on every rank if any failed.
+
+        ``consolidated`` overrides --save_consolidated (a preemption save skips the gather).
+        """
         tag, clock = tag_for(state.global_step), _Clock()
         self._check_space(tag)
         clock.lap("check")
-        self._write(tag, state)
+        self._write(tag, state, self.cfg.ckpt.save_consolidated if consolidated is None else consolidated)
         clock.lap("write")
         files = self._agree_written(tag)
         clock.lap("agree")
@@ -119,7 +122,7 @@ class CheckpointManager:
 
         return int(count_parameters(self.engine.module) * BYTES_PER_PARAM_ESTIMATE * SPACE_MARGIN)
 
-    def _write(self, tag: str, state: TrainingState) -> None:
+    def _write(self, tag: str, state: TrainingState, consolidated: bool) -> None:
         """Every rank: DeepSpeed's files, then our own. Failures are recorded in ``self.writer``."""
         staging_root = self.out / STAGING
         if dist.is_main():
@@ -135,7 +138,7 @@ class CheckpointManager:
             raise RuntimeError(f"DeepSpeed's save_checkpoint raised on rank {dist.rank()}; stopping because "
                                f"the ranks may be out of step: {type(e).__name__}: {e}") from e
         folder = staging_root / tag
-        if self.cfg.ckpt.save_consolidated:
+        if consolidated:
             self._write_consolidated(folder)
         self.writer.save(rng_state(), str(folder / f"rng_state_{dist.rank()}.pt"))
         if dist.is_main() and self.writer.error is None:

@@ -5,13 +5,15 @@ written, and a failure is *recorded* instead of raised, so every rank still reac
 inside ``engine.save_checkpoint``; the manager then agrees on the outcome across ranks.
 
 Test seam: ``FINETUNE_FAIL_SAVE="<rank>[:<step>]"`` makes that rank's checkpoint writes fail with EIO
-(at every save, or only the save of that step).
+(at every save, or only the save of that step); ``FINETUNE_SLOW_SAVE=<seconds>`` sleeps after
+each file, so a test can act (send a signal, kill a rank) while a save is surely in flight.
 """
 
 from __future__ import annotations
 
 import errno
 import os
+import time
 from pathlib import Path
 
 import torch
@@ -20,6 +22,7 @@ from finetune import distributed as dist
 from finetune.checkpoint.manifest import HashingWriter
 
 FAIL_ENV = "FINETUNE_FAIL_SAVE"
+SLOW_ENV = "FINETUNE_SLOW_SAVE"
 
 
 class GuardedWriter:
@@ -55,6 +58,8 @@ class GuardedWriter:
                 f.flush()
                 os.fsync(f.fileno())
             self.files[os.path.relpath(path, self.staging)] = (w.size, w.digest())
+            if os.environ.get(SLOW_ENV):
+                time.sleep(float(os.environ[SLOW_ENV]))
         except Exception as e:  # noqa: BLE001 — any failure is reported to all ranks by the manager
             self._fail(path, w.os_error if w is not None and w.os_error else e)
 

@@ -8,7 +8,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import BIN, child_env, free_port, launcher_cmd
+from conftest import BIN, child_env, free_port, launcher_cmd, run_group
 
 pytestmark = pytest.mark.distributed
 
@@ -25,9 +25,8 @@ def runs(tiny_models, tmp_path_factory):
         cmd = launcher_cmd("deepspeed", 2) + ["--model_name_or_path", str(tiny_models[arch]), "--max_steps", "2",
                                               "--save_checkpoint", "--save_consolidated", "--learning_rate", "1e-2",
                                               "--output_dir", str(root / "out")]
-        proc = subprocess.run(cmd, cwd=root, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                              text=True, timeout=TIMEOUT)
-        assert proc.returncode == 0, proc.stdout[-4000:]
+        output, code = run_group(cmd, cwd=root, env=child_env(), timeout=TIMEOUT)
+        assert code == 0, output[-4000:]
         out[arch] = root / "out"
     return out
 
@@ -147,9 +146,8 @@ def test_frozen_parameter(tiny_models, tmp_path):
     script.write_text(FROZEN_SCRIPT)
     cmd = [str(BIN / "torchrun"), "--nproc_per_node", "2", "--master_port", str(free_port()), str(script),
            str(tiny_models["llama"]), str(tmp_path / "ds")]
-    proc = subprocess.run(cmd, cwd=tmp_path, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                          text=True, timeout=TIMEOUT)
-    assert proc.returncode == 0, proc.stdout[-4000:]
+    output, code = run_group(cmd, cwd=tmp_path, env=child_env(), timeout=TIMEOUT)
+    assert code == 0, output[-4000:]
     meta = torch.load(tmp_path / "ds" / "global_step1" / "zero_pp_rank_0_mp_rank_00_model_states.pt",
                       weights_only=False)
     assert list(meta["frozen_param_shapes"]) == ["model.layers.0.mlp.up_proj.weight"]  # a real frozen parameter

@@ -31,6 +31,9 @@ def test_embedded_default_learns_and_saves(run_finetune):
     rows = r.train_rows()
     assert all(math.isfinite(x["loss"]) and x["tokens_per_s"] > 0 for x in rows)
     assert rows[-1]["samples_seen"] == 150 * 8 * 2
+    assert json.loads((r.out_dir / "exit_status.json").read_text())["exit_code"] == 0
+    # DeepSpeed's CPU backend never unlinks its 69 MB-per-rank /dev/shm buffers; finetune does.
+    assert r.leaked_shm == (), r.leaked_shm
 
 
 @pytest.mark.parametrize("arch,data,flags", [

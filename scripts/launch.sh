@@ -1,0 +1,149 @@
+#!/usr/bin/env bash
+# One entry point for finetune on a workstation, or on several nodes with a hostfile or torchrun.
+#
+#   scripts/launch.sh [wrapper options] [--] [finetune flags...]
+#
+# Wrapper options (each also read from the environment variable in brackets):
+#   --launcher deepspeed|torchrun  [LAUNCHER]        default: deepspeed
+#   --nproc N                      [NPROC_PER_NODE]  processes per node; default: the GPUs that
+#                                                    nvidia-smi lists, else 1
+#   --hostfile FILE                [HOSTFILE]        deepspeed over pdsh/ssh (see scripts/hostfile.example)
+#   --nnodes N --node_rank R       [NNODES NODE_RANK] torchrun on several nodes: run once per node
+#   --master_addr A --master_port P [MASTER_ADDR MASTER_PORT] default: 127.0.0.1 and 29500
+#   --offline                      [FINETUNE_OFFLINE=1] no hub access (HF_HUB_OFFLINE etc.)
+#
+# What it adds to a bare launcher:
+#   * environment: OMP_NUM_THREADS = cores / processes (unless set), TOKENIZERS_PARALLELISM=false,
+#     TORCH_NCCL_ASYNC_ERROR_HANDLING=1 (a dead rank becomes an error, not a hang), unbuffered output;
+#   * a log: everything is also appended to OUT/logs/launch-<time>-<host>-<pid>.log;
+#   * signals: SIGTERM, SIGUSR1 and SIGINT sent to this script go to the training processes
+#     themselves, not to the launcher. The DeepSpeed launcher answers SIGTERM by killing its ranks
+#     30 s later, and torchrun by killing them too; finetune's ranks instead save a checkpoint at the
+#     next step boundary and exit with 75 ("preempted, requeue me"). A second signal is forwarded
+#     too and does not interrupt the save;
+#   * the exit code: torchrun turns any rank's non-zero code into 1, so when OUT/exit_status.json
+#     of this run says 75, this script exits 75.
+set -euo pipefail
+
+usage() { sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'; }
+
+launcher=${LAUNCHER:-deepspeed}
+nproc=${NPROC_PER_NODE:-}
+hostfile=${HOSTFILE:-}
+nnodes=${NNODES:-1}
+node_rank=${NODE_RANK:-0}
+master_addr=${MASTER_ADDR:-127.0.0.1}
+master_port=${MASTER_PORT:-29500}
+offline=${FINETUNE_OFFLINE:-0}
+PYTHON=${PYTHON:-python3}
+
+die() { echo "launch.sh: $*" >&2; exit 2; }
+need() { [[ $# -ge 2 && -n $2 ]] || die "$1 needs a value"; }
+while [[ $# -gt 0 ]]; do
+    case $1 in
+        --launcher) need "$@"; launcher=$2; shift 2 ;;
+        --nproc) need "$@"; nproc=$2; shift 2 ;;
+        --hostfile) need "$@"; hostfile=$2; shift 2 ;;
+        --nnodes) need "$@"; nnodes=$2; shift 2 ;;
+        --node_rank) need "$@"; node_rank=$2; shift 2 ;;
+        --master_addr) need "$@"; master_addr=$2; shift 2 ;;
+        --master_port) need "$@"; master_port=$2; shift 2 ;;
+        --offline) offline=1; shift ;;
+        -h|--help) usage; exit 0 ;;
+        --) shift; break ;;
+        *) break ;;
+    esac
+done
+
+[[ $launcher == deepspeed || $launcher == torchrun ]] || die "--launcher must be deepspeed or torchrun, got '$launcher'"
+if [[ -z $nproc ]]; then
+    nproc=$( (nvidia-smi -L 2>/dev/null || true) | grep -c '^GPU' || true)
+    [[ $nproc -gt 0 ]] || nproc=1
+fi
+[[ $nproc =~ ^[1-9][0-9]*$ ]] || die "--nproc must be a positive integer, got '$nproc'"
+[[ -z $hostfile || -f $hostfile ]] || die "--hostfile: file not found: $hostfile"
+[[ -z $hostfile || $launcher == deepspeed ]] || die "--hostfile needs --launcher deepspeed (torchrun: --nnodes/--node_rank)"
+
+# The output directory, as finetune will see it: the last --output_dir wins, like argparse.
+out=output
+for ((i = 1; i <= $#; i++)); do
+    arg=${!i}
+    if [[ $arg == --output_dir ]]; then j=$((i + 1)); out=${!j:-$out}; fi
+    if [[ $arg == --output_dir=* ]]; then out=${arg#--output_dir=}; fi
+done
+mkdir -p "$out/logs" || die "--output_dir: cannot create $out/logs"
+log="$out/logs/launch-$(date +%Y%m%d-%H%M%S)-$(hostname -s)-$$.log"
+
+cores=$(nproc 2>/dev/null || echo 1)
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( cores / nproc > 0 ? cores / nproc : 1 ))}
+export TOKENIZERS_PARALLELISM=${TOKENIZERS_PARALLELISM:-false}
+export TORCH_NCCL_ASYNC_ERROR_HANDLING=${TORCH_NCCL_ASYNC_ERROR_HANDLING:-1}
+export PYTHONUNBUFFERED=1
+if [[ $offline == 1 ]]; then
+    export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+fi
+export FINETUNE_RUN_ID=${FINETUNE_RUN_ID:-$(hostname -s)-$$-$(date +%s)}
+
+if [[ $launcher == deepspeed ]]; then
+    cmd=("$PYTHON" -m deepspeed.launcher.runner --master_port "$master_port")
+    if [[ -n $hostfile ]]; then
+        cmd+=(--hostfile "$hostfile" --master_addr "$master_addr")
+    else
+        cmd+=(--num_gpus "$nproc")
+    fi
+    cmd+=(--module finetune)
+else
+    cmd=("$PYTHON" -m torch.distributed.run --nproc_per_node "$nproc" --nnodes "$nnodes" --node_rank "$node_rank"
+         --master_addr "$master_addr" --master_port "$master_port" -m finetune)
+fi
+
+echo "[launch.sh] $(date '+%F %T') $(hostname -s): ${cmd[*]} $* (log: $log)" | tee -a "$log" >&2
+
+# The launcher and its log writer get a session of their own: a signal meant for this script
+# (Ctrl-C in a terminal, a scheduler signalling the process group) must reach the ranks only
+# through forward() below, and must not kill `tee` (the ranks would die of SIGPIPE on their next line).
+LOG=$log setsid bash -c '"$@" 2>&1 | tee -a "$LOG"; exit "${PIPESTATUS[0]}"' launch "${cmd[@]}" "$@" &
+launcher_pid=$!
+
+descendants() { local c; for c in $(pgrep -P "$1" 2>/dev/null); do echo "$c"; descendants "$c"; done; }
+rank_pids() {  # the training processes: the launcher's descendants that have a LOCAL_RANK
+    local p
+    for p in $(descendants "$launcher_pid"); do
+        tr '\0' '\n' < "/proc/$p/environ" 2>/dev/null | grep -q '^LOCAL_RANK=' && echo "$p"
+    done
+    return 0
+}
+forward() {
+    local sig=$1 pids
+    pids=$(rank_pids | tr '\n' ' ')
+    echo "[launch.sh] SIG$sig: forwarding to ranks ${pids:-(none found)}" | tee -a "$log" >&2
+    [[ -z $pids ]] || kill -s "$sig" $pids 2>/dev/null || true
+    if [[ -n $hostfile ]]; then  # ranks started over pdsh are not our descendants
+        pdsh -R ssh -w "$(awk '!/^#/ && NF {print $1}' "$hostfile" | paste -sd,)" \
+            "pkill -$sig -f -- '-m finetune --local_rank'" 2>&1 | tee -a "$log" >&2 || true
+    fi
+}
+trap 'forward TERM' TERM
+trap 'forward USR1' USR1
+trap 'forward INT' INT
+
+# `wait` returns early whenever a trapped signal arrives; keep waiting until the launcher is gone.
+set +e
+while true; do
+    wait "$launcher_pid"
+    rc=$?
+    kill -0 "$launcher_pid" 2>/dev/null || break
+done
+
+status="$out/exit_status.json"
+if [[ $rc != 0 && -f $status ]] && "$PYTHON" - "$status" "$FINETUNE_RUN_ID" <<'EOF'
+import json, sys
+s = json.load(open(sys.argv[1]))
+sys.exit(0 if s.get("run_id") == sys.argv[2] and s.get("exit_code") == 75 else 1)
+EOF
+then
+    echo "[launch.sh] preempted after a committed checkpoint (launcher exit $rc): exiting 75" | tee -a "$log" >&2
+    rc=75
+fi
+echo "[launch.sh] $(date '+%F %T') exit $rc" | tee -a "$log" >&2
+exit "$rc"
