@@ -15,9 +15,7 @@ import os
 import signal
 
 from finetune import distributed as dist
-
-# sysexits.h EX_TEMPFAIL: "a temporary failure; the user is invited to retry".
-EXIT_PREEMPTED = 75
+from finetune.exit_status import EXIT_PREEMPTED
 DEFAULT_SIGNALS = "SIGTERM,SIGUSR1"
 
 

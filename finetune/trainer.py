@@ -28,7 +28,8 @@ from finetune.data import (
     tokenize,
 )
 from finetune.distributed import logger
-from finetune.metrics import MetricsWriter, write_exit_status
+from finetune.exit_status import write_exit_status
+from finetune.metrics import MetricsWriter
 from finetune.modeling import count_parameters, load_model, load_tokenizer
 from finetune.preemption import EXIT_PREEMPTED, Preemption, parse_signals
 

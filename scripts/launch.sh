@@ -64,13 +64,7 @@ fi
 [[ -z $hostfile || -f $hostfile ]] || die "--hostfile: file not found: $hostfile"
 [[ -z $hostfile || $launcher == deepspeed ]] || die "--hostfile needs --launcher deepspeed (torchrun: --nnodes/--node_rank)"
 
-# The output directory, as finetune will see it: the last --output_dir wins, like argparse.
-out=output
-for ((i = 1; i <= $#; i++)); do
-    arg=${!i}
-    if [[ $arg == --output_dir ]]; then j=$((i + 1)); out=${!j:-$out}; fi
-    if [[ $arg == --output_dir=* ]]; then out=${arg#--output_dir=}; fi
-done
+out=$("$PYTHON" -m finetune.exit_status outdir "$@") || die "cannot run '$PYTHON -m finetune' (activate finetune's environment, or set PYTHON)"
 mkdir -p "$out/logs" || die "--output_dir: cannot create $out/logs"
 log="$out/logs/launch-$(date +%Y%m%d-%H%M%S)-$(hostname -s)-$$.log"
 
@@ -135,15 +129,10 @@ while true; do
     kill -0 "$launcher_pid" 2>/dev/null || break
 done
 
-status="$out/exit_status.json"
-if [[ $rc != 0 && -f $status ]] && "$PYTHON" - "$status" "$FINETUNE_RUN_ID" <<'EOF'
-import json, sys
-s = json.load(open(sys.argv[1]))
-sys.exit(0 if s.get("run_id") == sys.argv[2] and s.get("exit_code") == 75 else 1)
-EOF
-then
-    echo "[launch.sh] preempted after a committed checkpoint (launcher exit $rc): exiting 75" | tee -a "$log" >&2
-    rc=75
+final=$("$PYTHON" -m finetune.exit_status code "$rc" "$@") || final=$rc
+if [[ $final != "$rc" ]]; then
+    echo "[launch.sh] preempted after a committed checkpoint (launcher exit $rc): exiting $final" | tee -a "$log" >&2
+    rc=$final
 fi
 echo "[launch.sh] $(date '+%F %T') exit $rc" | tee -a "$log" >&2
 exit "$rc"

@@ -1,0 +1,109 @@
+"""scripts/slurm/*.sbatch on a real one-node SLURM cluster started by the test session."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+
+import pytest
+from conftest import REPO, child_env, wait_until
+from slurm_cluster import SlurmCluster, Unavailable
+
+pytestmark = pytest.mark.distributed
+
+SCRIPTS = REPO / "scripts" / "slurm"
+JOB_TIMEOUT = 420
+
+
+@pytest.fixture(scope="module")
+def slurm(tmp_path_factory):
+    cluster = SlurmCluster(tmp_path_factory.mktemp("slurm"))
+    try:
+        cluster.start()
+    except Unavailable as e:
+        pytest.skip(f"no SLURM test cluster here: {e}")
+    yield cluster
+    cluster.stop()
+
+
+def _job_env() -> dict:
+    # sbatch exports the submitting environment (as a user's activated venv would be).
+    return {**child_env(), "PYTHON": sys.executable}
+
+
+def _submit(slurm, cwd, script: str, sbatch_opts: list[str], flags: list[str], wait: bool):
+    """sbatch -n2 [opts] scripts/slurm/<script> [flags]; returns (job id, sbatch's CompletedProcess)."""
+    proc = slurm.run("sbatch", *(["--wait"] if wait else []), "-n2", *sbatch_opts, str(SCRIPTS / script), *flags,
+                     check=False, env=_job_env(), timeout=JOB_TIMEOUT, cwd=cwd)
+    m = re.search(r"Submitted batch job (\d+)", proc.stdout)
+    assert m, proc.stdout + proc.stderr
+    return m.group(1), proc
+
+
+def _metrics(out) -> list[dict]:
+    path = out / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def _last_step(out) -> int:
+    return max((r["step"] for r in _metrics(out) if "loss" in r), default=0)
+
+
+def _verify(path) -> None:
+    proc = subprocess.run([sys.executable, "-m", "finetune", "verify", str(path)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+@pytest.mark.parametrize("script, sbatch_opts", [("finetune.sbatch", []),
+                                                 ("finetune-multinode.sbatch", ["-N1"])])
+def test_sbatch_wait_trains_and_commits(slurm, tmp_path, script, sbatch_opts):
+    out = tmp_path / "out"
+    job, proc = _submit(slurm, tmp_path, script, sbatch_opts,
+                        ["--max_steps", "4", "--logging_steps", "1", "--output_dir", str(out)], wait=True)
+    log = (tmp_path / f"finetune-{job}.out").read_text()
+    assert proc.returncode == 0, log[-4000:]
+    assert "1 node(s) x 2 process(es)" in log
+    assert (out / "latest").read_text().strip() == "global_step4"
+    _verify(out / "global_step4")
+    state = json.loads((out / "global_step4" / "trainer_state.json").read_text())
+    assert state["world_size"] == 2  # two srun tasks became two ranks
+    assert (out / "logs" / f"slurm-{job}.log").stat().st_size > 0
+    assert json.loads((out / "exit_status.json").read_text())["run_id"] == f"{job}.0"
+
+
+def test_preempted_job_saves_requeues_itself_and_finishes(slurm, tmp_path):
+    """TERM (as on preemption) and then USR1 (the time-limit warning) each cost at most one step."""
+    out = tmp_path / "out"
+    total = 160
+    job, _ = _submit(slurm, tmp_path, "finetune.sbatch", [],
+                     ["--max_steps", str(total), "--logging_steps", "1", "--eval_steps", "100000",
+                      "--output_dir", str(out)], wait=False)
+    preempted_at = []
+    for restart, sig in ((0, "TERM"), (1, "USR1")):
+        # Training (not just started) in this incarnation of the job: past the last preemption's step.
+        floor = preempted_at[-1] if preempted_at else 0
+        wait_until(lambda: slurm.job(job).get("Restarts") == str(restart) and _last_step(out) >= floor + 3,
+                   JOB_TIMEOUT, f"restart {restart} to train", interval=0.2)
+        before = _last_step(out)
+        slurm.run("scancel", f"--signal={sig}", job)
+        # The job requeues itself: it comes back with one more restart.
+        wait_until(lambda: int(slurm.job(job).get("Restarts", "0")) > restart, JOB_TIMEOUT,
+                   f"the job to requeue after SIG{sig}", interval=0.5)
+        status = json.loads((out / "exit_status.json").read_text())
+        assert status["exit_code"] == 75 and status["run_id"] == f"{job}.{restart}", status
+        step = int(status["checkpoint"].removeprefix("global_step"))
+        assert before <= step <= before + 2  # the first step boundary after the signal
+        _verify(out / status["checkpoint"])
+        preempted_at.append(step)
+    info = slurm.wait_for_state(job, {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"}, JOB_TIMEOUT)
+    log = (tmp_path / f"finetune-{job}.out").read_text()
+    assert info["JobState"] == "COMPLETED", log[-4000:]
+    assert log.count("requeueing job") == 2
+    for step in preempted_at:
+        assert f"global_step{step} at step {step}" in log  # "Resumed from …/global_stepN at step N"
+    assert (out / "latest").read_text().strip() == f"global_step{total}"
+    # One continuous run: every step trained once after its checkpoint, none skipped.
+    steps = [r["step"] for r in _metrics(out) if "loss" in r]
+    assert sorted(set(steps)) == list(range(1, total + 1))
