@@ -167,10 +167,21 @@ class Running:
         return Result(self.proc.returncode, self.output(), self.out_dir, self.leaked_shm)
 
     def kill(self) -> None:
+        import psutil
+
+        try:  # descendants too: scripts/launch.sh puts its launcher in a session of its own
+            stray = psutil.Process(self.proc.pid).children(recursive=True)
+        except psutil.NoSuchProcess:
+            stray = []
         try:
             os.killpg(self.proc.pid, 9)
         except (ProcessLookupError, PermissionError):
             pass
+        for p in stray:
+            try:
+                p.kill()
+            except psutil.NoSuchProcess:
+                pass
         if self.proc.poll() is None:
             self.proc.wait()
         port = next((self.cmd[i + 1] for i, a in enumerate(self.cmd) if a in ("--master_port", "--main_process_port")), None)

@@ -10,6 +10,12 @@ A save is snapshot → write → agree → commit:
           folder appears complete, in one step) and atomically replaces ``OUT/latest``.
 A crash at any instant leaves ``latest`` naming a complete checkpoint, or absent.
 
+Node-local storage (DeepSpeed's ``checkpoint.use_node_local_storage``): each node has its own
+OUT, so every node's first rank (its *leader*) does there what rank 0 does on shared storage,
+for the files of that node's ranks; its manifest lists those ranks. The commit has two phases:
+all leaders write their manifests into staging and agree, and only then does any leader rename
+its folder and advance its ``latest``. Resume takes the newest tag that verifies on every node.
+
 Test seams: ``FINETUNE_FAIL_SAVE`` (see writer.py); ``FINETUNE_SKIP_SPACE_CHECK=1`` skips
 the free-space pre-check so a test can provoke a real ENOSPC in the middle of a write.
 """
@@ -18,6 +24,7 @@ from __future__ import annotations
 
 import copy
 import os
+import socket
 import time
 from pathlib import Path
 
@@ -64,12 +71,35 @@ def versions() -> dict:
             "transformers": transformers.__version__}
 
 
+def node_local(ds_config: dict) -> bool:
+    return bool((ds_config.get("checkpoint") or {}).get("use_node_local_storage", False))
+
+
+def storage_groups(out: Path, local: bool) -> list[list[int]]:
+    """Ranks grouped by the storage they write to. Collective.
+
+    Shared storage: one group. Node-local: ranks on the same host with the same real output
+    directory share one (two "nodes" on one machine differ by directory).
+    """
+    if not local:
+        return [list(range(dist.world_size()))]
+    keys = dist.all_gather_object((socket.gethostname(), os.path.realpath(out)))
+    groups: dict = {}
+    for r, key in enumerate(keys):
+        groups.setdefault(key, []).append(r)
+    return sorted(groups.values())
+
+
 class CheckpointManager:
     def __init__(self, cfg: RunConfig, tokenizer, storage: LocalStorage | None = None):
         self.cfg, self.tokenizer, self.engine = cfg, tokenizer, None
         self.out = Path(cfg.ckpt.output_dir)
         self.storage = storage or LocalStorage(self.out)
-        self.resumer = Resumer(cfg, self.storage)
+        self.node_local = node_local(cfg.ds_config)
+        self.groups = storage_groups(self.out, self.node_local)
+        self.my_group = next(g for g in self.groups if dist.rank() in g)
+        self.leader = dist.rank() == self.my_group[0]  # rank 0's role, for this rank's storage
+        self.resumer = Resumer(cfg, self.storage, self.groups if self.node_local else None)
 
     def attach(self, engine) -> None:
         """Take over the engine's checkpoint writes (call once, after deepspeed.initialize)."""
@@ -125,7 +155,7 @@ class CheckpointManager:
     def _write(self, tag: str, state: TrainingState, consolidated: bool) -> None:
         """Every rank: DeepSpeed's files, then our own. Failures are recorded in ``self.writer``."""
         staging_root = self.out / STAGING
-        if dist.is_main():
+        if self.leader:
             self.storage.remove(f"{STAGING}/{tag}")  # leftovers of a crashed save of the same step
         self.writer.reset(staging_root / tag, state.global_step)
         try:
@@ -141,7 +171,7 @@ class CheckpointManager:
         if consolidated:
             self._write_consolidated(folder)
         self.writer.save(rng_state(), str(folder / f"rng_state_{dist.rank()}.pt"))
-        if dist.is_main() and self.writer.error is None:
+        if self.leader and self.writer.error is None:
             try:
                 self._write_rank0_files(folder, state)
             except Exception as e:  # noqa: BLE001 — recorded; the agree step decides for all ranks
@@ -183,35 +213,48 @@ class CheckpointManager:
         outcomes = dist.all_gather_object((self.writer.error, self.writer.files))
         bad = {r: err for r, (err, _) in enumerate(outcomes) if err}
         if bad:
-            if dist.is_main():
-                self.storage.remove(f"{STAGING}/{tag}")
-                self.storage.finish_staging()
+            self._drop_staging(tag)
             dist.barrier()  # nobody moves on while the staging folder is being removed
             raise SaveError(f"save of {tag} failed on {_describe(bad)}; latest is unchanged")
         files: dict[str, tuple[int, str]] = {}
-        for _, rank_files in outcomes:
-            files.update(rank_files)
+        for r, (_, rank_files) in enumerate(outcomes):
+            if r in self.my_group:  # on shared storage, every rank
+                files.update(rank_files)
         return files
 
+    def _drop_staging(self, tag: str) -> None:
+        if self.leader:
+            self.storage.remove(f"{STAGING}/{tag}")
+            self.storage.finish_staging()
+
     def _commit(self, tag: str, files: dict[str, tuple[int, str]]) -> None:
+        """Leaders: manifests into staging, agree, then rename and advance ``latest``. Collective."""
+        ranks = self.my_group if self.node_local else None
         error = None
-        if dist.is_main():
+        if self.leader:
             try:
-                self._commit_rank0(tag, files)
+                prepare_staged(self.storage, tag, files, dist.world_size(), versions(), ranks)
             except OSError as e:
                 error = f"{type(e).__name__}: {e}"
-                self.storage.remove(f"{STAGING}/{tag}")
-                self.storage.finish_staging()
-        error = dist.all_gather_object(error)[0]  # collective: everyone learns rank 0's outcome
-        if error:
-            raise SaveError(f"commit of {tag} failed on rank 0: {error}; latest is unchanged")
-
-    def _commit_rank0(self, tag: str, files: dict[str, tuple[int, str]]) -> None:
-        commit_staged(self.storage, tag, files, dist.world_size(), versions())
+        errors = {r: e for r, e in enumerate(dist.all_gather_object(error)) if e}
+        if errors:
+            self._drop_staging(tag)
+            dist.barrier()
+            raise SaveError(f"commit of {tag} failed on {_describe(errors)}; latest is unchanged")
+        if self.leader:
+            try:
+                publish_staged(self.storage, tag)
+            except OSError as e:
+                error = f"{type(e).__name__}: {e}"
+        errors = {r: e for r, e in enumerate(dist.all_gather_object(error)) if e}
+        if errors:
+            # Only a rename or the `latest` write failed, after every node had its files complete.
+            raise SaveError(f"commit of {tag} failed on {_describe(errors)}; `latest` may now differ between "
+                            "nodes (resume takes the newest checkpoint complete on all of them)")
 
     def _retain(self, newest: str) -> None:
         limit = self.cfg.ckpt.save_total_limit
-        if limit and dist.is_main():
+        if limit and self.leader:
             complete = [t for t in self.storage.tags() if self.storage.exists(f"{t}/{MANIFEST}")]
             for tag in select_for_deletion(complete, limit, {newest, self.storage.read_latest()}):
                 logger.info("save_total_limit %d: deleting %s", limit, tag)
@@ -232,16 +275,25 @@ class CheckpointManager:
 
 
 def commit_staged(storage: LocalStorage, tag: str, files: dict[str, tuple[int, str]], world_size: int,
-                  versions: dict) -> None:
-    """Rank 0's commit of ``.staging/<tag>``. Each step is atomic; a crash between any two leaves
+                  versions: dict, ranks: list[int] | None = None) -> None:
+    """A leader's commit of ``.staging/<tag>``. Each step is atomic; a crash between any two leaves
     ``latest`` naming a complete checkpoint (the old one, or the new one once it is in place).
-
-    The manifest is written *inside* the staged folder before the rename, so the folder never
-    appears under its final name without the file that marks it complete.
     """
+    prepare_staged(storage, tag, files, world_size, versions, ranks)
+    publish_staged(storage, tag)
+
+
+def prepare_staged(storage: LocalStorage, tag: str, files: dict[str, tuple[int, str]], world_size: int,
+                   versions: dict, ranks: list[int] | None = None) -> None:
+    """The manifest, written *inside* the staged folder before the rename, so the folder never
+    appears under its final name without the file that marks it complete. ``ranks``: the ranks
+    whose files this storage holds (node-local storage); None = all of them."""
     staged = storage.root / STAGING / tag
-    write_json_durably(staged / MANIFEST, build_manifest(tag, files, world_size, versions))
+    write_json_durably(staged / MANIFEST, build_manifest(tag, files, world_size, versions, ranks))
     fsync_path(staged)
+
+
+def publish_staged(storage: LocalStorage, tag: str) -> None:
     # Never overwrite in place: a folder of the same step (an abandoned timeline's) is swapped out.
     storage.replace_dir(f"{STAGING}/{tag}", tag)
     storage.write_latest(tag)

@@ -101,10 +101,20 @@ def write_json_durably(path: str | os.PathLike, obj) -> tuple[int, str]:
     return len(data), h.hexdigest()
 
 
-def build_manifest(tag: str, files: dict[str, tuple[int, str]], world_size: int, versions: dict) -> dict:
-    return {"format_version": FORMAT_VERSION, "tag": tag, "world_size": world_size, "algorithm": ALGORITHM,
-            "versions": versions, "total_bytes": sum(size for size, _ in files.values()),
-            "files": {name: {"size": size, "checksum": digest} for name, (size, digest) in sorted(files.items())}}
+def build_manifest(tag: str, files: dict[str, tuple[int, str]], world_size: int, versions: dict,
+                   ranks: list[int] | None = None) -> dict:
+    """``ranks``: node-local storage holds only these ranks' files (absent = all of them)."""
+    manifest = {"format_version": FORMAT_VERSION, "tag": tag, "world_size": world_size, "algorithm": ALGORITHM,
+                "versions": versions, "total_bytes": sum(size for size, _ in files.values()),
+                "files": {name: {"size": size, "checksum": digest} for name, (size, digest) in sorted(files.items())}}
+    if ranks is not None:
+        manifest["ranks"] = sorted(ranks)
+    return manifest
+
+
+def stored_ranks(manifest: dict) -> list[int]:
+    """The ranks whose files the checkpoint folder holds: all, or one node's (node-local storage)."""
+    return manifest.get("ranks", list(range(int(manifest.get("world_size", 0)))))
 
 
 def read_manifest(folder: str | os.PathLike) -> dict | None:
@@ -161,7 +171,7 @@ def verify(folder: str | os.PathLike, *, checksums: bool = True, ranks: list[int
     world = int(manifest.get("world_size", 0))
     listed = manifest.get("files", {})
     mine = set(listed) if ranks is None else _files_of(listed, ranks, world, shared)
-    for r in range(world) if ranks is None else ranks:
+    for r in stored_ranks(manifest) if ranks is None else ranks:
         for pattern in RANK_FILE_PATTERNS:
             name = pattern.format(r=r)
             if name not in listed and not (name.startswith("zero") and _bf16_variant(name) in listed):

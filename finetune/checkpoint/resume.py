@@ -39,8 +39,12 @@ class ResumePlan:
 
 
 class Resumer:
-    def __init__(self, cfg: RunConfig, storage: LocalStorage):
+    def __init__(self, cfg: RunConfig, storage: LocalStorage, node_groups: list[list[int]] | None = None):
+        """``node_groups``: ranks by node, with node-local storage (each node its own OUT)."""
         self.cfg, self.storage, self.out = cfg, storage, storage.root
+        self.node_groups = node_groups
+        # Rank 0's role for this rank's storage: rank 0, or each node's first rank.
+        self.leader = dist.is_main() if node_groups is None else any(g[0] == dist.rank() for g in node_groups)
 
     def plan_resume(self) -> ResumePlan | None:
         """Pick (and verify) what to resume from, before the engine exists. Collective.
@@ -60,6 +64,10 @@ class Resumer:
         self._check_compatible(saved)
         universal = None
         if saved["world_size"] != dist.world_size():
+            if self.node_groups is not None:
+                raise ConfigError(f"--resume_from_checkpoint: {folder} was saved by {saved['world_size']} ranks on "
+                                  "node-local storage; resuming it on another world size needs every node's files in "
+                                  "one folder (copy them together, then resume from that folder on shared storage)")
             universal = self._universal(folder)
             dist.log_main(logging.INFO, "Resuming a %d-rank checkpoint on %d ranks: loading DeepSpeed's universal "
                           "format from %s; the data order continues from global sample %d of epoch %d.",
@@ -104,7 +112,7 @@ class Resumer:
         else:
             logger.warning("no RNG state for rank %d in %s (it had %d ranks); this rank keeps its seeded RNG",
                            dist.rank(), folder.name, plan.saved["world_size"])
-        if dist.is_main():
+        if dist.is_main():  # metrics.jsonl is rank 0's, whatever the storage
             _truncate_metrics(self.out / "metrics.jsonl", trainer.state.global_step)
         dist.barrier()
         logger.info("Resumed from %s at step %d (epoch %.2f) in %.2f seconds.", folder, trainer.state.global_step,
@@ -118,10 +126,10 @@ class Resumer:
         that listed for themselves could disagree (node-local storage, a concurrent delete) and
         then run different numbers of the verification collective below.
         """
-        candidates, error = dist.all_gather_object(self._candidates(spec) if dist.is_main() else None)[0]
+        candidates, error = self._agreed_candidates(spec)
         if error:
             raise ConfigError(error)
-        for folder in map(Path, candidates):
+        for folder in candidates:
             problems = self._verify_collectively(folder)
             if not problems:
                 return folder
@@ -133,25 +141,41 @@ class Resumer:
             raise ConfigError(f"--resume_from_checkpoint latest: no complete checkpoint in {self.out}")
         return None
 
-    def _candidates(self, spec: str) -> tuple[list[str], str | None]:
-        """Rank 0: folders to try, best first, or an error message for every rank to raise."""
+    def _agreed_candidates(self, spec: str) -> tuple[list[Path], str | None]:
+        """Folders to try, best first, the same on every rank (or an error for all to raise). Collective.
+
+        latest/auto: tags from rank 0's listing, or with node-local storage the tags every node
+        has (each rank then looks in its own OUT); a PATH: the same folder on every rank.
+        """
+        if self.node_groups is None or spec not in ("latest", "auto"):
+            kind, items, error = dist.all_gather_object(self._candidates(spec) if dist.is_main() else None)[0]
+        else:
+            listings = [x for x in dist.all_gather_object(
+                (self.storage.read_latest(), self.storage.tags()) if self.leader else None) if x is not None]
+            common = set(listings[0][1]).intersection(*(set(tags) for _, tags in listings[1:]))
+            kind, items, error = "tags", resume_candidates(listings[0][0], sorted(common)), None
+        return [self.out / i if kind == "tags" else Path(i) for i in items], error
+
+    def _candidates(self, spec: str) -> tuple[str, list[str], str | None]:
+        """Rank 0: ("tags" or "paths", what to try best first, an error message for every rank to raise)."""
         if spec in ("latest", "auto"):
-            tags = resume_candidates(self.storage.read_latest(), self.storage.tags())
-            return [str(self.out / t) for t in tags], None
+            return "tags", resume_candidates(self.storage.read_latest(), self.storage.tags()), None
         path = find_checkpoint(spec)
         if path is None or not looks_like_checkpoint(path):
-            return [], f"--resume_from_checkpoint: no checkpoint at {spec}"
-        return [str(path)], None
+            return "paths", [], f"--resume_from_checkpoint: no checkpoint at {spec}"
+        return "paths", [str(path)], None
 
     def _verify_collectively(self, folder: Path) -> list[str]:
         """Every rank checks a share of the rank files (rank 0 also the shared ones). Collective."""
         manifest = read_manifest(folder)
         if manifest is None:
-            problems = [f"{MANIFEST} missing or unreadable (an incomplete save?)"]
+            problems = [f"{MANIFEST} missing or unreadable (an incomplete save?) on rank {dist.rank()}"]
         else:
-            mine = list(range(dist.rank(), int(manifest.get("world_size", 1)), dist.world_size()))
+            # Node-local: each rank its own files on its node, each leader its node's shared files.
+            mine = [dist.rank()] if self.node_groups is not None else \
+                list(range(dist.rank(), int(manifest.get("world_size", 1)), dist.world_size()))
             problems = verify(folder, checksums=not self.cfg.ckpt.resume_skip_checksum, ranks=mine,
-                              shared=dist.is_main()).problems
+                              shared=self.leader).problems
         return [p for rank_problems in dist.all_gather_object(problems) for p in rank_problems]
 
     def _check_compatible(self, saved: dict) -> None:

@@ -1,0 +1,67 @@
+"""Node-local checkpoint storage: two "nodes" on loopback (torchrun --nnodes 2), each its own OUT."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+from conftest import BIN, REPO, Running, child_env, free_port
+
+pytestmark = pytest.mark.distributed
+
+TIMEOUT = 420
+CONFIG = str(REPO / "configs" / "ds_zero3_node_local.json")
+COMMON = ["--logging_steps", "1", "--eval_steps", "100000", "--save_checkpoint", "--save_steps", "2"]
+
+
+def _two_nodes(tmp_path, name: str, *flags: str, env: dict | None = None) -> list:
+    """One torchrun per node (1 process each), same master, each node its own --output_dir."""
+    port = str(free_port())
+    runs = []
+    for node in (0, 1):
+        out = tmp_path / f"{name}-node{node}"
+        cmd = [str(BIN / "torchrun"), "--nnodes", "2", "--node_rank", str(node), "--nproc_per_node", "1",
+               "--master_addr", "127.0.0.1", "--master_port", port, "-m", "finetune",
+               "--deepspeed_config", CONFIG, *flags, "--output_dir", str(out)]
+        runs.append(Running(cmd, tmp_path, child_env(env), out))
+    results = [r.finish(TIMEOUT) for r in runs]
+    for r in results:
+        assert r.returncode == 0, r.output[-4000:]
+    return results
+
+
+def _verify(folder) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "finetune", "verify", str(folder)], capture_output=True, text=True)
+
+
+def test_each_node_commits_its_part_and_latest_waits_for_all(tmp_path):
+    # Rank 1 (node 1) fails to write at step 4: node 0 wrote everything, and must not commit either.
+    node0, node1 = _two_nodes(tmp_path, "run", *COMMON, "--max_steps", "6",
+                              env={"FINETUNE_FAIL_SAVE": "1:4"})
+    for node, result in enumerate((node0, node1)):
+        out = result.out_dir
+        assert sorted(p.name for p in out.glob("global_step*")) == ["global_step2", "global_step6"]
+        assert (out / "latest").read_text().strip() == "global_step6"
+        assert not (out / ".staging").exists() or not any((out / ".staging").iterdir())
+        manifest = json.loads((out / "global_step6" / "manifest.json").read_text())
+        assert manifest["world_size"] == 2 and manifest["ranks"] == [node]
+        rank_files = sorted(p.name for p in (out / "global_step6").glob("zero_pp_rank_*"))
+        assert rank_files == [f"zero_pp_rank_{node}_mp_rank_00_model_states.pt",
+                              f"zero_pp_rank_{node}_mp_rank_00_optim_states.pt"]
+        assert (out / "global_step6" / "trainer_state.json").exists()  # every node can resume alone
+        check = _verify(out / "global_step6")
+        assert check.returncode == 0, check.stdout + check.stderr
+    assert "save of global_step4 failed on rank 1" in node0.output
+
+
+def test_node_local_resume_matches_an_uninterrupted_run(tmp_path):
+    first = _two_nodes(tmp_path, "resume", *COMMON, "--max_steps", "4")
+    again = _two_nodes(tmp_path, "resume", *COMMON, "--max_steps", "6", "--resume_from_checkpoint", "auto")
+    assert "Resumed from" in again[0].output
+    reference = _two_nodes(tmp_path, "reference", *COMMON, "--max_steps", "6")
+    losses = {r["step"]: r["loss"] for r in again[0].metrics() if "loss" in r}
+    want = {r["step"]: r["loss"] for r in reference[0].metrics() if "loss" in r}
+    assert [losses[s] for s in (5, 6)] == [want[s] for s in (5, 6)]  # bitwise on CPU
+    assert first[0].out_dir == again[0].out_dir
