@@ -20,6 +20,8 @@ $(STAMP): pyproject.toml
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q $(TORCH_CPU)
 	# DeepSpeed ships as an sdist whose build imports torch: build it against the torch above.
 	$(PY) -m pip install -q --no-build-isolation -e '.[test]'
+	# DeepSpeed's CPU ops, compiled once here rather than inside the first run (or test).
+	PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(PY) scripts/build_ops.py
 	touch $(STAMP)
 
 demo: setup
