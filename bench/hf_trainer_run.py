@@ -47,8 +47,16 @@ def main() -> None:
     args = parse_args()
     import datasets
     import torch
-    from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer, DataCollatorForLanguageModeling,
-                              Trainer, TrainerCallback, TrainingArguments, set_seed)
+    from transformers import (
+        AutoConfig,
+        AutoModelForCausalLM,
+        AutoTokenizer,
+        DataCollatorForLanguageModeling,
+        Trainer,
+        TrainerCallback,
+        TrainingArguments,
+        set_seed,
+    )
 
     # Before the model: a live HfDeepSpeedConfig makes from_config build it under zero.Init.
     targs = TrainingArguments(

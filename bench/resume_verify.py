@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from export import PY, REPO, env, ensure_checkpoint, free_port  # noqa: E402
+from export import PY, REPO, ensure_checkpoint, env, free_port  # noqa: E402
 
 WORK = Path("/tmp/finetune_bench_export")  # bench/export.py's default --workdir
 
