@@ -15,8 +15,6 @@ import subprocess
 import time
 from pathlib import Path
 
-import pytest
-
 DAEMONS = ("munged", "slurmctld", "slurmd", "sbatch", "scontrol", "squeue", "scancel", "sinfo", "srun")
 
 
@@ -164,14 +162,3 @@ PartitionName=test Nodes={self.node} Default=YES MaxTime=INFINITE State=UP OverS
             time.sleep(1)
         raise AssertionError(f"job {job_id} not in {states} after {timeout}s: {info}")
 
-
-@pytest.fixture(scope="session")
-def slurm(tmp_path_factory):
-    """The cluster, once per session (import this fixture into a test module to use it)."""
-    cluster = SlurmCluster(tmp_path_factory.mktemp("slurm"))
-    try:
-        cluster.start()
-    except Unavailable as e:
-        pytest.skip(f"no SLURM test cluster here: {e}")
-    yield cluster
-    cluster.stop()

@@ -1,4 +1,4 @@
-"""scripts/slurm/*.sbatch on a real one-node SLURM cluster started by the test session."""
+"""scripts/slurm/*.sbatch, and the README's SLURM example, on a real one-node SLURM cluster the tests start."""
 
 from __future__ import annotations
 
@@ -9,12 +9,23 @@ import sys
 
 import pytest
 from conftest import REPO, child_env, wait_until
-from slurm_cluster import slurm  # noqa: F401 — the fixture
+from slurm_cluster import SlurmCluster, Unavailable
 
 pytestmark = pytest.mark.distributed
 
 SCRIPTS = REPO / "scripts" / "slurm"
 JOB_TIMEOUT = 420
+
+
+@pytest.fixture(scope="module")
+def slurm(tmp_path_factory):
+    cluster = SlurmCluster(tmp_path_factory.mktemp("slurm"))
+    try:
+        cluster.start()
+    except Unavailable as e:
+        pytest.skip(f"no SLURM test cluster here: {e}")
+    yield cluster
+    cluster.stop()
 
 
 def _job_env() -> dict:
@@ -95,3 +106,40 @@ def test_preempted_job_saves_requeues_itself_and_finishes(slurm, tmp_path):
     # One continuous run: every step trained once after its checkpoint, none skipped.
     steps = [r["step"] for r in _metrics(out) if "loss" in r]
     assert sorted(set(steps)) == list(range(1, total + 1))
+
+
+# --- the README's example, copied as written with only the flags changed -------------------
+
+MARKER = "<!-- slurm-cpu-example"
+
+
+def readme_example() -> str:
+    text = (REPO / "README.md").read_text()
+    block = text[text.index(MARKER):].split("```sh\n", 1)[1].split("```", 1)[0]
+    lines = [line for line in block.splitlines() if line.strip() and not line.startswith("#")]
+    assert len(lines) == 1, lines
+    return lines[0]
+
+
+def test_readme_slurm_example_trains_and_commits(slurm, tmp_path):
+    command = readme_example()
+    assert "sbatch" in command and "scripts/slurm/finetune.sbatch" in command
+    # Only finetune's flags change: fewer steps. The user's working directory has scripts/.
+    command = re.sub(r"--max_steps \d+ --save_steps \d+", "--max_steps 6 --save_steps 3", command)
+    (tmp_path / "scripts").symlink_to(REPO / "scripts")
+    env = slurm.env({**child_env(), "PYTHON": sys.executable})  # as after `source .venv/bin/activate`
+    proc = subprocess.run(["bash", "-c", command], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    job = re.search(r"Submitted batch job (\d+)", proc.stdout).group(1)
+    info = slurm.wait_for_state(job, {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"}, 420)
+    log = (tmp_path / f"finetune-{job}.out").read_text()  # the log per job id, in the submit directory
+    assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", log[-4000:]
+    assert "1 node(s) x 2 process(es)" in log
+    out = tmp_path / "runs" / "slurm-demo"
+    assert (out / "latest").read_text().strip() == "global_step6"
+    assert sorted(p.name for p in out.glob("global_step*")) == ["global_step3", "global_step6"]
+    state = json.loads((out / "global_step6" / "trainer_state.json").read_text())
+    assert state["world_size"] == 2  # two srun tasks became two ranks
+    _verify(out / "global_step6")
+    assert (out / "logs" / f"slurm-{job}.log").stat().st_size > 0
+    assert json.loads((out / "exit_status.json").read_text())["run_id"] == f"{job}.0"
