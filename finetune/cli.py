@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from finetune import distributed as dist
-from finetune.preemption import parse_signals
+from finetune.preemption import parse_signals, release_early
 from finetune.config import (
     DATA_EXTENSIONS,
     CheckpointArgs,
@@ -341,6 +341,8 @@ def main(argv: list[str] | None = None) -> int:
     dist.adopt_slurm_env()
     argv = list(sys.argv[1:] if argv is None else argv)
     command = argv.pop(0) if argv and argv[0] in COMMANDS else "train"
+    if command != "train":
+        release_early()  # only training treats SIGTERM/SIGUSR1 as "save and stop"
     try:
         return COMMANDS[command](argv)
     except ConfigError as e:

@@ -14,9 +14,38 @@ from __future__ import annotations
 import os
 import signal
 
-from finetune import distributed as dist
 from finetune.exit_status import EXIT_PREEMPTED
+
 DEFAULT_SIGNALS = "SIGTERM,SIGUSR1"
+# Signals that arrive while Python is still importing torch (seconds): recorded by catch_early(),
+# then handed to Preemption, or re-raised if this run does not treat them as preemption.
+_EARLY_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+_early: list[int] = []
+
+
+def _record_early(signum, frame) -> None:
+    _early.append(signum)
+
+
+def catch_early() -> None:
+    """First thing in ``python -m finetune``: a SLURM warning signal in the first seconds of start-up
+    must become exit 75 (requeue), not death by SIGUSR1. Stdlib only: nothing heavy is imported yet."""
+    for sig in _EARLY_SIGNALS:
+        signal.signal(sig, _record_early)
+
+
+def release_early(keep: tuple = ()) -> list[str]:
+    """Give the early signals back their default action, except those in ``keep``; a signal that
+    already arrived and is not kept is delivered again now (a SIGTERM still terminates). Returns
+    the names of the kept signals that arrived."""
+    for sig in _EARLY_SIGNALS:
+        if sig not in keep and signal.getsignal(sig) is _record_early:
+            signal.signal(sig, signal.SIG_DFL)
+    arrived = [signal.Signals(n).name for n in _early if n in keep]
+    for n in [n for n in _early if n not in keep]:
+        signal.raise_signal(n)
+    _early.clear()
+    return arrived
 
 
 def parse_signals(text: str) -> tuple[signal.Signals, ...]:
@@ -38,18 +67,20 @@ class Preemption:
     def __init__(self, signals: tuple[signal.Signals, ...]):
         self.signals = signals
         self.received: list[str] = []
-        self._previous = {}
         for sig in signals:
-            self._previous[sig] = signal.signal(sig, self._handle)
+            signal.signal(sig, self._handle)
+        self.received[:0] = release_early(keep=signals)
 
     def _handle(self, signum, frame) -> None:
+        from finetune import distributed as dist
+
         name = signal.Signals(signum).name
         self.received.append(name)
         # os.write, not logging: a handler may interrupt logging itself (its lock is not reentrant).
         if len(self.received) == 1:
             msg = f"[finetune] [rank{dist.env_rank()}] {name} received: saving a checkpoint at the next step boundary, then exiting with code {EXIT_PREEMPTED}\n"
         else:
-            msg = f"[finetune] [rank{dist.env_rank()}] {name} received again: the save in progress goes on\n"
+            msg = f"[finetune] [rank{dist.env_rank()}] {name} received again: already stopping (a save in progress goes on)\n"
         try:
             os.write(2, msg.encode())
         except OSError:
@@ -61,11 +92,9 @@ class Preemption:
 
     def requested(self) -> bool:
         """Collective (when enabled): True on every rank iff any rank has received a signal."""
+        from finetune import distributed as dist
+
         if not self.enabled:
             return False
         return dist.all_reduce_sum([1.0 if self.received else 0.0])[0] > 0
 
-    def restore(self) -> None:
-        for sig, previous in self._previous.items():
-            signal.signal(sig, previous)
-        self._previous.clear()
