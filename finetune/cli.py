@@ -42,7 +42,14 @@ EMBEDDED_MAX_STEPS = 150
 
 
 class _Parser(argparse.ArgumentParser):
-    """argparse that reports usage errors once (rank 0), not once per rank."""
+    """argparse that reports usage errors once (rank 0), not once per rank.
+
+    No abbreviated flags: `--output` would silently be --output_dir to training but not to the
+    job scripts, which read --output_dir from the same arguments (finetune.exit_status).
+    """
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, allow_abbrev=False, **kwargs)
 
     def error(self, message: str):
         if dist.env_rank() == 0:

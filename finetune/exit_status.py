@@ -25,8 +25,8 @@ EXIT_STATUS = "exit_status.json"
 RUN_ID_ENV = "FINETUNE_RUN_ID"
 
 
-def write_exit_status(output_dir: str, code: int, note: dict | None) -> None:
-    """Rank 0, at the end of a run: the file, replaced atomically."""
+def write_exit_status(output_dir: str, code: int | None, note: dict | None) -> None:
+    """Rank 0, when a run starts (code None) and ends: the file, replaced atomically."""
     status = {"exit_code": code, "reason": "finished" if code == 0 else "failed", **(note or {}),
               "run_id": os.environ.get(RUN_ID_ENV), "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
     path = Path(output_dir) / EXIT_STATUS

@@ -40,10 +40,15 @@ def run(cfg: RunConfig) -> int:
     preemption = Preemption(parse_signals(cfg.ckpt.preempt_signals))
     dist.init()
     try:
+        if dist.is_main():  # replaces a previous run's file: a crash from here on leaves no stale "75"
+            write_exit_status(cfg.ckpt.output_dir, None, {"reason": "running"})
         trainer = Trainer.build(cfg, preemption)
         code = trainer.train()
         if dist.is_main():
             write_exit_status(cfg.ckpt.output_dir, code, trainer.stop_note)
+        # Nobody exits before the file is written: under `srun --kill-on-bad-exit` the first rank
+        # to exit with 75 gets the others killed, and the file is how job scripts learn about 75.
+        dist.barrier()
         return code
     finally:
         dist.shutdown()
@@ -171,15 +176,20 @@ class Trainer:
         bar = tqdm(total=self.total_steps, initial=self.state.global_step, disable=not dist.is_main(),
                    desc="train", unit="step", dynamic_ncols=True, mininterval=0.1 if sys.stderr.isatty() else 30)
         t_window = time.perf_counter()
+        if self.preemption.requested():  # a signal during start-up
+            bar.close()
+            return self._stop_preempted()
         while self.state.global_step < self.total_steps:
-            if self.preemption.requested():  # collective; also before the first step
-                bar.close()
-                return self._stop_preempted()
             lr = self._train_step()
             self.state.global_step += 1
             bar.update(1)
             if self._due(self.cfg.train.logging_steps):
                 t_window = self._log(lr, t_window, bar)
+            # Collective; before any eval or periodic save of this step. After the last step the
+            # final save comes anyway (the signal changes nothing then).
+            if self.state.global_step < self.total_steps and self.preemption.requested():
+                bar.close()
+                return self._stop_preempted()
             if self.cfg.train.eval_steps and self._due(self.cfg.train.eval_steps) \
                     and self.state.global_step < self.total_steps:
                 self.evaluate()

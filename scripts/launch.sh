@@ -76,7 +76,14 @@ export PYTHONUNBUFFERED=1
 if [[ $offline == 1 ]]; then
     export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 fi
-export FINETUNE_RUN_ID=${FINETUNE_RUN_ID:-$(hostname -s)-$$-$(date +%s)}
+# Tells this run's OUT/exit_status.json from an older one. Several torchrun nodes share one id
+# (each node's script reads the same file on shared storage): set it yourself, or it is
+# derived from the rendezvous address.
+if [[ $nnodes -gt 1 ]]; then
+    export FINETUNE_RUN_ID=${FINETUNE_RUN_ID:-$master_addr-$master_port}
+else
+    export FINETUNE_RUN_ID=${FINETUNE_RUN_ID:-$(hostname -s)-$$-$(date +%s)}
+fi
 
 if [[ $launcher == deepspeed ]]; then
     cmd=("$PYTHON" -m deepspeed.launcher.runner --master_port "$master_port")
@@ -93,41 +100,57 @@ fi
 
 echo "[launch.sh] $(date '+%F %T') $(hostname -s): ${cmd[*]} $* (log: $log)" | tee -a "$log" >&2
 
-# The launcher and its log writer get a session of their own: a signal meant for this script
-# (Ctrl-C in a terminal, a scheduler signalling the process group) must reach the ranks only
-# through forward() below, and must not kill `tee` (the ranks would die of SIGPIPE on their next line).
-LOG=$log setsid bash -c '"$@" 2>&1 | tee -a "$LOG"; exit "${PIPESTATUS[0]}"' launch "${cmd[@]}" "$@" &
-launcher_pid=$!
-
 descendants() { local c; for c in $(pgrep -P "$1" 2>/dev/null); do echo "$c"; descendants "$c"; done; }
-rank_pids() {  # the training processes: the launcher's descendants that have a LOCAL_RANK
+is_rank() {  # a training process: runs `-m finetune` and has a LOCAL_RANK (launchers have neither both)
+    grep -qz '^LOCAL_RANK=' "/proc/$1/environ" 2>/dev/null && grep -qzx 'finetune' "/proc/$1/cmdline" 2>/dev/null
+}
+rank_pids() {  # ranks only: not their own children (op builds, data workers), which inherit both
     local p
+    [[ -n $launcher_pid ]] || return 0
     for p in $(descendants "$launcher_pid"); do
-        tr '\0' '\n' < "/proc/$p/environ" 2>/dev/null | grep -q '^LOCAL_RANK=' && echo "$p"
+        if is_rank "$p" && ! is_rank "$(ps -o ppid= -p "$p" | tr -d ' ')"; then echo "$p"; fi
     done
     return 0
 }
+pending=
 forward() {
     local sig=$1 pids
     pids=$(rank_pids | tr '\n' ' ')
-    echo "[launch.sh] SIG$sig: forwarding to ranks ${pids:-(none found)}" | tee -a "$log" >&2
-    [[ -z $pids ]] || kill -s "$sig" $pids 2>/dev/null || true
+    if [[ -z ${pids// /} ]]; then
+        # Still starting (or between ranks): keep it and try again from the wait loop below.
+        [[ $pending == "$sig" ]] || echo "[launch.sh] SIG$sig: no ranks yet; forwarding it when they start" | tee -a "$log" >&2
+        pending=$sig
+    else
+        echo "[launch.sh] SIG$sig: forwarding to ranks $pids" | tee -a "$log" >&2
+        kill -s "$sig" $pids 2>/dev/null || true
+        pending=
+    fi
     if [[ -n $hostfile ]]; then  # ranks started over pdsh are not our descendants
         pdsh -R ssh -w "$(awk '!/^#/ && NF {print $1}' "$hostfile" | paste -sd,)" \
             "pkill -$sig -f -- '-m finetune --local_rank'" 2>&1 | tee -a "$log" >&2 || true
     fi
 }
+# Before the launcher starts, so no signal falls between its start and the traps.
+launcher_pid=
 trap 'forward TERM' TERM
 trap 'forward USR1' USR1
 trap 'forward INT' INT
 
-# `wait` returns early whenever a trapped signal arrives; keep waiting until the launcher is gone.
+# The launcher and its log writer get a session of their own: a signal meant for this script
+# (Ctrl-C in a terminal, a scheduler signalling the process group) must reach the ranks only
+# through forward(), and must not kill `tee` (the ranks would die of SIGPIPE on their next line).
+LOG=$log setsid bash -c '"$@" 2>&1 | tee -a "$LOG"; exit "${PIPESTATUS[0]}"' launch "${cmd[@]}" "$@" &
+launcher_pid=$!
+
+# Wait for the launcher; a trapped signal interrupts the short `wait` at once.
 set +e
-while true; do
-    wait "$launcher_pid"
-    rc=$?
-    kill -0 "$launcher_pid" 2>/dev/null || break
+while kill -0 "$launcher_pid" 2>/dev/null; do
+    [[ -z $pending ]] || forward "$pending"
+    sleep 1 &
+    wait $!
 done
+wait "$launcher_pid"  # bash kept the status of the child it reaped
+rc=$?
 
 final=$("$PYTHON" -m finetune.exit_status code "$rc" "$@") || final=$rc
 if [[ $final != "$rc" ]]; then

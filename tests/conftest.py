@@ -62,9 +62,12 @@ def no_stale_shm_buffers():
             mapped.update(line.split()[-1] for line in maps.read_text().splitlines() if "/dev/shm/" in line)
         except OSError:
             continue
-    for buf in Path("/dev/shm").glob("deepspeed_allreduce_buffer_*"):
+    for buf in Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_{os.getuid()}_*"):
         if str(buf) not in mapped:
-            buf.unlink(missing_ok=True)
+            try:
+                buf.unlink(missing_ok=True)
+            except OSError:
+                pass
 
 
 @pytest.fixture(scope="session")

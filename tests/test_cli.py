@@ -296,6 +296,8 @@ BAD_INPUTS = [
     ("preempt_sigkill", ["--preempt_signals", "SIGTERM,SIGKILL"], ["--preempt_signals", "SIGKILL"]),
     ("preempt_unknown", ["--preempt_signals", "USR9"], ["--preempt_signals", "USR9"]),
 ]
+# argparse usage errors (SystemExit 2), not ConfigErrors: abbreviations are refused.
+ABBREVIATED = [["--output", "out"], ["--save_check"]]
 
 
 @pytest.mark.parametrize("case, argv, names", BAD_INPUTS, ids=[c[0] for c in BAD_INPUTS])
@@ -367,3 +369,11 @@ def test_preempt_signals_parse_names_with_or_without_sig_and_none():
     assert parse_signals("SIGTERM,usr1") == (signal.SIGTERM, signal.SIGUSR1)
     assert parse_signals("none") == () == parse_signals("")
     assert parse("--preempt_signals", "SIGUSR2").ckpt.preempt_signals == "SIGUSR2"
+
+
+@pytest.mark.parametrize("argv", ABBREVIATED)
+def test_abbreviated_flags_are_refused(argv, capsys):
+    with pytest.raises(SystemExit) as e:
+        parse(*argv)
+    assert e.value.code == 2
+    assert argv[0] in capsys.readouterr().err

@@ -24,8 +24,8 @@ from __future__ import annotations
 
 import copy
 import os
-import socket
 import time
+import uuid
 from pathlib import Path
 
 import torch
@@ -48,10 +48,11 @@ from finetune.checkpoint.storage import (
     tag_for,
 )
 from finetune.checkpoint.writer import GuardedWriter
-from finetune.config import RunConfig, zero_stage
+from finetune.config import ConfigError, RunConfig, zero_stage
 from finetune.distributed import logger
 
 SKIP_SPACE_CHECK_ENV = "FINETUNE_SKIP_SPACE_CHECK"
+PROBE = ".storage-probe"  # node-local storage: marker files that show which ranks share an OUT
 # Adam keeps fp32 master weights + two moments (12 B/param); the module states add a copy.
 BYTES_PER_PARAM_ESTIMATE = 16
 SPACE_MARGIN = 1.10
@@ -78,16 +79,26 @@ def node_local(ds_config: dict) -> bool:
 def storage_groups(out: Path, local: bool) -> list[list[int]]:
     """Ranks grouped by the storage they write to. Collective.
 
-    Shared storage: one group. Node-local: ranks on the same host with the same real output
-    directory share one (two "nodes" on one machine differ by directory).
+    Shared storage: one group. Node-local: found out, not guessed from host names (containers
+    share them; a "node-local" path may be shared after all): every rank drops a marker file in
+    its OUT, and ranks that see each other's markers share storage.
     """
     if not local:
         return [list(range(dist.world_size()))]
-    keys = dist.all_gather_object((socket.gethostname(), os.path.realpath(out)))
-    groups: dict = {}
-    for r, key in enumerate(keys):
-        groups.setdefault(key, []).append(r)
-    return sorted(groups.values())
+    nonce = dist.all_gather_object(uuid.uuid4().hex if dist.is_main() else None)[0]
+    out.mkdir(parents=True, exist_ok=True)
+    marker = out / f"{PROBE}-{nonce}-{dist.rank()}"
+    marker.touch()
+    dist.barrier()
+    seen = sorted(int(p.name.rsplit("-", 1)[1]) for p in out.glob(f"{PROBE}-{nonce}-*"))
+    views = dist.all_gather_object(seen)
+    dist.barrier()
+    marker.unlink()
+    for r, view in enumerate(views):
+        if any(views[other] != view for other in view):
+            raise ConfigError(f"--output_dir: ranks disagree about who shares {out} (rank {r} sees {view}); "
+                              "use storage local to each node, or shared storage without use_node_local_storage")
+    return [list(v) for v in sorted({tuple(v) for v in views})]
 
 
 class CheckpointManager:
@@ -97,7 +108,7 @@ class CheckpointManager:
         self.storage = storage or LocalStorage(self.out)
         self.node_local = node_local(cfg.ds_config)
         self.groups = storage_groups(self.out, self.node_local)
-        self.my_group = next(g for g in self.groups if dist.rank() in g)
+        self.my_group = list(next(g for g in self.groups if dist.rank() in g))
         self.leader = dist.rank() == self.my_group[0]  # rank 0's role, for this rank's storage
         self.resumer = Resumer(cfg, self.storage, self.groups if self.node_local else None)
 
@@ -249,6 +260,8 @@ class CheckpointManager:
         errors = {r: e for r, e in enumerate(dist.all_gather_object(error)) if e}
         if errors:
             # Only a rename or the `latest` write failed, after every node had its files complete.
+            self._drop_staging(tag)  # a no-op where the rename happened
+            dist.barrier()
             raise SaveError(f"commit of {tag} failed on {_describe(errors)}; `latest` may now differ between "
                             "nodes (resume takes the newest checkpoint complete on all of them)")
 

@@ -139,6 +139,12 @@ class Resumer:
                           folder.name, "; ".join(problems[:3]))
         if spec == "latest":
             raise ConfigError(f"--resume_from_checkpoint latest: no complete checkpoint in {self.out}")
+        if self.node_groups is not None and candidates:
+            # Node-local: failing everywhere usually means ranks now sit on other nodes (or in
+            # another order) than when they saved; starting fresh would silently redo the work.
+            raise ConfigError(f"--resume_from_checkpoint {spec}: no checkpoint verifies on every node; were the "
+                              "ranks placed on other nodes than when they were saved? Start the job on the same "
+                              "nodes, in the same order")
         return None
 
     def _agreed_candidates(self, spec: str) -> tuple[list[Path], str | None]:
@@ -154,6 +160,11 @@ class Resumer:
                 (self.storage.read_latest(), self.storage.tags()) if self.leader else None) if x is not None]
             common = set(listings[0][1]).intersection(*(set(tags) for _, tags in listings[1:]))
             kind, items, error = "tags", resume_candidates(listings[0][0], sorted(common)), None
+            if not common and any(tags for _, tags in listings):
+                # Starting fresh here would silently redo the work; the rank→node mapping changed.
+                error = (f"--resume_from_checkpoint {spec}: the nodes hold no checkpoint in common "
+                         f"({', '.join(str(len(t)) for _, t in listings)} per node): were the ranks placed on "
+                         "other nodes than when they were saved? Start the job on the same nodes, in the same order")
         return [self.out / i if kind == "tags" else Path(i) for i in items], error
 
     def _candidates(self, spec: str) -> tuple[str, list[str], str | None]:

@@ -16,19 +16,21 @@ CONFIG = str(REPO / "configs" / "ds_zero3_node_local.json")
 COMMON = ["--logging_steps", "1", "--eval_steps", "100000", "--save_checkpoint", "--save_steps", "2"]
 
 
-def _two_nodes(tmp_path, name: str, *flags: str, env: dict | None = None) -> list:
-    """One torchrun per node (1 process each), same master, each node its own --output_dir."""
+def _two_nodes(tmp_path, name: str, *flags: str, env: dict | None = None, swap: bool = False,
+               expect: int = 0) -> list:
+    """One torchrun per node (1 process each), same master, each node its own --output_dir
+    (``swap``: each node gets the other's, as if the ranks had landed on the other nodes)."""
     port = str(free_port())
     runs = []
     for node in (0, 1):
-        out = tmp_path / f"{name}-node{node}"
+        out = tmp_path / f"{name}-node{1 - node if swap else node}"
         cmd = [str(BIN / "torchrun"), "--nnodes", "2", "--node_rank", str(node), "--nproc_per_node", "1",
                "--master_addr", "127.0.0.1", "--master_port", port, "-m", "finetune",
                "--deepspeed_config", CONFIG, *flags, "--output_dir", str(out)]
         runs.append(Running(cmd, tmp_path, child_env(env), out))
     results = [r.finish(TIMEOUT) for r in runs]
     for r in results:
-        assert r.returncode == 0, r.output[-4000:]
+        assert r.returncode == expect, r.output[-4000:]
     return results
 
 
@@ -54,6 +56,11 @@ def test_each_node_commits_its_part_and_latest_waits_for_all(tmp_path):
         check = _verify(out / "global_step6")
         assert check.returncode == 0, check.stdout + check.stderr
     assert "save of global_step4 failed on rank 1" in node0.output
+    # The ranks now land on each other's node: resuming must not silently start over.
+    swapped = _two_nodes(tmp_path, "run", *COMMON, "--max_steps", "8", "--resume_from_checkpoint", "auto",
+                         swap=True, expect=1)  # finetune exits 2; torchrun reports any failure as 1
+    assert "no checkpoint verifies on every node" in swapped[0].output
+    assert (node0.out_dir / "latest").read_text().strip() == "global_step6"  # nothing was written
 
 
 def test_node_local_resume_matches_an_uninterrupted_run(tmp_path):
