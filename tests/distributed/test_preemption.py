@@ -93,4 +93,5 @@ def test_preemption_disabled_leaves_the_signal_fatal(start_finetune):
     result = run.finish(TIMEOUT)
     assert result.returncode != 0
     assert not (run.out_dir / "latest").exists()
-    assert not (run.out_dir / "exit_status.json").exists()
+    # Killed by the signal: the file still says "running" (what job scripts then read as a failure).
+    assert json.loads((run.out_dir / "exit_status.json").read_text())["exit_code"] is None
