@@ -108,6 +108,30 @@ def test_preempted_job_saves_requeues_itself_and_finishes(slurm, tmp_path):
     assert sorted(set(steps)) == list(range(1, total + 1))
 
 
+
+def test_time_limit_warning_saves_and_the_requeued_job_resumes(slurm, tmp_path):
+    """The real warning: --time=2 --signal=USR1@50 (slurmctld sends it 40-70 s in, its timer
+    granularity), to a job that would train far longer. It saves, requeues, and the next run resumes."""
+    out = tmp_path / "out"
+    job, _ = _submit(slurm, tmp_path, "finetune.sbatch", ["--time=2", "--signal=USR1@50"],
+                     ["--max_steps", "100000", "--logging_steps", "1", "--eval_steps", "1000000",
+                      "--output_dir", str(out)], wait=False)
+    log = tmp_path / f"finetune-{job}.out"
+    wait_until(lambda: int(slurm.job(job).get("Restarts", "0")) >= 1, JOB_TIMEOUT, "the warning and the requeue",
+               interval=1)
+    text = log.read_text()
+    m = re.search(r"preempted \(SIGUSR1 on rank \d[^)]*\): committed (\S+)/global_step(\d+);", text)
+    assert m, text[-4000:]
+    step = int(m.group(2))
+    assert step > 0 and "requeueing job" in text
+    _verify(out / f"global_step{step}")
+    # The requeued run (a new time limit) continues from exactly that checkpoint; then stop it.
+    wait_until(lambda: f"global_step{step} at step {step}" in log.read_text(), JOB_TIMEOUT, "the resume")
+    wait_until(lambda: _last_step(out) > step, JOB_TIMEOUT, "a step after the resume")
+    slurm.run("scancel", job)
+    slurm.wait_for_state(job, {"CANCELLED", "COMPLETED", "FAILED"}, 120)
+
+
 # --- the README's example, copied as written with only the flags changed -------------------
 
 MARKER = "<!-- slurm-cpu-example"
