@@ -37,6 +37,7 @@ bench: setup
 	PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(PY) bench/train_throughput.py
 	PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(PY) bench/checkpoint_save.py
 	PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(PY) bench/export.py
+	PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(PY) bench/preemption.py
 
 clean:
 	rm -rf output bench/results
