@@ -36,6 +36,11 @@ def write_exit_status(output_dir: str, code: int | None, note: dict | None) -> N
     os.replace(tmp, path)
 
 
+def clear_exit_status(output_dir: str) -> None:
+    """Rank 0, as a run starts: remove a previous run's file (creates nothing)."""
+    (Path(output_dir) / EXIT_STATUS).unlink(missing_ok=True)
+
+
 def output_dir_of(flags: list[str]) -> str:
     """The --output_dir finetune will use for these flags (the last one wins, like argparse)."""
     from finetune.config import CheckpointArgs

@@ -28,7 +28,7 @@ from finetune.data import (
     tokenize,
 )
 from finetune.distributed import logger
-from finetune.exit_status import write_exit_status
+from finetune.exit_status import clear_exit_status, write_exit_status
 from finetune.metrics import MetricsWriter
 from finetune.modeling import count_parameters, load_model, load_tokenizer
 from finetune.preemption import EXIT_PREEMPTED, Preemption, parse_signals
@@ -40,9 +40,11 @@ def run(cfg: RunConfig) -> int:
     preemption = Preemption(parse_signals(cfg.ckpt.preempt_signals))
     dist.init()
     try:
-        if dist.is_main():  # replaces a previous run's file: a crash from here on leaves no stale "75"
+        if dist.is_main():  # a crash from here on must not leave a previous run's "75" behind
+            clear_exit_status(cfg.ckpt.output_dir)
+        trainer = Trainer.build(cfg, preemption)  # bad input stops here, before anything is written
+        if dist.is_main():
             write_exit_status(cfg.ckpt.output_dir, None, {"reason": "running"})
-        trainer = Trainer.build(cfg, preemption)
         code = trainer.train()
         if dist.is_main():
             write_exit_status(cfg.ckpt.output_dir, code, trainer.stop_note)
