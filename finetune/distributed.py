@@ -73,13 +73,19 @@ def _unlink_shm_buffer() -> None:
     stale buffer. Each rank maps every peer's buffer inside ``init_distributed``; after a barrier
     the names are no longer needed and the mappings stay valid.
     """
+    from deepspeed.accelerator import get_accelerator
+
+    # DeepSpeed's own condition (comm/torch.py + shm_interface.cpp), from facts every rank shares,
+    # so every rank takes the barrier or none does; GPU runs skip it.
+    if get_accelerator().device_name() != "cpu" or os.environ.get("LOCAL_SIZE") != str(world_size()):
+        return
     name = "deepspeed_allreduce_buffer_{}_{}_{}_{}".format(
         os.getuid(), os.environ.get("MASTER_ADDR", ""), os.environ.get("MASTER_PORT", ""), rank())
-    barrier()  # on every rank, whatever its /dev/shm holds
+    barrier()
     try:
         os.unlink(os.path.join("/dev/shm", name))
-    except FileNotFoundError:
-        pass
+    except OSError:
+        pass  # already gone, or not ours to remove: a leak, not a failure
 
 
 def device() -> torch.device:

@@ -26,19 +26,28 @@ RUN_ID_ENV = "FINETUNE_RUN_ID"
 
 
 def write_exit_status(output_dir: str, code: int | None, note: dict | None) -> None:
-    """Rank 0, when a run starts (code None) and ends: the file, replaced atomically."""
+    """Rank 0, once its inputs are checked (code None) and at the end: the file, replaced atomically.
+
+    Never raises: rank 0 alone calls it between collectives, and a full disk here must not leave
+    the other ranks waiting for it; the launcher's own exit code still tells the outcome.
+    """
+    from finetune.checkpoint.storage import replace_text
+
     status = {"exit_code": code, "reason": "finished" if code == 0 else "failed", **(note or {}),
               "run_id": os.environ.get(RUN_ID_ENV), "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
-    path = Path(output_dir) / EXIT_STATUS
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{EXIT_STATUS}.tmp")
-    tmp.write_text(json.dumps(status, indent=2) + "\n")
-    os.replace(tmp, path)
+    try:
+        Path(output_dir).mkdir(parents=True, exist_ok=True)
+        replace_text(Path(output_dir) / EXIT_STATUS, json.dumps(status, indent=2) + "\n")
+    except OSError as e:
+        print(f"[finetune] warning: cannot write {EXIT_STATUS} in {output_dir}: {e}", file=sys.stderr)
 
 
 def clear_exit_status(output_dir: str) -> None:
-    """Rank 0, as a run starts: remove a previous run's file (creates nothing)."""
-    (Path(output_dir) / EXIT_STATUS).unlink(missing_ok=True)
+    """Rank 0, as a run starts: remove a previous run's file (creates nothing; never raises)."""
+    try:
+        (Path(output_dir) / EXIT_STATUS).unlink(missing_ok=True)
+    except OSError as e:
+        print(f"[finetune] warning: cannot remove an old {EXIT_STATUS} in {output_dir}: {e}", file=sys.stderr)
 
 
 def output_dir_of(flags: list[str]) -> str:

@@ -35,4 +35,3 @@ def read_metrics(output_dir: str) -> list[dict]:
     if not path.exists():
         return []
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-

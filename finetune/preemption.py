@@ -16,7 +16,6 @@ import signal
 
 from finetune.exit_status import EXIT_PREEMPTED
 
-DEFAULT_SIGNALS = "SIGTERM,SIGUSR1"
 # Signals that arrive while Python is still importing torch (seconds): recorded by catch_early(),
 # then handed to Preemption, or re-raised if this run does not treat them as preemption.
 _EARLY_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)

@@ -86,14 +86,20 @@ def storage_groups(out: Path, local: bool) -> list[list[int]]:
     if not local:
         return [list(range(dist.world_size()))]
     nonce = dist.all_gather_object(uuid.uuid4().hex if dist.is_main() else None)[0]
-    out.mkdir(parents=True, exist_ok=True)
     marker = out / f"{PROBE}-{nonce}-{dist.rank()}"
-    marker.touch()
+    error = None
+    try:  # a rank that cannot write its OUT must still reach every collective below
+        out.mkdir(parents=True, exist_ok=True)
+        marker.touch()
+    except OSError as e:
+        error = f"rank {dist.rank()}: {e}"
     dist.barrier()
     seen = sorted(int(p.name.rsplit("-", 1)[1]) for p in out.glob(f"{PROBE}-{nonce}-*"))
-    views = dist.all_gather_object(seen)
+    views, errors = zip(*dist.all_gather_object((seen, error)))
     dist.barrier()
-    marker.unlink()
+    marker.unlink(missing_ok=True)
+    if any(errors):
+        raise ConfigError(f"--output_dir: cannot write {out}: {'; '.join(e for e in errors if e)}")
     for r, view in enumerate(views):
         if any(views[other] != view for other in view):
             raise ConfigError(f"--output_dir: ranks disagree about who shares {out} (rank {r} sees {view}); "
@@ -108,9 +114,9 @@ class CheckpointManager:
         self.storage = storage or LocalStorage(self.out)
         self.node_local = node_local(cfg.ds_config)
         self.groups = storage_groups(self.out, self.node_local)
-        self.my_group = list(next(g for g in self.groups if dist.rank() in g))
+        self.my_group = next(g for g in self.groups if dist.rank() in g)
         self.leader = dist.rank() == self.my_group[0]  # rank 0's role, for this rank's storage
-        self.resumer = Resumer(cfg, self.storage, self.groups if self.node_local else None)
+        self.resumer = Resumer(cfg, self.storage, self.node_local, self.leader)
 
     def attach(self, engine) -> None:
         """Take over the engine's checkpoint writes (call once, after deepspeed.initialize)."""
@@ -234,9 +240,13 @@ class CheckpointManager:
         return files
 
     def _drop_staging(self, tag: str) -> None:
+        """Leaders: remove a failed save's staging. Best effort: callers go on to a collective."""
         if self.leader:
-            self.storage.remove(f"{STAGING}/{tag}")
-            self.storage.finish_staging()
+            try:
+                self.storage.remove(f"{STAGING}/{tag}")
+                self.storage.finish_staging()
+            except OSError as e:
+                logger.warning("could not remove %s/%s: %s", STAGING, tag, e)
 
     def _commit(self, tag: str, files: dict[str, tuple[int, str]]) -> None:
         """Leaders: manifests into staging, agree, then rename and advance ``latest``. Collective."""
@@ -245,7 +255,7 @@ class CheckpointManager:
         if self.leader:
             try:
                 prepare_staged(self.storage, tag, files, dist.world_size(), versions(), ranks)
-            except OSError as e:
+            except Exception as e:  # noqa: BLE001 — leader-only work: every failure must reach the gather
                 error = f"{type(e).__name__}: {e}"
         errors = {r: e for r, e in enumerate(dist.all_gather_object(error)) if e}
         if errors:
@@ -255,7 +265,7 @@ class CheckpointManager:
         if self.leader:
             try:
                 publish_staged(self.storage, tag)
-            except OSError as e:
+            except Exception as e:  # noqa: BLE001 — leader-only work: every failure must reach the gather
                 error = f"{type(e).__name__}: {e}"
         errors = {r: e for r, e in enumerate(dist.all_gather_object(error)) if e}
         if errors:

@@ -39,12 +39,12 @@ class ResumePlan:
 
 
 class Resumer:
-    def __init__(self, cfg: RunConfig, storage: LocalStorage, node_groups: list[list[int]] | None = None):
-        """``node_groups``: ranks by node, with node-local storage (each node its own OUT)."""
+    def __init__(self, cfg: RunConfig, storage: LocalStorage, node_local: bool = False, leader: bool | None = None):
+        """``node_local``: each node has its own OUT; ``leader``: this rank does rank 0's part for
+        its OUT (rank 0, or each node's first rank; default rank 0)."""
         self.cfg, self.storage, self.out = cfg, storage, storage.root
-        self.node_groups = node_groups
-        # Rank 0's role for this rank's storage: rank 0, or each node's first rank.
-        self.leader = dist.is_main() if node_groups is None else any(g[0] == dist.rank() for g in node_groups)
+        self.node_local = node_local
+        self.leader = dist.is_main() if leader is None else leader
 
     def plan_resume(self) -> ResumePlan | None:
         """Pick (and verify) what to resume from, before the engine exists. Collective.
@@ -64,7 +64,7 @@ class Resumer:
         self._check_compatible(saved)
         universal = None
         if saved["world_size"] != dist.world_size():
-            if self.node_groups is not None:
+            if self.node_local:
                 raise ConfigError(f"--resume_from_checkpoint: {folder} was saved by {saved['world_size']} ranks on "
                                   "node-local storage; resuming it on another world size needs every node's files in "
                                   "one folder (copy them together, then resume from that folder on shared storage)")
@@ -139,7 +139,7 @@ class Resumer:
                           folder.name, "; ".join(problems[:3]))
         if spec == "latest":
             raise ConfigError(f"--resume_from_checkpoint latest: no complete checkpoint in {self.out}")
-        if self.node_groups is not None and candidates:
+        if self.node_local and candidates:
             # Node-local: failing everywhere usually means ranks now sit on other nodes (or in
             # another order) than when they saved; starting fresh would silently redo the work.
             raise ConfigError(f"--resume_from_checkpoint {spec}: no checkpoint verifies on every node; were the "
@@ -153,7 +153,7 @@ class Resumer:
         latest/auto: tags from rank 0's listing, or with node-local storage the tags every node
         has (each rank then looks in its own OUT); a PATH: the same folder on every rank.
         """
-        if self.node_groups is None or spec not in ("latest", "auto"):
+        if not self.node_local or spec not in ("latest", "auto"):
             kind, items, error = dist.all_gather_object(self._candidates(spec) if dist.is_main() else None)[0]
         else:
             listings = [x for x in dist.all_gather_object(
@@ -183,7 +183,7 @@ class Resumer:
             problems = [f"{MANIFEST} missing or unreadable (an incomplete save?) on rank {dist.rank()}"]
         else:
             # Node-local: each rank its own files on its node, each leader its node's shared files.
-            mine = [dist.rank()] if self.node_groups is not None else \
+            mine = [dist.rank()] if self.node_local else \
                 list(range(dist.rank(), int(manifest.get("world_size", 1)), dist.world_size()))
             problems = verify(folder, checksums=not self.cfg.ckpt.resume_skip_checksum, ranks=mine,
                               shared=self.leader).problems

@@ -47,14 +47,7 @@ class LocalStorage:
         return tag or None
 
     def write_latest(self, tag: str) -> None:
-        """Replace OUT/latest atomically: temp file, fsync, rename over, fsync the directory."""
-        tmp = self.root / f".{LATEST}.tmp"
-        with open(tmp, "w") as f:
-            f.write(tag + "\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, self.root / LATEST)
-        fsync_path(self.root)
+        replace_text(self.root / LATEST, tag + "\n")
 
     def rename(self, src: str, dst: str) -> None:
         os.rename(self.root / src, self.root / dst)
@@ -104,6 +97,17 @@ def _exchange(a: Path, b: Path) -> bool:
         return False
     at_fdcwd, rename_exchange = -100, 2
     return renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0
+
+
+def replace_text(path: Path, text: str) -> None:
+    """Replace ``path`` atomically: temp file, fsync, rename over, fsync the directory."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_path(path.parent)
 
 
 def fsync_path(path: str | os.PathLike) -> None:
