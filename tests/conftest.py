@@ -223,6 +223,19 @@ def wait_until(predicate, timeout: float, what: str, interval: float = 0.05):
     raise AssertionError(f"gave up after {timeout}s waiting for {what}")
 
 
+def last_logged_step(out: Path) -> int:
+    """The newest training step in OUT/metrics.jsonl (0 before the first): progress of a live run."""
+    from finetune.metrics import read_metrics
+
+    return max((r["step"] for r in read_metrics(str(out)) if "loss" in r), default=0)
+
+
+def assert_verifies(folder: Path) -> None:
+    """`finetune verify FOLDER`, as a user runs it, exits 0."""
+    proc = subprocess.run([sys.executable, "-m", "finetune", "verify", str(folder)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
 def finetune_cmd(launcher: str, nprocs: int, args: tuple, out: Path, output_dir_flag: bool = True) -> list[str]:
     cmd = launcher_cmd(launcher, nprocs) + list(args)
     if output_dir_flag and "--output_dir" not in args:

@@ -2,14 +2,21 @@
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
 import sys
 
 import pytest
-from conftest import REPO, Running, child_env, free_port, wait_until
+from conftest import (
+    REPO,
+    Running,
+    assert_verifies,
+    child_env,
+    free_port,
+    last_logged_step,
+    wait_until,
+)
 
 pytestmark = pytest.mark.distributed
 
@@ -21,20 +28,14 @@ def _env() -> dict:
     return {**child_env(), "PYTHON": sys.executable}
 
 
-def _last_step(out) -> int:
-    path = out / "metrics.jsonl"
-    rows = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
-    return max((r["step"] for r in rows if "loss" in r), default=0)
-
-
 @pytest.mark.parametrize("launcher", ["deepspeed", "torchrun"])
 def test_sigterm_to_launch_sh_commits_and_exits_75(tmp_path, launcher):
     out = tmp_path / "out"
     run = Running([LAUNCH, "--launcher", launcher, "--nproc", "2", "--master_port", str(free_port()),
                    "--max_steps", "3000", "--logging_steps", "1", "--eval_steps", "100000", "--save_checkpoint",
                    "--output_dir", str(out)], tmp_path, _env(), out)
-    wait_until(lambda: _last_step(out) >= 3, TIMEOUT, "three logged steps")
-    before = _last_step(out)
+    wait_until(lambda: last_logged_step(out) >= 3, TIMEOUT, "three logged steps")
+    before = last_logged_step(out)
     os.kill(run.proc.pid, signal.SIGTERM)  # the script only, as `kill <pid>` or a scheduler would
     result = run.finish(TIMEOUT)
     assert result.returncode == 75, result.output[-4000:]  # even through torchrun, which says 1
@@ -43,8 +44,7 @@ def test_sigterm_to_launch_sh_commits_and_exits_75(tmp_path, launcher):
     logs = list((out / "logs").glob("launch-*.log"))
     assert len(logs) == 1 and "forwarding to ranks" in logs[0].read_text()
     assert "Finished saving the checkpoint" in logs[0].read_text()
-    check = subprocess.run([sys.executable, "-m", "finetune", "verify", str(out / tag)], capture_output=True, text=True)
-    assert check.returncode == 0, check.stdout + check.stderr
+    assert_verifies(out / tag)
 
 
 def test_launch_sh_rejects_bad_options_before_starting(tmp_path):

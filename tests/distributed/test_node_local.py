@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
-from conftest import BIN, REPO, Running, child_env, free_port
+from conftest import BIN, REPO, Running, assert_verifies, child_env, free_port
 
 pytestmark = pytest.mark.distributed
 
@@ -34,10 +32,6 @@ def _two_nodes(tmp_path, name: str, *flags: str, env: dict | None = None, swap: 
     return results
 
 
-def _verify(folder) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "finetune", "verify", str(folder)], capture_output=True, text=True)
-
-
 def test_each_node_commits_its_part_and_latest_waits_for_all(tmp_path):
     # Rank 1 (node 1) fails to write at step 4: node 0 wrote everything, and must not commit either.
     node0, node1 = _two_nodes(tmp_path, "run", *COMMON, "--max_steps", "6",
@@ -53,8 +47,7 @@ def test_each_node_commits_its_part_and_latest_waits_for_all(tmp_path):
         assert rank_files == [f"zero_pp_rank_{node}_mp_rank_00_model_states.pt",
                               f"zero_pp_rank_{node}_mp_rank_00_optim_states.pt"]
         assert (out / "global_step6" / "trainer_state.json").exists()  # every node can resume alone
-        check = _verify(out / "global_step6")
-        assert check.returncode == 0, check.stdout + check.stderr
+        assert_verifies(out / "global_step6")
     assert "save of global_step4 failed on rank 1" in node0.output
     # The ranks now land on each other's node: resuming must not silently start over.
     swapped = _two_nodes(tmp_path, "run", *COMMON, "--max_steps", "8", "--resume_from_checkpoint", "auto",

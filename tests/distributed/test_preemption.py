@@ -5,10 +5,9 @@ from __future__ import annotations
 import json
 import os
 import signal
-import sys
 
 import pytest
-from conftest import wait_until
+from conftest import assert_verifies, last_logged_step, wait_until
 
 from finetune.preemption import EXIT_PREEMPTED
 
@@ -17,20 +16,6 @@ pytestmark = pytest.mark.distributed
 TIMEOUT = 300
 # Many steps so the run is still training when the signal comes; logging every step shows progress.
 LONG = ["--max_steps", "3000", "--logging_steps", "1", "--save_checkpoint", "--eval_steps", "100000"]
-
-
-def _verify(ckpt):
-    import subprocess
-
-    return subprocess.run([sys.executable, "-m", "finetune", "verify", str(ckpt)], capture_output=True, text=True)
-
-
-def _steps_logged(out) -> int:
-    path = out / "metrics.jsonl"
-    if not path.exists():
-        return 0
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    return max((r["step"] for r in rows if "loss" in r), default=0)
 
 
 def _assert_preempted_and_committed(result, steps_before_signal: int, launcher_code: int = EXIT_PREEMPTED):
@@ -43,9 +28,8 @@ def _assert_preempted_and_committed(result, steps_before_signal: int, launcher_c
     step = int(tag.removeprefix("global_step"))
     # Nothing lost but the step in flight: the save is at the first boundary after the signal.
     assert step >= steps_before_signal
-    assert _steps_logged(out) == step  # and training did not go on past it
-    check = _verify(out / tag)
-    assert check.returncode == 0, check.stdout + check.stderr
+    assert last_logged_step(out) == step  # and training did not go on past it
+    assert_verifies(out / tag)
     assert not (out / ".staging").exists() or not any((out / ".staging").iterdir())
     return step
 
@@ -53,10 +37,10 @@ def _assert_preempted_and_committed(result, steps_before_signal: int, launcher_c
 def test_sigusr1_to_one_rank_under_deepspeed_saves_once_and_resumes(start_finetune, run_finetune, tmp_path):
     """One rank signalled (twice: again while saving): all ranks commit one step, then resume to the end."""
     run = start_finetune(*LONG, env={"FINETUNE_SLOW_SAVE": "1"})  # each file takes ≥ 1 s: a save lasts ≥ 4 s
-    wait_until(lambda: _steps_logged(run.out_dir) >= 3, TIMEOUT, "three logged steps")
+    wait_until(lambda: last_logged_step(run.out_dir) >= 3, TIMEOUT, "three logged steps")
     ranks = run.rank_pids()
     assert sorted(ranks) == [0, 1], ranks
-    before = _steps_logged(run.out_dir)
+    before = last_logged_step(run.out_dir)
     os.kill(ranks[1], signal.SIGUSR1)  # rank 1 only: rank 0 learns it through the step-boundary all-reduce
     wait_until(lambda: (run.out_dir / ".staging").exists(), 60, "the save to start", interval=0.005)
     for pid in ranks.values():  # a second signal in the middle of the save must not break it
@@ -78,8 +62,8 @@ def test_sigusr1_to_one_rank_under_deepspeed_saves_once_and_resumes(start_finetu
 def test_sigterm_to_torchrun_saves_and_exit_status_says_preempted(start_finetune):
     """torchrun forwards SIGTERM to its workers but reports any failure as exit 1: exit_status.json keeps 75."""
     run = start_finetune(*LONG, launcher="torchrun", env={"FINETUNE_RUN_ID": "torchrun-test"})
-    wait_until(lambda: _steps_logged(run.out_dir) >= 3, TIMEOUT, "three logged steps")
-    before = _steps_logged(run.out_dir)
+    wait_until(lambda: last_logged_step(run.out_dir) >= 3, TIMEOUT, "three logged steps")
+    before = last_logged_step(run.out_dir)
     os.kill(run.proc.pid, signal.SIGTERM)
     result = run.finish(TIMEOUT)
     _assert_preempted_and_committed(result, before, launcher_code=1)  # torchrun's code; the file has ours
@@ -88,7 +72,7 @@ def test_sigterm_to_torchrun_saves_and_exit_status_says_preempted(start_finetune
 
 def test_preemption_disabled_leaves_the_signal_fatal(start_finetune):
     run = start_finetune(*LONG, "--preempt_signals", "none", launcher="torchrun")
-    wait_until(lambda: _steps_logged(run.out_dir) >= 2, TIMEOUT, "two logged steps")
+    wait_until(lambda: last_logged_step(run.out_dir) >= 2, TIMEOUT, "two logged steps")
     os.kill(run.rank_pids()[0], signal.SIGTERM)
     result = run.finish(TIMEOUT)
     assert result.returncode != 0

@@ -8,8 +8,10 @@ import subprocess
 import sys
 
 import pytest
-from conftest import REPO, child_env, wait_until
+from conftest import REPO, assert_verifies, child_env, last_logged_step, wait_until
 from slurm_cluster import SlurmCluster, Unavailable
+
+from finetune.metrics import read_metrics
 
 pytestmark = pytest.mark.distributed
 
@@ -42,20 +44,6 @@ def _submit(slurm, cwd, script: str, sbatch_opts: list[str], flags: list[str], w
     return m.group(1), proc
 
 
-def _metrics(out) -> list[dict]:
-    path = out / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
-
-
-def _last_step(out) -> int:
-    return max((r["step"] for r in _metrics(out) if "loss" in r), default=0)
-
-
-def _verify(path) -> None:
-    proc = subprocess.run([sys.executable, "-m", "finetune", "verify", str(path)], capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-
-
 def test_multinode_script_on_one_node_trains_and_commits(slurm, tmp_path):
     """The multi-node file (it runs finetune.sbatch from beside itself) with -N1 -n2."""
     out = tmp_path / "out"
@@ -65,7 +53,7 @@ def test_multinode_script_on_one_node_trains_and_commits(slurm, tmp_path):
     assert proc.returncode == 0, log[-4000:]
     assert "1 node(s) x 2 process(es)" in log
     assert (out / "latest").read_text().strip() == "global_step4"
-    _verify(out / "global_step4")
+    assert_verifies(out / "global_step4")
     state = json.loads((out / "global_step4" / "trainer_state.json").read_text())
     assert state["world_size"] == 2  # two srun tasks became two ranks
     assert (out / "logs" / f"slurm-{job}.log").stat().st_size > 0
@@ -83,9 +71,9 @@ def test_preempted_job_saves_requeues_itself_and_finishes(slurm, tmp_path):
     for restart, sig in ((0, "TERM"), (1, "USR1")):
         # Training (not just started) in this incarnation of the job: past the last preemption's step.
         floor = preempted_at[-1] if preempted_at else 0
-        wait_until(lambda: slurm.job(job).get("Restarts") == str(restart) and _last_step(out) >= floor + 3,
+        wait_until(lambda: slurm.job(job).get("Restarts") == str(restart) and last_logged_step(out) >= floor + 3,
                    JOB_TIMEOUT, f"restart {restart} to train", interval=0.2)
-        before = _last_step(out)
+        before = last_logged_step(out)
         slurm.run("scancel", f"--signal={sig}", job)
         # The job requeues itself: it comes back with one more restart.
         wait_until(lambda: int(slurm.job(job).get("Restarts", "0")) > restart, JOB_TIMEOUT,
@@ -94,7 +82,7 @@ def test_preempted_job_saves_requeues_itself_and_finishes(slurm, tmp_path):
         assert status["exit_code"] == 75 and status["run_id"] == f"{job}.{restart}", status
         step = int(status["checkpoint"].removeprefix("global_step"))
         assert before <= step <= before + 2  # the first step boundary after the signal
-        _verify(out / status["checkpoint"])
+        assert_verifies(out / status["checkpoint"])
         preempted_at.append(step)
     info = slurm.wait_for_state(job, {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"}, JOB_TIMEOUT)
     log = (tmp_path / f"finetune-{job}.out").read_text()
@@ -104,7 +92,7 @@ def test_preempted_job_saves_requeues_itself_and_finishes(slurm, tmp_path):
         assert f"global_step{step} at step {step}" in log  # "Resumed from …/global_stepN at step N"
     assert (out / "latest").read_text().strip() == f"global_step{total}"
     # One continuous run: every step trained once after its checkpoint, none skipped.
-    steps = [r["step"] for r in _metrics(out) if "loss" in r]
+    steps = [r["step"] for r in read_metrics(str(out)) if "loss" in r]
     assert sorted(set(steps)) == list(range(1, total + 1))
 
 
@@ -124,10 +112,10 @@ def test_time_limit_warning_saves_and_the_requeued_job_resumes(slurm, tmp_path):
     assert m, text[-4000:]
     step = int(m.group(2))
     assert step > 0 and "requeueing job" in text
-    _verify(out / f"global_step{step}")
+    assert_verifies(out / f"global_step{step}")
     # The requeued run (a new time limit) continues from exactly that checkpoint; then stop it.
     wait_until(lambda: f"global_step{step} at step {step}" in log.read_text(), JOB_TIMEOUT, "the resume")
-    wait_until(lambda: _last_step(out) > step, JOB_TIMEOUT, "a step after the resume")
+    wait_until(lambda: last_logged_step(out) > step, JOB_TIMEOUT, "a step after the resume")
     slurm.run("scancel", job)
     slurm.wait_for_state(job, {"CANCELLED", "COMPLETED", "FAILED"}, 120)
 
@@ -164,6 +152,6 @@ def test_readme_slurm_example_trains_and_commits(slurm, tmp_path):
     assert sorted(p.name for p in out.glob("global_step*")) == ["global_step3", "global_step6"]
     state = json.loads((out / "global_step6" / "trainer_state.json").read_text())
     assert state["world_size"] == 2  # two srun tasks became two ranks
-    _verify(out / "global_step6")
+    assert_verifies(out / "global_step6")
     assert (out / "logs" / f"slurm-{job}.log").stat().st_size > 0
     assert json.loads((out / "exit_status.json").read_text())["run_id"] == f"{job}.0"
