@@ -143,7 +143,7 @@ def _validate_flags(v: dict[str, Any]) -> None:
         raise ConfigError("`--validation_file` needs `--train_file` or `--dataset_name`")
     for name in ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps",
                  "max_steps", "logging_steps", "eval_steps", "save_steps", "save_total_limit",
-                 "max_seq_length", "max_train_samples", "max_eval_samples"):
+                 "max_seq_length", "max_train_samples", "max_eval_samples", "preprocessing_num_workers"):
         if v[name] is not None and v[name] <= 0:
             raise ConfigError(f"`--{name}` must be positive, got {v[name]}")
     for name in ("num_train_epochs", "learning_rate"):
@@ -177,9 +177,10 @@ def _check_size(text: str) -> None:
 
 
 def _validate_paths(v: dict[str, Any]) -> None:
-    out = Path(v["output_dir"])
-    if out.exists() and not out.is_dir():
-        raise ConfigError(f"--output_dir: {out} exists and is not a directory")
+    for flag in ("output_dir", "dataset_cache_dir"):
+        folder = Path(v[flag]) if v[flag] else None
+        if folder is not None and folder.exists() and not folder.is_dir():
+            raise ConfigError(f"--{flag}: {folder} exists and is not a directory")
     for flag in ("train_file", "validation_file"):
         path = v[flag]
         if path is None:

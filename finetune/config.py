@@ -57,6 +57,10 @@ class DataArgs:
     validation_split_percentage: int = _f(5, "Percent of the training data held out for eval when there is no validation split.")
     max_train_samples: int | None = _f(None, "Truncate the training set to this many examples.")
     max_eval_samples: int | None = _f(None, "Truncate the eval set to this many examples.")
+    dataset_cache_dir: str | None = _f(None, "Where tokenized datasets are cached and reused by later runs "
+                                       "(default: datasets' cache, $HF_DATASETS_CACHE).")
+    preprocessing_num_workers: int | None = _f(None, "Processes that tokenize a dataset not yet in the cache "
+                                               "(default: the cores this process may use; 1 below 20,000 examples).")
 
 
 @dataclass(frozen=True)

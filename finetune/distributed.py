@@ -10,9 +10,14 @@ import logging
 import os
 import socket
 import sys
+import threading
+import uuid
 from datetime import timedelta
+from pathlib import Path
 
 import torch
+
+from finetune.config import ConfigError
 
 logger = logging.getLogger("finetune")
 
@@ -144,6 +149,92 @@ def all_gather_object(obj):
     out = [None] * torch.distributed.get_world_size()
     torch.distributed.all_gather_object(out, obj)
     return out
+
+
+class RankError(RuntimeError):
+    """Another rank failed in work every rank agreed on; carries that rank's message."""
+
+
+def run_agreed(fn, on: bool = True, poll_s: float = 5.0):
+    """Run ``fn`` on the ranks where ``on`` is true, then agree on the outcome. Every rank must call this.
+
+    Returns ``fn``'s result where it ran (None elsewhere). If ``fn`` raised on any rank, every
+    rank raises: that rank its own exception, the others the same ConfigError (a bad input is bad
+    everywhere) or a RankError naming the rank. So no rank can leave the others waiting in a later
+    collective. ``fn`` runs in a thread while every rank all-gathers a "done" flag each ``poll_s``
+    seconds: ranks that wait for a long ``fn`` (a tokenization of hours) never sit in one
+    collective past its timeout.
+    """
+    outcome: dict = {}
+
+    def work():
+        try:
+            outcome["result"] = fn()
+        except BaseException as e:  # noqa: BLE001 — every rank re-raises it below, after agreeing
+            outcome["error"] = e
+
+    thread = threading.Thread(target=work, name="finetune-agreed", daemon=True) if on else None
+    if thread is not None:
+        if world_size() == 1:
+            work()  # nobody to keep company: no thread
+        else:
+            thread.start()
+    while world_size() > 1:
+        if thread is not None:
+            thread.join(timeout=poll_s)
+        if all(all_gather_object(thread is None or not thread.is_alive())):
+            break
+    error = outcome.get("error")
+    described = None if error is None else (type(error).__name__, str(error).strip().splitlines()[0] if str(error).strip() else "")
+    failures = [(r, d) for r, d in enumerate(all_gather_object(described)) if d is not None]
+    if error is not None:
+        raise error
+    if failures:
+        r, (kind, message) = failures[0]
+        if kind == "ConfigError":
+            raise ConfigError(message)
+        raise RankError(f"rank {r} failed: {kind}: {message}")
+    return outcome.get("result")
+
+
+def sharing_groups(folder: Path, flag: str) -> list[list[int]]:
+    """Ranks grouped by which of them see the same ``folder`` (one group on shared storage). Collective.
+
+    Found out, not guessed from host names (containers share them; a "node-local" path may be
+    shared after all): every rank drops a marker file in ``folder``, and ranks that see each
+    other's markers share it. ``flag`` names the folder in errors.
+    """
+    if world_size() == 1:
+        return [[0]]
+    nonce = all_gather_object(uuid.uuid4().hex if is_main() else None)[0]
+    marker = folder / f"{PROBE}-{nonce}-{rank()}"
+    error = None
+    try:  # a rank that cannot write the folder must still reach every collective below
+        folder.mkdir(parents=True, exist_ok=True)
+        marker.touch()
+    except OSError as e:
+        error = f"rank {rank()}: {e}"
+    barrier()
+    try:
+        seen = sorted(int(p.name.rsplit("-", 1)[1]) for p in folder.glob(f"{PROBE}-{nonce}-*"))
+    except OSError as e:
+        seen, error = [rank()], error or f"rank {rank()}: {e}"
+    views, errors = zip(*all_gather_object((seen, error)))
+    barrier()
+    try:
+        marker.unlink(missing_ok=True)
+    except OSError:
+        pass  # a leftover marker is harmless: the next probe uses another nonce
+    if any(errors):
+        raise ConfigError(f"--{flag}: cannot write {folder}: {'; '.join(e for e in errors if e)}")
+    for r, view in enumerate(views):
+        if any(views[other] != view for other in view):
+            raise ConfigError(f"--{flag}: ranks disagree about who shares {folder} (rank {r} sees {view}); "
+                              "use storage local to each node, or storage all ranks share")
+    return [list(v) for v in sorted({tuple(v) for v in views})]
+
+
+PROBE = ".storage-probe"  # marker files that show which ranks share a folder
 
 
 def all_reduce_sum(values: list[float]) -> list[float]:

@@ -1,8 +1,8 @@
 """Preemption: a signal asks for a committed checkpoint at the next optimizer-step boundary.
 
 A handler on every rank only records the signal (nothing else is safe inside a handler, and a
-rank may be inside a collective when it arrives). At each step boundary every rank calls
-``requested()``, one all-reduce: if *any* rank saw a signal, all of them save the same step
+rank may be inside a collective when it arrives). At each step boundary the trainer's one
+all-reduce carries whether this rank has ``received`` one: if *any* rank saw a signal, all of them save the same step
 together and stop with ``EXIT_PREEMPTED``, which job scripts read as "requeue me". So it is
 enough for the signal to reach one rank (a launcher that signals only its own node, SLURM's
 ``--signal``, ``kill`` on one pid). Further signals are recorded and ignored: the save in flight
@@ -61,7 +61,7 @@ def parse_signals(text: str) -> tuple[signal.Signals, ...]:
 
 
 class Preemption:
-    """Records signals; ``requested()`` turns one rank's signal into every rank's decision."""
+    """Records signals; the trainer's step-boundary all-reduce turns one rank's into every rank's decision."""
 
     def __init__(self, signals: tuple[signal.Signals, ...]):
         self.signals = signals
@@ -88,12 +88,3 @@ class Preemption:
     @property
     def enabled(self) -> bool:
         return bool(self.signals)
-
-    def requested(self) -> bool:
-        """Collective (when enabled): True on every rank iff any rank has received a signal."""
-        from finetune import distributed as dist
-
-        if not self.enabled:
-            return False
-        return dist.all_reduce_sum([1.0 if self.received else 0.0])[0] > 0
-

@@ -17,16 +17,9 @@ from finetune import distributed as dist
 from finetune.checkpoint.manager import CheckpointManager, ResumePlan, SaveError
 from finetune.checkpoint.state import TrainingState
 from finetune.checkpoint.storage import tag_for
-from finetune.config import ConfigError, RunConfig, finalize_ds_config
-from finetune.data import (
-    IGNORE,
-    ResumableSampler,
-    TrainData,
-    eval_batches,
-    load_raw,
-    pack,
-    tokenize,
-)
+from finetune.config import RunConfig, finalize_ds_config
+from finetune.data import IGNORE, ResumableSampler, TrainData, eval_batches
+from finetune.data.cache import prepare
 from finetune.distributed import logger
 from finetune.exit_status import clear_exit_status, write_exit_status
 from finetune.metrics import MetricsWriter
@@ -45,7 +38,10 @@ def run(cfg: RunConfig) -> int:
         trainer = Trainer.build(cfg, preemption)  # bad input stops here, before anything is written
         if dist.is_main():
             write_exit_status(cfg.ckpt.output_dir, None, {"reason": "running"})
-        code = trainer.train()
+        try:
+            code = trainer.train()
+        finally:
+            trainer.data.close()
         if dist.is_main():
             write_exit_status(cfg.ckpt.output_dir, code, trainer.stop_note)
         # Nobody exits before the file is written: under `srun --kill-on-bad-exit` the first rank
@@ -62,39 +58,9 @@ def set_seed(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def main_first(fn):
-    """Run ``fn`` on rank 0, then on the others (they reuse its dataset cache). Collective.
-
-    Each phase ends in an all-gather of errors, so a failure on any rank is seen by every rank
-    before anyone moves on to the next collective (model construction all-gathers).
-    """
-    result, error = None, None
-    for phase_is_mine in (dist.is_main(), not dist.is_main()):
-        if phase_is_mine:
-            try:
-                result = fn()
-            except Exception as e:  # noqa: BLE001 — re-raised below on every rank, after agreeing
-                error = e
-        errors = [e for e in dist.all_gather_object(None if error is None else (type(error).__name__, str(error))) if e]
-        if error is not None:
-            raise error
-        if errors:
-            kind, message = errors[0]
-            raise ConfigError(message) if kind == "ConfigError" else RuntimeError(f"another rank failed: {message}")
-    return result
-
-
-def _prepare_data(cfg: RunConfig, tokenizer):
-    max_len = cfg.data.max_seq_length
-    train_raw, eval_raw = load_raw(cfg.data, cfg.train.seed)
-    train = tokenize(train_raw, tokenizer, cfg.data, max_len)
-    evalset = tokenize(eval_raw, tokenizer, cfg.data, max_len) if eval_raw is not None else None
-    if cfg.data.packing:
-        train = pack(train, max_len)
-        evalset = pack(evalset, max_len) if evalset is not None and len(evalset) else evalset
-    if len(train) == 0:
-        raise ConfigError("--train_file: no training example has tokens to learn from")
-    return train, evalset
+def _reraise(error: BaseException | None) -> None:
+    if error is not None:
+        raise error
 
 
 def _to(batch: dict, device) -> dict:
@@ -135,10 +101,10 @@ class Trainer:
         t, start = cfg.train, time.perf_counter()
         set_seed(t.seed)
         tokenizer = load_tokenizer(cfg.model)
-        train, evalset = main_first(lambda: _prepare_data(cfg, tokenizer))
+        train, evalset = prepare(cfg, tokenizer)
         sampler = ResumableSampler(len(train), dist.world_size(), dist.rank(), t.seed)
         data = TrainData(train, sampler, t.per_device_train_batch_size, t.gradient_accumulation_steps,
-                         tokenizer.pad_token_id)
+                         tokenizer.pad_token_id, pin_memory=dist.device().type == "cuda")
         total = t.max_steps or math.ceil(t.num_train_epochs * data.steps_per_epoch)
         ds_config = finalize_ds_config(cfg.ds_config, total, t.warmup_steps, t.learning_rate)
         checkpoints = CheckpointManager(cfg, tokenizer)
@@ -178,7 +144,8 @@ class Trainer:
         bar = tqdm(total=self.total_steps, initial=self.state.global_step, disable=not dist.is_main(),
                    desc="train", unit="step", dynamic_ncols=True, mininterval=0.1 if sys.stderr.isatty() else 30)
         t_window = time.perf_counter()
-        if self.preemption.requested():  # a signal during start-up
+        self.data.start()  # the first step's batches, prepared while the bar and the loop start
+        if self._boundary():  # a signal during start-up, or a first batch that failed
             bar.close()
             return self._stop_preempted()
         while self.state.global_step < self.total_steps:
@@ -189,7 +156,7 @@ class Trainer:
                 t_window = self._log(lr, t_window, bar)
             # Collective; before any eval or periodic save of this step. After the last step the
             # final save comes anyway (the signal changes nothing then).
-            if self.state.global_step < self.total_steps and self.preemption.requested():
+            if self.state.global_step < self.total_steps and self._boundary():
                 bar.close()
                 return self._stop_preempted()
             if self.cfg.train.eval_steps and self._due(self.cfg.train.eval_steps) \
@@ -205,16 +172,28 @@ class Trainer:
         self.evaluate()
         return self._final_save()
 
+    def _boundary(self) -> bool:
+        """One all-reduce per step boundary: did any rank get a preemption signal, or fail to prepare
+        its next batch? The latter raises on every rank (so none waits in the next forward's
+        all-gather); returns whether to stop for preemption. Collective."""
+        error = self.data.ready()  # the prefetch ran during this step: normally done already
+        signalled, failed = dist.all_reduce_sum([1.0 if self.preemption.received else 0.0, 1.0 if error else 0.0])
+        if failed:
+            dist.run_agreed(lambda: _reraise(error))  # this rank's own error, or which rank failed
+        return self.preemption.enabled and signalled > 0
+
     def _due(self, every: int | None) -> bool:
         return bool(every) and self.state.global_step % every == 0
 
     def _train_step(self) -> float:
         """One optimizer step over gradient-accumulation micro-batches; returns the lr it used."""
-        engine = self.engine
+        engine, w = self.engine, self.state.window
+        t0 = time.perf_counter()
         batches = self.data.next_step()
+        w.data_s += time.perf_counter() - t0
         lr = float(engine.get_lr()[0])  # the rate this step uses (the scheduler steps inside engine.step)
-        w = self.state.window
         for batch in batches:
+            w.tokens += int(batch["attention_mask"].sum())  # on the host copy: no device sync
             batch = _to(batch, engine.device)  # DeepSpeed's forward does not move inputs
             out = engine(**batch)
             # DeepSpeed divides by the accumulation steps and only steps the optimizer at the boundary.
@@ -222,7 +201,6 @@ class Trainer:
             engine.step()
             w.loss_sum += float(out.loss.detach())
             w.micro_batches += 1
-            w.tokens += int(batch["attention_mask"].sum())
         w.steps += 1
         self.state.samples_seen += sum(len(b["input_ids"]) for b in batches) * dist.world_size()
         self.state.epoch = self.data.epoch_float
@@ -240,6 +218,7 @@ class Trainer:
         row = {"step": self.state.global_step, "epoch": round(self.state.epoch, 4), "loss": loss, "lr": lr,
                "grad_norm": float(grad_norm) if grad_norm is not None else None,
                "tokens_per_s": round(tokens / max(now - t_window, 1e-9), 2),
+               "data_ms": round(1000 * w.data_s / max(w.steps, 1), 3),
                "samples_seen": self.state.samples_seen, "tokens_seen": self.state.tokens_seen}
         self.metrics.write(row)
         self.state.last_losses = (self.state.last_losses + [loss])[-10:]

@@ -8,6 +8,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,6 +16,9 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
+# Tokenized datasets are cached (finetune/data/cache.py) in datasets' cache: one per test session,
+# shared by its runs (restarts hit it, as users' do), never the user's ~/.cache.
+os.environ.setdefault("HF_DATASETS_CACHE", tempfile.mkdtemp(prefix="finetune-test-datasets-"))
 BIN = Path(sys.executable).parent
 TOKENIZER_DIR = REPO / "finetune" / "resources" / "tokenizer"
 

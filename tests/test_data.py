@@ -356,3 +356,90 @@ def test_load_raw_max_train_samples(tmp_path):
     args = DataArgs(train_file=_write(tmp_path, "jsonl"), validation_split_percentage=0, max_train_samples=5)
     train, _ = load_raw(args, seed=0)
     assert list(train["text"]) == TEXTS[:5]
+
+
+# --- per-step cost and equivalence with the original sampler --------------------------------
+
+def _reference_take(n: int, world: int, rank: int, seed: int, epoch: int, consumed: int, per_rank: int):
+    """The sampler as it was first written (the whole permutation rebuilt at every step): the
+    order every existing checkpoint's data position refers to."""
+    order = torch.randperm(n, generator=torch.Generator().manual_seed(seed + epoch)).tolist()
+    order = order[: len(order) - len(order) % world]
+    end = consumed + per_rank * world
+    return None if end > len(order) else order[consumed:end][rank::world]
+
+
+@pytest.mark.parametrize("n,world,per_rank,seed", [(103, 1, 4, 0), (103, 2, 3, 7), (1000, 4, 8, 42), (17, 3, 1, 5)])
+def test_sampler_order_and_slices_match_the_original_for_any_state(n, world, per_rank, seed):
+    for epoch in (0, 1, 3):
+        for consumed in range(0, n, max(1, per_rank * world)):
+            for rank in range(world):
+                s = ResumableSampler(n, world, rank, seed)
+                s.load_state_dict({"epoch": epoch, "consumed": consumed, "seed": seed, "num_samples": n})
+                assert s.take(per_rank) == _reference_take(n, world, rank, seed, epoch, consumed, per_rank)
+
+
+def test_sampler_take_is_o_batch_at_10m_samples():
+    import time
+
+    s = ResumableSampler(10_000_000, 8, 3, seed=0)
+    s.take(16)  # the epoch's permutation: once per epoch
+    start = time.perf_counter()
+    for _ in range(1000):
+        assert len(s.take(16)) == 16
+    elapsed = time.perf_counter() - start
+    assert elapsed < 0.5, f"1,000 steps took {elapsed:.3f} s"
+    assert s.state.consumed == 1001 * 16 * 8
+
+
+# --- prefetch ---------------------------------------------------------------------------------
+
+def _same_batches(a, b) -> bool:
+    return len(a) == len(b) and all(torch.equal(x[k], y[k]) for x, y in zip(a, b) for k in x)
+
+
+def test_prefetched_steps_equal_unprefetched_ones_across_epochs():
+    plain = TrainData(_rows(23), ResumableSampler(23, 2, 1, seed=4), micro_batch=2, grad_accum=3, pad_id=PAD, prefetch=False)
+    ahead = TrainData(_rows(23), ResumableSampler(23, 2, 1, seed=4), micro_batch=2, grad_accum=3, pad_id=PAD)
+    ahead.start()
+    for _ in range(9):  # 1 step per epoch: every step rolls the epoch
+        assert ahead.ready() is None
+        assert _same_batches(plain.next_step(), ahead.next_step())
+        assert plain.sampler.state_dict() == ahead.sampler.state_dict()
+    ahead.close()
+
+
+def test_prefetch_never_counts_a_step_not_handed_out_and_is_dropped_on_reload():
+    data = TrainData(_rows(40), ResumableSampler(40, 1, 0, seed=2), micro_batch=2, grad_accum=1, pad_id=PAD)
+    data.next_step()
+    data.ready()  # step 2 is prepared now, but not consumed
+    assert data.sampler.state_dict()["consumed"] == 2
+    saved = data.sampler.state_dict()
+    data.next_step()
+    data.sampler.load_state_dict(saved)  # a resume: the prefetched step 3 must not be used
+    again = data.next_step()
+    fresh = TrainData(_rows(40), ResumableSampler(40, 1, 0, seed=2), micro_batch=2, grad_accum=1, pad_id=PAD, prefetch=False)
+    fresh.next_step()
+    assert _same_batches(again, fresh.next_step())
+    data.close()
+
+
+class _FailingRows(list):
+    def __getitem__(self, i):
+        if i == 5:
+            raise OSError(5, "bad sector")
+        return list.__getitem__(self, i)
+
+
+def test_a_prefetch_failure_is_raised_by_the_step_that_needed_it():
+    rows = _FailingRows(_rows(12))
+    data = TrainData(rows, ResumableSampler(12, 1, 0, seed=0), micro_batch=1, grad_accum=1, pad_id=PAD)
+    order = data.sampler.epoch_order(0)
+    data.start()
+    for _ in range(order.index(5)):
+        assert data.ready() is None
+        data.next_step()
+    assert isinstance(data.ready(), OSError)
+    with pytest.raises(OSError, match="bad sector"):
+        data.next_step()
+    data.close()

@@ -25,7 +25,6 @@ from __future__ import annotations
 import copy
 import os
 import time
-import uuid
 from pathlib import Path
 
 import torch
@@ -48,11 +47,10 @@ from finetune.checkpoint.storage import (
     tag_for,
 )
 from finetune.checkpoint.writer import GuardedWriter
-from finetune.config import ConfigError, RunConfig, zero_stage
+from finetune.config import RunConfig, zero_stage
 from finetune.distributed import logger
 
 SKIP_SPACE_CHECK_ENV = "FINETUNE_SKIP_SPACE_CHECK"
-PROBE = ".storage-probe"  # node-local storage: marker files that show which ranks share an OUT
 # Adam keeps fp32 master weights + two moments (12 B/param); the module states add a copy.
 BYTES_PER_PARAM_ESTIMATE = 16
 SPACE_MARGIN = 1.10
@@ -76,44 +74,14 @@ def node_local(ds_config: dict) -> bool:
     return bool((ds_config.get("checkpoint") or {}).get("use_node_local_storage", False))
 
 
-def storage_groups(out: Path, local: bool) -> list[list[int]]:
-    """Ranks grouped by the storage they write to. Collective.
-
-    Shared storage: one group. Node-local: found out, not guessed from host names (containers
-    share them; a "node-local" path may be shared after all): every rank drops a marker file in
-    its OUT, and ranks that see each other's markers share storage.
-    """
-    if not local:
-        return [list(range(dist.world_size()))]
-    nonce = dist.all_gather_object(uuid.uuid4().hex if dist.is_main() else None)[0]
-    marker = out / f"{PROBE}-{nonce}-{dist.rank()}"
-    error = None
-    try:  # a rank that cannot write its OUT must still reach every collective below
-        out.mkdir(parents=True, exist_ok=True)
-        marker.touch()
-    except OSError as e:
-        error = f"rank {dist.rank()}: {e}"
-    dist.barrier()
-    seen = sorted(int(p.name.rsplit("-", 1)[1]) for p in out.glob(f"{PROBE}-{nonce}-*"))
-    views, errors = zip(*dist.all_gather_object((seen, error)))
-    dist.barrier()
-    marker.unlink(missing_ok=True)
-    if any(errors):
-        raise ConfigError(f"--output_dir: cannot write {out}: {'; '.join(e for e in errors if e)}")
-    for r, view in enumerate(views):
-        if any(views[other] != view for other in view):
-            raise ConfigError(f"--output_dir: ranks disagree about who shares {out} (rank {r} sees {view}); "
-                              "use storage local to each node, or shared storage without use_node_local_storage")
-    return [list(v) for v in sorted({tuple(v) for v in views})]
-
-
 class CheckpointManager:
     def __init__(self, cfg: RunConfig, tokenizer, storage: LocalStorage | None = None):
         self.cfg, self.tokenizer, self.engine = cfg, tokenizer, None
         self.out = Path(cfg.ckpt.output_dir)
         self.storage = storage or LocalStorage(self.out)
         self.node_local = node_local(cfg.ds_config)
-        self.groups = storage_groups(self.out, self.node_local)
+        # Node-local: which ranks share an OUT is found out (marker files), not guessed from host names.
+        self.groups = dist.sharing_groups(self.out, "output_dir") if self.node_local else [list(range(dist.world_size()))]
         self.my_group = next(g for g in self.groups if dist.rank() in g)
         self.leader = dist.rank() == self.my_group[0]  # rank 0's role, for this rank's storage
         self.resumer = Resumer(cfg, self.storage, self.node_local, self.leader)

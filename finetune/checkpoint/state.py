@@ -19,6 +19,7 @@ class LogWindow:
     micro_batches: int = 0
     tokens: int = 0
     steps: int = 0
+    data_s: float = 0.0  # time the loop waited for its batches (what the prefetch did not hide)
 
 
 @dataclass

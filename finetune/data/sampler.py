@@ -1,0 +1,185 @@
+"""Which rows each rank trains on, step by step: a resumable distributed sampler, the next step's
+micro-batches prepared in the background, and evaluation batches.
+
+Per optimizer step the work is O(batch), whatever the dataset's size: the epoch's permutation
+is computed once per epoch, and the next step's rows are fetched and collated on a thread while
+the current step computes.
+"""
+
+from __future__ import annotations
+
+import errno
+import math
+import os
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Iterator
+
+import torch
+
+from finetune.config import ConfigError
+from finetune.data.load import collate
+
+FAIL_BATCH_ENV = "FINETUNE_FAIL_BATCH"
+
+
+@dataclass(frozen=True)
+class SamplerState:
+    epoch: int = 0
+    consumed: int = 0  # samples of this epoch's global order already used, summed over ranks
+
+
+class ResumableSampler:
+    """Deterministic distributed order: one global permutation per (seed, epoch), dealt round-robin.
+
+    The position is the number of *global* samples consumed, so the same state also means the
+    same thing at another world size: the remaining global order is dealt to the new ranks.
+    """
+
+    def __init__(self, num_samples: int, world_size: int, rank: int, seed: int):
+        self.num_samples, self.world_size, self.rank, self.seed = num_samples, world_size, rank, seed
+        self.state = SamplerState()
+        # The trimmed order of the current and the next epoch (the prefetch may already be there).
+        self._orders: dict[int, torch.Tensor] = {}
+
+    def _epoch_tensor(self, epoch: int) -> torch.Tensor:
+        order = self._orders.get(epoch)
+        if order is None:
+            g = torch.Generator().manual_seed(self.seed + epoch)
+            order = torch.randperm(self.num_samples, generator=g)
+            if self.num_samples < 2**31:
+                order = order.to(torch.int32)  # half the memory: 40 MB at 10M samples
+            # Trim so every rank gets the same count: ranks must run the same number of collectives.
+            order = order[: len(order) - len(order) % self.world_size]
+            self._orders = {e: o for e, o in self._orders.items() if e in (epoch - 1, epoch + 1)} | {epoch: order}
+        return order
+
+    def epoch_order(self, epoch: int) -> list[int]:
+        return self._epoch_tensor(epoch).tolist()
+
+    def samples_per_rank(self) -> int:
+        return self.num_samples // self.world_size
+
+    def plan(self, state: SamplerState, per_rank: int) -> tuple[SamplerState, list[int] | None]:
+        """The state after this rank's next ``per_rank`` indices from ``state``, and those indices
+        (None at the end of the epoch). Pure apart from the one-epoch cache; O(per_rank)."""
+        order = self._epoch_tensor(state.epoch)
+        end = state.consumed + per_rank * self.world_size
+        if end > len(order):
+            return state, None
+        return SamplerState(state.epoch, end), order[state.consumed:end][self.rank::self.world_size].tolist()
+
+    def take(self, per_rank: int) -> list[int] | None:
+        """This rank's next ``per_rank`` indices, advancing the state; None at epoch end."""
+        self.state, idx = self.plan(self.state, per_rank)
+        return idx
+
+    def next_epoch(self) -> None:
+        self.state = SamplerState(epoch=self.state.epoch + 1, consumed=0)
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.state.epoch, "consumed": self.state.consumed, "seed": self.seed,
+                "num_samples": self.num_samples}
+
+    def load_state_dict(self, sd: dict) -> None:
+        if sd["num_samples"] != self.num_samples or sd["seed"] != self.seed:
+            raise ConfigError(f"--resume_from_checkpoint: the data order differs from the checkpoint's "
+                              f"({self.num_samples} samples, seed {self.seed} vs {sd['num_samples']}, {sd['seed']})")
+        self.state = SamplerState(epoch=sd["epoch"], consumed=sd["consumed"])
+
+
+class TrainData:
+    """Hands the trainer one optimizer step's micro-batches at a time.
+
+    With ``prefetch``, the step after the one handed out is fetched and collated on a background
+    thread (pinned on GPUs) while the trainer computes; the sampler's state only advances when a
+    step is handed out, so a checkpoint never records a prefetched step as consumed. A failure
+    while preparing is raised by the ``next_step`` (or ``ready``) that would have returned it.
+    """
+
+    def __init__(self, dataset, sampler: ResumableSampler, micro_batch: int, grad_accum: int, pad_id: int,
+                 prefetch: bool = True, pin_memory: bool = False):
+        self.dataset, self.sampler = dataset, sampler
+        self.micro_batch, self.grad_accum, self.pad_id = micro_batch, grad_accum, pad_id
+        self.pin_memory = pin_memory
+        self.steps_per_epoch = sampler.samples_per_rank() // (micro_batch * grad_accum)
+        if self.steps_per_epoch == 0:
+            raise ConfigError(f"--per_device_train_batch_size: {len(dataset)} training examples are fewer than one "
+                              f"step needs ({micro_batch} × {grad_accum} accumulation × {sampler.world_size} ranks)")
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="finetune-prefetch") if prefetch else None
+        self._ahead: tuple[SamplerState, Future] | None = None  # (the state it starts from, its result)
+
+    def _plan(self, state: SamplerState) -> tuple[SamplerState, list[int]]:
+        per_rank = self.micro_batch * self.grad_accum
+        after, idx = self.sampler.plan(state, per_rank)
+        if idx is None:  # not a full step left: the epoch rolls
+            after, idx = self.sampler.plan(SamplerState(state.epoch + 1, 0), per_rank)
+        return after, idx
+
+    def _prepare(self, state: SamplerState) -> tuple[SamplerState, list[dict[str, torch.Tensor]]]:
+        after, idx = self._plan(state)
+        if after.epoch == 0:
+            _injected_failure(self.sampler.rank, after.consumed // (len(idx) * self.sampler.world_size))
+        rows = self._rows(idx)
+        batches = [collate(rows[i:i + self.micro_batch], self.pad_id) for i in range(0, len(rows), self.micro_batch)]
+        if self.pin_memory:
+            batches = [{k: v.pin_memory() for k, v in b.items()} for b in batches]
+        return after, batches
+
+    def _rows(self, idx: list[int]) -> list[dict]:
+        getitems = getattr(self.dataset, "__getitems__", None)  # datasets: one Arrow take for all rows
+        return getitems(idx) if getitems is not None else [self.dataset[i] for i in idx]
+
+    def _submit(self, state: SamplerState) -> None:
+        if self._pool is not None:
+            self._ahead = (state, self._pool.submit(self._prepare, state))
+
+    def start(self) -> None:
+        """Begin preparing the step at the sampler's current state (after any resume)."""
+        self._submit(self.sampler.state)
+
+    def ready(self) -> BaseException | None:
+        """Wait for the prefetched step; its error (not raised), or None. For agreeing on it."""
+        if self._ahead is None or self._ahead[0] != self.sampler.state:
+            return None
+        return self._ahead[1].exception()
+
+    def next_step(self) -> list[dict[str, torch.Tensor]]:
+        state, ahead = self.sampler.state, self._ahead
+        self._ahead = None
+        # A prefetch from another state (the sampler was reloaded for a resume) is dropped.
+        after, batches = ahead[1].result() if ahead is not None and ahead[0] == state else self._prepare(state)
+        self.sampler.state = after
+        self._submit(after)
+        return batches
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+
+    @property
+    def epoch_float(self) -> float:
+        st = self.sampler.state
+        per_epoch = self.steps_per_epoch * self.micro_batch * self.grad_accum * self.sampler.world_size
+        return st.epoch + min(st.consumed / per_epoch, 1.0)
+
+
+def _injected_failure(rank: int, step: int) -> None:
+    """Test seam: ``FINETUNE_FAIL_BATCH=R:K`` fails rank R preparing optimizer step K of the first epoch."""
+    if os.environ.get(FAIL_BATCH_ENV) == f"{rank}:{step}":
+        raise OSError(errno.EIO, f"injected by {FAIL_BATCH_ENV} while preparing a batch")
+
+
+def eval_batches(dataset, batch_size: int, world_size: int, rank: int, pad_id: int) -> Iterator[tuple[dict, bool]]:
+    """This rank's eval batches and whether each is real.
+
+    Every rank yields the same number of batches — under ZeRO-3 each forward all-gathers, so a
+    rank with fewer batches would leave the others waiting. Filler batches repeat row 0 and
+    must be given zero weight.
+    """
+    n_batches = math.ceil(math.ceil(len(dataset) / world_size) / batch_size)
+    for b in range(n_batches):
+        idx = list(range(rank, len(dataset), world_size)[b * batch_size:(b + 1) * batch_size])
+        real = bool(idx)
+        rows = [dataset[i] for i in (idx or [0])]
+        yield collate(rows, pad_id), real
