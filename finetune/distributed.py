@@ -163,7 +163,7 @@ def run_agreed(fn, on: bool = True, poll_s: float = 5.0):
     everywhere) or a RankError naming the rank. So no rank can leave the others waiting in a later
     collective. ``fn`` runs in a thread while every rank all-gathers a "done" flag each ``poll_s``
     seconds: ranks that wait for a long ``fn`` (a tokenization of hours) never sit in one
-    collective past its timeout.
+    collective past its timeout. ``fn`` must not call collectives itself (it runs beside them).
     """
     outcome: dict = {}
 

@@ -106,7 +106,9 @@ class TrainData:
         if self.steps_per_epoch == 0:
             raise ConfigError(f"--per_device_train_batch_size: {len(dataset)} training examples are fewer than one "
                               f"step needs ({micro_batch} × {grad_accum} accumulation × {sampler.world_size} ranks)")
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="finetune-prefetch") if prefetch else None
+        # Pinning allocates through the thread's current CUDA device: make it this rank's, not GPU 0.
+        init = (lambda d=torch.cuda.current_device(): torch.cuda.set_device(d)) if pin_memory else None
+        self._pool = ThreadPoolExecutor(1, "finetune-prefetch", initializer=init) if prefetch else None
         self._ahead: tuple[SamplerState, Future] | None = None  # (the state it starts from, its result)
 
     def _plan(self, state: SamplerState) -> tuple[SamplerState, list[int]]:
