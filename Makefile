@@ -38,6 +38,7 @@ bench: setup
 	PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(PY) bench/checkpoint_save.py
 	PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(PY) bench/export.py
 	PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(PY) bench/preemption.py
+	PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(PY) bench/data_path.py
 
 clean:
 	rm -rf output bench/results

@@ -97,11 +97,11 @@ def rank_memory(pid: int) -> list[dict]:
     return sorted(out, key=lambda r: r["rank"])
 
 
-def launch(cmd: list[str], env: dict, log: Path, first_step, timeout: float = 1800) -> dict:
+def launch(cmd: list[str], env: dict, log: Path, first_step, timeout: float = 1800, cwd: Path = REPO) -> dict:
     """Run ``cmd``; ``first_step()`` → wall time of the first step or None. Returns timings and memory."""
     start = time.time()
     with open(log, "w") as f:
-        proc = subprocess.Popen(cmd, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True, cwd=REPO)
+        proc = subprocess.Popen(cmd, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True, cwd=cwd)
     seen, memory = None, []
     try:
         while proc.poll() is None and time.time() - start < timeout:
@@ -149,7 +149,9 @@ def ours(data: Path | None, out: Path, cache: Path, steps: int, src: str | None,
                 "--validation_split_percentage", "0"]
     if resume:
         cmd += ["--resume_from_checkpoint", "auto"]
-    result = launch(cmd, env_for(cache, src), log, first_row_after(out, steps if resume else 0))
+    # `-m finetune` looks in the working directory first: another checkout's runs start there.
+    result = launch(cmd, env_for(cache, src), log, first_row_after(out, steps if resume else 0),
+                    cwd=Path(src) if src else REPO)
     rows = metrics_rows(out)
     result["data_ms"] = [r["data_ms"] for r in rows if "data_ms" in r and r["step"] > (steps + 1 if resume else 1)]
     # One row per step: (its tokens, its tokens/s); summed over steps 11..N of a first run.
@@ -196,7 +198,59 @@ def microbench(cache: Path, data: Path, rows: int) -> dict:
         order = torch.randperm(rows, generator=torch.Generator().manual_seed(42)).tolist()
         order[16:32][0::2]
         old.append(1000 * (time.perf_counter() - t))
-    return {"next_step_ms": statistics.median(times), "original_sampler_take_ms": statistics.median(old)}
+    return {"next_step_ms": statistics.median(times), "original_sampler_take_ms": statistics.median(old),
+            "overlap": overlap(train, tok.pad_token_id)}
+
+
+def overlap(train, pad_id: int, steps: int = 150, compute_ms: float = 20.0) -> dict:
+    """Per-step data time left exposed next to a compute stand-in (a 1-thread matmul loop, which
+    releases the GIL as a forward/backward does): no overlap, our thread, a DataLoader worker."""
+    import torch
+    from torch.utils.data import DataLoader, Dataset
+
+    from finetune.data.load import collate
+    from finetune.data.sampler import ResumableSampler, TrainData
+
+    torch.set_num_threads(1)
+    a = torch.randn(256, 256)
+
+    def compute():
+        end = time.perf_counter() + compute_ms / 1000
+        while time.perf_counter() < end:
+            a @ a
+
+    def timed(next_batches) -> float:
+        next_batches()
+        start = time.perf_counter()
+        for _ in range(steps):
+            next_batches()
+            compute()
+        return 1000 * (time.perf_counter() - start) / steps - compute_ms
+
+    out = {"compute_ms": compute_ms}
+    for name, prefetch in (("none", False), ("thread", True)):
+        data = TrainData(train, ResumableSampler(len(train), 2, 0, 42), 8, 4, pad_id, prefetch=prefetch)
+        data.start()
+        out[f"{name}_exposed_ms"] = timed(data.next_step)
+        data.close()
+    plan = TrainData(train, ResumableSampler(len(train), 2, 0, 42), 8, 4, pad_id, prefetch=False)
+    indices = [plan._plan(plan.sampler.state)[1]]
+    for _ in range(steps + 1):
+        after, idx = plan._plan(plan.sampler.state)
+        plan.sampler.state = after
+        indices.append(idx)
+
+    class Steps(Dataset):
+        def __len__(self):
+            return len(indices)
+
+        def __getitem__(self, i):
+            rows = train.__getitems__(indices[i])
+            return [collate(rows[j:j + 8], pad_id) for j in range(0, len(rows), 8)]
+
+    it = iter(DataLoader(Steps(), batch_size=None, num_workers=1, prefetch_factor=2, persistent_workers=True))
+    out["dataloader_worker_exposed_ms"] = timed(lambda: next(it))
+    return out
 
 
 def median(values: list[float]) -> float | None:

@@ -237,6 +237,45 @@ def sharing_groups(folder: Path, flag: str) -> list[list[int]]:
 PROBE = ".storage-probe"  # marker files that show which ranks share a folder
 
 
+def leads_storage(folder: Path, flag: str) -> bool:
+    """Whether this rank is the first of the ranks that see the same ``folder``. Collective.
+
+    For work where a duplicate is only wasted effort (two leaders on one storage publish the
+    same thing atomically), so it is cheap at any world size: one marker file from rank 0, one
+    lookup per rank (a name never seen before, so no filesystem cache can answer for the
+    server), one all-gather. Ranks that see rank 0's marker share with it; the others are
+    grouped by host (node-local disks).
+    """
+    if world_size() == 1:
+        return True
+    nonce = all_gather_object(uuid.uuid4().hex if is_main() else None)[0]
+    marker = folder / f"{PROBE}-{nonce}"
+    error = None
+    if is_main():
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            marker.touch()
+        except OSError as e:
+            error = f"rank 0: {e}"
+    barrier()
+    try:
+        sees = marker.exists()
+    except OSError:
+        sees = False
+    views = all_gather_object((sees, socket.gethostname(), error))
+    if is_main():
+        try:
+            marker.unlink(missing_ok=True)
+        except OSError:
+            pass  # a leftover marker is harmless: the next probe uses another nonce
+    if views[0][2]:
+        raise ConfigError(f"--{flag}: cannot write {folder}: {views[0][2]}")
+    me = rank()
+    if views[me][0]:
+        return me == 0
+    return me == min(r for r, (s, host, _) in enumerate(views) if not s and host == views[me][1])
+
+
 def all_reduce_sum(values: list[float]) -> list[float]:
     """Element-wise sum over ranks (float64 so sums of counts stay exact). Collective."""
     # On the rank's device: NCCL reduces only accelerator tensors (gloo takes CPU ones).

@@ -6,7 +6,7 @@ result depends on: the data's bytes (local files) or datasets' own fingerprint o
 splits (hub datasets), the tokenizer's saved files, the format and length flags, the split seed
 and the library versions. So a changed tokenizer, flag or file is a miss, never a stale hit.
 
-The first rank of each group of ranks that share DIR builds a missing entry (tokenizing with
+The first rank of each group of ranks that see the same DIR builds a missing entry (tokenizing with
 several processes) in a temporary folder, fsyncs it and renames it into place: an entry is
 complete or absent, never torn, and two builders on shared storage cannot mix their files (the
 second rename fails and its copy is dropped). Restarts find the entry and skip tokenization.
@@ -54,8 +54,7 @@ def prepare(cfg: RunConfig, tokenizer):
     # Rank 0 fingerprints (reads the data files once); everyone needs the key.
     found = dist.run_agreed(lambda: fingerprint(cfg, tokenizer), on=dist.is_main())
     key = dist.all_gather_object(found)[0]
-    groups = dist.sharing_groups(root, "dataset_cache_dir")
-    leader = dist.rank() == next(g for g in groups if dist.rank() in g)[0]
+    leader = dist.leads_storage(root, "dataset_cache_dir")
     report = dist.run_agreed(lambda: ensure(cfg, tokenizer, root, key), on=leader)
     train, evalset, info = dist.run_agreed(lambda: load(root / key))
     reports = [r for r in dist.all_gather_object(report) if r is not None]

@@ -43,3 +43,22 @@ def test_a_batch_failing_on_one_rank_stops_every_rank_with_its_error(run_finetun
     assert f"RankError: rank {rank} failed: OSError" in r.output, r.output[-4000:]  # what the other rank raised
     assert [x["step"] for x in r.train_rows()] == list(range(1, step))
     assert time.monotonic() - start < 240, "ranks waited instead of agreeing"
+
+
+def test_each_node_with_its_own_cache_folder_builds_its_own_entry(tmp_path, data_files):
+    """Two "nodes" (torchrun --nnodes 2 on loopback), each with a node-local --dataset_cache_dir:
+    rank 1 cannot see rank 0's folder, so it leads its own node and builds there."""
+    from conftest import BIN, Running, child_env, free_port
+
+    port, runs = str(free_port()), []
+    for node in (0, 1):
+        cmd = [str(BIN / "torchrun"), "--nnodes", "2", "--node_rank", str(node), "--nproc_per_node", "1",
+               "--master_addr", "127.0.0.1", "--master_port", port, "-m", "finetune",
+               "--train_file", str(data_files["pc_csv"]), *PC, "--per_device_train_batch_size", "4",
+               "--max_steps", "2", "--dataset_cache_dir", str(tmp_path / f"cache{node}"),
+               "--output_dir", str(tmp_path / f"out{node}")]
+        runs.append(Running(cmd, tmp_path, child_env(), tmp_path / f"out{node}"))
+    for r in [run.finish(420) for run in runs]:
+        assert r.returncode == 0, r.output[-4000:]
+    entries = [sorted(p.name for p in (tmp_path / f"cache{node}" / SUBDIR).iterdir()) for node in (0, 1)]
+    assert entries[0] == entries[1] and len(entries[0]) == 1 and not entries[0][0].startswith(TMP_PREFIX)
