@@ -197,6 +197,20 @@ def run_agreed(fn, on: bool = True, poll_s: float = 5.0):
     return outcome.get("result")
 
 
+PROBE = ".storage-probe"  # marker files that show which ranks share a folder
+
+
+def _touch(marker: Path) -> str | None:
+    """Create ``marker`` (and its folder); the error as text instead of raised: the caller's
+    rank must still reach the collectives that follow."""
+    try:
+        marker.parent.mkdir(parents=True, exist_ok=True)
+        marker.touch()
+    except OSError as e:
+        return f"rank {rank()}: {e}"
+    return None
+
+
 def sharing_groups(folder: Path, flag: str) -> list[list[int]]:
     """Ranks grouped by which of them see the same ``folder`` (one group on shared storage). Collective.
 
@@ -208,12 +222,7 @@ def sharing_groups(folder: Path, flag: str) -> list[list[int]]:
         return [[0]]
     nonce = all_gather_object(uuid.uuid4().hex if is_main() else None)[0]
     marker = folder / f"{PROBE}-{nonce}-{rank()}"
-    error = None
-    try:  # a rank that cannot write the folder must still reach every collective below
-        folder.mkdir(parents=True, exist_ok=True)
-        marker.touch()
-    except OSError as e:
-        error = f"rank {rank()}: {e}"
+    error = _touch(marker)
     barrier()
     try:
         seen = sorted(int(p.name.rsplit("-", 1)[1]) for p in folder.glob(f"{PROBE}-{nonce}-*"))
@@ -234,9 +243,6 @@ def sharing_groups(folder: Path, flag: str) -> list[list[int]]:
     return [list(v) for v in sorted({tuple(v) for v in views})]
 
 
-PROBE = ".storage-probe"  # marker files that show which ranks share a folder
-
-
 def leads_storage(folder: Path, flag: str) -> bool:
     """Whether this rank is the first of the ranks that see the same ``folder``. Collective.
 
@@ -250,13 +256,7 @@ def leads_storage(folder: Path, flag: str) -> bool:
         return True
     nonce = all_gather_object(uuid.uuid4().hex if is_main() else None)[0]
     marker = folder / f"{PROBE}-{nonce}"
-    error = None
-    if is_main():
-        try:
-            folder.mkdir(parents=True, exist_ok=True)
-            marker.touch()
-        except OSError as e:
-            error = f"rank 0: {e}"
+    error = _touch(marker) if is_main() else None
     barrier()
     try:
         sees = marker.exists()
