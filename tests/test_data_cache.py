@@ -186,3 +186,18 @@ def test_two_builders_at_once_on_one_cache_publish_one_complete_entry(tmp_path, 
     train, _ = cache.prepare(parse_train_args(argv), tok)
     raw_train, _ = load_raw(parse_train_args(argv).data, 42)
     assert len(train) == len(raw_train)
+
+
+def test_a_dataset_name_is_keyed_by_datasets_fingerprint_of_what_it_loaded(tmp_path, tok, count_tokenize):
+    """--dataset_name (a hub id; here a local folder, which load_dataset takes the same way)."""
+    folder = tmp_path / "ds"
+    folder.mkdir()
+    _write(folder / "train.jsonl", _rows(200))
+    argv = ["--dataset_name", str(folder), "--prompt_column", "q", "--completion_column", "a",
+            "--dataset_cache_dir", str(tmp_path / "cache"), "--max_seq_length", "32"]
+    train, _ = cache.prepare(parse_train_args(argv), tok)
+    calls = len(count_tokenize)
+    assert cache.prepare(parse_train_args(argv), tok)[0][:] == train[:] and len(count_tokenize) == calls
+    _write(folder / "train.jsonl", _rows(300))  # new data under the same name: datasets' fingerprint moves
+    assert len(cache.prepare(parse_train_args(argv), tok)[0]) == 285 != len(train)
+    assert len(count_tokenize) > calls
