@@ -33,6 +33,9 @@ def test_sigterm_to_launch_sh_commits_and_exits_75(tmp_path, launcher):
     out = tmp_path / "out"
     run = Running([LAUNCH, "--launcher", launcher, "--nproc", "2", "--master_port", str(free_port()),
                    "--max_steps", "3000", "--logging_steps", "1", "--eval_steps", "100000", "--save_checkpoint",
+                   # Steps of ~0.2 s: longer than launch.sh takes to find the ranks (a pgrep/ps walk), so
+                   # "the step in flight" below means the step the signal arrived in.
+                   "--per_device_train_batch_size", "32",
                    "--output_dir", str(out)], tmp_path, _env(), out)
     wait_until(lambda: last_logged_step(out) >= 3, TIMEOUT, "three logged steps")
     before = last_logged_step(out)
