@@ -30,7 +30,7 @@ from finetune import distributed as dist
 from finetune.checkpoint.manifest import hash_file, write_json_durably
 from finetune.checkpoint.storage import fsync_path
 from finetune.config import ConfigError, RunConfig
-from finetune.data.load import EMBEDDED_DATA, load_raw, load_splits, pack, tokenize
+from finetune.data.load import EMBEDDED_DATA, load_raw, load_splits, pack, source_flag, tokenize
 from finetune.distributed import logger
 
 CACHE_FORMAT = 1  # bump when what tokenize/pack produce changes for the same inputs
@@ -165,8 +165,7 @@ def _build(cfg: RunConfig, tokenizer, tmp: Path) -> dict:
         if evalset is not None and len(evalset):
             evalset = pack(evalset, max_len, str(work / "eval-packed.arrow"))
     if len(train) == 0:
-        raise ConfigError(f"{'--dataset_name' if d.dataset_name else '--train_file'}: no training example has "
-                          "tokens to learn from")
+        raise ConfigError(f"{source_flag(d)}: no training example has tokens to learn from")
     train.save_to_disk(str(tmp / "train"))
     if evalset is not None:
         evalset.save_to_disk(str(tmp / "eval"))

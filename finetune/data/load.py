@@ -42,7 +42,7 @@ def load_raw(args: DataArgs, seed: int):
     if evalset is not None:
         _check_columns(args, evalset, "validation data")
     if len(train) == 0:
-        raise ConfigError(f"{_source_flag(args)}: the training data is empty")
+        raise ConfigError(f"{source_flag(args)}: the training data is empty")
     return train, evalset
 
 
@@ -66,7 +66,7 @@ def load_splits(args: DataArgs):
     try:
         return datasets.load_dataset(fmt, data_files=files)
     except (ValueError, OSError, datasets.exceptions.DatasetGenerationError) as e:
-        raise ConfigError(f"{_source_flag(args)}: cannot read {files['train']}: {_root_cause(e)}") from None
+        raise ConfigError(f"{source_flag(args)}: cannot read {files['train']}: {_root_cause(e)}") from None
 
 
 def _root_cause(e: BaseException) -> str:
@@ -76,7 +76,7 @@ def _root_cause(e: BaseException) -> str:
     return text[0] if text else type(e).__name__
 
 
-def _source_flag(args: DataArgs) -> str:
+def source_flag(args: DataArgs) -> str:
     return "--dataset_name" if args.dataset_name else "--train_file"
 
 
