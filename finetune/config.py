@@ -1,18 +1,21 @@
-"""Typed run configuration and DeepSpeed config resolution.
+"""Typed run configuration: flag values → validated, reconciled, frozen ``RunConfig``.
 
-The CLI turns flags into these dataclasses once; nothing downstream sees argparse. Each field's
-`help` metadata is the flag's help text. Fields whose default is ``None`` are "unset": they are
-filled from the DeepSpeed JSON, from the embedded-default preset, or from the documented
-fallback, in that order (see ``cli.py``).
+The CLI turns its Namespace into a plain dict of flag values and hands it to ``resolve``; nothing
+here (or downstream) sees argparse. Each field's `help` metadata is the flag's help text. Fields
+whose default is ``None`` are "unset": ``resolve`` fills them from the DeepSpeed JSON, from the
+embedded-default preset, or from the documented fallback, in that order.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
+
+from finetune.preemption import parse_signals
 
 PACKAGE_DIR = Path(__file__).resolve().parent
 RESOURCES_DIR = PACKAGE_DIR / "resources"
@@ -84,6 +87,10 @@ class TrainArgs:
     logging_steps: int | None = _f(None, "Log train metrics every N optimizer steps (default 10; 5 for the embedded model).")
     eval_steps: int | None = _f(None, "Evaluate every N steps; eval always runs at step 0 and at the end.")
     report_to: str = _f("none", "Also log to TensorBoard through DeepSpeed's monitor.", choices=("none", "tensorboard"))
+    ddp_timeout: int | None = _f(None, "Seconds a collective may wait for a peer before the run fails (default 900). "
+                                 "finetune's own long single-rank work (dataset tokenization, universal conversion) "
+                                 "waits with short polling collectives, so this only bounds how long a dead or stuck "
+                                 "peer goes unnoticed.")
 
 
 @dataclass(frozen=True)
@@ -97,6 +104,10 @@ class CheckpointArgs:
     consolidated_dtype: str | None = _f(None, "dtype of consolidated weights (default: the training dtype).", choices=("bf16", "fp16", "fp32"))
     resume_from_checkpoint: str | None = _f(None, "PATH, 'latest' or 'auto' (resume if a checkpoint exists).")
     resume_skip_checksum: bool = _f(False, "Verify only file sizes (not checksums) before resuming.")
+    ignore_unverified_checkpoints: bool = _f(False, "With --resume_from_checkpoint auto: start fresh even when "
+                                             "--output_dir holds checkpoints of which none verifies (they are set "
+                                             "aside under OUT/.abandoned, not deleted). Without it such a run exits 2 "
+                                             "naming each checkpoint and its problem.")
     on_save_error: str = _f("continue", "What a failed periodic save does; a failed final save always exits 1.", choices=("continue", "abort"))
     preempt_signals: str = _f("SIGTERM,SIGUSR1", "Signals that stop training at the next step boundary with a committed "
                               "checkpoint (partitioned only) and exit code 75, for requeueing; 'none' disables.")
@@ -119,6 +130,170 @@ class RunConfig:
         from dataclasses import asdict
 
         return {k: asdict(getattr(self, k)) for k in ("model", "data", "train", "ckpt")}
+
+
+GROUPS = (("model", ModelArgs), ("data", DataArgs), ("train", TrainArgs), ("ckpt", CheckpointArgs))
+
+# Fallbacks for unset fields; the embedded tiny model gets values that make it learn in a short run.
+FALLBACKS = dict(per_device_train_batch_size=8, gradient_accumulation_steps=1, learning_rate=5e-5,
+                 weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8,
+                 max_grad_norm=1.0, warmup_steps=0, logging_steps=10, max_seq_length=512)
+EMBEDDED_PRESET = dict(learning_rate=1e-3, warmup_steps=10, logging_steps=5, max_seq_length=128)
+EMBEDDED_MAX_STEPS = 150
+DEFAULT_DDP_TIMEOUT = 900
+# Below this a healthy peer that is merely slow (a checkpoint fsync, a page-cache stall) fails the run.
+MIN_DDP_TIMEOUT = 10
+# The collective timeout's older spelling, in minutes; still read when --ddp_timeout is not given.
+LEGACY_TIMEOUT_ENV = "FINETUNE_DIST_TIMEOUT_MIN"
+
+
+# --- flag values → RunConfig -----------------------------------------------------------------
+
+def flag_defaults() -> dict[str, Any]:
+    """Every flag's value when it is not given (``None`` = unset, filled by ``resolve``)."""
+    return {f.name: f.default for _, cls in GROUPS for f in dataclasses.fields(cls)}
+
+
+def precision_shorthand(precision: str, shorthand: str | None) -> tuple[str, str]:
+    """--precision with the --bf16/--fp16 shorthand: the precision, and how errors name its flag."""
+    if shorthand is None:
+        return precision, f"precision {precision}"
+    if precision not in ("auto", shorthand):
+        raise ConfigError(f"Can't give both `--{shorthand}` and `--precision {precision}`")
+    return shorthand, shorthand
+
+
+def resolve(values: Mapping[str, Any], precision_flag: str | None = None, *,
+            world_size: int | None = None) -> RunConfig:
+    """Validate flag values, reconcile them with the DeepSpeed JSON, and freeze them.
+
+    ``values`` maps flag names (no dashes) to values; flags it lacks take their defaults, and it is
+    not modified. ``precision_flag`` is how errors name the precision flag (``"bf16"`` for the
+    shorthand; default ``"precision VALUE"``). ``world_size`` defaults to the launcher's WORLD_SIZE.
+    """
+    defaults = flag_defaults()
+    unknown = sorted(set(values) - set(defaults))
+    if unknown:
+        raise ConfigError(f"unknown flag(s): {', '.join('--' + k for k in unknown)}")
+    v = {**defaults, **values}
+    embedded_model = v["model_name_or_path"] is None and v["config_name"] is None
+    embedded_data = v["dataset_name"] is None and v["train_file"] is None
+    validate_flags(v)
+    validate_paths(v)
+    # The preset is a default, not a flag: an explicit DeepSpeed JSON value must win over it.
+    fallbacks = {**FALLBACKS, **EMBEDDED_PRESET} if embedded_model else FALLBACKS
+    if embedded_model and v["max_steps"] is None and v["num_train_epochs"] is None and embedded_data:
+        v["max_steps"] = EMBEDDED_MAX_STEPS
+    if v["max_steps"] is None and v["num_train_epochs"] is None:
+        v["num_train_epochs"] = 3.0
+    v["ddp_timeout"] = resolve_ddp_timeout(v["ddp_timeout"])
+    world = env_world_size() if world_size is None else world_size
+    ds = load_ds_json(v["deepspeed_config"])
+    reconcile_ds(v, ds, world, fallbacks, precision_flag or f"precision {v['precision']}")
+    for k, fallback in fallbacks.items():
+        v[k] = fallback if v[k] is None else v[k]
+    groups = {name: cls(**{f.name: v[f.name] for f in dataclasses.fields(cls)}) for name, cls in GROUPS}
+    return RunConfig(**groups, ds_config=ds, world_size=world,
+                     uses_embedded_model=embedded_model, uses_embedded_data=embedded_data)
+
+
+def validate_flags(v: Mapping[str, Any]) -> None:
+    """Checks on the flag values alone (no files read): each failure names its flag."""
+    if v["max_steps"] is not None and v["num_train_epochs"] is not None:
+        raise ConfigError("Can't give both `--max_steps` and `--num_train_epochs`")
+    if v["dataset_name"] and v["train_file"]:
+        raise ConfigError("Can't give both `--dataset_name` and `--train_file`")
+    if v["config_name"] and v["model_name_or_path"]:
+        raise ConfigError("Can't give both `--config_name` (train from scratch) and `--model_name_or_path` (load weights)")
+    if bool(v["prompt_column"]) != bool(v["completion_column"]):
+        raise ConfigError("`--prompt_column` and `--completion_column` go together: give both or neither")
+    if v["messages_column"] and v["prompt_column"]:
+        raise ConfigError("Can't give both `--messages_column` and `--prompt_column`/`--completion_column`")
+    if v["validation_file"] and not (v["train_file"] or v["dataset_name"]):
+        raise ConfigError("`--validation_file` needs `--train_file` or `--dataset_name`")
+    for name in ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps",
+                 "max_steps", "logging_steps", "eval_steps", "save_steps", "save_total_limit",
+                 "max_seq_length", "max_train_samples", "max_eval_samples", "preprocessing_num_workers"):
+        if v[name] is not None and v[name] <= 0:
+            raise ConfigError(f"`--{name}` must be positive, got {v[name]}")
+    for name in ("num_train_epochs", "learning_rate"):
+        if v[name] is not None and not v[name] > 0:
+            raise ConfigError(f"`--{name}` must be positive, got {v[name]}")
+    for name in ("warmup_steps", "weight_decay", "max_grad_norm", "adam_epsilon"):
+        if v[name] is not None and v[name] < 0:
+            raise ConfigError(f"`--{name}` must not be negative, got {v[name]}")
+    if not 0 <= v["validation_split_percentage"] < 100:
+        raise ConfigError(f"`--validation_split_percentage` must be in [0, 100), got {v['validation_split_percentage']}")
+    if v["ddp_timeout"] is not None and v["ddp_timeout"] < MIN_DDP_TIMEOUT:
+        raise ConfigError(f"`--ddp_timeout` must be at least {MIN_DDP_TIMEOUT} seconds, got {v['ddp_timeout']}")
+    if v["max_shard_size"] is not None:
+        check_size(v["max_shard_size"])
+    try:
+        parse_signals(v["preempt_signals"])
+    except ValueError as e:
+        raise ConfigError(f"`--preempt_signals`: {e} is not a signal that can be caught (e.g. SIGTERM,SIGUSR1 or none)") from None
+    if (v["save_steps"] or v["save_total_limit"] or v["save_consolidated"]) and not v["save_checkpoint"]:
+        raise ConfigError("`--save_steps`, `--save_total_limit` and `--save_consolidated` need `--save_checkpoint`")
+    if v["ignore_unverified_checkpoints"] and v["resume_from_checkpoint"] != "auto":
+        raise ConfigError("`--ignore_unverified_checkpoints` needs `--resume_from_checkpoint auto`")
+
+
+def check_size(text: str) -> None:
+    """A --max_shard_size value: a positive HF size string like 5GB or 500MB."""
+    # The parser split_torch_state_dict_into_shards itself uses, so what passes here works there.
+    from huggingface_hub.serialization._base import parse_size_to_int
+
+    try:
+        ok = parse_size_to_int(text) > 0
+    except ValueError:
+        ok = False
+    if not ok:
+        raise ConfigError(f"`--max_shard_size` must be a positive size like 5GB or 500MB, got {text!r}")
+
+
+def validate_paths(v: Mapping[str, Any]) -> None:
+    """Checks that read the filesystem: data files, local model dirs, the output dir, the DeepSpeed JSON."""
+    for flag in ("output_dir", "dataset_cache_dir"):
+        folder = Path(v[flag]) if v[flag] else None
+        if folder is not None and folder.exists() and not folder.is_dir():
+            raise ConfigError(f"--{flag}: {folder} exists and is not a directory")
+    for flag in ("train_file", "validation_file"):
+        path = v[flag]
+        if path is None:
+            continue
+        if not Path(path).is_file():
+            raise ConfigError(f"--{flag}: file not found: {path}")
+        if data_format(path) is None:
+            raise ConfigError(f"--{flag}: unsupported file type '{Path(path).suffix}' for {path} "
+                              f"(use one of {', '.join(sorted(DATA_EXTENSIONS))})")
+    if v["train_file"] and v["validation_file"] and data_format(v["train_file"]) != data_format(v["validation_file"]):
+        raise ConfigError("--validation_file: must have the same format as --train_file")
+    for flag in ("model_name_or_path", "config_name", "tokenizer_name"):
+        if v[flag] and looks_local(v[flag]) and not Path(v[flag]).exists():
+            raise ConfigError(f"--{flag}: no such directory: {v[flag]}")
+    resolve_config_path(v["deepspeed_config"])
+
+
+def looks_local(name: str) -> bool:
+    """Hub ids are `name` or `org/name`; anything else is meant as a path."""
+    return name.startswith((".", "/", "~")) or name.count("/") > 1 or os.sep != "/" and os.sep in name
+
+
+def resolve_ddp_timeout(flag_value: int | None) -> int:
+    """--ddp_timeout in seconds; unset: $FINETUNE_DIST_TIMEOUT_MIN (minutes) if set, else 900."""
+    if flag_value is not None:
+        return flag_value
+    minutes = os.environ.get(LEGACY_TIMEOUT_ENV)
+    if minutes is None:
+        return DEFAULT_DDP_TIMEOUT
+    try:
+        seconds = int(minutes) * 60
+    except ValueError:
+        seconds = 0
+    if seconds < MIN_DDP_TIMEOUT:
+        raise ConfigError(f"${LEGACY_TIMEOUT_ENV} must be a whole number of minutes, at least 1, got {minutes!r} "
+                          f"(or give `--ddp_timeout SECONDS`, which replaces it)")
+    return seconds
 
 
 # --- DeepSpeed JSON ------------------------------------------------------------------------
@@ -189,6 +364,82 @@ def _same(a: Any, b: Any) -> bool:
     if isinstance(a, (int, float)) and isinstance(b, (int, float)) and not isinstance(b, bool):
         return float(a) == float(b)
     return a == b
+
+
+def reconcile_ds(v: dict[str, Any], ds: dict, world: int, fallbacks: Mapping[str, Any], precision_flag: str) -> None:
+    """Settle every value that both a flag and the DeepSpeed JSON set; updates ``v`` and ``ds`` in place.
+
+    ``fallbacks`` fill what neither sets; ``precision_flag`` is how errors name the precision flag.
+    """
+    path = v["deepspeed_config"]
+    if not isinstance(ds.get("zero_optimization", {}), dict):
+        raise ConfigError(f"--deepspeed_config: `zero_optimization` in {path} must be an object")
+    for flag, key in (("per_device_train_batch_size", "train_micro_batch_size_per_gpu"),
+                      ("gradient_accumulation_steps", "gradient_accumulation_steps"),
+                      ("max_grad_norm", "gradient_clipping")):
+        v[flag] = reconcile(flag, v[flag], ds, key, fallbacks[flag], path)
+    want = v["per_device_train_batch_size"] * v["gradient_accumulation_steps"] * world
+    tbs = ds.get("train_batch_size", "auto")
+    if tbs != "auto" and tbs != want:
+        raise ConfigError(f"`train_batch_size: {tbs}` in {path} must equal --per_device_train_batch_size × "
+                          f"--gradient_accumulation_steps × world size = {want}")
+    ds["train_batch_size"] = want
+    if isinstance(ds.get("optimizer"), dict):
+        _reconcile_optimizer(v, ds, path, fallbacks)
+    if isinstance(ds.get("scheduler"), dict):
+        v["warmup_steps"] = reconcile("warmup_steps", v["warmup_steps"], ds, "scheduler.params.warmup_num_steps",
+                                      fallbacks["warmup_steps"], path, write=False)
+    _reconcile_precision(v, ds, path, precision_flag)
+    if v["report_to"] == "tensorboard":
+        # DeepSpeed's own monitor writes the events (rank 0 only) to OUT/tensorboard/finetune.
+        ds["tensorboard"] = {**ds.get("tensorboard", {}), "enabled": True,
+                             "output_path": str(Path(v["output_dir"]) / "tensorboard"), "job_name": "finetune"}
+
+
+def _reconcile_optimizer(v: dict[str, Any], ds: dict, path: str, fallbacks: Mapping[str, Any]) -> None:
+    p = "optimizer.params."
+    for flag, key in (("learning_rate", "lr"), ("weight_decay", "weight_decay"), ("adam_epsilon", "eps")):
+        v[flag] = reconcile(flag, v[flag], ds, p + key, fallbacks[flag], path)
+    params = ds["optimizer"].setdefault("params", {})
+    betas = params.get("betas", "auto")
+    betas = ["auto", "auto"] if betas == "auto" else list(betas)
+    for i, flag in enumerate(("adam_beta1", "adam_beta2")):
+        if betas[i] == "auto":
+            betas[i] = fallbacks[flag] if v[flag] is None else v[flag]
+        elif v[flag] is not None and float(v[flag]) != float(betas[i]):
+            raise ConfigError(f"`--{flag} {v[flag]}` contradicts `optimizer.params.betas: {params['betas']}` in {path}")
+        v[flag] = betas[i]
+    params["betas"] = betas
+
+
+def _reconcile_precision(v: dict[str, Any], ds: dict, path: str, flag: str) -> None:
+    for k in ("bf16", "fp16"):
+        if not isinstance(ds.setdefault(k, {}), dict):
+            raise ConfigError(f"--deepspeed_config: `{k}` in {path} must be an object")
+    enabled = {k: ds[k].get("enabled", "auto") for k in ("bf16", "fp16")}
+    explicit = [k for k, e in enabled.items() if e is True]
+    if len(explicit) > 1:
+        raise ConfigError(f"--deepspeed_config: {path} enables both bf16 and fp16")
+    if explicit:
+        if v["precision"] not in ("auto", explicit[0]):
+            raise ConfigError(f"`--{flag}` contradicts `{explicit[0]}.enabled: true` in {path}")
+        v["precision"] = explicit[0]
+    elif v["precision"] in enabled and enabled[v["precision"]] is False:
+        raise ConfigError(f"`--{flag}` contradicts `{v['precision']}.enabled: false` in {path}")
+    elif v["precision"] == "auto":
+        v["precision"] = auto_precision()
+    for k in ("bf16", "fp16"):
+        ds[k]["enabled"] = v["precision"] == k
+
+
+def auto_precision() -> str:
+    """bf16 where the accelerator supports it; fp32 on CPU (bf16 matmuls there are slow and lossy)."""
+    from deepspeed.accelerator import get_accelerator
+
+    acc = get_accelerator()
+    if acc.device_name() != "cpu" and acc.is_bf16_supported():
+        return "bf16"
+    return "fp32"
 
 
 def zero_stage(cfg: dict) -> int:

@@ -1,4 +1,5 @@
-"""finetune.config: flag ↔ DeepSpeed JSON reconciliation, "auto" resolution, JSON loading."""
+"""finetune.config: flag values → RunConfig (``resolve``), flag ↔ DeepSpeed JSON reconciliation,
+"auto" resolution, validation errors naming the flag, JSON loading. No argparse here: see test_cli."""
 
 from __future__ import annotations
 
@@ -6,18 +7,59 @@ import json
 
 import pytest
 
+from finetune import config
 from finetune.config import (
     CONFIGS_DIR,
+    DEFAULT_DDP_TIMEOUT,
     DEFAULT_DS_CONFIG,
+    EMBEDDED_MAX_STEPS,
+    EMBEDDED_PRESET,
+    FALLBACKS,
+    LEGACY_TIMEOUT_ENV,
     ConfigError,
     finalize_ds_config,
+    flag_defaults,
     load_ds_json,
+    looks_local,
+    precision_shorthand,
     reconcile,
+    resolve,
     resolve_config_path,
+    resolve_ddp_timeout,
     zero_stage,
 )
 
 PATH = "ds.json"  # only used in messages
+
+
+@pytest.fixture(autouse=True)
+def _isolated(tmp_path, monkeypatch):
+    """Run from an empty directory as a single process, whatever launched pytest."""
+    monkeypatch.chdir(tmp_path)
+    for var in ("WORLD_SIZE", "RANK", "LOCAL_RANK", LEGACY_TIMEOUT_ENV):
+        monkeypatch.delenv(var, raising=False)
+
+
+def run(precision_flag: str | None = None, world_size: int = 1, **values):
+    return resolve(values, precision_flag, world_size=world_size)
+
+
+def write_ds(tmp_path, cfg: dict, name: str = "ds.json") -> str:
+    path = tmp_path / name
+    path.write_text(json.dumps(cfg))
+    return str(path)
+
+
+def _base_ds(**extra) -> dict:
+    cfg = json.loads((CONFIGS_DIR / "ds_zero3.json").read_text())
+    cfg.update(extra)
+    return cfg
+
+
+def _on_cpu() -> bool:
+    from deepspeed.accelerator import get_accelerator
+
+    return get_accelerator().device_name() == "cpu"
 
 
 # --- reconcile -------------------------------------------------------------------------------
@@ -153,3 +195,328 @@ def test_unknown_file_under_configs_is_not_found(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     with pytest.raises(ConfigError, match="--deepspeed_config: file not found: configs/nope.json"):
         resolve_config_path("configs/nope.json")
+
+
+# --- resolve: the values dict ------------------------------------------------------------------
+
+def test_resolve_fills_absent_flags_with_defaults_and_leaves_values_alone():
+    values = {"max_steps": 3}
+    cfg = resolve(values, world_size=1)
+    assert values == {"max_steps": 3}
+    assert cfg.train.max_steps == 3 and cfg.train.seed == flag_defaults()["seed"] == 42
+    assert cfg.ckpt.output_dir == "output"
+
+
+def test_resolve_refuses_unknown_flags():
+    with pytest.raises(ConfigError, match="unknown flag.*--no_such_flag"):
+        run(no_such_flag=1)
+
+
+def test_resolve_world_size_defaults_to_the_launchers(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    cfg = resolve({})
+    assert cfg.world_size == 3 and cfg.ds_config["train_batch_size"] == 3 * 8
+
+
+# --- batch size and world size -------------------------------------------------------------
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_train_batch_size_is_micro_times_accum_times_world(world):
+    cfg = run(world_size=world, per_device_train_batch_size=3, gradient_accumulation_steps=5)
+    assert cfg.world_size == world
+    assert cfg.ds_config["train_batch_size"] == 3 * 5 * world
+    assert cfg.ds_config["train_micro_batch_size_per_gpu"] == 3
+    assert cfg.ds_config["gradient_accumulation_steps"] == 5
+    assert (cfg.train.per_device_train_batch_size, cfg.train.gradient_accumulation_steps) == (3, 5)
+
+
+def test_batch_size_defaults_when_unset():
+    cfg = run()
+    assert cfg.world_size == 1
+    assert cfg.ds_config["train_batch_size"] == FALLBACKS["per_device_train_batch_size"] == 8
+    assert cfg.ds_config["gradient_accumulation_steps"] == 1
+
+
+def test_explicit_train_batch_size_that_matches_is_accepted(tmp_path):
+    ds = write_ds(tmp_path, _base_ds(train_batch_size=16))
+    cfg = run(world_size=2, deepspeed_config=ds, per_device_train_batch_size=4, gradient_accumulation_steps=2)
+    assert cfg.ds_config["train_batch_size"] == 16
+
+
+def test_explicit_train_batch_size_mismatch_is_an_error(tmp_path):
+    ds = write_ds(tmp_path, _base_ds(train_batch_size=16))
+    with pytest.raises(ConfigError) as e:
+        run(world_size=2, deepspeed_config=ds, per_device_train_batch_size=4)
+    msg = str(e.value)
+    assert "train_batch_size: 16" in msg and "--per_device_train_batch_size" in msg and "= 8" in msg
+
+
+def test_json_micro_batch_used_when_flag_absent(tmp_path):
+    ds = write_ds(tmp_path, _base_ds(train_micro_batch_size_per_gpu=2, gradient_accumulation_steps=3))
+    cfg = run(deepspeed_config=ds)
+    assert cfg.train.per_device_train_batch_size == 2 and cfg.train.gradient_accumulation_steps == 3
+    assert cfg.ds_config["train_batch_size"] == 6
+
+
+# --- optimizer values ------------------------------------------------------------------------
+
+def test_learning_rate_flag_fills_auto_lr():
+    cfg = run(learning_rate=2e-4)
+    assert cfg.train.learning_rate == 2e-4
+    assert cfg.ds_config["optimizer"]["params"]["lr"] == 2e-4
+
+
+def test_learning_rate_contradicting_json_lr_names_both(tmp_path):
+    ds_cfg = _base_ds()
+    ds_cfg["optimizer"]["params"]["lr"] = 1e-4
+    with pytest.raises(ConfigError) as e:
+        run(deepspeed_config=write_ds(tmp_path, ds_cfg), learning_rate=3e-4)
+    assert "--learning_rate" in str(e.value) and "optimizer.params.lr" in str(e.value)
+
+
+def test_json_lr_wins_without_flag_even_over_embedded_preset(tmp_path):
+    ds_cfg = _base_ds()
+    ds_cfg["optimizer"]["params"]["lr"] = 1e-4
+    cfg = run(deepspeed_config=write_ds(tmp_path, ds_cfg))
+    # The preset is a default, not a flag: an explicit JSON value must not be reported as contradicting it.
+    assert cfg.train.learning_rate == 1e-4
+
+
+def test_json_scheduler_warmup_wins_over_embedded_preset(tmp_path):
+    ds_cfg = _base_ds(scheduler={"type": "WarmupLR", "params": {"warmup_num_steps": 0, "warmup_max_lr": "auto"}})
+    cfg = run(deepspeed_config=write_ds(tmp_path, ds_cfg))
+    assert cfg.train.warmup_steps == 0
+    with pytest.raises(ConfigError, match="--warmup_steps.*scheduler.params.warmup_num_steps"):
+        run(deepspeed_config=write_ds(tmp_path, ds_cfg), warmup_steps=3)
+
+
+def test_betas_auto_filled_from_flags_and_fallbacks():
+    cfg = run(adam_beta1=0.8)
+    assert cfg.ds_config["optimizer"]["params"]["betas"] == [0.8, 0.999]
+    assert (cfg.train.adam_beta1, cfg.train.adam_beta2) == (0.8, 0.999)
+
+
+def test_explicit_json_betas_win_without_flags(tmp_path):
+    ds_cfg = _base_ds()
+    ds_cfg["optimizer"]["params"]["betas"] = [0.9, 0.95]
+    cfg = run(deepspeed_config=write_ds(tmp_path, ds_cfg))
+    assert (cfg.train.adam_beta1, cfg.train.adam_beta2) == (0.9, 0.95)
+
+
+def test_beta_flag_contradicting_json_betas_is_an_error(tmp_path):
+    ds_cfg = _base_ds()
+    ds_cfg["optimizer"]["params"]["betas"] = [0.9, 0.95]
+    ds = write_ds(tmp_path, ds_cfg)
+    with pytest.raises(ConfigError) as e:
+        run(deepspeed_config=ds, adam_beta2=0.99)
+    assert "--adam_beta2" in str(e.value) and "optimizer.params.betas" in str(e.value)
+    # Agreeing flags are fine.
+    assert run(deepspeed_config=ds, adam_beta2=0.95).train.adam_beta2 == 0.95
+
+
+def test_half_auto_betas_take_the_flag_for_the_auto_half(tmp_path):
+    ds = _base_ds()
+    ds["optimizer"]["params"]["betas"] = ["auto", 0.95]
+    cfg = run(deepspeed_config=write_ds(tmp_path, ds), adam_beta1=0.8)
+    assert cfg.ds_config["optimizer"]["params"]["betas"] == [0.8, 0.95]
+    assert (cfg.train.adam_beta1, cfg.train.adam_beta2) == (0.8, 0.95)
+
+
+@pytest.mark.parametrize("name", ["ds_zero3.json", "ds_zero3_offload.json"])
+def test_shipped_configs_resolve_every_auto(name):
+    cfg = run(deepspeed_config=str(CONFIGS_DIR / name))
+    final = finalize_ds_config(cfg.ds_config, 150, cfg.train.warmup_steps, cfg.train.learning_rate)
+    assert "auto" not in json.dumps(final)
+    assert final["zero_optimization"]["stage"] == 3
+
+
+# --- precision ---------------------------------------------------------------------------
+
+def test_precision_shorthand_names_the_flag_that_set_it():
+    assert precision_shorthand("auto", None) == ("auto", "precision auto")
+    assert precision_shorthand("fp16", None) == ("fp16", "precision fp16")
+    assert precision_shorthand("auto", "bf16") == ("bf16", "bf16")
+    assert precision_shorthand("bf16", "bf16") == ("bf16", "bf16")
+    with pytest.raises(ConfigError, match=r"Can't give both `--bf16` and `--precision fp16`"):
+        precision_shorthand("fp16", "bf16")
+
+
+def test_bf16_contradicting_json_fp16_names_the_shorthand(tmp_path):
+    ds = write_ds(tmp_path, _base_ds(fp16={"enabled": True}))
+    with pytest.raises(ConfigError, match=r"`--bf16` contradicts `fp16.enabled: true`"):
+        run("bf16", deepspeed_config=ds, precision="bf16")
+    with pytest.raises(ConfigError, match=r"`--precision bf16` contradicts `fp16.enabled: true`"):
+        run(deepspeed_config=ds, precision="bf16")
+
+
+def test_flag_contradicting_an_explicitly_disabled_section_is_an_error(tmp_path):
+    ds = write_ds(tmp_path, _base_ds(fp16={"enabled": False}))
+    with pytest.raises(ConfigError, match=r"`--fp16` contradicts `fp16.enabled: false`"):
+        run("fp16", deepspeed_config=ds, precision="fp16")
+
+
+def test_json_enabling_both_halves_is_an_error(tmp_path):
+    ds = write_ds(tmp_path, _base_ds(fp16={"enabled": True}, bf16={"enabled": True}))
+    with pytest.raises(ConfigError, match="--deepspeed_config: .* enables both bf16 and fp16"):
+        run(deepspeed_config=ds)
+
+
+def test_json_fp16_enabled_sets_precision(tmp_path):
+    cfg = run(deepspeed_config=write_ds(tmp_path, _base_ds(fp16={"enabled": True})))
+    assert cfg.train.precision == "fp16"
+    assert cfg.ds_config["fp16"]["enabled"] is True and cfg.ds_config["bf16"]["enabled"] is False
+
+
+@pytest.mark.parametrize("on, off", [("bf16", "fp16"), ("fp16", "bf16")])
+def test_precision_enables_exactly_one_section(on, off):
+    cfg = run(precision=on)
+    assert cfg.train.precision == on
+    assert cfg.ds_config[on]["enabled"] is True and cfg.ds_config[off]["enabled"] is False
+
+
+def test_auto_precision_on_cpu_is_fp32():
+    if not _on_cpu():
+        pytest.skip("needs a CPU-only DeepSpeed accelerator (auto picks bf16 on an accelerator)")
+    cfg = run()
+    assert cfg.train.precision == "fp32"
+    assert cfg.ds_config["bf16"]["enabled"] is False and cfg.ds_config["fp16"]["enabled"] is False
+
+
+def test_auto_precision_follows_the_accelerator(monkeypatch):
+    monkeypatch.setattr(config, "auto_precision", lambda: "bf16")
+    cfg = run()
+    assert cfg.train.precision == "bf16"
+    assert cfg.ds_config["bf16"]["enabled"] is True and cfg.ds_config["fp16"]["enabled"] is False
+
+
+# --- embedded preset ------------------------------------------------------------------------
+
+def test_no_flags_uses_embedded_preset():
+    cfg = run()
+    assert cfg.uses_embedded_model and cfg.uses_embedded_data
+    assert cfg.train.learning_rate == EMBEDDED_PRESET["learning_rate"] == 1e-3
+    assert cfg.train.max_steps == EMBEDDED_MAX_STEPS == 150
+    assert cfg.train.num_train_epochs is None
+    assert cfg.data.max_seq_length == 128
+    assert cfg.ds_config["optimizer"]["params"]["lr"] == 1e-3
+
+
+def test_explicit_flags_override_embedded_preset():
+    cfg = run(learning_rate=2e-3, max_steps=7, max_seq_length=64, warmup_steps=0)
+    assert (cfg.train.learning_rate, cfg.train.max_steps, cfg.data.max_seq_length, cfg.train.warmup_steps) == \
+        (2e-3, 7, 64, 0)
+
+
+def test_epochs_flag_replaces_embedded_max_steps():
+    cfg = run(num_train_epochs=1.0)
+    assert cfg.train.max_steps is None and cfg.train.num_train_epochs == 1.0
+
+
+def test_train_file_with_embedded_model_trains_by_epochs(tmp_path):
+    (tmp_path / "train.jsonl").write_text('{"text": "a b c"}\n')
+    cfg = run(train_file="train.jsonl")
+    assert cfg.uses_embedded_model and not cfg.uses_embedded_data
+    assert cfg.train.max_steps is None
+    assert cfg.train.num_train_epochs == 3.0
+    assert cfg.train.learning_rate == 1e-3  # the model preset still applies
+
+
+def test_hub_model_gets_generic_fallbacks():
+    cfg = run(model_name_or_path="org/some-model")
+    assert not cfg.uses_embedded_model
+    assert cfg.train.learning_rate == FALLBACKS["learning_rate"] == 5e-5
+    assert cfg.data.max_seq_length == 512
+    assert cfg.train.max_steps is None and cfg.train.num_train_epochs == 3.0
+
+
+@pytest.mark.parametrize("name, local", [("gpt2", False), ("org/model", False), ("./model", True),
+                                         ("/abs/model", True), ("~/model", True), ("a/b/c", True)])
+def test_looks_local_tells_hub_ids_from_paths(name, local):
+    assert looks_local(name) is local
+
+
+# --- --ddp_timeout and --ignore_unverified_checkpoints ------------------------------------------
+
+def test_new_flags_default_to_900_seconds_and_off():
+    cfg = run()
+    assert cfg.train.ddp_timeout == DEFAULT_DDP_TIMEOUT == 900
+    assert cfg.ckpt.ignore_unverified_checkpoints is False
+
+
+def test_ddp_timeout_flag_is_kept():
+    assert run(ddp_timeout=10).train.ddp_timeout == 10
+    assert run(ddp_timeout=7200).train.ddp_timeout == 7200
+
+
+def test_ignore_unverified_checkpoints_with_auto():
+    cfg = run(ignore_unverified_checkpoints=True, resume_from_checkpoint="auto")
+    assert cfg.ckpt.ignore_unverified_checkpoints is True and cfg.ckpt.resume_from_checkpoint == "auto"
+
+
+def test_legacy_timeout_env_is_minutes_and_the_flag_wins(monkeypatch):
+    monkeypatch.setenv(LEGACY_TIMEOUT_ENV, "45")
+    assert resolve_ddp_timeout(None) == 45 * 60
+    assert run().train.ddp_timeout == 2700
+    assert run(ddp_timeout=120).train.ddp_timeout == 120
+
+
+@pytest.mark.parametrize("minutes", ["0", "-3", "half an hour", ""])
+def test_bad_legacy_timeout_env_names_the_variable(minutes, monkeypatch):
+    monkeypatch.setenv(LEGACY_TIMEOUT_ENV, minutes)
+    with pytest.raises(ConfigError, match=rf"\${LEGACY_TIMEOUT_ENV} .*--ddp_timeout"):
+        run()
+
+
+# --- bad input: every case a ConfigError naming the flag or file ---------------------------
+
+def _setup_bad_input(tmp_path, case: str) -> None:
+    if case == "xml":
+        (tmp_path / "train.xml").write_text("<rows/>")
+    elif case == "output_file":
+        (tmp_path / "out").write_text("not a dir")
+    elif case == "malformed_json":
+        (tmp_path / "bad.json").write_text('{"train_batch_size": 8,}')
+    (tmp_path / "train.jsonl").write_text('{"text": "a b c"}\n')
+
+
+BAD_INPUTS = [
+    ("steps_and_epochs", dict(max_steps=5, num_train_epochs=1.0), ["--max_steps", "--num_train_epochs"]),
+    ("micro_batch_0", dict(per_device_train_batch_size=0), ["--per_device_train_batch_size"]),
+    ("grad_accum_0", dict(gradient_accumulation_steps=0), ["--gradient_accumulation_steps"]),
+    ("max_steps_0", dict(max_steps=0), ["--max_steps"]),
+    ("max_seq_length_neg", dict(max_seq_length=-4), ["--max_seq_length"]),
+    ("save_steps_0", dict(save_checkpoint=True, save_steps=0), ["--save_steps"]),
+    ("logging_steps_0", dict(logging_steps=0), ["--logging_steps"]),
+    ("learning_rate_0", dict(learning_rate=0.0), ["--learning_rate"]),
+    ("epochs_0", dict(num_train_epochs=0.0), ["--num_train_epochs"]),
+    ("weight_decay_neg", dict(weight_decay=-0.1), ["--weight_decay", "negative"]),
+    ("missing_train_file", dict(train_file="nope.jsonl"), ["--train_file", "nope.jsonl"]),
+    ("xml", dict(train_file="train.xml"), ["--train_file", ".xml"]),
+    ("missing_model_dir", dict(model_name_or_path="./nope/model"), ["--model_name_or_path", "./nope/model"]),
+    ("output_file", dict(output_dir="out"), ["--output_dir"]),
+    ("malformed_json", dict(deepspeed_config="bad.json"), ["--deepspeed_config", "bad.json", "line 1"]),
+    ("missing_ds_json", dict(deepspeed_config="none.json"), ["--deepspeed_config", "none.json"]),
+    ("prompt_without_completion", dict(train_file="train.jsonl", prompt_column="q"),
+     ["--prompt_column", "--completion_column"]),
+    ("dataset_and_train_file", dict(dataset_name="org/data", train_file="train.jsonl"), ["--dataset_name", "--train_file"]),
+    ("save_steps_without_save", dict(save_steps=10), ["--save_steps", "--save_checkpoint"]),
+    ("validation_split_100", dict(validation_split_percentage=100), ["--validation_split_percentage"]),
+    ("max_shard_size_junk", dict(max_shard_size="lots"), ["--max_shard_size", "'lots'"]),
+    ("preempt_sigkill", dict(preempt_signals="SIGTERM,SIGKILL"), ["--preempt_signals", "SIGKILL"]),
+    ("preempt_unknown", dict(preempt_signals="USR9"), ["--preempt_signals", "USR9"]),
+    ("ddp_timeout_5", dict(ddp_timeout=5), ["--ddp_timeout", "at least 10", "got 5"]),
+    ("ddp_timeout_0", dict(ddp_timeout=0), ["--ddp_timeout"]),
+    ("ignore_unverified_without_resume", dict(ignore_unverified_checkpoints=True),
+     ["--ignore_unverified_checkpoints", "--resume_from_checkpoint auto"]),
+    ("ignore_unverified_with_latest", dict(ignore_unverified_checkpoints=True, resume_from_checkpoint="latest"),
+     ["--ignore_unverified_checkpoints", "--resume_from_checkpoint auto"]),
+]
+
+
+@pytest.mark.parametrize("case, values, names", BAD_INPUTS, ids=[c[0] for c in BAD_INPUTS])
+def test_bad_input_raises_config_error_naming_the_flag(case, values, names, tmp_path):
+    _setup_bad_input(tmp_path, case)
+    with pytest.raises(ConfigError) as e:
+        resolve(values, world_size=1)
+    for name in names:
+        assert name in str(e.value), f"{name!r} not in {str(e.value)!r}"
