@@ -1,0 +1,483 @@
+"""One live run per output dir: ``OUT/.lease``, held and heartbeated while a run writes there.
+
+A run that would write into an output dir that a live run is using is refused with one line naming
+that run (``LeaseHeld``, a ``ConfigError``: the CLI exits 2). A run whose predecessor died (SIGKILL,
+node loss, a SLURM requeue) takes the lease over, so a restart is never blocked by a dead holder.
+The output dir may be a local disk or a network filesystem (NFS, Lustre) shared by hosts whose
+clocks disagree.
+
+The lease is a small JSON object: ``run_id``, ``host``, ``pid``, ``pid_start`` (the process's start
+time, /proc/<pid>/stat field 22), ``started`` (ISO time, for people), ``slurm_job_id``, ``beat`` (a
+counter the heartbeat advances), and what the rules below need besides: ``boot_id``, ``pid_ns``,
+``slurm_restart_count``, ``slurm_cluster``, ``renew_s``.
+
+How ``acquire`` judges an existing lease's holder (the first rule that applies):
+
+1. Unreadable, empty or garbled: dead (a crash mid-write). It is read twice, 0.1 s apart, first:
+   where hard links are unsupported a writer's file is briefly partial.
+2. The same SLURM job (cluster and job id) at an earlier ``SLURM_RESTART_COUNT``: dead at once,
+   because SLURM requeues a job only after killing all of it. The same job at the *same* restart
+   count proves nothing: two runs started in one ``salloc`` share a job id and are both alive.
+3. The same machine (hostname, kernel boot id and pid namespace all equal): alive iff its pid
+   exists, is not a zombie, and started when the lease says (a reused pid started later). Decided at
+   once. A hostname alone is not enough: containers with host networking share one but not their
+   pids, and after a reboot an old pid means nothing.
+4. Another machine: alive iff its ``beat`` changes within ``observe_s`` (default 2.5 × the larger of
+   both runs' ``renew_s``, i.e. 75 s with the default 30 s heartbeat). The lease is re-read every
+   ≤ 1 s, so a live holder is recognised within about one heartbeat. A counter, not a timestamp or
+   an mtime, because the hosts' clocks may be skewed.
+
+So a dead predecessor costs the next run nothing on the same machine or after a requeue, and 75 s
+(logged) when it ran on another machine.
+
+Atomicity (every step also holds on NFS and Lustre):
+
+- Create: write a temp file, fsync, ``link`` it to ``.lease``, which fails if one exists; readers
+  never see a partial lease. (An NFS ``link`` retried after a lost reply reports EEXIST though it
+  succeeded: the temp's link count tells.) Where hard links are unsupported, ``O_CREAT|O_EXCL``.
+- Take over a dead holder, whose lease has the bytes S: create the marker
+  ``.lease.taking.<hash of S>.1`` exclusively (as above, holding our lease), check that ``.lease``
+  still holds S, and rename the marker over it, which replaces it atomically; then remove the markers.
+  Racing takers of S get the marker one at a time, and a taker that wins it only after S was
+  replaced (the marker was removed) fails the check; ``.lease`` never goes missing on the way, so a
+  run starting just then cannot create one beside ours. A marker whose taker died before renaming it
+  is judged like a lease (rules 1 and 3; on another machine, dead once S stays put for
+  ``observe_s``), and the next taker uses marker ``.2``, and so on.
+- Heartbeat (a daemon thread, every ``renew_s``): if ``.lease`` is still ours, replace it (temp file
+  + rename) with ``beat + 1`` (a garbled one too). If it now belongs to another run, this run stalled for longer than
+  that run watched (SIGSTOP, ``scontrol suspend``, a hung mount): log an error once, stop beating,
+  set ``Lease.lost``, and never overwrite it. If it vanished (removed by hand), create it again. A
+  failed write (disk full) is logged and retried at the next beat, never raised into training.
+
+The one window left: the heartbeat's read-then-replace is not atomic with a takeover, so a holder
+whose stall ends in the very milliseconds another run takes over can overwrite the newcomer's lease;
+the newcomer then logs the error above at its next beat. Every such case (here, in release, and a
+taker judged dead while it replaced a lease) needs a stall longer than ``observe_s``.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import itertools
+import json
+import logging
+import os
+import re
+import secrets
+import socket
+import threading
+import time
+import uuid
+from datetime import datetime
+from pathlib import Path
+
+from finetune.config import ConfigError
+
+logger = logging.getLogger("finetune")
+
+LEASE = ".lease"
+TAKING = ".lease.taking"  # + .<hash of the dead lease>.<n>: one taker at a time replaces that lease
+RENEW_S = 30.0
+OBSERVE_FACTOR = 2.5  # a holder on another machine is dead after this many of its heartbeats pass unseen
+_RECHECK_S = 0.1  # between the two reads of a garbled lease
+_MAX_TRIES = 20  # judge-and-take rounds before giving up on a lease that keeps changing hands
+_JOIN_S = 10.0  # release() waits this long for a heartbeat write in flight
+_NO_HARDLINKS = {errno.EPERM, errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOSYS}
+# Two leases with these equal were written by the same process of the same run.
+_OWNER_KEYS = ("run_id", "host", "boot_id", "pid_ns", "pid", "pid_start", "started")
+
+_ALIVE, _DEAD, _CHANGED = "alive", "dead", "changed"
+
+
+class LeaseHeld(ConfigError):
+    """A live run holds the output dir's lease; ``holder`` is its lease."""
+
+    def __init__(self, out: Path, holder: dict):
+        self.holder = holder
+        super().__init__(f"--output_dir {out} is in use by another run ({describe(holder)}); "
+                         "wait for it to finish or choose another --output_dir")
+
+
+def describe(info: dict) -> str:
+    """``run id R, pid P on host H, started T``, with the SLURM job when there is one."""
+    text = f"run id {info.get('run_id')}, pid {info.get('pid')} on host {info.get('host')}"
+    if info.get("slurm_job_id"):
+        text += f", SLURM job {info['slurm_job_id']}"
+    return f"{text}, started {info.get('started')}"
+
+
+def holder(out: str | os.PathLike) -> dict | None:
+    """The output dir's lease, or None when it has none (or only an unreadable one)."""
+    return _parse(_read(Path(out) / LEASE))
+
+
+def acquire(out: str | os.PathLike, run_id: str | None = None, *, renew_s: float = RENEW_S,
+            observe_s: float | None = None) -> Lease:
+    """Take ``OUT/.lease`` (creating OUT) for this process, taking it over from a dead holder.
+
+    Raises ``LeaseHeld`` when a live run holds it, and ``ConfigError`` when it cannot be written.
+    ``observe_s``: how long to watch a holder on another machine (default: see the module doc).
+    """
+    if renew_s <= 0:
+        raise ValueError(f"renew_s must be positive, not {renew_s}")
+    out = Path(out)
+    me = _identity(run_id or uuid.uuid4().hex[:12], renew_s)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        _take(out / LEASE, me, observe_s)
+    except OSError as e:
+        raise ConfigError(f"--output_dir {out}: cannot take its lease {out / LEASE}: {e}") from e
+    return Lease(out, me)
+
+
+class Lease:
+    """This process's hold on ``OUT/.lease``, renewed by a daemon thread until ``release()``."""
+
+    def __init__(self, out: Path, info: dict):
+        self.path = Path(out) / LEASE
+        self.info = info
+        self._tag = _tag(info["run_id"])
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._released = self._lost = self._failing = False
+        self._thread = threading.Thread(target=self._run, name="finetune-lease", daemon=True)
+        self._thread.start()
+
+    @property
+    def lost(self) -> bool:
+        """True once another run has taken the lease over (this one stalled for longer than it watched)."""
+        return self._lost
+
+    def release(self) -> None:
+        """Stop the heartbeat and remove the lease if it is still ours. Idempotent; never raises."""
+        with self._lock:
+            if self._released:
+                return
+            self._released = True
+        self._stop.set()
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout=_JOIN_S)
+        try:
+            if _is_ours(_read(self.path), self.info):
+                self.path.unlink()
+        except OSError as e:
+            logger.warning("could not remove this run's lease %s: %s", self.path, e)
+
+    def __enter__(self) -> Lease:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.info["renew_s"]):
+            if not self._beat():
+                return
+
+    def _beat(self) -> bool:
+        """Renew the lease once; False when it is lost and beating must stop."""
+        try:
+            current = _read(self.path)
+            other = _parse(current)
+            if other is not None and not _is_ours(current, self.info):
+                self._lost = True
+                logger.error("%s now belongs to another run (%s): this run stalled for longer than that run "
+                             "watched its heartbeat, and both may now write into %s", self.path,
+                             describe(other), self.path.parent)
+                return False
+            info = {**self.info, "beat": self.info["beat"] + 1}
+            if current is None:
+                logger.warning("%s vanished while this run held it; creating it again", self.path)
+                if not _publish(self.path, _encode(info), self._tag):
+                    return True  # another run's now: the next beat says whose
+            elif not self._replace(_encode(info)):
+                return False
+            self.info = info
+        except OSError as e:
+            if not self._failing:
+                logger.warning("cannot renew %s (retrying every %g s): %s", self.path, self.info["renew_s"], e)
+            self._failing = True
+            return True
+        if self._failing:
+            logger.info("renewed %s again", self.path)
+            self._failing = False
+        return True
+
+    def _replace(self, data: bytes) -> bool:
+        """Overwrite our lease atomically; False (nothing written) when release() began meanwhile."""
+        tmp = self.path.with_name(f"{LEASE}.tmp.{self._tag}")
+        try:
+            _write_file(tmp, data)
+            if self._stop.is_set():  # release() may be about to remove the lease: don't bring it back
+                return False
+            os.replace(tmp, self.path)
+        finally:
+            _unlink(tmp)
+        return True
+
+
+def _take(path: Path, me: dict, observe_s: float | None) -> None:
+    for _ in range(_MAX_TRIES):
+        if _publish(path, _encode(me), _tag(me["run_id"])):
+            return
+        raw = _read(path)
+        if raw is None:
+            continue  # released between our attempt and our read
+        verdict, raw, why = _judge(path, raw, me, observe_s)
+        if verdict == _ALIVE:
+            raise LeaseHeld(path.parent, _parse(raw))
+        if verdict == _DEAD and _evict(path, raw, me, observe_s):
+            old = _parse(raw)
+            logger.warning("%s: the previous run (%s) is dead (%s); took its lease over", path.parent,
+                           describe(old) if old else "holder unknown", why)
+            return
+    raise ConfigError(f"--output_dir {path.parent}: its lease changed hands {_MAX_TRIES} times while this run "
+                      "tried to take it; are several runs starting on it at once?")
+
+
+def _judge(path: Path, raw: bytes, me: dict, observe_s: float | None) -> tuple[str, bytes | None, str]:
+    """(verdict, the lease bytes it applies to, why dead) for the lease ``raw`` just read at ``path``."""
+    info = _parse(raw)
+    if info is None:
+        time.sleep(_RECHECK_S)
+        again = _read(path)
+        if again != raw:
+            return _CHANGED, again, ""
+        return _DEAD, raw, "its lease is unreadable, left by a crash mid-write"
+    if _requeued_predecessor(info, me):
+        return _DEAD, raw, (f"SLURM requeued job {me['slurm_job_id']}: restart {info.get('slurm_restart_count') or 0} "
+                           f"→ {me['slurm_restart_count']}")
+    if _same_machine(info, me):
+        why = _process_gone(info["pid"], info.get("pid_start"))
+        return (_DEAD, raw, why) if why else (_ALIVE, raw, "")
+    return _observe(path, raw, info, _observe_time(info, me, observe_s))
+
+
+def _observe_time(info: dict, me: dict, observe_s: float | None) -> float:
+    if observe_s is not None:
+        return observe_s
+    theirs = info.get("renew_s")
+    theirs = theirs if isinstance(theirs, (int, float)) and theirs > 0 else 0
+    return OBSERVE_FACTOR * max(me["renew_s"], theirs)
+
+
+def _observe(path: Path, raw: bytes, info: dict, observe_s: float) -> tuple[str, bytes | None, str]:
+    """Watch a holder on another machine: alive as soon as its beat moves; dead if it stays put."""
+    logger.info("%s is held by %s on another machine; watching its heartbeat for up to %g s to see "
+                "whether it is alive", path, describe(info), observe_s)
+    poll = min(1.0, observe_s / 10)
+    deadline = time.monotonic() + observe_s
+    while (left := deadline - time.monotonic()) > 0:
+        time.sleep(min(poll, left))
+        now = _read(path)
+        if now == raw:
+            continue
+        return (_ALIVE if _is_ours(now, info) else _CHANGED), now, ""
+    return _DEAD, raw, f"its heartbeat stayed at beat {info['beat']} for {observe_s:g} s"
+
+
+def _evict(path: Path, raw: bytes, me: dict, observe_s: float | None) -> bool:
+    """Replace the lease ``raw``, judged dead, by ours; False (nothing changed) once it is not current."""
+    key = hashlib.sha256(raw).hexdigest()[:16]
+    for n in itertools.count(1):
+        marker = path.with_name(f"{TAKING}.{key}.{n}")
+        if _publish(marker, _encode(me), _tag(me["run_id"])):
+            break
+        if _await_taker(path, raw, marker, me, observe_s) == _CHANGED:
+            return False
+        # _DEAD: that taker died holding marker n; the next one is ours to try
+    if _read(path) != raw:  # replaced before we won the marker (whose previous copy was then removed)
+        _unlink(marker)
+        return False
+    try:
+        os.replace(marker, path)
+    except FileNotFoundError:  # NFS: a retried rename whose first reply was lost
+        if not _is_ours(_read(path), me):
+            raise
+    for leftover in path.parent.glob(f"{TAKING}.*"):
+        _unlink(leftover)  # markers of replaced leases only: nobody can have judged ours dead yet
+    return True
+
+
+def _await_taker(path: Path, raw: bytes, marker: Path, me: dict, observe_s: float | None) -> str:
+    """Another taker holds ``marker`` for the dead lease ``raw``: _CHANGED once the lease (or the marker)
+    changes, _DEAD once that taker is seen dead. Raises LeaseHeld if it lives but never finishes."""
+    mraw = _read(marker)
+    taker = _parse(mraw)
+    if mraw is None:
+        return _CHANGED  # removed by a taker that has finished
+    if taker is None:  # garbled: crashed mid-write, or (without hard links) still writing
+        time.sleep(_RECHECK_S)
+        return _CHANGED if _read(marker) != mraw else _DEAD
+    local = _same_machine(taker, me)
+    deadline = time.monotonic() + _observe_time(taker, me, observe_s)
+    pause = 0.005
+    while _read(path) == raw and _read(marker) == mraw:
+        if local and _process_gone(taker["pid"], taker.get("pid_start")):
+            return _DEAD
+        if time.monotonic() > deadline:
+            if local:
+                raise LeaseHeld(path.parent, taker)
+            return _DEAD
+        time.sleep(pause)
+        pause = min(2 * pause, 1.0)
+    return _CHANGED
+
+
+def _requeued_predecessor(info: dict, me: dict) -> bool:
+    return (me["slurm_job_id"] is not None and info.get("slurm_job_id") == me["slurm_job_id"]
+            and info.get("slurm_cluster") == me["slurm_cluster"]
+            and _as_int(info.get("slurm_restart_count")) < me["slurm_restart_count"])
+
+
+def _same_machine(a: dict, b: dict) -> bool:
+    return all(a.get(k) == b.get(k) for k in ("host", "boot_id", "pid_ns"))
+
+
+def _process_gone(pid: int, pid_start: int | None) -> str | None:
+    """Why process ``pid`` of this machine is not the lease's holder any more, or None if it still is."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return f"process {pid} has exited"
+    except PermissionError:
+        pass  # it exists, run by another user
+    stat = _proc_stat(pid)
+    if stat is None:
+        return None  # exists; no /proc to say more (or it hides other users' processes)
+    state, start = stat
+    if state in ("Z", "X"):
+        return f"process {pid} has exited"
+    if pid_start is not None and start != pid_start:
+        return f"pid {pid} now belongs to another process"
+    return None
+
+
+def _proc_stat(pid: int) -> tuple[str, int] | None:
+    """(state, start time in clock ticks after boot) from /proc/<pid>/stat; None without one."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = text.rpartition(")")[2].split()  # after the command name, which may hold spaces and ")"
+    try:
+        return fields[0], int(fields[19])  # fields 3 and 22 of proc(5)
+    except (IndexError, ValueError):
+        return None
+
+
+def _identity(run_id: str, renew_s: float) -> dict:
+    pid = os.getpid()
+    stat = _proc_stat(pid)
+    job = os.environ.get("SLURM_JOB_ID") or None
+    machine = _machine()
+    return {"run_id": run_id, "host": machine["host"], "pid": pid, "pid_start": stat[1] if stat else None,
+            "started": datetime.now().astimezone().isoformat(timespec="seconds"), "slurm_job_id": job, "beat": 0,
+            "boot_id": machine["boot_id"], "pid_ns": machine["pid_ns"],
+            "slurm_restart_count": _as_int(os.environ.get("SLURM_RESTART_COUNT")) if job else None,
+            "slurm_cluster": os.environ.get("SLURM_CLUSTER_NAME") if job else None, "renew_s": renew_s}
+
+
+def _machine() -> dict:
+    """Where a pid means the same process: the host, its current boot, and the pid namespace."""
+    try:
+        boot_id = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        boot_id = None
+    try:
+        pid_ns = os.readlink("/proc/self/ns/pid")
+    except OSError:
+        pid_ns = None
+    return {"host": socket.gethostname(), "boot_id": boot_id, "pid_ns": pid_ns}
+
+
+def _as_int(value) -> int:
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        return 0
+
+
+def _tag(run_id: str) -> str:
+    """A file-name-safe name for this call's temp files, unique among racing takers."""
+    safe = re.sub(r"[^A-Za-z0-9_.-]", "_", run_id)[:64]
+    return f"{safe}.{os.getpid()}.{secrets.token_hex(3)}"
+
+
+def _is_ours(raw: bytes | None, info: dict) -> bool:
+    """Whether lease bytes ``raw`` were written by the process and run that ``info`` describes."""
+    other = _parse(raw)
+    return other is not None and all(other.get(k) == info.get(k) for k in _OWNER_KEYS)
+
+
+def _parse(raw: bytes | None) -> dict | None:
+    """A lease's content, or None when it is missing, garbled, or lacks what the rules need."""
+    if raw is None:
+        return None
+    try:
+        info = json.loads(raw)
+    except ValueError:
+        return None
+    if not isinstance(info, dict):
+        return None
+    pid, beat = info.get("pid"), info.get("beat")
+    if (not isinstance(info.get("run_id"), str) or not isinstance(info.get("host"), str)
+            or type(pid) is not int or pid <= 0 or type(beat) is not int):
+        return None  # (a pid <= 0 would make os.kill signal a whole process group)
+    return info
+
+
+def _encode(info: dict) -> bytes:
+    return (json.dumps(info, indent=2) + "\n").encode()
+
+
+def _read(path: Path) -> bytes | None:
+    try:
+        return path.read_bytes()
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+
+
+def _publish(path: Path, data: bytes, tag: str) -> bool:
+    """Create ``path`` holding ``data``, complete or not at all; False if it already exists."""
+    tmp = path.with_name(f"{LEASE}.tmp.{tag}")
+    try:
+        _write_file(tmp, data)
+        os.link(tmp, path)
+        return True
+    except FileExistsError:
+        return os.stat(tmp).st_nlink == 2  # NFS: a retried link that had succeeded (see the module doc)
+    except OSError as e:
+        if e.errno not in _NO_HARDLINKS:
+            raise
+        return _create_exclusive(path, data)
+    finally:
+        _unlink(tmp)
+
+
+def _create_exclusive(path: Path, data: bytes) -> bool:
+    """``_publish`` without hard links: readers may briefly see a partial file (hence rule 1's re-read)."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    except FileExistsError:
+        return False
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    return True
+
+
+def _write_file(path: Path, data: bytes) -> None:
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _unlink(path: Path) -> None:
+    try:
+        path.unlink()
+    except FileNotFoundError:
+        pass
