@@ -2,9 +2,25 @@
 
 Why not ``save_16bit_model`` / ``save_pretrained``: both need the whole state dict in rank-0 RAM.
 Here the shard layout is planned up front from parameter *metadata* (full shapes are known under
-ZeRO-3 as ``ds_shape``), each shard's safetensors header is written first, and then parameters
-are gathered one module at a time and their bytes appended to the open shard. Rank 0's extra
-memory is about one module's gathered parameters, whatever the shard size.
+ZeRO-3 as ``ds_shape``), on every rank, so a dtype safetensors can't hold fails on every rank before
+the first collective. Each shard's safetensors header is written first, and then parameters are
+gathered and their bytes appended to the open shard. Two ways in, picked per parameter from facts
+every rank shares:
+
+* small parameters are all-gathered one module at a time (``GatheredParameters``);
+* parameters of at least ``STREAM_BYTES`` are streamed: each rank's ZeRO-3 partition goes to
+  rank 0 point to point, always through ``batch_isend_irecv`` (each other rank posts its send as
+  one batch, rank 0 posts its receives a window of ranks per batch). Batched, NCCL runs them on
+  the group's communicator instead of building a two-rank one per pair. Partitions travel on
+  the backend's device (the GPU under NCCL, even when parameters are offloaded to CPU; CPU under
+  gloo), and rank 0 copies each received piece to CPU to write it.
+
+Rank 0's extra memory, whatever the shard size: one module's gathered small parameters, or for a
+streamed parameter one window of received partitions (about ``STREAM_BYTES``, at least one
+partition) plus the piece being written, on CPU.
+
+A failure while writing (rank 0) or while staging a partition to send (other ranks) is recorded
+and raised only after the last gather, so no rank is left waiting in a collective or a receive.
 
 Tied parameters are written once, under the first name ``named_parameters`` gives them (what
 ``save_pretrained`` does; ``from_pretrained`` re-ties them). Frozen parameters are written too.
@@ -12,22 +28,30 @@ Tied parameters are written once, under the first name ``named_parameters`` give
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import struct
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from finetune import distributed as dist
-from finetune.checkpoint.manifest import HashingWriter, write_json_durably
+from finetune.checkpoint.durable import HashingWriter, write_json_durably
 
 SAFE_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
                torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
                torch.bool: "BOOL"}
 INDEX = "model.safetensors.index.json"
+
+# Backends that move CPU tensors; any other one (nccl, hccl, ...) moves only accelerator tensors.
+CPU_BACKENDS = frozenset({"gloo", "mpi", "ccl"})
+
+
+class ConsolidationError(RuntimeError):
+    """The gathered tensors don't match the plan (order, shape or element count)."""
 
 
 def tensor_entries(model) -> list[tuple[str, torch.nn.Module, str, bool]]:
@@ -70,7 +94,9 @@ def plan_shards(entries, dtype: torch.dtype, max_shard_size: str | int) -> tuple
     """Fill shards in gather order (a new shard when the next tensor would overflow), HF file names.
 
     Order matters: tensors are streamed as they are gathered, so each shard must hold a
-    contiguous run of the gather order (huggingface_hub's planner may reorder).
+    contiguous run of the gather order (huggingface_hub's planner may reorder). Raises ValueError
+    for a dtype safetensors can't hold: from metadata every rank shares, so every rank raises it
+    before the first collective rather than rank 0 alone in the middle of the gathers.
     """
     from huggingface_hub.serialization._base import parse_size_to_int
 
@@ -78,7 +104,11 @@ def plan_shards(entries, dtype: torch.dtype, max_shard_size: str | int) -> tuple
     meta, shards, size = {}, [[]], 0
     for name, module, attr, _ in entries:
         t = getattr(module, attr)
-        meta[name] = torch.empty(_full_shape(t), dtype=_out_dtype(t, dtype), device="meta")
+        out = _out_dtype(t, dtype)
+        if out not in SAFE_DTYPES:
+            supported = ", ".join(sorted(str(d).removeprefix("torch.") for d in SAFE_DTYPES))
+            raise ValueError(f"can't write {name} as {out} to safetensors (supported: {supported})")
+        meta[name] = torch.empty(_full_shape(t), dtype=out, device="meta")
         n = meta[name].numel() * meta[name].element_size()
         if shards[-1] and size + n > limit:
             shards.append([])
@@ -118,14 +148,19 @@ class _ShardWriter:
         self.files: dict[str, tuple[int, str]] = {}
 
     def write(self, name: str, tensor: torch.Tensor) -> None:
-        assert tuple(tensor.shape) == tuple(self.meta[name].shape), f"{name}: gathered {tuple(tensor.shape)}"
+        if name in self.meta and tuple(tensor.shape) != tuple(self.meta[name].shape):
+            raise ConsolidationError(
+                f"{name}: gathered shape {tuple(tensor.shape)}, planned {tuple(self.meta[name].shape)}")
         self.begin(name)
         self.append(tensor)
         self.end(name, tensor.numel())
 
     def begin(self, name: str) -> None:
+        if self.pos >= len(self.order):
+            raise ConsolidationError(f"consolidation order broke: got {name} after the last planned tensor")
         fname, expected = self.order[self.pos]
-        assert name == expected, f"consolidation order broke: got {name}, planned {expected}"
+        if name != expected:
+            raise ConsolidationError(f"consolidation order broke: got {name}, planned {expected}")
         if fname != self.current:
             self._close()
             self.current = fname
@@ -136,13 +171,16 @@ class _ShardWriter:
 
     def append(self, piece: torch.Tensor) -> None:
         """The next elements of the current tensor, in flattened order."""
-        data = piece.detach().reshape(-1).to(self.meta[self.order[self.pos][1]].dtype).contiguous().cpu()
+        # To CPU first: a received or gathered piece may be on the GPU, and the cast needs no GPU memory there.
+        data = piece.detach().reshape(-1).cpu().to(self.meta[self.order[self.pos][1]].dtype).contiguous()
         if data.numel():
             self.writer.write(data.view(torch.uint8).numpy())
         self.appended += data.numel()
 
     def end(self, name: str, numel: int) -> None:
-        assert self.appended == numel == self.meta[name].numel(), f"{name}: wrote {self.appended} of {numel} elements"
+        if not self.appended == numel == self.meta[name].numel():
+            raise ConsolidationError(
+                f"{name}: wrote {self.appended} of {numel} elements, planned {self.meta[name].numel()}")
         self.pos += 1
 
     def _close(self) -> None:
@@ -153,13 +191,52 @@ class _ShardWriter:
             self.files[self.current] = (self.writer.size, self.writer.digest())
             self.file = None
 
+    def abandon(self) -> None:
+        """After a failure: close the open shard without recording it."""
+        if self.file is not None:
+            self.file.close()
+            self.file = None
+
     def finish(self) -> dict[str, tuple[int, str]]:
         self._close()
-        assert self.pos == len(self.order), f"wrote {self.pos} of {len(self.order)} tensors"
+        if self.pos != len(self.order):
+            raise ConsolidationError(f"wrote {self.pos} of {len(self.order)} planned tensors")
         if self.split.is_sharded:
             index = {"metadata": {"total_size": self.split.total_size}, "weight_map": self.split.tensor_to_filename}
             self.files[INDEX] = write_json_durably(self.folder / INDEX, index)
         return self.files
+
+
+class _FirstError:
+    """The first error this rank hit, held until every rank is past the last gather.
+
+    Raising mid-loop would leave the other ranks waiting in a collective or a receive for ever;
+    the caller's agreement step turns the error raised at the end into a failed save everywhere.
+    """
+
+    def __init__(self) -> None:
+        self.error: Exception | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+    def attempt(self, fn: Callable, *args) -> None:
+        """``fn(*args)`` unless an error is already held; any exception it raises is held."""
+        if self.error is not None:
+            return
+        try:
+            fn(*args)
+        except Exception as e:  # noqa: BLE001 — OOM, I/O, a bug: all held and raised by raise_if_any
+            self.hold(e)
+
+    def hold(self, e: Exception) -> None:
+        if self.error is None:
+            self.error = e
+
+    def raise_if_any(self) -> None:
+        if self.error is not None:
+            raise self.error
 
 
 def _module_groups(entries) -> Iterator[list[tuple[str, torch.nn.Module, str, bool]]]:
@@ -174,72 +251,116 @@ def _module_groups(entries) -> Iterator[list[tuple[str, torch.nn.Module, str, bo
         yield group
 
 
-# Parameters at least this big are not gathered whole: each rank sends its partition to rank 0 in
-# turn, so rank 0 holds 1/world of one parameter (embeddings and LM heads are the large ones).
-# Test seam: FINETUNE_STREAM_BYTES lowers it so tiny test models take the streaming path too.
+# Parameters at least this big are not gathered whole: each rank sends its partition to rank 0,
+# which receives about this many bytes of partitions at a time (embeddings and LM heads are the
+# large ones). Test seam: FINETUNE_STREAM_BYTES lowers it so tiny test models take that path too.
 STREAM_BYTES = 8 << 20
+
+
+def _stream_bytes() -> int:
+    return int(os.environ.get("FINETUNE_STREAM_BYTES", STREAM_BYTES))
 
 
 def _streamable(p) -> bool:
     """Decided from facts every rank shares (full size, offload config), never from a rank's own
     partition: the answer picks send/recv or all-gather, and all ranks must pick the same."""
-    threshold = int(os.environ.get("FINETUNE_STREAM_BYTES", STREAM_BYTES))
     on_nvme = str(getattr(getattr(p, "ds_tensor", None), "final_location", "")).endswith("nvme")
-    return hasattr(p, "ds_numel") and not on_nvme and p.ds_numel * p.element_size() >= threshold
+    return hasattr(p, "ds_numel") and not on_nvme and p.ds_numel * p.element_size() >= _stream_bytes()
 
 
-def _stream_partitions(p, writer: _ShardWriter | None, name: str, write: bool) -> BaseException | None:
+def comm_device(backend: str, accelerator: torch.device) -> torch.device:
+    """Where a tensor must be for point-to-point on ``backend``, wherever it lives now.
+
+    NCCL moves only accelerator tensors, so a CPU-offloaded partition goes to ``accelerator``
+    first; gloo moves only CPU ones. A per-device backend string ("cpu:gloo,cuda:nccl") counts as
+    accelerator-capable as soon as one of its backends is.
+    """
+    names = {part.rsplit(":", 1)[-1].strip() for part in backend.lower().split(",")}
+    return accelerator if names - CPU_BACKENDS else torch.device("cpu")
+
+
+def recv_window(partition_bytes: int, peers: int, budget: int) -> int:
+    """How many ranks' partitions rank 0 receives in one batch: the window's buffers total at most
+    ``max(budget, partition_bytes)`` bytes, so at least one rank, and never more than ``peers``."""
+    return min(peers, max(1, budget // max(1, partition_bytes)))
+
+
+def _p2p(ops) -> None:
+    import torch.distributed as tdist
+
+    for req in tdist.batch_isend_irecv(ops):
+        req.wait()
+
+
+def _send_partition(part: torch.Tensor, device: torch.device, failed: _FirstError) -> None:
+    """A non-zero rank's side: one batched isend of its partition to rank 0."""
+    import torch.distributed as tdist
+
+    try:
+        staged = part.to(device).contiguous()
+    except Exception as e:  # noqa: BLE001 — held: rank 0 is about to receive from this rank regardless
+        failed.hold(e)
+        # A placeholder of the same size keeps rank 0's receive matched; the held error fails the
+        # save. Should even this allocation fail, the error propagates and the group's timeout ends it.
+        staged = torch.zeros(part.shape, dtype=part.dtype, device=device)
+    _p2p([tdist.P2POp(tdist.isend, staged, 0)])
+
+
+def _received_partitions(part: torch.Tensor, device: torch.device, peers: int) -> Iterator[torch.Tensor]:
+    """Rank 0's side: ranks 1..peers' partitions in rank order, a window of ranks per batch.
+
+    The buffers are reused by the next window: each piece must be consumed before the next one.
+    Failures of the transport itself (allocating these buffers, a broken connection) propagate:
+    there is no way to keep the other ranks in step without them.
+    """
+    import torch.distributed as tdist
+
+    window = recv_window(part.numel() * part.element_size(), peers, _stream_bytes())
+    buffers = [torch.empty(part.shape, dtype=part.dtype, device=device) for _ in range(window)]
+    for first in range(1, peers + 1, window):
+        ranks = range(first, min(first + window, peers + 1))
+        _p2p([tdist.P2POp(tdist.irecv, buf, r) for buf, r in zip(buffers, ranks)])
+        yield from buffers[:len(ranks)]
+
+
+def _stream_partitions(p, writer: _ShardWriter | None, name: str, failed: _FirstError) -> None:
     """Every rank must call this: the ZeRO-3 partitions of ``p``, in rank order, to rank 0.
 
     Partition r holds elements [r*n, (r+1)*n) of the flattened parameter (the last ones padded),
-    so appending them in rank order and stopping at ds_numel rebuilds it.
+    so appending them in rank order and stopping at ds_numel rebuilds it. Rank 0 receives every
+    partition even after an error, since every other rank is sending regardless.
     """
     import torch.distributed as tdist
 
     part = p.ds_tensor.detach()
+    peers = dist.world_size() - 1
+    device = comm_device(tdist.get_backend(), dist.device()) if peers else torch.device("cpu")
     if not dist.is_main():
-        tdist.send(part.contiguous(), dst=0)
-        return None
-    # Rank 0 receives every partition even when it is not writing (after an earlier error).
-    error, remaining = (None, p.ds_numel) if write else (RuntimeError("skipped"), p.ds_numel)
-    if write:
-        try:
-            writer.begin(name)
-        except (OSError, AssertionError) as e:
-            error = e
-    buf = torch.empty_like(part) if dist.world_size() > 1 else None
-    for r in range(dist.world_size()):
-        piece = part
-        if r:
-            tdist.recv(buf, src=r)  # received even after a write error: rank r is sending regardless
-            piece = buf
+        _send_partition(part, device, failed)
+        return
+    failed.attempt(writer.begin, name)
+    remaining = p.ds_numel
+    received = _received_partitions(part, device, peers) if peers else ()
+    for piece in itertools.chain([part], received):
         n = min(remaining, piece.numel())
         remaining -= n
-        if error is None:
-            try:
-                writer.append(piece[:n])
-            except OSError as e:
-                error = e
-    if error is None:
-        try:
-            writer.end(name, p.ds_numel)
-        except AssertionError as e:
-            error = e
-    return error if write else None
+        failed.attempt(writer.append, piece[:n])  # copied to CPU before the next window reuses the buffer
+    failed.attempt(writer.end, name, p.ds_numel)
 
 
 def save_consolidated(model, folder: Path, dtype: torch.dtype, max_shard_size: str | int) -> dict[str, tuple[int, str]]:
     """Write HF safetensors shards of ``model`` into ``folder``. Collective: every rank must call it.
 
-    Returns {file name: (size, checksum)} on rank 0, {} elsewhere. A write error on rank 0 is
-    raised only after every gather has been done, so the other ranks are never left waiting.
+    Returns {file name: (size, checksum)} on rank 0, {} elsewhere. Any error a rank hits while
+    writing or staging is raised only after every gather has been done, so the other ranks are
+    never left waiting.
     """
     import deepspeed
 
     entries = tensor_entries(model)
-    split, meta = plan_shards(entries, dtype, max_shard_size)
+    split, meta = plan_shards(entries, dtype, max_shard_size)  # raises on every rank alike, before any collective
     writer = _ShardWriter(folder, split, meta) if dist.is_main() else None
-    error: BaseException | None = None
+    failed = _FirstError()
     for group in _module_groups(entries):
         tensors = [(name, getattr(m, a), is_param) for name, m, a, is_param in group]
         streamed = {id(t) for _, t, is_param in tensors if is_param and _streamable(t)}
@@ -248,14 +369,13 @@ def save_consolidated(model, folder: Path, dtype: torch.dtype, max_shard_size: s
         with deepspeed.zero.GatheredParameters(gathered, modifier_rank=None, enabled=bool(gathered)):
             for name, t, _ in tensors:
                 if id(t) in streamed:
-                    error = _stream_partitions(t, writer, name, write=error is None) or error
-                elif writer is not None and error is None:
-                    try:
-                        writer.write(name, t)
-                    except (OSError, AssertionError) as e:
-                        error = e
+                    _stream_partitions(t, writer, name, failed)
+                elif writer is not None:
+                    failed.attempt(writer.write, name, t)
     if writer is None:
+        failed.raise_if_any()
         return {}
-    if error is not None:
-        raise error
+    if not failed.ok:
+        writer.abandon()
+        failed.raise_if_any()
     return writer.finish()
