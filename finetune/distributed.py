@@ -12,12 +12,14 @@ import socket
 import sys
 import threading
 import uuid
+from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
+from typing import Any, Callable
 
 import torch
 
-from finetune.config import ConfigError
+from finetune.config import DEFAULT_DDP_TIMEOUT, ConfigError
 
 logger = logging.getLogger("finetune")
 
@@ -46,9 +48,12 @@ def env_rank() -> int:
     return int(os.environ.get("RANK", "0"))
 
 
-def init() -> None:
-    """Create the process group (a 1-rank group under plain python)."""
+def init(timeout_s: int | None = None) -> None:
+    """Create the process group (a 1-rank group under plain python); ``timeout_s`` = --ddp_timeout."""
     import deepspeed
+
+    global _timeout_s
+    _timeout_s = int(timeout_s or DEFAULT_DDP_TIMEOUT)
 
     os.environ.setdefault("RANK", "0")
     os.environ.setdefault("LOCAL_RANK", "0")
@@ -56,7 +61,6 @@ def init() -> None:
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     if "MASTER_PORT" not in os.environ:
         os.environ["MASTER_PORT"] = str(_free_port()) if world_size_env() == 1 else "29500"
-    # Long timeout: a consolidated save of a large model legitimately keeps ranks apart a while.
     from deepspeed.accelerator import get_accelerator
 
     acc = get_accelerator()
@@ -64,7 +68,8 @@ def init() -> None:
         # Before any collective: NCCL runs object/tensor collectives on the *current* device, and
         # without this every rank of a node would use device 0 until deepspeed.initialize.
         acc.set_device(int(os.environ["LOCAL_RANK"]))
-    deepspeed.init_distributed(timeout=timedelta(minutes=int(os.environ.get("FINETUNE_DIST_TIMEOUT_MIN", "30"))))
+    # The timeout bounds how long a dead peer goes unnoticed; long single-rank work polls (gather_outcomes).
+    deepspeed.init_distributed(timeout=timedelta(seconds=_timeout_s))
     _setup_logging()
     _unlink_shm_buffer()
 
@@ -155,60 +160,129 @@ class RankError(RuntimeError):
     """Another rank failed in work every rank agreed on; carries that rank's message."""
 
 
-def run_agreed(fn, on: bool = True, poll_s: float = 5.0):
-    """Run ``fn`` on the ranks where ``on`` is true, then agree on the outcome. Every rank must call this.
+_timeout_s = DEFAULT_DDP_TIMEOUT  # --ddp_timeout, set by init()
 
-    Returns ``fn``'s result where it ran (None elsewhere). If ``fn`` raised on any rank, every
-    rank raises: that rank its own exception, the others the same ConfigError (a bad input is bad
-    everywhere) or a RankError naming the rank. So no rank can leave the others waiting in a later
-    collective. ``fn`` runs in a thread while every rank all-gathers a "done" flag each ``poll_s``
-    seconds: ranks that wait for a long ``fn`` (a tokenization of hours) never sit in one
-    collective past its timeout. ``fn`` must not call collectives itself (it runs beside them).
+
+def poll_seconds() -> float:
+    """How often ranks that wait for another rank's long work check in: well inside the timeout."""
+    return max(0.05, min(5.0, _timeout_s / 4))
+
+
+def describe_error(e: BaseException) -> str:
+    text = str(e).strip()
+    return f"{type(e).__name__}: {text.splitlines()[0]}" if text else type(e).__name__
+
+
+@dataclass
+class Outcomes:
+    """What every rank's share of some work came to (see ``gather_outcomes``)."""
+
+    result: Any = None  # this rank's result (None where it did not run or failed)
+    results: list | None = None  # every rank's result, by rank (when asked to share them)
+    errors: dict[int, str] = field(default_factory=dict)  # rank → "Type: first line of the message"
+    kinds: dict[int, str] = field(default_factory=dict)  # rank → exception class name
+    own: BaseException | None = None  # this rank's exception, for its traceback
+
+    @property
+    def ok(self) -> bool:
+        return not self.errors
+
+    def describe(self) -> str:
+        return "; ".join(f"rank {r}: {e}" for r, e in sorted(self.errors.items()))
+
+    def raise_any(self) -> None:
+        """The same failure on every rank: the failing rank re-raises its own exception; the others
+        raise a ConfigError (a bad input is bad everywhere) or a RankError naming the rank."""
+        if self.own is not None:
+            raise self.own
+        if self.errors:
+            r = min(self.errors)
+            if self.kinds[r] == "ConfigError":
+                raise ConfigError(self.errors[r].split(": ", 1)[-1])
+            raise RankError(f"rank {r} failed: {self.errors[r]}")
+
+
+def gather_outcomes(fn: Callable[[], Any], on: bool = True, *, share: bool = False, inline: bool = False,
+                    poll_s: float | None = None) -> Outcomes:
+    """The agreement primitive: run rank-local work, then tell every rank how it went everywhere.
+
+    ``fn`` runs on the ranks where ``on`` is true (every rank, one rank, each storage's leader);
+    every rank must call this. Nothing ``fn`` raises escapes before the agreement: it is caught,
+    all-gathered, and every rank returns the same ``errors`` (and, with ``share``, every rank's
+    result), so all of them take the same branch next and none is left alone in a collective.
+    While ``fn`` runs (in a thread), the ranks all-gather a "done" flag every ``poll_s`` seconds
+    (default: a quarter of --ddp_timeout, at most 5 s): waiting for a long ``fn`` (a tokenization
+    or a universal conversion of hours) never holds one collective open past its timeout.
+    ``fn`` must not call collectives itself (it runs beside them). ``inline``: ``fn`` is quick and
+    bounded (a small file, a value already computed): run it here, no thread, no polling.
     """
-    outcome: dict = {}
+    box: dict = {}
 
     def work():
         try:
-            outcome["result"] = fn()
-        except BaseException as e:  # noqa: BLE001 — every rank re-raises it below, after agreeing
-            outcome["error"] = e
+            box["result"] = fn()
+        except BaseException as e:  # noqa: BLE001 — every rank learns of it below
+            box["error"] = e
 
-    thread = threading.Thread(target=work, name="finetune-agreed", daemon=True) if on else None
-    if thread is not None:
-        if world_size() == 1:
-            work()  # nobody to keep company: no thread
-        else:
-            thread.start()
-    while world_size() > 1:
+    if world_size() == 1 or inline:
+        if on:
+            work()
+    else:
+        thread = threading.Thread(target=work, name="finetune-agreed", daemon=True) if on else None
         if thread is not None:
-            thread.join(timeout=poll_s)
-        if all(all_gather_object(thread is None or not thread.is_alive())):
-            break
-    error = outcome.get("error")
-    described = None if error is None else (type(error).__name__, str(error).strip().splitlines()[0] if str(error).strip() else "")
-    failures = [(r, d) for r, d in enumerate(all_gather_object(described)) if d is not None]
-    if error is not None:
-        raise error
-    if failures:
-        r, (kind, message) = failures[0]
-        if kind == "ConfigError":
-            raise ConfigError(message)
-        raise RankError(f"rank {r} failed: {kind}: {message}")
-    return outcome.get("result")
+            thread.start()
+        while True:
+            if thread is not None:
+                thread.join(timeout=poll_s or poll_seconds())
+            if all(all_gather_object(thread is None or not thread.is_alive())):
+                break
+    own = box.get("error")
+    mine = (None if own is None else (type(own).__name__, describe_error(own)), box.get("result") if share else None)
+    gathered = all_gather_object(mine)
+    out = Outcomes(result=box.get("result"), own=own)
+    for r, (failure, result) in enumerate(gathered):
+        if failure is not None:
+            out.kinds[r], out.errors[r] = failure
+    if share:
+        out.results = [result for _, result in gathered]
+    return out
+
+
+def run_agreed(fn: Callable[[], Any], on: bool = True, poll_s: float | None = None):
+    """``gather_outcomes`` that raises the same error on every rank if ``fn`` failed on any.
+
+    Returns ``fn``'s result where it ran (None elsewhere).
+    """
+    out = gather_outcomes(fn, on, poll_s=poll_s)
+    out.raise_any()
+    return out.result
+
+
+def share_from(src: int, fn: Callable[[], Any]):
+    """``fn``'s result computed on rank ``src`` only, on every rank; its failure raised on all."""
+    out = gather_outcomes(fn, on=rank() == src, share=True)
+    out.raise_any()
+    return out.results[src]
 
 
 PROBE = ".storage-probe"  # marker files that show which ranks share a folder
 
 
-def _touch(marker: Path) -> str | None:
-    """Create ``marker`` (and its folder); the error as text instead of raised: the caller's
-    rank must still reach the collectives that follow."""
+def _touch(marker: Path) -> None:
+    marker.parent.mkdir(parents=True, exist_ok=True)
+    marker.touch()
+
+
+def _unlink(marker: Path) -> None:
     try:
-        marker.parent.mkdir(parents=True, exist_ok=True)
-        marker.touch()
-    except OSError as e:
-        return f"rank {rank()}: {e}"
-    return None
+        marker.unlink(missing_ok=True)
+    except OSError:
+        pass  # a leftover marker is harmless: the next probe uses another nonce
+
+
+def _cannot_write(out: Outcomes, folder: Path, flag: str) -> None:
+    if not out.ok:
+        raise ConfigError(f"--{flag}: cannot write {folder}: {out.describe()}")
 
 
 def sharing_groups(folder: Path, flag: str) -> list[list[int]]:
@@ -220,22 +294,14 @@ def sharing_groups(folder: Path, flag: str) -> list[list[int]]:
     """
     if world_size() == 1:
         return [[0]]
-    nonce = all_gather_object(uuid.uuid4().hex if is_main() else None)[0]
+    nonce = share_from(0, lambda: uuid.uuid4().hex)
     marker = folder / f"{PROBE}-{nonce}-{rank()}"
-    error = _touch(marker)
-    barrier()
-    try:
-        seen = sorted(int(p.name.rsplit("-", 1)[1]) for p in folder.glob(f"{PROBE}-{nonce}-*"))
-    except OSError as e:
-        seen, error = [rank()], error or f"rank {rank()}: {e}"
-    views, errors = zip(*all_gather_object((seen, error)))
-    barrier()
-    try:
-        marker.unlink(missing_ok=True)
-    except OSError:
-        pass  # a leftover marker is harmless: the next probe uses another nonce
-    if any(errors):
-        raise ConfigError(f"--{flag}: cannot write {folder}: {'; '.join(e for e in errors if e)}")
+    _cannot_write(gather_outcomes(lambda: _touch(marker), inline=True), folder, flag)  # every marker is down
+    out = gather_outcomes(lambda: sorted(int(p.name.rsplit("-", 1)[1]) for p in folder.glob(f"{PROBE}-{nonce}-*")),
+                          share=True, inline=True)
+    _cannot_write(out, folder, flag)  # and every rank has looked: markers can go
+    _unlink(marker)
+    views = out.results
     for r, view in enumerate(views):
         if any(views[other] != view for other in view):
             raise ConfigError(f"--{flag}: ranks disagree about who shares {folder} (rank {r} sees {view}); "
@@ -254,26 +320,23 @@ def leads_storage(folder: Path, flag: str) -> bool:
     """
     if world_size() == 1:
         return True
-    nonce = all_gather_object(uuid.uuid4().hex if is_main() else None)[0]
+    nonce = share_from(0, lambda: uuid.uuid4().hex)
     marker = folder / f"{PROBE}-{nonce}"
-    error = _touch(marker) if is_main() else None
-    barrier()
-    try:
-        sees = marker.exists()
-    except OSError:
-        sees = False
-    views = all_gather_object((sees, socket.gethostname(), error))
-    if is_main():
+    _cannot_write(gather_outcomes(lambda: _touch(marker), on=is_main(), inline=True), folder, flag)
+
+    def look():
         try:
-            marker.unlink(missing_ok=True)
+            return marker.exists(), socket.gethostname()
         except OSError:
-            pass  # a leftover marker is harmless: the next probe uses another nonce
-    if views[0][2]:
-        raise ConfigError(f"--{flag}: cannot write {folder}: {views[0][2]}")
+            return False, socket.gethostname()
+
+    views = gather_outcomes(look, share=True, inline=True).results
+    if is_main():
+        _unlink(marker)
     me = rank()
     if views[me][0]:
         return me == 0
-    return me == min(r for r, (s, host, _) in enumerate(views) if not s and host == views[me][1])
+    return me == min(r for r, (s, host) in enumerate(views) if not s and host == views[me][1])
 
 
 def all_reduce_sum(values: list[float]) -> list[float]:

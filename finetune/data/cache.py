@@ -27,8 +27,7 @@ from pathlib import Path
 import xxhash
 
 from finetune import distributed as dist
-from finetune.checkpoint.manifest import hash_file, write_json_durably
-from finetune.checkpoint.storage import fsync_path
+from finetune.checkpoint.durable import fsync_path, hash_file, write_json_durably
 from finetune.config import ConfigError, RunConfig
 from finetune.data.load import EMBEDDED_DATA, load_raw, load_splits, pack, source_flag, tokenize
 from finetune.distributed import logger
@@ -52,8 +51,7 @@ def prepare(cfg: RunConfig, tokenizer):
     """The tokenized (train, eval or None) sets, memory-mapped from the cache. Collective."""
     start, root = time.perf_counter(), cache_root(cfg)
     # Rank 0 fingerprints (reads the data files once); everyone needs the key.
-    found = dist.run_agreed(lambda: fingerprint(cfg, tokenizer), on=dist.is_main())
-    key = dist.all_gather_object(found)[0]
+    key = dist.share_from(0, lambda: fingerprint(cfg, tokenizer))
     leader = dist.leads_storage(root, "dataset_cache_dir")
     report = dist.run_agreed(lambda: ensure(cfg, tokenizer, root, key), on=leader)
     train, evalset, info = dist.run_agreed(lambda: load(root / key))
