@@ -7,23 +7,27 @@ import math
 import random
 import sys
 import time
+import uuid
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
 from tqdm.auto import tqdm
 
 from finetune import distributed as dist
-from finetune.checkpoint.manager import CheckpointManager, ResumePlan, SaveError
+from finetune.checkpoint.lease import acquire as acquire_lease
+from finetune.checkpoint.manager import CheckpointManager, Layout, tidy_storage
+from finetune.checkpoint.resume import Resumer
 from finetune.checkpoint.state import TrainingState
-from finetune.checkpoint.storage import tag_for
-from finetune.config import RunConfig, finalize_ds_config
+from finetune.checkpoint.storage import LocalStorage, tag_for
+from finetune.config import RunConfig, finalize_ds_config, zero_stage
 from finetune.data import IGNORE, ResumableSampler, TrainData, eval_batches
 from finetune.data.cache import prepare
 from finetune.distributed import logger
 from finetune.exit_status import clear_exit_status, write_exit_status
 from finetune.metrics import MetricsWriter
-from finetune.modeling import count_parameters, load_model, load_tokenizer
+from finetune.modeling import DTYPES, count_parameters, load_model, load_tokenizer
 from finetune.preemption import EXIT_PREEMPTED, Preemption, parse_signals
 
 
@@ -31,11 +35,15 @@ def run(cfg: RunConfig) -> int:
     """Entry point for a training run; returns the process exit code."""
     # Before anything slow: from here on a preemption signal is recorded, never fatal.
     preemption = Preemption(parse_signals(cfg.ckpt.preempt_signals))
-    dist.init()
+    dist.init(cfg.train.ddp_timeout)
+    lease = None
     try:
+        # One live run per --output_dir, before anything is written there (exit 2 naming the other).
+        run_id = dist.share_from(0, lambda: uuid.uuid4().hex[:12])
+        lease = dist.run_agreed(lambda: acquire_lease(Path(cfg.ckpt.output_dir), run_id), on=dist.is_main())
         if dist.is_main():  # a crash from here on must not leave a previous run's "75" behind
             clear_exit_status(cfg.ckpt.output_dir)
-        trainer = Trainer.build(cfg, preemption)  # bad input stops here, before anything is written
+        trainer = Trainer.build(cfg, preemption, run_id)  # bad input stops here, before anything is written
         if dist.is_main():
             write_exit_status(cfg.ckpt.output_dir, None, {"reason": "running"})
         try:
@@ -49,6 +57,8 @@ def run(cfg: RunConfig) -> int:
         dist.barrier()
         return code
     finally:
+        if lease is not None:
+            lease.release()
         dist.shutdown()
 
 
@@ -88,13 +98,11 @@ class Trainer:
     checkpoints: CheckpointManager
     metrics: MetricsWriter
     state: TrainingState
-    resume_plan: ResumePlan | None
     preemption: Preemption
     stop_note: dict | None = None  # why and where training stopped, for exit_status.json
-    committed_step: int | None = None  # step of the newest checkpoint this run committed
 
     @classmethod
-    def build(cls, cfg: RunConfig, preemption: Preemption | None = None) -> "Trainer":
+    def build(cls, cfg: RunConfig, preemption: Preemption | None = None, run_id: str | None = None) -> "Trainer":
         import deepspeed
         from transformers import get_scheduler
 
@@ -107,8 +115,10 @@ class Trainer:
                          tokenizer.pad_token_id, pin_memory=dist.device().type == "cuda")
         total = t.max_steps or math.ceil(t.num_train_epochs * data.steps_per_epoch)
         ds_config = finalize_ds_config(cfg.ds_config, total, t.warmup_steps, t.learning_rate)
-        checkpoints = CheckpointManager(cfg, tokenizer)
-        plan = checkpoints.plan_resume()
+        storage = LocalStorage(cfg.ckpt.output_dir)
+        layout = Layout.discover(storage.root, cfg.ds_config)
+        tidy_storage(storage, layout)  # leftovers of crashed saves (this run holds OUT's lease)
+        plan = Resumer(cfg, storage, layout.node_local, layout.leader).plan_resume()
         if plan is not None and plan.universal is not None:
             ds_config["checkpoint"] = {**ds_config.get("checkpoint", {}), "load_universal": True}
         model = load_model(cfg.model, ds_config, t.precision, t.seed)
@@ -127,17 +137,20 @@ class Trainer:
                     len(evalset) if evalset is not None else 0, total, data.steps_per_epoch, dist.world_size(),
                     time.perf_counter() - start)
         monitor = getattr(engine, "monitor", None)
-        checkpoints.attach(engine)
+        state = TrainingState()
+        run_info = {"zero_stage": zero_stage(cfg.ds_config), "dtype": t.precision, "args": cfg.to_json_dict(),
+                    "lr_scheduler": "in DeepSpeed's model_states files (lr_scheduler key)"}
+        checkpoints = CheckpointManager(
+            storage, cfg.ckpt, layout, engine=engine, progress=state, sampler=sampler, tokenizer=tokenizer,
+            run_info=run_info, run_id=run_id or uuid.uuid4().hex[:12], plan=plan,
+            consolidated_dtype=DTYPES[cfg.ckpt.consolidated_dtype or t.precision])
         return cls(cfg, engine, tokenizer, data, evalset, total, checkpoints,
-                   MetricsWriter(cfg.ckpt.output_dir, monitor), TrainingState(), plan, preemption or Preemption(()))
+                   MetricsWriter(cfg.ckpt.output_dir, monitor), state, preemption or Preemption(()))
 
     # --- the loop --------------------------------------------------------------------------
 
     def train(self) -> int:
-        resumed = self.checkpoints.resume(self, self.resume_plan)
-        if resumed:
-            self.committed_step = self.state.global_step
-        else:
+        if not self.checkpoints.load():
             self.evaluate()
         self.engine.train()  # once: evaluate() puts it back in train mode when it is done
         # In a log file (sbatch, tee) a redraw per step is noise: refresh twice a minute there.
@@ -162,7 +175,7 @@ class Trainer:
             if self.cfg.train.eval_steps and self._due(self.cfg.train.eval_steps) \
                     and self.state.global_step < self.total_steps:
                 self.evaluate()
-            code = self._step_boundary_save()
+            code = self.checkpoints.at_step(self.state.global_step, self.total_steps)
             if code is not None:
                 bar.close()
                 return code
@@ -170,7 +183,7 @@ class Trainer:
         if self.state.window.steps:
             self._log(lr, t_window, None)
         self.evaluate()
-        return self._final_save()
+        return self.checkpoints.at_end(self.state.global_step)
 
     def _boundary(self) -> bool:
         """One all-reduce per step boundary: did any rank get a preemption signal, or fail to prepare
@@ -253,52 +266,18 @@ class Trainer:
 
     # --- saves -------------------------------------------------------------------------------
 
-    def _step_boundary_save(self) -> int | None:
-        """Periodic save at an optimizer-step boundary; returns an exit code to stop with, or None."""
-        ck = self.cfg.ckpt
-        if not (ck.save_checkpoint and self._due(ck.save_steps) and self.state.global_step < self.total_steps):
-            return None
-        try:
-            self.checkpoints.save(self.state, final=False)
-            self.committed_step = self.state.global_step
-        except SaveError as e:
-            if ck.on_save_error == "abort":
-                dist.log_main(logging.ERROR, "stopping: %s (--on_save_error abort)", e)
-                return 1
-            dist.log_main(logging.WARNING, "training on: %s (--on_save_error continue)", e)
-        return None
-
     def _stop_preempted(self) -> int:
         """Every rank, after agreeing on a signal: commit this step (fast: partitioned only), exit 75."""
-        step, ck = self.state.global_step, self.cfg.ckpt
+        step = self.state.global_step
         first = dist.all_gather_object(self.preemption.received[:1])  # collective: who was signalled
         signals = ", ".join(f"{got[0]} on rank {r}" for r, got in enumerate(first) if got)
         self.stop_note = {"reason": "preempted", "signal": signals, "step": step}
-        if not ck.save_checkpoint:
-            dist.log_main(logging.WARNING, "preempted (%s) at step %d: not saving (no --save_checkpoint)", signals, step)
-            return EXIT_PREEMPTED
-        if self.committed_step == step or step == 0:
-            dist.log_main(logging.WARNING, "preempted (%s) at step %d: nothing new to save", signals, step)
-        else:
-            try:
-                path = self.checkpoints.save(self.state, final=False, consolidated=False)
-            except SaveError as e:
-                dist.log_main(logging.ERROR, "preempted (%s) at step %d and the save failed: %s", signals, step, e)
-                self.stop_note["reason"] = "preempted, save failed"
-                return 1
-            self.committed_step = step
-            dist.log_main(logging.WARNING, "preempted (%s): committed %s; exiting with %d so the job is requeued",
-                          signals, path, EXIT_PREEMPTED)
-        self.stop_note["checkpoint"] = tag_for(self.committed_step) if self.committed_step is not None else None
-        return EXIT_PREEMPTED
-
-    def _final_save(self) -> int:
-        if not self.cfg.ckpt.save_checkpoint:
-            return 0
-        try:
-            path = self.checkpoints.save(self.state, final=True)
-        except SaveError as e:
-            dist.log_main(logging.ERROR, "final save failed: %s", e)
+        failure = self.checkpoints.at_preemption(step, signals)
+        if failure is not None:
+            self.stop_note["reason"] = "preempted, save failed"
             return 1
-        logger.info("checkpoint saved to %s", path)
-        return 0
+        if self.cfg.ckpt.save_checkpoint:
+            committed = self.checkpoints.committed_step
+            self.stop_note["checkpoint"] = tag_for(committed) if committed is not None else None
+            dist.log_main(logging.WARNING, "exiting with %d so the job is requeued", EXIT_PREEMPTED)
+        return EXIT_PREEMPTED

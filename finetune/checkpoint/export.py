@@ -28,9 +28,10 @@ from pathlib import Path
 import torch
 
 from finetune.checkpoint.consolidate import INDEX, _header, plan_shards
-from finetune.checkpoint.manifest import MANIFEST, write_json_durably
+from finetune.checkpoint.durable import fsync_path, write_json_durably
+from finetune.checkpoint.manifest import MANIFEST
 from finetune.checkpoint.resume import UNIVERSAL
-from finetune.checkpoint.storage import LATEST, find_checkpoint, fsync_path
+from finetune.checkpoint.storage import LATEST, find_checkpoint
 from finetune.checkpoint.zero_files import CHUNK_BYTES, ZeroCheckpoint, rank_model_files
 from finetune.config import ConfigError
 from finetune.modeling import DTYPES

@@ -1,59 +1,69 @@
-"""CheckpointManager: crash-safe saves, retention and resume.
+"""CheckpointManager: when to save, crash-safe saves, retention, and restoring a run.
 
-A save is snapshot → write → agree → commit:
-  write   every rank calls ``engine.save_checkpoint`` into ``OUT/.staging/<tag>`` (a collective),
-          through a checkpoint engine that fsyncs and checksums each file as it is written and
-          *records* a failure instead of raising, so every rank still reaches DeepSpeed's barriers;
-          then each rank writes its RNG state, rank 0 the tokenizer, config and trainer_state.json;
-  agree   one all-gather of every rank's outcome: all succeeded, or everyone learns who failed;
-  commit  rank 0 writes manifest.json into the staged folder, renames it to ``OUT/<tag>`` (the
-          folder appears complete, in one step) and atomically replaces ``OUT/latest``.
-A crash at any instant leaves ``latest`` naming a complete checkpoint, or absent.
+Built once, after the engine, with the objects whose state a checkpoint holds (the engine, the
+training progress, the sampler; each rank's RNG) and the resume plan chosen before the engine
+existed (resume.py). It owns *when* to save (``at_step``: every --save_steps; ``at_preemption``;
+``at_end``) and the --on_save_error policy; the trainer only reports step boundaries.
+
+A save is four functions, in order (the async-save issue re-orders them without rewriting them):
+  snapshot  each rank captures what is not on the engine: its RNG, and (leaders) trainer_state;
+  write     every rank calls ``engine.save_checkpoint`` into ``OUT/.staging/<tag>`` (a collective),
+            through a checkpoint engine that fsyncs and checksums each file *as it is written* and
+            records a failure instead of raising, so every rank still reaches DeepSpeed's barriers;
+            then its RNG file; leaders also config, tokenizer and trainer_state.json, hashing only
+            those. No rank reads back what another rank wrote: each rank's save work is its own share;
+  agree     one all-gather of every rank's outcome: all succeeded, or everyone learns who failed;
+  commit    leaders write manifest.json (files, sizes, checksums, commit sequence number, parent,
+            save id) into the staged folder, agree, then rename it to ``OUT/<tag>`` and replace
+            ``OUT/latest``.
+A crash at any instant leaves every committed checkpoint complete and ``latest`` naming one (or
+absent). A consolidation failure drops only the safetensors files: the partitioned checkpoint is
+still committed.
 
 Node-local storage (DeepSpeed's ``checkpoint.use_node_local_storage``): each node has its own
 OUT, so every node's first rank (its *leader*) does there what rank 0 does on shared storage,
 for the files of that node's ranks; its manifest lists those ranks. The commit has two phases:
 all leaders write their manifests into staging and agree, and only then does any leader rename
-its folder and advance its ``latest``. Resume takes the newest tag that verifies on every node.
+its folder and advance its ``latest``. Resume takes the newest save present, with the same save
+id, on every node. The free-space check asks for this node's share.
+
+Every step that one rank (or one leader) does alone and that precedes a collective runs through
+``dist.gather_outcomes`` / ``dist.run_agreed``: a failure there reaches every rank.
 
 Test seams: ``FINETUNE_FAIL_SAVE`` (see writer.py); ``FINETUNE_SKIP_SPACE_CHECK=1`` skips
-the free-space pre-check so a test can provoke a real ENOSPC in the middle of a write.
+the free-space pre-check so a test can provoke a real ENOSPC in the middle of a write;
+``FINETUNE_SAVE_IO=<dir>`` writes each rank's save I/O accounting to ``<dir>/<tag>-rank<r>.json``.
 """
 
 from __future__ import annotations
 
 import copy
+import json
+import logging
 import os
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from finetune import distributed as dist
-from finetune.checkpoint.manifest import (
-    MANIFEST,
-    build_manifest,
-    hash_file,
-    read_manifest,
-    write_json_durably,
-)
-from finetune.checkpoint.resume import ResumePlan, Resumer
-from finetune.checkpoint.state import TRAINER_STATE, TrainingState, rng_state
-from finetune.checkpoint.storage import (
-    STAGING,
-    LocalStorage,
-    fsync_path,
-    step_of,
-    tag_for,
-)
+from finetune.checkpoint.durable import bytes_hashed, fsync_path, hash_file, write_json_durably
+from finetune.checkpoint.manifest import build_manifest
+from finetune.checkpoint.policy import Committed, line_of, select_for_deletion, space_needed
+from finetune.checkpoint.resume import ResumePlan
+from finetune.checkpoint.state import TRAINER_STATE, TrainingState, rng_state, set_rng_state
+from finetune.checkpoint.storage import STAGING, LocalStorage, committed, tag_for
 from finetune.checkpoint.writer import GuardedWriter
-from finetune.config import RunConfig, zero_stage
+from finetune.config import CheckpointArgs
 from finetune.distributed import logger
 
 SKIP_SPACE_CHECK_ENV = "FINETUNE_SKIP_SPACE_CHECK"
+SAVE_IO_ENV = "FINETUNE_SAVE_IO"
 # Adam keeps fp32 master weights + two moments (12 B/param); the module states add a copy.
 BYTES_PER_PARAM_ESTIMATE = 16
 SPACE_MARGIN = 1.10
+CONSOLIDATED_PATTERNS = ("model.safetensors", "model-*-of-*.safetensors", "model.safetensors.index.json")
 
 
 class SaveError(RuntimeError):
@@ -74,75 +84,212 @@ def node_local(ds_config: dict) -> bool:
     return bool((ds_config.get("checkpoint") or {}).get("use_node_local_storage", False))
 
 
-class CheckpointManager:
-    def __init__(self, cfg: RunConfig, tokenizer, storage: LocalStorage | None = None):
-        self.cfg, self.tokenizer, self.engine = cfg, tokenizer, None
-        self.out = Path(cfg.ckpt.output_dir)
-        self.storage = storage or LocalStorage(self.out)
-        self.node_local = node_local(cfg.ds_config)
-        # Node-local: which ranks share an OUT is found out (marker files), not guessed from host names.
-        self.groups = dist.sharing_groups(self.out, "output_dir") if self.node_local else [list(range(dist.world_size()))]
-        self.my_group = next(g for g in self.groups if dist.rank() in g)
-        self.leader = dist.rank() == self.my_group[0]  # rank 0's role, for this rank's storage
-        self.resumer = Resumer(cfg, self.storage, self.node_local, self.leader)
+@dataclass
+class Layout:
+    """Which ranks share which OUT: one group on shared storage, one per node on node-local disks."""
 
-    def attach(self, engine) -> None:
-        """Take over the engine's checkpoint writes (call once, after deepspeed.initialize)."""
-        self.engine = engine
+    groups: list[list[int]]
+    node_local: bool
+
+    @classmethod
+    def discover(cls, out: Path, ds_config: dict) -> "Layout":
+        """Collective. Node-local: found out with marker files, not guessed from host names."""
+        local = node_local(ds_config)
+        groups = dist.sharing_groups(out, "output_dir") if local else [list(range(dist.world_size()))]
+        return cls(groups, local)
+
+    @property
+    def my_group(self) -> list[int]:
+        return next(g for g in self.groups if dist.rank() in g)
+
+    @property
+    def leader(self) -> bool:
+        """Whether this rank does rank 0's part for its OUT (rank 0, or each node's first rank)."""
+        return dist.rank() == self.my_group[0]
+
+    @property
+    def share(self) -> float:
+        return len(self.my_group) / max(dist.world_size(), 1)
+
+
+def tidy_storage(storage: LocalStorage, layout: Layout) -> None:
+    """At start, each storage's leader removes what crashed saves left (staging, trash, temp
+    files) and logs it. Collective. Only safe while this run holds OUT's lease."""
+    out = dist.gather_outcomes(storage.housekeeping, on=layout.leader)
+    if out.result:
+        freed = sum(size for _, size in out.result)
+        logger.warning("removed %d leftover(s) of crashed saves from %s, %.1f MB freed: %s", len(out.result),
+                       storage.root, freed / 1e6, ", ".join(rel for rel, _ in out.result))
+    if not out.ok:
+        dist.log_main(logging.WARNING, "could not tidy leftovers of crashed saves (%s); continuing", out.describe())
+
+
+@dataclass
+class Snapshot:
+    """What a save captures before writing: this rank's RNG, and (leaders) the trainer state."""
+
+    step: int
+    rng: dict | None = None
+    trainer_state: dict | None = None
+
+
+class CheckpointManager:
+    def __init__(self, storage: LocalStorage, ckpt: CheckpointArgs, layout: Layout, *, engine, progress: TrainingState,
+                 sampler, tokenizer, run_info: dict, run_id: str, plan: ResumePlan | None = None,
+                 consolidated_dtype: torch.dtype = torch.float32):
+        """``run_info``: what trainer_state.json records besides the progress (zero stage, dtype,
+        args); ``run_id``: the same on every rank (names this run's save ids)."""
+        from finetune.modeling import count_parameters
+
+        self.storage, self.ckpt, self.layout, self.out = storage, ckpt, layout, storage.root
+        self.engine, self.progress, self.sampler, self.tokenizer = engine, progress, sampler, tokenizer
+        self.run_info, self.run_id, self.plan = run_info, run_id, plan
+        self.consolidated_dtype = consolidated_dtype
+        self.leader = layout.leader
+        self.parameters = count_parameters(engine.module)
         self.writer = GuardedWriter(engine.checkpoint_engine)
         engine.checkpoint_engine = self.writer
         if hasattr(engine, "_copy_recovery_script"):
             engine._copy_recovery_script = self.writer.guard(engine._copy_recovery_script)
+        self.committed_step: int | None = plan.saved["global_step"] if plan else None
+        self.consolidation_error: str | None = None
+        self._read_history(plan.head if plan else None, plan.max_seq if plan else 0)
 
-    # --- save ------------------------------------------------------------------------------
+    def _read_history(self, head: Committed | None, seen_seq: int) -> None:
+        """The line this run continues (rank 0's view, for every rank), the next commit sequence
+        number (above any on any storage) and this storage's last checkpoint size. Collective."""
+        def mine():
+            found = committed(self.storage)
+            line = line_of(head, found) if head else []
+            mine_head = next((c for c in found if head and c.tag == head.tag and c.save_id == head.save_id), None)
+            return ([c.tag for c in line], max((c.seq or 0 for c in found), default=0),
+                    mine_head.total_bytes if mine_head else None)
 
-    def save(self, state: TrainingState, final: bool, consolidated: bool | None = None) -> Path:
-        """Save and commit a checkpoint of ``state``; raises SaveError on every rank if any failed.
+        out = dist.gather_outcomes(mine, on=self.leader, share=True)
+        out.raise_any()
+        views = [v for v in out.results if v is not None]
+        by_tag = {head.tag: head} if head else {}
+        self.line: list[Committed] = [by_tag.get(t, Committed(t)) for t in views[0][0]]
+        if head and self.line:
+            self.line[-1] = head
+        self.next_seq = 1 + max([seen_seq] + [v[1] for v in views])
+        self.head = head
+        self.last_bytes = out.result[2] if out.result else None
+
+    # --- when to save ------------------------------------------------------------------------
+
+    def at_step(self, step: int, total: int) -> int | None:
+        """The periodic save, if one is due at this step boundary; an exit code to stop with, or None."""
+        ck = self.ckpt
+        if not (ck.save_checkpoint and ck.save_steps and step % ck.save_steps == 0 and step < total):
+            return None
+        try:
+            self.save(step)
+        except SaveError as e:
+            if ck.on_save_error == "abort":
+                dist.log_main(logging.ERROR, "stopping: %s (--on_save_error abort)", e)
+                return 1
+            dist.log_main(logging.WARNING, "training on: %s (--on_save_error continue)", e)
+        return None
+
+    def at_preemption(self, step: int, signals: str) -> str | None:
+        """Commit this step (partitioned only: fast) unless it is already saved; returns an error
+        description when the save failed, None otherwise."""
+        if not self.ckpt.save_checkpoint:
+            dist.log_main(logging.WARNING, "preempted (%s) at step %d: not saving (no --save_checkpoint)", signals, step)
+            return None
+        if self.committed_step == step or step == 0:
+            dist.log_main(logging.WARNING, "preempted (%s) at step %d: nothing new to save", signals, step)
+            return None
+        try:
+            path = self.save(step, consolidated=False)
+        except SaveError as e:
+            dist.log_main(logging.ERROR, "preempted (%s) at step %d and the save failed: %s", signals, step, e)
+            return str(e)
+        dist.log_main(logging.WARNING, "preempted (%s): committed %s", signals, path)
+        return None
+
+    def at_end(self, step: int) -> int:
+        """The final save: its failure always makes the run exit 1."""
+        if not self.ckpt.save_checkpoint:
+            return 0
+        try:
+            path = self.save(step, final=True)
+        except SaveError as e:
+            dist.log_main(logging.ERROR, "final save failed: %s", e)
+            return 1
+        logger.info("checkpoint saved to %s", path)
+        return 0
+
+    # --- save: snapshot → write → agree → commit ------------------------------------------------
+
+    def save(self, step: int, final: bool = False, consolidated: bool | None = None) -> Path:
+        """Save and commit a checkpoint of this step; raises SaveError on every rank if any failed.
 
         ``consolidated`` overrides --save_consolidated (a preemption save skips the gather).
         """
-        tag, clock = tag_for(state.global_step), _Clock()
-        self._check_space(tag)
+        tag, clock, io = tag_for(step), _Clock(), _SaveIO()
+        consolidated = self.ckpt.save_consolidated if consolidated is None else consolidated
+        self.check_space(tag)
         clock.lap("check")
-        self._write(tag, state, self.cfg.ckpt.save_consolidated if consolidated is None else consolidated)
+        snap = self.snapshot(step)
+        clock.lap("snapshot")
+        self.write(tag, snap, consolidated)
         clock.lap("write")
-        files = self._agree_written(tag)
+        files = self.agree(tag)
         clock.lap("agree")
-        self._commit(tag, files)
+        self.commit(tag, files, consolidated and self.consolidation_error is None)
         clock.lap("commit")
-        self._retain(tag)
+        self.retain()
         clock.lap("retain")
+        self.committed_step = step
         total = sum(size for size, _ in files.values())
-        logger.info("Finished saving the checkpoint %s in %.2f seconds (%.1f MB, %.1f MB/s; %s)%s.", tag, clock.total,
-                    total / 1e6, total / 1e6 / max(clock.total, 1e-9), clock, " [final]" if final else "")
+        own = io.finish(tag, self.writer.files, clock.total)
+        logger.info("Finished saving the checkpoint %s in %.2f seconds (%.1f MB, %.1f MB/s; %s; rank 0 wrote %.1f MB and "
+                    "read back %.2f MB)%s.", tag, clock.total, total / 1e6, total / 1e6 / max(clock.total, 1e-9), clock,
+                    own["own_bytes"] / 1e6, own["hashed_bytes"] / 1e6, " [final]" if final else "")
         return self.out / tag
 
-    def _check_space(self, tag: str) -> None:
+    def check_space(self, tag: str) -> None:
+        """Leaders: enough free space for this storage's share? Agreed; SaveError on every rank if not."""
         if os.environ.get(SKIP_SPACE_CHECK_ENV) == "1":
             return  # test seam: lets tests hit a real ENOSPC mid-write
-        need = self._estimate_bytes()
-        free = self.storage.free_bytes()
-        errors = dist.all_gather_object(None if free >= need else f"{free / 1e9:.2f} GB free, need ~{need / 1e9:.2f} GB")
-        bad = {r: e for r, e in enumerate(errors) if e}
+        need = space_needed(self.last_bytes, self.parameters, self.layout.share, BYTES_PER_PARAM_ESTIMATE, SPACE_MARGIN)
+
+        def problem():
+            free = self.storage.free_bytes()
+            return None if free >= need else f"{free / 1e9:.2f} GB free, need ~{need / 1e9:.2f} GB"
+
+        out = dist.gather_outcomes(problem, on=self.leader, share=True, inline=True)  # one statfs
+        bad = {r: p for r, p in enumerate(out.results) if p}
+        bad.update(out.errors)
         if bad:
             raise SaveError(f"not saving {tag}: not enough free space in {self.out} ({_describe(bad)})")
 
-    def _estimate_bytes(self) -> int:
-        """The previous checkpoint's size, else a per-parameter estimate for Adam under ZeRO."""
-        for tag in reversed(self.storage.tags()):
-            manifest = read_manifest(self.out / tag)
-            if manifest:
-                return int(manifest["total_bytes"] * SPACE_MARGIN)
-        from finetune.modeling import count_parameters
+    def snapshot(self, step: int) -> Snapshot:
+        """Rank-local and in memory; a failure is recorded for the agree step, never raised."""
+        snap = Snapshot(step)
+        self.writer.reset(self.out / STAGING / tag_for(step), step)
+        self.consolidation_error = None
+        try:
+            snap.rng = rng_state()
+            if self.leader:
+                snap.trainer_state = {**self.progress.state_dict(), **self.run_info, "world_size": dist.world_size(),
+                                      "versions": versions()}
+        except Exception as e:  # noqa: BLE001 — recorded; the agree step decides for all ranks
+            self.writer._fail("the snapshot", e)
+        return snap
 
-        return int(count_parameters(self.engine.module) * BYTES_PER_PARAM_ESTIMATE * SPACE_MARGIN)
-
-    def _write(self, tag: str, state: TrainingState, consolidated: bool) -> None:
-        """Every rank: DeepSpeed's files, then our own. Failures are recorded in ``self.writer``."""
+    def write(self, tag: str, snap: Snapshot, consolidated: bool) -> None:
+        """Every rank: DeepSpeed's files (collective), its RNG file, leaders the shared files.
+        Failures are recorded in ``self.writer``/``self.consolidation_error``, not raised."""
         staging_root = self.out / STAGING
+        folder = staging_root / tag
         if self.leader:
-            self.storage.remove(f"{STAGING}/{tag}")  # leftovers of a crashed save of the same step
-        self.writer.reset(staging_root / tag, state.global_step)
+            try:
+                self.storage.remove(f"{STAGING}/{tag}")  # leftovers of a crashed save of the same step
+            except Exception as e:  # noqa: BLE001 — recorded; DeepSpeed's collectives come next
+                self.writer._fail(folder, e)
         try:
             # Collective: every rank must call it (a rank-0-only call hangs under ZeRO-3).
             self.engine.save_checkpoint(str(staging_root), tag=tag, save_latest=False)
@@ -152,135 +299,179 @@ class CheckpointManager:
             # nothing was committed, so `latest` still names a complete checkpoint.
             raise RuntimeError(f"DeepSpeed's save_checkpoint raised on rank {dist.rank()}; stopping because "
                                f"the ranks may be out of step: {type(e).__name__}: {e}") from e
-        folder = staging_root / tag
         if consolidated:
             self._write_consolidated(folder)
-        self.writer.save(rng_state(), str(folder / f"rng_state_{dist.rank()}.pt"))
+        if snap.rng is not None:
+            self.writer.save(snap.rng, str(folder / f"rng_state_{dist.rank()}.pt"))
         if self.leader and self.writer.error is None:
             try:
-                self._write_rank0_files(folder, state)
+                self._write_shared(folder, snap)
             except Exception as e:  # noqa: BLE001 — recorded; the agree step decides for all ranks
                 self.writer._fail(folder, e)
 
     def _write_consolidated(self, folder: Path) -> None:
         """Collective: every rank gathers, even one whose own writes already failed."""
         from finetune.checkpoint.consolidate import save_consolidated
-        from finetune.modeling import DTYPES
 
-        dtype = DTYPES[self.cfg.ckpt.consolidated_dtype or self.cfg.train.precision]
         try:
-            self.writer.files.update(save_consolidated(self.engine.module, folder, dtype, self.cfg.ckpt.max_shard_size))
-        except Exception as e:  # noqa: BLE001 — recorded; the agree step decides for all ranks
-            self.writer._fail(folder, e)
+            self.writer.files.update(save_consolidated(self.engine.module, folder, self.consolidated_dtype,
+                                                       self.ckpt.max_shard_size))
+        except Exception as e:  # noqa: BLE001 — recorded; only the safetensors files are dropped
+            self.consolidation_error = dist.describe_error(e)
 
-    def _write_rank0_files(self, folder: Path, state: TrainingState) -> None:
+    def _write_shared(self, folder: Path, snap: Snapshot) -> None:
+        """A leader's files: config, tokenizer, trainer_state.json; hashes only what it wrote here."""
         module = self.engine.module
         config = copy.deepcopy(module.config)
         config.use_cache = True  # turned off for training only; inference wants it
         config.save_pretrained(folder)
+        written = [folder / "config.json"]
         if getattr(module, "generation_config", None) is not None and module.can_generate():
             module.generation_config.save_pretrained(folder)
-        self.tokenizer.save_pretrained(folder)
-        write_json_durably(folder / TRAINER_STATE, self._trainer_state(state))
-        for path in folder.rglob("*"):
-            rel = str(path.relative_to(folder))
-            if path.is_file() and rel not in self.writer.files:
-                self.writer.files[rel] = hash_file(path)
+            written.append(folder / "generation_config.json")
+        written += [Path(p) for p in self.tokenizer.save_pretrained(folder)]
+        for path in dict.fromkeys(written):
+            if path.is_file():
+                self.writer.files[path.name] = hash_file(path)
                 fsync_path(path)
+        self.writer.files[TRAINER_STATE] = write_json_durably(folder / TRAINER_STATE, snap.trainer_state)
 
-    def _trainer_state(self, state: TrainingState) -> dict:
-        return {**state.state_dict(), "world_size": dist.world_size(), "zero_stage": zero_stage(self.cfg.ds_config),
-                "dtype": self.cfg.train.precision, "args": self.cfg.to_json_dict(), "versions": versions(),
-                "lr_scheduler": "in DeepSpeed's model_states files (lr_scheduler key)"}
-
-    def _agree_written(self, tag: str) -> dict[str, tuple[int, str]]:
-        """Collective: every rank's outcome. On any failure, clean up and raise on every rank."""
-        outcomes = dist.all_gather_object((self.writer.error, self.writer.files))
-        bad = {r: err for r, (err, _) in enumerate(outcomes) if err}
+    def agree(self, tag: str) -> dict[str, tuple[int, str]]:
+        """Collective: every rank's outcome. On any failure, clean up and raise on every rank.
+        Returns the files this storage holds (every rank's on shared storage)."""
+        mine = (self.writer.error, self.writer.files, self.consolidation_error)
+        outcomes = dist.gather_outcomes(lambda: mine, share=True, inline=True).results
+        bad = {r: err for r, (err, _, _) in enumerate(outcomes) if err}
         if bad:
             self._drop_staging(tag)
-            dist.barrier()  # nobody moves on while the staging folder is being removed
             raise SaveError(f"save of {tag} failed on {_describe(bad)}; latest is unchanged")
+        consolidation = {r: err for r, (_, _, err) in enumerate(outcomes) if err}
         files: dict[str, tuple[int, str]] = {}
-        for r, (_, rank_files) in enumerate(outcomes):
-            if r in self.my_group:  # on shared storage, every rank
+        for r, (_, rank_files, _) in enumerate(outcomes):
+            if r in self.layout.my_group:  # on shared storage, every rank
                 files.update(rank_files)
+        if consolidation:
+            self.consolidation_error = _describe(consolidation)
+            files = {n: v for n, v in files.items() if not _is_consolidated(n)}
+            out = dist.gather_outcomes(lambda: self._drop_consolidated(tag), on=self.leader)
+            if not out.ok:  # the files are left but unlisted; the checkpoint is still complete
+                dist.log_main(logging.WARNING, "could not remove partial safetensors files: %s", out.describe())
+            dist.log_main(logging.ERROR, "consolidated weights of %s not written (%s); committing the partitioned "
+                          "checkpoint without them: `finetune export` can rebuild them from it", tag,
+                          self.consolidation_error)
         return files
 
-    def _drop_staging(self, tag: str) -> None:
-        """Leaders: remove a failed save's staging. Best effort: callers go on to a collective."""
-        if self.leader:
-            try:
-                self.storage.remove(f"{STAGING}/{tag}")
-                self.storage.finish_staging()
-            except OSError as e:
-                logger.warning("could not remove %s/%s: %s", STAGING, tag, e)
+    def _drop_consolidated(self, tag: str) -> None:
+        folder = self.out / STAGING / tag
+        for pattern in CONSOLIDATED_PATTERNS:
+            for path in folder.glob(pattern):
+                path.unlink()
 
-    def _commit(self, tag: str, files: dict[str, tuple[int, str]]) -> None:
+    def _drop_staging(self, tag: str) -> None:
+        """Leaders remove a failed save's staging (polled: it can be large). Collective."""
+        def remove():
+            self.storage.remove(f"{STAGING}/{tag}")
+            self.storage.finish_staging()
+
+        out = dist.gather_outcomes(remove, on=self.leader)
+        if not out.ok:
+            dist.log_main(logging.WARNING, "could not remove %s/%s (%s); it is removed at the next start", STAGING,
+                          tag, out.describe())
+
+    def commit(self, tag: str, files: dict[str, tuple[int, str]], consolidated: bool) -> None:
         """Leaders: manifests into staging, agree, then rename and advance ``latest``. Collective."""
-        ranks = self.my_group if self.node_local else None
-        error = None
-        if self.leader:
-            try:
-                prepare_staged(self.storage, tag, files, dist.world_size(), versions(), ranks)
-            except Exception as e:  # noqa: BLE001 — leader-only work: every failure must reach the gather
-                error = f"{type(e).__name__}: {e}"
-        errors = {r: e for r, e in enumerate(dist.all_gather_object(error)) if e}
-        if errors:
+        seq = self.next_seq
+        identity = {"commit_seq": seq, "save_id": f"{self.run_id}-{seq}",
+                    "parent": self.head.tag if self.head else None,
+                    "parent_save_id": self.head.save_id if self.head else None, "consolidated": consolidated}
+        ranks = self.layout.my_group if self.layout.node_local else None
+        out = dist.gather_outcomes(lambda: prepare_staged(self.storage, tag, files, dist.world_size(), versions(),
+                                                          ranks, identity), on=self.leader, inline=True)
+        if not out.ok:
             self._drop_staging(tag)
-            dist.barrier()
-            raise SaveError(f"commit of {tag} failed on {_describe(errors)}; latest is unchanged")
-        if self.leader:
-            try:
-                publish_staged(self.storage, tag)
-            except Exception as e:  # noqa: BLE001 — leader-only work: every failure must reach the gather
-                error = f"{type(e).__name__}: {e}"
-        errors = {r: e for r, e in enumerate(dist.all_gather_object(error)) if e}
-        if errors:
+            raise SaveError(f"commit of {tag} failed on {out.describe()}; latest is unchanged")
+        out = dist.gather_outcomes(lambda: publish_staged(self.storage, tag), on=self.leader)
+        if not out.ok:
             # Only a rename or the `latest` write failed, after every node had its files complete.
             self._drop_staging(tag)  # a no-op where the rename happened
-            dist.barrier()
-            raise SaveError(f"commit of {tag} failed on {_describe(errors)}; `latest` may now differ between "
+            raise SaveError(f"commit of {tag} failed on {out.describe()}; `latest` may now differ between "
                             "nodes (resume takes the newest checkpoint complete on all of them)")
+        self.head = Committed(tag, seq, identity["save_id"], identity["parent"], identity["parent_save_id"],
+                              sum(size for size, _ in files.values()))
+        self.line = [c for c in self.line if c.tag != tag] + [self.head]
+        self.next_seq += 1
+        self.last_bytes = self.head.total_bytes
 
-    def _retain(self, newest: str) -> None:
-        limit = self.cfg.ckpt.save_total_limit
-        if limit and self.leader:
-            complete = [t for t in self.storage.tags() if self.storage.exists(f"{t}/{MANIFEST}")]
-            for tag in select_for_deletion(complete, limit, {newest, self.storage.read_latest()}):
-                logger.info("save_total_limit %d: deleting %s", limit, tag)
-                self.storage.remove(tag)
-        dist.barrier()
+    def retain(self) -> None:
+        """--save_total_limit K: keep the K newest of this run's line (what it resumed from and what
+        it committed since); nothing else is counted or deleted. Decided from facts every rank
+        shares; leaders delete (rename to trash, then remove), polled. Collective."""
+        limit = self.ckpt.save_total_limit
+        if not limit:
+            return
+        doomed = select_for_deletion([c.tag for c in self.line], limit, {self.head.tag})
+        if not doomed:
+            return
+        self.line = [c for c in self.line if c.tag not in doomed]
+        out = dist.gather_outcomes(lambda: [self.storage.remove(t) for t in doomed], on=self.leader)
+        dist.log_main(logging.INFO, "save_total_limit %d: deleted %s", limit, ", ".join(doomed))
+        if not out.ok:
+            dist.log_main(logging.WARNING, "save_total_limit: could not delete everything (%s)", out.describe())
 
-    # --- resume ----------------------------------------------------------------------------
+    # --- load ----------------------------------------------------------------------------------
 
-    # --- resume (see resume.py) --------------------------------------------------------------
+    def load(self) -> bool:
+        """Restore the engine, progress, sampler and this rank's RNG from the plan; False when
+        starting fresh. Collective."""
+        plan = self.plan
+        if plan is None:
+            return False
+        start, folder = time.perf_counter(), plan.folder
+        load_dir, tag = (str(folder), plan.universal.name) if plan.universal else (str(folder.parent), folder.name)
+        load_path, _ = self.engine.load_checkpoint(load_dir, tag=tag, load_optimizer_states=True,
+                                                   load_lr_scheduler_states=True)
+        if load_path is None:
+            raise RuntimeError(f"DeepSpeed could not load the checkpoint {folder}")
+        self.progress.load_state_dict(plan.saved)
+        self.sampler.load_state_dict(self.progress.sampler)
+        rng_file = folder / f"rng_state_{dist.rank()}.pt"
 
-    def plan_resume(self) -> ResumePlan | None:
-        """What to resume from, decided before the engine exists. Collective."""
-        return self.resumer.plan_resume()
+        def load_rng():
+            if not rng_file.exists():
+                return False
+            set_rng_state(torch.load(rng_file, weights_only=True))
+            return True
 
-    def resume(self, trainer, plan: ResumePlan | None) -> bool:
-        """Restore ``trainer`` from ``plan``; False when starting fresh."""
-        return self.resumer.resume(self.engine, trainer, plan)
+        if not dist.run_agreed(load_rng):
+            logger.warning("no RNG state for rank %d in %s (it had %d ranks); this rank keeps its seeded RNG",
+                           dist.rank(), folder.name, plan.saved["world_size"])
+        from finetune.metrics import truncate_after
+
+        # metrics.jsonl is rank 0's, whatever the storage; a crashed run's tail goes.
+        dist.run_agreed(lambda: truncate_after(self.out / "metrics.jsonl", self.progress.global_step),
+                        on=dist.is_main())
+        logger.info("Resumed from %s at step %d (epoch %.2f) in %.2f seconds.", folder, self.progress.global_step,
+                    self.progress.epoch, time.perf_counter() - start)
+        return True
 
 
 def commit_staged(storage: LocalStorage, tag: str, files: dict[str, tuple[int, str]], world_size: int,
-                  versions: dict, ranks: list[int] | None = None) -> None:
+                  versions: dict, ranks: list[int] | None = None, identity: dict | None = None) -> None:
     """A leader's commit of ``.staging/<tag>``. Each step is atomic; a crash between any two leaves
     ``latest`` naming a complete checkpoint (the old one, or the new one once it is in place).
     """
-    prepare_staged(storage, tag, files, world_size, versions, ranks)
+    prepare_staged(storage, tag, files, world_size, versions, ranks, identity)
     publish_staged(storage, tag)
 
 
 def prepare_staged(storage: LocalStorage, tag: str, files: dict[str, tuple[int, str]], world_size: int,
-                   versions: dict, ranks: list[int] | None = None) -> None:
+                   versions: dict, ranks: list[int] | None = None, identity: dict | None = None) -> None:
     """The manifest, written *inside* the staged folder before the rename, so the folder never
     appears under its final name without the file that marks it complete. ``ranks``: the ranks
-    whose files this storage holds (node-local storage); None = all of them."""
+    whose files this storage holds (node-local storage); None = all of them. ``identity``: the
+    commit sequence number, save id and parent."""
     staged = storage.root / STAGING / tag
-    write_json_durably(staged / MANIFEST, build_manifest(tag, files, world_size, versions, ranks))
+    write_json_durably(staged / "manifest.json", build_manifest(tag, files, world_size, versions, ranks, identity))
     fsync_path(staged)
 
 
@@ -291,11 +482,39 @@ def publish_staged(storage: LocalStorage, tag: str) -> None:
     storage.finish_staging()
 
 
-def select_for_deletion(complete: list[str], limit: int, protected: set) -> list[str]:
-    """The oldest complete checkpoints beyond ``limit``, never a protected one (newest, latest)."""
-    ordered = sorted(complete, key=step_of)
-    excess = len(ordered) - limit
-    return [t for t in ordered if t not in protected][:max(excess, 0)]
+def _is_consolidated(name: str) -> bool:
+    return name == "model.safetensors" or name == "model.safetensors.index.json" or \
+        (name.startswith("model-") and name.endswith(".safetensors"))
+
+
+class _SaveIO:
+    """This rank's save I/O: bytes it wrote, bytes our code read back (hash_file), and the
+    kernel's read counters for the whole process (/proc/self/io), as deltas over one save."""
+
+    def __init__(self):
+        self.start = (_proc_io(), bytes_hashed())
+
+    def finish(self, tag: str, files: dict[str, tuple[int, str]], seconds: float) -> dict:
+        (io0, hashed0), io1 = self.start, _proc_io()
+        record = {"tag": tag, "rank": dist.rank(), "world_size": dist.world_size(), "seconds": round(seconds, 4),
+                  "own_bytes": sum(size for size, _ in files.values()), "hashed_bytes": bytes_hashed() - hashed0,
+                  **{f"{k}_delta": io1[k] - io0[k] for k in io1 if k in io0}}
+        folder = os.environ.get(SAVE_IO_ENV)
+        if folder:
+            try:
+                Path(folder).mkdir(parents=True, exist_ok=True)
+                (Path(folder) / f"{tag}-rank{dist.rank()}.json").write_text(json.dumps(record))
+            except OSError as e:
+                logger.warning("%s: %s", SAVE_IO_ENV, e)
+        return record
+
+
+def _proc_io() -> dict[str, int]:
+    try:
+        lines = Path("/proc/self/io").read_text().splitlines()
+    except OSError:
+        return {}
+    return {k: int(v) for k, v in (line.split(": ") for line in lines) if k in ("rchar", "read_bytes", "wchar")}
 
 
 class _Clock:

@@ -7,104 +7,25 @@ checkpoint issue asks for a fast checksum, which wins.)
 
 from __future__ import annotations
 
-import ctypes
+import errno
 import json
 import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import BinaryIO
 
-import xxhash
-
-_WRITEBACK_EVERY = 32 << 20
-_SYNC_FILE_RANGE_WRITE = 2
-
-
-def _load_sync_file_range():
-    """Linux sync_file_range(2) through libc; None elsewhere (the closing fsync still runs)."""
-    try:
-        fn = ctypes.CDLL(None, use_errno=True).sync_file_range
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
-    return fn
-
-
-_sync_file_range = _load_sync_file_range()
+from finetune.checkpoint.durable import hash_file
 
 MANIFEST = "manifest.json"
 ALGORITHM = "xxh3_128"
-FORMAT_VERSION = 1
-_CHUNK = 8 << 20
-
-
-class HashingWriter:
-    """A write-only file wrapper that hashes and counts what passes through it."""
-
-    def __init__(self, f: BinaryIO):
-        self.f, self.h, self.size = f, xxhash.xxh3_128(), 0
-        # torch.save's C++ writer turns an exception from write() into an opaque RuntimeError;
-        # keep the real one (ENOSPC, EIO…) so the report names it.
-        self.os_error: OSError | None = None
-        self.kicked = 0  # bytes already handed to the kernel's writeback
-
-    def write(self, data) -> int:
-        view = memoryview(data).cast("B")
-        try:
-            # torch hands over a whole storage (often hundreds of MB) in one call: slice it so the
-            # disk starts on the first slice while later ones are still being hashed and copied.
-            for i in range(0, len(view), _WRITEBACK_EVERY):
-                piece = view[i:i + _WRITEBACK_EVERY]
-                self.h.update(piece)
-                self.f.write(piece)
-                self.size += len(piece)
-                if self.size - self.kicked >= _WRITEBACK_EVERY:
-                    self._start_writeback()
-            return len(view)
-        except OSError as e:
-            self.os_error = self.os_error or e
-            raise
-
-    def _start_writeback(self) -> None:
-        """Ask the kernel to start writing what we wrote so far, without waiting for it, so the
-        disk works while we serialise the rest and the closing fsync has little left to do."""
-        self.f.flush()
-        if _sync_file_range is not None:
-            _sync_file_range(self.f.fileno(), self.kicked, self.size - self.kicked, _SYNC_FILE_RANGE_WRITE)
-        self.kicked = self.size
-
-    def flush(self) -> None:
-        self.f.flush()
-
-    def digest(self) -> str:
-        return self.h.hexdigest()
-
-
-def hash_file(path: str | os.PathLike) -> tuple[int, str]:
-    h, size = xxhash.xxh3_128(), 0
-    with open(path, "rb") as f:
-        while chunk := f.read(_CHUNK):
-            h.update(chunk)
-            size += len(chunk)
-    return size, h.hexdigest()
-
-
-def write_json_durably(path: str | os.PathLike, obj) -> tuple[int, str]:
-    data = (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode()
-    with open(path, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    h = xxhash.xxh3_128()
-    h.update(data)
-    return len(data), h.hexdigest()
+FORMAT_VERSION = 2  # 2: commit_seq, parent, parent_save_id, save_id
 
 
 def build_manifest(tag: str, files: dict[str, tuple[int, str]], world_size: int, versions: dict,
-                   ranks: list[int] | None = None) -> dict:
-    """``ranks``: node-local storage holds only these ranks' files (absent = all of them)."""
-    manifest = {"format_version": FORMAT_VERSION, "tag": tag, "world_size": world_size, "algorithm": ALGORITHM,
+                   ranks: list[int] | None = None, identity: dict | None = None) -> dict:
+    """``ranks``: node-local storage holds only these ranks' files (absent = all of them);
+    ``identity``: commit_seq, save_id, parent, parent_save_id (policy.py reads them)."""
+    manifest = {**(identity or {}),"format_version": FORMAT_VERSION, "tag": tag, "world_size": world_size, "algorithm": ALGORITHM,
                 "versions": versions, "total_bytes": sum(size for size, _ in files.values()),
                 "files": {name: {"size": size, "checksum": digest} for name, (size, digest) in sorted(files.items())}}
     if ranks is not None:
@@ -202,13 +123,25 @@ def _files_of(listed: dict, ranks: list[int], world: int, shared: bool) -> set[s
 def _check_file(path: Path, name: str, meta: dict, checksums: bool) -> list[str]:
     try:
         size = path.stat().st_size
+        if size != meta["size"]:
+            return [f"{name}: size {size} bytes, manifest says {meta['size']} (truncated or overwritten)"]
+        _maybe_fail_read(name)
+        if checksums and hash_file(path)[1] != meta["checksum"]:
+            return [f"{name}: checksum mismatch (corrupted)"]
     except FileNotFoundError:
         return [f"{name}: missing"]
-    if size != meta["size"]:
-        return [f"{name}: size {size} bytes, manifest says {meta['size']} (truncated or overwritten)"]
-    if checksums and hash_file(path)[1] != meta["checksum"]:
-        return [f"{name}: checksum mismatch (corrupted)"]
+    except OSError as e:  # EIO, ESTALE, EACCES on bad media: damage, reported like any other
+        return [f"{name}: unreadable ({type(e).__name__}: {e.strerror or e})"]
     return []
+
+
+FAIL_READ_ENV = "FINETUNE_FAIL_VERIFY"  # test seam: "<rank>" → EIO reading rank files while verifying
+
+
+def _maybe_fail_read(name: str) -> None:
+    spec = os.environ.get(FAIL_READ_ENV)
+    if spec and name.startswith("zero_pp_rank_") and int(spec) == int(os.environ.get("RANK", "0")):
+        raise OSError(errno.EIO, "injected read error", name)
 
 
 def _check_trainer_state(folder: Path, world: int) -> list[str]:

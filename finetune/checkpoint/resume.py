@@ -1,8 +1,11 @@
-"""Resume: pick a checkpoint (verified, with fallback), convert it for another world size, load it.
+"""Resume planning: pick a checkpoint (commit order, verified, with fallback), set aside the
+timeline it abandons, convert it for another world size. Runs before the engine exists; the
+manager's ``load`` then restores from the plan.
 
-Every decision that leads to a collective is made from facts all ranks share: rank 0 lists the
-filesystem and sends the same candidates to every rank; verification splits the files between ranks
-and all-gathers the problems found.
+Every decision that leads to a collective is made from facts all ranks share: rank 0 (or, on
+node-local storage, every node's leader) reads the filesystem and every rank receives the same
+candidates; verification splits the files between ranks and all-gathers the problems found; a
+failure on any rank reaches all of them (``dist.gather_outcomes``).
 """
 
 from __future__ import annotations
@@ -10,25 +13,22 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
 from finetune import distributed as dist
-from finetune.checkpoint.manifest import (
-    MANIFEST,
-    looks_like_checkpoint,
-    read_manifest,
-    verify,
-)
-from finetune.checkpoint.state import TRAINER_STATE, TrainingState, set_rng_state
-from finetune.checkpoint.storage import LocalStorage, find_checkpoint, step_of
+from finetune.checkpoint.durable import hash_file, write_json_durably
+from finetune.checkpoint.manifest import MANIFEST, looks_like_checkpoint, read_manifest, verify
+from finetune.checkpoint.policy import Committed, newer_than, resume_order
+from finetune.checkpoint.state import TRAINER_STATE
+from finetune.checkpoint.storage import LocalStorage, committed, find_checkpoint
 from finetune.config import ConfigError, RunConfig
 from finetune.distributed import logger
 
 UNIVERSAL = "universal"
+SLOW_UNIVERSAL_ENV = "FINETUNE_SLOW_UNIVERSAL"  # test seam: seconds the conversion sleeps first
 
 
 @dataclass
@@ -36,6 +36,8 @@ class ResumePlan:
     folder: Path
     saved: dict  # trainer_state.json
     universal: Path | None  # set when the world size changed
+    head: Committed | None = None  # the resumed-from checkpoint in OUT's commit order (None: outside OUT)
+    max_seq: int = 0  # the highest commit number seen, set-aside ones included: later commits go above it
 
 
 class Resumer:
@@ -50,144 +52,188 @@ class Resumer:
         """Pick (and verify) what to resume from, before the engine exists. Collective.
 
         A checkpoint from another world size is converted once to DeepSpeed's universal format
-        (cached in ``<checkpoint>/universal``); the caller must then build the engine with
-        ``checkpoint.load_universal``.
+        (cached in ``<checkpoint>/universal`` with its own manifest); the caller must then build
+        the engine with ``checkpoint.load_universal``.
         """
         spec = self.cfg.ckpt.resume_from_checkpoint
         if spec is None:
             return None
         folder = self._resolve(spec)
         if folder is None:
-            logger.info("--resume_from_checkpoint %s: no checkpoint in %s, starting fresh", spec, self.out)
             return None
-        saved = json.loads((folder / TRAINER_STATE).read_text())
+        saved, manifest = dist.share_from(0, lambda: (json.loads((folder / TRAINER_STATE).read_text()),
+                                                      read_manifest(folder)))
         self._check_compatible(saved)
+        head, max_seq = None, 0
+        if folder.parent.resolve() == self.out.resolve():
+            head = Committed.from_manifest(folder.name, manifest or {})
+            max_seq = self._set_aside_newer(head)
         universal = None
         if saved["world_size"] != dist.world_size():
             if self.node_local:
                 raise ConfigError(f"--resume_from_checkpoint: {folder} was saved by {saved['world_size']} ranks on "
                                   "node-local storage; resuming it on another world size needs every node's files in "
                                   "one folder (copy them together, then resume from that folder on shared storage)")
-            universal = self._universal(folder)
+            universal = self._universal(folder, manifest or {})
             dist.log_main(logging.INFO, "Resuming a %d-rank checkpoint on %d ranks: loading DeepSpeed's universal "
                           "format from %s; the data order continues from global sample %d of epoch %d.",
                           saved["world_size"], dist.world_size(), universal, saved["sampler"]["consumed"],
                           saved["sampler"]["epoch"])
-        return ResumePlan(folder, saved, universal)
+        return ResumePlan(folder, saved, universal, head, max_seq)
 
-    def _universal(self, folder: Path) -> Path:
-        """Rank 0 converts with DeepSpeed's ds_to_universal (staged, then renamed); others wait."""
-        target = folder / UNIVERSAL
-        error = None
-        if dist.is_main() and not target.is_dir():
-            start = time.perf_counter()
-            from finetune.checkpoint.export import to_universal
-
-            failure = to_universal(folder, target)  # staged in universal.tmp, renamed into place on success
-            if failure is None:
-                logger.info("Converted %s to the universal format in %.1f seconds.", folder.name,
-                            time.perf_counter() - start)
-            else:
-                error = [failure]
-        error = dist.all_gather_object(error)[0]  # collective: everyone waits for rank 0's conversion
-        if error:
-            raise RuntimeError(f"DeepSpeed's ds_to_universal failed on {folder}: {error[0]}")
-        return target
-
-    def resume(self, engine, trainer, plan: ResumePlan | None) -> bool:
-        """Restore ``trainer`` from ``plan``; False when starting fresh."""
-        if plan is None:
-            return False
-        start, folder = time.perf_counter(), plan.folder
-        load_dir, tag = (str(folder), UNIVERSAL) if plan.universal else (str(folder.parent), folder.name)
-        load_path, _ = engine.load_checkpoint(load_dir, tag=tag, load_optimizer_states=True,
-                                                   load_lr_scheduler_states=True)
-        if load_path is None:
-            raise RuntimeError(f"DeepSpeed could not load the checkpoint {folder}")
-        trainer.state = TrainingState.from_state_dict(plan.saved)
-        trainer.data.sampler.load_state_dict(trainer.state.sampler)
-        rng_file = folder / f"rng_state_{dist.rank()}.pt"
-        if rng_file.exists():
-            set_rng_state(torch.load(rng_file, weights_only=True))
-        else:
-            logger.warning("no RNG state for rank %d in %s (it had %d ranks); this rank keeps its seeded RNG",
-                           dist.rank(), folder.name, plan.saved["world_size"])
-        if dist.is_main():  # metrics.jsonl is rank 0's, whatever the storage
-            _truncate_metrics(self.out / "metrics.jsonl", trainer.state.global_step)
-        dist.barrier()
-        logger.info("Resumed from %s at step %d (epoch %.2f) in %.2f seconds.", folder, trainer.state.global_step,
-                    trainer.state.epoch, time.perf_counter() - start)
-        return True
+    # --- choosing ------------------------------------------------------------------------------
 
     def _resolve(self, spec: str) -> Path | None:
-        """The folder to resume from: verified (collectively), falling back past damaged ones.
-
-        Rank 0 alone looks at the filesystem and sends every rank the same candidate list: ranks
-        that listed for themselves could disagree (node-local storage, a concurrent delete) and
-        then run different numbers of the verification collective below.
-        """
-        candidates, error = self._agreed_candidates(spec)
-        if error:
-            raise ConfigError(error)
+        """The folder to resume from: verified (collectively), falling back past damaged ones."""
+        candidates = self._agreed_candidates(spec)
+        tried: list[tuple[Path, list[str]]] = []
         for folder in candidates:
             problems = self._verify_collectively(folder)
             if not problems:
+                if tried:
+                    dist.log_main(logging.WARNING, "resuming from %s, an older checkpoint than %s", folder.name,
+                                  ", ".join(f.name for f, _ in tried))
                 return folder
             if spec not in ("latest", "auto"):
                 raise ConfigError(f"--resume_from_checkpoint: {folder} does not verify: {'; '.join(problems[:3])}")
             dist.log_main(logging.WARNING, "not resuming from %s: %s; trying an older checkpoint",
                           folder.name, "; ".join(problems[:3]))
-        if spec == "latest":
-            raise ConfigError(f"--resume_from_checkpoint latest: no complete checkpoint in {self.out}")
-        if self.node_local and candidates:
-            # Node-local: failing everywhere usually means ranks now sit on other nodes (or in
-            # another order) than when they saved; starting fresh would silently redo the work.
-            raise ConfigError(f"--resume_from_checkpoint {spec}: no checkpoint verifies on every node; were the "
+            tried.append((folder, problems))
+        if not candidates:
+            if spec == "latest":
+                raise ConfigError(f"--resume_from_checkpoint latest: no complete checkpoint in {self.out}")
+            logger.info("--resume_from_checkpoint %s: no checkpoint in %s, starting fresh", spec, self.out)
+            return None
+        if self.node_local:
+            # Failing everywhere usually means ranks now sit on other nodes (or in another order)
+            # than when they saved; starting fresh would silently redo the work.
+            hint = ("no checkpoint verifies on every node; were the ranks placed on other nodes than when they were "
+                    "saved? Start the job on the same nodes, in the same order")
+        else:
+            hint = "no checkpoint verifies"
+        details = "; ".join(f"{f.name}: {p[0]}" for f, p in tried)
+        if spec == "auto" and self.cfg.ckpt.ignore_unverified_checkpoints:
+            for folder, _ in tried:
+                self._set_aside([folder.name], "unverified", "does not verify")
+            dist.log_main(logging.WARNING, "--ignore_unverified_checkpoints: %s (%s); set them aside and starting "
+                          "fresh", hint, details)
+            return None
+        raise ConfigError(f"--resume_from_checkpoint {spec}: {hint} in {self.out} ({details}); nothing was changed. "
+                          "Pass --ignore_unverified_checkpoints to start fresh anyway (they are set aside under "
+                          ".abandoned, not deleted)")
+
+    def _agreed_candidates(self, spec: str) -> list[Path]:
+        """Folders to try, best first, the same on every rank. Collective.
+
+        latest/auto: committed checkpoints newest commit first (policy.resume_order), from rank
+        0's listing; with node-local storage, the tags that every node holds *with the same save
+        id* (each rank then looks in its own OUT); a PATH: the same folder on every rank.
+        """
+        if spec not in ("latest", "auto"):
+            def explicit():
+                path = find_checkpoint(spec)
+                if path is None or not looks_like_checkpoint(path):
+                    raise ConfigError(f"--resume_from_checkpoint: no checkpoint at {spec}")
+                return str(path)
+
+            return [Path(dist.share_from(0, explicit))]
+
+        def listing():
+            found = committed(self.storage)
+            return resume_order(self.storage.tags(), found), {c.tag: c.save_id for c in found}
+
+        if not self.node_local:
+            order, _ = dist.share_from(0, listing)
+            return [self.out / t for t in order]
+        out = dist.gather_outcomes(listing, on=self.leader, share=True)
+        out.raise_any()
+        views = [v for v in out.results if v is not None]
+        common = [t for t in views[0][0] if all(t in ids and ids[t] == views[0][1].get(t) for _, ids in views[1:])
+                  and all(t in order for order, _ in views[1:])]
+        if not common and any(order for order, _ in views):
+            raise ConfigError(f"--resume_from_checkpoint {spec}: the nodes hold no checkpoint in common "
+                              f"({', '.join(str(len(o)) for o, _ in views)} per node, compared by save id): were the "
                               "ranks placed on other nodes than when they were saved? Start the job on the same "
                               "nodes, in the same order")
-        return None
-
-    def _agreed_candidates(self, spec: str) -> tuple[list[Path], str | None]:
-        """Folders to try, best first, the same on every rank (or an error for all to raise). Collective.
-
-        latest/auto: tags from rank 0's listing, or with node-local storage the tags every node
-        has (each rank then looks in its own OUT); a PATH: the same folder on every rank.
-        """
-        if not self.node_local or spec not in ("latest", "auto"):
-            kind, items, error = dist.all_gather_object(self._candidates(spec) if dist.is_main() else None)[0]
-        else:
-            listings = [x for x in dist.all_gather_object(
-                (self.storage.read_latest(), self.storage.tags()) if self.leader else None) if x is not None]
-            common = set(listings[0][1]).intersection(*(set(tags) for _, tags in listings[1:]))
-            kind, items, error = "tags", resume_candidates(listings[0][0], sorted(common)), None
-            if not common and any(tags for _, tags in listings):
-                # Starting fresh here would silently redo the work; the rank→node mapping changed.
-                error = (f"--resume_from_checkpoint {spec}: the nodes hold no checkpoint in common "
-                         f"({', '.join(str(len(t)) for _, t in listings)} per node): were the ranks placed on "
-                         "other nodes than when they were saved? Start the job on the same nodes, in the same order")
-        return [self.out / i if kind == "tags" else Path(i) for i in items], error
-
-    def _candidates(self, spec: str) -> tuple[str, list[str], str | None]:
-        """Rank 0: ("tags" or "paths", what to try best first, an error message for every rank to raise)."""
-        if spec in ("latest", "auto"):
-            return "tags", resume_candidates(self.storage.read_latest(), self.storage.tags()), None
-        path = find_checkpoint(spec)
-        if path is None or not looks_like_checkpoint(path):
-            return "paths", [], f"--resume_from_checkpoint: no checkpoint at {spec}"
-        return "paths", [str(path)], None
+        return [self.out / t for t in common]
 
     def _verify_collectively(self, folder: Path) -> list[str]:
-        """Every rank checks a share of the rank files (rank 0 also the shared ones). Collective."""
-        manifest = read_manifest(folder)
-        if manifest is None:
-            problems = [f"{MANIFEST} missing or unreadable (an incomplete save?) on rank {dist.rank()}"]
-        else:
+        """Every rank checks a share of the rank files (rank 0 also the shared ones). Collective.
+        Any error while checking (EIO, ESTALE, …) is a problem found, reported by every rank."""
+        def mine():
+            manifest = read_manifest(folder)
+            if manifest is None:
+                return [f"{MANIFEST} missing or unreadable (an incomplete save?) on rank {dist.rank()}"]
             # Node-local: each rank its own files on its node, each leader its node's shared files.
-            mine = [dist.rank()] if self.node_local else \
+            ranks = [dist.rank()] if self.node_local else \
                 list(range(dist.rank(), int(manifest.get("world_size", 1)), dist.world_size()))
-            problems = verify(folder, checksums=not self.cfg.ckpt.resume_skip_checksum, ranks=mine,
-                              shared=self.leader).problems
-        return [p for rank_problems in dist.all_gather_object(problems) for p in rank_problems]
+            return verify(folder, checksums=not self.cfg.ckpt.resume_skip_checksum, ranks=ranks,
+                          shared=self.leader).problems
+
+        out = dist.gather_outcomes(mine, share=True)
+        problems = [p for rank_problems in out.results if rank_problems for p in rank_problems]
+        return problems + [f"rank {r} could not check it: {e}" for r, e in sorted(out.errors.items())]
+
+    # --- the abandoned timeline -------------------------------------------------------------------
+
+    def _set_aside_newer(self, point: Committed) -> int:
+        """Committed checkpoints after the resume point are another timeline: set aside (renamed
+        under .abandoned, kept, never counted by retention), so later saves of the same steps
+        neither overwrite them nor count them. Leaders, agreed. Returns the highest commit number
+        seen."""
+        def newer():
+            return [(c.tag, c.seq or 0) for c in newer_than(point, committed(self.storage))]
+
+        out = dist.gather_outcomes(newer, on=self.leader, share=True)
+        out.raise_any()
+        found = [item for r in out.results if r for item in r]
+        tags = sorted({t for t, _ in found})
+        if tags:
+            self._set_aside(tags, "abandoned", f"committed after the resume point {point.tag}")
+        return max([point.seq or 0] + [seq for _, seq in found])
+
+    def _set_aside(self, tags: list[str], label: str, why: str) -> None:
+        def move():
+            return [(t, self.storage.set_aside(t, f"{label}-{time.strftime('%Y%m%d-%H%M%S')}"))
+                    for t in tags if self.storage.exists(t)]
+
+        out = dist.gather_outcomes(move, on=self.leader, share=True)
+        out.raise_any()
+        for moved in out.results:
+            for tag, where in moved or []:
+                logger.warning("set aside %s (%s): now %s in %s; not deleted, not counted", tag, why, where, self.out)
+
+    # --- another world size ----------------------------------------------------------------------
+
+    def _universal(self, folder: Path, manifest: dict) -> Path:
+        """Rank 0 converts with DeepSpeed's ds_to_universal (staged, then renamed), writes a manifest
+        for it, and reuses an existing conversion only if it verifies against that manifest. The
+        other ranks wait in short polling collectives, however long it takes."""
+        target = folder / UNIVERSAL
+        checksums = not self.cfg.ckpt.resume_skip_checksum
+
+        def convert():
+            if target.is_dir():
+                problems = verify_universal(target, manifest.get("save_id"), checksums)
+                if not problems:
+                    return "reused"
+                logger.warning("not reusing %s: %s; converting again", target, "; ".join(problems[:3]))
+                shutil.rmtree(target)
+            from finetune.checkpoint.export import to_universal
+
+            if os.environ.get(SLOW_UNIVERSAL_ENV):
+                time.sleep(float(os.environ[SLOW_UNIVERSAL_ENV]))
+            start = time.perf_counter()
+            failure = to_universal(folder, target)  # staged in universal.tmp, renamed into place on success
+            if failure is not None:
+                raise RuntimeError(f"DeepSpeed's ds_to_universal failed on {folder}: {failure}")
+            write_universal_manifest(target, manifest.get("save_id"))
+            logger.info("Converted %s to the universal format in %.1f seconds.", folder.name,
+                        time.perf_counter() - start)
+            return "converted"
+
+        dist.run_agreed(convert, on=dist.is_main())
+        return target
 
     def _check_compatible(self, saved: dict) -> None:
         for group, now in self.cfg.to_json_dict().items():
@@ -199,23 +245,32 @@ class Resumer:
 
 IGNORED_ON_RESUME = {"resume_from_checkpoint", "output_dir", "max_steps", "num_train_epochs", "save_steps",
                      "save_total_limit", "logging_steps", "eval_steps", "on_save_error", "save_checkpoint",
-                     "resume_skip_checksum"}
+                     "resume_skip_checksum", "ddp_timeout", "ignore_unverified_checkpoints"}
 
 
-def resume_candidates(latest: str | None, tags: list[str]) -> list[str]:
-    """Tags to try, best first: the one `latest` names, then the others newest first."""
-    ordered = sorted(tags, key=step_of, reverse=True)
-    if latest in ordered:
-        ordered.remove(latest)
-        ordered.insert(0, latest)
-    return ordered
+def write_universal_manifest(target: Path, source_save_id: str | None) -> None:
+    files = {str(p.relative_to(target)): hash_file(p) for p in sorted(target.rglob("*"))
+             if p.is_file() and p.name != MANIFEST}
+    write_json_durably(target / MANIFEST, {"source_save_id": source_save_id,
+                                           "files": {n: {"size": s, "checksum": c} for n, (s, c) in files.items()}})
 
 
-def _truncate_metrics(path: Path, step: int) -> None:
-    """Drop rows logged after the resumed step (a crashed run's tail), so the file reads as one run."""
-    if not path.exists():
-        return
-    rows = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= step]
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text("".join(r + "\n" for r in rows))
-    os.replace(tmp, path)
+def verify_universal(target: Path, source_save_id: str | None, checksums: bool = True) -> list[str]:
+    """Problems of a universal conversion against its manifest (empty: reusable)."""
+    manifest = read_manifest(target)
+    if manifest is None:
+        return [f"{MANIFEST} missing or unreadable (an interrupted or foreign conversion)"]
+    if manifest.get("source_save_id") != source_save_id:
+        return [f"converted from save {manifest.get('source_save_id')}, the checkpoint is save {source_save_id}"]
+    problems = []
+    for name, meta in manifest.get("files", {}).items():
+        path = target / name
+        try:
+            size = path.stat().st_size
+            if size != meta["size"]:
+                problems.append(f"{name}: size {size}, manifest says {meta['size']}")
+            elif checksums and hash_file(path)[1] != meta["checksum"]:
+                problems.append(f"{name}: checksum mismatch")
+        except OSError as e:
+            problems.append(f"{name}: {e.strerror or e}")
+    return problems

@@ -35,6 +35,12 @@ class TrainingState:
     def state_dict(self) -> dict:
         return asdict(self)
 
+    def load_state_dict(self, sd: dict) -> None:
+        """Restore in place (the trainer and the manager hold the same object)."""
+        loaded = self.from_state_dict(sd)
+        for name in self.__dataclass_fields__:
+            setattr(self, name, getattr(loaded, name))
+
     @classmethod
     def from_state_dict(cls, sd: dict) -> "TrainingState":
         sd = dict(sd)

@@ -1,19 +1,35 @@
-"""The filesystem questions the checkpoint policy asks, behind one small interface.
+"""The filesystem behind one interface: every file operation of the checkpoint manager and the
+resume planner goes through ``LocalStorage`` (tests give the policy a fake that fails on cue).
 
-``LocalStorage`` is the real one; tests give the manager's policy functions a fake.
+Names under OUT that are not checkpoints, all of them out of the tag namespace:
+  .staging/<tag>          a save in progress (``<tag>.replaced``: the old folder of a same-tag swap)
+  .trash-<tag>-<nonce>    a checkpoint being deleted by retention (renamed first, then removed)
+  .abandoned/<tag>-<id>   a checkpoint set aside, never deleted by us: a timeline a resume left
+  .latest.tmp             ``latest`` being replaced
+Everything but ``.abandoned`` is a crashed save's leftover once no run holds OUT's lease:
+``housekeeping`` removes it at start.
 """
 
 from __future__ import annotations
 
 import ctypes
+import logging
 import os
 import re
 import shutil
+import uuid
 from pathlib import Path
+
+from finetune.checkpoint.durable import fsync_path, replace_text
 
 TAG_RE = re.compile(r"^global_step(\d+)$")
 LATEST = "latest"
 STAGING = ".staging"
+TRASH = ".trash-"
+ABANDONED = ".abandoned"
+MANIFEST = "manifest.json"
+
+logger = logging.getLogger("finetune")
 
 
 def tag_for(step: int) -> str:
@@ -67,7 +83,67 @@ class LocalStorage:
         self.remove(src)
 
     def remove(self, rel: str) -> None:
-        shutil.rmtree(self.root / rel, ignore_errors=True)
+        """Delete a folder: renamed out of the tag namespace first (one atomic step, so a crash
+        midway never leaves a half-deleted folder under a checkpoint's name), then removed. A
+        failure to remove is logged: the trash is tidied at the next start."""
+        path = self.root / rel
+        if not path.exists():
+            return
+        trash = self.root / f"{TRASH}{path.name}-{uuid.uuid4().hex[:8]}"
+        try:
+            os.rename(path, trash)
+        except OSError:
+            trash = path  # e.g. inside .staging already: remove in place
+        failures: list[str] = []
+        shutil.rmtree(trash, onerror=lambda fn, p, exc: failures.append(f"{p}: {exc[1]}"))
+        if failures:
+            logger.warning("could not delete %s completely (%d error(s), first: %s); it is retried at the next "
+                           "start", rel, len(failures), failures[0])
+
+    def read_manifest(self, tag: str) -> dict | None:
+        import json
+
+        try:
+            return json.loads((self.root / tag / MANIFEST).read_text())
+        except (OSError, ValueError):
+            return None
+
+    def set_aside(self, tag: str, label: str) -> str:
+        """Move a checkpoint out of the tag namespace into ``.abandoned`` (kept, not counted);
+        returns where it went, relative to root."""
+        (self.root / ABANDONED).mkdir(exist_ok=True)
+        dst = f"{ABANDONED}/{tag}-{label}"
+        if self.exists(dst):
+            dst = f"{dst}-{uuid.uuid4().hex[:6]}"
+        self.rename(tag, dst)
+        return dst
+
+    def leftovers(self) -> list[str]:
+        """What crashed saves leave behind (relative paths): staging, trash, temp files."""
+        if not self.root.is_dir():
+            return []
+        found = [f"{STAGING}/{p.name}" for p in _children(self.root / STAGING)]
+        found += [p.name for p in _children(self.root) if p.name.startswith(TRASH) or p.name == f".{LATEST}.tmp"
+                  or p.name == "metrics.jsonl.tmp"]
+        found += [f"{t}/{p.name}" for t in self.tags() for p in _children(self.root / t) if p.name.endswith(".tmp")]
+        return sorted(found)
+
+    def housekeeping(self) -> list[tuple[str, int]]:
+        """Remove every leftover of a crashed save: [(relative path, bytes freed)]. Only safe while
+        this run holds OUT's lease (no other save can be in flight)."""
+        removed = []
+        for rel in self.leftovers():
+            size = _tree_bytes(self.root / rel)
+            path = self.root / rel
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                path.unlink(missing_ok=True)
+            removed.append((rel, size))
+        staging = self.root / STAGING
+        if staging.is_dir() and not any(staging.iterdir()):
+            staging.rmdir()
+        return removed
 
     def finish_staging(self) -> None:
         """Tidy ``.staging`` after a save: DeepSpeed copies its recovery scripts (zero_to_fp32.py,
@@ -99,37 +175,49 @@ def _exchange(a: Path, b: Path) -> bool:
     return renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0
 
 
-def replace_text(path: Path, text: str) -> None:
-    """Replace ``path`` atomically: temp file, fsync, rename over, fsync the directory."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fsync_path(path.parent)
-
-
-def fsync_path(path: str | os.PathLike) -> None:
-    """fsync a file or a directory (a directory's fsync makes renames in it durable)."""
-    fd = os.open(path, os.O_RDONLY)
+def _children(folder: Path) -> list[Path]:
     try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+        return list(folder.iterdir())
+    except OSError:
+        return []
+
+
+def _tree_bytes(path: Path) -> int:
+    if path.is_file() or path.is_symlink():
+        return path.lstat().st_size
+    total = 0
+    for parent, _, files in os.walk(path):
+        for name in files:
+            try:
+                total += os.lstat(os.path.join(parent, name)).st_size
+            except OSError:
+                pass
+    return total
+
+
+def committed(storage: LocalStorage):
+    """Every checkpoint of ``storage`` whose manifest reads, with its place in the commit order."""
+    from finetune.checkpoint.policy import Committed
+
+    out = []
+    for tag in storage.tags():
+        manifest = storage.read_manifest(tag)
+        if manifest is not None:
+            out.append(Committed.from_manifest(tag, manifest))
+    return out
 
 
 def find_checkpoint(path: str | os.PathLike) -> Path | None:
-    """A checkpoint folder as given, or an output dir's newest: the one its `latest` names, else
-    the highest step. None when neither fits."""
+    """A checkpoint folder as given, or an output dir's newest committed checkpoint (commit order,
+    not `latest` or names), else its highest step. None when ``path`` is not a folder."""
+    from finetune.checkpoint.policy import resume_order
+
     p = Path(path)
     if not p.is_dir():
         return None
-    if step_of(p.name) is not None or (p / "manifest.json").exists():
+    if step_of(p.name) is not None or (p / MANIFEST).exists():
         return p
-    latest = LocalStorage(p).read_latest()
-    if latest and (p / latest).is_dir():
-        return p / latest
-    tags = LocalStorage(p).tags()
-    return p / tags[-1] if tags else p
+    storage = LocalStorage(p)
+    order = resume_order(storage.tags(), committed(storage))
+    return p / order[0] if order else p
 

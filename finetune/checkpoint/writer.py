@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from finetune import distributed as dist
-from finetune.checkpoint.manifest import HashingWriter
+from finetune.checkpoint.durable import HashingWriter
 
 FAIL_ENV = "FINETUNE_FAIL_SAVE"
 SLOW_ENV = "FINETUNE_SLOW_SAVE"

@@ -8,9 +8,9 @@ import json
 import pytest
 import torch
 
-from finetune.checkpoint.manager import commit_staged, select_for_deletion
-from finetune.checkpoint.manifest import MANIFEST, hash_file, read_manifest
-from finetune.checkpoint.resume import resume_candidates
+from finetune.checkpoint.manager import commit_staged
+from finetune.checkpoint.durable import hash_file
+from finetune.checkpoint.manifest import MANIFEST, read_manifest
 from finetune.checkpoint.storage import STAGING, LocalStorage
 from finetune.checkpoint.writer import FAIL_ENV, GuardedWriter
 
@@ -84,21 +84,6 @@ def test_tags_sort_by_step_not_by_name_or_mtime(tmp_path):
     assert LocalStorage(tmp_path).tags() == ["global_step9", "global_step10", "global_step100"]
 
 
-def test_retention_deletes_oldest_beyond_limit_but_never_protected():
-    tags = ["global_step2", "global_step4", "global_step6", "global_step10"]
-    assert select_for_deletion(tags, 2, {"global_step10"}) == ["global_step2", "global_step4"]
-    # `latest` points at an older one (e.g. after resuming from it): it survives, something else goes.
-    assert select_for_deletion(tags, 2, {"global_step10", "global_step2"}) == ["global_step4", "global_step6"]
-    assert select_for_deletion(tags, 5, {"global_step10"}) == []
-
-
-def test_resume_candidates_prefer_latest_then_newest():
-    tags = ["global_step2", "global_step4", "global_step8"]
-    assert resume_candidates("global_step4", tags) == ["global_step4", "global_step8", "global_step2"]
-    assert resume_candidates(None, tags) == ["global_step8", "global_step4", "global_step2"]
-    assert resume_candidates("global_step99", tags) == ["global_step8", "global_step4", "global_step2"]
-
-
 class _Inner:
     zipfile_serialization = True
 
@@ -138,3 +123,226 @@ def test_manifest_json_is_plain_json(tmp_path):
     commit_staged(s, "global_step1", stage(s, "global_step1"), 1, {"deepspeed": "0"})
     data = json.loads((tmp_path / "global_step1" / MANIFEST).read_text())
     assert data["algorithm"] == "xxh3_128" and data["total_bytes"] == len(b"weights")
+
+
+# --- the manager and the resume planner in one process (world size 1, a fake engine) -----------
+
+class FakeEngine:
+    """What the manager needs of DeepSpeed's engine: save_checkpoint through checkpoint_engine."""
+
+    def __init__(self, module):
+        self.module, self.checkpoint_engine = module, _Inner()
+
+    def save_checkpoint(self, save_dir, tag, save_latest):
+        folder = f"{save_dir}/{tag}"
+        self.checkpoint_engine.makedirs(folder, exist_ok=True)
+        for kind in ("model", "optim"):
+            self.checkpoint_engine.save({"x": torch.ones(64)}, f"{folder}/zero_pp_rank_0_mp_rank_00_{kind}_states.pt")
+
+
+class FakeTokenizer:
+    def save_pretrained(self, folder):
+        path = f"{folder}/tokenizer.json"
+        with open(path, "w") as f:
+            f.write("{}")
+        return (path, f"{folder}/special_tokens_map.json")  # transformers lists files it may not write
+
+
+class FakeSampler:
+    def load_state_dict(self, sd):
+        self.loaded = sd
+
+
+@pytest.fixture(scope="module")
+def tiny_module():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    return GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=8, n_head=2, vocab_size=32, n_positions=16))
+
+
+def make_cfg(out, **flags):
+    from finetune.config import resolve
+
+    return resolve({"output_dir": str(out), "save_checkpoint": True, **flags}, world_size=1)
+
+
+def make_manager(cfg, module, run_id="run1"):
+    from finetune.checkpoint.manager import CheckpointManager, Layout
+    from finetune.checkpoint.resume import Resumer
+    from finetune.checkpoint.state import TrainingState
+
+    storage = LocalStorage(cfg.ckpt.output_dir)
+    plan = Resumer(cfg, storage).plan_resume()
+    progress = TrainingState()
+    manager = CheckpointManager(storage, cfg.ckpt, Layout([[0]], False), engine=FakeEngine(module), progress=progress,
+                                sampler=FakeSampler(), tokenizer=FakeTokenizer(), run_info={"args": {}},
+                                run_id=run_id, plan=plan)
+    return manager, progress, plan
+
+
+def run_saves(manager, progress, steps):
+    for step in steps:
+        progress.global_step = step
+        manager.save(step)
+
+
+def test_a_save_lists_exactly_the_files_written_and_rank0_reads_back_only_its_own(tmp_path, tiny_module):
+    from finetune.checkpoint.durable import bytes_hashed
+
+    m, progress, _ = make_manager(make_cfg(tmp_path), tiny_module)
+    before = bytes_hashed()
+    run_saves(m, progress, [2])
+    folder = tmp_path / "global_step2"
+    listed = set(read_manifest(folder)["files"])
+    assert listed == {p.name for p in folder.iterdir()} - {MANIFEST}
+    shared = sum((folder / n).stat().st_size for n in ("config.json", "generation_config.json", "tokenizer.json"))
+    assert bytes_hashed() - before == shared  # the rank files were hashed as written, never read back
+
+
+def test_retention_keeps_the_resume_point_and_abandoned_commits_are_set_aside(tmp_path, tiny_module):
+    cfg = make_cfg(tmp_path, save_total_limit=2)
+    m, progress, _ = make_manager(cfg, tiny_module)
+    run_saves(m, progress, [2, 4, 6, 8])
+    assert LocalStorage(tmp_path).tags() == ["global_step6", "global_step8"]
+    # Resume explicitly from step 6: step 8 belongs to the timeline this run abandons.
+    cfg = make_cfg(tmp_path, save_total_limit=2, resume_from_checkpoint=str(tmp_path / "global_step6"))
+    m, progress, plan = make_manager(cfg, tiny_module, run_id="run2")
+    assert plan.folder == tmp_path / "global_step6"
+    assert [p.name.split("-")[0] for p in (tmp_path / ".abandoned").iterdir()] == ["global_step8"]
+    run_saves(m, progress, [7])
+    # Old rule (count every folder by step) would have deleted step 6, the resume point, and kept 8.
+    assert LocalStorage(tmp_path).tags() == ["global_step6", "global_step7"]
+    seven = read_manifest(tmp_path / "global_step7")
+    assert (seven["parent"], seven["commit_seq"]) == ("global_step6", 5)
+    run_saves(m, progress, [9])
+    assert LocalStorage(tmp_path).tags() == ["global_step7", "global_step9"]
+
+
+def test_auto_resume_takes_the_newest_commit_even_when_latest_is_stale(tmp_path, tiny_module):
+    m, progress, _ = make_manager(make_cfg(tmp_path), tiny_module)
+    run_saves(m, progress, [2, 4])
+    (tmp_path / "latest").write_text("global_step2\n")  # crash between the rename and the `latest` write
+    _, _, plan = make_manager(make_cfg(tmp_path, resume_from_checkpoint="auto"), tiny_module, run_id="run2")
+    assert plan.folder.name == "global_step4"
+
+
+def test_auto_refuses_to_start_fresh_over_checkpoints_that_do_not_verify(tmp_path, tiny_module):
+    from finetune.config import ConfigError
+
+    m, progress, _ = make_manager(make_cfg(tmp_path), tiny_module)
+    run_saves(m, progress, [2, 4])
+    for tag in ("global_step2", "global_step4"):
+        victim = tmp_path / tag / "zero_pp_rank_0_mp_rank_00_optim_states.pt"
+        victim.write_bytes(victim.read_bytes()[:-1])
+    with pytest.raises(ConfigError) as e:
+        make_manager(make_cfg(tmp_path, resume_from_checkpoint="auto"), tiny_module)
+    message = str(e.value)
+    assert "global_step4: zero_pp_rank_0_mp_rank_00_optim_states.pt: size" in message and "global_step2:" in message
+    assert "--ignore_unverified_checkpoints" in message
+    assert LocalStorage(tmp_path).tags() == ["global_step2", "global_step4"]  # nothing touched
+    _, _, plan = make_manager(make_cfg(tmp_path, resume_from_checkpoint="auto", ignore_unverified_checkpoints=True),
+                              tiny_module)
+    assert plan is None and LocalStorage(tmp_path).tags() == []
+    assert len(list((tmp_path / ".abandoned").iterdir())) == 2  # set aside, not deleted
+
+
+def test_consolidation_failure_drops_only_the_safetensors(tmp_path, tiny_module, monkeypatch):
+    import finetune.checkpoint.consolidate as consolidate
+
+    def broken(model, folder, dtype, max_shard_size):
+        (folder / "model.safetensors").write_bytes(b"partial")
+        raise RuntimeError("CUDA out of memory (simulated)")
+
+    monkeypatch.setattr(consolidate, "save_consolidated", broken)
+    m, progress, _ = make_manager(make_cfg(tmp_path, save_consolidated=True), tiny_module)
+    run_saves(m, progress, [2])
+    manifest = read_manifest(tmp_path / "global_step2")
+    assert manifest["consolidated"] is False and "zero_pp_rank_0_mp_rank_00_optim_states.pt" in manifest["files"]
+    assert not (tmp_path / "global_step2" / "model.safetensors").exists()
+    assert "CUDA out of memory" in m.consolidation_error
+
+
+@pytest.mark.parametrize("failure", ["full", "statfs error"])
+def test_space_check_failures_are_agreed_save_errors(tmp_path, tiny_module, monkeypatch, failure):
+    from finetune.checkpoint.manager import SaveError
+
+    m, progress, _ = make_manager(make_cfg(tmp_path), tiny_module)
+    if failure == "full":
+        monkeypatch.setattr(m.storage, "free_bytes", lambda: 0)
+    else:
+        monkeypatch.setattr(m.storage, "free_bytes", lambda: (_ for _ in ()).throw(OSError(errno.ESTALE, "stale")))
+    with pytest.raises(SaveError, match="not enough free space"):
+        run_saves(m, progress, [2])
+    assert LocalStorage(tmp_path).tags() == [] and not (tmp_path / STAGING).exists()
+
+
+def test_a_rank_local_snapshot_failure_is_a_save_error_and_leaves_no_staging(tmp_path, tiny_module, monkeypatch):
+    import finetune.checkpoint.manager as manager
+    from finetune.checkpoint.manager import SaveError
+
+    monkeypatch.setattr(manager, "rng_state", lambda: 1 / 0)
+    m, progress, _ = make_manager(make_cfg(tmp_path), tiny_module)
+    with pytest.raises(SaveError, match="ZeroDivisionError"):
+        run_saves(m, progress, [2])
+    assert LocalStorage(tmp_path).tags() == [] and not (tmp_path / STAGING).exists()
+
+
+def test_node_local_candidates_need_the_same_save_id_on_every_node(tmp_path, tiny_module, monkeypatch):
+    """Stubbed dist: a second node's leader reports the same tags, one of them from another save."""
+    from finetune import distributed as dist
+    from finetune.checkpoint.resume import Resumer
+
+    m, progress, _ = make_manager(make_cfg(tmp_path), tiny_module)
+    run_saves(m, progress, [2, 4])
+    other_node = (["global_step4", "global_step2"], {"global_step4": "another-save", "global_step2": "run1-1"})
+
+    def two_leaders(fn, on=True, share=False, **kw):
+        return dist.Outcomes(result=fn(), results=[fn(), other_node])
+
+    monkeypatch.setattr(dist, "gather_outcomes", two_leaders)
+    resumer = Resumer(make_cfg(tmp_path, resume_from_checkpoint="auto"), LocalStorage(tmp_path), node_local=True,
+                      leader=True)
+    assert [p.name for p in resumer._agreed_candidates("auto")] == ["global_step2"]
+
+
+def test_torn_metrics_line_is_dropped_on_resume(tmp_path):
+    from finetune.metrics import read_metrics, truncate_after
+
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1, "loss": 2.0}\n{"step": 2, "loss": 1.5}\n{"step": 3, "loss": 1.')  # crash mid-append
+    assert [r["step"] for r in read_metrics(str(tmp_path))] == [1, 2]
+    truncate_after(path, 2)
+    assert path.read_text() == '{"step": 1, "loss": 2.0}\n{"step": 2, "loss": 1.5}\n'
+
+
+def test_a_universal_conversion_is_reused_only_if_it_verifies(tmp_path):
+    from finetune.checkpoint.resume import verify_universal, write_universal_manifest
+
+    target = tmp_path / "universal"
+    (target / "zero" / "w").mkdir(parents=True)
+    (target / "zero" / "w" / "fp32.pt").write_bytes(b"a" * 100)
+    (target / "mp_rank_00_model_states.pt").write_bytes(b"b" * 10)
+    assert verify_universal(target, "s-1") == ["manifest.json missing or unreadable (an interrupted or foreign "
+                                               "conversion)"]
+    write_universal_manifest(target, "s-1")
+    assert verify_universal(target, "s-1") == []
+    assert "converted from save s-1" in verify_universal(target, "s-2")[0]  # the checkpoint was re-committed
+    (target / "zero" / "w" / "fp32.pt").write_bytes(b"a" * 99 + b"X")
+    assert verify_universal(target, "s-1") == ["zero/w/fp32.pt: checksum mismatch"]
+    assert verify_universal(target, "s-1", checksums=False) == []
+
+
+def test_a_second_run_into_a_live_runs_output_dir_exits_2_naming_it(tmp_path):
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    from finetune.checkpoint.lease import acquire
+
+    with acquire(tmp_path, "live-run-1"):
+        r = subprocess.run([sys.executable, "-m", "finetune", "--max_steps", "1", "--output_dir", str(tmp_path)],
+                           capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert "live-run-1" in r.stderr and str(os.getpid()) in r.stderr and socket.gethostname() in r.stderr
+    assert not (tmp_path / "metrics.jsonl").exists() and not (tmp_path / "exit_status.json").exists()

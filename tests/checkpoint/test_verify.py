@@ -9,7 +9,8 @@ import sys
 import pytest
 
 from finetune.checkpoint.manager import commit_staged
-from finetune.checkpoint.manifest import hash_file, verify
+from finetune.checkpoint.durable import hash_file
+from finetune.checkpoint.manifest import verify
 from finetune.checkpoint.storage import STAGING, LocalStorage
 
 WORLD = 2

@@ -9,7 +9,7 @@ import uuid
 import pytest
 from conftest import checkpoint_files, partitioned_file_set
 
-from finetune.checkpoint.manifest import hash_file
+from finetune.checkpoint.durable import hash_file
 
 pytestmark = pytest.mark.distributed
 
@@ -60,6 +60,28 @@ def test_consolidated_checkpoint_loads_and_matches_training_weights(run_finetune
         assert torch.equal(model.eval()(x).logits, ref.eval()(x).logits)
     if arch == "qwen2":
         assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+
+
+def test_no_rank_reads_more_than_its_own_files_during_a_save(run_finetune, tmp_path):
+    """4 ranks: each rank's read bytes over a save (the kernel's rchar for the whole process, and the
+    bytes our code read back to hash) stay within its own files + the shared ones; before, rank 0
+    read every other rank's files back (3 × its own share here)."""
+    io_dir = tmp_path / "save-io"
+    r = run_finetune("--max_steps", "2", "--save_checkpoint", "--per_device_train_batch_size", "2",
+                     "--eval_steps", "100000", nprocs=4, env={"FINETUNE_SAVE_IO": str(io_dir)}, timeout=TIMEOUT)
+    _ok(r)
+    records = [json.loads(p.read_text()) for p in sorted(io_dir.glob("global_step2-rank*.json"))]
+    assert sorted(rec["rank"] for rec in records) == [0, 1, 2, 3]
+    manifest = json.loads((r.out_dir / "global_step2" / "manifest.json").read_text())["files"]
+    shared = sum(m["size"] for n, m in manifest.items() if not n.startswith(("zero_pp_rank_", "rng_state_")))
+    others = min(sum(m["size"] for n, m in manifest.items() if n.startswith(f"zero_pp_rank_{q}_")) for q in (1, 2, 3))
+    slack = 256 << 10  # collectives' sockets, DeepSpeed copying its recovery scripts (~40 KB)
+    assert others > 4 * slack  # reading back any other rank's files would show
+    for rec in records:
+        allowed = shared if rec["rank"] == 0 else 0
+        assert rec["hashed_bytes"] <= allowed, rec
+        assert rec["rchar_delta"] <= allowed + slack, rec
+        assert rec["own_bytes"] >= others // 2, rec
 
 
 RESUME_FLAGS = ["--max_train_samples", "80", "--per_device_train_batch_size", "4", "--gradient_accumulation_steps",
@@ -180,6 +202,13 @@ def test_auto_resume_falls_back_past_a_damaged_checkpoint(run_finetune, tmp_path
     explicit = run_finetune("--max_steps", "8", "--resume_from_checkpoint", str(out / "global_step8"),
                             out_dir=out, timeout=TIMEOUT)
     assert explicit.returncode == 2 and "does not verify" in explicit.output
+    # An EIO on one rank's read while verifying (bad media): every rank learns it, exit 2, no hang.
+    unreadable = run_finetune("--max_steps", "8", "--resume_from_checkpoint", str(out / "global_step6"),
+                              out_dir=out, env={"FINETUNE_FAIL_VERIFY": "1"}, timeout=TIMEOUT)
+    assert unreadable.returncode == 2, unreadable.output[-3000:]
+    assert "does not verify" in unreadable.output and "unreadable (OSError" in unreadable.output
+    with open(out / "metrics.jsonl", "a") as f:
+        f.write('{"step": 9, "loss": 1.2')  # a crash mid-append: rank 0 must not fail alone on it
     resumed = run_finetune("--max_steps", "10", "--save_checkpoint", "--logging_steps", "1",
                            "--resume_from_checkpoint", "auto", out_dir=out, timeout=TIMEOUT)
     _ok(resumed)
@@ -187,3 +216,5 @@ def test_auto_resume_falls_back_past_a_damaged_checkpoint(run_finetune, tmp_path
     assert "Resumed from" in resumed.output and "global_step6 at step 6" in resumed.output
     assert [r["step"] for r in resumed.train_rows()] == list(range(1, 11))
     assert (out / "latest").read_text().strip() == "global_step10"
+    # The damaged step 8 was committed after the resume point: set aside as evidence, not overwritten.
+    assert [p.name.split("-")[0] for p in (out / ".abandoned").iterdir()] == ["global_step8"]

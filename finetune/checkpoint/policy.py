@@ -1,0 +1,98 @@
+"""Checkpoint policy as pure functions of what the manifests say: no processes, no collectives.
+
+Commit order is the truth. Every manifest records a commit sequence number (one higher than any
+checkpoint the output dir held when the run started, then +1 per commit), its save id, and the
+checkpoint its run continued from (parent tag + parent save id). From these:
+
+  resume order   newest commit first (never what ``latest`` names, nor the highest step):
+                 a stale ``latest`` (a crash between the rename and its update) cannot hide a newer
+                 complete checkpoint; checkpoints from before sequence numbers existed come after,
+                 newest step first; folders without a readable manifest come last (they will fail
+                 verification, and they still count as "checkpoints exist");
+  the line       the checkpoint a run continues from and its descendants, found by following parent
+                 links whose save ids match: retention counts only this line, so checkpoints of an
+                 abandoned timeline never push out the one a run resumed from;
+  abandoned      committed checkpoints newer than the resume point: set aside, never counted.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from finetune.checkpoint.storage import step_of
+
+
+@dataclass(frozen=True)
+class Committed:
+    """What one complete checkpoint's manifest says about its place in the commit order."""
+
+    tag: str
+    seq: int | None = None  # None: saved before commit sequence numbers existed
+    save_id: str | None = None
+    parent: str | None = None
+    parent_save_id: str | None = None
+    total_bytes: int = 0
+
+    @classmethod
+    def from_manifest(cls, tag: str, manifest: dict) -> "Committed":
+        seq = manifest.get("commit_seq")
+        return cls(tag, int(seq) if seq is not None else None, manifest.get("save_id"), manifest.get("parent"),
+                   manifest.get("parent_save_id"), int(manifest.get("total_bytes", 0)))
+
+    @property
+    def order_key(self) -> tuple:
+        return (self.seq is not None, self.seq if self.seq is not None else -1, step_of(self.tag) or 0)
+
+
+def newest_first(committed: list[Committed]) -> list[Committed]:
+    return sorted(committed, key=lambda c: c.order_key, reverse=True)
+
+
+def resume_order(tags: list[str], committed: list[Committed]) -> list[str]:
+    """Tags to try when resuming, best first: committed newest first, then the unreadable ones."""
+    known = {c.tag for c in committed}
+    rest = sorted((t for t in tags if t not in known), key=lambda t: step_of(t) or 0, reverse=True)
+    return [c.tag for c in newest_first(committed)] + rest
+
+
+def next_seq(committed: list[Committed]) -> int:
+    return 1 + max((c.seq for c in committed if c.seq is not None), default=0)
+
+
+def line_of(head: Committed | None, committed: list[Committed]) -> list[Committed]:
+    """``head`` and its ancestors on disk, oldest first: follow parent links while the parent's
+    save id matches (a same-tag folder of another save is not an ancestor)."""
+    if head is None:
+        return []
+    by_tag = {c.tag: c for c in committed}
+    line, seen = [head], {head.tag}
+    node = head
+    while node.parent and node.parent in by_tag and node.parent not in seen:
+        parent = by_tag[node.parent]
+        if node.parent_save_id is not None and parent.save_id != node.parent_save_id:
+            break
+        line.append(parent)
+        seen.add(parent.tag)
+        node = parent
+    return line[::-1]
+
+
+def newer_than(point: Committed, committed: list[Committed]) -> list[Committed]:
+    """Committed checkpoints after ``point`` in commit order: the timeline a resume from ``point``
+    abandons."""
+    return [c for c in committed if c.tag != point.tag and c.order_key > point.order_key]
+
+
+def select_for_deletion(line: list[str], limit: int, protected: set) -> list[str]:
+    """The oldest of ``line`` (oldest first) beyond ``limit``, never a protected one."""
+    excess = len(line) - limit
+    return [t for t in line if t not in protected][:max(excess, 0)]
+
+
+def space_needed(previous_bytes: int | None, parameters: int, share: float, bytes_per_param: int,
+                 margin: float) -> int:
+    """Bytes a save needs on one storage: the previous checkpoint's size there, else an estimate
+    for Adam under ZeRO scaled to the storage's share of the ranks (node-local: its node's)."""
+    if previous_bytes:
+        return int(previous_bytes * margin)
+    return int(parameters * bytes_per_param * share * margin)
