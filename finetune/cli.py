@@ -94,7 +94,7 @@ def _verify(argv: list[str]) -> int:
 
     p = _Parser(prog="finetune verify", description="Check a checkpoint against its manifest.json. "
                 "Exit 0 intact, 1 damaged (names the files), 2 not a checkpoint.")
-    p.add_argument("checkpoint", help="A checkpoint folder, or an output dir (its `latest` is checked).")
+    p.add_argument("checkpoint", help="A checkpoint folder, or an output dir (its newest committed checkpoint is checked).")
     p.add_argument("--quick", action="store_true", help="Check file sizes only, not checksums.")
     ns = p.parse_args(argv)
     folder = find_checkpoint(ns.checkpoint)
@@ -119,7 +119,7 @@ def _export(argv: list[str]) -> int:
     p = _Parser(prog="finetune export", description="Turn a checkpoint into a HuggingFace model folder (safetensors, "
                 "config, tokenizer), rebuilt from the rank files in one plain process with bounded memory; "
                 "or, with --universal, into DeepSpeed's universal format. Exit 2 on bad input.")
-    p.add_argument("checkpoint", metavar="CKPT", help="A checkpoint folder, or an output dir (its `latest` is exported).")
+    p.add_argument("checkpoint", metavar="CKPT", help="A checkpoint folder, or an output dir (its newest committed checkpoint is exported).")
     p.add_argument("out", metavar="OUT", nargs="?", help="The folder to create (must not exist, or be empty). "
                    "With --universal, default CHECKPOINT/universal.")
     p.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default=None,

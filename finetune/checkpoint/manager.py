@@ -353,19 +353,14 @@ class CheckpointManager:
         if consolidation:
             self.consolidation_error = _describe(consolidation)
             files = {n: v for n, v in files.items() if not _is_consolidated(n)}
-            out = dist.gather_outcomes(lambda: self._drop_consolidated(tag), on=self.leader)
+            out = dist.gather_outcomes(lambda: self.storage.remove_matching(f"{STAGING}/{tag}", CONSOLIDATED_PATTERNS),
+                                       on=self.leader)
             if not out.ok:  # the files are left but unlisted; the checkpoint is still complete
                 dist.log_main(logging.WARNING, "could not remove partial safetensors files: %s", out.describe())
             dist.log_main(logging.ERROR, "consolidated weights of %s not written (%s); committing the partitioned "
                           "checkpoint without them: `finetune export` can rebuild them from it", tag,
                           self.consolidation_error)
         return files
-
-    def _drop_consolidated(self, tag: str) -> None:
-        folder = self.out / STAGING / tag
-        for pattern in CONSOLIDATED_PATTERNS:
-            for path in folder.glob(pattern):
-                path.unlink()
 
     def _drop_staging(self, tag: str) -> None:
         """Leaders remove a failed save's staging (polled: it can be large). Collective."""

@@ -100,6 +100,15 @@ class LocalStorage:
             logger.warning("could not delete %s completely (%d error(s), first: %s); it is retried at the next "
                            "start", rel, len(failures), failures[0])
 
+    def remove_matching(self, rel: str, patterns: tuple[str, ...]) -> list[str]:
+        """Delete the files of folder ``rel`` that match any glob of ``patterns``; their names."""
+        removed = []
+        for pattern in patterns:
+            for path in (self.root / rel).glob(pattern):
+                path.unlink()
+                removed.append(path.name)
+        return removed
+
     def read_manifest(self, tag: str) -> dict | None:
         import json
 

@@ -346,3 +346,29 @@ def test_a_second_run_into_a_live_runs_output_dir_exits_2_naming_it(tmp_path):
     assert r.returncode == 2, r.stderr[-2000:]
     assert "live-run-1" in r.stderr and str(os.getpid()) in r.stderr and socket.gethostname() in r.stderr
     assert not (tmp_path / "metrics.jsonl").exists() and not (tmp_path / "exit_status.json").exists()
+
+
+def test_node_local_commit_waits_for_every_leaders_manifest(tmp_path, tiny_module, monkeypatch):
+    """Stubbed dist: another node's leader fails to write its manifest. This node wrote everything,
+    and must neither rename its folder nor move its `latest` (phase 2 runs only after all agree)."""
+    from finetune import distributed as dist
+    from finetune.checkpoint.manager import SaveError
+
+    m, progress, _ = make_manager(make_cfg(tmp_path), tiny_module)
+    m.layout.node_local = True
+    run_saves(m, progress, [2])
+    real, calls = dist.gather_outcomes, []
+
+    def other_leader_fails_to_prepare(fn, on=True, **kw):
+        out = real(fn, on, **kw)
+        calls.append(fn.__qualname__)
+        if "commit" in fn.__qualname__ and sum("commit" in c for c in calls) == 1:  # phase 1: manifests
+            out.errors[1], out.kinds[1] = "OSError: [Errno 28] No space left on device", "OSError"
+        return out
+
+    monkeypatch.setattr(dist, "gather_outcomes", other_leader_fails_to_prepare)
+    with pytest.raises(SaveError, match="commit of global_step4 failed on rank 1"):
+        run_saves(m, progress, [4])
+    assert LocalStorage(tmp_path).tags() == ["global_step2"]
+    assert (tmp_path / "latest").read_text().strip() == "global_step2"
+    assert not (tmp_path / STAGING).exists()

@@ -43,7 +43,7 @@ def test_intact_checkpoint_verifies(ckpt):
     assert report.ok and report.files == 9
     r = cli(ckpt)
     assert r.returncode == 0 and r.stdout.startswith("OK ")
-    assert cli(ckpt.parent).returncode == 0  # an output dir: its `latest`
+    assert cli(ckpt.parent).returncode == 0  # an output dir: its newest committed checkpoint
 
 
 def test_truncated_file_is_damage(ckpt):

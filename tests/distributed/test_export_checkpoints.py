@@ -83,7 +83,7 @@ def test_output_dir_bf16_in_shards(runs, tmp_path):
     import torch
     from safetensors.torch import load_file
 
-    r = export(runs["llama"], tmp_path / "hf", "--dtype", "bf16", "--max_shard_size", "40KB")  # its `latest`
+    r = export(runs["llama"], tmp_path / "hf", "--dtype", "bf16", "--max_shard_size", "40KB")  # its newest committed checkpoint
     assert r.returncode == 0, r.stderr[-4000:]
     index = json.loads((tmp_path / "hf" / "model.safetensors.index.json").read_text())
     shards = sorted(set(index["weight_map"].values()))
