@@ -36,6 +36,7 @@ test-fast: setup
 bench: setup
 	PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(PY) bench/train_throughput.py
 	PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(PY) bench/checkpoint_save.py
+	PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(PY) bench/save_io.py
 	PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(PY) bench/export.py
 	PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(PY) bench/preemption.py
 	PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(PY) bench/data_path.py
