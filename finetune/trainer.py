@@ -39,8 +39,9 @@ def run(cfg: RunConfig) -> int:
     lease = None
     try:
         # One live run per --output_dir, before anything is written there (exit 2 naming the other).
-        run_id = dist.share_from(0, lambda: uuid.uuid4().hex[:12])
-        lease = dist.run_agreed(lambda: acquire_lease(Path(cfg.ckpt.output_dir), run_id), on=dist.is_main())
+        out = Path(cfg.ckpt.output_dir)
+        run_id, created = dist.share_from(0, lambda: (uuid.uuid4().hex[:12], not out.exists()))
+        lease = dist.run_agreed(lambda: acquire_lease(out, run_id), on=dist.is_main())
         if dist.is_main():  # a crash from here on must not leave a previous run's "75" behind
             clear_exit_status(cfg.ckpt.output_dir)
         trainer = Trainer.build(cfg, preemption, run_id)  # bad input stops here, before anything is written
@@ -59,7 +60,16 @@ def run(cfg: RunConfig) -> int:
     finally:
         if lease is not None:
             lease.release()
+            if created and dist.is_main():
+                _remove_if_empty(out)  # bad input: the lease was all this run wrote
         dist.shutdown()
+
+
+def _remove_if_empty(folder: Path) -> None:
+    try:
+        folder.rmdir()
+    except OSError:
+        pass  # not empty: the run wrote something worth keeping
 
 
 def set_seed(seed: int) -> None:
@@ -272,12 +282,14 @@ class Trainer:
         first = dist.all_gather_object(self.preemption.received[:1])  # collective: who was signalled
         signals = ", ".join(f"{got[0]} on rank {r}" for r, got in enumerate(first) if got)
         self.stop_note = {"reason": "preempted", "signal": signals, "step": step}
-        failure = self.checkpoints.at_preemption(step, signals)
+        path, failure = self.checkpoints.at_preemption(step, signals)
         if failure is not None:
             self.stop_note["reason"] = "preempted, save failed"
             return 1
+        if path is not None:
+            dist.log_main(logging.WARNING, "preempted (%s): committed %s; exiting with %d so the job is requeued",
+                          signals, path, EXIT_PREEMPTED)
         if self.cfg.ckpt.save_checkpoint:
             committed = self.checkpoints.committed_step
             self.stop_note["checkpoint"] = tag_for(committed) if committed is not None else None
-            dist.log_main(logging.WARNING, "exiting with %d so the job is requeued", EXIT_PREEMPTED)
         return EXIT_PREEMPTED

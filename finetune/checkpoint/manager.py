@@ -192,22 +192,20 @@ class CheckpointManager:
             dist.log_main(logging.WARNING, "training on: %s (--on_save_error continue)", e)
         return None
 
-    def at_preemption(self, step: int, signals: str) -> str | None:
-        """Commit this step (partitioned only: fast) unless it is already saved; returns an error
-        description when the save failed, None otherwise."""
+    def at_preemption(self, step: int, signals: str) -> tuple[Path | None, str | None]:
+        """Commit this step (partitioned only: fast) unless it is already saved; returns (the new
+        checkpoint or None, the save's error or None)."""
         if not self.ckpt.save_checkpoint:
             dist.log_main(logging.WARNING, "preempted (%s) at step %d: not saving (no --save_checkpoint)", signals, step)
-            return None
+            return None, None
         if self.committed_step == step or step == 0:
             dist.log_main(logging.WARNING, "preempted (%s) at step %d: nothing new to save", signals, step)
-            return None
+            return None, None
         try:
-            path = self.save(step, consolidated=False)
+            return self.save(step, consolidated=False), None
         except SaveError as e:
             dist.log_main(logging.ERROR, "preempted (%s) at step %d and the save failed: %s", signals, step, e)
-            return str(e)
-        dist.log_main(logging.WARNING, "preempted (%s): committed %s", signals, path)
-        return None
+            return None, str(e)
 
     def at_end(self, step: int) -> int:
         """The final save: its failure always makes the run exit 1."""
