@@ -1,0 +1,51 @@
+"""``python -m save_io_probe ARGS`` = ``python -m finetune ARGS`` with each rank's save I/O recorded.
+
+Wraps ``CheckpointManager.save`` (present in every version of finetune, so a before/after
+comparison measures both the same way) and appends one JSON line per save to
+``$SAVE_IO_PROBE_DIR/rank<r>.jsonl``: seconds, and the deltas of /proc/self/io's ``rchar`` (bytes
+the process read through read(2)-like calls: files and sockets) and ``read_bytes`` (bytes fetched
+from the storage layer) over the save. Used by bench/save_io.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+
+def _io() -> dict[str, int]:
+    lines = Path("/proc/self/io").read_text().splitlines()
+    return {k: int(v) for k, v in (line.split(": ") for line in lines)}
+
+
+def _install() -> None:
+    from finetune.checkpoint import manager
+
+    original = manager.CheckpointManager.save
+
+    def save(self, *args, **kwargs):
+        before, start = _io(), time.perf_counter()
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            seconds, after = time.perf_counter() - start, _io()
+            rank = int(os.environ.get("RANK", "0"))
+            record = {"rank": rank, "seconds": seconds, "rchar": after["rchar"] - before["rchar"],
+                      "read_bytes": after["read_bytes"] - before["read_bytes"],
+                      "wchar": after["wchar"] - before["wchar"]}
+            out = Path(os.environ["SAVE_IO_PROBE_DIR"])
+            out.mkdir(parents=True, exist_ok=True)
+            with open(out / f"rank{rank}.jsonl", "a") as f:
+                f.write(json.dumps(record) + "\n")
+
+    manager.CheckpointManager.save = save
+
+
+if __name__ == "__main__":
+    _install()
+    from finetune.cli import main
+
+    sys.exit(main(sys.argv[1:]))
