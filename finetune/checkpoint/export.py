@@ -29,8 +29,8 @@ import torch
 
 from finetune.checkpoint.consolidate import INDEX, _header, plan_shards
 from finetune.checkpoint.durable import fsync_path, write_json_durably
-from finetune.checkpoint.manifest import MANIFEST
-from finetune.checkpoint.resume import UNIVERSAL
+from finetune.checkpoint.manifest import MANIFEST, read_manifest
+from finetune.checkpoint.resume import UNIVERSAL, write_universal_manifest
 from finetune.checkpoint.storage import LATEST, find_checkpoint
 from finetune.checkpoint.zero_files import CHUNK_BYTES, ZeroCheckpoint, rank_model_files
 from finetune.config import ConfigError
@@ -122,7 +122,8 @@ def export_universal(checkpoint: str | os.PathLike, out: str | os.PathLike | Non
 
 def to_universal(folder: Path, target: Path) -> str | None:
     """Run DeepSpeed's ds_to_universal on ``folder`` into ``target``: staged in ``target.tmp``,
-    renamed into place on success. Returns None, or DeepSpeed's last output line on failure."""
+    renamed into place on success, with a manifest.json of its files and the save id it was converted
+from. Returns None, or DeepSpeed's last output line on failure."""
     tmp = target.with_name(f"{target.name}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     workers = str(max(1, min(4, os.cpu_count() or 1)))
@@ -132,6 +133,8 @@ def to_universal(folder: Path, target: Path) -> str | None:
     if proc.returncode != 0:
         shutil.rmtree(tmp, ignore_errors=True)
         return ((proc.stderr or proc.stdout).strip().splitlines() or ["no output"])[-1]
+    # Its own manifest, before the rename: a resume reuses the conversion only if it verifies.
+    write_universal_manifest(tmp, (read_manifest(folder) or {}).get("save_id"))
     os.replace(tmp, target)
     return None
 

@@ -224,10 +224,10 @@ class Resumer:
             if os.environ.get(SLOW_UNIVERSAL_ENV):
                 time.sleep(float(os.environ[SLOW_UNIVERSAL_ENV]))
             start = time.perf_counter()
-            failure = to_universal(folder, target)  # staged in universal.tmp, renamed into place on success
+            # Staged in universal.tmp with its manifest, renamed into place on success.
+            failure = to_universal(folder, target)
             if failure is not None:
                 raise RuntimeError(f"DeepSpeed's ds_to_universal failed on {folder}: {failure}")
-            write_universal_manifest(target, manifest.get("save_id"))
             logger.info("Converted %s to the universal format in %.1f seconds.", folder.name,
                         time.perf_counter() - start)
             return "converted"

@@ -108,6 +108,10 @@ def test_universal(runs, tmp_path):
     r = export(part, "--universal")
     assert r.returncode == 0, r.stderr[-4000:]
     assert (part / "universal" / "zero").is_dir() and any((part / "universal" / "zero").iterdir())
+    from finetune.checkpoint.resume import verify_universal
+
+    source = json.loads((part / "manifest.json").read_text()).get("save_id")
+    assert verify_universal(part / "universal", source) == []  # a resume on another world size reuses it
     again = export(part, "--universal")  # already converted: refused, named, untouched
     assert again.returncode == 2 and str(part / "universal") in again.stderr
 
