@@ -237,7 +237,9 @@ def gather_outcomes(fn: Callable[[], Any], on: bool = True, *, share: bool = Fal
             if all(all_gather_object(thread is None or not thread.is_alive())):
                 break
     own = box.get("error")
-    mine = (None if own is None else (type(own).__name__, describe_error(own)), box.get("result") if share else None)
+    # A ConfigError subclass (LeaseHeld…) is a bad input everywhere: every rank exits 2 with its line.
+    kind = None if own is None else ("ConfigError" if isinstance(own, ConfigError) else type(own).__name__)
+    mine = (None if own is None else (kind, describe_error(own)), box.get("result") if share else None)
     gathered = all_gather_object(mine)
     out = Outcomes(result=box.get("result"), own=own)
     for r, (failure, result) in enumerate(gathered):

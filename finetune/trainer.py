@@ -44,7 +44,7 @@ def run(cfg: RunConfig) -> int:
         lease = dist.run_agreed(lambda: acquire_lease(out, run_id), on=dist.is_main())
         if dist.is_main():  # a crash from here on must not leave a previous run's "75" behind
             clear_exit_status(cfg.ckpt.output_dir)
-        trainer = Trainer.build(cfg, preemption, run_id)  # bad input stops here, before anything is written
+        trainer = Trainer.build(cfg, preemption, run_id, lease)  # bad input stops here, before anything is written
         if dist.is_main():
             write_exit_status(cfg.ckpt.output_dir, None, {"reason": "running"})
         try:
@@ -112,7 +112,8 @@ class Trainer:
     stop_note: dict | None = None  # why and where training stopped, for exit_status.json
 
     @classmethod
-    def build(cls, cfg: RunConfig, preemption: Preemption | None = None, run_id: str | None = None) -> "Trainer":
+    def build(cls, cfg: RunConfig, preemption: Preemption | None = None, run_id: str | None = None,
+              lease=None) -> "Trainer":
         import deepspeed
         from transformers import get_scheduler
 
@@ -153,7 +154,8 @@ class Trainer:
         checkpoints = CheckpointManager(
             storage, cfg.ckpt, layout, engine=engine, progress=state, sampler=sampler, tokenizer=tokenizer,
             run_info=run_info, run_id=run_id or uuid.uuid4().hex[:12], plan=plan,
-            consolidated_dtype=DTYPES[cfg.ckpt.consolidated_dtype or t.precision])
+            consolidated_dtype=DTYPES[cfg.ckpt.consolidated_dtype or t.precision],
+            still_ours=lambda: lease is None or not lease.lost)
         return cls(cfg, engine, tokenizer, data, evalset, total, checkpoints,
                    MetricsWriter(cfg.ckpt.output_dir, monitor), state, preemption or Preemption(()))
 

@@ -50,6 +50,12 @@ INDEX = "model.safetensors.index.json"
 CPU_BACKENDS = frozenset({"gloo", "mpi", "ccl"})
 
 
+class ConsolidationFailed(RuntimeError):
+    """The consolidated save failed *after* every rank finished its collectives (or before the
+    first one, alike on every rank): safe to record and agree on. Anything else that escapes
+    ``save_consolidated`` means the ranks may be out of step."""
+
+
 class ConsolidationError(RuntimeError):
     """The gathered tensors don't match the plan (order, shape or element count)."""
 
@@ -235,8 +241,9 @@ class _FirstError:
             self.error = e
 
     def raise_if_any(self) -> None:
+        """Raise the held error as ConsolidationFailed: every rank is past every collective."""
         if self.error is not None:
-            raise self.error
+            raise ConsolidationFailed(f"{type(self.error).__name__}: {self.error}") from self.error
 
 
 def _module_groups(entries) -> Iterator[list[tuple[str, torch.nn.Module, str, bool]]]:
@@ -358,7 +365,10 @@ def save_consolidated(model, folder: Path, dtype: torch.dtype, max_shard_size: s
     import deepspeed
 
     entries = tensor_entries(model)
-    split, meta = plan_shards(entries, dtype, max_shard_size)  # raises on every rank alike, before any collective
+    try:
+        split, meta = plan_shards(entries, dtype, max_shard_size)  # raises on every rank alike, before any collective
+    except ValueError as e:
+        raise ConsolidationFailed(str(e)) from e
     writer = _ShardWriter(folder, split, meta) if dist.is_main() else None
     failed = _FirstError()
     for group in _module_groups(entries):
@@ -378,4 +388,7 @@ def save_consolidated(model, folder: Path, dtype: torch.dtype, max_shard_size: s
     if not failed.ok:
         writer.abandon()
         failed.raise_if_any()
-    return writer.finish()
+    try:
+        return writer.finish()  # rank 0 alone, after the last collective
+    except Exception as e:  # noqa: BLE001 — a full disk at the index, a short shard: agreed by the caller
+        raise ConsolidationFailed(f"{type(e).__name__}: {e}") from e

@@ -136,15 +136,16 @@ class Snapshot:
 class CheckpointManager:
     def __init__(self, storage: LocalStorage, ckpt: CheckpointArgs, layout: Layout, *, engine, progress: TrainingState,
                  sampler, tokenizer, run_info: dict, run_id: str, plan: ResumePlan | None = None,
-                 consolidated_dtype: torch.dtype = torch.float32):
+                 consolidated_dtype: torch.dtype = torch.float32, still_ours=lambda: True):
         """``run_info``: what trainer_state.json records besides the progress (zero stage, dtype,
-        args); ``run_id``: the same on every rank (names this run's save ids)."""
+        args); ``run_id``: the same on every rank (names this run's save ids); ``still_ours``:
+        whether this run still holds OUT's lease (asked by the leader before each commit)."""
         from finetune.modeling import count_parameters
 
         self.storage, self.ckpt, self.layout, self.out = storage, ckpt, layout, storage.root
         self.engine, self.progress, self.sampler, self.tokenizer = engine, progress, sampler, tokenizer
         self.run_info, self.run_id, self.plan = run_info, run_id, plan
-        self.consolidated_dtype = consolidated_dtype
+        self.consolidated_dtype, self.still_ours = consolidated_dtype, still_ours
         self.leader = layout.leader
         self.parameters = count_parameters(engine.module)
         self.writer = GuardedWriter(engine.checkpoint_engine)
@@ -211,6 +212,11 @@ class CheckpointManager:
         """The final save: its failure always makes the run exit 1."""
         if not self.ckpt.save_checkpoint:
             return 0
+        if self.committed_step == step:
+            # Resumed at (or past) the last step: re-saving the same step would only swap a
+            # complete checkpoint for a copy of itself.
+            logger.info("step %d is already saved as %s", step, self.out / tag_for(step))
+            return 0
         try:
             path = self.save(step, final=True)
         except SaveError as e:
@@ -250,11 +256,11 @@ class CheckpointManager:
 
     def check_space(self, tag: str) -> None:
         """Leaders: enough free space for this storage's share? Agreed; SaveError on every rank if not."""
-        if os.environ.get(SKIP_SPACE_CHECK_ENV) == "1":
-            return  # test seam: lets tests hit a real ENOSPC mid-write
         need = space_needed(self.last_bytes, self.parameters, self.layout.share, BYTES_PER_PARAM_ESTIMATE, SPACE_MARGIN)
 
         def problem():
+            if os.environ.get(SKIP_SPACE_CHECK_ENV) == "1":
+                return None  # test seam: lets tests hit a real ENOSPC mid-write
             free = self.storage.free_bytes()
             return None if free >= need else f"{free / 1e9:.2f} GB free, need ~{need / 1e9:.2f} GB"
 
@@ -309,13 +315,18 @@ class CheckpointManager:
 
     def _write_consolidated(self, folder: Path) -> None:
         """Collective: every rank gathers, even one whose own writes already failed."""
-        from finetune.checkpoint.consolidate import save_consolidated
+        from finetune.checkpoint.consolidate import ConsolidationFailed, save_consolidated
 
         try:
             self.writer.files.update(save_consolidated(self.engine.module, folder, self.consolidated_dtype,
                                                        self.ckpt.max_shard_size))
-        except Exception as e:  # noqa: BLE001 — recorded; only the safetensors files are dropped
-            self.consolidation_error = dist.describe_error(e)
+        except ConsolidationFailed as e:  # every rank is past the gathers: recorded, only safetensors dropped
+            self.consolidation_error = str(e)
+        except Exception as e:
+            # Escaped mid-gather (a transport error): this rank may have left the others inside a
+            # collective, so agreeing now could hang. Fail loudly; nothing was committed.
+            raise RuntimeError(f"the consolidated save raised on rank {dist.rank()} mid-gather; stopping because the "
+                               f"ranks may be out of step: {type(e).__name__}: {e}") from e
 
     def _write_shared(self, folder: Path, snap: Snapshot) -> None:
         """A leader's files: config, tokenizer, trainer_state.json; hashes only what it wrote here."""
@@ -374,12 +385,22 @@ class CheckpointManager:
     def commit(self, tag: str, files: dict[str, tuple[int, str]], consolidated: bool) -> None:
         """Leaders: manifests into staging, agree, then rename and advance ``latest``. Collective."""
         seq = self.next_seq
+        self.next_seq += 1  # consumed even if the commit fails: a save id is never reused
+        parent = self.head
+        if parent is not None and parent.tag == tag:  # a same-tag re-commit replaces its parent
+            parent = Committed(parent.parent, save_id=parent.parent_save_id) if parent.parent else None
         identity = {"commit_seq": seq, "save_id": f"{self.run_id}-{seq}",
-                    "parent": self.head.tag if self.head else None,
-                    "parent_save_id": self.head.save_id if self.head else None, "consolidated": consolidated}
+                    "parent": parent.tag if parent else None,
+                    "parent_save_id": parent.save_id if parent else None, "consolidated": consolidated}
         ranks = self.layout.my_group if self.layout.node_local else None
-        out = dist.gather_outcomes(lambda: prepare_staged(self.storage, tag, files, dist.world_size(), versions(),
-                                                          ranks, identity), on=self.leader, inline=True)
+
+        def prepare():
+            if not self.still_ours():
+                raise RuntimeError(f"another run took over {self.out}'s lease (this run stalled past its heartbeat); "
+                                   "not committing into it")
+            prepare_staged(self.storage, tag, files, dist.world_size(), versions(), ranks, identity)
+
+        out = dist.gather_outcomes(prepare, on=self.leader, inline=True)
         if not out.ok:
             self._drop_staging(tag)
             raise SaveError(f"commit of {tag} failed on {out.describe()}; latest is unchanged")
@@ -392,7 +413,6 @@ class CheckpointManager:
         self.head = Committed(tag, seq, identity["save_id"], identity["parent"], identity["parent_save_id"],
                               sum(size for size, _ in files.values()))
         self.line = [c for c in self.line if c.tag != tag] + [self.head]
-        self.next_seq += 1
         self.last_bytes = self.head.total_bytes
 
     def retain(self) -> None:
@@ -405,11 +425,13 @@ class CheckpointManager:
         doomed = select_for_deletion([c.tag for c in self.line], limit, {self.head.tag})
         if not doomed:
             return
-        self.line = [c for c in self.line if c.tag not in doomed]
         out = dist.gather_outcomes(lambda: [self.storage.remove(t) for t in doomed], on=self.leader)
-        dist.log_main(logging.INFO, "save_total_limit %d: deleted %s", limit, ", ".join(doomed))
-        if not out.ok:
-            dist.log_main(logging.WARNING, "save_total_limit: could not delete everything (%s)", out.describe())
+        if out.ok:
+            self.line = [c for c in self.line if c.tag not in doomed]
+            dist.log_main(logging.INFO, "save_total_limit %d: deleted %s", limit, ", ".join(doomed))
+        else:  # kept in the line: retried after the next save
+            dist.log_main(logging.WARNING, "save_total_limit %d: could not delete %s (%s); retrying after the next "
+                          "save", limit, ", ".join(doomed), out.describe())
 
     # --- load ----------------------------------------------------------------------------------
 

@@ -56,18 +56,20 @@ class Resumer:
         the engine with ``checkpoint.load_universal``.
         """
         spec = self.cfg.ckpt.resume_from_checkpoint
-        if spec is None:
-            return None
-        folder = self._resolve(spec)
+        folder = self._resolve(spec) if spec is not None else None
         if folder is None:
+            self._set_aside_other_timelines()
             return None
-        saved, manifest = dist.share_from(0, lambda: (json.loads((folder / TRAINER_STATE).read_text()),
-                                                      read_manifest(folder)))
+        saved, manifest, in_out = dist.share_from(0, lambda: (
+            json.loads((folder / TRAINER_STATE).read_text()), read_manifest(folder),
+            folder.parent.resolve() == self.out.resolve()))
         self._check_compatible(saved)
         head, max_seq = None, 0
-        if folder.parent.resolve() == self.out.resolve():
+        if in_out:
             head = Committed.from_manifest(folder.name, manifest or {})
             max_seq = self._set_aside_newer(head)
+        else:
+            self._set_aside_other_timelines()
         universal = None
         if saved["world_size"] != dist.world_size():
             if self.node_local:
@@ -191,6 +193,18 @@ class Resumer:
         if tags:
             self._set_aside(tags, "abandoned", f"committed after the resume point {point.tag}")
         return max([point.seq or 0] + [seq for _, seq in found])
+
+    def _set_aside_other_timelines(self) -> None:
+        """A run that saves but does not continue from a checkpoint in OUT (a fresh start, or a
+        PATH elsewhere) would overwrite same-step checkpoints of OUT's earlier runs: they are set
+        aside first (kept, not counted). Leaders, agreed."""
+        if not self.cfg.ckpt.save_checkpoint:
+            return
+        out = dist.gather_outcomes(lambda: [c.tag for c in committed(self.storage)], on=self.leader, share=True)
+        out.raise_any()
+        tags = sorted({t for r in out.results if r for t in r})
+        if tags:
+            self._set_aside(tags, "earlier-run", "this run does not continue it; delete it if it is not wanted")
 
     def _set_aside(self, tags: list[str], label: str, why: str) -> None:
         def move():

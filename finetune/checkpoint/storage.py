@@ -89,11 +89,10 @@ class LocalStorage:
         path = self.root / rel
         if not path.exists():
             return
-        trash = self.root / f"{TRASH}{path.name}-{uuid.uuid4().hex[:8]}"
-        try:
-            os.rename(path, trash)
-        except OSError:
-            trash = path  # e.g. inside .staging already: remove in place
+        trash = path
+        if not rel.startswith(f"{STAGING}/"):  # under a tag name: never half-deleted in place
+            trash = self.root / f"{TRASH}{path.name}-{uuid.uuid4().hex[:8]}"
+            os.rename(path, trash)  # raises: the caller keeps the tag and retries
         failures: list[str] = []
         shutil.rmtree(trash, onerror=lambda fn, p, exc: failures.append(f"{p}: {exc[1]}"))
         if failures:
@@ -121,7 +120,7 @@ class LocalStorage:
         """Move a checkpoint out of the tag namespace into ``.abandoned`` (kept, not counted);
         returns where it went, relative to root."""
         (self.root / ABANDONED).mkdir(exist_ok=True)
-        dst = f"{ABANDONED}/{tag}-{label}"
+        dst = f"{ABANDONED}/{Path(tag).name}-{label}"
         if self.exists(dst):
             dst = f"{dst}-{uuid.uuid4().hex[:6]}"
         self.rename(tag, dst)
@@ -132,8 +131,8 @@ class LocalStorage:
         if not self.root.is_dir():
             return []
         found = [f"{STAGING}/{p.name}" for p in _children(self.root / STAGING)]
-        found += [p.name for p in _children(self.root) if p.name.startswith(TRASH) or p.name == f".{LATEST}.tmp"
-                  or p.name == "metrics.jsonl.tmp"]
+        found += [p.name for p in _children(self.root) if p.name.startswith((TRASH, ".storage-probe-"))
+                  or p.name in (f".{LATEST}.tmp", "metrics.jsonl.tmp", ".exit_status.json.tmp")]
         found += [f"{t}/{p.name}" for t in self.tags() for p in _children(self.root / t) if p.name.endswith(".tmp")]
         return sorted(found)
 
@@ -141,6 +140,7 @@ class LocalStorage:
         """Remove every leftover of a crashed save: [(relative path, bytes freed)]. Only safe while
         this run holds OUT's lease (no other save can be in flight)."""
         removed = []
+        self._rescue_committed()
         for rel in self.leftovers():
             size = _tree_bytes(self.root / rel)
             path = self.root / rel
@@ -154,17 +154,36 @@ class LocalStorage:
             staging.rmdir()
         return removed
 
+    def _rescue_committed(self) -> None:
+        """Complete checkpoints that a crash left inside ``.staging`` are never deleted: the old
+        folder of a same-tag swap (``<tag>.replaced``) goes back under its name when the new one
+        never arrived; a staged folder with its manifest (committed on this storage, then the
+        rename never happened, perhaps not on every node) is set aside under ``.abandoned``."""
+        for path in _children(self.root / STAGING):
+            if not (path / MANIFEST).is_file():
+                continue
+            if path.name.endswith(".replaced"):
+                tag = path.name.removesuffix(".replaced")
+                if step_of(tag) is not None and not self.exists(tag):
+                    self.rename(f"{STAGING}/{path.name}", tag)
+                    logger.warning("restored %s: a crash interrupted a same-tag swap", tag)
+                    continue
+            if step_of(path.name) is not None:
+                where = self.set_aside(f"{STAGING}/{path.name}", "staged")
+                logger.warning("set aside %s/%s, complete but never published (a crash during its commit): now %s",
+                               STAGING, path.name, where)
+
     def finish_staging(self) -> None:
         """Tidy ``.staging`` after a save: DeepSpeed copies its recovery scripts (zero_to_fp32.py,
         zero_to_torch.py) into the directory it saves under; they go where DeepSpeed users expect
         them, beside the checkpoints. The folder itself goes when empty."""
         staging = self.root / STAGING
-        for script in staging.glob("zero_to_*.py"):
-            os.replace(script, self.root / script.name)
         try:
+            for script in staging.glob("zero_to_*.py"):
+                os.replace(script, self.root / script.name)
             staging.rmdir()
         except OSError:
-            pass  # not empty (another save's leftovers) or already gone: both fine
+            pass  # not empty, already gone, or a script that would not move: tidied at the next start
 
     def free_bytes(self) -> int:
         path = self.root
@@ -211,8 +230,11 @@ def committed(storage: LocalStorage):
     out = []
     for tag in storage.tags():
         manifest = storage.read_manifest(tag)
-        if manifest is not None:
-            out.append(Committed.from_manifest(tag, manifest))
+        try:
+            if manifest is not None:
+                out.append(Committed.from_manifest(tag, manifest))
+        except (TypeError, ValueError, AttributeError):
+            pass  # a hand-edited manifest: unreadable, like a missing one
     return out
 
 

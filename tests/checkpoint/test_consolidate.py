@@ -21,6 +21,7 @@ from finetune.checkpoint import consolidate
 from finetune.checkpoint.consolidate import (
     INDEX,
     ConsolidationError,
+    ConsolidationFailed,
     _ShardWriter,
     comm_device,
     plan_shards,
@@ -94,8 +95,9 @@ def test_write_error_surfaces_as_oserror_after_the_last_module(tmp_path):
     plan, _ = plan_shards(tensor_entries(model), torch.float32, "20KB")
     second = list(plan.filename_to_tensors)[1]
     (tmp_path / second).mkdir()  # a directory where a shard file must go
-    with pytest.raises(IsADirectoryError):
+    with pytest.raises(ConsolidationFailed) as e:  # raised after every collective: safe to agree on
         save_consolidated(model, tmp_path, torch.float32, "20KB")
+    assert isinstance(e.value.__cause__, IsADirectoryError)
 
 
 # --- placement, windows, checks -------------------------------------------------------------------
@@ -248,7 +250,7 @@ def test_errors_on_any_rank_are_raised_after_the_last_gather(tmp_path):
     once every rank is done: the all-reduce after the save completes on all three."""
     outcomes = _run_ranks(tmp_path, "fail")
     assert outcomes == [
-        {"error": "RuntimeError: CUDA out of memory (simulated)", "in_step": True},
+        {"error": "ConsolidationFailed: RuntimeError: CUDA out of memory (simulated)", "in_step": True},
         {"files": [], "in_step": True},
-        {"error": "RuntimeError: out of memory staging the partition (simulated)", "in_step": True},
+        {"error": "ConsolidationFailed: RuntimeError: out of memory staging the partition (simulated)", "in_step": True},
     ]

@@ -166,7 +166,7 @@ def make_cfg(out, **flags):
     return resolve({"output_dir": str(out), "save_checkpoint": True, **flags}, world_size=1)
 
 
-def make_manager(cfg, module, run_id="run1"):
+def make_manager(cfg, module, run_id="run1", **kw):
     from finetune.checkpoint.manager import CheckpointManager, Layout
     from finetune.checkpoint.resume import Resumer
     from finetune.checkpoint.state import TrainingState
@@ -176,7 +176,7 @@ def make_manager(cfg, module, run_id="run1"):
     progress = TrainingState()
     manager = CheckpointManager(storage, cfg.ckpt, Layout([[0]], False), engine=FakeEngine(module), progress=progress,
                                 sampler=FakeSampler(), tokenizer=FakeTokenizer(), run_info={"args": {}},
-                                run_id=run_id, plan=plan)
+                                run_id=run_id, plan=plan, **kw)
     return manager, progress, plan
 
 
@@ -251,7 +251,7 @@ def test_consolidation_failure_drops_only_the_safetensors(tmp_path, tiny_module,
 
     def broken(model, folder, dtype, max_shard_size):
         (folder / "model.safetensors").write_bytes(b"partial")
-        raise RuntimeError("CUDA out of memory (simulated)")
+        raise consolidate.ConsolidationFailed("RuntimeError: CUDA out of memory (simulated)")
 
     monkeypatch.setattr(consolidate, "save_consolidated", broken)
     m, progress, _ = make_manager(make_cfg(tmp_path, save_consolidated=True), tiny_module)
@@ -260,6 +260,19 @@ def test_consolidation_failure_drops_only_the_safetensors(tmp_path, tiny_module,
     assert manifest["consolidated"] is False and "zero_pp_rank_0_mp_rank_00_optim_states.pt" in manifest["files"]
     assert not (tmp_path / "global_step2" / "model.safetensors").exists()
     assert "CUDA out of memory" in m.consolidation_error
+
+
+def test_an_error_escaping_mid_gather_stops_the_run_instead_of_agreeing(tmp_path, tiny_module, monkeypatch):
+    import finetune.checkpoint.consolidate as consolidate
+
+    def transport_error(model, folder, dtype, max_shard_size):
+        raise RuntimeError("Connection reset by peer (simulated)")
+
+    monkeypatch.setattr(consolidate, "save_consolidated", transport_error)
+    m, progress, _ = make_manager(make_cfg(tmp_path, save_consolidated=True), tiny_module)
+    with pytest.raises(RuntimeError, match="mid-gather; stopping because the ranks may be out of step"):
+        run_saves(m, progress, [2])
+    assert LocalStorage(tmp_path).tags() == []
 
 
 @pytest.mark.parametrize("failure", ["full", "statfs error"])
@@ -372,3 +385,82 @@ def test_node_local_commit_waits_for_every_leaders_manifest(tmp_path, tiny_modul
     assert LocalStorage(tmp_path).tags() == ["global_step2"]
     assert (tmp_path / "latest").read_text().strip() == "global_step2"
     assert not (tmp_path / STAGING).exists()
+
+
+def test_resaving_the_committed_step_at_the_end_is_skipped(tmp_path, tiny_module):
+    m, progress, _ = make_manager(make_cfg(tmp_path), tiny_module)
+    run_saves(m, progress, [4])
+    before = read_manifest(tmp_path / "global_step4")["save_id"]
+    cfg = make_cfg(tmp_path, resume_from_checkpoint="auto")
+    m, progress, plan = make_manager(cfg, tiny_module, run_id="run2")
+    assert m.at_end(plan.saved["global_step"]) == 0  # e.g. a requeue after training had finished
+    assert read_manifest(tmp_path / "global_step4")["save_id"] == before
+
+
+def test_a_same_tag_recommit_keeps_the_line_intact(tmp_path, tiny_module):
+    from finetune.checkpoint.policy import line_of
+    from finetune.checkpoint.storage import committed
+
+    m, progress, _ = make_manager(make_cfg(tmp_path), tiny_module)
+    run_saves(m, progress, [2, 4, 4])
+    again = read_manifest(tmp_path / "global_step4")
+    assert again["parent"] == "global_step2" and again["commit_seq"] == 3
+    found = committed(LocalStorage(tmp_path))
+    head = next(c for c in found if c.tag == "global_step4")
+    assert [c.tag for c in line_of(head, found)] == ["global_step2", "global_step4"]
+
+
+def test_a_failed_publish_consumes_its_commit_number(tmp_path, tiny_module, monkeypatch):
+    from finetune.checkpoint.manager import SaveError
+
+    m, progress, _ = make_manager(make_cfg(tmp_path, on_save_error="continue"), tiny_module)
+    real = m.storage.write_latest
+    monkeypatch.setattr(m.storage, "write_latest", lambda tag: (_ for _ in ()).throw(OSError(errno.EIO, "eio")))
+    with pytest.raises(SaveError, match="commit of global_step2 failed"):
+        run_saves(m, progress, [2])  # renamed into place, `latest` not written
+    monkeypatch.setattr(m.storage, "write_latest", real)
+    run_saves(m, progress, [4])
+    ids = {t: read_manifest(tmp_path / t)["save_id"] for t in ("global_step2", "global_step4")}
+    assert ids == {"global_step2": "run1-1", "global_step4": "run1-2"}  # never two checkpoints with one id
+
+
+def test_a_fresh_run_sets_aside_an_earlier_runs_checkpoints_instead_of_overwriting(tmp_path, tiny_module):
+    m, progress, _ = make_manager(make_cfg(tmp_path), tiny_module)
+    run_saves(m, progress, [2, 4])
+    m, progress, plan = make_manager(make_cfg(tmp_path), tiny_module, run_id="run2")
+    assert plan is None and LocalStorage(tmp_path).tags() == []
+    assert sorted(p.name.split("-")[0] for p in (tmp_path / ".abandoned").iterdir()) == ["global_step2",
+                                                                                          "global_step4"]
+
+
+def test_a_run_that_lost_its_lease_does_not_commit(tmp_path, tiny_module):
+    from finetune.checkpoint.manager import SaveError
+
+    m, progress, _ = make_manager(make_cfg(tmp_path), tiny_module, still_ours=lambda: False)
+    with pytest.raises(SaveError, match="another run took over"):
+        run_saves(m, progress, [2])
+    assert LocalStorage(tmp_path).tags() == [] and not (tmp_path / STAGING).exists()
+
+
+def test_a_lease_refusal_is_a_config_error_on_every_rank():
+    from finetune import distributed as dist
+    from finetune.checkpoint.lease import LeaseHeld
+
+    def refuse():
+        raise LeaseHeld(__import__("pathlib").Path("/out"), {"run_id": "x", "host": "h", "pid": 1})
+
+    out = dist.gather_outcomes(refuse)
+    assert out.kinds == {0: "ConfigError"}  # the other ranks raise ConfigError too: exit 2, one line
+
+
+def test_housekeeping_restores_a_checkpoint_a_crashed_swap_left_in_staging(tmp_path, tiny_module):
+    m, progress, _ = make_manager(make_cfg(tmp_path), tiny_module)
+    run_saves(m, progress, [2, 4])
+    staging = tmp_path / STAGING
+    staging.mkdir()
+    (tmp_path / "global_step4").rename(staging / "global_step4.replaced")  # killed between the two renames
+    (tmp_path / "global_step2").rename(staging / "global_step2")  # prepared, never published
+    LocalStorage(tmp_path).housekeeping()
+    assert LocalStorage(tmp_path).tags() == ["global_step4"] and read_manifest(tmp_path / "global_step4")
+    assert [p.name.split("-")[0] for p in (tmp_path / ".abandoned").iterdir()] == ["global_step2"]
+    assert not staging.exists()
