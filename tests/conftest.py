@@ -293,3 +293,17 @@ EMBEDDED_TOKENIZER_FILES = {"tokenizer.json", "tokenizer_config.json", "chat_tem
 
 def has_tmpfs_mount() -> bool:
     return shutil.which("mount") is not None and os.geteuid() == 0
+
+
+def write_ds(tmp_path, cfg: dict, name: str = "ds.json") -> str:
+    """A DeepSpeed JSON written into ``tmp_path``; its path."""
+    path = tmp_path / name
+    path.write_text(json.dumps(cfg))
+    return str(path)
+
+
+def base_ds(**extra) -> dict:
+    """The shipped ZeRO-3 config with ``extra`` keys replaced."""
+    cfg = json.loads((REPO / "configs" / "ds_zero3.json").read_text())
+    cfg.update(extra)
+    return cfg

@@ -3,16 +3,17 @@ usage errors as the process reports them (exit 2, one line). Resolution itself: 
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import subprocess
 import sys
 
 import pytest
+from conftest import base_ds as _base_ds
+from conftest import write_ds
 
 from finetune.cli import build_train_parser, parse_train_args
-from finetune.config import CONFIGS_DIR, LEGACY_TIMEOUT_ENV, ConfigError, flag_defaults
+from finetune.config import LEGACY_TIMEOUT_ENV, ConfigError, flag_defaults
 
 
 @pytest.fixture(autouse=True)
@@ -25,18 +26,6 @@ def _isolated(tmp_path, monkeypatch):
 
 def parse(*argv: str):
     return parse_train_args(list(argv))
-
-
-def write_ds(tmp_path, cfg: dict, name: str = "ds.json") -> str:
-    path = tmp_path / name
-    path.write_text(json.dumps(cfg))
-    return str(path)
-
-
-def _base_ds(**extra) -> dict:
-    cfg = json.loads((CONFIGS_DIR / "ds_zero3.json").read_text())
-    cfg.update(extra)
-    return cfg
 
 
 # --- argv → values ---------------------------------------------------------------------------

@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 
 import pytest
+from conftest import base_ds as _base_ds
+from conftest import write_ds
 
 from finetune import config
 from finetune.config import (
@@ -42,18 +44,6 @@ def _isolated(tmp_path, monkeypatch):
 
 def run(precision_flag: str | None = None, world_size: int = 1, **values):
     return resolve(values, precision_flag, world_size=world_size)
-
-
-def write_ds(tmp_path, cfg: dict, name: str = "ds.json") -> str:
-    path = tmp_path / name
-    path.write_text(json.dumps(cfg))
-    return str(path)
-
-
-def _base_ds(**extra) -> dict:
-    cfg = json.loads((CONFIGS_DIR / "ds_zero3.json").read_text())
-    cfg.update(extra)
-    return cfg
 
 
 def _on_cpu() -> bool:
