@@ -127,7 +127,7 @@ class Trainer:
         total = t.max_steps or math.ceil(t.num_train_epochs * data.steps_per_epoch)
         ds_config = finalize_ds_config(cfg.ds_config, total, t.warmup_steps, t.learning_rate)
         storage = LocalStorage(cfg.ckpt.output_dir)
-        layout = Layout.discover(storage.root, cfg.ds_config)
+        layout = Layout.discover(storage.root, cfg.ds_config, cfg.ckpt.save_checkpoint)
         tidy_storage(storage, layout)  # leftovers of crashed saves (this run holds OUT's lease)
         plan = Resumer(cfg, storage, layout.node_local, layout.leader).plan_resume()
         if plan is not None and plan.universal is not None:

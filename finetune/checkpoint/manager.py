@@ -55,7 +55,7 @@ from finetune.checkpoint.resume import ResumePlan
 from finetune.checkpoint.state import TRAINER_STATE, TrainingState, rng_state, set_rng_state
 from finetune.checkpoint.storage import STAGING, LocalStorage, committed, tag_for
 from finetune.checkpoint.writer import GuardedWriter
-from finetune.config import CheckpointArgs
+from finetune.config import CheckpointArgs, ConfigError
 from finetune.distributed import logger
 
 SKIP_SPACE_CHECK_ENV = "FINETUNE_SKIP_SPACE_CHECK"
@@ -92,11 +92,21 @@ class Layout:
     node_local: bool
 
     @classmethod
-    def discover(cls, out: Path, ds_config: dict) -> "Layout":
-        """Collective. Node-local: found out with marker files, not guessed from host names."""
+    def discover(cls, out: Path, ds_config: dict, saving: bool = True) -> "Layout":
+        """Collective. Node-local: found out with marker files, not guessed from host names. Shared
+        (the default) and saving: checked with one marker, since rank 0 alone writes the manifest
+        of every rank's files: an OUT that is in fact local to each node would give checkpoints
+        that verify nowhere."""
         local = node_local(ds_config)
-        groups = dist.sharing_groups(out, "output_dir") if local else [list(range(dist.world_size()))]
-        return cls(groups, local)
+        if local:
+            return cls(dist.sharing_groups(out, "output_dir"), local)
+        if saving and dist.world_size() > 1:
+            apart = dist.any_rank(dist.leads_storage(out, "output_dir") and not dist.is_main())
+            if apart:
+                raise ConfigError(f"--output_dir {out} is not the same folder on every rank (some ranks cannot see "
+                                  "rank 0's files): use storage all ranks share, or node-local checkpoints "
+                                  "(--deepspeed_config configs/ds_zero3_node_local.json)")
+        return cls([list(range(dist.world_size()))], local)
 
     @property
     def my_group(self) -> list[int]:

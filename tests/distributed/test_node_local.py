@@ -15,7 +15,7 @@ COMMON = ["--logging_steps", "1", "--eval_steps", "100000", "--save_checkpoint",
 
 
 def _two_nodes(tmp_path, name: str, *flags: str, env: dict | None = None, swap: bool = False,
-               expect: int = 0) -> list:
+               expect: int = 0, config: str = CONFIG) -> list:
     """One torchrun per node (1 process each), same master, each node its own --output_dir
     (``swap``: each node gets the other's, as if the ranks had landed on the other nodes)."""
     port = str(free_port())
@@ -24,7 +24,7 @@ def _two_nodes(tmp_path, name: str, *flags: str, env: dict | None = None, swap: 
         out = tmp_path / f"{name}-node{1 - node if swap else node}"
         cmd = [str(BIN / "torchrun"), "--nnodes", "2", "--node_rank", str(node), "--nproc_per_node", "1",
                "--master_addr", "127.0.0.1", "--master_port", port, "-m", "finetune",
-               "--deepspeed_config", CONFIG, *flags, "--output_dir", str(out)]
+               "--deepspeed_config", config, *flags, "--output_dir", str(out)]
         runs.append(Running(cmd, tmp_path, child_env(env), out))
     results = [r.finish(TIMEOUT) for r in runs]
     for r in results:
@@ -65,3 +65,12 @@ def test_node_local_resume_matches_an_uninterrupted_run(tmp_path):
     want = {r["step"]: r["loss"] for r in reference[0].metrics() if "loss" in r}
     assert [losses[s] for s in (5, 6)] == [want[s] for s in (5, 6)]  # bitwise on CPU
     assert first[0].out_dir == again[0].out_dir
+
+
+def test_an_output_dir_that_is_not_shared_is_refused_without_node_local_config(tmp_path):
+    """The shared layout with a folder each node sees alone: rank 0 would write manifests listing
+    files it cannot see. Exit 2 (torchrun says 1) naming the flag, before any training."""
+    runs = _two_nodes(tmp_path, "apart", *COMMON, "--max_steps", "2", expect=1,
+                      config=str(REPO / "configs" / "ds_zero3.json"))
+    assert "--output_dir" in runs[0].output and "is not the same folder on every rank" in runs[0].output
+    assert not list((tmp_path / "apart-node0").glob("global_step*"))
