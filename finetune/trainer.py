@@ -119,7 +119,8 @@ class Trainer:
 
         t, start = cfg.train, time.perf_counter()
         set_seed(t.seed)
-        tokenizer = load_tokenizer(cfg.model)
+        # Every rank loads its own copy; one that fails (a bad file on one node) fails them all.
+        tokenizer = dist.run_agreed(lambda: load_tokenizer(cfg.model))
         train, evalset = prepare(cfg, tokenizer)
         sampler = ResumableSampler(len(train), dist.world_size(), dist.rank(), t.seed)
         data = TrainData(train, sampler, t.per_device_train_batch_size, t.gradient_accumulation_steps,
