@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import logging
+import os
 import sys
 import time
 from typing import Any, Callable
@@ -147,6 +149,23 @@ def _export(argv: list[str]) -> int:
 
 
 COMMANDS: dict[str, Callable[[list[str]], int]] = {"train": _train, "verify": _verify, "export": _export}
+
+
+def entry() -> None:
+    """``finetune`` and ``python -m finetune``: run ``main``, then leave without interpreter teardown.
+
+    Everything a run writes is flushed and closed by then (checkpoints, metrics, exit_status.json,
+    TensorBoard events, the lease). Teardown itself can abort a finished rank with SIGABRT
+    ("terminate called without an active exception": gloo's C++ worker threads still holding
+    tensors while the interpreter is finalised, pytorch/pytorch#179291), seen once in ~330 runs
+    here after a clean destroy_process_group; the launcher would then report a failure for a run
+    that succeeded (or hide its real exit code).
+    """
+    code = main()
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def main(argv: list[str] | None = None) -> int:
