@@ -17,7 +17,8 @@ from tqdm.auto import tqdm
 
 from finetune import distributed as dist
 from finetune.checkpoint.lease import acquire as acquire_lease
-from finetune.checkpoint.manager import CheckpointManager, Layout, tidy_storage
+from finetune.checkpoint.layout import Layout, tidy_storage
+from finetune.checkpoint.manager import CheckpointManager
 from finetune.checkpoint.resume import Resumer
 from finetune.checkpoint.state import TrainingState
 from finetune.checkpoint.storage import LocalStorage, tag_for

@@ -38,7 +38,6 @@ the free-space pre-check so a test can provoke a real ENOSPC in the middle of a 
 from __future__ import annotations
 
 import copy
-import json
 import logging
 import os
 import time
@@ -48,18 +47,19 @@ from pathlib import Path
 import torch
 
 from finetune import distributed as dist
-from finetune.checkpoint.durable import bytes_hashed, fsync_path, hash_file, write_json_durably
-from finetune.checkpoint.manifest import build_manifest
+from finetune.checkpoint.accounting import Clock, SaveIO
+from finetune.checkpoint.commit import prepare_staged, publish_staged
+from finetune.checkpoint.durable import fsync_path, hash_file, write_json_durably
+from finetune.checkpoint.layout import Layout
 from finetune.checkpoint.policy import Committed, line_of, select_for_deletion, space_needed
 from finetune.checkpoint.resume import ResumePlan
 from finetune.checkpoint.state import TRAINER_STATE, TrainingState, rng_state, set_rng_state
 from finetune.checkpoint.storage import STAGING, LocalStorage, committed, tag_for
 from finetune.checkpoint.writer import GuardedWriter
-from finetune.config import CheckpointArgs, ConfigError
+from finetune.config import CheckpointArgs
 from finetune.distributed import logger
 
 SKIP_SPACE_CHECK_ENV = "FINETUNE_SKIP_SPACE_CHECK"
-SAVE_IO_ENV = "FINETUNE_SAVE_IO"
 # Adam keeps fp32 master weights + two moments (12 B/param); the module states add a copy.
 BYTES_PER_PARAM_ESTIMATE = 16
 SPACE_MARGIN = 1.10
@@ -78,60 +78,6 @@ def versions() -> dict:
 
     return {"finetune": finetune.__version__, "torch": torch.__version__, "deepspeed": deepspeed.__version__,
             "transformers": transformers.__version__}
-
-
-def node_local(ds_config: dict) -> bool:
-    return bool((ds_config.get("checkpoint") or {}).get("use_node_local_storage", False))
-
-
-@dataclass
-class Layout:
-    """Which ranks share which OUT: one group on shared storage, one per node on node-local disks."""
-
-    groups: list[list[int]]
-    node_local: bool
-
-    @classmethod
-    def discover(cls, out: Path, ds_config: dict, saving: bool = True) -> "Layout":
-        """Collective. Node-local: found out with marker files, not guessed from host names. Shared
-        (the default) and saving: checked with one marker, since rank 0 alone writes the manifest
-        of every rank's files: an OUT that is in fact local to each node would give checkpoints
-        that verify nowhere."""
-        local = node_local(ds_config)
-        if local:
-            return cls(dist.sharing_groups(out, "output_dir"), local)
-        if saving and dist.world_size() > 1:
-            apart = dist.any_rank(dist.leads_storage(out, "output_dir") and not dist.is_main())
-            if apart:
-                raise ConfigError(f"--output_dir {out} is not the same folder on every rank (some ranks cannot see "
-                                  "rank 0's files): use storage all ranks share, or node-local checkpoints "
-                                  "(--deepspeed_config configs/ds_zero3_node_local.json)")
-        return cls([list(range(dist.world_size()))], local)
-
-    @property
-    def my_group(self) -> list[int]:
-        return next(g for g in self.groups if dist.rank() in g)
-
-    @property
-    def leader(self) -> bool:
-        """Whether this rank does rank 0's part for its OUT (rank 0, or each node's first rank)."""
-        return dist.rank() == self.my_group[0]
-
-    @property
-    def share(self) -> float:
-        return len(self.my_group) / max(dist.world_size(), 1)
-
-
-def tidy_storage(storage: LocalStorage, layout: Layout) -> None:
-    """At start, each storage's leader removes what crashed saves left (staging, trash, temp
-    files) and logs it. Collective. Only safe while this run holds OUT's lease."""
-    out = dist.gather_outcomes(storage.housekeeping, on=layout.leader)
-    if out.result:
-        freed = sum(size for _, size in out.result)
-        logger.warning("removed %d leftover(s) of crashed saves from %s, %.1f MB freed: %s", len(out.result),
-                       storage.root, freed / 1e6, ", ".join(rel for rel, _ in out.result))
-    if not out.ok:
-        dist.log_main(logging.WARNING, "could not tidy leftovers of crashed saves (%s); continuing", out.describe())
 
 
 @dataclass
@@ -242,7 +188,7 @@ class CheckpointManager:
 
         ``consolidated`` overrides --save_consolidated (a preemption save skips the gather).
         """
-        tag, clock, io = tag_for(step), _Clock(), _SaveIO()
+        tag, clock, io = tag_for(step), Clock(), SaveIO()
         consolidated = self.ckpt.save_consolidated if consolidated is None else consolidated
         self.check_space(tag)
         clock.lap("check")
@@ -480,86 +426,9 @@ class CheckpointManager:
         return True
 
 
-def commit_staged(storage: LocalStorage, tag: str, files: dict[str, tuple[int, str]], world_size: int,
-                  versions: dict, ranks: list[int] | None = None, identity: dict | None = None) -> None:
-    """A leader's commit of ``.staging/<tag>``. Each step is atomic; a crash between any two leaves
-    ``latest`` naming a complete checkpoint (the old one, or the new one once it is in place).
-    """
-    prepare_staged(storage, tag, files, world_size, versions, ranks, identity)
-    publish_staged(storage, tag)
-
-
-def prepare_staged(storage: LocalStorage, tag: str, files: dict[str, tuple[int, str]], world_size: int,
-                   versions: dict, ranks: list[int] | None = None, identity: dict | None = None) -> None:
-    """The manifest, written *inside* the staged folder before the rename, so the folder never
-    appears under its final name without the file that marks it complete. ``ranks``: the ranks
-    whose files this storage holds (node-local storage); None = all of them. ``identity``: the
-    commit sequence number, save id and parent."""
-    staged = storage.root / STAGING / tag
-    write_json_durably(staged / "manifest.json", build_manifest(tag, files, world_size, versions, ranks, identity))
-    fsync_path(staged)
-
-
-def publish_staged(storage: LocalStorage, tag: str) -> None:
-    # Never overwrite in place: a folder of the same step (an abandoned timeline's) is swapped out.
-    storage.replace_dir(f"{STAGING}/{tag}", tag)
-    storage.write_latest(tag)
-    storage.finish_staging()
-
-
 def _is_consolidated(name: str) -> bool:
     return name == "model.safetensors" or name == "model.safetensors.index.json" or \
         (name.startswith("model-") and name.endswith(".safetensors"))
-
-
-class _SaveIO:
-    """This rank's save I/O: bytes it wrote, bytes our code read back (hash_file), and the
-    kernel's read counters for the whole process (/proc/self/io), as deltas over one save."""
-
-    def __init__(self):
-        self.start = (_proc_io(), bytes_hashed())
-
-    def finish(self, tag: str, files: dict[str, tuple[int, str]], seconds: float) -> dict:
-        (io0, hashed0), io1 = self.start, _proc_io()
-        record = {"tag": tag, "rank": dist.rank(), "world_size": dist.world_size(), "seconds": round(seconds, 4),
-                  "own_bytes": sum(size for size, _ in files.values()), "hashed_bytes": bytes_hashed() - hashed0,
-                  **{f"{k}_delta": io1[k] - io0[k] for k in io1 if k in io0}}
-        folder = os.environ.get(SAVE_IO_ENV)
-        if folder:
-            try:
-                Path(folder).mkdir(parents=True, exist_ok=True)
-                (Path(folder) / f"{tag}-rank{dist.rank()}.json").write_text(json.dumps(record))
-            except OSError as e:
-                logger.warning("%s: %s", SAVE_IO_ENV, e)
-        return record
-
-
-def _proc_io() -> dict[str, int]:
-    try:
-        lines = Path("/proc/self/io").read_text().splitlines()
-    except OSError:
-        return {}
-    return {k: int(v) for k, v in (line.split(": ") for line in lines) if k in ("rchar", "read_bytes", "wchar")}
-
-
-class _Clock:
-    """Per-phase timings of one save, for the log line."""
-
-    def __init__(self):
-        self.start = self.last = time.perf_counter()
-        self.laps: list[tuple[str, float]] = []
-
-    def lap(self, name: str) -> None:
-        now = time.perf_counter()
-        self.laps.append((name, now - self.last))
-        self.last = now
-
-    @property
-    def total(self) -> float:
-        return self.last - self.start
-
-    def __str__(self) -> str:
-        return " ".join(f"{name} {seconds:.2f}s" for name, seconds in self.laps)
 
 
 def _describe(bad: dict[int, str]) -> str:

@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from finetune.checkpoint.manager import commit_staged
+from finetune.checkpoint.commit import commit_staged
 from finetune.checkpoint.durable import hash_file
 from finetune.checkpoint.manifest import MANIFEST, read_manifest
 from finetune.checkpoint.storage import STAGING, LocalStorage
@@ -167,7 +167,8 @@ def make_cfg(out, **flags):
 
 
 def make_manager(cfg, module, run_id="run1", **kw):
-    from finetune.checkpoint.manager import CheckpointManager, Layout
+    from finetune.checkpoint.layout import Layout
+    from finetune.checkpoint.manager import CheckpointManager
     from finetune.checkpoint.resume import Resumer
     from finetune.checkpoint.state import TrainingState
 

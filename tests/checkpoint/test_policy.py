@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from finetune.checkpoint.manager import commit_staged
+from finetune.checkpoint.commit import commit_staged
 from finetune.checkpoint.durable import hash_file
 from finetune.checkpoint.policy import (
     Committed,

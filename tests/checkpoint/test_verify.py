@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from finetune.checkpoint.manager import commit_staged
+from finetune.checkpoint.commit import commit_staged
 from finetune.checkpoint.durable import hash_file
 from finetune.checkpoint.manifest import verify
 from finetune.checkpoint.storage import STAGING, LocalStorage

@@ -1,0 +1,67 @@
+"""What one save cost this rank: phase timings for the log line, and its I/O.
+
+Test seam: ``FINETUNE_SAVE_IO=<dir>`` writes each rank's record to ``<dir>/<tag>-rank<r>.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+from finetune import distributed as dist
+from finetune.checkpoint.durable import bytes_hashed
+from finetune.distributed import logger
+
+SAVE_IO_ENV = "FINETUNE_SAVE_IO"
+
+
+class SaveIO:
+    """This rank's save I/O: bytes it wrote, bytes our code read back (hash_file), and the
+    kernel's read counters for the whole process (/proc/self/io), as deltas over one save."""
+
+    def __init__(self):
+        self.start = (_proc_io(), bytes_hashed())
+
+    def finish(self, tag: str, files: dict[str, tuple[int, str]], seconds: float) -> dict:
+        (io0, hashed0), io1 = self.start, _proc_io()
+        record = {"tag": tag, "rank": dist.rank(), "world_size": dist.world_size(), "seconds": round(seconds, 4),
+                  "own_bytes": sum(size for size, _ in files.values()), "hashed_bytes": bytes_hashed() - hashed0,
+                  **{f"{k}_delta": io1[k] - io0[k] for k in io1 if k in io0}}
+        folder = os.environ.get(SAVE_IO_ENV)
+        if folder:
+            try:
+                Path(folder).mkdir(parents=True, exist_ok=True)
+                (Path(folder) / f"{tag}-rank{dist.rank()}.json").write_text(json.dumps(record))
+            except OSError as e:
+                logger.warning("%s: %s", SAVE_IO_ENV, e)
+        return record
+
+
+def _proc_io() -> dict[str, int]:
+    try:
+        lines = Path("/proc/self/io").read_text().splitlines()
+    except OSError:
+        return {}
+    return {k: int(v) for k, v in (line.split(": ") for line in lines) if k in ("rchar", "read_bytes", "wchar")}
+
+
+class Clock:
+    """Per-phase timings of one save, for the log line."""
+
+    def __init__(self):
+        self.start = self.last = time.perf_counter()
+        self.laps: list[tuple[str, float]] = []
+
+    def lap(self, name: str) -> None:
+        now = time.perf_counter()
+        self.laps.append((name, now - self.last))
+        self.last = now
+
+    @property
+    def total(self) -> float:
+        return self.last - self.start
+
+    def __str__(self) -> str:
+        return " ".join(f"{name} {seconds:.2f}s" for name, seconds in self.laps)

@@ -1,0 +1,39 @@
+"""A leader's commit of a staged checkpoint: manifest into staging, then rename and ``latest``.
+
+Each step is atomic; a crash between any two leaves ``latest`` naming a complete checkpoint (the
+old one, or the new one once it is in place). The manager runs the two phases as separate agreed
+steps so that node-local storage publishes only after every node prepared.
+"""
+
+from __future__ import annotations
+
+from finetune.checkpoint.durable import fsync_path, write_json_durably
+from finetune.checkpoint.manifest import MANIFEST, build_manifest
+from finetune.checkpoint.storage import STAGING, LocalStorage
+
+
+def commit_staged(storage: LocalStorage, tag: str, files: dict[str, tuple[int, str]], world_size: int,
+                  versions: dict, ranks: list[int] | None = None, identity: dict | None = None) -> None:
+    """A leader's commit of ``.staging/<tag>``. Each step is atomic; a crash between any two leaves
+    ``latest`` naming a complete checkpoint (the old one, or the new one once it is in place).
+    """
+    prepare_staged(storage, tag, files, world_size, versions, ranks, identity)
+    publish_staged(storage, tag)
+
+
+def prepare_staged(storage: LocalStorage, tag: str, files: dict[str, tuple[int, str]], world_size: int,
+                   versions: dict, ranks: list[int] | None = None, identity: dict | None = None) -> None:
+    """The manifest, written *inside* the staged folder before the rename, so the folder never
+    appears under its final name without the file that marks it complete. ``ranks``: the ranks
+    whose files this storage holds (node-local storage); None = all of them. ``identity``: the
+    commit sequence number, save id and parent."""
+    staged = storage.root / STAGING / tag
+    write_json_durably(staged / MANIFEST, build_manifest(tag, files, world_size, versions, ranks, identity))
+    fsync_path(staged)
+
+
+def publish_staged(storage: LocalStorage, tag: str) -> None:
+    # Never overwrite in place: a folder of the same step (an abandoned timeline's) is swapped out.
+    storage.replace_dir(f"{STAGING}/{tag}", tag)
+    storage.write_latest(tag)
+    storage.finish_staging()
