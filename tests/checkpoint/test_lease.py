@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from finetune.checkpoint import holder as holder_mod
 from finetune.checkpoint import lease as lease_mod
 from finetune.checkpoint.lease import LEASE, LeaseHeld, acquire, holder
 from finetune.config import ConfigError
@@ -77,7 +78,7 @@ def spawn():
 def write_lease(out: Path, **fields) -> dict:
     """A lease as another run would have written it: this machine's, unless ``fields`` say otherwise."""
     out.mkdir(parents=True, exist_ok=True)
-    info = {**lease_mod._identity("other-run", 30.0), **fields}
+    info = {**holder_mod.identity("other-run", 30.0), **fields}
     (out / LEASE).write_bytes(lease_mod._encode(info))
     return info
 
@@ -137,7 +138,7 @@ def test_a_sigkilled_holder_is_taken_over_at_once(tmp_path, spawn, caplog):
         acquire(out, "next")
     proc.kill()
     # Not reaped yet: a zombie is dead too.
-    wait_for(lambda: (lease_mod._proc_stat(proc.pid) or ("Z",))[0] == "Z")
+    wait_for(lambda: (holder_mod.proc_stat(proc.pid) or ("Z",))[0] == "Z")
     lease, took = timed_acquire(out, "next")
     assert took < AT_ONCE and holder(out)["run_id"] == "next"
     assert "took its lease over" in caplog.text and "run id victim" in caplog.text
@@ -147,7 +148,7 @@ def test_a_sigkilled_holder_is_taken_over_at_once(tmp_path, spawn, caplog):
 
 def test_a_reused_pid_is_not_the_holder(tmp_path, caplog):
     out = tmp_path / "out"
-    mine = lease_mod._proc_stat(os.getpid())[1]
+    mine = holder_mod.proc_stat(os.getpid())[1]
     write_lease(out, pid=os.getpid(), pid_start=mine + 1000)  # a live pid, but a later process
     lease, took = timed_acquire(out, "next")
     assert took < AT_ONCE and holder(out)["run_id"] == "next"
@@ -185,7 +186,7 @@ def test_observe_s_defaults_to_a_few_of_the_slower_heartbeats(tmp_path):
 def test_a_beating_holder_on_another_machine_is_refused(tmp_path, monkeypatch):
     out = tmp_path / "out"
     with monkeypatch.context() as m:
-        m.setattr(lease_mod, "_machine", lambda: dict(ELSEWHERE))
+        m.setattr(holder_mod, "machine", lambda: dict(ELSEWHERE))
         far = acquire(out, "far", renew_s=0.05)
     t0 = time.monotonic()
     with pytest.raises(LeaseHeld, match="run id far, pid .* on host node-elsewhere"):
@@ -274,7 +275,7 @@ def test_a_slow_taker_leaves_a_lease_that_changed_since_it_was_judged(tmp_path):
     out = tmp_path / "out"
     old = lease_mod._encode(write_lease(out, run_id="dead"))
     new = lease_mod._encode(write_lease(out, run_id="fast-taker"))
-    me = lease_mod._identity("slow-taker", 30.0)
+    me = holder_mod.identity("slow-taker", 30.0)
     assert not lease_mod._evict(out / LEASE, old, me, None)
     assert (out / LEASE).read_bytes() == new and files(out) == [LEASE]
 
@@ -283,7 +284,7 @@ def test_a_taker_that_died_mid_takeover_does_not_block_the_next(tmp_path, caplog
     out = tmp_path / "out"
     dead = write_lease(out, pid=os.getpid(), pid_start=-1)
     key = lease_mod.hashlib.sha256(lease_mod._encode(dead)).hexdigest()[:16]
-    crashed = lease_mod._identity("crashed-taker", 30.0) | {"pid_start": -1}  # its process is gone
+    crashed = holder_mod.identity("crashed-taker", 30.0) | {"pid_start": -1}  # its process is gone
     (out / f"{lease_mod.TAKING}.{key}.1").write_bytes(lease_mod._encode(crashed))
     lease, took = timed_acquire(out, "next")
     assert took < AT_ONCE and holder(out)["run_id"] == "next" and files(out) == [LEASE]
@@ -294,7 +295,7 @@ def test_a_live_taker_that_never_finishes_is_named(tmp_path):
     out = tmp_path / "out"
     dead = write_lease(out, pid=os.getpid(), pid_start=-1)
     key = lease_mod.hashlib.sha256(lease_mod._encode(dead)).hexdigest()[:16]
-    stuck = lease_mod._identity("stuck-taker", 30.0)  # this live process, as if stopped mid-takeover
+    stuck = holder_mod.identity("stuck-taker", 30.0)  # this live process, as if stopped mid-takeover
     (out / f"{lease_mod.TAKING}.{key}.1").write_bytes(lease_mod._encode(stuck))
     with pytest.raises(LeaseHeld, match="run id stuck-taker"):
         acquire(out, "next", observe_s=0.2)
