@@ -9,7 +9,6 @@ embedded-default preset, or from the documented fallback, in that order.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -188,6 +187,8 @@ def resolve(values: Mapping[str, Any], precision_flag: str | None = None, *,
         v["num_train_epochs"] = 3.0
     v["ddp_timeout"] = resolve_ddp_timeout(v["ddp_timeout"])
     world = env_world_size() if world_size is None else world_size
+    from finetune.ds_config import load_ds_json, reconcile_ds
+
     ds = load_ds_json(v["deepspeed_config"])
     reconcile_ds(v, ds, world, fallbacks, precision_flag or f"precision {v['precision']}")
     for k, fallback in fallbacks.items():
@@ -271,6 +272,8 @@ def validate_paths(v: Mapping[str, Any]) -> None:
     for flag in ("model_name_or_path", "config_name", "tokenizer_name"):
         if v[flag] and looks_local(v[flag]) and not Path(v[flag]).exists():
             raise ConfigError(f"--{flag}: no such directory: {v[flag]}")
+    from finetune.ds_config import resolve_config_path
+
     resolve_config_path(v["deepspeed_config"])
 
 
@@ -294,181 +297,6 @@ def resolve_ddp_timeout(flag_value: int | None) -> int:
         raise ConfigError(f"${LEGACY_TIMEOUT_ENV} must be a whole number of minutes, at least 1, got {minutes!r} "
                           f"(or give `--ddp_timeout SECONDS`, which replaces it)")
     return seconds
-
-
-# --- DeepSpeed JSON ------------------------------------------------------------------------
-
-def resolve_config_path(path: str) -> Path:
-    """Paths are relative to the working directory; the default also resolves from the repo."""
-    p = Path(path)
-    if p.exists():
-        return p
-    if not p.is_absolute() and p.parts[:1] == ("configs",) and (CONFIGS_DIR / p.name).exists():
-        return CONFIGS_DIR / p.name
-    raise ConfigError(f"--deepspeed_config: file not found: {path}")
-
-
-def load_ds_json(path: str) -> dict:
-    p = resolve_config_path(path)
-    try:
-        text = p.read_text()
-    except OSError as e:
-        raise ConfigError(f"--deepspeed_config: cannot read {p}: {e.strerror}") from None
-    try:
-        cfg = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"--deepspeed_config: {p} is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}") from None
-    if not isinstance(cfg, dict):
-        raise ConfigError(f"--deepspeed_config: {p} must hold a JSON object, not {type(cfg).__name__}")
-    return cfg
-
-
-_MISSING = object()
-
-
-def _get(cfg: dict, dotted: str) -> Any:
-    node: Any = cfg
-    for part in dotted.split("."):
-        if not isinstance(node, dict) or part not in node:
-            return _MISSING
-        node = node[part]
-    return node
-
-
-def _set(cfg: dict, dotted: str, value: Any) -> None:
-    *parents, last = dotted.split(".")
-    node = cfg
-    for part in parents:
-        node = node.setdefault(part, {})
-    node[last] = value
-
-
-def reconcile(flag: str, flag_value: Any, cfg: dict, key: str, fallback: Any, path: str, *, write: bool = True) -> Any:
-    """One value set both by a flag and by the DeepSpeed JSON.
-
-    "auto" or absent in the JSON → the flag (or ``fallback``) wins and is written into the JSON;
-    an explicit JSON value with no flag → the JSON wins; both explicit and different → error.
-    """
-    json_value = _get(cfg, key)
-    if json_value is _MISSING or json_value == "auto":
-        value = fallback if flag_value is None else flag_value
-        if write or json_value == "auto":
-            _set(cfg, key, value)
-        return value
-    if flag_value is not None and not _same(flag_value, json_value):
-        raise ConfigError(f"`--{flag} {flag_value}` contradicts `{key}: {json.dumps(json_value)}` in {path}; drop one or make them agree")
-    return json_value
-
-
-def _same(a: Any, b: Any) -> bool:
-    if isinstance(a, (int, float)) and isinstance(b, (int, float)) and not isinstance(b, bool):
-        return float(a) == float(b)
-    return a == b
-
-
-def reconcile_ds(v: dict[str, Any], ds: dict, world: int, fallbacks: Mapping[str, Any], precision_flag: str) -> None:
-    """Settle every value that both a flag and the DeepSpeed JSON set; updates ``v`` and ``ds`` in place.
-
-    ``fallbacks`` fill what neither sets; ``precision_flag`` is how errors name the precision flag.
-    """
-    path = v["deepspeed_config"]
-    if not isinstance(ds.get("zero_optimization", {}), dict):
-        raise ConfigError(f"--deepspeed_config: `zero_optimization` in {path} must be an object")
-    for flag, key in (("per_device_train_batch_size", "train_micro_batch_size_per_gpu"),
-                      ("gradient_accumulation_steps", "gradient_accumulation_steps"),
-                      ("max_grad_norm", "gradient_clipping")):
-        v[flag] = reconcile(flag, v[flag], ds, key, fallbacks[flag], path)
-    want = v["per_device_train_batch_size"] * v["gradient_accumulation_steps"] * world
-    tbs = ds.get("train_batch_size", "auto")
-    if tbs != "auto" and tbs != want:
-        raise ConfigError(f"`train_batch_size: {tbs}` in {path} must equal --per_device_train_batch_size × "
-                          f"--gradient_accumulation_steps × world size = {want}")
-    ds["train_batch_size"] = want
-    if isinstance(ds.get("optimizer"), dict):
-        _reconcile_optimizer(v, ds, path, fallbacks)
-    if isinstance(ds.get("scheduler"), dict):
-        v["warmup_steps"] = reconcile("warmup_steps", v["warmup_steps"], ds, "scheduler.params.warmup_num_steps",
-                                      fallbacks["warmup_steps"], path, write=False)
-    _reconcile_precision(v, ds, path, precision_flag)
-    if v["report_to"] == "tensorboard":
-        # DeepSpeed's own monitor writes the events (rank 0 only) to OUT/tensorboard/finetune.
-        ds["tensorboard"] = {**ds.get("tensorboard", {}), "enabled": True,
-                             "output_path": str(Path(v["output_dir"]) / "tensorboard"), "job_name": "finetune"}
-
-
-def _reconcile_optimizer(v: dict[str, Any], ds: dict, path: str, fallbacks: Mapping[str, Any]) -> None:
-    p = "optimizer.params."
-    for flag, key in (("learning_rate", "lr"), ("weight_decay", "weight_decay"), ("adam_epsilon", "eps")):
-        v[flag] = reconcile(flag, v[flag], ds, p + key, fallbacks[flag], path)
-    params = ds["optimizer"].setdefault("params", {})
-    betas = params.get("betas", "auto")
-    betas = ["auto", "auto"] if betas == "auto" else list(betas)
-    for i, flag in enumerate(("adam_beta1", "adam_beta2")):
-        if betas[i] == "auto":
-            betas[i] = fallbacks[flag] if v[flag] is None else v[flag]
-        elif v[flag] is not None and float(v[flag]) != float(betas[i]):
-            raise ConfigError(f"`--{flag} {v[flag]}` contradicts `optimizer.params.betas: {params['betas']}` in {path}")
-        v[flag] = betas[i]
-    params["betas"] = betas
-
-
-def _reconcile_precision(v: dict[str, Any], ds: dict, path: str, flag: str) -> None:
-    for k in ("bf16", "fp16"):
-        if not isinstance(ds.setdefault(k, {}), dict):
-            raise ConfigError(f"--deepspeed_config: `{k}` in {path} must be an object")
-    enabled = {k: ds[k].get("enabled", "auto") for k in ("bf16", "fp16")}
-    explicit = [k for k, e in enabled.items() if e is True]
-    if len(explicit) > 1:
-        raise ConfigError(f"--deepspeed_config: {path} enables both bf16 and fp16")
-    if explicit:
-        if v["precision"] not in ("auto", explicit[0]):
-            raise ConfigError(f"`--{flag}` contradicts `{explicit[0]}.enabled: true` in {path}")
-        v["precision"] = explicit[0]
-    elif v["precision"] in enabled and enabled[v["precision"]] is False:
-        raise ConfigError(f"`--{flag}` contradicts `{v['precision']}.enabled: false` in {path}")
-    elif v["precision"] == "auto":
-        v["precision"] = auto_precision()
-    for k in ("bf16", "fp16"):
-        ds[k]["enabled"] = v["precision"] == k
-
-
-def auto_precision() -> str:
-    """bf16 where the accelerator supports it; fp32 on CPU (bf16 matmuls there are slow and lossy)."""
-    from deepspeed.accelerator import get_accelerator
-
-    acc = get_accelerator()
-    if acc.device_name() != "cpu" and acc.is_bf16_supported():
-        return "bf16"
-    return "fp32"
-
-
-def zero_stage(cfg: dict) -> int:
-    stage = _get(cfg, "zero_optimization.stage")
-    return 0 if stage is _MISSING else int(stage)
-
-
-def finalize_ds_config(cfg: dict, total_steps: int, warmup_steps: int, learning_rate: float) -> dict:
-    """Fill the values that need the dataset's size: a DeepSpeed scheduler's step counts."""
-    out = json.loads(json.dumps(cfg))
-    sched = out.get("scheduler")
-    if isinstance(sched, dict):
-        params = sched.setdefault("params", {})
-        for key, value in (("total_num_steps", total_steps), ("warmup_num_steps", warmup_steps),
-                           ("warmup_max_lr", learning_rate), ("warmup_min_lr", 0.0)):
-            if params.get(key) == "auto":
-                params[key] = value
-    leftover = [k for k, v in _walk(out) if v == "auto"]
-    if leftover:
-        raise ConfigError(f"--deepspeed_config: cannot resolve \"auto\" for {', '.join(leftover)}")
-    return out
-
-
-def _walk(node: Any, prefix: str = ""):
-    if isinstance(node, (dict, list)):
-        for k, v in (node.items() if isinstance(node, dict) else enumerate(node)):
-            yield from _walk(v, f"{prefix}{k}.")
-    else:
-        yield prefix.rstrip("."), node
 
 
 def data_format(path: str) -> str | None:

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from finetune.config import RESOURCES_DIR, ConfigError, ModelArgs, zero_stage
+from finetune.config import RESOURCES_DIR, ConfigError, ModelArgs
+from finetune.ds_config import zero_stage
 from finetune.distributed import logger
 
 EMBEDDED_MODEL_DIR = RESOURCES_DIR / "model"

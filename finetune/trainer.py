@@ -22,7 +22,8 @@ from finetune.checkpoint.manager import CheckpointManager
 from finetune.checkpoint.resume import Resumer
 from finetune.checkpoint.state import TrainingState
 from finetune.checkpoint.storage import LocalStorage, tag_for
-from finetune.config import RunConfig, finalize_ds_config, zero_stage
+from finetune.config import RunConfig
+from finetune.ds_config import finalize_ds_config, zero_stage
 from finetune.data import IGNORE, ResumableSampler, TrainData, eval_batches
 from finetune.data.cache import prepare
 from finetune.distributed import logger

@@ -9,7 +9,7 @@ import pytest
 from conftest import base_ds as _base_ds
 from conftest import write_ds
 
-from finetune import config
+from finetune import ds_config
 from finetune.config import (
     CONFIGS_DIR,
     DEFAULT_DDP_TIMEOUT,
@@ -19,17 +19,13 @@ from finetune.config import (
     FALLBACKS,
     LEGACY_TIMEOUT_ENV,
     ConfigError,
-    finalize_ds_config,
     flag_defaults,
-    load_ds_json,
     looks_local,
     precision_shorthand,
-    reconcile,
     resolve,
-    resolve_config_path,
     resolve_ddp_timeout,
-    zero_stage,
 )
+from finetune.ds_config import finalize_ds_config, load_ds_json, reconcile, resolve_config_path, zero_stage
 
 PATH = "ds.json"  # only used in messages
 
@@ -373,7 +369,7 @@ def test_auto_precision_on_cpu_is_fp32():
 
 
 def test_auto_precision_follows_the_accelerator(monkeypatch):
-    monkeypatch.setattr(config, "auto_precision", lambda: "bf16")
+    monkeypatch.setattr(ds_config, "auto_precision", lambda: "bf16")
     cfg = run()
     assert cfg.train.precision == "bf16"
     assert cfg.ds_config["bf16"]["enabled"] is True and cfg.ds_config["fp16"]["enabled"] is False
