@@ -125,10 +125,7 @@ class CheckpointManager:
         out = dist.gather_outcomes(mine, on=self.leader, share=True)
         out.raise_any()
         views = [v for v in out.results if v is not None]
-        by_tag = {head.tag: head} if head else {}
-        self.line: list[Committed] = [by_tag.get(t, Committed(t)) for t in views[0][0]]
-        if head and self.line:
-            self.line[-1] = head
+        self.line: list[str] = views[0][0]  # tags, oldest first; what retention counts
         self.next_seq = 1 + max([seen_seq] + [v[1] for v in views])
         self.head = head
         self.last_bytes = out.result[2] if out.result else None
@@ -368,7 +365,7 @@ class CheckpointManager:
                             "nodes (resume takes the newest checkpoint complete on all of them)")
         self.head = Committed(tag, seq, identity["save_id"], identity["parent"], identity["parent_save_id"],
                               sum(size for size, _ in files.values()))
-        self.line = [c for c in self.line if c.tag != tag] + [self.head]
+        self.line = [t for t in self.line if t != tag] + [tag]
         self.last_bytes = self.head.total_bytes
 
     def retain(self) -> None:
@@ -378,12 +375,12 @@ class CheckpointManager:
         limit = self.ckpt.save_total_limit
         if not limit:
             return
-        doomed = select_for_deletion([c.tag for c in self.line], limit, {self.head.tag})
+        doomed = select_for_deletion(self.line, limit, {self.head.tag})
         if not doomed:
             return
         out = dist.gather_outcomes(lambda: [self.storage.remove(t) for t in doomed], on=self.leader)
         if out.ok:
-            self.line = [c for c in self.line if c.tag not in doomed]
+            self.line = [t for t in self.line if t not in doomed]
             dist.log_main(logging.INFO, "save_total_limit %d: deleted %s", limit, ", ".join(doomed))
         else:  # kept in the line: retried after the next save
             dist.log_main(logging.WARNING, "save_total_limit %d: could not delete %s (%s); retrying after the next "

@@ -98,7 +98,7 @@ def verify(folder: str | os.PathLike, *, checksums: bool = True, ranks: list[int
             if name not in listed and not (name.startswith("zero") and _bf16_variant(name) in listed):
                 report.problems.append(f"{name}: rank {r} of {world} has no such file in the manifest")
     for name in sorted(mine):
-        report.problems.extend(_check_file(folder / name, name, listed[name], checksums))
+        report.problems.extend(check_file(folder / name, name, listed[name], checksums))
         report.files += 1
         report.bytes_checked += listed[name]["size"]
     if shared:
@@ -120,7 +120,8 @@ def _files_of(listed: dict, ranks: list[int], world: int, shared: bool) -> set[s
     return {n for n in listed if n in wanted or (shared and n not in any_rank)}
 
 
-def _check_file(path: Path, name: str, meta: dict, checksums: bool) -> list[str]:
+def check_file(path: Path, name: str, meta: dict, checksums: bool) -> list[str]:
+    """A listed file's problems against its manifest entry ({"size", "checksum"}); [] if intact."""
     try:
         size = path.stat().st_size
         if size != meta["size"]:

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from finetune import distributed as dist
 from finetune.checkpoint.durable import hash_file, write_json_durably
-from finetune.checkpoint.manifest import MANIFEST, looks_like_checkpoint, read_manifest, verify
+from finetune.checkpoint.manifest import MANIFEST, check_file, looks_like_checkpoint, read_manifest, verify
 from finetune.checkpoint.policy import Committed, newer_than, resume_order
 from finetune.checkpoint.state import TRAINER_STATE
 from finetune.checkpoint.storage import LocalStorage, committed, find_checkpoint
@@ -276,15 +276,5 @@ def verify_universal(target: Path, source_save_id: str | None, checksums: bool =
         return [f"{MANIFEST} missing or unreadable (an interrupted or foreign conversion)"]
     if manifest.get("source_save_id") != source_save_id:
         return [f"converted from save {manifest.get('source_save_id')}, the checkpoint is save {source_save_id}"]
-    problems = []
-    for name, meta in manifest.get("files", {}).items():
-        path = target / name
-        try:
-            size = path.stat().st_size
-            if size != meta["size"]:
-                problems.append(f"{name}: size {size}, manifest says {meta['size']}")
-            elif checksums and hash_file(path)[1] != meta["checksum"]:
-                problems.append(f"{name}: checksum mismatch")
-        except OSError as e:
-            problems.append(f"{name}: {e.strerror or e}")
-    return problems
+    return [p for name, meta in manifest.get("files", {}).items()
+            for p in check_file(target / name, name, meta, checksums)]

@@ -342,7 +342,7 @@ def test_a_universal_conversion_is_reused_only_if_it_verifies(tmp_path):
     assert verify_universal(target, "s-1") == []
     assert "converted from save s-1" in verify_universal(target, "s-2")[0]  # the checkpoint was re-committed
     (target / "zero" / "w" / "fp32.pt").write_bytes(b"a" * 99 + b"X")
-    assert verify_universal(target, "s-1") == ["zero/w/fp32.pt: checksum mismatch"]
+    assert verify_universal(target, "s-1") == ["zero/w/fp32.pt: checksum mismatch (corrupted)"]
     assert verify_universal(target, "s-1", checksums=False) == []
 
 
