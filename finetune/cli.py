@@ -18,6 +18,7 @@ from typing import Any, Callable
 
 from finetune import distributed as dist
 from finetune.config import GROUPS, ConfigError, RunConfig, check_size, precision_shorthand, resolve
+from finetune.ops import use_venv_extensions_dir
 from finetune.preemption import release_early
 
 
@@ -169,7 +170,8 @@ def entry() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    dist.adopt_slurm_env()
+    use_venv_extensions_dir()  # before DeepSpeed loads an op
+    dist.adopt_launcher_env()
     argv = list(sys.argv[1:] if argv is None else argv)
     command = argv.pop(0) if argv and argv[0] in COMMANDS else "train"
     if command != "train":

@@ -1,7 +1,8 @@
 """Process-group setup and rank helpers.
 
-Works unchanged under the DeepSpeed launcher, torchrun, accelerate, srun and plain python: all of
-them (after ``adopt_slurm_env``) export RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR / MASTER_PORT.
+Works unchanged under the DeepSpeed launcher, torchrun, accelerate, srun, mpirun and plain python:
+``launchers.adopt_launcher_env`` turns what each exports into RANK / WORLD_SIZE / LOCAL_RANK /
+MASTER_ADDR / MASTER_PORT.
 """
 
 from __future__ import annotations
@@ -19,28 +20,23 @@ from typing import Any, Callable
 
 import torch
 
+from finetune import launchers
 from finetune.config import DEFAULT_DDP_TIMEOUT, ConfigError
 
 logger = logging.getLogger("finetune")
 
 
-def adopt_slurm_env() -> None:
-    """Under ``srun`` (one task per rank) derive torch's variables from SLURM's.
+def adopt_launcher_env() -> None:
+    """``launchers.adopt_launcher_env`` for ``cli.main``, which calls it before parsing (the batch
+    size reads WORLD_SIZE) and outside its error handling: an environment that cannot be adopted
+    is reported by ``init()``, which adopts again, as the usual one line and exit 2."""
+    try:
+        launchers.adopt_launcher_env()
+    except ConfigError:
+        return  # init() raises it
 
-    Only when no launcher already set RANK: the DeepSpeed launcher inside an sbatch script sets
-    its own, and those must win.
-    """
-    if "RANK" in os.environ or "SLURM_PROCID" not in os.environ or "SLURM_NTASKS" not in os.environ:
-        return
-    os.environ["RANK"] = os.environ["SLURM_PROCID"]
-    os.environ["WORLD_SIZE"] = os.environ["SLURM_NTASKS"]
-    os.environ["LOCAL_RANK"] = os.environ.get("SLURM_LOCALID", "0")
-    os.environ.setdefault("MASTER_PORT", str(29500 + int(os.environ.get("SLURM_JOB_ID", "0")) % 1000))
-    if "MASTER_ADDR" not in os.environ:
-        # The sbatch scripts export MASTER_ADDR from `scontrol show hostnames`; this covers a bare srun.
-        nodelist = os.environ.get("SLURM_STEP_NODELIST") or os.environ.get("SLURM_JOB_NODELIST", "")
-        first = nodelist.split(",")[0]
-        os.environ["MASTER_ADDR"] = first if first and "[" not in first else socket.gethostname()
+
+local_device_index = launchers.local_device_index  # for ds_config (before init): the device this rank drives
 
 
 def env_rank() -> int:
@@ -55,21 +51,32 @@ def init(timeout_s: int | None = None) -> None:
     global _timeout_s
     _timeout_s = int(timeout_s or DEFAULT_DDP_TIMEOUT)
 
+    launchers.adopt_launcher_env()
+    # An mpirun world without MASTER_ADDR: init_distributed's MPI discovery sets it (comm.py:913-944).
+    discover = launchers.deepspeed_discovers_master()
     os.environ.setdefault("RANK", "0")
     os.environ.setdefault("LOCAL_RANK", "0")
     os.environ.setdefault("WORLD_SIZE", "1")
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    if not discover:
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     if "MASTER_PORT" not in os.environ:
         os.environ["MASTER_PORT"] = str(_free_port()) if world_size_env() == 1 else "29500"
     from deepspeed.accelerator import get_accelerator
 
     acc = get_accelerator()
+    local = launchers.local_device_index()
+    launchers.check_deepspeed_local_rank(local)
+    # DeepSpeed takes LOCAL_RANK for the device ordinal (init_process_group's device_id,
+    # engine.set_device, zero.Init): a task that sees one GPU must say 0, not its SLURM_LOCALID.
+    os.environ["LOCAL_RANK"] = str(local)
     if acc.device_name() != "cpu":
         # Before any collective: NCCL runs object/tensor collectives on the *current* device, and
         # without this every rank of a node would use device 0 until deepspeed.initialize.
-        acc.set_device(int(os.environ["LOCAL_RANK"]))
+        acc.set_device(local)
     # The timeout bounds how long a dead peer goes unnoticed; long single-rank work polls (gather_outcomes).
-    deepspeed.init_distributed(timeout=timedelta(seconds=_timeout_s))
+    # distributed_port: only MPI discovery reads it (comm.py:898, 944), else it would take 29500.
+    deepspeed.init_distributed(timeout=timedelta(seconds=_timeout_s), distributed_port=int(os.environ["MASTER_PORT"]))
+    os.environ["LOCAL_RANK"] = str(local)  # MPI discovery recounts it by host name (comm.py:935-942)
     _setup_logging()
     _unlink_shm_buffer()
 

@@ -1,0 +1,102 @@
+"""DeepSpeed's compiled ops: where they are cached, and an Adam that needs no compiler when they can't be built.
+
+DeepSpeed builds its C++/CUDA ops on first use (``OpBuilder.load`` → ``jit_load``,
+deepspeed/ops/op_builder/builder.py:549-568) into ``$TORCH_EXTENSIONS_DIR``. Two of them sit on
+our path:
+
+* an ``optimizer`` of type Adam/AdamW in the DeepSpeed JSON (all of configs/) becomes FusedAdam,
+  a CUDA op compiled from ``.cu`` sources with nvcc (engine.py ``get_optimizer_configuration``,
+  runtime/engine.py:2402-2409; op_builder/fused_adam.py), or under ``offload_optimizer``
+  DeepSpeedCPUAdam, a C++ op (engine.py:2384-2400; the CPU builder on every accelerator,
+  cuda_accelerator.py:384-390). A pip-installed CUDA torch comes without nvcc, so the first GPU
+  run would fail inside ``deepspeed.initialize`` with ``MissingCUDAException``.
+* ``"torch_adam": true`` in the optimizer's params makes DeepSpeed use ``torch.optim.AdamW``
+  instead (engine.py:2378-2382): no compilation, the same update rule and state keys.
+
+So before ``deepspeed.initialize`` every rank loads the op DeepSpeed is about to need (instant
+when prebuilt by ``make setup``/``make gpu-setup``, a JIT build where a toolkit exists); if any rank
+can't, every rank switches to torch_adam, and rank 0 says so in one log line.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import sys
+from pathlib import Path
+
+logger = logging.getLogger("finetune")
+
+ADAM_TYPES = ("adam", "adamw")
+
+
+def use_venv_extensions_dir() -> None:
+    """Build and find DeepSpeed's ops where ``make setup`` prebuilt them: ``<venv>/torch_extensions``,
+    with the venv's ``ninja``.
+
+    Torch's own default (~/.cache/torch_extensions/py311_cu124) is shared by every checkout and
+    environment of the user, so a run started outside ``make`` (the deepspeed launcher, an sbatch
+    script) would not find the prebuilt ops and compile them again, or load another checkout's.
+    And ninja keeps a log whose format differs between versions (the venv's pip ninja and a system
+    one): a build made with one is rebuilt from scratch by the other, minutes per op, every time
+    the two alternate. Only inside a virtual environment (sys.prefix is ours); an explicit
+    TORCH_EXTENSIONS_DIR wins.
+    """
+    if sys.prefix == sys.base_prefix:
+        return
+    if not os.environ.get("TORCH_EXTENSIONS_DIR") and os.access(sys.prefix, os.W_OK):
+        os.environ["TORCH_EXTENSIONS_DIR"] = str(Path(sys.prefix) / "torch_extensions")
+    venv_bin = Path(sys.prefix) / "bin"
+    if (venv_bin / "ninja").exists() and shutil.which("ninja") != str(venv_bin / "ninja"):
+        os.environ["PATH"] = os.pathsep.join([str(venv_bin), os.environ.get("PATH", "")])
+
+
+def adam_op(ds_config: dict) -> str | None:
+    """The op builder DeepSpeed will load for this config's optimizer, or None (no compiled op)."""
+    opt = ds_config.get("optimizer")
+    if not isinstance(opt, dict) or str(opt.get("type", "")).lower() not in ADAM_TYPES:
+        return None
+    if (opt.get("params") or {}).get("torch_adam"):
+        return None
+    zero = ds_config.get("zero_optimization") or {}
+    offload = (zero.get("offload_optimizer") or {}).get("device", "none")
+    return "CPUAdamBuilder" if str(offload).lower() in ("cpu", "nvme") else "FusedAdamBuilder"
+
+
+def load_op(builder_name: str) -> None:
+    """Load (building it if need be) one of DeepSpeed's ops; raises when it can't be had."""
+    from deepspeed.accelerator import get_accelerator
+
+    builder = get_accelerator().create_op_builder(builder_name)
+    if builder is None:
+        raise RuntimeError(f"DeepSpeed has no {builder_name} for the {get_accelerator().device_name()} accelerator")
+    builder.load(verbose=False)
+
+
+def use_torch_adam(ds_config: dict) -> dict:
+    """A copy of ``ds_config`` whose Adam is ``torch.optim.AdamW`` (or Adam): nothing to compile."""
+    out = {**ds_config, "optimizer": {**ds_config["optimizer"]}}
+    out["optimizer"]["params"] = {**(ds_config["optimizer"].get("params") or {}), "torch_adam": True}
+    return out
+
+
+def ensure_adam(ds_config: dict, load=load_op) -> dict:
+    """The config to hand ``deepspeed.initialize``: as given when its Adam op loads on every rank,
+    else with ``torch_adam``. Collective: every rank must call it (one agreement)."""
+    from finetune import distributed as dist
+
+    op = adam_op(ds_config)
+    if op is None:
+        return ds_config
+    outcome = dist.gather_outcomes(lambda: load(op), on=True)
+    if outcome.ok:
+        return ds_config
+    opt = ds_config["optimizer"]
+    # DeepSpeed's rule (engine.py:2487-2490): type AdamW, or Adam with adam_w_mode (default true).
+    adamw = str(opt["type"]).lower() == "adamw" or (opt.get("params") or {}).get("adam_w_mode", True)
+    dist.log_main(logging.WARNING, "%s can't be loaded or built here (%s): using torch.optim.%s instead "
+                  "(DeepSpeed's torch_adam: same update, nothing to compile). `make gpu-setup` on a machine "
+                  "with a CUDA toolkit (nvcc) prebuilds it.", op.removesuffix("Builder"), outcome.describe(),
+                  "AdamW" if adamw else "Adam")
+    return use_torch_adam(ds_config)
