@@ -22,7 +22,7 @@ from finetune.checkpoint.manager import CheckpointManager
 from finetune.checkpoint.resume import Resumer
 from finetune.checkpoint.state import TrainingState
 from finetune.checkpoint.storage import LocalStorage, tag_for
-from finetune.config import RunConfig
+from finetune.config import ConfigError, RunConfig
 from finetune.ds_config import finalize_ds_config, zero_stage
 from finetune.data import IGNORE, ResumableSampler, TrainData, eval_batches
 from finetune.data.cache import prepare
@@ -30,7 +30,15 @@ from finetune.distributed import logger
 from finetune.exit_status import clear_exit_status, write_exit_status
 from finetune.metrics import MetricsWriter
 from finetune.modeling import DTYPES, count_parameters, load_model, load_tokenizer
+from finetune.ops import ensure_adam
 from finetune.preemption import EXIT_PREEMPTED, Preemption, parse_signals
+
+
+# Skipped optimizer steps in a row that stop a run: more than fp16's dynamic scaling ever needs
+# (from the largest initial scale, 2**32, to 1 is 32 halvings plus its hysteresis; DeepSpeed itself
+# raises at its minimum scale), so what trips this is a run that cannot recover: non-finite
+# gradients under bf16/fp32 or a static fp16 scale, where nothing changes between attempts.
+MAX_SKIPS_IN_A_ROW = 100
 
 
 def run(cfg: RunConfig) -> int:
@@ -51,6 +59,11 @@ def run(cfg: RunConfig) -> int:
             write_exit_status(cfg.ckpt.output_dir, None, {"reason": "running"})
         try:
             code = trainer.train()
+        except BaseException as e:  # a crash (DeepSpeed's fp16 minimum-scale Exception, OOM): not "running"
+            if dist.is_main():
+                write_exit_status(cfg.ckpt.output_dir, 1, {"reason": "failed", "error": dist.describe_error(e),
+                                                           "step": trainer.state.global_step})
+            raise
         finally:
             trainer.data.close()
         if dist.is_main():
@@ -80,13 +93,39 @@ def set_seed(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+def check_precision_supported(precision: str) -> None:
+    """fp16 where the accelerator can't run it (DeepSpeed's CPU accelerator: only with mkldnn fp16)
+    would end in a ValueError traceback from deepspeed.initialize; say it as bad input instead."""
+    from deepspeed.accelerator import get_accelerator
+
+    acc = get_accelerator()
+    if precision == "fp16" and not acc.is_fp16_supported():
+        raise ConfigError(f"`--precision fp16`: this machine's {acc.device_name()} accelerator can't train in fp16; "
+                          "use --precision bf16 or fp32")
+
+
 def _reraise(error: BaseException | None) -> None:
     if error is not None:
         raise error
 
 
 def _to(batch: dict, device) -> dict:
+    # Asynchronous only from pinned memory (TrainData and eval_batches pin on GPUs); from pageable
+    # memory CUDA copies synchronously, so correct either way. PyTorch's pinned-memory allocator
+    # records the copy on its stream and reuses a block only after the copy has finished.
     return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+
+
+def _loss_scale(engine) -> float | None:
+    """fp16's current loss scale; None in bf16/fp32 (no scaling). Where DeepSpeed's own monitor
+    reads it (engine._get_optimizer_loss_scale): the ZeRO optimizers' ``cur_scale`` property, or
+    FP16_Optimizer's ``loss_scale_config``. A Python number: no device sync."""
+    if not engine.fp16_enabled():
+        return None
+    optimizer = engine.optimizer
+    config = getattr(optimizer, "loss_scale_config", None)
+    scale = config.cur_scale if config is not None else getattr(optimizer, "cur_scale", None)
+    return float(scale) if scale is not None else None
 
 
 def _param_groups(model, weight_decay: float) -> list[dict]:
@@ -112,6 +151,7 @@ class Trainer:
     state: TrainingState
     preemption: Preemption
     stop_note: dict | None = None  # why and where training stopped, for exit_status.json
+    skips_in_a_row: int = 0  # optimizer steps DeepSpeed skipped since the last applied one
 
     @classmethod
     def build(cls, cfg: RunConfig, preemption: Preemption | None = None, run_id: str | None = None,
@@ -120,6 +160,7 @@ class Trainer:
         from transformers import get_scheduler
 
         t, start = cfg.train, time.perf_counter()
+        dist.run_agreed(lambda: check_precision_supported(t.precision))
         set_seed(t.seed)
         # Every rank loads its own copy; one that fails (a bad file on one node) fails them all.
         tokenizer = dist.run_agreed(lambda: load_tokenizer(cfg.model))
@@ -128,7 +169,8 @@ class Trainer:
         data = TrainData(train, sampler, t.per_device_train_batch_size, t.gradient_accumulation_steps,
                          tokenizer.pad_token_id, pin_memory=dist.device().type == "cuda")
         total = t.max_steps or math.ceil(t.num_train_epochs * data.steps_per_epoch)
-        ds_config = finalize_ds_config(cfg.ds_config, total, t.warmup_steps, t.learning_rate)
+        # Collective: FusedAdam / CPU Adam where every rank can load it, else torch_adam (finetune/ops.py).
+        ds_config = ensure_adam(finalize_ds_config(cfg.ds_config, total, t.warmup_steps, t.learning_rate))
         storage = LocalStorage(cfg.ckpt.output_dir)
         layout = Layout.discover(storage.root, cfg.ds_config, cfg.ckpt.save_checkpoint)
         tidy_storage(storage, layout)  # leftovers of crashed saves (this run holds OUT's lease)
@@ -177,7 +219,18 @@ class Trainer:
             bar.close()
             return self._stop_preempted()
         while self.state.global_step < self.total_steps:
-            lr = self._train_step()
+            lr, applied = self._train_step()
+            if not applied:
+                # Not a step: no row, eval or save for a step number twice. The same on every rank,
+                # so no rank leaves the loop or skips a collective alone: see _skipped.
+                code = self._skipped()
+                if code is None and self._boundary():
+                    code = self._stop_preempted()
+                if code is not None:
+                    bar.close()
+                    return code
+                continue
+            self.skips_in_a_row = 0
             self.state.global_step += 1
             bar.update(1)
             if self._due(self.cfg.train.logging_steps):
@@ -213,8 +266,9 @@ class Trainer:
     def _due(self, every: int | None) -> bool:
         return bool(every) and self.state.global_step % every == 0
 
-    def _train_step(self) -> float:
-        """One optimizer step over gradient-accumulation micro-batches; returns the lr it used."""
+    def _train_step(self) -> tuple[float, bool]:
+        """One optimizer step over gradient-accumulation micro-batches; returns the lr it used and
+        whether DeepSpeed applied it. No host sync of its own: the loss stays on the device."""
         engine, w = self.engine, self.state.window
         t0 = time.perf_counter()
         batches = self.data.next_step()
@@ -227,27 +281,58 @@ class Trainer:
             # DeepSpeed divides by the accumulation steps and only steps the optimizer at the boundary.
             engine.backward(out.loss)
             engine.step()
-            w.loss_sum += float(out.loss.detach())
+            w.loss_sum = w.loss_sum + out.loss.detach().double()  # float64 like the host sum it replaces
             w.micro_batches += 1
+        # Read after the last micro-batch's step(), the accumulation boundary: False means DeepSpeed
+        # found non-finite gradients (an fp16 overflow, or a NaN/inf gradient norm under ZeRO-3) and
+        # made neither an optimizer nor a scheduler step (engine.py _take_model_step).
+        applied = engine.was_step_applied()
         w.steps += 1
         self.state.samples_seen += sum(len(b["input_ids"]) for b in batches) * dist.world_size()
         self.state.epoch = self.data.epoch_float
         self.state.sampler = self.data.sampler.state_dict()
-        return lr
+        return lr, applied
+
+    def _skipped(self) -> int | None:
+        """Count an optimizer step DeepSpeed skipped (its batches stay consumed); the exit code when
+        MAX_SKIPS_IN_A_ROW came in a row, else None.
+
+        Every rank decides alike without a collective: DeepSpeed all-reduces the overflow flag (MAX
+        over the data-parallel group, zero/stage3.py has_overflow) and the gradient norm (SUM) it
+        also checks, so ``was_step_applied`` is the same on every rank at every step."""
+        st = self.state
+        st.skipped_steps += 1
+        st.window.skipped_steps += 1
+        self.skips_in_a_row += 1
+        scale = _loss_scale(self.engine)
+        what = f"loss scale now {scale:g}" if scale is not None else f"{self.cfg.train.precision}, no loss scale"
+        if self.skips_in_a_row < MAX_SKIPS_IN_A_ROW:
+            # INFO: DeepSpeed has just logged its own "OVERFLOW! Skipping step"; this adds the counts.
+            dist.log_main(logging.INFO, "after step %d: optimizer step skipped, non-finite gradients (%s); "
+                          "%d in a row, %d in all", st.global_step, what, self.skips_in_a_row, st.skipped_steps)
+            return None
+        dist.log_main(logging.ERROR, "stopping: %d optimizer steps in a row skipped after step %d, non-finite "
+                      "gradients every time (%s). Try a lower --learning_rate, bf16 instead of fp16, or check the "
+                      "data; the last committed checkpoint is untouched.", self.skips_in_a_row, st.global_step, what)
+        self.stop_note = {"reason": "failed", "error": "non-finite gradients", "step": st.global_step,
+                          "skipped_in_a_row": self.skips_in_a_row, "skipped_steps": st.skipped_steps}
+        return 1
 
     def _log(self, lr: float, t_window: float, bar) -> float:
         """Reduce the window over ranks and write one metrics row. Collective."""
         w = self.state.window
-        loss_sum, micro, tokens = dist.all_reduce_sum([w.loss_sum, w.micro_batches, w.tokens])
+        # float(): the window's one device sync; the all-reduce that follows is one anyway.
+        loss_sum, micro, tokens = dist.all_reduce_sum([float(w.loss_sum), w.micro_batches, w.tokens])
         now = time.perf_counter()
-        loss = loss_sum / max(micro, 1)
-        grad_norm = self.engine.get_global_grad_norm()
+        loss = loss_sum / max(micro, 1)  # over the window's micro-batches, skipped steps' included
+        grad_norm = self.engine.get_global_grad_norm()  # of this step: a row is only written at an applied one
         self.state.tokens_seen += int(tokens)
         row = {"step": self.state.global_step, "epoch": round(self.state.epoch, 4), "loss": loss, "lr": lr,
                "grad_norm": float(grad_norm) if grad_norm is not None else None,
                "tokens_per_s": round(tokens / max(now - t_window, 1e-9), 2),
                "data_ms": round(1000 * w.data_s / max(w.steps, 1), 3),
-               "samples_seen": self.state.samples_seen, "tokens_seen": self.state.tokens_seen}
+               "samples_seen": self.state.samples_seen, "tokens_seen": self.state.tokens_seen,
+               "skipped_steps": w.skipped_steps, "loss_scale": _loss_scale(self.engine)}
         self.metrics.write(row)
         self.state.last_losses = (self.state.last_losses + [loss])[-10:]
         self.state.window = type(w)()
@@ -261,16 +346,17 @@ class Trainer:
         if self.evalset is None or len(self.evalset) == 0:
             return None
         self.engine.eval()
-        loss_sum, n_tokens = 0.0, 0
-        for batch, real in eval_batches(self.evalset, self.cfg.train.per_device_eval_batch_size,
-                                        dist.world_size(), dist.rank(), self.tokenizer.pad_token_id):
-            batch = _to(batch, self.engine.device)
-            out = self.engine(**batch)
-            n = int((batch["labels"][:, 1:] != IGNORE).sum())
+        # Summed on the device, read once at the end: no host sync per batch.
+        loss_sum = torch.zeros((), dtype=torch.float64, device=self.engine.device)
+        n_tokens = 0
+        for batch, real in eval_batches(self.evalset, self.cfg.train.per_device_eval_batch_size, dist.world_size(),
+                                        dist.rank(), self.tokenizer.pad_token_id, pin_memory=self.data.pin_memory):
+            n = int((batch["labels"][:, 1:] != IGNORE).sum())  # on the host copy: no device sync
+            out = self.engine(**_to(batch, self.engine.device))
             if real:
-                loss_sum += float(out.loss) * n
+                loss_sum += out.loss.detach().double() * n
                 n_tokens += n
-        total, count = dist.all_reduce_sum([loss_sum, n_tokens])
+        total, count = dist.all_reduce_sum([float(loss_sum), n_tokens])
         eval_loss = total / max(count, 1)
         self.metrics.write({"step": self.state.global_step, "eval_loss": eval_loss,
                             "eval_perplexity": math.exp(min(eval_loss, 50.0)), "eval_tokens": int(count)})

@@ -287,6 +287,15 @@ def test_eval_batches_uneven_split_has_one_filler():
     assert r1[1][0]["input_ids"].shape[0] >= 1  # the filler is still a real forward pass
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="pinned memory needs CUDA")
+def test_eval_batches_are_pinned_on_request_and_otherwise_the_same():
+    plain = list(eval_batches(_rows(5), 2, 2, 1, PAD))
+    pinned = list(eval_batches(_rows(5), 2, 2, 1, PAD, pin_memory=True))
+    assert all(v.is_pinned() for b, _ in pinned for v in b.values())
+    assert [r for _, r in plain] == [r for _, r in pinned]
+    assert all(torch.equal(a[k], b[k]) for (a, _), (b, _) in zip(plain, pinned) for k in a)
+
+
 # --- load_raw --------------------------------------------------------------------------------
 
 TEXTS = [f"row number {i}" for i in range(20)]

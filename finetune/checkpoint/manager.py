@@ -53,7 +53,8 @@ from finetune.checkpoint.durable import fsync_path, hash_file, write_json_durabl
 from finetune.checkpoint.layout import Layout
 from finetune.checkpoint.policy import Committed, line_of, select_for_deletion, space_needed
 from finetune.checkpoint.resume import ResumePlan
-from finetune.checkpoint.state import TRAINER_STATE, TrainingState, rng_state, set_rng_state
+from finetune.checkpoint.rng import rng_state, set_rng_state
+from finetune.checkpoint.state import TRAINER_STATE, TrainingState
 from finetune.checkpoint.storage import STAGING, LocalStorage, committed, tag_for
 from finetune.checkpoint.writer import GuardedWriter
 from finetune.config import CheckpointArgs
@@ -262,7 +263,7 @@ class CheckpointManager:
             self.writer.save(snap.rng, str(folder / f"rng_state_{dist.rank()}.pt"))
         if self.leader and self.writer.error is None:
             try:
-                self._write_shared(folder, snap)
+                self._write_shared(folder, snap, consolidated and self.consolidation_error is None)
             except Exception as e:  # noqa: BLE001 — recorded; the agree step decides for all ranks
                 self.writer._fail(folder, e)
 
@@ -281,11 +282,13 @@ class CheckpointManager:
             raise RuntimeError(f"the consolidated save raised on rank {dist.rank()} mid-gather; stopping because the "
                                f"ranks may be out of step: {type(e).__name__}: {e}") from e
 
-    def _write_shared(self, folder: Path, snap: Snapshot) -> None:
+    def _write_shared(self, folder: Path, snap: Snapshot, consolidated: bool) -> None:
         """A leader's files: config, tokenizer, trainer_state.json; hashes only what it wrote here."""
         module = self.engine.module
         config = copy.deepcopy(module.config)
         config.use_cache = True  # turned off for training only; inference wants it
+        if consolidated:  # config.json describes the safetensors beside it, whatever the training dtype
+            config.dtype = self.consolidated_dtype
         config.save_pretrained(folder)
         written = [folder / "config.json"]
         if getattr(module, "generation_config", None) is not None and module.can_generate():

@@ -1,12 +1,14 @@
-"""Training progress as a dataclass, plus per-rank RNG capture/restore."""
+"""Training progress as a dataclass (RNG streams: rng.py)."""
 
 from __future__ import annotations
 
-import random
-from dataclasses import asdict, dataclass, field
+import copy
+from dataclasses import dataclass, field, fields
+from typing import TYPE_CHECKING
 
-import numpy as np
-import torch
+if TYPE_CHECKING:
+    import torch
+
 
 TRAINER_STATE = "trainer_state.json"
 
@@ -15,25 +17,40 @@ TRAINER_STATE = "trainer_state.json"
 class LogWindow:
     """Train metrics accumulated since the last logged step (state, so a resume logs identically)."""
 
-    loss_sum: float = 0.0
+    # A 0-dim tensor on the device while training (no host sync per micro-batch); a float in JSON.
+    loss_sum: float | torch.Tensor = 0.0
     micro_batches: int = 0
     tokens: int = 0
-    steps: int = 0
+    steps: int = 0  # iterations of the loop, skipped optimizer steps included
     data_s: float = 0.0  # time the loop waited for its batches (what the prefetch did not hide)
+    skipped_steps: int = 0  # optimizer steps DeepSpeed skipped (non-finite gradients)
+
+    def state_dict(self) -> dict:
+        sd = {f.name: getattr(self, f.name) for f in fields(self)}
+        sd["loss_sum"] = float(self.loss_sum)  # a device sync, once per save
+        return sd
+
+    @classmethod
+    def from_state_dict(cls, sd: dict) -> "LogWindow":
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in sd.items() if k in known})  # an older file lacks newer keys
 
 
 @dataclass
 class TrainingState:
-    global_step: int = 0
+    global_step: int = 0  # optimizer steps applied; a step DeepSpeed skipped does not count
     epoch: float = 0.0
     samples_seen: int = 0
     tokens_seen: int = 0
+    skipped_steps: int = 0  # optimizer steps DeepSpeed skipped in this run's line (their batches were consumed)
     sampler: dict = field(default_factory=dict)
     window: LogWindow = field(default_factory=LogWindow)
     last_losses: list = field(default_factory=list)
 
     def state_dict(self) -> dict:
-        return asdict(self)
+        sd = {f.name: copy.deepcopy(getattr(self, f.name)) for f in fields(self) if f.name != "window"}
+        sd["window"] = self.window.state_dict()
+        return sd
 
     def load_state_dict(self, sd: dict) -> None:
         """Restore in place (the trainer and the manager hold the same object)."""
@@ -43,32 +60,8 @@ class TrainingState:
 
     @classmethod
     def from_state_dict(cls, sd: dict) -> "TrainingState":
+        """Also reads a trainer_state.json written before a key existed (it gets the default)."""
         sd = dict(sd)
-        sd["window"] = LogWindow(**sd.get("window", {}))
-        known = {f for f in cls.__dataclass_fields__}
+        sd["window"] = LogWindow.from_state_dict(sd.get("window", {}))
+        known = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in sd.items() if k in known})
-
-
-def rng_state() -> dict:
-    """This rank's RNG streams, as tensors/plain types so `torch.load(weights_only=True)` reads them."""
-    py = random.getstate()
-    np_state = np.random.get_state()
-    state = {
-        "python": {"version": py[0], "state": torch.tensor(py[1], dtype=torch.int64), "gauss": py[2]},
-        "numpy": {"kind": np_state[0], "keys": torch.from_numpy(np_state[1].astype(np.int64)),
-                  "pos": int(np_state[2]), "has_gauss": int(np_state[3]), "cached_gaussian": float(np_state[4])},
-        "torch": torch.get_rng_state(),
-    }
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def set_rng_state(state: dict) -> None:
-    py = state["python"]
-    random.setstate((py["version"], tuple(int(x) for x in py["state"].tolist()), py["gauss"]))
-    n = state["numpy"]
-    np.random.set_state((n["kind"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["cached_gaussian"]))
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])

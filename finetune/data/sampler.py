@@ -161,6 +161,9 @@ class TrainData:
 
     @property
     def epoch_float(self) -> float:
+        """Epochs consumed. A step DeepSpeed skipped consumed its batches too, and the trainer
+        counts applied steps only, so a --num_train_epochs run with skips ends a few steps into
+        the next epoch (which simply continues the next epoch's order)."""
         st = self.sampler.state
         per_epoch = self.steps_per_epoch * self.micro_batch * self.grad_accum * self.sampler.world_size
         return st.epoch + min(st.consumed / per_epoch, 1.0)
@@ -172,8 +175,10 @@ def _injected_failure(rank: int, step: int) -> None:
         raise OSError(errno.EIO, f"injected by {FAIL_BATCH_ENV} while preparing a batch")
 
 
-def eval_batches(dataset, batch_size: int, world_size: int, rank: int, pad_id: int) -> Iterator[tuple[dict, bool]]:
-    """This rank's eval batches and whether each is real.
+def eval_batches(dataset, batch_size: int, world_size: int, rank: int, pad_id: int,
+                 pin_memory: bool = False) -> Iterator[tuple[dict, bool]]:
+    """This rank's eval batches and whether each is real; pinned with ``pin_memory`` (GPUs), so
+    the copy to the device is asynchronous, like the training batches'.
 
     Every rank yields the same number of batches — under ZeRO-3 each forward all-gathers, so a
     rank with fewer batches would leave the others waiting. Filler batches repeat row 0 and
@@ -183,5 +188,5 @@ def eval_batches(dataset, batch_size: int, world_size: int, rank: int, pad_id: i
     for b in range(n_batches):
         idx = list(range(rank, len(dataset), world_size)[b * batch_size:(b + 1) * batch_size])
         real = bool(idx)
-        rows = [dataset[i] for i in (idx or [0])]
-        yield collate(rows, pad_id), real
+        batch = collate([dataset[i] for i in (idx or [0])], pad_id)
+        yield ({k: v.pin_memory() for k, v in batch.items()} if pin_memory else batch), real
