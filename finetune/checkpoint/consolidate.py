@@ -15,6 +15,17 @@ every rank shares:
   the backend's device (the GPU under NCCL, even when parameters are offloaded to CPU; CPU under
   gloo), and rank 0 copies each received piece to CPU to write it.
 
+Which values are written: what ``finetune export`` rebuilds from the same checkpoint, bit for bit,
+in every dtype. Export casts the optimizer's fp32 master weights; the 16-bit module weights of a
+bf16/fp16 run are those masters already cast to 16 bits (DeepSpeed copies them over after every
+step and on load), so they are the answer only in their own dtype. A trainable parameter whose
+module dtype is neither the requested one nor the master's (bf16 weights written as fp32 or fp16)
+is therefore streamed from each rank's partition of its fp32 master (``safe_get_local_fp32_param``;
+on CPU under optimizer offload, staged like any partition), whatever its size. Frozen parameters
+and buffers have no master: their module values are what export writes too. Every shard's
+safetensors metadata records this (``SOURCE_KEY``), so export copies consolidated weights only
+when they are what it would rebuild.
+
 Rank 0's extra memory, whatever the shard size: one module's gathered small parameters, or for a
 streamed parameter one window of received partitions (about ``STREAM_BYTES``, at least one
 partition) plus the piece being written, on CPU.
@@ -28,6 +39,7 @@ Tied parameters are written once, under the first name ``named_parameters`` give
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 import os
@@ -48,6 +60,14 @@ INDEX = "model.safetensors.index.json"
 
 # Backends that move CPU tensors; any other one (nccl, hccl, ...) moves only accelerator tensors.
 CPU_BACKENDS = frozenset({"gloo", "mpi", "ccl"})
+
+# In each shard's safetensors metadata: what its trainable parameters were written from.
+# FROM_MASTER: each is its fp32 master weight cast to the written dtype (read from the master, or
+# from module weights that equal that cast bit for bit), which is what export rebuilds.
+# FROM_MODULE: the module weights cast; checkpoints written before this record hold those too.
+SOURCE_KEY = "finetune_weights_from"
+FROM_MASTER = "fp32 master"
+FROM_MODULE = "module weights"
 
 
 class ConsolidationFailed(RuntimeError):
@@ -129,8 +149,8 @@ def plan_shards(entries, dtype: torch.dtype, max_shard_size: str | int) -> tuple
     return ShardPlan(files, {n: f for f, names in files.items() for n in names}, total), meta
 
 
-def _header(names: list[str], meta: dict[str, torch.Tensor]) -> bytes:
-    header: dict = {"__metadata__": {"format": "pt"}}
+def _header(names: list[str], meta: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> bytes:
+    header: dict = {"__metadata__": {"format": "pt", **(metadata or {})}}
     offset = 0
     for name in names:
         t = meta[name]
@@ -145,8 +165,8 @@ def _header(names: list[str], meta: dict[str, torch.Tensor]) -> bytes:
 class _ShardWriter:
     """Rank 0's open shard files; tensors must arrive in the planned order."""
 
-    def __init__(self, folder: Path, split, meta):
-        self.folder, self.split, self.meta = folder, split, meta
+    def __init__(self, folder: Path, split, meta, metadata: dict[str, str] | None = None):
+        self.folder, self.split, self.meta, self.metadata = folder, split, meta, metadata
         self.order = [(fname, name) for fname, names in split.filename_to_tensors.items() for name in names]
         self.pos = 0
         self.file = self.writer = None
@@ -172,7 +192,7 @@ class _ShardWriter:
             self.current = fname
             self.file = open(self.folder / fname, "wb")
             self.writer = HashingWriter(self.file)
-            self.writer.write(_header(self.split.filename_to_tensors[fname], self.meta))
+            self.writer.write(_header(self.split.filename_to_tensors[fname], self.meta, self.metadata))
         self.appended = 0
 
     def append(self, piece: torch.Tensor) -> None:
@@ -275,6 +295,34 @@ def _streamable(p) -> bool:
     return hasattr(p, "ds_numel") and not on_nvme and p.ds_numel * p.element_size() >= _stream_bytes()
 
 
+def master_dtype(p) -> torch.dtype | None:
+    """The dtype of ``p``'s master weights in DeepSpeed's ZeRO-3 optimizer, or None when no
+    optimizer holds it (frozen, or an engine built without one)."""
+    optimizer = getattr(p, "_z3_optimizer", None)
+    if optimizer is None or not p.requires_grad or not hasattr(p, "ds_id"):
+        return None
+    return getattr(optimizer, "master_weights_and_grads_dtype", torch.float32)
+
+
+def reads_master(p, dtype: torch.dtype) -> bool:
+    """Whether ``p`` is written from its master weights rather than its module weights.
+
+    The module weights are the master cast to ``p.dtype`` (DeepSpeed copies the fp32 partitions
+    into them after each step and on load), so they are exact when written in their own dtype
+    or when they are as wide as the master; any other cast of them would round twice. Decided
+    from facts every rank shares (dtypes, trainability): it picks the collective.
+    """
+    master = master_dtype(p)
+    return master is not None and p.dtype not in (dtype, master)
+
+
+def weights_source(params) -> str:
+    """What consolidated trainable parameters are written from (``SOURCE_KEY``): FROM_MASTER when
+    every one has master weights (read from them, or exact module weights), else FROM_MODULE."""
+    trainable = [p for p in params if p.requires_grad and hasattr(p, "ds_id")]
+    return FROM_MASTER if trainable and all(master_dtype(p) is not None for p in trainable) else FROM_MODULE
+
+
 def comm_device(backend: str, accelerator: torch.device) -> torch.device:
     """Where a tensor must be for point-to-point on ``backend``, wherever it lives now.
 
@@ -299,21 +347,51 @@ def _p2p(ops) -> None:
         req.wait()
 
 
-def _send_partition(part: torch.Tensor, device: torch.device, failed: _FirstError) -> None:
+def _local_partition(p, name: str, spec: torch.Tensor, master: bool) -> torch.Tensor:
+    """This rank's ZeRO-3 partition of ``p``, flat: of its master weights, or of its module weights."""
+    if master:
+        from deepspeed.utils import safe_get_local_fp32_param
+
+        # Under optimizer offload the master lives on CPU; DeepSpeed hands it back on the accelerator.
+        part = safe_get_local_fp32_param(p)
+    else:
+        part = p.ds_tensor
+    if part is None or part.numel() != spec.numel() or part.dtype != spec.dtype:
+        got = "none" if part is None else f"{part.numel()} {part.dtype} elements"
+        raise ConsolidationError(f"{name}: this rank's partition has {got}, planned {spec.numel()} {spec.dtype}")
+    return part.detach().reshape(-1)
+
+
+def _partition_spec(p, master: bool) -> torch.Tensor:
+    """Shape and dtype of every rank's partition of ``p`` (a meta tensor), from metadata every rank
+    shares: ZeRO-3 pads each parameter to a multiple of the world size and splits it evenly."""
+    numel = -(-p.ds_numel // dist.world_size())
+    return torch.empty(numel, dtype=master_dtype(p) if master else p.dtype, device="meta")
+
+
+def _staged(fetch: Callable[[], torch.Tensor], device: torch.device, failed: _FirstError) -> torch.Tensor | None:
+    """``fetch()`` on ``device``; None, with the error held, if that fails."""
+    try:
+        return fetch().to(device).contiguous()
+    except Exception as e:  # noqa: BLE001 — held: the point-to-point transfer goes ahead regardless
+        failed.hold(e)
+        return None
+
+
+def _send_partition(fetch: Callable[[], torch.Tensor], spec: torch.Tensor, device: torch.device,
+                    failed: _FirstError) -> None:
     """A non-zero rank's side: one batched isend of its partition to rank 0."""
     import torch.distributed as tdist
 
-    try:
-        staged = part.to(device).contiguous()
-    except Exception as e:  # noqa: BLE001 — held: rank 0 is about to receive from this rank regardless
-        failed.hold(e)
-        # A placeholder of the same size keeps rank 0's receive matched; the held error fails the
+    staged = _staged(fetch, device, failed)
+    if staged is None:
+        # A placeholder of the planned size keeps rank 0's receive matched; the held error fails the
         # save. Should even this allocation fail, the error propagates and the group's timeout ends it.
-        staged = torch.zeros(part.shape, dtype=part.dtype, device=device)
+        staged = torch.zeros(spec.shape, dtype=spec.dtype, device=device)
     _p2p([tdist.P2POp(tdist.isend, staged, 0)])
 
 
-def _received_partitions(part: torch.Tensor, device: torch.device, peers: int) -> Iterator[torch.Tensor]:
+def _received_partitions(spec: torch.Tensor, device: torch.device, peers: int) -> Iterator[torch.Tensor]:
     """Rank 0's side: ranks 1..peers' partitions in rank order, a window of ranks per batch.
 
     The buffers are reused by the next window: each piece must be consumed before the next one.
@@ -322,33 +400,37 @@ def _received_partitions(part: torch.Tensor, device: torch.device, peers: int) -
     """
     import torch.distributed as tdist
 
-    window = recv_window(part.numel() * part.element_size(), peers, _stream_bytes())
-    buffers = [torch.empty(part.shape, dtype=part.dtype, device=device) for _ in range(window)]
+    window = recv_window(spec.numel() * spec.element_size(), peers, _stream_bytes())
+    buffers = [torch.empty(spec.shape, dtype=spec.dtype, device=device) for _ in range(window)]
     for first in range(1, peers + 1, window):
         ranks = range(first, min(first + window, peers + 1))
         _p2p([tdist.P2POp(tdist.irecv, buf, r) for buf, r in zip(buffers, ranks)])
         yield from buffers[:len(ranks)]
 
 
-def _stream_partitions(p, writer: _ShardWriter | None, name: str, failed: _FirstError) -> None:
-    """Every rank must call this: the ZeRO-3 partitions of ``p``, in rank order, to rank 0.
+def _stream_partitions(p, writer: _ShardWriter | None, name: str, failed: _FirstError, master: bool) -> None:
+    """Every rank must call this: the ZeRO-3 partitions of ``p`` (of its master weights when
+    ``master``), in rank order, to rank 0.
 
     Partition r holds elements [r*n, (r+1)*n) of the flattened parameter (the last ones padded),
-    so appending them in rank order and stopping at ds_numel rebuilds it. Rank 0 receives every
-    partition even after an error, since every other rank is sending regardless.
+    so appending them in rank order and stopping at ds_numel rebuilds it; the fp32 master
+    partitions are laid out the same way. Rank 0 receives every partition even after an error,
+    since every other rank is sending regardless.
     """
     import torch.distributed as tdist
 
-    part = p.ds_tensor.detach()
     peers = dist.world_size() - 1
     device = comm_device(tdist.get_backend(), dist.device()) if peers else torch.device("cpu")
+    spec = _partition_spec(p, master)
+    fetch = functools.partial(_local_partition, p, name, spec, master)
     if not dist.is_main():
-        _send_partition(part, device, failed)
+        _send_partition(fetch, spec, device, failed)
         return
     failed.attempt(writer.begin, name)
+    own = _staged(fetch, torch.device("cpu"), failed) if failed.ok else None
     remaining = p.ds_numel
-    received = _received_partitions(part, device, peers) if peers else ()
-    for piece in itertools.chain([part], received):
+    received = _received_partitions(spec, device, peers) if peers else ()
+    for piece in itertools.chain([own] if own is not None else [], received):
         n = min(remaining, piece.numel())
         remaining -= n
         failed.attempt(writer.append, piece[:n])  # copied to CPU before the next window reuses the buffer
@@ -369,17 +451,20 @@ def save_consolidated(model, folder: Path, dtype: torch.dtype, max_shard_size: s
         split, meta = plan_shards(entries, dtype, max_shard_size)  # raises on every rank alike, before any collective
     except ValueError as e:
         raise ConsolidationFailed(str(e)) from e
-    writer = _ShardWriter(folder, split, meta) if dist.is_main() else None
+    metadata = {SOURCE_KEY: weights_source([getattr(m, a) for _, m, a, is_param in entries if is_param])}
+    writer = _ShardWriter(folder, split, meta, metadata) if dist.is_main() else None
     failed = _FirstError()
     for group in _module_groups(entries):
         tensors = [(name, getattr(m, a), is_param) for name, m, a, is_param in group]
-        streamed = {id(t) for _, t, is_param in tensors if is_param and _streamable(t)}
+        # Master weights are only ever streamed: nothing gathers them whole on every rank.
+        masters = {id(t) for _, t, is_param in tensors if is_param and reads_master(t, dtype)}
+        streamed = masters | {id(t) for _, t, is_param in tensors if is_param and _streamable(t)}
         gathered = [t for _, t, is_param in tensors if is_param and hasattr(t, "ds_id") and id(t) not in streamed]
         # Every rank must enter: this all-gathers the module's small partitioned parameters.
         with deepspeed.zero.GatheredParameters(gathered, modifier_rank=None, enabled=bool(gathered)):
             for name, t, _ in tensors:
                 if id(t) in streamed:
-                    _stream_partitions(t, writer, name, failed)
+                    _stream_partitions(t, writer, name, failed, master=id(t) in masters)
                 elif writer is not None:
                     failed.attempt(writer.write, name, t)
     if writer is None:

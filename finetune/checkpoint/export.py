@@ -2,7 +2,10 @@
 
 ``export_hf`` turns a partitioned ZeRO-3 checkpoint into a HuggingFace model folder, reading the
 rank files through ``zero_files.ZeroCheckpoint`` (memory-mapped, bounded RSS: see that module) and
-writing shards planned with ``consolidate.plan_shards``. A consolidated checkpoint is copied.
+writing shards planned with ``consolidate.plan_shards``: trainable parameters are the fp32 master
+weights cast to the requested dtype (default: the training dtype). Consolidated weights in the
+checkpoint are copied instead only when they are exactly what that rebuild writes (``exact_copy``),
+so the same command gives the same weights whether or not the run saved them.
 
 Tied parameters are written once, under the name DeepSpeed stored (the one ``save_pretrained``
 keeps, e.g. ``model.embed_tokens.weight``; ``from_pretrained`` re-ties ``lm_head.weight``).
@@ -27,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from finetune.checkpoint.consolidate import INDEX, _header, plan_shards
+from finetune.checkpoint.consolidate import FROM_MASTER, INDEX, SOURCE_KEY, _header, plan_shards
 from finetune.checkpoint.durable import fsync_path, write_json_durably
 from finetune.checkpoint.manifest import MANIFEST, read_manifest
 from finetune.checkpoint.resume import UNIVERSAL, write_universal_manifest
@@ -71,30 +74,28 @@ def export_hf(checkpoint: str | os.PathLike, out: str | os.PathLike, dtype: str 
               max_shard_size: str | None = None, exclude_frozen: bool = False, progress: bool = True) -> ExportResult:
     """Write a HF model folder at ``out`` from ``checkpoint`` (a checkpoint folder or an output dir).
 
-    Consolidated weights already in the checkpoint are copied when they fit the request (no
-    ``dtype`` other than theirs, no ``max_shard_size``, no ``exclude_frozen``); otherwise the
-    weights are rebuilt from the rank files. ``out`` appears complete or not at all.
+    The weights are rebuilt from the rank files in ``dtype`` (default: the training dtype).
+    Consolidated weights already in the checkpoint are copied instead when they are exactly what
+    the rebuild would write (see ``exact_copy``) and nothing else is asked (no ``max_shard_size``,
+    no ``exclude_frozen``); a checkpoint with no rank files can only be copied. ``out`` appears
+    complete or not at all.
     """
     start = time.perf_counter()
     folder = resolve_checkpoint(checkpoint)
     out = _check_out(out)
     if not (folder / "config.json").is_file():
         raise ConfigError(f"{folder / 'config.json'}: missing (export needs the model config)")
-    consolidated = _consolidated_files(folder)
-    stored = _stored_dtype(folder, consolidated) if consolidated else None
-    want = DTYPES[dtype] if dtype else None
-    copy = bool(consolidated) and want in (None, stored) and max_shard_size is None and not exclude_frozen
+    copy, want = _copy_or_rebuild(folder, DTYPES[dtype] if dtype else None,
+                                  max_shard_size is None and not exclude_frozen)
     source = None
     if not copy:
         source = ZeroCheckpoint(folder)  # validates the rank files before anything is written
-        want = want or _training_dtype(folder)
     staging = out.parent / f".{out.name}.export-tmp"
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
     try:
         if copy:
-            tensors, size, files = _copy_weights(folder, staging, consolidated)
-            want = stored or torch.float32
+            tensors, size, files = _copy_weights(folder, staging, copy)
         else:
             tensors, size, files = _write_hf(source, staging, want, max_shard_size or DEFAULT_SHARD_SIZE,
                                                    exclude_frozen, progress)
@@ -106,7 +107,7 @@ def export_hf(checkpoint: str | os.PathLike, out: str | os.PathLike, dtype: str 
         shutil.rmtree(staging, ignore_errors=True)
         raise
     return ExportResult(folder, out, tensors, size, want, sorted(files), time.perf_counter() - start,
-                        peak_rss_bytes(), copy)
+                        peak_rss_bytes(), bool(copy))
 
 
 def export_universal(checkpoint: str | os.PathLike, out: str | os.PathLike | None = None) -> Path:
@@ -178,18 +179,56 @@ def _consolidated_files(folder: Path) -> list[str]:
     return names if names == ["model.safetensors"] else []
 
 
-def _tensors_in(path: Path) -> dict[str, dict]:
-    """A safetensors file's header: {name: {"dtype", "shape", "data_offsets"}}."""
+def _header_of(path: Path) -> dict:
+    """A safetensors file's JSON header: {"__metadata__": {...}, name: {"dtype", "shape", "data_offsets"}}."""
     with open(path, "rb") as f:
-        header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+        return json.loads(f.read(int.from_bytes(f.read(8), "little")))
+
+
+def _tensors_in(path: Path) -> dict[str, dict]:
+    header = _header_of(path)
     header.pop("__metadata__", None)
     return header
 
 
-def _stored_dtype(folder: Path, files: list[str]) -> torch.dtype | None:
-    """The floating dtype of consolidated weights, from the first shard's header."""
-    kinds = {v["dtype"] for v in _tensors_in(folder / files[0]).values()}
-    return next((SAFE_TO_TORCH[k] for k in kinds if k in SAFE_TO_TORCH), None)
+def _stored_weights(folder: Path, files: list[str]) -> tuple[torch.dtype | None, str | None]:
+    """The floating dtype of consolidated weights, and what the consolidated save recorded they
+    were written from (None before it recorded that), from the first shard's header."""
+    header = _header_of(folder / files[0])
+    metadata = header.pop("__metadata__", None) or {}
+    kinds = {v["dtype"] for v in header.values()}
+    return next((SAFE_TO_TORCH[k] for k in kinds if k in SAFE_TO_TORCH), None), metadata.get(SOURCE_KEY)
+
+
+def exact_copy(stored: torch.dtype | None, training: torch.dtype, weights_from: str | None) -> bool:
+    """Whether consolidated weights in ``stored`` dtype are bit for bit what a rebuild in that dtype
+    writes: the fp32 master weights cast to it. True when they were written from the masters
+    (FROM_MASTER); module weights (recorded as such, or unrecorded: older checkpoints) are the
+    masters cast to the training dtype, so they are exact only in that dtype, or when training
+    ran in fp32. bf16 weights upcast to fp32 are not: the masters carry bits they dropped.
+    """
+    return weights_from == FROM_MASTER or training in (stored, torch.float32)
+
+
+def _copy_or_rebuild(folder: Path, want: torch.dtype | None, as_saved: bool) -> tuple[list[str], torch.dtype]:
+    """(the consolidated files to copy, or [] to rebuild from the rank files; the dtype to write).
+
+    ``want`` defaults to the training dtype, whether or not the run saved consolidated weights;
+    they are copied only when they are exactly what the rebuild would write and ``as_saved``
+    (no other sharding, nothing left out). Without rank files they are all there is.
+    """
+    files = _consolidated_files(folder)
+    if (read_manifest(folder) or {}).get("consolidated") is False:
+        files = []  # what a failed consolidated save left: not listed, not weights to copy
+    stored, weights_from = _stored_weights(folder, files) if files else (None, None)
+    training = _training_dtype(folder)
+    if not rank_model_files(folder):  # nothing to rebuild from: copied as they are, or an error later
+        stored = stored or torch.float32
+        want = want or stored
+        return (files if as_saved and want == stored else []), want
+    want = want or training
+    exact = bool(files) and want == stored and exact_copy(stored, training, weights_from)
+    return (files if exact and as_saved else []), want
 
 
 def _training_dtype(folder: Path) -> torch.dtype:
@@ -249,7 +288,7 @@ def _write_hf(source: ZeroCheckpoint, staging: Path, dtype: torch.dtype, max_sha
     with bar:
         for fname, names in split.filename_to_tensors.items():
             with open(staging / fname, "wb") as f:
-                f.write(_header(names, meta))
+                f.write(_header(names, meta, {SOURCE_KEY: FROM_MASTER}))  # as a consolidated save records it
                 for name in names:
                     bar.update(_write_tensor(source, f, by_name[name], meta[name], buffers))
                 f.flush()

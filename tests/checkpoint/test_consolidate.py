@@ -19,15 +19,20 @@ from safetensors.torch import load_file
 
 from finetune.checkpoint import consolidate
 from finetune.checkpoint.consolidate import (
+    FROM_MASTER,
+    FROM_MODULE,
     INDEX,
+    SOURCE_KEY,
     ConsolidationError,
     ConsolidationFailed,
     _ShardWriter,
     comm_device,
     plan_shards,
+    reads_master,
     recv_window,
     save_consolidated,
     tensor_entries,
+    weights_source,
 )
 
 
@@ -127,6 +132,57 @@ def test_receive_window_stays_within_the_budget_or_one_partition(partition_bytes
     assert got * partition_bytes <= max(budget, partition_bytes)
 
 
+class _Z3Optimizer:
+    """Stands in for DeepSpeed's ZeRO-3 optimizer: what ``safe_get_local_fp32_param`` asks of it."""
+
+    def __init__(self, master: torch.dtype = torch.float32):
+        self.master_weights_and_grads_dtype = master
+
+    def get_local_fp32_param(self, p, optim_state_key=None):
+        return p.fake_master_partition if p.requires_grad else None
+
+
+def _z3_param(dtype: torch.dtype, trainable: bool = True, optimizer: _Z3Optimizer | None = _Z3Optimizer()):
+    p = torch.nn.Parameter(torch.empty(0, dtype=dtype), requires_grad=trainable)
+    p.ds_id = 0
+    if optimizer is not None:
+        p._z3_optimizer = optimizer
+    return p
+
+
+BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
+
+
+@pytest.mark.parametrize("module,requested,expected", [
+    (BF16, FP32, True),  # an upcast of the module weights would lack the bits the master has
+    (BF16, FP16, True),  # and a cast to fp16 would round twice
+    (BF16, BF16, False),  # the module weights are the master cast to bf16 already
+    (FP16, FP32, True),
+    (FP32, BF16, False),  # fp32 module weights are the master
+    (FP32, FP32, False),
+])
+def test_master_weights_are_read_when_the_module_weights_would_not_cast_exactly(module, requested, expected):
+    assert reads_master(_z3_param(module), requested) is expected
+
+
+def test_no_master_for_frozen_parameters_or_without_an_optimizer():
+    assert not reads_master(_z3_param(BF16, trainable=False), FP32)
+    assert not reads_master(_z3_param(BF16, optimizer=None), FP32)
+    assert not reads_master(_z3_param(BF16, optimizer=_Z3Optimizer(master=BF16)), FP32)  # bf16 masters: the module weights
+    assert not reads_master(torch.nn.Parameter(torch.zeros(2, dtype=BF16)), FP32)  # not a ZeRO-3 parameter
+    assert weights_source([_z3_param(BF16), _z3_param(BF16, trainable=False)]) == FROM_MASTER
+    assert weights_source([_z3_param(BF16), _z3_param(BF16, optimizer=None)]) == FROM_MODULE
+    assert weights_source(torch.nn.Linear(2, 2).parameters()) == FROM_MODULE
+
+
+def test_a_partition_unlike_the_plan_is_named():
+    p = torch.nn.Parameter(torch.empty(0))
+    p.ds_tensor = torch.zeros(3)
+    spec = torch.empty(4, device="meta")  # every rank's partition, as the parameter's metadata says
+    with pytest.raises(ConsolidationError, match=r"^w: this rank's partition has 3 torch.float32 elements, planned 4"):
+        consolidate._local_partition(p, "w", spec, master=False)
+
+
 def test_plan_rejects_a_dtype_safetensors_cannot_hold_naming_the_tensor():
     model = torch.nn.Linear(2, 2)
     model.register_buffer("phase", torch.zeros(2, dtype=torch.complex64))  # kept as is: not floating
@@ -198,17 +254,51 @@ def _fake_zero3_model(rank: int) -> torch.nn.Module:
     return model
 
 
-def _rank_main(rank: int, port: int, folder: str, scenario: str) -> None:
-    os.environ["FINETUNE_STREAM_BYTES"] = STREAM
-    torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                                         world_size=WORLD, timeout=timedelta(seconds=60))
+# The fp32 master weights of a bf16 run (not representable in bf16) and its frozen parameter.
+MASTERS = {"a": torch.arange(10.0).reshape(2, 5) / 3, "b": torch.arange(100.0, 107.0) / 7}
+FROZEN = torch.tensor([1 / 3, 2 / 3, 1.0]).to(BF16)
+DTYPES = {"fp32": FP32, "fp16": FP16, "bf16": BF16}
+
+
+def _partition(full: torch.Tensor, rank: int) -> torch.Tensor:
+    n = -(-full.numel() // WORLD)
+    return torch.cat([full.reshape(-1), full.new_zeros(n * WORLD - full.numel())])[rank * n:(rank + 1) * n].clone()
+
+
+def _fake_bf16_model(rank: int) -> torch.nn.Module:
+    """bf16 module weights (their masters cast), the fp32 masters in a fake ZeRO-3 optimizer."""
+    model, optimizer = torch.nn.Module(), _Z3Optimizer()
+    for name, full in {**MASTERS, "frozen": FROZEN}.items():
+        p = _z3_param(BF16, trainable=name != "frozen", optimizer=optimizer)
+        p.ds_shape, p.ds_numel = full.shape, full.numel()
+        p.ds_tensor = _partition(full.to(BF16), rank)
+        p.fake_master_partition = _partition(full, rank)
+        setattr(model, name, p)
+    return model
+
+
+def _save(rank: int, folder: str, scenario: str) -> dict:
+    if scenario == "masters":  # every dtype from the same bf16 "run"
+        model = _fake_bf16_model(rank)
+        for name, dtype in DTYPES.items():
+            Path(folder, name).mkdir(exist_ok=True)
+            save_consolidated(model, Path(folder, name), dtype, "1GB")
+        return {"files": sorted(p.name for p in Path(folder).glob("*/*.safetensors"))}
     model = _fake_zero3_model(rank)
     if scenario == "fail" and rank == 0:
         consolidate._ShardWriter.append = _simulated_oom
     if scenario == "fail" and rank == 2:
         model.a.ds_tensor = model.a.ds_tensor.as_subclass(_Unmovable)
+    return {"files": sorted(save_consolidated(model, Path(folder), torch.float32, "1GB"))}
+
+
+def _rank_main(rank: int, port: int, folder: str, scenario: str) -> None:
+    # "masters": every parameter streamed (nothing here can be all-gathered like a real ZeRO-3 one)
+    os.environ["FINETUNE_STREAM_BYTES"] = "1" if scenario == "masters" else STREAM
+    torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                         world_size=WORLD, timeout=timedelta(seconds=60))
     try:
-        outcome = {"files": sorted(save_consolidated(model, Path(folder), torch.float32, "1GB"))}
+        outcome = _save(rank, folder, scenario)
     except Exception as e:  # noqa: BLE001 — reported to the test
         outcome = {"error": f"{type(e).__name__}: {e}"}
     # Times out (gloo raises) if any rank left the gathers early or is still waiting in one.
@@ -254,3 +344,22 @@ def test_errors_on_any_rank_are_raised_after_the_last_gather(tmp_path):
         {"files": [], "in_step": True},
         {"error": "ConsolidationFailed: RuntimeError: out of memory staging the partition (simulated)", "in_step": True},
     ]
+
+
+def test_bf16_weights_come_from_the_fp32_masters_in_a_wider_or_other_dtype(tmp_path):
+    """A bf16 run's consolidated weights are its masters cast to the requested dtype: streamed from
+    the masters for fp32 and fp16, the module weights (the same values) for bf16; the frozen
+    parameter, which has no master, from its module weights. Recorded in each file's metadata."""
+    from safetensors import safe_open
+
+    outcomes = _run_ranks(tmp_path, "masters")
+    assert [o.get("error") for o in outcomes] == [None] * WORLD and all(o["in_step"] for o in outcomes)
+    for name, dtype in DTYPES.items():
+        written = load_file(tmp_path / name / "model.safetensors")
+        assert set(written) == {*MASTERS, "frozen"}
+        for key, master in MASTERS.items():
+            assert written[key].dtype == dtype and torch.equal(written[key], master.to(dtype)), (name, key)
+        assert torch.equal(written["frozen"], FROZEN.to(dtype))
+        with safe_open(tmp_path / name / "model.safetensors", "pt") as f:
+            assert f.metadata() == {"format": "pt", SOURCE_KEY: FROM_MASTER}
+    assert not torch.equal(MASTERS["a"].to(BF16).float(), MASTERS["a"])  # what the module weights would have given

@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 
 from finetune.checkpoint import export as ex
 from finetune.checkpoint import zero_files as zf
-from finetune.checkpoint.consolidate import INDEX
+from finetune.checkpoint.consolidate import FROM_MASTER, FROM_MODULE, INDEX, SOURCE_KEY
 from finetune.cli import main
 
 VOCAB = 97
@@ -166,6 +166,98 @@ def test_consolidated_weights_are_copied(tmp_path, qwen_checkpoint):
     assert (tmp_path / "hf" / "model.safetensors").read_bytes() == (folder / "model.safetensors").read_bytes()
     rebuilt = ex.export_hf(folder, tmp_path / "bf16", dtype="bf16", progress=False)  # another dtype: rebuilt
     assert not rebuilt.copied and rebuilt.dtype == torch.bfloat16
+
+
+# --- copy or rebuild: the same command gives the same weights, consolidated or not ------------------
+
+BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
+
+
+@pytest.mark.parametrize("stored,training,weights_from,exact", [
+    (FP32, BF16, FROM_MASTER, True),
+    (FP16, BF16, FROM_MASTER, True),
+    (FP32, BF16, FROM_MODULE, False),  # bf16 module weights upcast: the masters' low bits are lost
+    (FP32, BF16, None, False),  # the same, written before the source was recorded
+    (FP16, BF16, None, False),  # rounded twice (to bf16, then to fp16)
+    (BF16, BF16, None, True),  # DeepSpeed's bf16 module weights are the masters cast to bf16
+    (FP16, FP16, FROM_MODULE, True),
+    (BF16, FP32, None, True),  # fp32 module weights are the masters
+    (FP32, FP32, None, True),
+])
+def test_consolidated_weights_are_exact_only_when_a_rebuild_writes_the_same(stored, training, weights_from, exact):
+    assert ex.exact_copy(stored, training, weights_from) is exact
+
+
+@pytest.fixture
+def bf16_run(tmp_path):
+    """A bf16 run's checkpoint: fp32 masters not representable in bf16 in the rank files."""
+    torch.manual_seed(0)
+    state = OrderedDict(w=torch.randn(6, 5), b=torch.randn(7))
+    folder = tmp_path / "global_step3"
+    folder.mkdir()
+    write_zero3(folder, state, world=2)
+    (folder / "trainer_state.json").write_text(json.dumps({"world_size": 2, "dtype": "bf16"}))
+    (folder / "config.json").write_text(json.dumps({"dtype": "bfloat16"}))
+    return state, folder
+
+
+def _consolidate(folder: Path, state: dict, weights_from: str | None) -> None:
+    """model.safetensors as a consolidated save writes it, its source recorded or (None) not."""
+    from safetensors.torch import save_file
+
+    save_file(state, folder / "model.safetensors", metadata={"format": "pt", **({SOURCE_KEY: weights_from}
+                                                                               if weights_from else {})})
+
+
+@pytest.mark.parametrize("weights_from", [FROM_MODULE, None])
+def test_upcast_module_weights_are_rebuilt_from_the_masters(tmp_path, bf16_run, weights_from):
+    state, folder = bf16_run
+    _consolidate(folder, {k: v.to(BF16).float() for k, v in state.items()}, weights_from)  # before the fix
+    result = ex.export_hf(folder, tmp_path / "hf", dtype="fp32", progress=False)
+    assert not result.copied
+    ours = load_file(tmp_path / "hf" / "model.safetensors")
+    assert all(torch.equal(ours[k], v) for k, v in state.items())
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["dtype"] == "float32"
+
+
+def test_master_weights_are_copied_in_their_dtype_only(tmp_path, bf16_run):
+    state, folder = bf16_run
+    _consolidate(folder, dict(state), FROM_MASTER)
+    result = ex.export_hf(folder, tmp_path / "fp32", dtype="fp32", progress=False)
+    assert result.copied and result.dtype == FP32
+    assert (tmp_path / "fp32" / "model.safetensors").read_bytes() == (folder / "model.safetensors").read_bytes()
+    again = ex.export_hf(folder, tmp_path / "fp16", dtype="fp16", progress=False)
+    assert not again.copied and load_file(tmp_path / "fp16" / "model.safetensors")["w"].dtype == FP16
+
+
+def test_the_default_dtype_is_the_training_dtype_whatever_was_consolidated(tmp_path, bf16_run):
+    state, folder = bf16_run
+    plain = ex.export_hf(folder, tmp_path / "plain", progress=False)
+    _consolidate(folder, dict(state), FROM_MASTER)  # fp32, from the masters
+    result = ex.export_hf(folder, tmp_path / "hf", progress=False)
+    assert not result.copied and result.dtype == plain.dtype == BF16
+    assert (tmp_path / "hf" / "model.safetensors").read_bytes() == (tmp_path / "plain" / "model.safetensors").read_bytes()
+    rebuilt = load_file(tmp_path / "hf" / "model.safetensors")
+    assert all(torch.equal(rebuilt[k], v.to(BF16)) for k, v in state.items())
+
+
+def test_weights_a_failed_consolidation_left_are_not_copied(tmp_path, bf16_run):
+    state, folder = bf16_run
+    _consolidate(folder, {k: torch.zeros_like(v) for k, v in state.items()}, FROM_MASTER)  # e.g. truncated
+    manifest = json.loads((folder / "manifest.json").read_text())
+    (folder / "manifest.json").write_text(json.dumps({**manifest, "consolidated": False}))
+    result = ex.export_hf(folder, tmp_path / "hf", dtype="fp32", progress=False)
+    assert not result.copied
+    assert torch.equal(load_file(tmp_path / "hf" / "model.safetensors")["w"], state["w"])
+
+
+def test_without_rank_files_the_consolidated_weights_are_copied_as_they_are(tmp_path, bf16_run):
+    state, folder = bf16_run
+    _consolidate(folder, dict(state), None)
+    for rank_file in folder.glob("zero_pp_rank_*"):
+        rank_file.unlink()
+    result = ex.export_hf(folder, tmp_path / "hf", progress=False)
+    assert result.copied and result.dtype == FP32
 
 
 # --- bad input: exit 2, one line naming the path, nothing written ---------------------------------
