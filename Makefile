@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 # sharing ~/.cache/torch_extensions keep invalidating each other's build (a ~2 min rebuild each time).
 export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/$(VENV)/torch_extensions
 
-.PHONY: setup demo test test-fast bench clean
+.PHONY: setup gpu-setup demo test test-fast test-gpu bench clean
 
 setup: $(STAMP)
 
@@ -24,6 +24,11 @@ $(STAMP): pyproject.toml
 	PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(PY) scripts/build_ops.py
 	touch $(STAMP)
 
+# On a GPU machine, after installing torch for its CUDA (see README "GPU"): `make setup` then this,
+# which fails when FusedAdam (needs nvcc) or CPU Adam can't be built. Runs work without them (torch_adam).
+gpu-setup: setup
+	PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(PY) scripts/build_ops.py --strict
+
 demo: setup
 	PATH=$(CURDIR)/$(VENV)/bin:$$PATH deepspeed --num_gpus 2 --module finetune --save_checkpoint --output_dir output/demo
 
@@ -32,6 +37,10 @@ test: setup
 
 test-fast: setup
 	$(PY) -m pytest -ra -m "not distributed and not e2e" tests
+
+# The GPU suite (tests/gpu): one CUDA device, NCCL. `make test` runs it too, skipped without a GPU.
+test-gpu: setup
+	PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(PY) -m pytest -ra -m gpu tests/gpu
 
 bench: setup
 	PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(PY) bench/train_throughput.py

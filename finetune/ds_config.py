@@ -146,13 +146,30 @@ def _reconcile_precision(v: dict[str, Any], ds: dict, path: str, flag: str) -> N
 
 
 def auto_precision() -> str:
-    """bf16 where the accelerator supports it; fp32 on CPU (bf16 matmuls there are slow and lossy)."""
+    """bf16 where this rank's device does it natively; fp32 on CPU (bf16 matmuls there are slow and lossy).
+
+    Runs while the flags are resolved, before ``distributed.init`` sets the device, so it asks
+    about this rank's own device by index (``distributed.local_device_index``: LOCAL_RANK, modulo
+    the GPUs this task sees) and only reads its properties: ``torch.cuda.is_bf16_supported()``
+    would look at the current device (GPU 0 on every rank at this point) and, by default, also
+    accept bf16 emulated in software (pre-Ampere GPUs: V100, T4), allocating a tensor on GPU 0
+    from every rank to find out. NVIDIA GPUs do bf16 natively from compute capability 8.0 (A100).
+    """
     from deepspeed.accelerator import get_accelerator
 
     acc = get_accelerator()
-    if acc.device_name() != "cpu" and acc.is_bf16_supported():
-        return "bf16"
-    return "fp32"
+    if acc.device_name() == "cpu":
+        return "fp32"
+    if acc.device_name() == "cuda":
+        import torch
+
+        from finetune.distributed import local_device_index
+
+        if torch.version.hip is not None:
+            return "bf16"  # what torch.cuda.is_bf16_supported answers for every ROCm device
+        major, _ = torch.cuda.get_device_capability(local_device_index())
+        return "bf16" if major >= 8 else "fp32"
+    return "bf16" if acc.is_bf16_supported() else "fp32"
 
 
 def zero_stage(cfg: dict) -> int:

@@ -1,20 +1,57 @@
-"""Compile DeepSpeed's CPU ops now (once, ~3 minutes) instead of inside the first training run.
+"""Build DeepSpeed's ops now (once, minutes) instead of inside the first training run.
 
-On a CPU-only machine every run JIT-loads three ops (shared-memory all-reduce, fused Adam, CPU
-Adam for the offload config) into $TORCH_EXTENSIONS_DIR. On a GPU machine it does nothing.
-Run it with the same PATH as training: a different `ninja` invalidates the build.
+They go into $TORCH_EXTENSIONS_DIR, by default <venv>/torch_extensions, which is where finetune
+looks at run time (finetune.ops.use_venv_extensions_dir). Run it with the same PATH as training:
+a different `ninja` invalidates the build.
+
+* CPU (no accelerator): the shared-memory all-reduce, fused Adam (C++) and CPU Adam (the offload
+  config's optimizer).
+* CUDA: FusedAdam (needs nvcc, a CUDA toolkit matching torch's CUDA major version) and CPU Adam
+  (needs a C++ compiler). What can't be built here is reported; runs then use DeepSpeed's
+  torch_adam (torch.optim.AdamW) for it, saying so in one log line.
+
+Exit status: 0 when every op the runs need on this machine is ready, 1 otherwise (with --strict,
+which `make gpu-setup` uses; `make setup` only reports).
 """
 
+import argparse
+import sys
 import time
+from pathlib import Path
 
-from deepspeed.accelerator import get_accelerator
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from finetune.ops import load_op, use_venv_extensions_dir  # noqa: E402
+
+OPS = {"cpu": ("ShareMemCommBuilder", "FusedAdamBuilder", "CPUAdamBuilder"),
+       "cuda": ("FusedAdamBuilder", "CPUAdamBuilder")}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--strict", action="store_true", help="Exit 1 when an op can't be built.")
+    ns = p.parse_args()
+    use_venv_extensions_dir()
+    from deepspeed.accelerator import get_accelerator
+
+    kind = get_accelerator().device_name()
+    failed = []
+    for name in OPS.get(kind, ()):
+        start = time.perf_counter()
+        try:
+            load_op(name)
+        except Exception as e:  # any build failure: reported by name, the next op still tried
+            failed.append(name)
+            reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            then = "runs use torch_adam instead" if "Adam" in name else "runs try to build it on first use"
+            print(f"DeepSpeed op {name.removesuffix('Builder')}: NOT built ({type(e).__name__}: {reason}); {then}",
+                  flush=True)
+            continue
+        print(f"DeepSpeed op {name.removesuffix('Builder')}: ready in {time.perf_counter() - start:.1f}s", flush=True)
+    if kind not in OPS:
+        print(f"no ops to prebuild for the {kind} accelerator", flush=True)
+    return 1 if failed and ns.strict else 0
+
 
 if __name__ == "__main__":
-    acc = get_accelerator()
-    if acc.device_name() == "cpu":
-        for name in ("ShareMemCommBuilder", "FusedAdamBuilder", "CPUAdamBuilder"):
-            start = time.perf_counter()
-            builder = acc.create_op_builder(name)
-            if builder is not None:
-                builder.load(verbose=False)
-                print(f"DeepSpeed op {builder.NAME}: ready in {time.perf_counter() - start:.1f}s", flush=True)
+    sys.exit(main())

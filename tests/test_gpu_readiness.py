@@ -1,0 +1,137 @@
+"""What a GPU run decides before any GPU work, tested with fake CUDA nodes on CPU: bf16
+auto-detection from this rank's own device, and the Adam op (compiled, or torch_adam without a
+toolkit). The real thing runs in tests/gpu when there is a GPU."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+
+import pytest
+import torch
+
+from finetune import ops
+from finetune.config import CONFIGS_DIR
+from finetune.ds_config import auto_precision
+
+
+class FakeCudaNode:
+    """DeepSpeed's accelerator on a node of GPUs with the given compute capabilities, recording
+    which devices anything asked about; touching the *current* device (GPU 0 before the device
+    is set) or allocating fails the test."""
+
+    def __init__(self, monkeypatch, capabilities: list[tuple[int, int]]):
+        self.capabilities, self.asked = capabilities, []
+        monkeypatch.setattr("deepspeed.accelerator.get_accelerator", lambda: self)
+        monkeypatch.setattr(torch.cuda, "device_count", lambda: len(capabilities))
+        monkeypatch.setattr(torch.cuda, "get_device_capability", self.get_device_capability)
+        monkeypatch.setattr(torch.version, "hip", None)
+        for name in ("is_bf16_supported", "current_device", "set_device", "init"):
+            monkeypatch.setattr(torch.cuda, name, self._forbidden(name))
+
+    def _forbidden(self, name):
+        def call(*args, **kwargs):
+            raise AssertionError(f"torch.cuda.{name} touches the current device (GPU 0 on every rank here)")
+        return call
+
+    def device_name(self):
+        return "cuda"
+
+    def device_count(self):
+        return len(self.capabilities)
+
+    def is_bf16_supported(self):
+        raise AssertionError("the accelerator's is_bf16_supported looks at the current device and accepts emulation")
+
+    def get_device_capability(self, device=None):
+        if not isinstance(device, int):
+            raise AssertionError(f"asked about {device!r}, not this rank's device by index")
+        self.asked.append(device)
+        return self.capabilities[device]
+
+
+@pytest.mark.parametrize("capability, want", [((8, 0), "bf16"), ((9, 0), "bf16"), ((7, 0), "fp32"), ((7, 5), "fp32")])
+def test_auto_precision_reads_this_ranks_device_only(monkeypatch, capability, want):
+    """LOCAL_RANK 3 of a node of 8: only device 3 is asked; V100 (7.0) and T4 (7.5) emulate bf16 → fp32."""
+    node = FakeCudaNode(monkeypatch, [(6, 0)] * 3 + [capability] + [(6, 0)] * 4)
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    assert auto_precision() == want
+    assert node.asked == [3]
+
+
+def test_auto_precision_where_each_task_sees_one_gpu(monkeypatch):
+    """srun --gpus-per-task=1: SLURM_LOCALID 5 but one visible GPU, device 0."""
+    node = FakeCudaNode(monkeypatch, [(8, 0)])
+    monkeypatch.setenv("LOCAL_RANK", "5")
+    assert auto_precision() == "bf16"
+    assert node.asked == [0]
+
+
+# --- the Adam op ---------------------------------------------------------------------------
+
+def _config(name: str) -> dict:
+    return json.loads((CONFIGS_DIR / name).read_text())
+
+
+def test_which_op_deepspeed_will_compile_for_each_shipped_config():
+    assert ops.adam_op(_config("ds_zero3.json")) == "FusedAdamBuilder"
+    assert ops.adam_op(_config("ds_zero3_offload.json")) == "CPUAdamBuilder"
+    torch_adam = _config("ds_zero3.json")
+    torch_adam["optimizer"]["params"]["torch_adam"] = True
+    assert ops.adam_op(torch_adam) is None
+    assert ops.adam_op({"optimizer": {"type": "SGD"}}) is None
+    assert ops.adam_op({}) is None  # finetune passes its own torch AdamW then
+
+
+def test_an_adam_op_that_cannot_be_built_becomes_torch_adam(monkeypatch, caplog):
+    monkeypatch.setenv("WORLD_SIZE", "1")
+
+    def no_toolkit(name):
+        raise RuntimeError("CUDA_HOME does not exist, unable to compile CUDA op(s)")
+
+    cfg = _config("ds_zero3.json")
+    with caplog.at_level(logging.WARNING, logger="finetune"):
+        out = ops.ensure_adam(cfg, load=no_toolkit)
+    assert out["optimizer"]["params"]["torch_adam"] is True
+    assert out["optimizer"]["type"] == "AdamW" and "torch_adam" not in cfg["optimizer"]["params"]  # a copy
+    assert "FusedAdam can't be loaded or built here" in caplog.text and "torch.optim.AdamW" in caplog.text
+    loaded = []
+    assert ops.ensure_adam(cfg, load=loaded.append) is cfg and loaded == ["FusedAdamBuilder"]
+
+
+def test_ops_are_found_where_make_setup_built_them(monkeypatch, tmp_path):
+    """Inside a venv: <venv>/torch_extensions and the venv's ninja, unless TORCH_EXTENSIONS_DIR is set."""
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
+    (venv / "bin" / "ninja").write_text("#!/bin/sh\n")
+    (venv / "bin" / "ninja").chmod(0o755)
+    monkeypatch.setattr(sys, "prefix", str(venv))
+    monkeypatch.setattr(sys, "base_prefix", "/usr")
+    monkeypatch.delenv("TORCH_EXTENSIONS_DIR", raising=False)
+    monkeypatch.setenv("PATH", "/usr/bin:/bin")
+    ops.use_venv_extensions_dir()
+    assert os.environ["TORCH_EXTENSIONS_DIR"] == str(venv / "torch_extensions")
+    assert os.environ["PATH"].split(os.pathsep)[0] == str(venv / "bin")
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", "/elsewhere")
+    ops.use_venv_extensions_dir()
+    assert os.environ["TORCH_EXTENSIONS_DIR"] == "/elsewhere"
+
+
+@pytest.mark.e2e
+def test_the_fallback_config_trains_saves_and_resumes_under_offload(run_finetune, tmp_path):
+    """What a machine without a compiler gets for the offload config: torch.optim.AdamW stepping
+    offloaded fp32 partitions (DeepSpeed's torch_adam), through a save and a resume."""
+    cfg = ops.use_torch_adam(_config("ds_zero3_offload.json"))
+    ds = tmp_path / "ds.json"
+    ds.write_text(json.dumps(cfg))
+    args = ("--deepspeed_config", str(ds), "--save_checkpoint", "--logging_steps", "1")
+    first = run_finetune(*args, "--max_steps", "2", launcher="python", nprocs=1)
+    assert first.returncode == 0, first.output[-3000:]
+    optim = torch.load(first.out_dir / "global_step2" / "zero_pp_rank_0_mp_rank_00_optim_states.pt", weights_only=False)
+    groups = optim["optimizer_state_dict"]["optimizer_state_dict"]["param_groups"]
+    assert all("foreach" in g for g in groups)  # torch's AdamW, not DeepSpeedCPUAdam
+    again = run_finetune(*args, "--max_steps", "3", "--resume_from_checkpoint", "auto", launcher="python", nprocs=1)
+    assert again.returncode == 0, again.output[-3000:]
+    assert [r["step"] for r in again.train_rows()][-1] == 3
