@@ -52,8 +52,11 @@ def init(timeout_s: int | None = None) -> None:
     _timeout_s = int(timeout_s or DEFAULT_DDP_TIMEOUT)
 
     launchers.adopt_launcher_env()
-    # An mpirun world without MASTER_ADDR: init_distributed's MPI discovery sets it (comm.py:913-944).
+    # An mpirun world without MASTER_ADDR: rank 0's address over mpi4py, or (AzureML) DeepSpeed's patch.
     discover = launchers.deepspeed_discovers_master()
+    if discover and not launchers.in_azureml():
+        os.environ["MASTER_ADDR"] = launchers.master_from_mpi()  # mpi4py: checked by deepspeed_discovers_master
+        discover = False
     os.environ.setdefault("RANK", "0")
     os.environ.setdefault("LOCAL_RANK", "0")
     os.environ.setdefault("WORLD_SIZE", "1")
@@ -235,7 +238,7 @@ def gather_outcomes(fn: Callable[[], Any], on: bool = True, *, share: bool = Fal
         if on:
             work()
     else:
-        thread = threading.Thread(target=work, name="finetune-agreed", daemon=True) if on else None
+        thread = threading.Thread(target=_on_this_device(work), name="finetune-agreed", daemon=True) if on else None
         if thread is not None:
             thread.start()
         while True:
@@ -255,6 +258,24 @@ def gather_outcomes(fn: Callable[[], Any], on: bool = True, *, share: bool = Fal
     if share:
         out.results = [result for _, result in gathered]
     return out
+
+
+def _on_this_device(fn: Callable[[], None]) -> Callable[[], None]:
+    """``fn`` for another thread, on the caller's device: a CUDA thread starts on device 0, so
+    without this every rank's agreed work (restoring its RNG, loading an op, reading device
+    properties) would act on GPU 0."""
+    from deepspeed.accelerator import get_accelerator
+
+    acc = get_accelerator()
+    if acc.device_name() == "cpu":
+        return fn
+    index = acc.current_device()
+
+    def bound():
+        acc.set_device(index)
+        fn()
+
+    return bound
 
 
 def run_agreed(fn: Callable[[], Any], on: bool = True, poll_s: float | None = None):

@@ -219,13 +219,36 @@ def _deepspeed_can_discover(env: Mapping[str, str]) -> bool:
     """What init_distributed does when a variable is missing (comm.py:889-898): AzureML's patch
     (in_aml and not in_dlts) reads AzureML's own variables; SageMaker's logs MASTER_ADDR
     (comm.py:1004-1013, a KeyError without it); otherwise mpi_discovery imports mpi4py (comm.py:917)."""
-    if "AZUREML_EXPERIMENT_ID" in env and "DLTS_JOB_ID" not in env:
+    if in_azureml(env):
         return True
     return "SM_TRAINING_ENV" not in env and _mpi4py_available()
 
 
 def _mpi4py_available() -> bool:
     return importlib.util.find_spec("mpi4py") is not None
+
+
+def in_azureml(env: Mapping[str, str] | None = None) -> bool:
+    """DeepSpeed's in_aml() and not in_dlts() (comm.py:889-893): its AzureML patch sets the world."""
+    env = os.environ if env is None else env
+    return "AZUREML_EXPERIMENT_ID" in env and "DLTS_JOB_ID" not in env
+
+
+def master_from_mpi() -> str:
+    """Rank 0's address, broadcast over MPI (what DeepSpeed's mpi_discovery does, comm.py:917-934).
+
+    Done here rather than by init_distributed: its discovery also overwrites LOCAL_RANK with a
+    count of the ranks on this host (comm.py:935-942), and the communicator is bound to that
+    device (comm/torch.py:276-281) before init() could put the device index back; with one GPU
+    visible per rank that is an invalid ordinal. Collective over MPI_COMM_WORLD.
+    """
+    import socket
+
+    from mpi4py import MPI
+
+    comm = MPI.COMM_WORLD
+    addr = socket.gethostbyname(socket.gethostname()) if comm.Get_rank() == 0 else None
+    return comm.bcast(addr, root=0)
 
 
 def _from_slurm(env: Mapping[str, str]) -> Launch | None:

@@ -26,9 +26,13 @@ import shutil
 import sys
 from pathlib import Path
 
+from finetune.config import ConfigError
+
 logger = logging.getLogger("finetune")
 
 ADAM_TYPES = ("adam", "adamw")
+ADAM_KEY = "adam"  # trainer_state.json: what ran the Adam update (adam_impl)
+TORCH_ADAM = "torch_adam"
 
 
 def use_venv_extensions_dir() -> None:
@@ -64,6 +68,9 @@ def adam_op(ds_config: dict) -> str | None:
     return "CPUAdamBuilder" if str(offload).lower() in ("cpu", "nvme") else "FusedAdamBuilder"
 
 
+STALE_LOCK_S = 15 * 60  # a build holds its lock for minutes (FusedAdam: 1-3 min); older is an interrupted one
+
+
 def load_op(builder_name: str) -> None:
     """Load (building it if need be) one of DeepSpeed's ops; raises when it can't be had."""
     from deepspeed.accelerator import get_accelerator
@@ -71,27 +78,89 @@ def load_op(builder_name: str) -> None:
     builder = get_accelerator().create_op_builder(builder_name)
     if builder is None:
         raise RuntimeError(f"DeepSpeed has no {builder_name} for the {get_accelerator().device_name()} accelerator")
+    check_build_lock(builder.name)
     builder.load(verbose=False)
+
+
+def check_build_lock(name: str, now: float | None = None) -> None:
+    """Raise for a build lock an interrupted build left (a preempted job, a killed first run).
+
+    Torch's JIT build waits for the lock file to go away with no timeout (FileBaton.wait,
+    torch/utils/file_baton.py), so every later run would hang there, signals unnoticed.
+    """
+    import time
+
+    from torch.utils.cpp_extension import _get_build_directory
+
+    lock = Path(_get_build_directory(name, verbose=False)) / "lock"
+    try:
+        age = (time.time() if now is None else now) - lock.stat().st_mtime
+    except FileNotFoundError:
+        return
+    if age > STALE_LOCK_S:
+        raise RuntimeError(f"{lock} is {age / 60:.0f} min old, left by an interrupted build: remove it to build {name}")
+
+
+def needs_deepspeed_adam(ds_config: dict) -> str | None:
+    """Why this config can't run on torch's Adam, or None: features DeepSpeed implements only with
+    DeepSpeedCPUAdam (asserted in stage3.py:299-302 and 313-316), or a setting torch's lacks."""
+    zero = ds_config.get("zero_optimization") or {}
+    if float((zero.get("offload_optimizer") or {}).get("ratio", 1.0)) < 1.0:
+        return "zero_optimization.offload_optimizer.ratio < 1 (partial offload)"
+    for section, key in (("bf16", "bf16_master_weights_and_grads"), ("fp16", "fp16_master_weights_and_grads")):
+        if (ds_config.get(section) or {}).get(key):
+            return f"{section}.{key}"
+    if ((ds_config.get("optimizer") or {}).get("params") or {}).get("bias_correction") is False:
+        return "optimizer.params.bias_correction: false (torch's Adam always corrects)"
+    return None
+
+
+# FusedAdam / CPU Adam settings torch.optim.AdamW has no argument for (bias correction is always on there).
+_DEEPSPEED_ADAM_ONLY = ("bias_correction", "set_grad_none")
 
 
 def use_torch_adam(ds_config: dict) -> dict:
     """A copy of ``ds_config`` whose Adam is ``torch.optim.AdamW`` (or Adam): nothing to compile."""
     out = {**ds_config, "optimizer": {**ds_config["optimizer"]}}
-    out["optimizer"]["params"] = {**(ds_config["optimizer"].get("params") or {}), "torch_adam": True}
+    params = {k: v for k, v in (ds_config["optimizer"].get("params") or {}).items() if k not in _DEEPSPEED_ADAM_ONLY}
+    out["optimizer"]["params"] = {**params, "torch_adam": True}
     return out
 
 
-def ensure_adam(ds_config: dict, load=load_op) -> dict:
+def adam_impl(ds_config: dict) -> str | None:
+    """What runs the Adam update, as trainer_state.json records it: "torch_adam", "FusedAdam",
+    "CPUAdam", or None (no Adam in the DeepSpeed JSON: finetune's own torch AdamW)."""
+    opt = ds_config.get("optimizer")
+    if isinstance(opt, dict) and (opt.get("params") or {}).get("torch_adam"):
+        return TORCH_ADAM
+    op = adam_op(ds_config)
+    return op.removesuffix("Builder") if op else None
+
+
+def ensure_adam(ds_config: dict, saved: str | None = None, load=load_op) -> dict:
     """The config to hand ``deepspeed.initialize``: as given when its Adam op loads on every rank,
-    else with ``torch_adam``. Collective: every rank must call it (one agreement)."""
+    else with ``torch_adam``. ``saved``: what the checkpoint being resumed was trained with; one
+    trained with torch_adam resumes with it (torch's param groups lack the ``bias_correction``
+    FusedAdam and CPU Adam read at their first step: fused_adam.py:127, cpu_adam.py:171; the
+    other way round loads, torch's Adam fills in its defaults). Collective: every rank calls it."""
     from finetune import distributed as dist
 
     op = adam_op(ds_config)
     if op is None:
         return ds_config
+    if saved == TORCH_ADAM:
+        dist.log_main(logging.WARNING, "the checkpoint was trained with torch.optim.AdamW (torch_adam, no %s "
+                      "then): resuming with it, since its optimizer state can't be loaded into %s",
+                      op.removesuffix("Builder"), op.removesuffix("Builder"))
+        return use_torch_adam(ds_config)
     outcome = dist.gather_outcomes(lambda: load(op), on=True)
     if outcome.ok:
         return ds_config
+    needs = needs_deepspeed_adam(ds_config)
+    if needs:
+        raise ConfigError(f"--deepspeed_config: {needs} needs DeepSpeed's {op.removesuffix('Builder')}, which can't "
+                          f"be loaded or built here ({outcome.describe()}); run `make gpu-setup` where a compiler "
+                          "(and for FusedAdam a CUDA toolkit) exists, or drop that setting")
     opt = ds_config["optimizer"]
     # DeepSpeed's rule (engine.py:2487-2490): type AdamW, or Adam with adam_w_mode (default true).
     adamw = str(opt["type"]).lower() == "adamw" or (opt.get("params") or {}).get("adam_w_mode", True)

@@ -30,7 +30,7 @@ from finetune.distributed import logger
 from finetune.exit_status import clear_exit_status, write_exit_status
 from finetune.metrics import MetricsWriter
 from finetune.modeling import DTYPES, count_parameters, load_model, load_tokenizer
-from finetune.ops import ensure_adam
+from finetune.ops import ADAM_KEY, adam_impl, ensure_adam
 from finetune.preemption import EXIT_PREEMPTED, Preemption, parse_signals
 
 
@@ -93,6 +93,18 @@ def set_seed(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+def check_precision(precision: str) -> None:
+    """The same precision on every rank (--precision auto is decided per rank, from its own GPU: an
+    allocation mixing A100s and V100s would otherwise all-gather bf16 with fp32), and one this
+    machine can run. Collective."""
+    chosen = dist.all_gather_object(precision)
+    if len(set(chosen)) > 1:
+        by = ", ".join(f"rank {r}: {p}" for r, p in enumerate(chosen) if p != chosen[0])
+        raise ConfigError(f"`--precision auto` differs between ranks (rank 0: {chosen[0]}; {by}): their GPUs differ; "
+                          "give --precision bf16, fp16 or fp32")
+    dist.run_agreed(lambda: check_precision_supported(precision))
+
+
 def check_precision_supported(precision: str) -> None:
     """fp16 where the accelerator can't run it (DeepSpeed's CPU accelerator: only with mkldnn fp16)
     would end in a ValueError traceback from deepspeed.initialize; say it as bad input instead."""
@@ -107,6 +119,12 @@ def check_precision_supported(precision: str) -> None:
 def _reraise(error: BaseException | None) -> None:
     if error is not None:
         raise error
+
+
+def _sum_dtype(device: torch.device) -> torch.dtype:
+    """Loss sums kept on the device: float64 like the host sums they replace, where the device has
+    it (MPS and HPU do not)."""
+    return torch.float64 if device.type in ("cpu", "cuda") else torch.float32
 
 
 def _to(batch: dict, device) -> dict:
@@ -160,7 +178,7 @@ class Trainer:
         from transformers import get_scheduler
 
         t, start = cfg.train, time.perf_counter()
-        dist.run_agreed(lambda: check_precision_supported(t.precision))
+        check_precision(t.precision)
         set_seed(t.seed)
         # Every rank loads its own copy; one that fails (a bad file on one node) fails them all.
         tokenizer = dist.run_agreed(lambda: load_tokenizer(cfg.model))
@@ -169,12 +187,14 @@ class Trainer:
         data = TrainData(train, sampler, t.per_device_train_batch_size, t.gradient_accumulation_steps,
                          tokenizer.pad_token_id, pin_memory=dist.device().type == "cuda")
         total = t.max_steps or math.ceil(t.num_train_epochs * data.steps_per_epoch)
-        # Collective: FusedAdam / CPU Adam where every rank can load it, else torch_adam (finetune/ops.py).
-        ds_config = ensure_adam(finalize_ds_config(cfg.ds_config, total, t.warmup_steps, t.learning_rate))
+        ds_config = finalize_ds_config(cfg.ds_config, total, t.warmup_steps, t.learning_rate)
         storage = LocalStorage(cfg.ckpt.output_dir)
         layout = Layout.discover(storage.root, cfg.ds_config, cfg.ckpt.save_checkpoint)
         tidy_storage(storage, layout)  # leftovers of crashed saves (this run holds OUT's lease)
         plan = Resumer(cfg, storage, layout.node_local, layout.leader).plan_resume()
+        # Collective: FusedAdam / CPU Adam where every rank can load it, else torch_adam (finetune/ops.py);
+        # a checkpoint trained with torch_adam resumes with it.
+        ds_config = ensure_adam(ds_config, saved=plan.saved.get(ADAM_KEY) if plan is not None else None)
         if plan is not None and plan.universal is not None:
             ds_config["checkpoint"] = {**ds_config.get("checkpoint", {}), "load_universal": True}
         model = load_model(cfg.model, ds_config, t.precision, t.seed)
@@ -194,7 +214,7 @@ class Trainer:
                     time.perf_counter() - start)
         monitor = getattr(engine, "monitor", None)
         state = TrainingState()
-        run_info = {"zero_stage": zero_stage(cfg.ds_config), "dtype": t.precision, "args": cfg.to_json_dict(),
+        run_info = {"zero_stage": zero_stage(cfg.ds_config), "dtype": t.precision, ADAM_KEY: adam_impl(ds_config), "args": cfg.to_json_dict(),
                     "lr_scheduler": "in DeepSpeed's model_states files (lr_scheduler key)"}
         checkpoints = CheckpointManager(
             storage, cfg.ckpt, layout, engine=engine, progress=state, sampler=sampler, tokenizer=tokenizer,
@@ -281,7 +301,7 @@ class Trainer:
             # DeepSpeed divides by the accumulation steps and only steps the optimizer at the boundary.
             engine.backward(out.loss)
             engine.step()
-            w.loss_sum = w.loss_sum + out.loss.detach().double()  # float64 like the host sum it replaces
+            w.loss_sum = w.loss_sum + out.loss.detach().to(_sum_dtype(engine.device))
             w.micro_batches += 1
         # Read after the last micro-batch's step(), the accumulation boundary: False means DeepSpeed
         # found non-finite gradients (an fp16 overflow, or a NaN/inf gradient norm under ZeRO-3) and
@@ -347,7 +367,7 @@ class Trainer:
             return None
         self.engine.eval()
         # Summed on the device, read once at the end: no host sync per batch.
-        loss_sum = torch.zeros((), dtype=torch.float64, device=self.engine.device)
+        loss_sum = torch.zeros((), dtype=_sum_dtype(self.engine.device), device=self.engine.device)
         n_tokens = 0
         for batch, real in eval_batches(self.evalset, self.cfg.train.per_device_eval_batch_size, dist.world_size(),
                                         dist.rank(), self.tokenizer.pad_token_id, pin_memory=self.data.pin_memory):

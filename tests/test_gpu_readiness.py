@@ -101,6 +101,76 @@ def test_an_adam_op_that_cannot_be_built_becomes_torch_adam(monkeypatch, caplog)
     assert ops.ensure_adam(cfg, load=loaded.append) is cfg and loaded == ["FusedAdamBuilder"]
 
 
+def test_a_checkpoint_trained_with_torch_adam_resumes_with_it_even_where_the_op_loads(monkeypatch, caplog):
+    """torch's param groups lack the bias_correction FusedAdam / CPU Adam read at their first step."""
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    loaded = []
+    with caplog.at_level(logging.WARNING, logger="finetune"):
+        out = ops.ensure_adam(_config("ds_zero3.json"), saved="torch_adam", load=loaded.append)
+    assert out["optimizer"]["params"]["torch_adam"] is True and loaded == []
+    assert "trained with torch.optim.AdamW" in caplog.text
+    assert ops.adam_impl(out) == "torch_adam"
+    assert ops.adam_impl(_config("ds_zero3.json")) == "FusedAdam"
+    assert ops.adam_impl(_config("ds_zero3_offload.json")) == "CPUAdam"
+    assert ops.ensure_adam(_config("ds_zero3.json"), saved="FusedAdam", load=loaded.append)["optimizer"] == \
+        _config("ds_zero3.json")["optimizer"]
+
+
+@pytest.mark.parametrize("change, named", [
+    (lambda c: c["zero_optimization"]["offload_optimizer"].update(ratio=0.5), "offload_optimizer.ratio"),
+    (lambda c: c.setdefault("bf16", {}).update(bf16_master_weights_and_grads=True), "bf16.bf16_master_weights_and_grads"),
+    (lambda c: c["optimizer"]["params"].update(bias_correction=False), "bias_correction: false"),
+])
+def test_configs_only_deepspeeds_adam_can_run_fail_instead_of_falling_back(monkeypatch, change, named):
+    from finetune.config import ConfigError
+
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    cfg = _config("ds_zero3_offload.json")
+    change(cfg)
+
+    def no_compiler(name):
+        raise RuntimeError("Unable to JIT load the cpu_adam op")
+
+    with pytest.raises(ConfigError, match=named):
+        ops.ensure_adam(cfg, load=no_compiler)
+
+
+def test_torch_adam_drops_the_settings_torch_has_no_argument_for():
+    cfg = _config("ds_zero3.json")
+    cfg["optimizer"]["params"].update(bias_correction=True, set_grad_none=True)
+    params = ops.use_torch_adam(cfg)["optimizer"]["params"]
+    assert "bias_correction" not in params and "set_grad_none" not in params and params["torch_adam"] is True
+
+
+def test_a_build_lock_an_interrupted_build_left_is_refused_not_waited_for(monkeypatch, tmp_path):
+    """Torch waits for a build lock with no timeout: a preempted first build would hang every later run."""
+    import time
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    ops.check_build_lock("fused_adam")  # no lock
+    (tmp_path / "fused_adam" / "lock").touch()
+    ops.check_build_lock("fused_adam")  # a build in progress: waited for
+    with pytest.raises(RuntimeError, match="fused_adam/lock is 20 min old"):
+        ops.check_build_lock("fused_adam", now=time.time() + 20 * 60)
+
+
+def test_ranks_whose_auto_precision_differs_are_stopped(monkeypatch):
+    from finetune import distributed as dist
+    from finetune.config import ConfigError
+    from finetune.trainer import check_precision
+
+    monkeypatch.setattr(dist, "all_gather_object", lambda p: ["bf16", "bf16", "fp32"])
+    with pytest.raises(ConfigError, match="rank 0: bf16; rank 2: fp32"):
+        check_precision("bf16")
+
+
+def test_node_local_nvme_offload_refuses_ranks_sharing_a_local_rank():
+    from finetune.checkpoint.layout import local_rank_clash
+
+    assert local_rank_clash([[0, 1], [2, 3]], ["0", "1", "0", "1"]) == []
+    assert local_rank_clash([[0, 1], [2, 3]], ["0", "0", "0", "0"]) == [0, 1]  # --gpus-per-task=1
+
+
 def test_ops_are_found_where_make_setup_built_them(monkeypatch, tmp_path):
     """Inside a venv: <venv>/torch_extensions and the venv's ninja, unless TORCH_EXTENSIONS_DIR is set."""
     venv = tmp_path / "venv"
@@ -122,16 +192,19 @@ def test_ops_are_found_where_make_setup_built_them(monkeypatch, tmp_path):
 @pytest.mark.e2e
 def test_the_fallback_config_trains_saves_and_resumes_under_offload(run_finetune, tmp_path):
     """What a machine without a compiler gets for the offload config: torch.optim.AdamW stepping
-    offloaded fp32 partitions (DeepSpeed's torch_adam), through a save and a resume."""
-    cfg = ops.use_torch_adam(_config("ds_zero3_offload.json"))
-    ds = tmp_path / "ds.json"
-    ds.write_text(json.dumps(cfg))
-    args = ("--deepspeed_config", str(ds), "--save_checkpoint", "--logging_steps", "1")
-    first = run_finetune(*args, "--max_steps", "2", launcher="python", nprocs=1)
+    offloaded fp32 partitions (DeepSpeed's torch_adam), through a save; then a resume where CPU Adam
+    loads (here it does: `make setup` built it) keeps torch's Adam, whose state it can read."""
+    fallback = tmp_path / "fallback.json"
+    fallback.write_text(json.dumps(ops.use_torch_adam(_config("ds_zero3_offload.json"))))
+    args = ("--save_checkpoint", "--logging_steps", "1")
+    first = run_finetune("--deepspeed_config", str(fallback), *args, "--max_steps", "2", launcher="python", nprocs=1)
     assert first.returncode == 0, first.output[-3000:]
     optim = torch.load(first.out_dir / "global_step2" / "zero_pp_rank_0_mp_rank_00_optim_states.pt", weights_only=False)
     groups = optim["optimizer_state_dict"]["optimizer_state_dict"]["param_groups"]
     assert all("foreach" in g for g in groups)  # torch's AdamW, not DeepSpeedCPUAdam
-    again = run_finetune(*args, "--max_steps", "3", "--resume_from_checkpoint", "auto", launcher="python", nprocs=1)
+    assert json.loads((first.out_dir / "global_step2" / "trainer_state.json").read_text())["adam"] == "torch_adam"
+    again = run_finetune("--deepspeed_config", str(CONFIGS_DIR / "ds_zero3_offload.json"), *args, "--max_steps", "3",
+                         "--resume_from_checkpoint", "auto", launcher="python", nprocs=1)
     assert again.returncode == 0, again.output[-3000:]
     assert [r["step"] for r in again.train_rows()][-1] == 3
+    assert "trained with torch.optim.AdamW" in again.output

@@ -284,10 +284,22 @@ def test_init_with_one_gpu_per_task_drives_device_0(monkeypatch, fake_deepspeed)
     assert seen["env"]["MASTER_ADDR"] == "node01"
 
 
-def test_init_leaves_master_addr_to_mpi_discovery_and_keeps_the_launchers_local_rank(monkeypatch, fake_deepspeed):
+def test_init_finds_master_addr_over_mpi_before_deepspeed_could_recount_local_rank(monkeypatch, fake_deepspeed):
+    """mpirun without MASTER_ADDR, mpi4py installed: rank 0's address is broadcast before
+    init_distributed, so DeepSpeed's own discovery (which rewrites LOCAL_RANK by host name and binds
+    the communicator to that device) never runs."""
     seen, acc = fake_deepspeed
     monkeypatch.setattr(launchers, "_mpi4py_available", lambda: True)
+    monkeypatch.setattr(launchers, "master_from_mpi", lambda: "10.1.1.1")
     setenv(monkeypatch, **OMPI, MASTER_PORT=29611)
+    dist.init(60)
+    assert seen["env"]["MASTER_ADDR"] == "10.1.1.1" and seen["env"]["LOCAL_RANK"] == "1" and seen["port"] == 29611
+    assert os.environ["LOCAL_RANK"] == "1" and acc.devices == [1]
+
+
+def test_init_leaves_master_addr_to_deepspeeds_azureml_patch(monkeypatch, fake_deepspeed):
+    seen, acc = fake_deepspeed
+    setenv(monkeypatch, **OMPI, MASTER_PORT=29611, AZUREML_EXPERIMENT_ID="x")
     dist.init(60)
     assert "MASTER_ADDR" not in seen["env"] and seen["port"] == 29611
     assert os.environ["LOCAL_RANK"] == "1" and acc.devices == [1]  # not discovery's host-name count

@@ -10,7 +10,7 @@ construction, which is why it needs a GPU to mean anything. What each test prove
 * fp16 with overflows forced by a huge initial loss scale: skipped steps are not counted as steps,
   and the metrics show them with the loss scale.
 * ``--precision auto`` picks bf16 from the device's compute capability (8.0+), fp32 before.
-* without a CUDA toolkit, FusedAdam becomes torch_adam, with one log line.
+* without a CUDA toolkit, FusedAdam becomes torch_adam, with one log line; with one, FusedAdam.
 
 Run: ``make test-gpu`` (or ``.venv/bin/python -m pytest -m gpu tests/gpu``).
 """
@@ -19,12 +19,13 @@ from __future__ import annotations
 
 import json
 import math
-import shutil
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
-from conftest import assert_verifies, build_tiny_model, write_ds
+from conftest import BIN, assert_verifies, build_tiny_model, write_ds
 
 from finetune.config import CONFIGS_DIR as CONFIGS
 
@@ -51,10 +52,10 @@ def dropout_model(tmp_path_factory):
     return path
 
 
-def _train(run_finetune, model, out, *flags, steps=STEPS):
+def _train(run_finetune, model, out, *flags, steps=STEPS, env=None):
     return _ok(run_finetune("--model_name_or_path", str(model), "--max_steps", str(steps), "--logging_steps", "1",
                             "--per_device_train_batch_size", "4", "--save_checkpoint", *flags,
-                            nprocs=1, out_dir=out, timeout=900))
+                            nprocs=1, out_dir=out, timeout=900, env=env))
 
 
 def test_bf16_train_save_resume_export(run_finetune, dropout_model, tmp_path):
@@ -125,13 +126,24 @@ def test_auto_precision_follows_compute_capability(run_finetune, dropout_model, 
     assert state["dtype"] == ("bf16" if major >= 8 else "fp32"), r.output[-2000:]
 
 
-def test_fused_adam_or_torch_adam(run_finetune, dropout_model, tmp_path):
-    """With nvcc, DeepSpeed's FusedAdam (built by `make gpu-setup` or on first use); without, torch_adam."""
-    r = _train(run_finetune, dropout_model, tmp_path / "out", "--precision", "bf16", steps=2)
-    has_nvcc = shutil.which("nvcc") is not None
+def test_without_a_cuda_toolkit_fused_adam_becomes_torch_adam(run_finetune, dropout_model, tmp_path):
+    """No nvcc (a CUDA_HOME without one) and nothing prebuilt: torch_adam, one log line, recorded."""
+    env = {"CUDA_HOME": str(tmp_path / "no-cuda-toolkit"), "TORCH_EXTENSIONS_DIR": str(tmp_path / "extensions"),
+           "PATH": f"{BIN}:/usr/bin:/bin"}
+    out = tmp_path / "out"
+    r = _train(run_finetune, dropout_model, out, "--precision", "bf16", steps=2, env=env)
+    assert "FusedAdam can't be loaded or built here" in r.output and "torch.optim.AdamW" in r.output
+    assert json.loads((out / "global_step2" / "trainer_state.json").read_text())["adam"] == "torch_adam"
+
+
+def test_fused_adam_where_it_can_be_had(run_finetune, dropout_model, tmp_path):
+    """With `make gpu-setup`'s build (or nvcc to build it now): DeepSpeed's FusedAdam, recorded."""
     from torch.utils.cpp_extension import CUDA_HOME
 
-    if has_nvcc or CUDA_HOME:
-        assert "FusedAdam can't be loaded" not in r.output
-    else:
-        assert "FusedAdam can't be loaded or built here" in r.output and "torch.optim.AdamW" in r.output
+    if CUDA_HOME is None or not (Path(CUDA_HOME) / "bin" / "nvcc").exists():
+        if not list(Path(os.environ.get("TORCH_EXTENSIONS_DIR", Path(sys.prefix) / "torch_extensions")).glob("fused_adam*/*.so")):
+            pytest.skip("no CUDA toolkit (nvcc) and no prebuilt FusedAdam: see test_without_a_cuda_toolkit_…")
+    out = tmp_path / "out"
+    r = _train(run_finetune, dropout_model, out, "--precision", "bf16", steps=2)
+    assert "FusedAdam can't be loaded" not in r.output
+    assert json.loads((out / "global_step2" / "trainer_state.json").read_text())["adam"] == "FusedAdam"
