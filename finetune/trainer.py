@@ -22,8 +22,8 @@ from finetune.checkpoint.manager import CheckpointManager
 from finetune.checkpoint.resume import Resumer
 from finetune.checkpoint.state import TrainingState
 from finetune.checkpoint.storage import LocalStorage, tag_for
-from finetune.config import ConfigError, RunConfig
-from finetune.ds_config import finalize_ds_config, zero_stage
+from finetune.config import RunConfig
+from finetune.ds_config import check_precision, finalize_ds_config, zero_stage
 from finetune.data import IGNORE, ResumableSampler, TrainData, eval_batches
 from finetune.data.cache import prepare
 from finetune.distributed import logger
@@ -91,29 +91,6 @@ def set_seed(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
-
-
-def check_precision(precision: str) -> None:
-    """The same precision on every rank (--precision auto is decided per rank, from its own GPU: an
-    allocation mixing A100s and V100s would otherwise all-gather bf16 with fp32), and one this
-    machine can run. Collective."""
-    chosen = dist.all_gather_object(precision)
-    if len(set(chosen)) > 1:
-        by = ", ".join(f"rank {r}: {p}" for r, p in enumerate(chosen) if p != chosen[0])
-        raise ConfigError(f"`--precision auto` differs between ranks (rank 0: {chosen[0]}; {by}): their GPUs differ; "
-                          "give --precision bf16, fp16 or fp32")
-    dist.run_agreed(lambda: check_precision_supported(precision))
-
-
-def check_precision_supported(precision: str) -> None:
-    """fp16 where the accelerator can't run it (DeepSpeed's CPU accelerator: only with mkldnn fp16)
-    would end in a ValueError traceback from deepspeed.initialize; say it as bad input instead."""
-    from deepspeed.accelerator import get_accelerator
-
-    acc = get_accelerator()
-    if precision == "fp16" and not acc.is_fp16_supported():
-        raise ConfigError(f"`--precision fp16`: this machine's {acc.device_name()} accelerator can't train in fp16; "
-                          "use --precision bf16 or fp32")
 
 
 def _reraise(error: BaseException | None) -> None:

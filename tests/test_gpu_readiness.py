@@ -157,7 +157,7 @@ def test_a_build_lock_an_interrupted_build_left_is_refused_not_waited_for(monkey
 def test_ranks_whose_auto_precision_differs_are_stopped(monkeypatch):
     from finetune import distributed as dist
     from finetune.config import ConfigError
-    from finetune.trainer import check_precision
+    from finetune.ds_config import check_precision
 
     monkeypatch.setattr(dist, "all_gather_object", lambda p: ["bf16", "bf16", "fp32"])
     with pytest.raises(ConfigError, match="rank 0: bf16; rank 2: fp32"):

@@ -2,7 +2,7 @@
 
 ``export_hf`` turns a partitioned ZeRO-3 checkpoint into a HuggingFace model folder, reading the
 rank files through ``zero_files.ZeroCheckpoint`` (memory-mapped, bounded RSS: see that module) and
-writing shards planned with ``consolidate.plan_shards``: trainable parameters are the fp32 master
+writing shards planned with ``shards.plan_shards``: trainable parameters are the fp32 master
 weights cast to the requested dtype (default: the training dtype). Consolidated weights in the
 checkpoint are copied instead only when they are exactly what that rebuild writes (``exact_copy``),
 so the same command gives the same weights whether or not the run saved them.
@@ -30,7 +30,8 @@ from pathlib import Path
 
 import torch
 
-from finetune.checkpoint.consolidate import FROM_MASTER, INDEX, SOURCE_KEY, _header, plan_shards
+from finetune.checkpoint.consolidate import FROM_MASTER, SOURCE_KEY
+from finetune.checkpoint.shards import INDEX, plan_shards, shard_header
 from finetune.checkpoint.durable import fsync_path, write_json_durably
 from finetune.checkpoint.manifest import MANIFEST, read_manifest
 from finetune.checkpoint.resume import UNIVERSAL, write_universal_manifest
@@ -288,7 +289,7 @@ def _write_hf(source: ZeroCheckpoint, staging: Path, dtype: torch.dtype, max_sha
     with bar:
         for fname, names in split.filename_to_tensors.items():
             with open(staging / fname, "wb") as f:
-                f.write(_header(names, meta, {SOURCE_KEY: FROM_MASTER}))  # as a consolidated save records it
+                f.write(shard_header(names, meta, {SOURCE_KEY: FROM_MASTER}))  # as a consolidated save records it
                 for name in names:
                     bar.update(_write_tensor(source, f, by_name[name], meta[name], buffers))
                 f.flush()

@@ -17,7 +17,7 @@ So a parameter is the concatenation over ranks of one slice at the same offset o
 trimmed to numel. Memory stays bounded whatever the model size:
   * the rank files are memory-mapped (``torch.load(mmap=True)``): only the fp32 master weights are
     ever read; Adam's two moments, two thirds of each file, are never touched;
-  * the shard layout is planned up front (``consolidate.plan_shards``), each header written first,
+  * the shard layout is planned up front (``shards.plan_shards``), each header written first,
     then every parameter is copied rank by rank in chunks of at most CHUNK_BYTES, straight from the
     mapping into the output file;
   * mapped pages count in RSS once touched, so each chunk's pages are handed back with

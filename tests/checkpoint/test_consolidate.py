@@ -17,23 +17,21 @@ import torch
 from conftest import free_port
 from safetensors.torch import load_file
 
-from finetune.checkpoint import consolidate
+from finetune.checkpoint import consolidate, shards
 from finetune.checkpoint.consolidate import (
     FROM_MASTER,
     FROM_MODULE,
-    INDEX,
     SOURCE_KEY,
     ConsolidationError,
     ConsolidationFailed,
-    _ShardWriter,
     comm_device,
-    plan_shards,
     reads_master,
     recv_window,
     save_consolidated,
     tensor_entries,
     weights_source,
 )
+from finetune.checkpoint.shards import INDEX, ShardWriter, plan_shards
 
 
 def tiny(model_type: str, tied: bool):
@@ -195,7 +193,7 @@ def test_plan_rejects_a_dtype_safetensors_cannot_hold_naming_the_tensor():
 def _writer(tmp_path):
     model = torch.nn.Linear(3, 2)
     plan, meta = plan_shards(tensor_entries(model), torch.float32, "1GB")
-    return _ShardWriter(tmp_path, plan, meta), model
+    return ShardWriter(tmp_path, plan, meta), model
 
 
 def test_writer_mismatches_raise_a_named_error_even_under_python_O(tmp_path):
@@ -286,7 +284,7 @@ def _save(rank: int, folder: str, scenario: str) -> dict:
         return {"files": sorted(p.name for p in Path(folder).glob("*/*.safetensors"))}
     model = _fake_zero3_model(rank)
     if scenario == "fail" and rank == 0:
-        consolidate._ShardWriter.append = _simulated_oom
+        shards.ShardWriter.append = _simulated_oom
     if scenario == "fail" and rank == 2:
         model.a.ds_tensor = model.a.ds_tensor.as_subclass(_Unmovable)
     return {"files": sorted(save_consolidated(model, Path(folder), torch.float32, "1GB"))}

@@ -16,7 +16,8 @@ from safetensors.torch import load_file
 
 from finetune.checkpoint import export as ex
 from finetune.checkpoint import zero_files as zf
-from finetune.checkpoint.consolidate import FROM_MASTER, FROM_MODULE, INDEX, SOURCE_KEY
+from finetune.checkpoint.consolidate import FROM_MASTER, FROM_MODULE, SOURCE_KEY
+from finetune.checkpoint.shards import INDEX
 from finetune.cli import main
 
 VOCAB = 97

@@ -1,0 +1,162 @@
+"""HuggingFace safetensors shards written as a stream: the layout planned up front from tensor
+metadata, each shard's header first, then each tensor's bytes appended in the planned order.
+
+Used by the consolidated save (rank 0, tensors arriving from gathers) and by export (tensors
+rebuilt from rank files).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from finetune.checkpoint.durable import HashingWriter, write_json_durably
+
+SAFE_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
+               torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+               torch.bool: "BOOL"}
+INDEX = "model.safetensors.index.json"
+
+class ConsolidationError(RuntimeError):
+    """The gathered tensors don't match the plan (order, shape or element count)."""
+
+
+def full_shape(t: torch.Tensor) -> tuple[int, ...]:
+    return tuple(getattr(t, "ds_shape", t.shape))
+
+
+def _out_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.dtype:
+    return dtype if t.is_floating_point() else t.dtype
+
+
+@dataclass
+class ShardPlan:
+    filename_to_tensors: dict[str, list[str]]
+    tensor_to_filename: dict[str, str]
+    total_size: int
+
+    @property
+    def is_sharded(self) -> bool:
+        return len(self.filename_to_tensors) > 1
+
+
+def plan_shards(entries, dtype: torch.dtype, max_shard_size: str | int) -> tuple[ShardPlan, dict]:
+    """Fill shards in gather order (a new shard when the next tensor would overflow), HF file names.
+
+    Order matters: tensors are streamed as they are gathered, so each shard must hold a
+    contiguous run of the gather order (huggingface_hub's planner may reorder). Raises ValueError
+    for a dtype safetensors can't hold: from metadata every rank shares, so every rank raises it
+    before the first collective rather than rank 0 alone in the middle of the gathers.
+    """
+    from huggingface_hub.serialization._base import parse_size_to_int
+
+    limit = parse_size_to_int(max_shard_size) if isinstance(max_shard_size, str) else int(max_shard_size)
+    meta, shards, size = {}, [[]], 0
+    for name, module, attr, _ in entries:
+        t = getattr(module, attr)
+        out = _out_dtype(t, dtype)
+        if out not in SAFE_DTYPES:
+            supported = ", ".join(sorted(str(d).removeprefix("torch.") for d in SAFE_DTYPES))
+            raise ValueError(f"can't write {name} as {out} to safetensors (supported: {supported})")
+        meta[name] = torch.empty(full_shape(t), dtype=out, device="meta")
+        n = meta[name].numel() * meta[name].element_size()
+        if shards[-1] and size + n > limit:
+            shards.append([])
+            size = 0
+        shards[-1].append(name)
+        size += n
+    if len(shards) == 1:
+        files = {"model.safetensors": shards[0]}
+    else:
+        files = {f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors": names for i, names in enumerate(shards)}
+    total = sum(m.numel() * m.element_size() for m in meta.values())
+    return ShardPlan(files, {n: f for f, names in files.items() for n in names}, total), meta
+
+
+def shard_header(names: list[str], meta: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> bytes:
+    header: dict = {"__metadata__": {"format": "pt", **(metadata or {})}}
+    offset = 0
+    for name in names:
+        t = meta[name]
+        n = t.numel() * t.element_size()
+        header[name] = {"dtype": SAFE_DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + n]}
+        offset += n
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # safetensors aligns the data section to 8 bytes
+    return struct.pack("<Q", len(raw)) + raw
+
+
+class ShardWriter:
+    """Rank 0's open shard files; tensors must arrive in the planned order."""
+
+    def __init__(self, folder: Path, split, meta, metadata: dict[str, str] | None = None):
+        self.folder, self.split, self.meta, self.metadata = folder, split, meta, metadata
+        self.order = [(fname, name) for fname, names in split.filename_to_tensors.items() for name in names]
+        self.pos = 0
+        self.file = self.writer = None
+        self.current: str | None = None
+        self.files: dict[str, tuple[int, str]] = {}
+
+    def write(self, name: str, tensor: torch.Tensor) -> None:
+        if name in self.meta and tuple(tensor.shape) != tuple(self.meta[name].shape):
+            raise ConsolidationError(
+                f"{name}: gathered shape {tuple(tensor.shape)}, planned {tuple(self.meta[name].shape)}")
+        self.begin(name)
+        self.append(tensor)
+        self.end(name, tensor.numel())
+
+    def begin(self, name: str) -> None:
+        if self.pos >= len(self.order):
+            raise ConsolidationError(f"consolidation order broke: got {name} after the last planned tensor")
+        fname, expected = self.order[self.pos]
+        if name != expected:
+            raise ConsolidationError(f"consolidation order broke: got {name}, planned {expected}")
+        if fname != self.current:
+            self._close()
+            self.current = fname
+            self.file = open(self.folder / fname, "wb")
+            self.writer = HashingWriter(self.file)
+            self.writer.write(shard_header(self.split.filename_to_tensors[fname], self.meta, self.metadata))
+        self.appended = 0
+
+    def append(self, piece: torch.Tensor) -> None:
+        """The next elements of the current tensor, in flattened order."""
+        # To CPU first: a received or gathered piece may be on the GPU, and the cast needs no GPU memory there.
+        data = piece.detach().reshape(-1).cpu().to(self.meta[self.order[self.pos][1]].dtype).contiguous()
+        if data.numel():
+            self.writer.write(data.view(torch.uint8).numpy())
+        self.appended += data.numel()
+
+    def end(self, name: str, numel: int) -> None:
+        if not self.appended == numel == self.meta[name].numel():
+            raise ConsolidationError(
+                f"{name}: wrote {self.appended} of {numel} elements, planned {self.meta[name].numel()}")
+        self.pos += 1
+
+    def _close(self) -> None:
+        if self.file is not None:
+            self.file.flush()
+            os.fsync(self.file.fileno())
+            self.file.close()
+            self.files[self.current] = (self.writer.size, self.writer.digest())
+            self.file = None
+
+    def abandon(self) -> None:
+        """After a failure: close the open shard without recording it."""
+        if self.file is not None:
+            self.file.close()
+            self.file = None
+
+    def finish(self) -> dict[str, tuple[int, str]]:
+        self._close()
+        if self.pos != len(self.order):
+            raise ConsolidationError(f"wrote {self.pos} of {len(self.order)} planned tensors")
+        if self.split.is_sharded:
+            index = {"metadata": {"total_size": self.split.total_size}, "weight_map": self.split.tensor_to_filename}
+            self.files[INDEX] = write_json_durably(self.folder / INDEX, index)
+        return self.files
