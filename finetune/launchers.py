@@ -251,11 +251,22 @@ def master_from_mpi() -> str:
     return comm.bcast(addr, root=0)
 
 
+# The step ids of the batch script, the extern and the interactive (salloc) step (SLURM_BATCH_SCRIPT,
+# SLURM_EXTERN_CONT, SLURM_INTERACTIVE_STEP), for Slurm versions that export one there.
+BATCH_STEP_IDS = frozenset({"4294967290", "4294967291", "4294967292", "batch", "extern", "interactive"})
+
+
 def _from_slurm(env: Mapping[str, str]) -> Launch | None:
     """One srun task per rank. MASTER_ADDR: the step's first host, where srun starts task 0."""
     if "SLURM_PROCID" not in env or "SLURM_NTASKS" not in env:
         return None
     rank, world = _int(env, "SLURM_PROCID"), _int(env, "SLURM_NTASKS")
+    step = env.get("SLURM_STEP_ID", env.get("SLURM_STEPID"))
+    if world > 1 and (step is None or step in BATCH_STEP_IDS):
+        # The batch script itself (one process) also has SLURM_PROCID=0 and the job's SLURM_NTASKS:
+        # taken as rank 0 of N it would wait for N-1 peers that never start, until --ddp_timeout.
+        raise ConfigError(f"started in an sbatch script's batch step (SLURM_NTASKS={world}, no srun step): start "
+                          "one task per rank with `srun python -m finetune …`, or a launcher (deepspeed, torchrun)")
     local = _int(env, "SLURM_LOCALID") if "SLURM_LOCALID" in env else 0
     addr = env.get("MASTER_ADDR")
     if addr is None:

@@ -357,3 +357,20 @@ def test_a_real_openmpi_world(tmp_path):
                           env=env, cwd=tmp_path, capture_output=True, text=True, timeout=240)
     worlds = sorted(line.split()[1:] for line in proc.stdout.splitlines() if line.startswith("world "))
     assert proc.returncode == 0 and worlds == [["0", "2", "2", "0"], ["1", "2", "2", "1"]], proc.stdout + proc.stderr
+
+
+@pytest.mark.parametrize("step", [None, "4294967291"])
+def test_python_started_in_the_batch_step_of_a_multi_task_job_fails_fast(monkeypatch, step):
+    """`python -m finetune` in an `sbatch -n 8` script (no srun): the batch step's SLURM_PROCID=0 and
+    SLURM_NTASKS=8 would make it rank 0 of 8, waiting for peers that never start."""
+    batch = dict(SLURM_PROCID=0, SLURM_NTASKS=8, SLURM_LOCALID=0, SLURM_JOB_ID=1234, SLURM_JOB_NODELIST="node[01-02]")
+    setenv(monkeypatch, **batch, **({"SLURM_STEP_ID": step} if step else {}))
+    with pytest.raises(ConfigError, match="batch step .*srun python -m finetune"):
+        adopt_launcher_env()
+    assert "RANK" not in os.environ
+
+
+def test_a_one_task_batch_step_is_one_process(monkeypatch):
+    setenv(monkeypatch, SLURM_PROCID=0, SLURM_NTASKS=1, SLURM_LOCALID=0, SLURM_JOB_ID=1234, SLURM_JOB_NODELIST="node01")
+    adopt_launcher_env()
+    assert torch_env()["RANK"] == "0" and torch_env()["WORLD_SIZE"] == "1"
