@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
 import logging
 import os
 import sys
@@ -33,10 +34,23 @@ class _Parser(argparse.ArgumentParser):
         super().__init__(*args, allow_abbrev=False, **kwargs)
 
     def error(self, message: str):
+        if message.startswith("unrecognized arguments: "):
+            message += self._suggestions(message.split(": ", 1)[1].split())
         if dist.env_rank() == 0:
             self.print_usage(sys.stderr)
             print(f"{self.prog}: error: {message}", file=sys.stderr)
         sys.exit(2)
+
+    def _suggestions(self, unknown: list[str]) -> str:
+        """'; did you mean --learning_rate?' for the unknown flags that are close to a real one."""
+        known = [s for a in self._actions if a.help != argparse.SUPPRESS for s in a.option_strings]
+        pairs = [(flag, close[0]) for flag in (t.split("=", 1)[0] for t in unknown if t.startswith("-"))
+                 if (close := difflib.get_close_matches(flag, known, n=1))]
+        if not pairs:
+            return ""
+        if len(pairs) == 1:
+            return f"; did you mean {pairs[0][1]}?"
+        return "; did you mean " + ", ".join(f"{good} (for {bad})" for bad, good in pairs) + "?"
 
 
 def _help(f: dataclasses.Field) -> str:
@@ -59,8 +73,9 @@ def build_train_parser() -> argparse.ArgumentParser:
             kind = _scalar_type(f)
             group.add_argument(flag, type=kind, default=None if f.default is None else f.default,
                                choices=f.metadata.get("choices"), help=_help(f), metavar=f.name.upper())
-    p.add_argument("--bf16", action="store_const", const="bf16", dest="precision_alias", help="Shorthand for --precision bf16.")
-    p.add_argument("--fp16", action="store_const", const="fp16", dest="precision_alias", help="Shorthand for --precision fp16.")
+    shorthand = p.add_mutually_exclusive_group()  # "argument --fp16: not allowed with argument --bf16"
+    shorthand.add_argument("--bf16", action="store_const", const="bf16", dest="precision_alias", help="Shorthand for --precision bf16.")
+    shorthand.add_argument("--fp16", action="store_const", const="fp16", dest="precision_alias", help="Shorthand for --precision fp16.")
     # The DeepSpeed launcher appends --local_rank; the environment already carries it.
     p.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
     return p
@@ -92,28 +107,39 @@ def _train(argv: list[str]) -> int:
 
 
 def _verify(argv: list[str]) -> int:
-    from finetune.checkpoint.manifest import verify
+    from pathlib import Path
+
+    from finetune.checkpoint.manifest import read_manifest, stored_ranks, verify
+    from finetune.checkpoint.outdir import notes
+    from finetune.checkpoint.safe_load import refusals
     from finetune.checkpoint.storage import find_checkpoint
 
     p = _Parser(prog="finetune verify", description="Check a checkpoint against its manifest.json. "
                 "Exit 0 intact, 1 damaged (names the files), 2 not a checkpoint.")
-    p.add_argument("checkpoint", help="A checkpoint folder, or an output dir (its newest committed checkpoint is checked).")
+    p.add_argument("checkpoint", help="A checkpoint folder, or an output dir (its newest committed checkpoint is "
+                   "checked, and the rest of the dir is looked over: uncommitted folders, `latest`, leftovers of "
+                   "crashed saves, torn metrics lines; reported as notes).")
     p.add_argument("--quick", action="store_true", help="Check file sizes only, not checksums.")
     ns = p.parse_args(argv)
     folder = find_checkpoint(ns.checkpoint)
     report = verify(folder, checksums=not ns.quick) if folder else None
     if report is None or not report.is_checkpoint:
         raise ConfigError(f"{ns.checkpoint}: not a checkpoint (no manifest.json or DeepSpeed files)")
+    if report.ok and not ns.quick:  # intact; would resume and export unpickle it? (reads the pickles' opcodes)
+        report.problems += refusals(folder, stored_ranks(read_manifest(folder) or {}))
     what = "sizes" if ns.quick else "sizes and checksums"
     if report.ok:
         rate = report.bytes_checked / 1e9 / max(report.seconds, 1e-9)
         print(f"OK {folder}: {report.files} files, {report.bytes_checked / 1e6:.1f} MB, {what} match "
               f"({report.seconds:.2f} s, {rate:.2f} GB/s)")
-        return 0
-    print(f"DAMAGED {folder}: {len(report.problems)} problem(s)")
-    for problem in report.problems:
-        print(f"  - {problem}")
-    return 1
+    else:
+        print(f"DAMAGED {folder}: {len(report.problems)} problem(s)")
+        for problem in report.problems:
+            print(f"  - {problem}")
+    if folder.resolve() != Path(ns.checkpoint).resolve():  # an output dir: what else is in it
+        for note in notes(Path(ns.checkpoint)):
+            print(f"  note: {note}")
+    return 0 if report.ok else 1
 
 
 def _export(argv: list[str]) -> int:
@@ -131,12 +157,15 @@ def _export(argv: list[str]) -> int:
     p.add_argument("--exclude_frozen_parameters", action="store_true", help="Leave out parameters that were frozen.")
     p.add_argument("--universal", action="store_true", help="Write DeepSpeed's universal checkpoint format instead "
                    "(what resume on another world size loads).")
+    p.add_argument("--no_verify", action="store_true", help="Don't check the files read against the checkpoint's "
+                   "manifest.json first (sizes and checksums); needed for a checkpoint without one. The rank files "
+                   "are unpickled with weights_only=True either way.")
     ns = p.parse_args(argv)
     if ns.universal:
         if ns.dtype or ns.max_shard_size or ns.exclude_frozen_parameters:
             raise ConfigError("`--universal` takes no `--dtype`, `--max_shard_size` or `--exclude_frozen_parameters`")
         start = time.perf_counter()
-        target = export_universal(ns.checkpoint, ns.out)
+        target = export_universal(ns.checkpoint, ns.out, verify=not ns.no_verify)
         print(f"Converted {ns.checkpoint} to DeepSpeed's universal format in {target} "
               f"({time.perf_counter() - start:.1f} s)")
         return 0
@@ -144,12 +173,26 @@ def _export(argv: list[str]) -> int:
         p.error("the following arguments are required: OUT")
     if ns.max_shard_size is not None:
         check_size(ns.max_shard_size)
-    result = export_hf(ns.checkpoint, ns.out, ns.dtype, ns.max_shard_size, ns.exclude_frozen_parameters)
+    result = export_hf(ns.checkpoint, ns.out, ns.dtype, ns.max_shard_size, ns.exclude_frozen_parameters,
+                       verify=not ns.no_verify)
     print(result.summary())
     return 0
 
 
 COMMANDS: dict[str, Callable[[list[str]], int]] = {"train": _train, "verify": _verify, "export": _export}
+
+
+def _command(argv: list[str]) -> str:
+    """The subcommand ``argv`` starts with (removed from it); "train" when it starts with a flag."""
+    if argv and argv[0] in COMMANDS:
+        return argv.pop(0)
+    if argv and not argv[0].startswith("-"):
+        # Training takes no positional arguments: a bare word is a mistyped command.
+        close = difflib.get_close_matches(argv[0], COMMANDS, n=1)
+        hint = f" (did you mean {close[0]}?)" if close else ""
+        raise ConfigError(f"unknown command '{argv[0]}'{hint}; commands: {', '.join(sorted(COMMANDS))} "
+                          "(or flags alone, to train)")
+    return "train"
 
 
 def entry() -> None:
@@ -173,10 +216,10 @@ def main(argv: list[str] | None = None) -> int:
     use_venv_extensions_dir()  # before DeepSpeed loads an op
     dist.adopt_launcher_env()
     argv = list(sys.argv[1:] if argv is None else argv)
-    command = argv.pop(0) if argv and argv[0] in COMMANDS else "train"
-    if command != "train":
-        release_early()  # only training treats SIGTERM/SIGUSR1 as "save and stop"
     try:
+        command = _command(argv)
+        if command != "train":
+            release_early()  # only training treats SIGTERM/SIGUSR1 as "save and stop"
         return COMMANDS[command](argv)
     except ConfigError as e:
         if dist.rank() == 0:

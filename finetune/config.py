@@ -25,6 +25,9 @@ DEFAULT_DS_CONFIG = "configs/ds_zero3.json"
 PRECISIONS = ("auto", "bf16", "fp16", "fp32")
 DATA_EXTENSIONS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet", ".txt": "text"}
 SCHEDULERS = ("linear", "cosine", "constant", "constant_with_warmup")
+# A model folder's weights, in any layout transformers loads (single file or sharded with an index).
+WEIGHT_FILES = ("*.safetensors", "*.safetensors.index.json", "pytorch_model*.bin", "pytorch_model.bin.index.json",
+                "tf_model.h5", "flax_model.msgpack", "model.ckpt.index")
 
 
 class ConfigError(ValueError):
@@ -223,6 +226,9 @@ def validate_flags(v: Mapping[str, Any]) -> None:
     for name in ("warmup_steps", "weight_decay", "max_grad_norm", "adam_epsilon"):
         if v[name] is not None and v[name] < 0:
             raise ConfigError(f"`--{name}` must not be negative, got {v[name]}")
+    if v["max_seq_length"] is not None and v["max_seq_length"] < 2:
+        raise ConfigError(f"`--max_seq_length` must be at least 2 (a token to predict the next one from), "
+                          f"got {v['max_seq_length']}")
     if not 0 <= v["validation_split_percentage"] < 100:
         raise ConfigError(f"`--validation_split_percentage` must be in [0, 100), got {v['validation_split_percentage']}")
     if v["ddp_timeout"] is not None and v["ddp_timeout"] < MIN_DDP_TIMEOUT:
@@ -270,11 +276,63 @@ def validate_paths(v: Mapping[str, Any]) -> None:
     if v["train_file"] and v["validation_file"] and data_format(v["train_file"]) != data_format(v["validation_file"]):
         raise ConfigError("--validation_file: must have the same format as --train_file")
     for flag in ("model_name_or_path", "config_name", "tokenizer_name"):
-        if v[flag] and looks_local(v[flag]) and not Path(v[flag]).exists():
-            raise ConfigError(f"--{flag}: no such directory: {v[flag]}")
+        if v[flag]:
+            check_model_source(flag, v[flag])
+    check_resume_path(v["resume_from_checkpoint"])
     from finetune.ds_config import resolve_config_path
 
     resolve_config_path(v["deepspeed_config"])
+
+
+def check_model_source(flag: str, name: str) -> None:
+    """A model, config or tokenizer source that cannot load, named before any process starts work:
+    a missing folder, a model folder without config or weights, a hub id that is not cached while
+    offline (HF_HUB_OFFLINE)."""
+    path = Path(name)
+    if path.is_dir():
+        if (path / "adapter_config.json").is_file():
+            return  # a PEFT adapter: transformers finds its base model through it
+        if flag != "tokenizer_name" and not (path / "config.json").is_file():
+            raise ConfigError(f"--{flag}: {name} has no config.json (not a model folder)")
+        if flag == "model_name_or_path" and not any(next(path.glob(p), None) for p in WEIGHT_FILES):
+            raise ConfigError(f"--model_name_or_path: {name} has no weights (model.safetensors, pytorch_model.bin or "
+                              f"their shards); to train from scratch with its config, use --config_name {name}")
+        return
+    if path.exists():
+        if flag == "config_name":
+            return  # a config.json file, which AutoConfig reads too
+        raise ConfigError(f"--{flag}: {name} is a file, not a model folder or hub id")
+    if looks_local(name):
+        raise ConfigError(f"--{flag}: no such directory: {name}")
+    _check_hub_id(flag, name)
+
+
+def _check_hub_id(flag: str, name: str) -> None:
+    import huggingface_hub
+
+    # A tokenizer repo may hold only tokenizer_config.json; AutoTokenizer falls back to config.json.
+    wanted = ("tokenizer_config.json", "config.json") if flag == "tokenizer_name" else ("config.json",)
+    try:
+        cached = [huggingface_hub.try_to_load_from_cache(name, f) for f in wanted]
+    except ValueError as e:  # HFValidationError: not a well-formed repo id
+        raise ConfigError(f"--{flag}: {name} is neither a folder nor a hub id ({str(e).splitlines()[0]})") from None
+    if huggingface_hub.is_offline_mode() and not any(isinstance(c, str) for c in cached):
+        raise ConfigError(f"--{flag}: {name} is not a folder, and the hub is offline (HF_HUB_OFFLINE) with no cached "
+                          f"copy of it; download it first, or point --{flag} at a local folder")
+
+
+def check_resume_path(spec: str | None) -> None:
+    """--resume_from_checkpoint PATH names a checkpoint, or an output dir holding one (latest and auto
+    are resolved later, from what the output dir holds)."""
+    if spec is None or spec in ("latest", "auto"):
+        return
+    from finetune.checkpoint.manifest import looks_like_checkpoint
+    from finetune.checkpoint.storage import find_checkpoint
+
+    folder = find_checkpoint(spec)
+    if folder is None or not looks_like_checkpoint(folder):
+        why = "no such folder" if not Path(spec).exists() else "not a checkpoint, nor an output dir holding one"
+        raise ConfigError(f"--resume_from_checkpoint: {spec}: {why}")
 
 
 def looks_local(name: str) -> bool:

@@ -1,6 +1,12 @@
 """The DeepSpeed JSON: loading it, reconciling its values with the flags ("auto" filled from the
 flag; an explicit value used when the flag is absent; both and different is an error naming
-both), and the values only known once the run is built (total steps, warm-up)."""
+both), and the values only known once the run is built (total steps, warm-up).
+
+Everything that can be wrong with the JSON is found while the flags are resolved, in one process
+before any other work: its shape (ZeRO-3; objects where objects go), the types and ranges of the
+values the flags also set, an "auto" nothing can fill, and whatever DeepSpeed's own parser
+rejects. Each error names the file and the key.
+"""
 
 from __future__ import annotations
 
@@ -37,6 +43,14 @@ def load_ds_json(path: str) -> dict:
 
 
 _MISSING = object()
+# The "auto" values filled once the dataset's size is known (finalize_ds_config); any other "auto"
+# left after reconciling with the flags has nothing to fill it.
+FILLED_LATER = tuple(f"scheduler.params.{k}" for k in ("total_num_steps", "warmup_num_steps", "warmup_max_lr",
+                                                     "warmup_min_lr"))
+# What an explicit JSON value of a flag's setting must be: (an integer, > 0 rather than >= 0).
+NUMBERS = {"per_device_train_batch_size": (True, True), "gradient_accumulation_steps": (True, True),
+           "max_grad_norm": (False, False), "learning_rate": (False, True), "weight_decay": (False, False),
+           "adam_epsilon": (False, False), "warmup_steps": (True, False)}
 
 
 def _get(cfg: dict, dotted: str) -> Any:
@@ -68,9 +82,21 @@ def reconcile(flag: str, flag_value: Any, cfg: dict, key: str, fallback: Any, pa
         if write or json_value == "auto":
             _set(cfg, key, value)
         return value
+    _check_number(flag, key, json_value, path)
     if flag_value is not None and not _same(flag_value, json_value):
         raise ConfigError(f"`--{flag} {flag_value}` contradicts `{key}: {json.dumps(json_value)}` in {path}; drop one or make them agree")
     return json_value
+
+
+def _check_number(flag: str, key: str, value: Any, path: str) -> None:
+    """An explicit JSON value of a flag's setting obeys the flag's type and range."""
+    integer, positive = NUMBERS.get(flag, (False, False))
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and (not integer or float(value).is_integer())
+    if ok and not (value > 0 if positive else value >= 0):
+        ok = False
+    if not ok:
+        want = ("a positive " if positive else "a non-negative ") + ("integer" if integer else "number")
+        raise ConfigError(f"--deepspeed_config: `{key}` in {path} must be {want} or \"auto\", got {json.dumps(value)}")
 
 
 def _same(a: Any, b: Any) -> bool:
@@ -85,8 +111,7 @@ def reconcile_ds(v: dict[str, Any], ds: dict, world: int, fallbacks: Mapping[str
     ``fallbacks`` fill what neither sets; ``precision_flag`` is how errors name the precision flag.
     """
     path = v["deepspeed_config"]
-    if not isinstance(ds.get("zero_optimization", {}), dict):
-        raise ConfigError(f"--deepspeed_config: `zero_optimization` in {path} must be an object")
+    _check_shape(ds, path)
     for flag, key in (("per_device_train_batch_size", "train_micro_batch_size_per_gpu"),
                       ("gradient_accumulation_steps", "gradient_accumulation_steps"),
                       ("max_grad_norm", "gradient_clipping")):
@@ -107,6 +132,70 @@ def reconcile_ds(v: dict[str, Any], ds: dict, world: int, fallbacks: Mapping[str
         # DeepSpeed's own monitor writes the events (rank 0 only) to OUT/tensorboard/finetune.
         ds["tensorboard"] = {**ds.get("tensorboard", {}), "enabled": True,
                              "output_path": str(Path(v["output_dir"]) / "tensorboard"), "job_name": "finetune"}
+    leftover = [k for k, value in _walk(ds) if value == "auto" and k not in FILLED_LATER]
+    if leftover:
+        raise ConfigError(f"--deepspeed_config: {path} has \"auto\" for {', '.join(leftover)}, which no flag sets; "
+                          "give a value (\"auto\" works for the values flags set and a scheduler's step counts and "
+                          "learning rates)")
+    check_with_deepspeed(ds, path)
+
+
+def _check_shape(ds: dict, path: str) -> None:
+    """Objects where DeepSpeed expects objects, and ZeRO stage 3 (what the checkpoints, resume and
+    export are built on)."""
+    for key in ("zero_optimization", "optimizer", "scheduler", "bf16", "fp16", "tensorboard",
+                "optimizer.params", "scheduler.params"):
+        value = _get(ds, key)
+        if value is not _MISSING and not isinstance(value, dict):
+            raise ConfigError(f"--deepspeed_config: `{key}` in {path} must be an object, got {json.dumps(value)}")
+    stage = _get(ds, "zero_optimization.stage")
+    if stage is _MISSING or isinstance(stage, bool) or stage != 3:
+        got = "no `zero_optimization.stage`" if stage is _MISSING else f"`zero_optimization.stage: {json.dumps(stage)}`"
+        raise ConfigError(f"--deepspeed_config: {path} has {got}; finetune trains with ZeRO stage 3 only "
+                          "(its checkpoints, resume and export are ZeRO-3's): set `zero_optimization.stage: 3`")
+
+
+def check_with_deepspeed(ds: dict, path: str) -> None:
+    """DeepSpeed's own parser (its pydantic models of zero_optimization, fp16, the monitors, …) run
+    on the reconciled config now, so a value it rejects is bad input named here, not a traceback
+    from deepspeed.initialize after the model is built."""
+    import logging
+
+    from deepspeed.runtime.config import DeepSpeedConfig, DeepSpeedConfigError
+    from pydantic import ValidationError
+
+    trial = json.loads(json.dumps(ds))
+    # It checks the batch against the world size it sees: one process, before distributed init.
+    trial["train_batch_size"] = trial["train_micro_batch_size_per_gpu"] * trial["gradient_accumulation_steps"]
+    ds_logger = logging.getLogger("DeepSpeed")
+    level = ds_logger.level
+    ds_logger.setLevel(logging.ERROR)  # its warnings come again, once, from deepspeed.initialize
+    try:
+        DeepSpeedConfig(trial, mpu=_OneProcess())
+    except ValidationError as e:
+        first = e.errors()[0]
+        where = _locate(ds, tuple(str(x) for x in first["loc"])) or ".".join(str(x) for x in first["loc"])
+        raise ConfigError(f"--deepspeed_config: `{where}` in {path}: {first['msg']} "
+                          f"(got {json.dumps(first.get('input'), default=str)})") from None
+    except (DeepSpeedConfigError, AssertionError, TypeError, ValueError, AttributeError, KeyError) as e:
+        text = str(e).strip().splitlines()
+        raise ConfigError(f"--deepspeed_config: DeepSpeed rejects {path}: {text[0] if text else type(e).__name__}") from None
+    finally:
+        ds_logger.setLevel(level)
+
+
+class _OneProcess:
+    """The data-parallel world DeepSpeedConfig sees in ``check_with_deepspeed``, initialized or not."""
+
+    def get_data_parallel_world_size(self) -> int:
+        return 1
+
+
+def _locate(cfg: dict, loc: tuple[str, ...]) -> str | None:
+    """The dotted key in ``cfg`` that a pydantic error's location (relative to one of DeepSpeed's
+    sub-models, e.g. `stage` inside zero_optimization) points at: the first path ending in it."""
+    n = len(loc)
+    return next((key for key, _ in _walk(cfg) if tuple(key.split("."))[-n:] == loc), None) if n else None
 
 
 def _reconcile_optimizer(v: dict[str, Any], ds: dict, path: str, fallbacks: Mapping[str, Any]) -> None:
@@ -115,6 +204,10 @@ def _reconcile_optimizer(v: dict[str, Any], ds: dict, path: str, fallbacks: Mapp
         v[flag] = reconcile(flag, v[flag], ds, p + key, fallbacks[flag], path)
     params = ds["optimizer"].setdefault("params", {})
     betas = params.get("betas", "auto")
+    if betas != "auto" and not (isinstance(betas, list) and len(betas) == 2 and all(
+            b == "auto" or isinstance(b, (int, float)) and not isinstance(b, bool) and 0 <= b < 1 for b in betas)):
+        raise ConfigError(f"--deepspeed_config: `optimizer.params.betas` in {path} must be \"auto\" or two numbers "
+                          f"in [0, 1) (each may be \"auto\"), got {json.dumps(betas)}")
     betas = ["auto", "auto"] if betas == "auto" else list(betas)
     for i, flag in enumerate(("adam_beta1", "adam_beta2")):
         if betas[i] == "auto":
@@ -126,10 +219,11 @@ def _reconcile_optimizer(v: dict[str, Any], ds: dict, path: str, fallbacks: Mapp
 
 
 def _reconcile_precision(v: dict[str, Any], ds: dict, path: str, flag: str) -> None:
-    for k in ("bf16", "fp16"):
-        if not isinstance(ds.setdefault(k, {}), dict):
-            raise ConfigError(f"--deepspeed_config: `{k}` in {path} must be an object")
-    enabled = {k: ds[k].get("enabled", "auto") for k in ("bf16", "fp16")}
+    enabled = {k: ds.setdefault(k, {}).get("enabled", "auto") for k in ("bf16", "fp16")}
+    for k, e in enabled.items():
+        if not isinstance(e, bool) and e != "auto":
+            raise ConfigError(f"--deepspeed_config: `{k}.enabled` in {path} must be true, false or \"auto\", "
+                              f"got {json.dumps(e)}")
     explicit = [k for k, e in enabled.items() if e is True]
     if len(explicit) > 1:
         raise ConfigError(f"--deepspeed_config: {path} enables both bf16 and fp16")

@@ -17,6 +17,9 @@ EMBEDDED_MODEL_DIR = RESOURCES_DIR / "model"
 EMBEDDED_TOKENIZER_DIR = RESOURCES_DIR / "tokenizer"
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+# What a checkpoint's partitions fit only if equal: the architecture and the shapes of its tensors.
+# (PretrainedConfig's attribute_map gives every model type these names, e.g. gpt2's n_embd.)
+SHAPE_KEYS = ("model_type", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads")
 
 
 def load_tokenizer(args: ModelArgs):
@@ -74,6 +77,37 @@ def load_model(args: ModelArgs, ds_config: dict, precision: str, seed: int):
 
 
 _KEEPALIVE: list = []
+
+
+def check_checkpoint_model(folder, args: ModelArgs) -> None:
+    """The model this run builds is the one ``folder`` (a checkpoint) was saved from: the same
+    architecture and shapes. Otherwise loading its partitions fails deep inside DeepSpeed (missing
+    keys, size mismatches), after the engine is built; this says which flag and which value."""
+    from transformers import AutoConfig
+
+    flag, source, shown = _model_source(args)
+    try:
+        saved = AutoConfig.from_pretrained(folder, trust_remote_code=args.trust_remote_code)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"--resume_from_checkpoint: {folder}/config.json is unreadable: {_first_line(e)}") from None
+    try:
+        now = AutoConfig.from_pretrained(source, trust_remote_code=args.trust_remote_code)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{flag}: cannot load a config from '{shown}': {_first_line(e)}") from None
+    differ = [f"{k} {getattr(saved, k, None)} vs {getattr(now, k, None)}" for k in SHAPE_KEYS
+              if getattr(saved, k, None) != getattr(now, k, None)]
+    if differ:
+        raise ConfigError(f"--resume_from_checkpoint: {folder} holds another model than {flag} {shown} "
+                          f"({'; '.join(differ)}: checkpoint vs model); resume with the model it was trained from")
+
+
+def _model_source(args: ModelArgs) -> tuple[str, str, str]:
+    """The flag the model's config comes from, where it is read, and how messages name it."""
+    if args.model_name_or_path:
+        return "--model_name_or_path", args.model_name_or_path, args.model_name_or_path
+    if args.config_name:
+        return "--config_name", args.config_name, args.config_name
+    return "--model_name_or_path", str(EMBEDDED_MODEL_DIR), "(not given: the embedded model)"
 
 
 def count_parameters(model) -> int:

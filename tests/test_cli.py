@@ -96,7 +96,47 @@ def test_abbreviated_flags_are_refused(argv, capsys):
     assert argv[0] in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("argv, hint", [
+    (["--learning_rat", "1e-4"], "; did you mean --learning_rate?"),
+    (["--learning_rat=1e-4"], "; did you mean --learning_rate?"),
+    (["--output", "out"], "; did you mean --output_dir?"),
+    (["--learning_rat", "1", "--outptu_dir", "x"], "; did you mean --learning_rate (for --learning_rat), "
+                                                  "--output_dir (for --outptu_dir)?"),
+], ids=["flag_value", "flag_equals", "abbreviation", "two"])
+def test_unknown_flag_suggests_the_close_one(argv, hint, capsys):
+    with pytest.raises(SystemExit) as e:
+        parse(*argv)
+    assert e.value.code == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last.startswith("finetune: error: unrecognized arguments: ") and last.endswith(hint), last
+
+
+def test_unknown_flag_far_from_every_flag_gets_no_suggestion(capsys):
+    with pytest.raises(SystemExit):
+        parse("--zzzzzz")
+    assert capsys.readouterr().err.strip().endswith("unrecognized arguments: --zzzzzz")
+
+
+def test_unknown_command_is_named_with_the_close_one():
+    from finetune.cli import _command
+
+    with pytest.raises(ConfigError, match=r"unknown command 'exprot' \(did you mean export\?\); commands: export, "
+                                          r"train, verify"):
+        _command(["exprot", "ckpt", "out"])
+    argv = ["export", "ckpt", "out"]
+    assert _command(argv) == "export" and argv == ["ckpt", "out"]
+    assert _command(["--max_steps", "3"]) == "train" and _command([]) == "train"
+
+
 # --- the --bf16/--fp16 shorthand ------------------------------------------------------------
+
+def test_bf16_and_fp16_together_are_refused(capsys):
+    """Not the last one silently winning (then "fp16: this machine can't" named the wrong thing)."""
+    with pytest.raises(SystemExit) as e:
+        parse("--bf16", "--fp16")
+    assert e.value.code == 2
+    assert "argument --fp16: not allowed with argument --bf16" in capsys.readouterr().err
+
 
 @pytest.mark.parametrize("flag, on, off", [("--bf16", "bf16", "fp16"), ("--fp16", "fp16", "bf16")])
 def test_precision_shorthand_enables_exactly_one_section(flag, on, off):

@@ -407,7 +407,10 @@ def test_train_file_with_embedded_model_trains_by_epochs(tmp_path):
     assert cfg.train.learning_rate == 1e-3  # the model preset still applies
 
 
-def test_hub_model_gets_generic_fallbacks():
+def test_hub_model_gets_generic_fallbacks(monkeypatch):
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)  # an uncached id is downloaded later
     cfg = run(model_name_or_path="org/some-model")
     assert not cfg.uses_embedded_model
     assert cfg.train.learning_rate == FALLBACKS["learning_rate"] == 5e-5
@@ -506,3 +509,119 @@ def test_bad_input_raises_config_error_naming_the_flag(case, values, names, tmp_
         resolve(values, world_size=1)
     for name in names:
         assert name in str(e.value), f"{name!r} not in {str(e.value)!r}"
+
+
+# --- the DeepSpeed JSON: what it can get wrong, each named with its key --------------------------
+
+DS_BAD = [
+    ("zero_stage_2", {"zero_optimization": {"stage": 2}}, ["zero_optimization.stage: 2", "stage 3"]),
+    ("zero_stage_string", {"zero_optimization": {"stage": "three"}}, ['zero_optimization.stage: "three"']),
+    ("no_zero_section", {"train_micro_batch_size_per_gpu": "auto"}, ["no `zero_optimization.stage`"]),
+    ("micro_batch_string", {"train_micro_batch_size_per_gpu": "eight"},
+     ["`train_micro_batch_size_per_gpu`", "positive integer", '"eight"']),
+    ("micro_batch_fraction", {"train_micro_batch_size_per_gpu": 2.5}, ["`train_micro_batch_size_per_gpu`"]),
+    ("grad_accum_0", {"gradient_accumulation_steps": 0}, ["`gradient_accumulation_steps`", "positive"]),
+    ("clipping_negative", {"gradient_clipping": -1}, ["`gradient_clipping`", "non-negative"]),
+    ("lr_string", {"optimizer": {"type": "AdamW", "params": {"lr": "fast"}}}, ["`optimizer.params.lr`", '"fast"']),
+    ("betas_scalar", {"optimizer": {"type": "AdamW", "params": {"betas": 0.9}}}, ["`optimizer.params.betas`"]),
+    ("optimizer_string", {"optimizer": "adam"}, ["`optimizer`", "object", '"adam"']),
+    ("scheduler_params_list", {"scheduler": {"type": "WarmupLR", "params": []}}, ["`scheduler.params`", "object"]),
+    ("bf16_enabled_yes", {"bf16": {"enabled": "yes"}}, ["`bf16.enabled`", '"yes"']),
+    ("bf16_enabled_1", {"bf16": {"enabled": 1}}, ["`bf16.enabled`"]),
+    ("tensorboard_string", {"tensorboard": "on"}, ["`tensorboard`", "object"]),
+    ("zero_auto_nothing_fills", {"zero_optimization": {"stage": 3, "reduce_bucket_size": "auto"}},
+     ['"auto" for zero_optimization.reduce_bucket_size']),
+    ("zero_bool_wrong_type", {"zero_optimization": {"stage": 3, "overlap_comm": "maybe"}},
+     ["`zero_optimization.overlap_comm`", '"maybe"']),
+    ("zero_nested_enum", {"zero_optimization": {"stage": 3, "offload_param": {"device": "gpu"}}},
+     ["`zero_optimization.offload_param.device`", '"gpu"']),
+    ("zero_unknown_key", {"zero_optimization": {"stage": 3, "bogus_key": 1}}, ["`zero_optimization.bogus_key`"]),
+]
+
+
+@pytest.mark.parametrize("case, changes, names", DS_BAD, ids=[c[0] for c in DS_BAD])
+def test_bad_deepspeed_json_is_named_while_resolving(case, changes, names, tmp_path):
+    """Found while the flags are resolved (one process, before any work), not as a traceback from
+    deepspeed.initialize or as a silently different run (stage 2, "yes" read as not enabled)."""
+    cfg = {"zero_optimization": {"stage": 3}} if case != "no_zero_section" else {}
+    cfg.update(changes)
+    path = write_ds(tmp_path, cfg)
+    with pytest.raises(ConfigError) as e:
+        run(deepspeed_config=path)
+    message = str(e.value)
+    assert message.startswith("--deepspeed_config") and path in message, message
+    for name in names:
+        assert name in message, f"{name!r} not in {message!r}"
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in CONFIGS_DIR.glob("*.json")))
+def test_every_shipped_deepspeed_config_passes_deepspeeds_own_parser(name):
+    cfg = run(deepspeed_config=str(CONFIGS_DIR / name))
+    assert cfg.ds_config["zero_optimization"]["stage"] == 3
+
+
+def test_scheduler_step_counts_may_stay_auto_until_the_run_is_built(tmp_path):
+    sched = {"type": "WarmupDecayLR", "params": {k: "auto" for k in ("total_num_steps", "warmup_num_steps",
+                                                                     "warmup_max_lr", "warmup_min_lr")}}
+    cfg = run(deepspeed_config=write_ds(tmp_path, _base_ds(scheduler=sched)))
+    assert cfg.ds_config["scheduler"]["params"]["total_num_steps"] == "auto"
+
+
+# --- model sources and resume paths, checked before anything starts ------------------------------
+
+def _model_dir(tmp_path, *files: str):
+    folder = tmp_path / "model"
+    folder.mkdir()
+    for f in files:
+        (folder / f).write_text("{}")
+    return str(folder)
+
+
+@pytest.mark.parametrize("files, names", [
+    ((), ["--model_name_or_path", "no config.json"]),
+    (("config.json",), ["--model_name_or_path", "no weights", "--config_name"]),
+], ids=["no_config", "no_weights"])
+def test_model_folder_that_cannot_load_is_named(files, names, tmp_path):
+    folder = _model_dir(tmp_path, *files)
+    with pytest.raises(ConfigError) as e:
+        run(model_name_or_path=folder)
+    assert folder in str(e.value) and all(n in str(e.value) for n in names), str(e.value)
+
+
+@pytest.mark.parametrize("weights", ["model.safetensors", "model-00001-of-00002.safetensors", "pytorch_model.bin"])
+def test_model_folder_with_weights_in_any_layout_is_accepted(weights, tmp_path):
+    assert run(model_name_or_path=_model_dir(tmp_path, "config.json", weights)).model.model_name_or_path
+
+
+def test_config_name_folder_needs_no_weights(tmp_path):
+    assert run(config_name=_model_dir(tmp_path, "config.json")).model.config_name
+
+
+def test_hub_id_not_cached_while_offline_is_named(monkeypatch):
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    with pytest.raises(ConfigError, match=r"--model_name_or_path: nosuch-org/nosuch-model .*offline"):
+        run(model_name_or_path="nosuch-org/nosuch-model")
+    with pytest.raises(ConfigError, match=r"--tokenizer_name: nosuch-org/tok .*offline"):
+        run(tokenizer_name="nosuch-org/tok")
+
+
+def test_malformed_hub_id_is_named():
+    with pytest.raises(ConfigError, match=r"--model_name_or_path: bad id! is neither a folder nor a hub id"):
+        run(model_name_or_path="bad id!")
+
+
+def test_resume_path_that_is_no_checkpoint_is_named_before_the_run(tmp_path):
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "a.txt").write_text("x")
+    with pytest.raises(ConfigError, match=r"--resume_from_checkpoint: .*notes: not a checkpoint"):
+        run(resume_from_checkpoint=str(tmp_path / "notes"))
+    with pytest.raises(ConfigError, match=r"--resume_from_checkpoint: .*gone: no such folder"):
+        run(resume_from_checkpoint=str(tmp_path / "gone"))
+    assert run(resume_from_checkpoint="auto").ckpt.resume_from_checkpoint == "auto"
+
+
+def test_max_seq_length_1_leaves_nothing_to_predict():
+    with pytest.raises(ConfigError, match=r"`--max_seq_length` must be at least 2"):
+        run(max_seq_length=1)

@@ -452,3 +452,64 @@ def test_a_prefetch_failure_is_raised_by_the_step_that_needed_it():
     with pytest.raises(OSError, match="bad sector"):
         data.next_step()
     data.close()
+
+
+# --- bad rows named before tokenizing ----------------------------------------------------------
+
+def _chat_file(tmp_path, rows: list) -> str:
+    path = tmp_path / "chat.jsonl"
+    path.write_text("".join(json.dumps({"messages": m}) + "\n" for m in rows))
+    return str(path)
+
+
+SHORT_CHAT = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello there"}]
+
+
+@pytest.mark.parametrize("column, write", [
+    ("text", lambda tmp: _write(tmp, "jsonl")),  # plain strings
+    ("messages", lambda tmp: _chat_file(tmp, [["hi", "hello"]] * 3)),  # a list, not of messages
+], ids=["strings", "list_of_strings"])
+def test_load_raw_chat_column_that_is_not_messages_names_it(column, write, tmp_path):
+    args = DataArgs(train_file=write(tmp_path), messages_column=column, validation_split_percentage=0)
+    with pytest.raises(ConfigError, match=rf"--messages_column: column '{column}' must hold lists of .*role"):
+        load_raw(args, seed=0)
+
+
+def test_a_later_row_that_is_not_messages_is_named_while_tokenizing(tok, tmp_path):
+    from finetune.data import tokenize
+
+    args = DataArgs(train_file=_chat_file(tmp_path, [SHORT_CHAT, SHORT_CHAT, "not a chat"]), messages_column="messages",
+                    validation_split_percentage=0)
+    train, _ = load_raw(args, seed=0)
+    with pytest.raises(ConfigError, match=r"--messages_column: .*'not a chat'"):
+        tokenize(train, tok, args, 64)
+
+
+def test_messages_as_a_json_string_are_read(tok, tmp_path):
+    from finetune.data import tokenize
+
+    path = tmp_path / "chat.csv"
+    path.write_text('messages\n"' + json.dumps(SHORT_CHAT).replace('"', '""') + '"\n')
+    args = DataArgs(train_file=str(path), messages_column="messages", validation_split_percentage=0)
+    train, _ = load_raw(args, seed=0)
+    assert len(tokenize(train, tok, args, 64)) == 1
+
+
+def test_nothing_to_learn_names_max_seq_length_when_prompts_fill_it(tok, tmp_path):
+    from finetune.data.load import nothing_to_learn
+
+    path = tmp_path / "pc.jsonl"
+    path.write_text("".join(json.dumps({"q": "a rather long question about cats", "a": "yes"}) + "\n" for _ in range(3)))
+    args = DataArgs(train_file=str(path), prompt_column="q", completion_column="a", validation_split_percentage=0)
+    train, _ = load_raw(args, seed=0)
+    assert nothing_to_learn(args, tok, train, 4).startswith("--max_seq_length 4: in every training example the prompt")
+
+
+def test_nothing_to_learn_names_the_data_when_no_length_would_help(tok, tmp_path):
+    from finetune.data.load import nothing_to_learn
+
+    args = DataArgs(train_file=_chat_file(tmp_path, [SHORT_CHAT[:1]] * 3), messages_column="messages",
+                    validation_split_percentage=0)
+    train, _ = load_raw(args, seed=0)
+    assert nothing_to_learn(args, tok, train, 512) == \
+        "--train_file: no training example has a token to learn from (chats with no assistant turn)"

@@ -29,7 +29,7 @@ import xxhash
 from finetune import distributed as dist
 from finetune.checkpoint.durable import fsync_path, hash_file, write_json_durably
 from finetune.config import ConfigError, RunConfig
-from finetune.data.load import EMBEDDED_DATA, load_raw, load_splits, pack, source_flag, tokenize
+from finetune.data.load import EMBEDDED_DATA, load_raw, load_splits, nothing_to_learn, pack, tokenize
 from finetune.distributed import logger
 
 CACHE_FORMAT = 1  # bump when what tokenize/pack produce changes for the same inputs
@@ -155,6 +155,8 @@ def _build(cfg: RunConfig, tokenizer, tmp: Path) -> dict:
     logger.info("dataset cache: tokenizing %s examples with %d process(es) into %s", f"{len(train_raw):,}",
                 num_proc, tmp.parent)
     train = tokenize(train_raw, tokenizer, d, max_len, num_proc, str(work / "train.arrow"))
+    if len(train) == 0:
+        raise ConfigError(nothing_to_learn(d, tokenizer, train_raw, max_len))
     evalset = tokenize(eval_raw, tokenizer, d, max_len, 1, str(work / "eval.arrow")) if eval_raw is not None else None
     dropped = len(train_raw) - len(train) + (len(eval_raw) - len(evalset) if eval_raw is not None else 0)
     raw_rows = len(train_raw) + (len(eval_raw) if eval_raw is not None else 0)
@@ -162,8 +164,6 @@ def _build(cfg: RunConfig, tokenizer, tmp: Path) -> dict:
         train = pack(train, max_len, str(work / "train-packed.arrow"))
         if evalset is not None and len(evalset):
             evalset = pack(evalset, max_len, str(work / "eval-packed.arrow"))
-    if len(train) == 0:
-        raise ConfigError(f"{source_flag(d)}: no training example has tokens to learn from")
     train.save_to_disk(str(tmp / "train"))
     if evalset is not None:
         evalset.save_to_disk(str(tmp / "eval"))

@@ -90,6 +90,8 @@ def _check_columns(args: DataArgs, ds, what: str) -> None:
     for flag, col in needed.items():
         if col not in ds.column_names:
             raise ConfigError(f"{flag}: no column '{col}' in the {what} (available: {', '.join(ds.column_names)})")
+    if args.messages_column and len(ds):
+        _messages(ds[0][args.messages_column], args.messages_column)  # before tokenizing: the first row's shape
 
 
 # --- formatting and tokenization -------------------------------------------------------------
@@ -128,7 +130,7 @@ class _BatchEncoder:
         a, tok = self.args, self.tokenizer
         eos = tok.eos_token_id  # once: each attribute read goes through the tokenizer's __getattr__
         if a.messages_column:
-            rows = [encode_chat(tok, _messages(m), self.max_len) for m in batch[a.messages_column]]
+            rows = [encode_chat(tok, _messages(m, a.messages_column), self.max_len) for m in batch[a.messages_column]]
         elif a.prompt_column:
             prompts = _batch_ids(tok, batch[a.prompt_column], True)
             completions = _batch_ids(tok, batch[a.completion_column], False)
@@ -174,9 +176,35 @@ def _prompt_completion(eos: int | None, p: list[int], c: list[int], max_len: int
     return {"input_ids": ids, "labels": labels}
 
 
-def _messages(value: Any) -> list[dict]:
-    # CSV and some exports carry the messages as a JSON string.
-    return json.loads(value) if isinstance(value, str) else list(value)
+def _messages(value: Any, column: str) -> list[dict]:
+    """A row's conversation: a list of {"role", "content"} messages (CSV and some exports carry it as
+    a JSON string). Anything else is bad input naming the column, not a traceback from the template."""
+    messages = value
+    if isinstance(value, str):
+        try:
+            messages = json.loads(value)
+        except ValueError:
+            messages = None
+    if not isinstance(messages, (list, tuple)) or not all(isinstance(m, dict) and "role" in m and "content" in m
+                                                          for m in messages):
+        shown = repr(value) if len(repr(value)) <= 80 else repr(value)[:77] + "..."
+        raise ConfigError(f"--messages_column: column '{column}' must hold lists of {{\"role\", \"content\"}} "
+                          f"messages, found {shown}")
+    return list(messages)
+
+
+def nothing_to_learn(args: DataArgs, tokenizer, raw, max_len: int) -> str:
+    """Why tokenizing kept no training example (none has a label to learn from): the message.
+
+    Re-encodes a sample without truncation: if rows then have labels, --max_seq_length cut them
+    all away (a prompt at least that long); otherwise the data itself has nothing to learn from.
+    """
+    sample = raw.select(range(min(100, len(raw))))[:]
+    if _BatchEncoder(tokenizer, args, 2**31)(sample)["input_ids"]:
+        return (f"--max_seq_length {max_len}: in every training example the prompt fills the first {max_len} tokens, "
+                f"leaving nothing to learn from ({source_flag(args)}); raise --max_seq_length")
+    what = "chats with no assistant turn" if args.messages_column else "empty rows"
+    return f"{source_flag(args)}: no training example has a token to learn from ({what})"
 
 
 def encode_chat(tokenizer, messages: list[dict], max_len: int) -> dict:
