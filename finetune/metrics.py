@@ -57,13 +57,16 @@ def truncate_after(path: Path, step: int) -> None:
     one run. Atomic: temp file, fsync, rename."""
     if not path.exists():
         return
-    kept = [line for line, row in _rows(path.read_text()) if isinstance(row.get("step"), int) and row["step"] <= step]
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
-        f.write("".join(line + "\n" for line in kept))
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        kept = [line for line, row in _rows(path.read_text()) if isinstance(row.get("step"), int) and row["step"] <= step]
+        tmp = path.with_name(path.name + ".tmp")
+        with open(tmp, "w") as f:
+            f.write("".join(line + "\n" for line in kept))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError as e:  # a directory in its place, a read error: the metrics are not the checkpoint
+        dist.logger.warning("could not trim %s to step %d (%s); new rows are appended after what is there", path, step, e)
 
 
 def read_metrics(output_dir: str) -> list[dict]:

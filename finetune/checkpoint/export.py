@@ -12,6 +12,13 @@ keeps, e.g. ``model.embed_tokens.weight``; ``from_pretrained`` re-ties ``lm_head
 
 ``export_universal`` runs DeepSpeed's own ds_to_universal: the format resume loads on another
 world size, which reuses a ``universal/`` folder found inside the checkpoint.
+
+Safe loading: before any file of the checkpoint is read, it is checked against the checkpoint's
+manifest (size and checksum; ``verify_inputs``): every file export reads must be listed there and
+intact, so damage is named up front instead of surfacing as garbage weights or an unpickling error
+(``verify=False``, the CLI's ``--no_verify``, skips this). Whether verified or not, the rank files
+are unpickled with ``torch.load(weights_only=True)`` and an allow-list (``safe_load``): a
+checkpoint from someone else can't run code here. ds_to_universal runs under the same restriction.
 """
 
 from __future__ import annotations
@@ -30,10 +37,11 @@ from pathlib import Path
 
 import torch
 
+from finetune.checkpoint import safe_load
 from finetune.checkpoint.consolidate import FROM_MASTER, SOURCE_KEY
 from finetune.checkpoint.shards import INDEX, plan_shards, shard_header
 from finetune.checkpoint.durable import fsync_path, write_json_durably
-from finetune.checkpoint.manifest import MANIFEST, read_manifest
+from finetune.checkpoint.manifest import MANIFEST, check_file, read_manifest
 from finetune.checkpoint.resume import UNIVERSAL, write_universal_manifest
 from finetune.checkpoint.storage import LATEST, find_checkpoint
 from finetune.checkpoint.zero_files import CHUNK_BYTES, ZeroCheckpoint, rank_model_files
@@ -60,36 +68,45 @@ class ExportResult:
     seconds: float
     peak_rss: int  # bytes, this process's high-water mark
     copied: bool  # consolidated weights copied rather than rebuilt
+    verified: tuple[int, float] | None = None  # (bytes, seconds) checked against the manifest; None: not
 
     def summary(self) -> str:
         how = "copied the consolidated weights" if self.copied else "rebuilt from the rank files"
         shards = sum(1 for f in self.files if f.endswith(".safetensors"))
+        checked = (f"{self.verified[0] / 1e6:.1f} MB verified in {self.verified[1]:.2f} s" if self.verified
+                   else "unverified: --no_verify")
         return (f"Exported {self.folder} to {self.out} ({how}): {self.tensors} tensors, {self.bytes / 1e6:.1f} MB "
-                f"{HF_DTYPE_NAMES[self.dtype]} in {shards} shard(s), {self.seconds:.2f} s, "
+                f"{HF_DTYPE_NAMES[self.dtype]} in {shards} shard(s), {self.seconds:.2f} s, {checked}, "
                 f"peak RSS {self.peak_rss / 1e6:.0f} MB")
 
 
 # --- entry points ------------------------------------------------------------------------------
 
 def export_hf(checkpoint: str | os.PathLike, out: str | os.PathLike, dtype: str | None = None,
-              max_shard_size: str | None = None, exclude_frozen: bool = False, progress: bool = True) -> ExportResult:
+              max_shard_size: str | None = None, exclude_frozen: bool = False, progress: bool = True,
+              verify: bool = True) -> ExportResult:
     """Write a HF model folder at ``out`` from ``checkpoint`` (a checkpoint folder or an output dir).
 
     The weights are rebuilt from the rank files in ``dtype`` (default: the training dtype).
     Consolidated weights already in the checkpoint are copied instead when they are exactly what
     the rebuild would write (see ``exact_copy``) and nothing else is asked (no ``max_shard_size``,
     no ``exclude_frozen``); a checkpoint with no rank files can only be copied. ``out`` appears
-    complete or not at all.
+    complete or not at all. ``verify``: each file is checked against the manifest before it is read.
     """
     start = time.perf_counter()
     folder = resolve_checkpoint(checkpoint)
     out = _check_out(out)
-    if not (folder / "config.json").is_file():
-        raise ConfigError(f"{folder / 'config.json'}: missing (export needs the model config)")
+    verified = [0, 0.0] if verify else None
+    if verify:  # what decides copy or rebuild, and what is copied: before any of it is read
+        _add(verified, verify_inputs(folder, _plain_inputs(folder)))
+    config = _read_config(folder)
     copy, want = _copy_or_rebuild(folder, DTYPES[dtype] if dtype else None,
                                   max_shard_size is None and not exclude_frozen)
     source = None
     if not copy:
+        if verify:
+            models, optims = ZeroCheckpoint.check_files(folder)
+            _add(verified, verify_inputs(folder, [p.name for p in models + optims]))
         source = ZeroCheckpoint(folder)  # validates the rank files before anything is written
     staging = out.parent / f".{out.name}.export-tmp"
     shutil.rmtree(staging, ignore_errors=True)
@@ -100,7 +117,7 @@ def export_hf(checkpoint: str | os.PathLike, out: str | os.PathLike, dtype: str 
         else:
             tensors, size, files = _write_hf(source, staging, want, max_shard_size or DEFAULT_SHARD_SIZE,
                                                    exclude_frozen, progress)
-        files += _copy_model_files(folder, staging, want)
+        files += _copy_model_files(folder, staging, want, config)
         fsync_path(staging)
         os.replace(staging, out)  # over an empty `out` too: rename(2) replaces an empty directory
         fsync_path(out.parent)
@@ -108,14 +125,23 @@ def export_hf(checkpoint: str | os.PathLike, out: str | os.PathLike, dtype: str 
         shutil.rmtree(staging, ignore_errors=True)
         raise
     return ExportResult(folder, out, tensors, size, want, sorted(files), time.perf_counter() - start,
-                        peak_rss_bytes(), bool(copy))
+                        peak_rss_bytes(), bool(copy), tuple(verified) if verified else None)
 
 
-def export_universal(checkpoint: str | os.PathLike, out: str | os.PathLike | None = None) -> Path:
-    """Convert ``checkpoint`` to DeepSpeed's universal format in ``out`` (default: CHECKPOINT/universal)."""
+def _add(total: list, part: tuple[int, float]) -> None:
+    total[0] += part[0]
+    total[1] += part[1]
+
+
+def export_universal(checkpoint: str | os.PathLike, out: str | os.PathLike | None = None,
+                     verify: bool = True) -> Path:
+    """Convert ``checkpoint`` to DeepSpeed's universal format in ``out`` (default: CHECKPOINT/universal);
+    ``verify``: DeepSpeed's files are checked against the manifest first."""
     folder = resolve_checkpoint(checkpoint)
     ZeroCheckpoint.check_files(folder)
     target = _check_out(out if out is not None else folder / UNIVERSAL)
+    if verify:  # every rank file ds_to_universal picks up (it globs the folder)
+        verify_inputs(folder, sorted(p.name for p in folder.glob("*_states.pt")))
     error = to_universal(folder, target)
     if error:
         raise RuntimeError(f"DeepSpeed's ds_to_universal failed on {folder}: {error}")
@@ -125,13 +151,18 @@ def export_universal(checkpoint: str | os.PathLike, out: str | os.PathLike | Non
 def to_universal(folder: Path, target: Path) -> str | None:
     """Run DeepSpeed's ds_to_universal on ``folder`` into ``target``: staged in ``target.tmp``,
     renamed into place on success, with a manifest.json of its files and the save id it was converted
-from. Returns None, or DeepSpeed's last output line on failure."""
+from. Returns None, or DeepSpeed's last output line on failure. Every unpickling in it is restricted
+to the allow-list (``safe_load``); a rank file naming anything else raises ``UnsafePickle`` first."""
+    for path in sorted(folder.glob("*_states.pt")):  # what it reads: refused here, one line, naming the class
+        safe_load.check_globals(path)
     tmp = target.with_name(f"{target.name}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     workers = str(max(1, min(4, os.cpu_count() or 1)))
-    proc = subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
-                           str(folder), "--output_folder", str(tmp), "--num_extract_workers", workers,
-                           "--num_merge_workers", workers], capture_output=True, text=True)
+    # Its torch.load calls (weights_only=False) restricted to the allow-list: see safe_load.run_module.
+    proc = subprocess.run([sys.executable, "-m", "finetune.checkpoint.safe_load",
+                           "deepspeed.checkpoint.ds_to_universal", "--input_folder", str(folder), "--output_folder",
+                           str(tmp), "--num_extract_workers", workers, "--num_merge_workers", workers],
+                          capture_output=True, text=True)
     if proc.returncode != 0:
         shutil.rmtree(tmp, ignore_errors=True)
         return ((proc.stderr or proc.stdout).strip().splitlines() or ["no output"])[-1]
@@ -147,7 +178,7 @@ def resolve_checkpoint(path: str | os.PathLike) -> Path:
     if folder is not None and (folder / "mp_rank_00_model_states.pt").exists() and not rank_model_files(folder):
         raise ConfigError(f"{folder}: a ZeRO-1/2 checkpoint; export rebuilds ZeRO-3 ones (for this one use "
                           f"DeepSpeed's zero_to_fp32.py)")
-    if folder is None or not (any(rank_model_files(folder)) or _consolidated_files(folder)):
+    if folder is None or not (rank_model_files(folder) or any(WEIGHTS_RE.match(p.name) for p in folder.iterdir())):
         raise ConfigError(f"{path}: not a checkpoint (no DeepSpeed rank files or safetensors weights)")
     return folder
 
@@ -159,11 +190,49 @@ def peak_rss_bytes() -> int:
 
 # --- checks and plain files -----------------------------------------------------------------------
 
+def verify_inputs(folder: Path, names: list[str]) -> tuple[int, float]:
+    """Each file is listed in ``folder``'s manifest with its size and checksum, and matches them;
+    otherwise ConfigError naming each problem (nothing of the checkpoint has been read yet).
+    Returns (bytes checked, seconds)."""
+    start = time.perf_counter()
+    manifest = read_manifest(folder)
+    if manifest is None:
+        raise ConfigError(f"{folder}: no readable {MANIFEST} to verify it against (not saved by finetune, or "
+                          f"an incomplete save); pass --no_verify to export it unverified")
+    listed = manifest.get("files") if isinstance(manifest.get("files"), dict) else {}
+    problems, checked = [], 0
+    for name in dict.fromkeys(names):
+        meta = listed.get(name)
+        if not (isinstance(meta, dict) and isinstance(meta.get("size"), int) and "checksum" in meta):
+            problems.append(f"{name}: not in {MANIFEST}" if meta is None else f"{name}: unreadable {MANIFEST} entry")
+            continue
+        problems += check_file(folder / name, name, meta, checksums=True)
+        checked += meta["size"]
+    if problems:
+        shown = "; ".join(problems[:5]) + (f"; and {len(problems) - 5} more" if len(problems) > 5 else "")
+        raise ConfigError(f"{folder}: does not verify against its {MANIFEST} ({shown}); nothing was read. "
+                          f"Pass --no_verify to export it anyway")
+    return checked, time.perf_counter() - start
+
+
 def _check_out(out: str | os.PathLike) -> Path:
     out = Path(out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ConfigError(f"{out}: exists and is not an empty directory (won't overwrite it)")
     return out
+
+
+def _plain_inputs(folder: Path) -> list[str]:
+    """The files export reads besides the rank files: trainer_state.json, the model files it copies
+    (those present, and those the manifest lists: a missing tokenizer is damage too) and, unless
+    the manifest says the consolidated save failed, the consolidated weights present."""
+    manifest = read_manifest(folder) or {}
+    names = [n for n in ("trainer_state.json",) if (folder / n).exists()]
+    listed = {n for n in manifest.get("files") or {} if _is_model_file(n)}
+    names += sorted({p.name for p in _model_files(folder)} | listed)
+    if manifest.get("consolidated") is not False:
+        names += sorted(p.name for p in folder.iterdir() if WEIGHTS_RE.match(p.name) or p.name == INDEX)
+    return names
 
 
 def _consolidated_files(folder: Path) -> list[str]:
@@ -218,9 +287,8 @@ def _copy_or_rebuild(folder: Path, want: torch.dtype | None, as_saved: bool) -> 
     they are copied only when they are exactly what the rebuild would write and ``as_saved``
     (no other sharding, nothing left out). Without rank files they are all there is.
     """
-    files = _consolidated_files(folder)
-    if (read_manifest(folder) or {}).get("consolidated") is False:
-        files = []  # what a failed consolidated save left: not listed, not weights to copy
+    # What a failed consolidated save left is not listed and not weights to copy: never read.
+    files = [] if (read_manifest(folder) or {}).get("consolidated") is False else _consolidated_files(folder)
     stored, weights_from = _stored_weights(folder, files) if files else (None, None)
     training = _training_dtype(folder)
     if not rank_model_files(folder):  # nothing to rebuild from: copied as they are, or an error later
@@ -252,16 +320,36 @@ def _copy_weights(folder: Path, staging: Path, files: list[str]) -> tuple[int, i
     return tensors, size, files
 
 
-def _copy_model_files(folder: Path, staging: Path, dtype: torch.dtype) -> list[str]:
+def _model_files(folder: Path) -> list[Path]:
     """Config, generation config, tokenizer and chat template: every top-level file that is neither
-    DeepSpeed's nor ours nor weights. config.json's dtype is set to the exported weights' dtype."""
+    DeepSpeed's nor ours nor weights."""
+    return [p for p in sorted(folder.iterdir()) if p.is_file() and _is_model_file(p.name)]
+
+
+def _is_model_file(name: str) -> bool:
+    return not (name in INTERNAL_NAMES or INTERNAL_RE.search(name) or WEIGHTS_RE.match(name) or name == INDEX
+                or "/" in name)
+
+
+def _read_config(folder: Path) -> dict:
+    path = folder / "config.json"
+    if not path.is_file():
+        raise ConfigError(f"{path}: missing (export needs the model config)")
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, ValueError) as e:  # damaged, and not verified (--no_verify)
+        raise ConfigError(f"{path}: unreadable ({type(e).__name__}: {e})") from e
+    if not isinstance(config, dict):
+        raise ConfigError(f"{path}: not a model config (a JSON {type(config).__name__})")
+    return config
+
+
+def _copy_model_files(folder: Path, staging: Path, dtype: torch.dtype, config: dict) -> list[str]:
+    """The model files, copied; config.json's dtype is set to the exported weights' dtype."""
     copied = []
-    for p in sorted(folder.iterdir()):
-        if (not p.is_file() or p.name in INTERNAL_NAMES or INTERNAL_RE.search(p.name)
-                or WEIGHTS_RE.match(p.name) or p.name == INDEX):
-            continue
+    for p in _model_files(folder):
         if p.name == "config.json":
-            config = json.loads(p.read_text())
+            config = dict(config)
             config["dtype"] = HF_DTYPE_NAMES[dtype]
             if "torch_dtype" in config:  # the name before transformers 4.56
                 config["torch_dtype"] = HF_DTYPE_NAMES[dtype]

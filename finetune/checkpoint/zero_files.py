@@ -25,8 +25,10 @@ trimmed to numel. Memory stays bounded whatever the model size:
     mapping: the kernel drops them and would re-read them from the file, so nothing is lost.
     (Checked per file against /proc/self/maps; where that can't be checked, nothing is released.)
 
-The rank files are DeepSpeed pickles; classes from ``deepspeed.*`` in them (an enum, the loss
-scaler) are read as inert placeholders, so reading never imports DeepSpeed.
+The rank files are DeepSpeed pickles: they are read with ``torch.load(weights_only=True)`` and the
+allow-list of ``safe_load`` (anything else is refused, named), DeepSpeed's classes in them (an enum,
+the loss scaler) as inert placeholders, so reading never runs code from the files nor imports
+DeepSpeed.
 """
 
 from __future__ import annotations
@@ -36,16 +38,15 @@ import json
 import math
 import mmap
 import os
-import pickle
 import re
 import sys
-import types
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from finetune.checkpoint import safe_load
 from finetune.checkpoint.manifest import RANK_FILE_PATTERNS, read_manifest
 from finetune.config import ConfigError
 
@@ -67,34 +68,10 @@ def rank_model_files(folder: Path) -> dict[int, Path]:
 
 # --- reading the rank files ---------------------------------------------------------------------
 
-class _Placeholder:
-    """Stands in for a class from ``deepspeed.*`` in its pickles: keeps the constructor arguments
-    (an enum's value) and the state, so reading the files needs no ``import deepspeed``."""
-
-    def __new__(cls, *args, **kwargs):
-        return super().__new__(cls)
-
-    def __init__(self, *args, **kwargs):
-        self.args = args
-
-    def __setstate__(self, state):
-        self.state = state
-
-
-class _Unpickler(pickle.Unpickler):
-    def find_class(self, module, name):
-        if module == "deepspeed" or module.startswith("deepspeed."):
-            return type(name, (_Placeholder,), {"__module__": module})
-        return super().find_class(module, name)
-
-
-_PICKLE = types.SimpleNamespace(Unpickler=_Unpickler, load=pickle.load, __name__="pickle")
-
-
 def _load(path: Path) -> dict:
     try:
-        return torch.load(path, map_location="cpu", mmap=True, weights_only=False, pickle_module=_PICKLE)
-    except (RuntimeError, pickle.UnpicklingError, EOFError, OSError) as e:
+        return safe_load.load(path, "cpu", mmap=True, inert=True)
+    except (RuntimeError, EOFError, OSError) as e:
         raise ConfigError(f"{path}: unreadable DeepSpeed file ({type(e).__name__}: {e})") from e
 
 
@@ -288,7 +265,7 @@ def _first_fragment(state: dict) -> torch.Tensor | None:
 
 
 def _stage(value) -> int | None:
-    value = value.args[0] if isinstance(value, _Placeholder) and value.args else value
+    value = value.args[0] if isinstance(value, safe_load.Placeholder) and value.args else value
     return int(value) if isinstance(value, int) else None
 
 

@@ -1,5 +1,6 @@
 """Offline export, one process: reconstruction from rank files laid out as ZeRO-3 lays them out,
-dtype and sharding, page release, and bad inputs. Real 2-rank checkpoints: tests/distributed/test_export_checkpoints.py."""
+dtype and sharding, page release, bad inputs, and safe loading (verification against the manifest
+first, restricted unpickling). Real 2-rank checkpoints: tests/distributed/test_export_checkpoints.py."""
 
 from __future__ import annotations
 
@@ -15,8 +16,11 @@ import torch
 from safetensors.torch import load_file
 
 from finetune.checkpoint import export as ex
+from finetune.checkpoint import safe_load
 from finetune.checkpoint import zero_files as zf
 from finetune.checkpoint.consolidate import FROM_MASTER, FROM_MODULE, SOURCE_KEY
+from finetune.checkpoint.durable import hash_file
+from finetune.checkpoint.manifest import build_manifest
 from finetune.checkpoint.shards import INDEX
 from finetune.cli import main
 
@@ -70,7 +74,14 @@ def write_zero3(folder: Path, state: dict[str, torch.Tensor], world: int, *, fro
         torch.save(model_states, folder / f"zero_pp_rank_{r}_mp_rank_00_model_states.pt")
         torch.save(optim, folder / f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt")
     (folder / "trainer_state.json").write_text(json.dumps({"world_size": world, "dtype": "fp32"}))
-    (folder / "manifest.json").write_text(json.dumps({"world_size": world, "files": {}}))
+    seal(folder)
+
+
+def seal(folder: Path, **extra) -> None:
+    """manifest.json as a commit writes it: every file in ``folder`` with its size and checksum."""
+    world = json.loads((folder / "trainer_state.json").read_text())["world_size"]
+    files = {p.name: hash_file(p) for p in folder.iterdir() if p.is_file() and p.name != "manifest.json"}
+    (folder / "manifest.json").write_text(json.dumps({**build_manifest(folder.name, files, world, {}), **extra}))
 
 
 @pytest.fixture
@@ -85,6 +96,7 @@ def qwen_checkpoint(tmp_path):
     model.config.save_pretrained(folder)
     (folder / "tokenizer_config.json").write_text("{}")
     (folder / "rng_state_0.pt").write_bytes(b"x")
+    seal(folder)
     return model, folder
 
 
@@ -101,6 +113,8 @@ def test_rebuilds_weights_like_save_pretrained(tmp_path, qwen_checkpoint):
     assert set(ours) == set(ref) and "lm_head.weight" not in ours  # the tied copy is written once
     assert all(torch.equal(ours[k], ref[k]) for k in ref)
     assert result.tensors == len(ref) and not result.copied and result.dtype == torch.float32
+    rank_files = sum(p.stat().st_size for p in folder.glob("zero_pp_rank_*.pt"))
+    assert result.verified[0] > rank_files and "MB verified in" in result.summary()
     loaded, info = AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"], info
     x = torch.randint(0, VOCAB, (2, 9))
@@ -129,6 +143,7 @@ def test_buffers_keep_their_dtype(tmp_path):
     folder.mkdir()
     write_zero3(folder, state, world=2, buffers=("steps", "scale"))
     (folder / "config.json").write_text("{}")
+    seal(folder)
     ex.export_hf(folder, tmp_path / "hf", dtype="fp16", progress=False)
     ours = load_file(tmp_path / "hf" / "model.safetensors")
     assert list(ours) == list(state)  # the model's state-dict order
@@ -162,6 +177,7 @@ def test_consolidated_weights_are_copied(tmp_path, qwen_checkpoint):
     ex.export_hf(folder, tmp_path / "first", progress=False)
     for name in ("model.safetensors",):
         (folder / name).write_bytes((tmp_path / "first" / name).read_bytes())
+    seal(folder, consolidated=True)
     result = ex.export_hf(folder, tmp_path / "hf", progress=False)
     assert result.copied
     assert (tmp_path / "hf" / "model.safetensors").read_bytes() == (folder / "model.safetensors").read_bytes()
@@ -199,15 +215,19 @@ def bf16_run(tmp_path):
     write_zero3(folder, state, world=2)
     (folder / "trainer_state.json").write_text(json.dumps({"world_size": 2, "dtype": "bf16"}))
     (folder / "config.json").write_text(json.dumps({"dtype": "bfloat16"}))
+    seal(folder)
     return state, folder
 
 
-def _consolidate(folder: Path, state: dict, weights_from: str | None) -> None:
-    """model.safetensors as a consolidated save writes it, its source recorded or (None) not."""
+def _consolidate(folder: Path, state: dict, weights_from: str | None, listed: bool = True) -> None:
+    """model.safetensors as a consolidated save writes it, its source recorded or (None) not;
+    ``listed``: committed with it (else what a failed consolidation left behind)."""
     from safetensors.torch import save_file
 
     save_file(state, folder / "model.safetensors", metadata={"format": "pt", **({SOURCE_KEY: weights_from}
                                                                                if weights_from else {})})
+    if listed:
+        seal(folder, consolidated=True)
 
 
 @pytest.mark.parametrize("weights_from", [FROM_MODULE, None])
@@ -244,9 +264,9 @@ def test_the_default_dtype_is_the_training_dtype_whatever_was_consolidated(tmp_p
 
 def test_weights_a_failed_consolidation_left_are_not_copied(tmp_path, bf16_run):
     state, folder = bf16_run
-    _consolidate(folder, {k: torch.zeros_like(v) for k, v in state.items()}, FROM_MASTER)  # e.g. truncated
-    manifest = json.loads((folder / "manifest.json").read_text())
-    (folder / "manifest.json").write_text(json.dumps({**manifest, "consolidated": False}))
+    seal(folder, consolidated=False)  # committed without the weights it failed to write
+    zeros = {k: torch.zeros_like(v) for k, v in state.items()}  # e.g. truncated
+    _consolidate(folder, zeros, FROM_MASTER, listed=False)
     result = ex.export_hf(folder, tmp_path / "hf", dtype="fp32", progress=False)
     assert not result.copied
     assert torch.equal(load_file(tmp_path / "hf" / "model.safetensors")["w"], state["w"])
@@ -302,3 +322,122 @@ def test_bad_flags(tmp_path, capsys, qwen_checkpoint):
     with pytest.raises(SystemExit) as e:
         main(["export", str(folder)])  # OUT is required without --universal
     assert e.value.code == 2
+
+
+# --- safe loading: verified before a byte is read; unpickled with weights_only=True ----------------
+
+def _flip(path: Path, at: int, mask: int = 0xFF) -> None:
+    data = bytearray(path.read_bytes())
+    data[at] ^= mask
+    path.write_bytes(bytes(data))
+
+
+def test_damage_is_named_before_anything_is_read(tmp_path, capsys, qwen_checkpoint):
+    _, folder = qwen_checkpoint
+    rank_file = folder / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    rank_file.write_bytes(rank_file.read_bytes()[:-100])
+    message = _error(capsys, folder, tmp_path / "out")
+    assert f"{folder}: does not verify" in message and "--no_verify" in message
+    assert "zero_pp_rank_1_mp_rank_00_optim_states.pt: size" in message
+    assert not (tmp_path / "out").exists() and not any(p.name.startswith(".out") for p in tmp_path.iterdir())
+    # Unverified, the truncated rank file is still refused by its reader, with a line naming it.
+    assert f"{rank_file}: unreadable DeepSpeed file" in _error(capsys, folder, tmp_path / "out", "--no_verify")
+
+
+def test_a_flipped_byte_exports_only_with_no_verify(tmp_path, capsys, qwen_checkpoint):
+    _, folder = qwen_checkpoint
+    config = folder / "config.json"
+    _flip(config, config.read_bytes().index(b"0"), 0x01)  # a 0 becomes a 1: still JSON, only the checksum notices
+    assert "config.json: checksum mismatch" in _error(capsys, folder, tmp_path / "out")
+    assert main(["export", str(folder), str(tmp_path / "out"), "--no_verify"]) == 0
+    capsys.readouterr()
+    _flip(config, 0)  # not even text: one line naming it, not a traceback
+    assert f"{config}: unreadable" in _error(capsys, folder, tmp_path / "out2", "--no_verify")
+
+
+def test_a_checkpoint_without_a_manifest_needs_no_verify(tmp_path, capsys, qwen_checkpoint):
+    """A DeepSpeed checkpoint not saved by finetune: nothing to verify against, said so."""
+    _, folder = qwen_checkpoint
+    (folder / "manifest.json").unlink()
+    message = _error(capsys, folder, tmp_path / "out")
+    assert "no readable manifest.json" in message and "--no_verify" in message
+    assert main(["export", str(folder), str(tmp_path / "out"), "--no_verify"]) == 0
+    assert (tmp_path / "out" / "model.safetensors").is_file()
+
+
+def test_only_files_the_manifest_vouches_for_are_read(tmp_path, capsys, qwen_checkpoint):
+    _, folder = qwen_checkpoint
+    (folder / "tokenizer_config.json").unlink()  # listed, gone: the export would silently lack it
+    (folder / "model.safetensors").write_bytes(b"planted")  # unlisted weights would be read, even copied
+    message = _error(capsys, folder, tmp_path / "out")
+    assert "tokenizer_config.json: missing" in message and "model.safetensors: not in manifest.json" in message
+
+
+class Trojan:
+    """A class no checkpoint of DeepSpeed's holds (unpickling it needs this module imported)."""
+
+
+class CopiesAFile:
+    """Unpickling this calls shutil.copyfile(src, dst): code run by loading the file."""
+
+    def __init__(self, src: Path, dst: Path):
+        self.src, self.dst = str(src), str(dst)
+
+    def __reduce__(self):
+        import shutil
+
+        return shutil.copyfile, (self.src, self.dst)
+
+
+def _plant(folder: Path, payload, tmp_path: Path) -> Path:
+    """Add ``payload`` to rank 0's model states and re-seal the manifest, as whoever crafted the
+    checkpoint would: it verifies."""
+    path = folder / "zero_pp_rank_0_mp_rank_00_model_states.pt"
+    state = torch.load(path, weights_only=True)
+    state["extra"] = payload
+    torch.save(state, path)
+    seal(folder)
+    return path
+
+
+@pytest.mark.parametrize("verify", [[], ["--no_verify"]])
+def test_code_in_a_rank_file_is_never_run(tmp_path, capsys, qwen_checkpoint, verify):
+    _, folder = qwen_checkpoint
+    marker = tmp_path / "ran"
+    path = _plant(folder, CopiesAFile(folder / "config.json", marker), tmp_path)
+    message = _error(capsys, folder, tmp_path / "out", *verify)
+    assert message.startswith(f"finetune: error: {path}: refused to unpickle shutil.copyfile")
+    assert not marker.exists() and not (tmp_path / "out").exists()
+    # Not even through DeepSpeed's converter, which asks torch.load for weights_only=False.
+    assert "shutil.copyfile" in _error(capsys, folder, "--universal", *verify) and not marker.exists()
+    assert not (folder / "universal").exists() and not (folder / "universal.tmp").exists()
+
+
+def test_an_unknown_class_is_refused_by_name(tmp_path, capsys, qwen_checkpoint):
+    _, folder = qwen_checkpoint
+    _plant(folder, Trojan(), tmp_path)
+    message = _error(capsys, folder, tmp_path / "out")
+    assert "refused to unpickle" in message and f"{Trojan.__module__}.Trojan" in message
+
+
+def test_the_allow_list_is_exactly_what_deepspeed_pickles(tmp_path):
+    """Every class on the list loads (as DeepSpeed's own, or inert for export), and each is needed:
+    torch's defaults cover everything else a ZeRO-3 rank file holds (real ones: test_at_rest.py)."""
+    from deepspeed.runtime.fp16.loss_scaler import CreateLossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+
+    dynamic = CreateLossScaler(torch.half, 0, True, {"init_scale": 2 ** 16, "scale_window": 1000, "min_scale": 1,
+                                                     "delayed_shift": 2, "consecutive_hysteresis": False,
+                                                     "raise_error_at_min_scale": True})
+    static = CreateLossScaler(torch.bfloat16, 1.0, False, None)
+    path = tmp_path / "optim_states.pt"
+    torch.save({"optimizer_state_dict": {"zero_stage": ZeroStageEnum.weights, "loss_scaler": static,
+                                         "fp16": dynamic, "fp32_flat_groups": [torch.ones(3)]}}, path)
+    assert sorted(torch.serialization.get_unsafe_globals_in_checkpoint(path)) == sorted(safe_load.DEEPSPEED_GLOBALS)
+    safe_load.check_globals(path)
+    osd = safe_load.load(path)["optimizer_state_dict"]
+    assert osd["zero_stage"] is ZeroStageEnum.weights and type(osd["fp16"]) is type(dynamic)
+    assert osd["fp16"].__dict__ == dynamic.__dict__ and osd["loss_scaler"].__dict__ == static.__dict__
+    inert = safe_load.load(path, inert=True)["optimizer_state_dict"]
+    assert isinstance(inert["zero_stage"], safe_load.Placeholder) and inert["zero_stage"].args == (3,)
+    assert inert["fp16"].state == dynamic.__dict__

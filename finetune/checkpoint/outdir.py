@@ -1,0 +1,77 @@
+"""What ``finetune verify OUT`` reports about an output dir besides its newest checkpoint.
+
+None of these damages a committed checkpoint, so none changes verify's exit code; each is named
+with what a resume does about it (README "Verify"):
+  * a checkpoint folder with no readable manifest.json: not committed (damage, or a copy that
+    never finished); resume never picks it
+  * ``latest`` naming no committed checkpoint, an older one than the newest, or not a file: it is
+    a hint for DeepSpeed's tools (zero_to_fp32.py); resume uses the commit order
+  * leftovers of crashed saves (``.staging/…``, ``.trash-…``, temp files): removed at the next start
+  * torn lines in metrics.jsonl (a crash mid-append): dropped at the next resume
+Nothing here reads a pickle or writes anything.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from finetune.checkpoint.policy import newest_first
+from finetune.checkpoint.storage import LATEST, LocalStorage, committed
+
+METRICS = "metrics.jsonl"
+
+
+def notes(out: Path) -> list[str]:
+    """One line per finding in output dir ``out``; [] when there is nothing to say."""
+    storage = LocalStorage(out)
+    found = committed(storage)
+    names = {c.tag for c in found}
+    lines = [f"{t}: no readable manifest.json, so not a committed checkpoint (damage, or a save or copy that "
+             "never finished); resume ignores it" for t in storage.tags() if t not in names]
+    lines += _latest(out, newest_first(found)[0].tag if found else None, names)
+    lines += [f"{rel}: left by a crashed save; removed when the next run starts" for rel in storage.leftovers()]
+    lines += _metrics(out / METRICS)
+    return lines
+
+
+def _latest(out: Path, newest: str | None, names: set[str]) -> list[str]:
+    path = out / LATEST
+    if not path.exists() and not path.is_symlink():
+        return []
+    why = "resume goes by the commit order, not by it, and rewrites it at the next save"
+    if not path.is_file():
+        return [f"{LATEST}: not a file; remove it (a save replaces `latest` and cannot replace this)"]
+    try:
+        tag = path.read_text().strip()
+    except (OSError, ValueError) as e:
+        return [f"{LATEST}: unreadable ({type(e).__name__}); {why}"]
+    if tag not in names:
+        return [f"{LATEST}: names {tag or 'nothing'}, which is not a committed checkpoint here; {why}"]
+    if tag != newest:
+        return [f"{LATEST}: names {tag}, but the newest committed checkpoint is {newest} (a crash between a "
+                f"commit and its update); {why}"]
+    return []
+
+
+def _metrics(path: Path) -> list[str]:
+    if not path.exists():
+        return []
+    if not path.is_file():
+        return [f"{METRICS}: not a file; remove it (a run cannot log to it, and a resume fails reading it)"]
+    try:
+        text = path.read_text(errors="replace")
+    except OSError as e:
+        return [f"{METRICS}: unreadable ({type(e).__name__}: {e.strerror or e})"]
+    torn = [n for n, line in enumerate(text.splitlines(), 1) if not _is_row(line)]
+    if not torn:
+        return []
+    shown = ", ".join(map(str, torn[:5])) + (", …" if len(torn) > 5 else "")
+    return [f"{METRICS}: {len(torn)} torn line(s) (line {shown}; a crash mid-append); dropped at the next resume"]
+
+
+def _is_row(line: str) -> bool:
+    try:
+        return isinstance(json.loads(line), dict)
+    except ValueError:
+        return False
