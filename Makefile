@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 # sharing ~/.cache/torch_extensions keep invalidating each other's build (a ~2 min rebuild each time).
 export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/$(VENV)/torch_extensions
 
-.PHONY: setup gpu-setup demo test test-fast test-gpu bench clean
+.PHONY: setup gpu-setup demo test test-fast test-gpu faults bench clean
 
 setup: $(STAMP)
 
@@ -41,6 +41,13 @@ test-fast: setup
 # The GPU suite (tests/gpu): one CUDA device, NCCL. `make test` runs it too, skipped without a GPU.
 test-gpu: setup
 	PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(PY) -m pytest -ra -m gpu tests/gpu
+
+# The fault sweep's long form (tests/faults): every fault site x rank x kind, and 50 kill -9 trials of
+# each kind; hours on a 2-core machine. Prints a summary table (cases, failures, max time to exit);
+# `make test` runs its sample.
+faults: setup
+	FINETUNE_FAULTS_LONG=1 FINETUNE_FAULTS_SUMMARY=output/faults/summary.json \
+		PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(PY) -m pytest -ra -m faults tests/faults
 
 bench: setup
 	PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(PY) bench/train_throughput.py

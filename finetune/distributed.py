@@ -21,6 +21,7 @@ from typing import Any, Callable
 import torch
 
 from finetune import launchers
+from finetune.checkpoint.faults import fault_point
 from finetune.config import DEFAULT_DDP_TIMEOUT, ConfigError
 
 logger = logging.getLogger("finetune")
@@ -299,6 +300,7 @@ PROBE = ".storage-probe"  # marker files that show which ranks share a folder
 
 
 def _touch(marker: Path) -> None:
+    fault_point("layout.probe")
     marker.parent.mkdir(parents=True, exist_ok=True)
     marker.touch()
 

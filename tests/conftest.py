@@ -307,3 +307,7 @@ def base_ds(**extra) -> dict:
     cfg = json.loads((REPO / "configs" / "ds_zero3.json").read_text())
     cfg.update(extra)
     return cfg
+
+
+# The fault sweep's summary table and its long/sampled split (tests/faults; `make faults`).
+pytest_plugins = ["faults.plugin"]

@@ -8,8 +8,9 @@ steps so that node-local storage publishes only after every node prepared.
 from __future__ import annotations
 
 from finetune.checkpoint.durable import fsync_path, write_json_durably
+from finetune.checkpoint.faults import fault_point
 from finetune.checkpoint.manifest import MANIFEST, build_manifest
-from finetune.checkpoint.storage import STAGING, LocalStorage
+from finetune.checkpoint.storage import STAGING, LocalStorage, step_of
 
 
 def commit_staged(storage: LocalStorage, tag: str, files: dict[str, tuple[int, str]], world_size: int,
@@ -28,12 +29,15 @@ def prepare_staged(storage: LocalStorage, tag: str, files: dict[str, tuple[int, 
     whose files this storage holds (node-local storage); None = all of them. ``identity``: the
     commit sequence number, save id and parent."""
     staged = storage.root / STAGING / tag
+    fault_point("commit.manifest", step_of(tag))
     write_json_durably(staged / MANIFEST, build_manifest(tag, files, world_size, versions, ranks, identity))
     fsync_path(staged)
 
 
 def publish_staged(storage: LocalStorage, tag: str) -> None:
     # Never overwrite in place: a folder of the same step (an abandoned timeline's) is swapped out.
+    fault_point("commit.rename", step_of(tag))
     storage.replace_dir(f"{STAGING}/{tag}", tag)
+    fault_point("commit.latest", step_of(tag))
     storage.write_latest(tag)
     storage.finish_staging()

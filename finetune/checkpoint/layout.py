@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from finetune import distributed as dist
+from finetune.checkpoint.faults import fault_point
 from finetune.checkpoint.storage import LocalStorage
 from finetune.config import ConfigError
 from finetune.distributed import logger
@@ -87,7 +88,11 @@ class Layout:
 def tidy_storage(storage: LocalStorage, layout: Layout) -> None:
     """At start, each storage's leader removes what crashed saves left (staging, trash, temp
     files) and logs it. Collective. Only safe while this run holds OUT's lease."""
-    out = dist.gather_outcomes(storage.housekeeping, on=layout.leader)
+    def tidy():
+        fault_point("layout.tidy")
+        return storage.housekeeping()
+
+    out = dist.gather_outcomes(tidy, on=layout.leader)
     if out.result:
         freed = sum(size for _, size in out.result)
         logger.warning("removed %d leftover(s) of crashed saves from %s, %.1f MB freed: %s", len(out.result),

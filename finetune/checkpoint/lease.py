@@ -70,6 +70,7 @@ import time
 import uuid
 from pathlib import Path
 
+from finetune.checkpoint.faults import fault_point
 from finetune.checkpoint.holder import (
     identity as _identity,
     process_gone as _process_gone,
@@ -128,6 +129,7 @@ def acquire(out: str | os.PathLike, run_id: str | None = None, *, renew_s: float
     out = Path(out)
     me = _identity(run_id or uuid.uuid4().hex[:12], renew_s)
     try:
+        fault_point("lease.acquire")
         out.mkdir(parents=True, exist_ok=True)
         _take(out / LEASE, me, observe_s)
     except OSError as e:

@@ -30,7 +30,8 @@ id, on every node. The free-space check asks for this node's share.
 Every step that one rank (or one leader) does alone and that precedes a collective runs through
 ``dist.gather_outcomes`` / ``dist.run_agreed``: a failure there reaches every rank.
 
-Test seams: ``FINETUNE_FAIL_SAVE`` (see writer.py); ``FINETUNE_SKIP_SPACE_CHECK=1`` skips
+Fault sites (faults.py): ``manager.history``, ``save.*``, ``retention.delete``, ``resume.load_rng``,
+``resume.truncate_metrics``. Test seams: ``FINETUNE_SKIP_SPACE_CHECK=1`` skips
 the free-space pre-check so a test can provoke a real ENOSPC in the middle of a write;
 ``FINETUNE_SAVE_IO=<dir>`` writes each rank's save I/O accounting to ``<dir>/<tag>-rank<r>.json``.
 """
@@ -50,12 +51,13 @@ from finetune import distributed as dist
 from finetune.checkpoint.accounting import Clock, SaveIO
 from finetune.checkpoint.commit import prepare_staged, publish_staged
 from finetune.checkpoint.durable import fsync_path, hash_file, write_json_durably
+from finetune.checkpoint.faults import fault_point
 from finetune.checkpoint.layout import Layout
 from finetune.checkpoint.policy import Committed, line_of, select_for_deletion, space_needed
 from finetune.checkpoint.resume import ResumePlan
 from finetune.checkpoint.rng import rng_state, set_rng_state
 from finetune.checkpoint.state import TRAINER_STATE, TrainingState
-from finetune.checkpoint.storage import STAGING, LocalStorage, committed, tag_for
+from finetune.checkpoint.storage import STAGING, LocalStorage, committed, step_of, tag_for
 from finetune.checkpoint.writer import GuardedWriter
 from finetune.config import CheckpointArgs
 from finetune.distributed import logger
@@ -117,6 +119,7 @@ class CheckpointManager:
         """The line this run continues (rank 0's view, for every rank), the next commit sequence
         number (above any on any storage) and this storage's last checkpoint size. Collective."""
         def mine():
+            fault_point("manager.history")
             found = committed(self.storage)
             line = line_of(head, found) if head else []
             mine_head = next((c for c in found if head and c.tag == head.tag and c.save_id == head.save_id), None)
@@ -170,6 +173,7 @@ class CheckpointManager:
             # Resumed at (or past) the last step: re-saving the same step would only swap a
             # complete checkpoint for a copy of itself.
             logger.info("step %d is already saved as %s", step, self.out / tag_for(step))
+            self._finish_commit(step)
             return 0
         try:
             path = self.save(step, final=True)
@@ -178,6 +182,26 @@ class CheckpointManager:
             return 1
         logger.info("checkpoint saved to %s", path)
         return 0
+
+    def _finish_commit(self, step: int) -> None:
+        """Resumed at its last step, already saved: what a crash after that checkpoint's rename may
+        have left undone, `latest` and retention, is done now; no later commit would do it, so
+        `latest` would name an older checkpoint, and --save_total_limit be exceeded, for good.
+        Leaders, agreed. Collective."""
+        if self.head is None or self.head.tag != tag_for(step):
+            return  # resumed from a checkpoint outside OUT: nothing of this output dir to finish
+        tag = self.head.tag
+
+        def point_latest():
+            fault_point("resume.finish_commit", step)
+            if self.storage.read_latest() != tag:
+                self.storage.write_latest(tag)
+
+        out = dist.gather_outcomes(point_latest, on=self.leader, inline=True)
+        if not out.ok:
+            dist.log_main(logging.WARNING, "could not point `latest` at %s (%s); resume follows the commit order",
+                          tag, out.describe())
+        self.retain()
 
     # --- save: snapshot → write → agree → commit ------------------------------------------------
 
@@ -213,6 +237,7 @@ class CheckpointManager:
         need = space_needed(self.last_bytes, self.parameters, self.layout.share, BYTES_PER_PARAM_ESTIMATE, SPACE_MARGIN)
 
         def problem():
+            fault_point("save.check_space", step_of(tag))
             if os.environ.get(SKIP_SPACE_CHECK_ENV) == "1":
                 return None  # test seam: lets tests hit a real ENOSPC mid-write
             free = self.storage.free_bytes()
@@ -230,6 +255,7 @@ class CheckpointManager:
         self.writer.reset(self.out / STAGING / tag_for(step), step)
         self.consolidation_error = None
         try:
+            fault_point("save.snapshot", step)
             snap.rng = rng_state()
             if self.leader:
                 snap.trainer_state = {**self.progress.state_dict(), **self.run_info, "world_size": dist.world_size(),
@@ -245,6 +271,7 @@ class CheckpointManager:
         folder = staging_root / tag
         if self.leader:
             try:
+                fault_point("save.clear_staging", step_of(tag))
                 self.storage.remove(f"{STAGING}/{tag}")  # leftovers of a crashed save of the same step
             except Exception as e:  # noqa: BLE001 — recorded; DeepSpeed's collectives come next
                 self.writer._fail(folder, e)
@@ -284,6 +311,7 @@ class CheckpointManager:
 
     def _write_shared(self, folder: Path, snap: Snapshot, consolidated: bool) -> None:
         """A leader's files: config, tokenizer, trainer_state.json; hashes only what it wrote here."""
+        fault_point("save.shared_files", snap.step)
         module = self.engine.module
         config = copy.deepcopy(module.config)
         config.use_cache = True  # turned off for training only; inference wants it
@@ -330,6 +358,7 @@ class CheckpointManager:
     def _drop_staging(self, tag: str) -> None:
         """Leaders remove a failed save's staging (polled: it can be large). Collective."""
         def remove():
+            fault_point("save.drop_staging", step_of(tag))
             self.storage.remove(f"{STAGING}/{tag}")
             self.storage.finish_staging()
 
@@ -361,15 +390,29 @@ class CheckpointManager:
             self._drop_staging(tag)
             raise SaveError(f"commit of {tag} failed on {out.describe()}; latest is unchanged")
         out = dist.gather_outcomes(lambda: publish_staged(self.storage, tag), on=self.leader)
-        if not out.ok:
+        if not out.ok and not self._in_place(tag, identity["save_id"]):
             # Only a rename or the `latest` write failed, after every node had its files complete.
             self._drop_staging(tag)  # a no-op where the rename happened
             raise SaveError(f"commit of {tag} failed on {out.describe()}; `latest` may now differ between "
                             "nodes (resume takes the newest checkpoint complete on all of them)")
+        if not out.ok:
+            # Renamed into place everywhere: committed (the commit order, not `latest`, is the truth).
+            # Counted in the line from here on, or retention would never delete it.
+            dist.log_main(logging.WARNING, "committed %s, but `latest` was not updated (%s): it names an older "
+                          "complete checkpoint until the next commit; resume follows the commit order", tag,
+                          out.describe())
         self.head = Committed(tag, seq, identity["save_id"], identity["parent"], identity["parent_save_id"],
                               sum(size for size, _ in files.values()))
         self.line = [t for t in self.line if t != tag] + [tag]
         self.last_bytes = self.head.total_bytes
+
+    def _in_place(self, tag: str, save_id: str) -> bool:
+        """Whether every storage holds this save under its name: after a failed publish, that only
+        ``latest`` failed. Leaders read their manifest; agreed. Collective."""
+        out = dist.gather_outcomes(lambda: (self.storage.read_manifest(tag) or {}).get("save_id") == save_id,
+                                   on=self.leader, share=True, inline=True)
+        placed = [v for v in out.results if v is not None]
+        return out.ok and bool(placed) and all(placed)
 
     def retain(self) -> None:
         """--save_total_limit K: keep the K newest of this run's line (what it resumed from and what
@@ -381,7 +424,12 @@ class CheckpointManager:
         doomed = select_for_deletion(self.line, limit, {self.head.tag})
         if not doomed:
             return
-        out = dist.gather_outcomes(lambda: [self.storage.remove(t) for t in doomed], on=self.leader)
+        def delete():
+            fault_point("retention.delete", step_of(self.head.tag))
+            for tag in doomed:
+                self.storage.remove(tag)
+
+        out = dist.gather_outcomes(delete, on=self.leader)
         if out.ok:
             self.line = [t for t in self.line if t not in doomed]
             dist.log_main(logging.INFO, "save_total_limit %d: deleted %s", limit, ", ".join(doomed))
@@ -408,6 +456,7 @@ class CheckpointManager:
         rng_file = folder / f"rng_state_{dist.rank()}.pt"
 
         def load_rng():
+            fault_point("resume.load_rng")
             if not rng_file.exists():
                 return False
             set_rng_state(torch.load(rng_file, weights_only=True))
@@ -418,9 +467,12 @@ class CheckpointManager:
                            dist.rank(), folder.name, plan.saved["world_size"])
         from finetune.metrics import truncate_after
 
+        def truncate():
+            fault_point("resume.truncate_metrics")
+            truncate_after(self.out / "metrics.jsonl", self.progress.global_step)
+
         # metrics.jsonl is rank 0's, whatever the storage; a crashed run's tail goes.
-        dist.run_agreed(lambda: truncate_after(self.out / "metrics.jsonl", self.progress.global_step),
-                        on=dist.is_main())
+        dist.run_agreed(truncate, on=dist.is_main())
         logger.info("Resumed from %s at step %d (epoch %.2f) in %.2f seconds.", folder, self.progress.global_step,
                     self.progress.epoch, time.perf_counter() - start)
         return True

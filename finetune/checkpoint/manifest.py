@@ -7,7 +7,6 @@ checkpoint issue asks for a fast checksum, which wins.)
 
 from __future__ import annotations
 
-import errno
 import json
 import os
 import time
@@ -15,6 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from finetune.checkpoint.durable import hash_file
+from finetune.checkpoint.faults import fault_point
+from finetune.checkpoint.storage import step_of
 
 MANIFEST = "manifest.json"
 ALGORITHM = "xxh3_128"
@@ -123,10 +124,12 @@ def _files_of(listed: dict, ranks: list[int], world: int, shared: bool) -> set[s
 def check_file(path: Path, name: str, meta: dict, checksums: bool) -> list[str]:
     """A listed file's problems against its manifest entry ({"size", "checksum"}); [] if intact."""
     try:
+        if path.is_dir():
+            return [f"{name}: a directory, not a file"]
         size = path.stat().st_size
         if size != meta["size"]:
             return [f"{name}: size {size} bytes, manifest says {meta['size']} (truncated or overwritten)"]
-        _maybe_fail_read(name)
+        fault_point("verify.read_file", step_of(path.parent.name))
         if checksums and hash_file(path)[1] != meta["checksum"]:
             return [f"{name}: checksum mismatch (corrupted)"]
     except FileNotFoundError:
@@ -134,15 +137,6 @@ def check_file(path: Path, name: str, meta: dict, checksums: bool) -> list[str]:
     except OSError as e:  # EIO, ESTALE, EACCES on bad media: damage, reported like any other
         return [f"{name}: unreadable ({type(e).__name__}: {e.strerror or e})"]
     return []
-
-
-FAIL_READ_ENV = "FINETUNE_FAIL_VERIFY"  # test seam: "<rank>" → EIO reading rank files while verifying
-
-
-def _maybe_fail_read(name: str) -> None:
-    spec = os.environ.get(FAIL_READ_ENV)
-    if spec and name.startswith("zero_pp_rank_") and int(spec) == int(os.environ.get("RANK", "0")):
-        raise OSError(errno.EIO, "injected read error", name)
 
 
 def _check_trainer_state(folder: Path, world: int) -> list[str]:

@@ -19,13 +19,16 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from finetune import distributed as dist
+from finetune.checkpoint import safe_load
 from finetune.checkpoint.durable import hash_file, write_json_durably
+from finetune.checkpoint.faults import fault_point
 from finetune.checkpoint.manifest import MANIFEST, check_file, looks_like_checkpoint, read_manifest, verify
 from finetune.checkpoint.policy import Committed, newer_than, resume_order
 from finetune.checkpoint.state import TRAINER_STATE
-from finetune.checkpoint.storage import LocalStorage, committed, find_checkpoint
+from finetune.checkpoint.storage import LocalStorage, committed, find_checkpoint, step_of
 from finetune.config import ConfigError, RunConfig
 from finetune.distributed import logger
+from finetune.modeling import check_checkpoint_model
 
 UNIVERSAL = "universal"
 SLOW_UNIVERSAL_ENV = "FINETUNE_SLOW_UNIVERSAL"  # test seam: seconds the conversion sleeps first
@@ -60,10 +63,15 @@ class Resumer:
         if folder is None:
             self._set_aside_other_timelines()
             return None
-        saved, manifest, in_out = dist.share_from(0, lambda: (
-            json.loads((folder / TRAINER_STATE).read_text()), read_manifest(folder),
-            folder.parent.resolve() == self.out.resolve()))
+        def read_state():
+            fault_point("resume.read_state")
+            return (json.loads((folder / TRAINER_STATE).read_text()), read_manifest(folder),
+                    folder.parent.resolve() == self.out.resolve())
+
+        saved, manifest, in_out = dist.share_from(0, read_state)
         self._check_compatible(saved)
+        # Before anything is set aside or built: another architecture or vocabulary is bad input.
+        dist.run_agreed(lambda: check_checkpoint_model(folder, self.cfg.model), on=dist.is_main())
         head, max_seq = None, 0
         if in_out:
             head = Committed.from_manifest(folder.name, manifest or {})
@@ -141,6 +149,7 @@ class Resumer:
             return [Path(dist.share_from(0, explicit))]
 
         def listing():
+            fault_point("resume.list")
             found = committed(self.storage)
             return resume_order(self.storage.tags(), found), {c.tag: c.save_id for c in found}
 
@@ -163,14 +172,17 @@ class Resumer:
         """Every rank checks a share of the rank files (rank 0 also the shared ones). Collective.
         Any error while checking (EIO, ESTALE, …) is a problem found, reported by every rank."""
         def mine():
+            fault_point("resume.verify", step_of(folder.name))
             manifest = read_manifest(folder)
             if manifest is None:
                 return [f"{MANIFEST} missing or unreadable (an incomplete save?) on rank {dist.rank()}"]
             # Node-local: each rank its own files on its node, each leader its node's shared files.
             ranks = [dist.rank()] if self.node_local else \
                 list(range(dist.rank(), int(manifest.get("world_size", 1)), dist.world_size()))
-            return verify(folder, checksums=not self.cfg.ckpt.resume_skip_checksum, ranks=ranks,
-                          shared=self.leader).problems
+            problems = verify(folder, checksums=not self.cfg.ckpt.resume_skip_checksum, ranks=ranks,
+                              shared=self.leader).problems
+            # Intact, but would DeepSpeed's unpickling refuse it? Every rank learns before the load.
+            return problems or safe_load.refusals(folder, ranks)
 
         out = dist.gather_outcomes(mine, share=True)
         problems = [p for rank_problems in out.results if rank_problems for p in rank_problems]
@@ -208,6 +220,7 @@ class Resumer:
 
     def _set_aside(self, tags: list[str], label: str, why: str) -> None:
         def move():
+            fault_point("resume.set_aside")
             return [(t, self.storage.set_aside(t, f"{label}-{time.strftime('%Y%m%d-%H%M%S')}"))
                     for t in tags if self.storage.exists(t)]
 
@@ -227,6 +240,7 @@ class Resumer:
         checksums = not self.cfg.ckpt.resume_skip_checksum
 
         def convert():
+            fault_point("resume.universal", step_of(folder.name))
             if target.is_dir():
                 problems = verify_universal(target, manifest.get("save_id"), checksums)
                 if not problems:

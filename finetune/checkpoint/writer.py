@@ -4,24 +4,23 @@
 written, and a failure is *recorded* instead of raised, so every rank still reaches the collectives
 inside ``engine.save_checkpoint``; the manager then agrees on the outcome across ranks.
 
-Test seam: ``FINETUNE_FAIL_SAVE="<rank>[:<step>]"`` makes that rank's checkpoint writes fail with EIO
-(at every save, or only the save of that step); ``FINETUNE_SLOW_SAVE=<seconds>`` sleeps after
-each file, so a test can act (send a signal, kill a rank) while a save is surely in flight.
+Fault sites (faults.py): ``save.makedirs``, ``save.write_rank_files``, ``save.fsync``,
+``save.recovery_script``, at the save's step. Test seam: ``FINETUNE_SLOW_SAVE=<seconds>`` sleeps
+after each file, so a test can act (send a signal, kill a rank) while a save is surely in flight.
 """
 
 from __future__ import annotations
 
-import errno
 import os
 import time
 from pathlib import Path
 
 import torch
 
-from finetune import distributed as dist
+from finetune.checkpoint import safe_load
 from finetune.checkpoint.durable import HashingWriter
+from finetune.checkpoint.faults import fault_point
 
-FAIL_ENV = "FINETUNE_FAIL_SAVE"
 SLOW_ENV = "FINETUNE_SLOW_SAVE"
 
 
@@ -35,6 +34,10 @@ class GuardedWriter:
     def __getattr__(self, name):
         return getattr(self.inner, name)
 
+    # DeepSpeed's engine loads every rank file through its checkpoint engine: restricted to tensors,
+    # plain data and the classes DeepSpeed pickles (a checkpoint is otherwise code: safe_load.py).
+    load = staticmethod(safe_load.load)
+
     def reset(self, staging: Path | None, step: int | None = None) -> None:
         self.staging, self.step = staging, step
         self.error: str | None = None
@@ -42,8 +45,9 @@ class GuardedWriter:
 
     def makedirs(self, path, exist_ok=False):
         try:
+            fault_point("save.makedirs", self.step)
             os.makedirs(path, exist_ok=exist_ok)
-        except OSError as e:
+        except Exception as e:  # noqa: BLE001 — recorded like a write: rank 0 calls this just before a barrier
             self._fail(path, e)
 
     def save(self, state_dict, path) -> None:
@@ -51,11 +55,12 @@ class GuardedWriter:
             return
         w = None
         try:
-            self._maybe_inject_failure()
+            fault_point("save.write_rank_files", self.step)
             with open(path, "wb") as f:
                 w = HashingWriter(f)
                 torch.save(state_dict, w, _use_new_zipfile_serialization=getattr(self.inner, "zipfile_serialization", True))
                 f.flush()
+                fault_point("save.fsync", self.step)
                 os.fsync(f.fileno())
             self.files[os.path.relpath(path, self.staging)] = (w.size, w.digest())
             if os.environ.get(SLOW_ENV):
@@ -72,6 +77,7 @@ class GuardedWriter:
         """
         def guarded(path, *args, **kwargs):
             try:
+                fault_point("save.recovery_script", self.step)
                 return fn(path, *args, **kwargs)
             except Exception as e:  # noqa: BLE001 — reported to all ranks by the manager
                 self._fail(path, e)
@@ -81,11 +87,3 @@ class GuardedWriter:
     def _fail(self, path, e: BaseException) -> None:
         if self.error is None:
             self.error = f"{type(e).__name__} writing {path}: {getattr(e, 'strerror', None) or e}"
-
-    def _maybe_inject_failure(self) -> None:
-        spec = os.environ.get(FAIL_ENV)
-        if not spec:
-            return
-        rank, _, step = spec.partition(":")
-        if int(rank) == dist.rank() and (not step or int(step) == self.step):
-            raise OSError(errno.EIO, f"injected I/O error ({FAIL_ENV}={spec})")

@@ -12,7 +12,8 @@ from finetune.checkpoint.commit import commit_staged
 from finetune.checkpoint.durable import hash_file
 from finetune.checkpoint.manifest import MANIFEST, read_manifest
 from finetune.checkpoint.storage import STAGING, LocalStorage
-from finetune.checkpoint.writer import FAIL_ENV, GuardedWriter
+from finetune.checkpoint.faults import FAULT_ENV
+from finetune.checkpoint.writer import GuardedWriter
 
 
 class FakeStorage(LocalStorage):
@@ -98,12 +99,12 @@ def test_guarded_writer_checksums_what_it_wrote(tmp_path):
 
 
 def test_guarded_writer_records_failures_instead_of_raising(tmp_path, monkeypatch):
-    monkeypatch.setenv(FAIL_ENV, "0:3")
+    monkeypatch.setenv(FAULT_ENV, "save.write_rank_files:0:3")
     w = GuardedWriter(_Inner())
     w.reset(tmp_path, step=3)
     w.save({"x": torch.ones(2)}, str(tmp_path / "a.pt"))
     w.save({"x": torch.ones(2)}, str(tmp_path / "b.pt"))
-    assert "injected I/O error" in w.error and "a.pt" in w.error
+    assert "injected fault at save.write_rank_files" in w.error and "a.pt" in w.error
     assert not (tmp_path / "b.pt").exists() and w.files == {}
     w.reset(tmp_path, step=5)  # the seam is step-specific
     w.save({"x": torch.ones(2)}, str(tmp_path / "c.pt"))
@@ -158,6 +159,13 @@ def tiny_module():
     from transformers import GPT2Config, GPT2LMHeadModel
 
     return GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=8, n_head=2, vocab_size=32, n_positions=16))
+
+
+@pytest.fixture(autouse=True)
+def _fake_engines_model_is_not_checked(monkeypatch):
+    """The fake engine saves a tiny GPT-2 while the flags name the embedded model: a resume's
+    architecture check (tested in test_modeling) would rightly refuse every checkpoint here."""
+    monkeypatch.setattr("finetune.checkpoint.resume.check_checkpoint_model", lambda folder, args: None)
 
 
 def make_cfg(out, **flags):
@@ -412,13 +420,11 @@ def test_a_same_tag_recommit_keeps_the_line_intact(tmp_path, tiny_module):
 
 
 def test_a_failed_publish_consumes_its_commit_number(tmp_path, tiny_module, monkeypatch):
-    from finetune.checkpoint.manager import SaveError
-
     m, progress, _ = make_manager(make_cfg(tmp_path, on_save_error="continue"), tiny_module)
     real = m.storage.write_latest
     monkeypatch.setattr(m.storage, "write_latest", lambda tag: (_ for _ in ()).throw(OSError(errno.EIO, "eio")))
-    with pytest.raises(SaveError, match="commit of global_step2 failed"):
-        run_saves(m, progress, [2])  # renamed into place, `latest` not written
+    run_saves(m, progress, [2])  # renamed into place, `latest` not written: committed, with a warning
+    assert not (tmp_path / "latest").exists()
     monkeypatch.setattr(m.storage, "write_latest", real)
     run_saves(m, progress, [4])
     ids = {t: read_manifest(tmp_path / t)["save_id"] for t in ("global_step2", "global_step4")}

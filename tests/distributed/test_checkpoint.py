@@ -137,18 +137,18 @@ def test_retention_keeps_the_newest(run_finetune):
 
 def test_failure_on_one_rank_is_agreed_and_training_continues(run_finetune):
     r = run_finetune("--max_steps", "6", "--save_checkpoint", "--save_steps", "2",
-                     env={"FINETUNE_FAIL_SAVE": "1:4"}, timeout=TIMEOUT)
+                     env={"FINETUNE_FAULT": "save.write_rank_files:1:4"}, timeout=TIMEOUT)
     _ok(r)
     assert sorted(p.name for p in r.out_dir.glob("global_step*")) == ["global_step2", "global_step6"]
     assert (r.out_dir / "latest").read_text().strip() == "global_step6"
     assert not (r.out_dir / ".staging").exists()
     failures = [l for l in r.output.splitlines() if "save of global_step4 failed on rank 1" in l]
-    assert failures and "injected I/O error" in failures[0]
+    assert failures and "injected fault" in failures[0]
 
 
 def test_failure_with_abort_stops_with_exit_1(run_finetune):
     r = run_finetune("--max_steps", "6", "--save_checkpoint", "--save_steps", "2", "--logging_steps", "1",
-                     "--on_save_error", "abort", env={"FINETUNE_FAIL_SAVE": "0:4"}, timeout=TIMEOUT)
+                     "--on_save_error", "abort", env={"FINETUNE_FAULT": "save.write_rank_files:0:4"}, timeout=TIMEOUT)
     assert r.returncode == 1, r.output[-3000:]
     assert (r.out_dir / "latest").read_text().strip() == "global_step2"
     assert r.train_rows()[-1]["step"] == 4
@@ -204,7 +204,7 @@ def test_auto_resume_falls_back_past_a_damaged_checkpoint(run_finetune, tmp_path
     assert explicit.returncode == 2 and "does not verify" in explicit.output
     # An EIO on one rank's read while verifying (bad media): every rank learns it, exit 2, no hang.
     unreadable = run_finetune("--max_steps", "8", "--resume_from_checkpoint", str(out / "global_step6"),
-                              out_dir=out, env={"FINETUNE_FAIL_VERIFY": "1"}, timeout=TIMEOUT)
+                              out_dir=out, env={"FINETUNE_FAULT": "verify.read_file:1"}, timeout=TIMEOUT)
     assert unreadable.returncode == 2, unreadable.output[-3000:]
     assert "does not verify" in unreadable.output and "unreadable (OSError" in unreadable.output
     with open(out / "metrics.jsonl", "a") as f:

@@ -35,7 +35,7 @@ def _two_nodes(tmp_path, name: str, *flags: str, env: dict | None = None, swap: 
 def test_each_node_commits_its_part_and_latest_waits_for_all(tmp_path):
     # Rank 1 (node 1) fails to write at step 4: node 0 wrote everything, and must not commit either.
     node0, node1 = _two_nodes(tmp_path, "run", *COMMON, "--max_steps", "6",
-                              env={"FINETUNE_FAIL_SAVE": "1:4"})
+                              env={"FINETUNE_FAULT": "save.write_rank_files:1:4"})
     for node, result in enumerate((node0, node1)):
         out = result.out_dir
         assert sorted(p.name for p in out.glob("global_step*")) == ["global_step2", "global_step6"]

@@ -1,0 +1,124 @@
+"""The fault-site registry: every site the package names is registered, tested, and vice versa;
+the FINETUNE_FAULT parser and ``fault_point`` (no processes)."""
+
+from __future__ import annotations
+
+import errno
+import re
+from pathlib import Path
+
+import pytest
+from harness import EXPECTED, long_cases, sampled_cases
+
+from finetune.checkpoint import faults
+from finetune.checkpoint.faults import FAULT_ENV, KINDS, SITES, FaultSpecError, InjectedFault, fault_point, parse
+
+PACKAGE = Path(faults.__file__).resolve().parents[1]
+CALL = re.compile(r"""fault_point\(\s*["']([^"']+)["']""")
+
+
+def _sites_in_code() -> dict[str, list[str]]:
+    found: dict[str, list[str]] = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if path.name == "faults.py":
+            continue
+        text = path.read_text()
+        for name in CALL.findall(text):
+            found.setdefault(name, []).append(str(path.relative_to(PACKAGE.parent)))
+        # Every call names its site with a literal, or this test could not see it.
+        assert text.count("fault_point(") == len(CALL.findall(text)), path
+    return found
+
+
+def test_every_site_in_the_code_is_registered_and_every_registered_site_is_in_the_code():
+    in_code = _sites_in_code()
+    assert sorted(set(in_code) - set(SITES)) == [], "fault_point() names a site missing from faults.SITES"
+    assert sorted(set(SITES) - set(in_code)) == [], "faults.SITES lists a site no code calls"
+
+
+def test_the_sweep_knows_every_site():
+    """A new site cannot be forgotten: the sweep has its documented outcome, the long form runs it
+    on every rank that reaches it in every kind, and the sample covers it."""
+    assert set(EXPECTED) == set(SITES)
+    sampled = [f for case in sampled_cases() for f in case.faults]
+    assert {f.site for f in sampled} == set(SITES)
+    assert {f.kind for f in sampled} == set(KINDS)
+    assert {f.rank for f in sampled} >= {0, 1}
+    assert any(case.nprocs == 4 for case in sampled_cases())
+    assert set(sampled_cases()) <= set(long_cases())
+    singles = [case.faults[-1] for case in long_cases() if case.nprocs == 2 or EXPECTED[case.faults[-1].site].scenario == "reshape"]
+    for name, site in EXPECTED.items():
+        assert {f.rank for f in singles if f.site == name} == ({0} if site.reached_by == "leader" else {0, 1}), name
+        assert {f.kind for f in singles if f.site == name} == set(KINDS), name
+
+
+@pytest.mark.parametrize("spec,expected", [
+    ("save.fsync:1", [("save.fsync", 1, None, "eio")]),
+    ("save.fsync:1:4", [("save.fsync", 1, 4, "eio")]),
+    ("save.fsync:0:kill", [("save.fsync", 0, None, "kill")]),
+    ("save.fsync:0:3:enospc, commit.rename:0:error", [("save.fsync", 0, 3, "enospc"), ("commit.rename", 0, None, "error")]),
+    ("", []),
+])
+def test_parse(spec, expected):
+    assert [(f.site, f.rank, f.step, f.kind) for f in parse(spec)] == expected
+
+
+@pytest.mark.parametrize("spec,why", [
+    ("save.fsinc:1", "no fault site 'save.fsinc'"),
+    ("save.fsync", "expected <site>:<rank>"),
+    ("save.fsync:one", "invalid literal"),
+    ("save.fsync:1:2:boom", "no fault kind 'boom'"),
+    ("save.fsync:1:2:eio:extra", "expected <site>:<rank>"),
+])
+def test_a_malformed_spec_names_the_variable(spec, why):
+    with pytest.raises(FaultSpecError, match=FAULT_ENV) as e:
+        parse(spec)
+    assert why in str(e.value)
+
+
+def test_fault_point_fires_only_for_its_site_rank_and_step(monkeypatch, capsys):
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv(FAULT_ENV, "save.fsync:1:4")
+    fault_point("save.fsync", 3)
+    fault_point("save.snapshot", 4)
+    with pytest.raises(OSError) as e:
+        fault_point("save.fsync", 4)
+    assert e.value.errno == errno.EIO and "save.fsync on rank 1 at step 4" in str(e.value)
+    assert "FINETUNE_FAULT: injecting eio at save.fsync on rank 1 at step 4 (t=" in capsys.readouterr().err
+    monkeypatch.setenv("RANK", "0")
+    fault_point("save.fsync", 4)
+
+
+def test_fault_kinds(monkeypatch):
+    monkeypatch.delenv("RANK", raising=False)  # a plain process is rank 0
+    monkeypatch.setenv(FAULT_ENV, "commit.rename:0:enospc")
+    with pytest.raises(OSError) as e:
+        fault_point("commit.rename", 7)  # no step in the spec: every call
+    assert e.value.errno == errno.ENOSPC
+    monkeypatch.setenv(FAULT_ENV, "commit.rename:0:error")
+    with pytest.raises(InjectedFault):
+        fault_point("commit.rename")
+    assert not issubclass(InjectedFault, (OSError, ValueError))
+
+
+def test_a_kill_is_sigkill(monkeypatch):
+    killed = []
+
+    def dying(seconds):
+        raise SystemExit("killed")
+
+    monkeypatch.setattr(faults.os, "kill", lambda pid, sig: killed.append((pid, sig)))
+    monkeypatch.setattr(faults.time, "sleep", dying)
+    monkeypatch.setenv(FAULT_ENV, "lease.acquire:0:kill")
+    monkeypatch.delenv("RANK", raising=False)
+    with pytest.raises(SystemExit):
+        fault_point("lease.acquire")
+    assert killed == [(faults.os.getpid(), faults.signal.SIGKILL)]
+
+
+def test_without_the_variable_nothing_happens_and_unknown_names_are_caught(monkeypatch):
+    monkeypatch.delenv(FAULT_ENV, raising=False)
+    fault_point("no.such.site")  # free when no fault is asked for
+    monkeypatch.setenv(FAULT_ENV, "save.fsync:5")
+    with pytest.raises(FaultSpecError, match="no.such.site"):
+        fault_point("no.such.site")
