@@ -173,8 +173,12 @@ def _export(argv: list[str]) -> int:
         p.error("the following arguments are required: OUT")
     if ns.max_shard_size is not None:
         check_size(ns.max_shard_size)
-    result = export_hf(ns.checkpoint, ns.out, ns.dtype, ns.max_shard_size, ns.exclude_frozen_parameters,
-                       verify=not ns.no_verify)
+    try:
+        result = export_hf(ns.checkpoint, ns.out, ns.dtype, ns.max_shard_size, ns.exclude_frozen_parameters,
+                           verify=not ns.no_verify)
+    except OSError as e:  # a full disk, an I/O error: the staging folder is gone, OUT was never created
+        print(f"finetune: error: export failed, {ns.out} was not written: {e}", file=sys.stderr)
+        return 1
     print(result.summary())
     return 0
 

@@ -48,7 +48,9 @@ from pathlib import Path
 import torch
 
 from finetune import distributed as dist
+from finetune.checkpoint.faults import fault_point
 from finetune.checkpoint.shards import ConsolidationError, ShardWriter, plan_shards
+from finetune.checkpoint.storage import step_of
 
 # Backends that move CPU tensors; any other one (nccl, hccl, ...) moves only accelerator tensors.
 CPU_BACKENDS = frozenset({"gloo", "mpi", "ccl"})
@@ -306,6 +308,8 @@ def save_consolidated(model, folder: Path, dtype: torch.dtype, max_shard_size: s
     metadata = {SOURCE_KEY: weights_source([getattr(m, a) for _, m, a, is_param in entries if is_param])}
     writer = ShardWriter(folder, split, meta, metadata) if dist.is_main() else None
     failed = _FirstError()
+    # A rank's own work failing (held like any other: the gathers below still run on every rank).
+    failed.attempt(lambda: fault_point("save.consolidated_gather", step_of(folder.name)))
     for group in _module_groups(entries):
         tensors = [(name, getattr(m, a), is_param) for name, m, a, is_param in group]
         # Master weights are only ever streamed: nothing gathers them whole on every rank.

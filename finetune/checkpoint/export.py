@@ -41,9 +41,10 @@ from finetune.checkpoint import safe_load
 from finetune.checkpoint.consolidate import FROM_MASTER, SOURCE_KEY
 from finetune.checkpoint.shards import INDEX, plan_shards, shard_header
 from finetune.checkpoint.durable import fsync_path, write_json_durably
+from finetune.checkpoint.faults import fault_point
 from finetune.checkpoint.manifest import MANIFEST, check_file, read_manifest
 from finetune.checkpoint.resume import UNIVERSAL, write_universal_manifest
-from finetune.checkpoint.storage import LATEST, find_checkpoint
+from finetune.checkpoint.storage import LATEST, find_checkpoint, step_of
 from finetune.checkpoint.zero_files import CHUNK_BYTES, ZeroCheckpoint, rank_model_files
 from finetune.config import ConfigError
 from finetune.modeling import DTYPES
@@ -119,6 +120,7 @@ def export_hf(checkpoint: str | os.PathLike, out: str | os.PathLike, dtype: str 
                                                    exclude_frozen, progress)
         files += _copy_model_files(folder, staging, want, config)
         fsync_path(staging)
+        fault_point("export.publish", step_of(folder.name))
         os.replace(staging, out)  # over an empty `out` too: rename(2) replaces an empty directory
         fsync_path(out.parent)
     except BaseException:
@@ -312,6 +314,7 @@ def _training_dtype(folder: Path) -> torch.dtype:
 def _copy_weights(folder: Path, staging: Path, files: list[str]) -> tuple[int, int, list[str]]:
     tensors = size = 0
     for name in files:
+        fault_point("export.write", step_of(folder.name))
         shutil.copyfile(folder / name, staging / name)  # kernel-side copy: no RSS growth
         if name != INDEX:
             header = _tensors_in(staging / name)
@@ -376,6 +379,7 @@ def _write_hf(source: ZeroCheckpoint, staging: Path, dtype: torch.dtype, max_sha
                file=sys.stderr, mininterval=0.5 if sys.stderr.isatty() else 30)
     with bar:
         for fname, names in split.filename_to_tensors.items():
+            fault_point("export.write", step_of(source.folder.name))
             with open(staging / fname, "wb") as f:
                 f.write(shard_header(names, meta, {SOURCE_KEY: FROM_MASTER}))  # as a consolidated save records it
                 for name in names:

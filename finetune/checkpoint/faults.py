@@ -1,5 +1,5 @@
-"""Named fault sites: every rank-local step of a save, commit, retention, resume or verification
-that can fail, listed once, so a test can make any of them fail on any rank.
+"""Named fault sites: every rank-local step of a save, commit, retention, resume, verification or
+export that can fail, listed once, so a test can make any of them fail on any rank.
 
 ``FINETUNE_FAULT=<site>:<rank>[:<step>][:<kind>]`` (several, comma-separated) makes
 ``fault_point(site, step)`` fail on that rank (the ``RANK`` the launcher set; 0 in a plain process),
@@ -64,6 +64,13 @@ SITES: dict[str, str] = {
     "resume.load_rng": "every rank: restoring its RNG state after DeepSpeed's load",
     "resume.truncate_metrics": "rank 0: dropping metrics.jsonl rows past the resumed step",
     "resume.finish_commit": "leader: a run resumed at its last step (already saved) pointing `latest` at it (step)",
+    # consolidated weights (--save_consolidated), inside the save's write step
+    "save.consolidated_gather": "every rank: its own part of the consolidated save (held until the gathers end) (step)",
+    "save.consolidated_write": "rank 0: opening a consolidated safetensors shard in the staged folder (step)",
+    # export (`finetune export`, one process)
+    "export.read_rank_file": "export: reading one of DeepSpeed's rank files (step: the checkpoint's)",
+    "export.write": "export: writing or copying a weights file into the export's staging folder (step)",
+    "export.publish": "export: renaming the finished staging folder to OUT (step)",
     # verification (resume's and `finetune verify`'s)
     "verify.read_file": "any process verifying a checkpoint: reading one listed file (step: the checkpoint's)",
 }

@@ -16,6 +16,8 @@ from pathlib import Path
 import torch
 
 from finetune.checkpoint.durable import HashingWriter, write_json_durably
+from finetune.checkpoint.faults import fault_point
+from finetune.checkpoint.storage import step_of
 
 SAFE_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
                torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
@@ -119,6 +121,7 @@ class ShardWriter:
         if fname != self.current:
             self._close()
             self.current = fname
+            fault_point("save.consolidated_write", step_of(self.folder.name))
             self.file = open(self.folder / fname, "wb")
             self.writer = HashingWriter(self.file)
             self.writer.write(shard_header(self.split.filename_to_tensors[fname], self.meta, self.metadata))
@@ -160,3 +163,4 @@ class ShardWriter:
             index = {"metadata": {"total_size": self.split.total_size}, "weight_map": self.split.tensor_to_filename}
             self.files[INDEX] = write_json_durably(self.folder / INDEX, index)
         return self.files
+

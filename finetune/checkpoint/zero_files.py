@@ -47,7 +47,9 @@ from pathlib import Path
 import torch
 
 from finetune.checkpoint import safe_load
+from finetune.checkpoint.faults import fault_point
 from finetune.checkpoint.manifest import RANK_FILE_PATTERNS, read_manifest
+from finetune.checkpoint.storage import step_of
 from finetune.config import ConfigError
 
 CHUNK_BYTES = 8 << 20  # read, converted and written at a time
@@ -70,6 +72,7 @@ def rank_model_files(folder: Path) -> dict[int, Path]:
 
 def _load(path: Path) -> dict:
     try:
+        fault_point("export.read_rank_file", step_of(path.parent.name))
         return safe_load.load(path, "cpu", mmap=True, inert=True)
     except (RuntimeError, EOFError, OSError) as e:
         raise ConfigError(f"{path}: unreadable DeepSpeed file ({type(e).__name__}: {e})") from e

@@ -164,6 +164,8 @@ def _codes(code: int) -> dict[str, int]:
     return {"eio": code, "enospc": code, "error": code}
 
 
+NO_CONSOLIDATED = r"consolidated weights of global_step{step} not written"
+CONSOLIDATED = ("--save_consolidated",)
 SAVE_FAILED = r"(save|commit) of global_step{step} failed on rank {rank}|not saving global_step{step}: .*rank {rank}"
 
 
@@ -177,7 +179,7 @@ class Site:
     resumed on one rank (a universal conversion). ``codes``: by kind, every rank's exit code; with
     ``kill`` the killed rank dies and every other one exits 1. ``says``: what every failure there
     logs (a regex; {step} and {rank} filled in). ``before``: another fault that makes the run reach
-    the site. ``steps``: the run's --max_steps.
+    the site. ``steps``: the run's --max_steps. ``flags``: what the run needs to reach the site.
     """
 
     scenario: str
@@ -187,6 +189,7 @@ class Site:
     says: str = ""
     before: str = ""
     steps: int = MAX_STEPS
+    flags: tuple = ()
 
 
 # Exit codes (README "Exit codes"): 0 where the failure is agreed and training goes on (a periodic
@@ -208,6 +211,9 @@ EXPECTED: dict[str, Site] = {
     "save.shared_files": Site(FRESH, LEADER, 2, _codes(0), SAVE_FAILED),
     "save.drop_staging": Site(FRESH, LEADER, 2, _codes(0), r"could not remove .staging/global_step{step}",
                               before="save.write_rank_files:1:{step}"),
+    # The consolidated weights alone fail: the partitioned checkpoint commits without them (README).
+    "save.consolidated_gather": Site(FRESH, EVERY, 2, _codes(0), NO_CONSOLIDATED, flags=CONSOLIDATED),
+    "save.consolidated_write": Site(FRESH, LEADER, 2, _codes(0), NO_CONSOLIDATED, flags=CONSOLIDATED),
     "commit.manifest": Site(FRESH, LEADER, 2, _codes(0), SAVE_FAILED),
     "commit.rename": Site(FRESH, LEADER, 2, _codes(0), SAVE_FAILED),
     # Renamed into place: committed (resume follows the commit order), `latest` stale until the next commit.
@@ -224,6 +230,17 @@ EXPECTED: dict[str, Site] = {
     # Resumed at its last step: nothing to save, `latest` (and retention) brought up to date.
     "resume.finish_commit": Site(RESUME, LEADER, 2, _codes(0), "could not point `latest` at global_step{step}", steps=2),
 }
+
+
+# `finetune export` (one process, offline): each export site's exit code by kind. An unreadable
+# rank file is a damaged input (2, naming the file); a failed write or rename is a runtime failure
+# (1); either way OUT is never created and a rerun starts clean.
+EXPORT: dict[str, dict[str, int]] = {
+    "export.read_rank_file": {"eio": 2, "enospc": 2, "error": 2, "kill": KILLED},
+    "export.write": {"eio": 1, "enospc": 1, "error": 1, "kill": KILLED},
+    "export.publish": {"eio": 1, "enospc": 1, "error": 1, "kill": KILLED},
+}
+EXPORT_SAMPLE = {"export.read_rank_file": "error", "export.write": "enospc", "export.publish": "kill"}
 
 
 @dataclass(frozen=True)
@@ -267,6 +284,10 @@ class Case:
     @property
     def spec(self) -> str:
         return ",".join(f.spec for f in self.faults)
+
+    @property
+    def flags(self) -> tuple:
+        return tuple(dict.fromkeys(flag for f in self.faults for flag in EXPECTED[f.site].flags))
 
     @property
     def id(self) -> str:
@@ -355,7 +376,7 @@ def run_case(case: Case, tmp: Path, seed_out: Path | None, resume: str = "always
     if case.scenario in (RESUME, RESHAPE):
         shutil.copytree(seed_out, out)
     before = _committed_state(out)
-    first = run_ranks(tmp, case.nprocs, train_args(case.steps), out, env={FAULT_ENV: case.spec})
+    first = run_ranks(tmp, case.nprocs, train_args(case.steps, *case.flags), out, env={FAULT_ENV: case.spec})
     where = f"{FAULT_ENV}={case.spec}"
     log = first.output[-8000:]
     fired = []
@@ -371,6 +392,6 @@ def run_case(case: Case, tmp: Path, seed_out: Path | None, resume: str = "always
     problems = output_dir_problems(out)
     assert not problems, f"{where}: {problems}\n{log}"
     if resume == "always" or _committed_state(out) != before:
-        assert_resumes_to_the_end(tmp, case.nprocs, out, case.steps)
+        assert_resumes_to_the_end(tmp, case.nprocs, out, case.steps, case.flags)
     failing = any(c != 0 for c in case.codes())
     return {"time_to_exit_s": round(to_exit, 2) if failing else None}

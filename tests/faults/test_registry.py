@@ -8,7 +8,7 @@ import re
 from pathlib import Path
 
 import pytest
-from harness import EXPECTED, long_cases, sampled_cases
+from harness import EXPECTED, EXPORT, EXPORT_SAMPLE, long_cases, sampled_cases
 
 from finetune.checkpoint import faults
 from finetune.checkpoint.faults import FAULT_ENV, KINDS, SITES, FaultSpecError, InjectedFault, fault_point, parse
@@ -39,9 +39,10 @@ def test_every_site_in_the_code_is_registered_and_every_registered_site_is_in_th
 def test_the_sweep_knows_every_site():
     """A new site cannot be forgotten: the sweep has its documented outcome, the long form runs it
     on every rank that reaches it in every kind, and the sample covers it."""
-    assert set(EXPECTED) == set(SITES)
+    assert set(EXPECTED) | set(EXPORT) == set(SITES) and not set(EXPECTED) & set(EXPORT)
+    assert all(set(codes) == set(KINDS) for codes in EXPORT.values()) and set(EXPORT_SAMPLE) == set(EXPORT)
     sampled = [f for case in sampled_cases() for f in case.faults]
-    assert {f.site for f in sampled} == set(SITES)
+    assert {f.site for f in sampled} == set(EXPECTED)
     assert {f.kind for f in sampled} == set(KINDS)
     assert {f.rank for f in sampled} >= {0, 1}
     assert any(case.nprocs == 4 for case in sampled_cases())

@@ -12,9 +12,11 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 
 import pytest
-from harness import BOUND_S, FAULT_ENV, RUN_TIMEOUT, long_cases, run_case, run_ranks, sampled_cases, train_args
+from harness import (BOUND_S, EXPORT, EXPORT_SAMPLE, FAULT_ENV, RUN_TIMEOUT, long_cases, run_case, run_ranks,
+                     sampled_cases, train_args)
 
 from faults.plugin import LONG_ENV
 
@@ -58,3 +60,31 @@ def test_verify_command_reports_a_file_it_cannot_read(kind, request, fault_recor
         assert "DAMAGED" in proc.stdout and "unreadable (OSError" in proc.stdout, proc.stdout
     clean = subprocess.run([sys.executable, "-m", "finetune", "verify", str(folder)], capture_output=True, text=True)
     assert clean.returncode == 0, clean.stdout + clean.stderr
+
+
+def _export(folder, out, env=None):
+    return subprocess.run([sys.executable, "-m", "finetune", "export", str(folder), str(out)], capture_output=True,
+                          text=True, env={**os.environ, **(env or {})}, timeout=BOUND_S)
+
+
+@pytest.mark.parametrize("site,kind", [pytest.param(site, kind, marks=[] if EXPORT_SAMPLE[site] == kind else
+                                                    [pytest.mark.faults_long]) for site in EXPORT for kind in KINDS])
+def test_export_site(site, kind, request, tmp_path, fault_record):
+    """`finetune export` failing at each of its sites: the documented exit code, one line for an I/O
+    error, OUT never created, and a rerun that removes the staging a kill left and exports."""
+    folder = request.getfixturevalue("resume_seed") / "global_step2"
+    out = tmp_path / "hf"
+    start = time.time()
+    proc = _export(folder, out, {FAULT_ENV: f"{site}:0:2:{kind}"})
+    fault_record["time_to_exit_s"] = round(time.time() - start, 2)
+    log = proc.stdout + proc.stderr
+    assert f"injecting {kind} at {site}" in proc.stderr, log
+    assert proc.returncode == EXPORT[site][kind], log
+    if kind in ("eio", "enospc"):
+        last = proc.stderr.strip().splitlines()[-1]
+        assert last.startswith("finetune: error:") and "Traceback" not in proc.stderr, log
+    assert not out.exists(), f"{site} {kind}: {out} was created: {sorted(p.name for p in out.iterdir())}"
+    clean = _export(folder, out)
+    assert clean.returncode == 0, clean.stdout + clean.stderr
+    assert (out / "config.json").is_file() and list(out.glob("*.safetensors"))
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # no staging left
