@@ -53,6 +53,11 @@ def test_the_sweep_knows_every_site():
         assert {f.kind for f in singles if f.site == name} == set(KINDS), name
 
 
+def test_reliability_md_lists_every_site():
+    doc = (PACKAGE.parent / "docs" / "RELIABILITY.md").read_text()
+    assert [name for name in SITES if f"| `{name}` |" not in doc] == []
+
+
 @pytest.mark.parametrize("spec,expected", [
     ("save.fsync:1", [("save.fsync", 1, None, "eio")]),
     ("save.fsync:1:4", [("save.fsync", 1, 4, "eio")]),
