@@ -264,6 +264,11 @@ def validate_paths(v: Mapping[str, Any]) -> None:
         folder = Path(v[flag]) if v[flag] else None
         if folder is not None and folder.exists() and not folder.is_dir():
             raise ConfigError(f"--{flag}: {folder} exists and is not a directory")
+    latest = Path(v["output_dir"]) / "latest" if v["output_dir"] else None
+    if latest is not None and (latest.is_dir() or latest.is_symlink() and not latest.is_file()):
+        # Never rewritable by an atomic replace: every commit would leave `latest` stale.
+        raise ConfigError(f"--output_dir: {latest} is not a file (remove it; finetune writes the tag of the "
+                          f"newest checkpoint there)")
     for flag in ("train_file", "validation_file"):
         path = v[flag]
         if path is None:

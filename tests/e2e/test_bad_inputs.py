@@ -99,6 +99,10 @@ def _previous_run_out(tmp: Path, ctx: dict) -> None:
     (tmp / "out" / "exit_status.json").write_text('{"exit_code": 0, "reason": "finished"}\n')
 
 
+def _latest_dir(tmp: Path, ctx: dict) -> None:
+    (tmp / "out" / "latest").mkdir(parents=True)
+
+
 def _not_a_checkpoint(tmp: Path, ctx: dict) -> None:
     (tmp / "folder").mkdir()
     (tmp / "folder" / "notes.txt").write_text("not a checkpoint")
@@ -193,6 +197,7 @@ CASES = [
     Case("learning_rate_not_a_number", ("--learning_rate", "fast"), ("--learning_rate", "'fast'")),
     # paths, resume
     Case("output_dir_is_a_file", ("--output_dir", "{out}"), ("--output_dir", "{out}"), _write("out", "a file")),
+    Case("latest_is_a_directory", ("--output_dir", "{out}"), ("--output_dir", "{out}/latest"), _latest_dir),
     Case("resume_from_missing_folder", ("--resume_from_checkpoint", "{tmp}/nothing"),
          ("--resume_from_checkpoint", "{tmp}/nothing")),
     Case("resume_from_not_a_checkpoint", ("--resume_from_checkpoint", "{tmp}/folder"),
