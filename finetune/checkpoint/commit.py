@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from finetune.checkpoint.durable import fsync_path, write_json_durably
 from finetune.checkpoint.faults import fault_point
+from finetune.distributed import logger
 from finetune.checkpoint.manifest import MANIFEST, build_manifest
 from finetune.checkpoint.storage import STAGING, LocalStorage, step_of
 
@@ -37,6 +38,11 @@ def prepare_staged(storage: LocalStorage, tag: str, files: dict[str, tuple[int, 
 def publish_staged(storage: LocalStorage, tag: str) -> None:
     # Never overwrite in place: a folder of the same step (an abandoned timeline's) is swapped out.
     fault_point("commit.rename", step_of(tag))
+    if storage.exists(tag) and not (storage.root / tag / MANIFEST).exists():
+        # Not committed by finetune (a plain DeepSpeed save, a copy by hand): kept, never replaced.
+        where = storage.set_aside(tag, "no-manifest")
+        logger.warning("set aside %s, which has no %s (not committed by finetune), as %s before committing %s there",
+                       tag, MANIFEST, where, tag)
     storage.replace_dir(f"{STAGING}/{tag}", tag)
     fault_point("commit.latest", step_of(tag))
     storage.write_latest(tag)

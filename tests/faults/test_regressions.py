@@ -78,3 +78,21 @@ def test_a_run_resumed_at_its_last_step_finishes_the_commit_a_crash_cut_short(tm
     assert m.at_end(6) == 0
     assert (tmp_path / "latest").read_text().strip() == "global_step6"
     assert LocalStorage(tmp_path).tags() == ["global_step4", "global_step6"]
+
+
+def test_a_save_never_replaces_a_folder_finetune_did_not_commit(tmp_path, caplog):
+    """A folder under a checkpoint's name without a manifest (a plain DeepSpeed save, a copy by
+    hand) was deleted by the same-tag swap of a save of that step; it is now set aside, intact."""
+    from test_manager import stage
+
+    from finetune.checkpoint.commit import commit_staged
+
+    (tmp_path / "global_step4").mkdir()
+    (tmp_path / "global_step4" / "mp_rank_00_model_states.pt").write_bytes(b"someone else's")
+    s = LocalStorage(tmp_path)
+    commit_staged(s, "global_step4", stage(s, "global_step4", b"ours"), 1, {})
+    assert (tmp_path / "global_step4" / "zero_pp_rank_0_mp_rank_00_model_states.pt").read_bytes() == b"ours"
+    [kept] = (tmp_path / ".abandoned").iterdir()
+    assert kept.name.startswith("global_step4-no-manifest")
+    assert (kept / "mp_rank_00_model_states.pt").read_bytes() == b"someone else's"
+    assert "not committed by finetune" in caplog.text
