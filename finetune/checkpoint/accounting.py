@@ -65,3 +65,23 @@ class Clock:
 
     def __str__(self) -> str:
         return " ".join(f"{name} {seconds:.2f}s" for name, seconds in self.laps)
+
+
+def fmt_bytes(n: int | float) -> str:
+    """A size for a log line: MB below a GB (two decimals: a small checkpoint's is not "0.01 GB"), else GB."""
+    return f"{n / 1e6:.2f} MB" if abs(n) < 1e9 else f"{n / 1e9:.2f} GB"
+
+
+def space_report(freed: dict[int, tuple[int, int | None]], need: int) -> str:
+    """What removing a failed save's staging freed, what is free now and what a save needs, for the
+    save's error line. ``freed``: leader rank → (bytes freed, bytes free now or None where the
+    free space could not be read); several leaders (node-local storage) are named by rank."""
+    parts = []
+    for rank, (gone, free) in sorted(freed.items()):
+        text = f"removing its staging freed {fmt_bytes(gone)}"
+        if free is not None:
+            text += f"; {fmt_bytes(free)} free now, a save needs ~{fmt_bytes(need)}"
+            if free < need:
+                text += " (the next save is refused until space is freed)"
+        parts.append(f"rank {rank}: {text}" if len(freed) > 1 else text)
+    return "; ".join(parts)

@@ -33,7 +33,12 @@ Every step that one rank (or one leader) does alone and that precedes a collecti
 Fault sites (faults.py): ``manager.history``, ``save.*``, ``retention.delete``, ``resume.load_rng``,
 ``resume.truncate_metrics``. Test seams: ``FINETUNE_SKIP_SPACE_CHECK=1`` skips
 the free-space pre-check so a test can provoke a real ENOSPC in the middle of a write;
+``FINETUNE_SLOW_COMMIT=<seconds>`` has each leader wait that long before writing manifest.json, so
+a test can fill the disk between a save's write and its commit;
 ``FINETUNE_SAVE_IO=<dir>`` writes each rank's save I/O accounting to ``<dir>/<tag>-rank<r>.json``.
+
+A failed save's error line says what removing its staging freed, the free space left and what a
+save needs (a full disk stays full after a failed save; the next one is refused up front).
 """
 
 from __future__ import annotations
@@ -48,11 +53,12 @@ from pathlib import Path
 import torch
 
 from finetune import distributed as dist
-from finetune.checkpoint.accounting import Clock, SaveIO
+from finetune.checkpoint.accounting import Clock, SaveIO, fmt_bytes, space_report
 from finetune.checkpoint.commit import prepare_staged, publish_staged
 from finetune.checkpoint.durable import fsync_path, hash_file, write_json_durably
 from finetune.checkpoint.faults import fault_point
 from finetune.checkpoint.layout import Layout
+from finetune.checkpoint.manifest import MANIFEST
 from finetune.checkpoint.policy import Committed, line_of, select_for_deletion, space_needed
 from finetune.checkpoint.resume import ResumePlan
 from finetune.checkpoint.rng import rng_state, set_rng_state
@@ -63,6 +69,7 @@ from finetune.config import CheckpointArgs
 from finetune.distributed import logger
 
 SKIP_SPACE_CHECK_ENV = "FINETUNE_SKIP_SPACE_CHECK"
+SLOW_COMMIT_ENV = "FINETUNE_SLOW_COMMIT"
 # Adam keeps fp32 master weights + two moments (12 B/param); the module states add a copy.
 BYTES_PER_PARAM_ESTIMATE = 16
 SPACE_MARGIN = 1.10
@@ -234,20 +241,24 @@ class CheckpointManager:
 
     def check_space(self, tag: str) -> None:
         """Leaders: enough free space for this storage's share? Agreed; SaveError on every rank if not."""
-        need = space_needed(self.last_bytes, self.parameters, self.layout.share, BYTES_PER_PARAM_ESTIMATE, SPACE_MARGIN)
+        need = self.space_needed()
 
         def problem():
             fault_point("save.check_space", step_of(tag))
             if os.environ.get(SKIP_SPACE_CHECK_ENV) == "1":
                 return None  # test seam: lets tests hit a real ENOSPC mid-write
             free = self.storage.free_bytes()
-            return None if free >= need else f"{free / 1e9:.2f} GB free, need ~{need / 1e9:.2f} GB"
+            return None if free >= need else f"{fmt_bytes(free)} free, need ~{fmt_bytes(need)}"
 
         out = dist.gather_outcomes(problem, on=self.leader, share=True, inline=True)  # one statfs
         bad = {r: p for r, p in enumerate(out.results) if p}
         bad.update(out.errors)
         if bad:
             raise SaveError(f"not saving {tag}: not enough free space in {self.out} ({_describe(bad)})")
+
+    def space_needed(self) -> int:
+        """Bytes a save needs on this storage (the previous checkpoint's size there, or an estimate)."""
+        return space_needed(self.last_bytes, self.parameters, self.layout.share, BYTES_PER_PARAM_ESTIMATE, SPACE_MARGIN)
 
     def snapshot(self, step: int) -> Snapshot:
         """Rank-local and in memory; a failure is recorded for the agree step, never raised."""
@@ -336,8 +347,8 @@ class CheckpointManager:
         outcomes = dist.gather_outcomes(lambda: mine, share=True, inline=True).results
         bad = {r: err for r, (err, _, _) in enumerate(outcomes) if err}
         if bad:
-            self._drop_staging(tag)
-            raise SaveError(f"save of {tag} failed on {_describe(bad)}; latest is unchanged")
+            freed = self._drop_staging(tag)
+            raise SaveError(f"save of {tag} failed on {_describe(bad)}; latest is unchanged{freed}")
         consolidation = {r: err for r, (_, _, err) in enumerate(outcomes) if err}
         files: dict[str, tuple[int, str]] = {}
         for r, (_, rank_files, _) in enumerate(outcomes):
@@ -355,17 +366,28 @@ class CheckpointManager:
                           self.consolidation_error)
         return files
 
-    def _drop_staging(self, tag: str) -> None:
-        """Leaders remove a failed save's staging (polled: it can be large). Collective."""
+    def _drop_staging(self, tag: str, written: bool = False) -> str:
+        """Leaders remove a failed save's staging (polled: it can be large). Collective. Returns
+        what that freed, the free space left and what a save needs, for the error line ("" when
+        the removal failed: it is logged here). ``written``: every file of the save was written
+        (only its publishing failed), so DeepSpeed's recovery scripts are whole and kept."""
         def remove():
             fault_point("save.drop_staging", step_of(tag))
-            self.storage.remove(f"{STAGING}/{tag}")
-            self.storage.finish_staging()
+            freed = self.storage.remove(f"{STAGING}/{tag}") or 0
+            freed += self.storage.finish_staging(saved=written) or 0
+            try:
+                free = self.storage.free_bytes()
+            except OSError:
+                free = None  # the folder is gone all the same: report what is known
+            return freed, free
 
-        out = dist.gather_outcomes(remove, on=self.leader)
+        out = dist.gather_outcomes(remove, on=self.leader, share=True)
         if not out.ok:
             dist.log_main(logging.WARNING, "could not remove %s/%s (%s); it is removed at the next start", STAGING,
                           tag, out.describe())
+            return ""
+        freed = {r: v for r, v in enumerate(out.results) if v is not None}
+        return f"; {space_report(freed, self.space_needed())}" if freed else ""
 
     def commit(self, tag: str, files: dict[str, tuple[int, str]], consolidated: bool) -> None:
         """Leaders: manifests into staging, agree, then rename and advance ``latest``. Collective."""
@@ -383,16 +405,23 @@ class CheckpointManager:
             if not self.still_ours():
                 raise RuntimeError(f"another run took over {self.out}'s lease (this run stalled past its heartbeat); "
                                    "not committing into it")
-            prepare_staged(self.storage, tag, files, dist.world_size(), versions(), ranks, identity)
+            if os.environ.get(SLOW_COMMIT_ENV):
+                time.sleep(float(os.environ[SLOW_COMMIT_ENV]))  # test seam: a moment to fill the disk
+            try:
+                prepare_staged(self.storage, tag, files, dist.world_size(), versions(), ranks, identity)
+            except OSError as e:
+                if e.filename is None and e.errno is not None:  # a failed write names no file: name it
+                    raise OSError(e.errno, e.strerror, str(self.out / STAGING / tag / MANIFEST)) from e
+                raise
 
         out = dist.gather_outcomes(prepare, on=self.leader, inline=True)
         if not out.ok:
-            self._drop_staging(tag)
-            raise SaveError(f"commit of {tag} failed on {out.describe()}; latest is unchanged")
+            freed = self._drop_staging(tag)
+            raise SaveError(f"commit of {tag} failed on {out.describe()}; latest is unchanged{freed}")
         out = dist.gather_outcomes(lambda: publish_staged(self.storage, tag), on=self.leader)
         if not out.ok and not self._in_place(tag, identity["save_id"]):
             # Only a rename or the `latest` write failed, after every node had its files complete.
-            self._drop_staging(tag)  # a no-op where the rename happened
+            self._drop_staging(tag, written=True)  # a no-op where the rename happened
             raise SaveError(f"commit of {tag} failed on {out.describe()}; `latest` may now differ between "
                             "nodes (resume takes the newest checkpoint complete on all of them)")
         if not out.ok:
@@ -426,13 +455,13 @@ class CheckpointManager:
             return
         def delete():
             fault_point("retention.delete", step_of(self.head.tag))
-            for tag in doomed:
-                self.storage.remove(tag)
+            return sum(self.storage.remove(tag) or 0 for tag in doomed)
 
         out = dist.gather_outcomes(delete, on=self.leader)
         if out.ok:
             self.line = [t for t in self.line if t not in doomed]
-            dist.log_main(logging.INFO, "save_total_limit %d: deleted %s", limit, ", ".join(doomed))
+            dist.log_main(logging.INFO, "save_total_limit %d: deleted %s (%s freed)", limit, ", ".join(doomed),
+                          fmt_bytes(out.result or 0))
         else:  # kept in the line: retried after the next save
             dist.log_main(logging.WARNING, "save_total_limit %d: could not delete %s (%s); retrying after the next "
                           "save", limit, ", ".join(doomed), out.describe())

@@ -82,22 +82,26 @@ class LocalStorage:
         fsync_path(self.root)
         self.remove(src)
 
-    def remove(self, rel: str) -> None:
+    def remove(self, rel: str) -> int:
         """Delete a folder: renamed out of the tag namespace first (one atomic step, so a crash
         midway never leaves a half-deleted folder under a checkpoint's name), then removed. A
-        failure to remove is logged: the trash is tidied at the next start."""
+        failure to remove is logged: the trash is tidied at the next start. Returns the bytes of
+        disk space it freed (allocated blocks, what ``du`` counts)."""
         path = self.root / rel
         if not path.exists():
-            return
+            return 0
         trash = path
         if not rel.startswith(f"{STAGING}/"):  # under a tag name: never half-deleted in place
             trash = self.root / f"{TRASH}{path.name}-{uuid.uuid4().hex[:8]}"
             os.rename(path, trash)  # raises: the caller keeps the tag and retries
+        used = _tree_usage(trash)
         failures: list[str] = []
         shutil.rmtree(trash, onerror=lambda fn, p, exc: failures.append(f"{p}: {exc[1]}"))
         if failures:
             logger.warning("could not delete %s completely (%d error(s), first: %s); it is retried at the next "
                            "start", rel, len(failures), failures[0])
+            return used - _tree_usage(trash)
+        return used
 
     def remove_matching(self, rel: str, patterns: tuple[str, ...]) -> list[str]:
         """Delete the files of folder ``rel`` that match any glob of ``patterns``; their names."""
@@ -173,17 +177,25 @@ class LocalStorage:
                 logger.warning("set aside %s/%s, complete but never published (a crash during its commit): now %s",
                                STAGING, path.name, where)
 
-    def finish_staging(self) -> None:
+    def finish_staging(self, saved: bool = True) -> int:
         """Tidy ``.staging`` after a save: DeepSpeed copies its recovery scripts (zero_to_fp32.py,
-        zero_to_torch.py) into the directory it saves under; they go where DeepSpeed users expect
-        them, beside the checkpoints. The folder itself goes when empty."""
-        staging = self.root / STAGING
+        zero_to_torch.py) into the directory it saves under; after a save that committed they go
+        where DeepSpeed users expect them, beside the checkpoints. After a failed one (``saved``
+        false) they may be truncated (a full disk): deleted, never moved over the good ones. The
+        folder itself goes when empty. Returns the bytes freed (deleted scripts)."""
+        staging, freed = self.root / STAGING, 0
         try:
             for script in staging.glob("zero_to_*.py"):
-                os.replace(script, self.root / script.name)
+                if saved:
+                    os.replace(script, self.root / script.name)
+                else:
+                    size = _tree_usage(script)
+                    script.unlink()
+                    freed += size
             staging.rmdir()
         except OSError:
             pass  # not empty, already gone, or a script that would not move: tidied at the next start
+        return freed
 
     def free_bytes(self) -> int:
         path = self.root
@@ -208,6 +220,29 @@ def _children(folder: Path) -> list[Path]:
         return list(folder.iterdir())
     except OSError:
         return []
+
+
+def _tree_usage(path: Path) -> int:
+    """Disk space a file or folder takes (allocated blocks, as ``du``; sizes where the filesystem
+    reports no blocks); 0 for what is gone."""
+    def usage(p: str) -> int:
+        st = os.lstat(p)
+        blocks = getattr(st, "st_blocks", None)
+        return blocks * 512 if blocks is not None else st.st_size
+
+    try:
+        if not path.is_dir() or path.is_symlink():
+            return usage(str(path))
+    except OSError:
+        return 0
+    total = 0
+    for parent, _, files in os.walk(path):
+        for name in files:
+            try:
+                total += usage(os.path.join(parent, name))
+            except OSError:
+                pass
+    return total
 
 
 def _tree_bytes(path: Path) -> int:
