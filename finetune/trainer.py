@@ -22,7 +22,7 @@ from finetune.checkpoint.manager import CheckpointManager
 from finetune.checkpoint.resume import Resumer
 from finetune.checkpoint.state import TrainingState
 from finetune.checkpoint.storage import LocalStorage, tag_for
-from finetune.config import RunConfig
+from finetune.config import ConfigError, RunConfig
 from finetune.ds_config import check_precision, finalize_ds_config, zero_stage
 from finetune.data import IGNORE, ResumableSampler, TrainData, eval_batches
 from finetune.data.cache import prepare
@@ -52,9 +52,14 @@ def run(cfg: RunConfig) -> int:
         out = Path(cfg.ckpt.output_dir)
         run_id, created = dist.share_from(0, lambda: (uuid.uuid4().hex[:12], not out.exists()))
         lease = dist.run_agreed(lambda: acquire_lease(out, run_id), on=dist.is_main())
-        if dist.is_main():  # a crash from here on must not leave a previous run's "75" behind
-            clear_exit_status(cfg.ckpt.output_dir)
-        trainer = Trainer.build(cfg, preemption, run_id, lease)  # bad input stops here, before anything is written
+        try:
+            trainer = Trainer.build(cfg, preemption, run_id, lease)  # bad input stops here, before anything is written
+        except ConfigError:
+            raise  # OUT as it was, a previous run's exit_status.json included
+        except BaseException:
+            if dist.is_main():  # a crash must not leave a previous run's "75" behind
+                clear_exit_status(cfg.ckpt.output_dir)
+            raise
         if dist.is_main():
             write_exit_status(cfg.ckpt.output_dir, None, {"reason": "running"})
         try:

@@ -324,3 +324,24 @@ def test_evaluation_reads_the_device_once_and_pins_like_training(tmp_path, make_
     with HostReads() as mode:
         t.evaluate()  # 5 batches
     assert mode.reads == ["__float__"] and pinned == [True]
+
+
+@pytest.mark.parametrize("error,kept", [(ValueError("a crash while building"), False), ("config", True)])
+def test_a_previous_exit_status_is_kept_on_bad_input_and_cleared_on_a_crash(tmp_path, monkeypatch, error, kept):
+    """Bad input leaves OUT as it was; a crash while building must not leave a previous run's 75
+    for a job script to read as "requeue me"."""
+    from finetune.config import ConfigError
+    from finetune.exit_status import EXIT_STATUS
+
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / EXIT_STATUS).write_text('{"exit_code": 75, "reason": "preempted"}\n')
+    cfg = resolve({"output_dir": str(out)})
+
+    def build(*args):
+        raise ConfigError("--text_column: no such column") if error == "config" else error
+
+    monkeypatch.setattr(Trainer, "build", staticmethod(build))
+    with pytest.raises(ConfigError if error == "config" else ValueError):
+        trainer_module.run(cfg)
+    assert (out / EXIT_STATUS).exists() == kept

@@ -181,9 +181,7 @@ CASES = [
     Case("late_error_keeps_existing_output_dir", ("--train_file", "{text}", "--text_column", "body"),
          ("--text_column",), _non_empty_out),
     Case("late_error_keeps_previous_exit_status", ("--train_file", "{text}", "--text_column", "body"),
-         ("--text_column",), _previous_run_out,
-         known_bug="trainer.run removes OUT/exit_status.json before Trainer.build, so bad input found while "
-                   "building deletes the previous run's"),
+         ("--text_column",), _previous_run_out),
     # numbers
     Case("batch_size_0", ("--per_device_train_batch_size", "0"), ("--per_device_train_batch_size",)),
     Case("grad_accum_negative", ("--gradient_accumulation_steps", "-2"), ("--gradient_accumulation_steps",)),
