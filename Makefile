@@ -42,12 +42,13 @@ test-fast: setup
 test-gpu: setup
 	PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(PY) -m pytest -ra -m gpu tests/gpu
 
-# The fault sweep's long form (tests/faults): every fault site x rank x kind, and 50 kill -9 trials of
-# each kind; hours on a 2-core machine. Prints a summary table (cases, failures, max time to exit);
-# `make test` runs its sample.
+# The fault sweep's long form (tests/faults, and tests/slurm's repeated preemption attempts): every
+# fault site x rank x kind, 50 kill -9 trials of each kind, storms, disk full; over 1 h on a 2-core
+# machine (docs/RELIABILITY.md has the figures). Prints a summary table (cases, failures, max time
+# to exit) and writes output/faults/summary.json. `make test` runs its sample.
 faults: setup
 	FINETUNE_FAULTS_LONG=1 FINETUNE_FAULTS_SUMMARY=output/faults/summary.json \
-		PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(PY) -m pytest -ra -m faults tests/faults
+		PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(PY) -m pytest -ra -m faults tests/faults tests/slurm
 
 bench: setup
 	PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(PY) bench/train_throughput.py
