@@ -15,6 +15,7 @@ import logging
 import os
 import sys
 import time
+import traceback
 from typing import Any, Callable
 
 from finetune import distributed as dist
@@ -209,7 +210,17 @@ def entry() -> None:
     here after a clean destroy_process_group; the launcher would then report a failure for a run
     that succeeded (or hide its real exit code).
     """
-    code = main()
+    try:
+        code = main()
+    except SystemExit as e:  # argparse's --help / usage errors
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        if not isinstance(e.code, (int, type(None))):
+            print(e.code, file=sys.stderr)
+    except KeyboardInterrupt:
+        code = 130
+    except BaseException:  # a crash: the traceback, exit 1, and no teardown either (it aborted
+        traceback.print_exc()  # a crashing rank with SIGABRT in CI: exit -6 where 1 is documented)
+        code = 1
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
