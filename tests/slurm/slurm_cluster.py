@@ -3,6 +3,10 @@
 Debian's ``slurm-wlm`` and ``munge`` packages (``.ci/run`` installs them); daemons run as root in
 the foreground from a temporary directory with their own ports, state and logs, and stop at the
 end of the session. ``start()`` raises ``Unavailable`` with the reason when this cannot work here.
+
+Partitions, all on the one node: ``test`` (the default; never preempted), and for preemption tests
+``low`` (PreemptMode=REQUEUE, GraceTime=``grace_time``) and ``high`` (a higher PriorityTier: a job
+there that does not fit preempts ``low``'s). ``KillWait=kill_wait`` (30 s, SLURM's default).
 """
 
 from __future__ import annotations
@@ -29,8 +33,10 @@ def _free_port() -> int:
 
 
 class SlurmCluster:
-    def __init__(self, root: Path):
+    def __init__(self, root: Path, grace_time: int = 60, kill_wait: int = 30):
         self.root = root
+        self.grace_time = grace_time
+        self.kill_wait = kill_wait
         self.conf = root / "slurm.conf"
         self.procs: list[subprocess.Popen] = []
         self.node = socket.gethostname().split(".")[0]
@@ -53,7 +59,7 @@ class SlurmCluster:
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
             state = self.run("sinfo", "-h", "-N", "-o", "%T", check=False).stdout.strip()
-            if state in ("idle", "mixed"):
+            if state and set(state.split()) <= {"idle", "mixed"}:  # one line per partition
                 return self
             if any(p.poll() is not None for p in self.procs):
                 break
@@ -126,13 +132,19 @@ SchedulerType=sched/backfill
 SelectType=select/cons_tres
 SelectTypeParameters=CR_Core
 JobRequeue=1
-KillWait=30
+KillWait={self.kill_wait}
 MinJobAge=600
 AccountingStorageType=accounting_storage/none
 JobAcctGatherType=jobacct_gather/none
 JobCompType=jobcomp/none
 {node_line} State=UNKNOWN
-PartitionName=test Nodes={self.node} Default=YES MaxTime=INFINITE State=UP OverSubscribe=YES
+PartitionName=test Nodes={self.node} Default=YES MaxTime=INFINITE State=UP OverSubscribe=YES PreemptMode=OFF
+# Preemption by partition priority on the same node: a job in "high" that does not fit requeues the
+# "low" jobs in its way, after SIGCONT+SIGTERM and a GraceTime (then SIGTERM again, KillWait, SIGKILL).
+PreemptType=preempt/partition_prio
+PreemptMode=REQUEUE
+PartitionName=low Nodes={self.node} MaxTime=INFINITE State=UP PriorityTier=1 PreemptMode=REQUEUE GraceTime={self.grace_time}
+PartitionName=high Nodes={self.node} MaxTime=INFINITE State=UP PriorityTier=10 PreemptMode=OFF
 """)
 
     # --- use -------------------------------------------------------------------------------

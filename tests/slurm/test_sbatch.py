@@ -116,6 +116,10 @@ def test_time_limit_warning_saves_and_the_requeued_job_resumes(slurm, tmp_path):
     # The requeued run (a new time limit) continues from exactly that checkpoint; then stop it.
     wait_until(lambda: f"global_step{step} at step {step}" in log.read_text(), JOB_TIMEOUT, "the resume")
     wait_until(lambda: last_logged_step(out) > step, JOB_TIMEOUT, "a step after the resume")
+    # Stopping for good, as the README says: a plain scancel saves and requeues (test_preemption.py);
+    # a scancel of the pending job ends it.
+    slurm.run("scancel", job)
+    wait_until(lambda: int(slurm.job(job).get("Restarts", "0")) >= 2, 120, "the requeue after scancel", interval=0.5)
     slurm.run("scancel", job)
     slurm.wait_for_state(job, {"CANCELLED", "COMPLETED", "FAILED"}, 120)
 
