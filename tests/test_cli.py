@@ -215,3 +215,18 @@ def test_cli_help_lists_design_flags_with_defaults(tmp_path):
         assert default in text, default
     assert "(default: None)" not in text and "(default: False)" not in text
     assert "--local_rank" not in text  # accepted from the launcher, hidden from users
+
+
+@pytest.mark.parametrize("body,code", [("1 / 0", 1), ("sys.exit('usage: bad')", 1), ("raise KeyboardInterrupt", 130),
+                                       ("return 75", 75)])
+def test_entry_leaves_without_interpreter_teardown_whatever_main_does(body, code):
+    # Teardown can abort a rank with SIGABRT (gloo's threads at finalisation): CI once saw a crashing
+    # rank exit -6 where 1 is documented. An atexit handler shows whether teardown ran.
+    script = ("import atexit, sys\nfrom finetune import cli\n"
+              "atexit.register(lambda: print('teardown ran', flush=True))\n"
+              f"def boom():\n    {body}\ncli.main = boom\ncli.entry()\n")
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == code, proc.stderr
+    assert "teardown ran" not in proc.stdout
+    if code == 1:
+        assert "ZeroDivisionError" in proc.stderr or "usage: bad" in proc.stderr
