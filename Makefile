@@ -33,7 +33,7 @@ demo: setup
 	PATH=$(CURDIR)/$(VENV)/bin:$$PATH deepspeed --num_gpus 2 --module finetune --save_checkpoint --output_dir output/demo
 
 test: setup
-	$(PY) -m pytest -ra tests
+	$(PY) -m pytest -ra --durations=15 tests
 
 test-fast: setup
 	$(PY) -m pytest -ra -m "not distributed and not e2e" tests

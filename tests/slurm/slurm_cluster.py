@@ -26,6 +26,20 @@ class Unavailable(RuntimeError):
     pass
 
 
+def running_cluster(root: Path, **options):
+    """A module fixture's body: a started cluster for the module's tests, stopped after them; the
+    tests skip, with the reason, where SLURM cannot run here."""
+    import pytest
+
+    cluster = SlurmCluster(root, **options)
+    try:
+        cluster.start()
+    except Unavailable as e:
+        pytest.skip(f"no SLURM test cluster here: {e}")
+    yield cluster
+    cluster.stop()
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 from conftest import REPO, assert_verifies, child_env, last_logged_step, wait_until
-from slurm_cluster import SlurmCluster, Unavailable
+from slurm_cluster import running_cluster
 
 from finetune.metrics import read_metrics
 
@@ -21,13 +21,7 @@ JOB_TIMEOUT = 420
 
 @pytest.fixture(scope="module")
 def slurm(tmp_path_factory):
-    cluster = SlurmCluster(tmp_path_factory.mktemp("slurm"))
-    try:
-        cluster.start()
-    except Unavailable as e:
-        pytest.skip(f"no SLURM test cluster here: {e}")
-    yield cluster
-    cluster.stop()
+    yield from running_cluster(tmp_path_factory.mktemp("slurm"))
 
 
 def _job_env() -> dict:

@@ -18,7 +18,7 @@ import time
 
 import pytest
 from conftest import REPO, assert_verifies, child_env, last_logged_step, wait_until
-from slurm_cluster import SlurmCluster, Unavailable
+from slurm_cluster import running_cluster
 
 from finetune.metrics import read_metrics
 
@@ -33,13 +33,7 @@ ATTEMPTS = [0] + [pytest.param(i, marks=pytest.mark.faults_long) for i in range(
 
 @pytest.fixture(scope="module")
 def slurm(tmp_path_factory):
-    cluster = SlurmCluster(tmp_path_factory.mktemp("slurm"), grace_time=60, kill_wait=30)
-    try:
-        cluster.start()
-    except Unavailable as e:
-        pytest.skip(f"no SLURM test cluster here: {e}")
-    yield cluster
-    cluster.stop()
+    yield from running_cluster(tmp_path_factory.mktemp("slurm"), grace_time=60, kill_wait=30)
 
 
 def _signal(slurm, how: str, job: str, cwd) -> str | None:
