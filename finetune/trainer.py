@@ -238,7 +238,7 @@ class Trainer:
             if self._due(self.cfg.train.logging_steps):
                 t_window = self._log(lr, t_window, bar)
             # Collective; before any eval or periodic save of this step. After the last step the
-            # final save comes anyway (the signal changes nothing then).
+            # final save comes anyway (a signal then only skips the final eval: _end_preempted).
             if self.state.global_step < self.total_steps and self._boundary():
                 bar.close()
                 return self._stop_preempted()
@@ -252,8 +252,19 @@ class Trainer:
         bar.close()
         if self.state.window.steps:
             self._log(lr, t_window, None)
-        self.evaluate()
+        if self._end_preempted():
+            dist.log_main(logging.WARNING, "preemption signal during the last step: final evaluation skipped, "
+                          "so the final checkpoint commits before the grace period ends")
+        else:
+            self.evaluate()
         return self.checkpoints.at_end(self.state.global_step)
+
+    def _end_preempted(self) -> bool:
+        """Any rank signalled after the last boundary? Then an eval could outlast SLURM's grace time
+        before the final save. Collective when preemption is on (a setting every rank shares)."""
+        if not self.preemption.enabled:
+            return False
+        return dist.all_reduce_sum([1.0 if self.preemption.received else 0.0])[0] > 0
 
     def _boundary(self) -> bool:
         """One all-reduce per step boundary: did any rank get a preemption signal, or fail to prepare
