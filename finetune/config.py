@@ -102,6 +102,9 @@ class CheckpointArgs:
     save_steps: int | None = _f(None, "Also save every N optimizer steps.")
     save_total_limit: int | None = _f(None, "Keep at most K checkpoints (never deletes the newest complete one).")
     save_consolidated: bool = _f(False, "Also gather the weights into HF safetensors in the checkpoint folder.")
+    async_save: bool = _f(False, "Periodic saves block training only while each rank copies its shard into host memory "
+                          "(~1x the shard); a thread writes it and the commit happens at a later step boundary. "
+                          "Consolidated weights are still written before training goes on.")
     max_shard_size: str = _f("5GB", "Largest consolidated safetensors shard (HF size string, e.g. 500MB).")
     consolidated_dtype: str | None = _f(None, "dtype of consolidated weights (default: the training dtype).", choices=("bf16", "fp16", "fp32"))
     resume_from_checkpoint: str | None = _f(None, "PATH, 'latest' or 'auto' (resume if a checkpoint exists).")
@@ -239,8 +242,10 @@ def validate_flags(v: Mapping[str, Any]) -> None:
         parse_signals(v["preempt_signals"])
     except ValueError as e:
         raise ConfigError(f"`--preempt_signals`: {e} is not a signal that can be caught (e.g. SIGTERM,SIGUSR1 or none)") from None
-    if (v["save_steps"] or v["save_total_limit"] or v["save_consolidated"]) and not v["save_checkpoint"]:
-        raise ConfigError("`--save_steps`, `--save_total_limit` and `--save_consolidated` need `--save_checkpoint`")
+    if (v["save_steps"] or v["save_total_limit"] or v["save_consolidated"] or v["async_save"]) \
+            and not v["save_checkpoint"]:
+        raise ConfigError("`--save_steps`, `--save_total_limit`, `--save_consolidated` and `--async_save` need "
+                          "`--save_checkpoint`")
     if v["ignore_unverified_checkpoints"] and v["resume_from_checkpoint"] != "auto":
         raise ConfigError("`--ignore_unverified_checkpoints` needs `--resume_from_checkpoint auto`")
 

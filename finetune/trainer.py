@@ -329,6 +329,7 @@ class Trainer:
                       "data; the last committed checkpoint is untouched.", self.skips_in_a_row, st.global_step, what)
         self.stop_note = {"reason": "failed", "error": "non-finite gradients", "step": st.global_step,
                           "skipped_in_a_row": self.skips_in_a_row, "skipped_steps": st.skipped_steps}
+        self.checkpoints.settle()  # an --async_save save in flight is of good weights: committed
         return 1
 
     def _log(self, lr: float, t_window: float, bar) -> float:

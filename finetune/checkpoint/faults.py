@@ -44,8 +44,10 @@ SITES: dict[str, str] = {
     "save.snapshot": "every rank: capturing its RNG (leader: trainer_state) in memory (step)",
     "save.clear_staging": "leader: removing a crashed save's staging folder of the same step (step)",
     "save.makedirs": "the ranks DeepSpeed has create the staging folders (step)",
-    "save.write_rank_files": "every rank: opening and writing one of its checkpoint files (rank files, RNG) (step)",
-    "save.fsync": "every rank: fsync of a checkpoint file it wrote (step)",
+    "save.host_copy": "every rank, --async_save: copying one of its state dicts into host memory (step)",
+    "save.write_rank_files": "every rank: opening and writing one of its checkpoint files (rank files, RNG); on the "
+                             "background thread under --async_save (step)",
+    "save.fsync": "every rank: fsync of a checkpoint file it wrote; on the background thread under --async_save (step)",
     "save.recovery_script": "rank 0: DeepSpeed copying zero_to_fp32.py into the staging root (step)",
     "save.shared_files": "leader: config, tokenizer and trainer_state.json into staging (step)",
     "save.drop_staging": "leader: removing a failed save's staging folder (reached only after another failure) (step)",

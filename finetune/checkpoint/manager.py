@@ -99,6 +99,19 @@ class Snapshot:
     trainer_state: dict | None = None
 
 
+@dataclass
+class Pending:
+    """A save between its write and its commit (--async_save: written on a thread meanwhile)."""
+
+    step: int
+    tag: str
+    clock: Clock
+    io: SaveIO
+    consolidated: bool
+    final: bool
+    background: bool
+
+
 class CheckpointManager:
     def __init__(self, storage: LocalStorage, ckpt: CheckpointArgs, layout: Layout, *, engine, progress: TrainingState,
                  sampler, tokenizer, run_info: dict, run_id: str, plan: ResumePlan | None = None,
@@ -120,6 +133,7 @@ class CheckpointManager:
             engine._copy_recovery_script = self.writer.guard(engine._copy_recovery_script)
         self.committed_step: int | None = plan.saved["global_step"] if plan else None
         self.consolidation_error: str | None = None
+        self.pending: Pending | None = None  # --async_save: written in the background, not yet committed
         self._read_history(plan.head if plan else None, plan.max_seq if plan else 0)
 
     def _read_history(self, head: Committed | None, seen_seq: int) -> None:
@@ -144,12 +158,15 @@ class CheckpointManager:
     # --- when to save ------------------------------------------------------------------------
 
     def at_step(self, step: int, total: int) -> int | None:
-        """The periodic save, if one is due at this step boundary; an exit code to stop with, or None."""
+        """At a step boundary: commit a background save whose writes are done, and start the
+        periodic save if one is due. An exit code to stop with, or None. Collective."""
         ck = self.ckpt
-        if not (ck.save_checkpoint and ck.save_steps and step % ck.save_steps == 0 and step < total):
-            return None
+        due = ck.save_checkpoint and ck.save_steps and step % ck.save_steps == 0 and step < total
         try:
-            self.save(step)
+            if due:
+                self.save(step, background=ck.async_save)  # waits for a save still in flight first
+            else:
+                self.poll()
         except SaveError as e:
             if ck.on_save_error == "abort":
                 dist.log_main(logging.ERROR, "stopping: %s (--on_save_error abort)", e)
@@ -157,12 +174,27 @@ class CheckpointManager:
             dist.log_main(logging.WARNING, "training on: %s (--on_save_error continue)", e)
         return None
 
+    def settle(self) -> SaveError | None:
+        """Commit the save in flight, if any (training stops here); its failure is logged and
+        returned, not raised. Collective."""
+        try:
+            self.wait()
+        except SaveError as e:
+            dist.log_main(logging.ERROR, "the save in flight failed: %s", e)
+            return e
+        return None
+
     def at_preemption(self, step: int, signals: str) -> tuple[Path | None, str | None]:
         """Commit this step (partitioned only: fast) unless it is already saved; returns (the new
-        checkpoint or None, the save's error or None)."""
+        checkpoint or None, the save's error or None). A save in flight is committed first: when
+        it is of this step, that is the checkpoint."""
         if not self.ckpt.save_checkpoint:
             dist.log_main(logging.WARNING, "preempted (%s) at step %d: not saving (no --save_checkpoint)", signals, step)
             return None, None
+        in_flight = self.pending.step if self.pending is not None else None
+        self.settle()
+        if in_flight == step and self.committed_step == step:
+            return self.out / tag_for(step), None
         if self.committed_step == step or step == 0:
             dist.log_main(logging.WARNING, "preempted (%s) at step %d: nothing new to save", signals, step)
             return None, None
@@ -176,6 +208,7 @@ class CheckpointManager:
         """The final save: its failure always makes the run exit 1."""
         if not self.ckpt.save_checkpoint:
             return 0
+        self.settle()
         if self.committed_step == step:
             # Resumed at (or past) the last step: re-saving the same step would only swap a
             # complete checkpoint for a copy of itself.
@@ -212,31 +245,67 @@ class CheckpointManager:
 
     # --- save: snapshot → write → agree → commit ------------------------------------------------
 
-    def save(self, step: int, final: bool = False, consolidated: bool | None = None) -> Path:
+    def save(self, step: int, final: bool = False, consolidated: bool | None = None,
+             background: bool = False) -> Path | None:
         """Save and commit a checkpoint of this step; raises SaveError on every rank if any failed.
 
         ``consolidated`` overrides --save_consolidated (a preemption save skips the gather).
+        ``background`` (--async_save): return once every rank has its snapshot in host memory, the
+        rank files being written on a thread; ``poll``/``wait`` commit it later (returns None).
         """
+        self.wait()  # at most one save in flight
         tag, clock, io = tag_for(step), Clock(), SaveIO()
         consolidated = self.ckpt.save_consolidated if consolidated is None else consolidated
         self.check_space(tag)
         clock.lap("check")
-        snap = self.snapshot(step)
+        snap = self.snapshot(step, background)
         clock.lap("snapshot")
         self.write(tag, snap, consolidated)
-        clock.lap("write")
+        self.writer.start()
+        clock.lap("write" if not background else "copy")
+        pending = Pending(step, tag, clock, io, consolidated, final, background)
+        if background:
+            self.pending = pending
+            logger.info("Snapshot of %s in %.2f seconds (%s of host memory); writing it in the background.", tag,
+                        clock.total, fmt_bytes(self.writer.snapshot_bytes))
+            return None
+        return self._complete(pending)
+
+    def poll(self) -> None:
+        """At a step boundary: commit the save in flight if every rank has written its files.
+        One all-reduce while a save is in flight, nothing otherwise. Collective."""
+        if self.pending is None:
+            return
+        waiting = dist.all_reduce_sum([0.0 if self.writer.done() else 1.0])[0]
+        if waiting == 0:
+            self._complete(self.pending)
+
+    def wait(self) -> Path | None:
+        """Block until the save in flight is written, then commit it (its path; None when there was
+        none). Raises SaveError on every rank if it failed. Collective."""
+        if self.pending is None:
+            return None
+        self.writer.join()
+        return self._complete(self.pending)
+
+    def _complete(self, pending: "Pending") -> Path:
+        """agree → commit → retain. Collective."""
+        self.pending = None
+        tag, clock = pending.tag, pending.clock
+        if pending.background:
+            clock.lap("background")
         files = self.agree(tag)
         clock.lap("agree")
-        self.commit(tag, files, consolidated and self.consolidation_error is None)
+        self.commit(tag, files, pending.consolidated and self.consolidation_error is None)
         clock.lap("commit")
         self.retain()
         clock.lap("retain")
-        self.committed_step = step
+        self.committed_step = pending.step
         total = sum(size for size, _ in files.values())
-        own = io.finish(tag, self.writer.files, clock.total)
+        own = pending.io.finish(tag, self.writer.files, clock.total)
         logger.info("Finished saving the checkpoint %s in %.2f seconds (%.1f MB, %.1f MB/s; %s; rank 0 wrote %.1f MB and "
                     "read back %.2f MB)%s.", tag, clock.total, total / 1e6, total / 1e6 / max(clock.total, 1e-9), clock,
-                    own["own_bytes"] / 1e6, own["hashed_bytes"] / 1e6, " [final]" if final else "")
+                    own["own_bytes"] / 1e6, own["hashed_bytes"] / 1e6, " [final]" if pending.final else "")
         return self.out / tag
 
     def check_space(self, tag: str) -> None:
@@ -260,10 +329,10 @@ class CheckpointManager:
         """Bytes a save needs on this storage (the previous checkpoint's size there, or an estimate)."""
         return space_needed(self.last_bytes, self.parameters, self.layout.share, BYTES_PER_PARAM_ESTIMATE, SPACE_MARGIN)
 
-    def snapshot(self, step: int) -> Snapshot:
+    def snapshot(self, step: int, background: bool = False) -> Snapshot:
         """Rank-local and in memory; a failure is recorded for the agree step, never raised."""
         snap = Snapshot(step)
-        self.writer.reset(self.out / STAGING / tag_for(step), step)
+        self.writer.reset(self.out / STAGING / tag_for(step), step, background)
         self.consolidation_error = None
         try:
             fault_point("save.snapshot", step)

@@ -4,8 +4,13 @@
 written, and a failure is *recorded* instead of raised, so every rank still reaches the collectives
 inside ``engine.save_checkpoint``; the manager then agrees on the outcome across ranks.
 
+With ``reset(..., background=True)`` (--async_save) ``save`` only snapshots: the state dict is
+copied into host memory (background.py) and written by ``start``'s thread with the same code;
+``done``/``join`` tell when, and the recorded error and files are read only after that.
+
 Fault sites (faults.py): ``save.makedirs``, ``save.write_rank_files``, ``save.fsync``,
-``save.recovery_script``, at the save's step. Test seam: ``FINETUNE_SLOW_SAVE=<seconds>`` sleeps
+``save.recovery_script``, ``save.host_copy``, at the save's step (``save.write_rank_files`` and
+``save.fsync`` run on the background thread under --async_save). Test seam: ``FINETUNE_SLOW_SAVE=<seconds>`` sleeps
 after each file, so a test can act (send a signal, kill a rank) while a save is surely in flight.
 """
 
@@ -18,6 +23,7 @@ from pathlib import Path
 import torch
 
 from finetune.checkpoint import safe_load
+from finetune.checkpoint.background import Queue, host_copy
 from finetune.checkpoint.durable import HashingWriter
 from finetune.checkpoint.faults import fault_point
 
@@ -29,6 +35,7 @@ class GuardedWriter:
 
     def __init__(self, inner):
         self.inner = inner
+        self.pinned: dict = {}  # page-locked host buffers of --async_save on a GPU, reused
         self.reset(None)
 
     def __getattr__(self, name):
@@ -38,10 +45,27 @@ class GuardedWriter:
     # plain data and the classes DeepSpeed pickles (a checkpoint is otherwise code: safe_load.py).
     load = staticmethod(safe_load.load)
 
-    def reset(self, staging: Path | None, step: int | None = None) -> None:
+    def reset(self, staging: Path | None, step: int | None = None, background: bool = False) -> None:
         self.staging, self.step = staging, step
         self.error: str | None = None
         self.files: dict[str, tuple[int, str]] = {}
+        self.queue = Queue(self._write) if background else None
+
+    @property
+    def snapshot_bytes(self) -> int:
+        return self.queue.bytes if self.queue is not None else 0
+
+    def start(self) -> None:
+        """--async_save: start writing what ``save`` snapshotted (a no-op for a synchronous save)."""
+        if self.queue is not None:
+            self.queue.start()
+
+    def done(self) -> bool:
+        return self.queue is None or self.queue.thread is None or self.queue.done()
+
+    def join(self) -> None:
+        if self.queue is not None and self.queue.thread is not None:
+            self.queue.join()
 
     def makedirs(self, path, exist_ok=False):
         try:
@@ -51,6 +75,19 @@ class GuardedWriter:
             self._fail(path, e)
 
     def save(self, state_dict, path) -> None:
+        if self.error is not None:
+            return
+        if self.queue is not None:
+            try:
+                fault_point("save.host_copy", self.step)
+                state, nbytes = host_copy(state_dict, self.pinned, os.path.basename(path))
+                self.queue.add(state, path, nbytes)
+            except Exception as e:  # noqa: BLE001 — recorded like a write
+                self._fail(path, e)
+            return
+        self._write(state_dict, path)
+
+    def _write(self, state_dict, path) -> None:
         if self.error is not None:
             return
         w = None

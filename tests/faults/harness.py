@@ -166,6 +166,7 @@ def _codes(code: int) -> dict[str, int]:
 
 NO_CONSOLIDATED = r"consolidated weights of global_step{step} not written"
 CONSOLIDATED = ("--save_consolidated",)
+ASYNC = ("--async_save",)
 SAVE_FAILED = r"(save|commit) of global_step{step} failed on rank {rank}|not saving global_step{step}: .*rank {rank}"
 
 
@@ -205,6 +206,7 @@ EXPECTED: dict[str, Site] = {
     "save.snapshot": Site(FRESH, EVERY, 2, _codes(0), SAVE_FAILED),
     "save.clear_staging": Site(FRESH, LEADER, 2, _codes(0), SAVE_FAILED),
     "save.makedirs": Site(FRESH, EVERY, 2, _codes(0), SAVE_FAILED),
+    "save.host_copy": Site(FRESH, EVERY, 2, _codes(0), SAVE_FAILED, flags=ASYNC),
     "save.write_rank_files": Site(FRESH, EVERY, 2, _codes(0), SAVE_FAILED),
     "save.fsync": Site(FRESH, EVERY, 2, _codes(0), SAVE_FAILED),
     "save.recovery_script": Site(FRESH, LEADER, 2, _codes(0), SAVE_FAILED),
@@ -276,6 +278,7 @@ class Case:
     nprocs: int = 2
     steps: int = MAX_STEPS
     name: str = ""
+    extra: tuple = ()  # flags beyond the sites' own (ASYNC: the writer's sites on its thread)
 
     @property
     def scenario(self) -> str:
@@ -287,14 +290,15 @@ class Case:
 
     @property
     def flags(self) -> tuple:
-        return tuple(dict.fromkeys(flag for f in self.faults for flag in EXPECTED[f.site].flags))
+        return tuple(dict.fromkeys([flag for f in self.faults for flag in EXPECTED[f.site].flags] + list(self.extra)))
 
     @property
     def id(self) -> str:
         if self.name:
             return self.name
         f = self.faults[0]
-        return f"{f.site}-rank{f.rank}-{f.kind}" + (f"-{self.nprocs}ranks" if self.nprocs != 2 else "")
+        return f"{f.site}-rank{f.rank}-{f.kind}" + (f"-{self.nprocs}ranks" if self.nprocs != 2 else "") + \
+            ("-async" if self.extra == ASYNC else "")
 
     def codes(self) -> list[int]:
         kill = next((f for f in self.faults if f.kind == "kill"), None)
@@ -304,9 +308,13 @@ class Case:
         return [worst] * self.nprocs
 
 
-def single(site: str, rank: int, kind: str, nprocs: int | None = None) -> Case:
+def single(site: str, rank: int, kind: str, nprocs: int | None = None, extra: tuple = ()) -> Case:
     return Case((Fault(site, rank, kind),), nprocs or (1 if EXPECTED[site].scenario == RESHAPE else 2),
-                EXPECTED[site].steps)
+                EXPECTED[site].steps, extra=extra)
+
+
+# Under --async_save these run on the writer thread; their failure surfaces at a later boundary.
+WRITER_THREAD = ("save.write_rank_files", "save.fsync")
 
 
 def _ranks(site: Site) -> list[int]:
@@ -323,13 +331,16 @@ def long_cases() -> list[Case]:
     """Every site × the ranks that reach it (rank 0 and rank 1) × every kind, one launch each;
     a few at 4 ranks; and the sample's 4-rank bundle."""
     return [single(name, rank, kind) for name, site in EXPECTED.items() for rank in _ranks(site)
-            for kind in KINDS] + FOUR_RANKS + [BUNDLE]
+            for kind in KINDS] + [single(name, rank, kind, extra=ASYNC) for name in WRITER_THREAD
+                                  for rank in (0, 1) for kind in KINDS] + FOUR_RANKS + [BUNDLE]
 
 
 def _bundle() -> Case:
     """The sample's one launch for every site where a failure is agreed and a fresh run goes on:
     4 ranks, each site failing at a step of its own, the ranks and kinds taken in turn."""
-    goes_on = [n for n, s in EXPECTED.items() if s.scenario == FRESH and set(s.codes.values()) == {0}]
+    # --async_save would change every other site's save: its own site is sampled alone.
+    goes_on = [n for n, s in EXPECTED.items() if s.scenario == FRESH and set(s.codes.values()) == {0}
+               and ASYNC[0] not in s.flags]
     kinds, faults, step = ("eio", "enospc", "error"), [], 0
     for i, name in enumerate(goes_on):
         site = EXPECTED[name]

@@ -1,5 +1,5 @@
 """kill -9 at random moments of a run that saves every step: of the whole job, and of one rank only
-(whose survivor must then exit on its own within BOUND_S), with and without --save_consolidated.
+(whose survivor must then exit on its own within BOUND_S), with and without --save_consolidated and --async_save.
 
 Each trial's moment comes from its seed (printed on failure: rerun that one case to replay it).
 After each: the output dir's invariants, and `--resume_from_checkpoint auto` trains to the end.
@@ -44,20 +44,25 @@ class Trial:
         rng = random.Random(f"{seed}-{'rank' if one_rank else 'job'}")
         self.seed, self.one_rank = seed, one_rank
         self.consolidated = seed % 2 == 1
+        self.background = seed % 4 >= 2  # --async_save: kills land while the writer thread writes, too
         self.during_startup = rng.random() < STARTUP_SHARE
         self.delay = rng.uniform(0, STARTUP_S)
         self.step, self.fraction = rng.randint(1, STEPS), rng.random()
         self.victim = rng.choice([0, 1])
 
+    def extra(self) -> tuple:
+        return (("--save_consolidated",) if self.consolidated else ()) + (("--async_save",) if self.background else ())
+
     def flags(self) -> tuple:
-        return train_args(STEPS, *(["--save_consolidated"] if self.consolidated else []))
+        return train_args(STEPS, *self.extra())
 
     def __str__(self) -> str:
         when = (f"{self.delay:.2f} s after the launch" if self.during_startup else
                 f"{self.fraction:.2f} of a step after step {self.step} was logged")
         who = f"rank {self.victim}" if self.one_rank else "the whole job"
         return (f"kill trial seed {self.seed}: SIGKILL to {who} {when}, "
-                f"{'with' if self.consolidated else 'without'} --save_consolidated")
+                f"{'with' if self.consolidated else 'without'} --save_consolidated"
+                f"{', --async_save' if self.background else ''}")
 
     def moment(self, out) -> dict:
         """Where the run was when the kill came: the last logged step, a save in flight."""
@@ -82,7 +87,7 @@ class Trial:
 
 def _resume(trial: Trial, tmp_path, out):
     try:
-        assert_resumes_to_the_end(tmp_path, 2, out, STEPS, ("--save_consolidated",) if trial.consolidated else ())
+        assert_resumes_to_the_end(tmp_path, 2, out, STEPS, trial.extra())
     except AssertionError as e:
         raise AssertionError(f"{trial}: {e}") from None
 

@@ -1,0 +1,130 @@
+"""--async_save's snapshot (host_copy) and background queue, in one process."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+import torch
+
+from finetune.checkpoint.background import Queue, host_copy
+from finetune.checkpoint.writer import GuardedWriter
+
+
+def _saved(obj) -> bytes:
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
+def _state():
+    flat = torch.arange(12, dtype=torch.float32)
+    flat.ds_id = "0_24"  # DeepSpeed tags its fp32 flat groups; the attribute is pickled with the tensor
+    weight = torch.nn.Parameter(torch.randn(3, 2))
+    return {"flat": flat, "views": [flat[:4], flat[4:].view(2, 4)], "param": weight,
+            "optimizer": {"param_groups": [{"lr": 0.1, "params": [0]}], "state": {0: {"step": torch.tensor(3.0)}}},
+            "shape": torch.Size([3, 2]), "half": torch.ones(5, dtype=torch.bfloat16), "note": "x"}
+
+
+def test_the_copy_serialises_to_the_same_bytes_as_the_original():
+    state = _state()
+    before = _saved(state)
+    copied, nbytes = host_copy(state)
+    assert _saved(copied) == before
+    assert nbytes == 12 * 4 + 6 * 4 + 4 + 5 * 2  # each storage once: the views add nothing
+
+
+def test_views_still_share_one_storage_and_types_are_kept():
+    copied, _ = host_copy(_state())
+    flat, (head, tail) = copied["flat"], copied["views"]
+    assert head.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr() == tail.untyped_storage().data_ptr()
+    assert tail.storage_offset() == 4 and tail.shape == (2, 4)
+    assert isinstance(copied["param"], torch.nn.Parameter) and copied["param"].requires_grad
+    assert isinstance(copied["shape"], torch.Size)
+    assert copied["flat"].ds_id == "0_24"
+
+
+def test_later_changes_to_the_live_state_do_not_reach_the_copy():
+    state = _state()
+    copied, _ = host_copy(state)
+    expected = _saved(copied)
+    with torch.no_grad():
+        state["flat"].mul_(-1)
+        state["param"].add_(1)
+    state["optimizer"]["param_groups"][0]["lr"] = 0.5  # the scheduler, one step later
+    state["optimizer"]["state"][0]["step"] += 1
+    assert _saved(copied) == expected
+    assert copied["optimizer"]["param_groups"][0]["lr"] == 0.1
+
+
+def test_the_queue_writes_in_order_on_its_thread_and_reports_done():
+    written = []
+    q = Queue(lambda state, path: written.append((path, state)))
+    q.add({"a": 1}, "first", 10)
+    q.add({"b": 2}, "second", 5)
+    assert not q.done() and q.bytes == 15
+    q.start()
+    q.join()
+    assert q.done() and written == [("first", {"a": 1}), ("second", {"b": 2})]
+
+
+class _Inner:
+    zipfile_serialization = True
+
+
+def test_a_background_write_equals_a_synchronous_one(tmp_path):
+    state = _state()
+    sync = GuardedWriter(_Inner())
+    sync.reset(tmp_path / "sync", 4)
+    (tmp_path / "sync").mkdir()
+    sync.save(state, str(tmp_path / "sync" / "f.pt"))
+
+    background = GuardedWriter(_Inner())
+    background.reset(tmp_path / "async", 4, background=True)
+    (tmp_path / "async").mkdir()
+    background.save(state, str(tmp_path / "async" / "f.pt"))
+    assert background.snapshot_bytes > 0 and not (tmp_path / "async" / "f.pt").exists()
+    with torch.no_grad():
+        state["flat"].zero_()  # training goes on before the thread writes
+    background.start()
+    background.join()
+    assert background.done() and background.error is None
+    assert background.files == sync.files  # same size and checksum
+
+
+def test_a_background_failure_is_recorded_not_raised(tmp_path, monkeypatch):
+    monkeypatch.setenv("FINETUNE_FAULT", "save.fsync:0:4:enospc")
+    w = GuardedWriter(_Inner())
+    w.reset(tmp_path, 4, background=True)
+    w.save(_state(), str(tmp_path / "f.pt"))
+    w.start()
+    w.join()
+    assert w.error is not None and "No space left" in w.error and w.files == {}
+
+
+def test_a_failed_copy_is_recorded_and_nothing_is_queued(tmp_path, monkeypatch):
+    monkeypatch.setenv("FINETUNE_FAULT", "save.host_copy:0:4:error")
+    w = GuardedWriter(_Inner())
+    w.reset(tmp_path, 4, background=True)
+    w.save(_state(), str(tmp_path / "f.pt"))
+    assert w.error is not None and "injected fault" in w.error and w.snapshot_bytes == 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="pinned host buffers need CUDA")
+def test_device_tensors_go_to_reused_pinned_buffers():
+    pool: dict = {}
+    state = {"w": torch.randn(1000, device="cuda")}
+    first, _ = host_copy(state, pool, "f.pt")
+    assert first["w"].device.type == "cpu" and first["w"].is_pinned()
+    buffer = next(iter(pool.values())).data_ptr()
+    second, _ = host_copy(state, pool, "f.pt")
+    assert second["w"].untyped_storage().data_ptr() == buffer
+    assert torch.equal(second["w"], state["w"].cpu())
+
+
+def test_distinct_empty_storages_stay_distinct():
+    """ZeRO-3's partitioned parameters are empty tensors, each with a storage of its own: torch.save
+    writes one record per storage, and so must the copy's."""
+    state = {f"p{i}": torch.empty(0) for i in range(3)}
+    copied, nbytes = host_copy(state)
+    assert nbytes == 0 and _saved(copied) == _saved(state)
