@@ -190,6 +190,7 @@ CASES = [
     Case("save_steps_0", ("--save_checkpoint", "--save_steps", "0"), ("--save_steps",)),
     Case("save_total_limit_0", ("--save_checkpoint", "--save_total_limit", "0"), ("--save_total_limit",)),
     Case("shard_size_0", ("--save_checkpoint", "--save_consolidated", "--max_shard_size", "0"), ("--max_shard_size",)),
+    Case("async_save_without_save_checkpoint", ("--async_save",), ("--async_save", "--save_checkpoint")),
     Case("ddp_timeout_0", ("--ddp_timeout", "0"), ("--ddp_timeout",)),
     Case("max_seq_length_1", ("--max_seq_length", "1"), ("--max_seq_length",)),
     Case("learning_rate_not_a_number", ("--learning_rate", "fast"), ("--learning_rate", "'fast'")),
