@@ -471,3 +471,24 @@ def test_housekeeping_restores_a_checkpoint_a_crashed_swap_left_in_staging(tmp_p
     assert LocalStorage(tmp_path).tags() == ["global_step4"] and read_manifest(tmp_path / "global_step4")
     assert [p.name.split("-")[0] for p in (tmp_path / ".abandoned").iterdir()] == ["global_step2"]
     assert not staging.exists()
+
+
+def test_resume_planning_shares_the_manifests_identity_not_its_file_list(tmp_path, tiny_module, monkeypatch):
+    """The manifest lists every rank's files: sent to every rank it would cost each rank O(world
+    size) bytes at every resume. Only the commit identity travels."""
+    from finetune import distributed as dist
+    from finetune.checkpoint.resume import Resumer
+
+    manager, progress, _ = make_manager(make_cfg(tmp_path), tiny_module)
+    run_saves(manager, progress, [2])
+    shared = []
+    original = dist.share_from
+
+    def recording(src, fn):
+        shared.append(original(src, fn))
+        return shared[-1]
+
+    monkeypatch.setattr(dist, "share_from", recording)
+    plan = Resumer(make_cfg(tmp_path, resume_from_checkpoint="latest"), LocalStorage(tmp_path)).plan_resume()
+    assert plan.head.save_id and plan.head.seq == 1 and plan.head.total_bytes > 0
+    assert shared and not any("files" in repr(value) for value in shared), shared
