@@ -35,7 +35,7 @@ class GuardedWriter:
 
     def __init__(self, inner):
         self.inner = inner
-        self.pinned: dict = {}  # page-locked host buffers of --async_save on a GPU, reused
+        self.buffers: dict = {}  # --async_save: host buffers kept from one save to the next
         self.reset(None)
 
     def __getattr__(self, name):
@@ -80,7 +80,7 @@ class GuardedWriter:
         if self.queue is not None:
             try:
                 fault_point("save.host_copy", self.step)
-                state, nbytes = host_copy(state_dict, self.pinned, os.path.basename(path))
+                state, nbytes = host_copy(state_dict, self.buffers, os.path.basename(path))
                 self.queue.add(state, path, nbytes)
             except Exception as e:  # noqa: BLE001 — recorded like a write
                 self._fail(path, e)

@@ -57,6 +57,19 @@ def test_later_changes_to_the_live_state_do_not_reach_the_copy():
     assert copied["optimizer"]["param_groups"][0]["lr"] == 0.1
 
 
+def test_a_second_copy_reuses_the_first_ones_buffers():
+    pool: dict = {}
+    state = _state()
+    first, _ = host_copy(state, pool, "f.pt")
+    kept = {slot: buf.data_ptr() for slot, buf in pool.items()}
+    with torch.no_grad():
+        state["flat"].add_(100)
+    second, _ = host_copy(state, pool, "f.pt")
+    assert {slot: buf.data_ptr() for slot, buf in pool.items()} == kept
+    assert second["flat"].untyped_storage().data_ptr() == kept[("f.pt", 0)]
+    assert torch.equal(second["flat"], state["flat"]) and _saved(second) == _saved(state)
+
+
 def test_the_queue_writes_in_order_on_its_thread_and_reports_done():
     written = []
     q = Queue(lambda state, path: written.append((path, state)))
