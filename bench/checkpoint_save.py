@@ -7,6 +7,7 @@
     bytes (goal ≤ 0.3); DeepSpeed's save_16bit_model alongside.
 
     .venv/bin/python bench/checkpoint_save.py [--repeats 3] [--dir /tmp/finetune-bench-ckpt]
+                                              [--model_json '{"hidden_size": 64, ...}']
 
 The directory should be on the disk you care about (default: a temp dir on /tmp's filesystem).
 Prints a table and writes bench/results/checkpoint_save.json.
@@ -39,11 +40,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def write_inputs(work: Path) -> tuple[Path, Path]:
+def write_inputs(work: Path, overrides: dict | None = None) -> tuple[Path, Path]:
+    """The model's config folder and the DeepSpeed JSON; ``overrides`` replace keys of MODEL."""
     from transformers import AutoConfig
 
     cfg_dir = work / "model_config"
-    kw = dict(MODEL)
+    kw = {**MODEL, **(overrides or {})}
     AutoConfig.for_model(kw.pop("model_type"), **kw).save_pretrained(cfg_dir)
     ds = json.loads((REPO / "configs" / "ds_zero3.json").read_text())
     ds["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] = True  # for save_16bit_model
@@ -62,11 +64,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--dir", default=None, help="where checkpoints are written (default: a temp dir)")
+    ap.add_argument("--model_json", default=None,
+                    help="JSON object of config keys replacing the 134M Llama's (e.g. a tiny model for a smoke run)")
     ap.add_argument("--out", default=str(REPO / "bench" / "results" / "checkpoint_save.json"))
     a = ap.parse_args()
     work = Path(a.dir or tempfile.mkdtemp(prefix="finetune-bench-ckpt-"))
     work.mkdir(parents=True, exist_ok=True)
-    cfg_dir, ds_path = write_inputs(work)
+    cfg_dir, ds_path = write_inputs(work, json.loads(a.model_json) if a.model_json else None)
     env = dict(os.environ, OMP_NUM_THREADS="1", PATH=f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}")
     env.setdefault("TORCH_EXTENSIONS_DIR", str(Path(sys.prefix) / "torch_extensions"))
     cmd = [str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", "2", "--master_port", str(free_port()),

@@ -10,6 +10,9 @@ and once each, with rank 0's RSS sampled every 2 ms:
   consolidated  finetune's streaming save_consolidated (one 5GB shard: the whole model)
   16bit         DeepSpeed's engine.save_16bit_model (stage3_gather_16bit_weights_on_model_save)
 Times are rank 0's wall clock between barriers, so they include the slowest rank.
+Before each RSS measurement every rank returns the heap memory it has freed to the kernel
+(``malloc_trim(0)``): otherwise memory freed by the saves before (glibc keeps it resident) is reused
+without raising RSS, and a save would look cheaper than it is.
 """
 
 from __future__ import annotations
@@ -33,6 +36,15 @@ from finetune.trainer import Trainer
 CHUNK = 8 << 20
 
 
+def trim_heap() -> None:
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass  # not glibc
+
+
 class PeakRSS:
     """Samples this process's RSS in a thread; ``peak - base`` is the increase during the block."""
 
@@ -40,6 +52,7 @@ class PeakRSS:
         self.proc, self.interval, self.peak, self._stop = psutil.Process(), interval, 0, threading.Event()
 
     def __enter__(self):
+        trim_heap()
         self.base = self.proc.memory_info().rss
         self.peak = self.base
         self.thread = threading.Thread(target=self._run, daemon=True)

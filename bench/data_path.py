@@ -3,6 +3,7 @@ per-rank memory at 1M rows vs 2k rows, finetune vs HF Trainer + datasets' cache.
 
     .venv/bin/python bench/data_path.py [--rows 1000000] [--repeats 3] [--first_repeats_1m 1]
         [--steps 40] [--skip_hf] [--finetune_src DIR] [--out bench/results/data_path.json]
+        [--small_rows 2000] [--sets 1m 2k embedded] [--hf_sets 1m 2k] [--first_repeats N] [--skip_microbench]
 
 Data: a deterministic prompt/completion JSONL written by this script (rows built from the embedded
 data's sentences, ~110 tokens per row with the embedded tokenizer): ``--rows`` rows, and its first
@@ -23,6 +24,10 @@ Measured, each a median over repeats:
 * RSS per rank (MB): VmRSS of each rank process when its first step was seen, and VmHWM (peak).
 
 ``--finetune_src DIR`` runs another checkout's finetune package (PYTHONPATH) for before/after.
+``--sets``/``--hf_sets`` pick the datasets each tool runs ("1m" is the ``--rows`` file whatever its
+size, "2k" the ``--small_rows`` one), ``--first_repeats`` the first runs of the small sets (default
+``--repeats``), ``--skip_microbench`` leaves out the in-process next_step and prefetch timings:
+what bench/run_all.py uses to fit its time budget.
 """
 
 from __future__ import annotations
@@ -42,7 +47,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
-SMALL_ROWS = 2000
+SMALL_ROWS = 2000  # --small_rows
 
 
 def parse_args() -> argparse.Namespace:
@@ -52,6 +57,11 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--first_repeats_1m", type=int, default=1, help="repeats of the large first run (minutes each)")
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--skip_hf", action="store_true")
+    p.add_argument("--small_rows", type=int, default=SMALL_ROWS, help="rows of the small file (\"2k\")")
+    p.add_argument("--sets", nargs="+", default=["1m", "2k", "embedded"], choices=["1m", "2k", "embedded"])
+    p.add_argument("--hf_sets", nargs="+", default=["1m", "2k"], choices=["1m", "2k"])
+    p.add_argument("--first_repeats", type=int, default=None, help="first runs of the small sets (default: --repeats)")
+    p.add_argument("--skip_microbench", action="store_true")
     p.add_argument("--finetune_src", default=None, help="run this checkout's finetune instead (before/after)")
     p.add_argument("--work", default=None, help="scratch folder (default: a temporary one)")
     p.add_argument("--out", default=str(REPO / "bench/results/data_path.json"))
@@ -262,12 +272,16 @@ def main() -> None:
     work = Path(a.work or tempfile.mkdtemp(prefix="finetune-bench-data-"))
     work.mkdir(parents=True, exist_ok=True)
     big = make_jsonl(work / f"pc-{a.rows}.jsonl", a.rows)
-    small = make_jsonl(work / f"pc-{SMALL_ROWS}.jsonl", SMALL_ROWS)
+    small = make_jsonl(work / f"pc-{a.small_rows}.jsonl", a.small_rows)
     sets = {"1m": big, "2k": small, "embedded": None}
-    results: dict = {"rows": a.rows, "steps": a.steps, "finetune_src": a.finetune_src, "runs": {}}
+    results: dict = {"rows": a.rows, "small_rows": a.small_rows, "steps": a.steps, "finetune_src": a.finetune_src,
+                     "repeats": a.repeats, "runs": {}}
+    small_firsts = a.repeats if a.first_repeats is None else a.first_repeats
     for name, data in sets.items():
+        if name not in a.sets:
+            continue
         firsts, restarts = [], []
-        for i in range(a.first_repeats_1m if name == "1m" else a.repeats):
+        for i in range(a.first_repeats_1m if name == "1m" else small_firsts):
             cache, out = work / f"cache-{name}-{i}", work / f"out-{name}-{i}"
             shutil.rmtree(cache, ignore_errors=True)
             shutil.rmtree(out, ignore_errors=True)
@@ -282,7 +296,7 @@ def main() -> None:
             print(f"finetune {name} restart {i}: {restarts[-1]['ttfs_s']:.1f} s to first step", flush=True)
         results["runs"][f"finetune_{name}"] = {"first": firsts, "restart": restarts}
     if not a.skip_hf:
-        for name in ("1m", "2k"):
+        for name in a.hf_sets:
             cache, out = work / f"hf-cache-{name}", work / f"hf-out-{name}"
             shutil.rmtree(cache, ignore_errors=True)
             shutil.rmtree(out, ignore_errors=True)
@@ -296,7 +310,7 @@ def main() -> None:
                 restarts.append(hf(sets[name], copy, cache, a.steps, work / f"hf-{name}-restart-{i}.log", True))
                 print(f"HF {name} restart {i}: {restarts[-1]['ttfs_s']:.1f} s to first step", flush=True)
             results["runs"][f"hf_{name}"] = {"first": first, "restart": restarts}
-    if a.finetune_src is None:
+    if a.finetune_src is None and not a.skip_microbench and "1m" in a.sets:
         results["microbench_1m"] = microbench(work / "cache-1m-0", big, a.rows)
     results["summary"] = summarize(results["runs"], results.get("microbench_1m"))
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -70,6 +71,11 @@ def main() -> None:
     trainer = Trainer(model=model, args=targs, train_dataset=train, callbacks=[Stamp()],
                       data_collator=DataCollatorForSeq2Seq(tokenizer, padding=True, label_pad_token_id=-100))
     trainer.train(resume_from_checkpoint=True if args.resume else None)
+    # Skip interpreter teardown: with DeepSpeed's and gloo's threads alive it sometimes aborts
+    # ("terminate called without an active exception") after the checkpoint is written.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":

@@ -8,7 +8,10 @@
   fresh ≤ 1.2. Runs alternate fresh, resume, fresh, resume, … (--repeats each), after one untimed
   warm-up launch.
 
-    .venv/bin/python bench/resume_verify.py [--repeats 3]
+    .venv/bin/python bench/resume_verify.py [--repeats 3] [--workdir /tmp/finetune_bench_export]
+                                            [--warmup_launches 1] [--model_json '{...}']
+
+``--workdir`` is bench/export.py's (the checkpoint is shared, created there if missing).
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from export import PY, REPO, ensure_checkpoint, env, free_port  # noqa: E402
 
-WORK = Path("/tmp/finetune_bench_export")  # bench/export.py's default --workdir
+WORK = Path("/tmp/finetune_bench_export")  # bench/export.py's default --workdir; --workdir replaces it
 
 
 def verify_rate(ckpt: Path, quick: bool) -> dict:
@@ -64,16 +67,23 @@ def time_to_first_step(run: Path, out: Path, resume: Path | None) -> float:
 
 
 def main() -> None:
+    global WORK
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--workdir", default=str(WORK), help="bench/export.py's --workdir (holds the checkpoint)")
+    ap.add_argument("--warmup_launches", type=int, default=1, help="untimed launches before the timed ones")
+    ap.add_argument("--model_json", default=None, help="config keys replacing the 134M Llama's, if the checkpoint is created")
     ap.add_argument("--out", default=str(REPO / "bench" / "results" / "resume_verify.json"))
     a = ap.parse_args()
-    run = ensure_checkpoint(WORK)
+    WORK = Path(a.workdir)
+    WORK.mkdir(parents=True, exist_ok=True)
+    run = ensure_checkpoint(WORK, json.loads(a.model_json) if a.model_json else None)
     ckpt = run / "global_step1"
     shutil.rmtree(ckpt / "universal", ignore_errors=True)
     verify = [verify_rate(ckpt, quick=False) for _ in range(a.repeats)]
     quick = verify_rate(ckpt, quick=True)
-    time_to_first_step(run, WORK / "fresh", None)  # warm-up, untimed: DeepSpeed may (re)build its ops
+    for _ in range(a.warmup_launches):
+        time_to_first_step(run, WORK / "fresh", None)  # warm-up, untimed: DeepSpeed may (re)build its ops
     fresh, resumed = [], []
     for _ in range(a.repeats):
         fresh.append(time_to_first_step(run, WORK / "fresh", None))

@@ -1,13 +1,16 @@
 """Per-rank save work at 2 and 4 ranks (issue 9): does any rank's save cost grow with the world size?
 
     .venv/bin/python bench/save_io.py [--worlds 2 4] [--saves 4] [--before REF] [--out bench/results/save_io.json]
+                                      [--config_name DIR] [--extra "--max_seq_length 32 ..."]
 
 For each world size, one run of the embedded model through the DeepSpeed launcher saving a
 partitioned checkpoint at every step (``--saves`` saves). Each rank records, per save, the seconds
 and the deltas of /proc/self/io's ``rchar`` (everything the process read: files, and the sockets of
 the gloo collectives) over ``CheckpointManager.save`` (bench/save_io_probe.py). Reported per rank:
 the median over the saves of rchar, the bytes of checkpoint files that rank wrote (from the
-manifest), and seconds. ``--before REF`` runs the same at a git ref (a worktree in a temp dir) for a
+manifest), and seconds. ``--config_name DIR`` runs another model config instead of the embedded
+model (e.g. bench/checkpoint_save.py's 134M Llama); ``--extra`` adds finetune flags to every run.
+``--before REF`` runs the same at a git ref (a worktree in a temp dir) for a
 before/after table. The claim checked: rank 0's read bytes ≈ its shared files, not the whole
 checkpoint.
 """
@@ -17,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import socket
 import statistics
 import subprocess
@@ -35,13 +39,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run(src: Path, world: int, saves: int, work: Path) -> dict:
+def run(src: Path, world: int, saves: int, work: Path, extra: list[str] = ()) -> dict:
     out, probe = work / f"out-{world}", work / f"probe-{world}"
     env = {**os.environ, "PYTHONPATH": f"{REPO / 'bench'}:{src}", "SAVE_IO_PROBE_DIR": str(probe),
            "PATH": f"{BIN}:{os.environ['PATH']}"}
     cmd = [str(BIN / "deepspeed"), "--num_gpus", str(world), "--master_port", str(free_port()), "--module",
            "save_io_probe", "--max_steps", str(saves), "--save_checkpoint", "--save_steps", "1", "--logging_steps",
-           "1", "--eval_steps", "100000", "--per_device_train_batch_size", "2", "--output_dir", str(out)]
+           "1", "--eval_steps", "100000", "--per_device_train_batch_size", "2", "--output_dir", str(out), *extra]
     proc = subprocess.run(cmd, cwd=src, env=env, capture_output=True, text=True, timeout=1800)
     if proc.returncode != 0:
         sys.exit(f"run failed ({world} ranks, {src}):\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}")
@@ -56,6 +60,7 @@ def run(src: Path, world: int, saves: int, work: Path) -> dict:
                   if n.startswith(f"{RANK_FILE}{r}_") or n.startswith(f"bf16_{RANK_FILE}{r}_") or n == f"rng_state_{r}.pt")
         ranks.append({"rank": r, "wrote_mb": round((own + (shared if r == 0 else 0)) / 1e6, 3),
                       "read_mb": round(statistics.median(x["rchar"] for x in rows) / 1e6, 3),
+                      "wchar_mb": round(statistics.median(x.get("wchar", 0) for x in rows) / 1e6, 3),
                       "seconds": round(statistics.median(x["seconds"] for x in rows), 4), "saves": len(rows)})
     return {"world": world, "checkpoint_mb": round(total / 1e6, 3), "shared_mb": round(shared / 1e6, 3),
             "ranks": ranks}
@@ -72,9 +77,15 @@ def main() -> None:
     ap.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
     ap.add_argument("--saves", type=int, default=4)
     ap.add_argument("--before", help="a git ref to measure too (e.g. the commit before issue 9)")
+    ap.add_argument("--config_name", default=None, help="a model config folder (default: the embedded model)")
+    ap.add_argument("--extra", default="", help="more finetune flags for every run (one string)")
     ap.add_argument("--out", default=str(REPO / "bench" / "results" / "save_io.json"))
     args = ap.parse_args()
-    results: dict = {"saves": args.saves, "runs": {}}
+    extra = shlex.split(args.extra)
+    if args.config_name:
+        extra = ["--config_name", str(Path(args.config_name).resolve()), "--tokenizer_name",
+                 str(REPO / "finetune" / "resources" / "tokenizer"), *extra]
+    results: dict = {"saves": args.saves, "config_name": args.config_name, "extra": extra, "runs": {}}
     with tempfile.TemporaryDirectory(prefix="finetune-save-io-") as tmp:
         work = Path(tmp)
         sources = {"after": REPO}
@@ -82,7 +93,7 @@ def main() -> None:
             sources = {"before": worktree(args.before, work), **sources}
         try:
             for label, src in sources.items():
-                results["runs"][label] = [run(src, w, args.saves, work / label) for w in args.worlds]
+                results["runs"][label] = [run(src, w, args.saves, work / label, extra) for w in args.worlds]
         finally:
             if args.before:
                 subprocess.run(["git", "worktree", "remove", "--force", str(sources["before"])], cwd=REPO)

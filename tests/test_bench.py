@@ -1,0 +1,147 @@
+"""The benchmark suite (bench/run_all.py, `make bench`): its smoke mode runs every measure P1…P9 end
+to end at tiny sizes and writes latest.json's shape; bench/table.py renders it into the docs' block.
+
+The smoke run takes a few minutes (~15 short DeepSpeed launches), so it is a `distributed` test;
+the rendering tests are fast.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO, child_env, run_group
+
+MEASURES = [f"P{i}" for i in range(1, 10)]
+SUBS = {"P2": ("P2b", "P2c"), "P5": ("P5b",)}
+DOCS = [REPO / "docs" / "BENCHMARKS.md", REPO / "README.md"]
+LATEST = REPO / "bench" / "results" / "latest.json"
+
+
+def _load(name: str):
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", REPO / "bench" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.path.insert(0, str(REPO / "bench"))
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(REPO / "bench"))
+    return module
+
+
+def async_api_present() -> bool:
+    return "def poll" in (REPO / "finetune" / "checkpoint" / "manager.py").read_text()
+
+
+def _digest(path: Path) -> str | None:
+    """The bench block of a doc (the rest may be edited meanwhile), or the whole file's hash."""
+    if not path.exists():
+        return None
+    text = path.read_text()
+    if path.suffix == ".md" and "<!-- bench:begin -->" in text:
+        return text.split("<!-- bench:begin -->", 1)[1].split("<!-- bench:end -->", 1)[0]
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def assert_entry(key: str, e: dict) -> None:
+    assert "error" not in e, f"{key}: {e['error']}"
+    for field in ("ours", "baseline", "ratio"):
+        assert isinstance(e[field], (int, float)) and not isinstance(e[field], bool), (key, field, e[field])
+        assert math.isfinite(e[field]), (key, field, e[field])
+    assert e["baseline"] != 0
+    assert e["ratio"] == pytest.approx(e["ours"] / e["baseline"])
+    for field in ("unit", "baseline_name", "goal", "what"):
+        assert isinstance(e[field], str) and e[field], (key, field)
+    assert e["goal"].split()[0] in (">=", "<=")
+    assert isinstance(e["met"], bool)
+    assert "raw" in e
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory) -> dict:
+    tmp = tmp_path_factory.mktemp("bench")
+    before = {p: _digest(p) for p in [*DOCS, LATEST]}
+    out = tmp / "results" / "latest.json"
+    cmd = [sys.executable, str(REPO / "bench" / "run_all.py"), "--smoke", "--quiet", "--out", str(out),
+           "--work", str(tmp / "work")]
+    output, code = run_group(cmd, tmp, child_env(), timeout=900)
+    assert code == 0, output[-6000:]
+    # The smoke run's numbers mean nothing: it must not touch the docs or the real results.
+    assert {p: _digest(p) for p in [*DOCS, LATEST]} == before
+    return json.loads(out.read_text())
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(960)
+def test_smoke_run_has_every_measure(smoke):
+    for key in ("machine", "versions", "date", "reads_cold", "page_cache", "total_wall_s", "sizes"):
+        assert key in smoke, key
+    assert smoke["mode"] == "smoke"
+    assert smoke["machine"]["cores"] and smoke["machine"]["bench_dir_disk"]["fstype"]
+    for v in ("python", "torch", "deepspeed", "transformers", "datasets", "finetune_commit"):
+        assert v in smoke["versions"], v
+    for key in MEASURES:
+        assert key in smoke, key
+        if key == "P2" and not async_api_present():
+            assert "error" in smoke[key]  # until the async API exists; test_async_save_measure skips
+            continue
+        assert_entry(key, smoke[key])
+        for sub in SUBS.get(key, ()):
+            assert_entry(sub, smoke[key]["sub"][sub])
+    # The block bench/table.py writes into the docs has a row for each.
+    block = _load("table").block(smoke, short=False)
+    for key in MEASURES + ["P2b", "P2c", "P5b"]:
+        assert f"| {key} |" in block
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(960)
+def test_async_save_measure(smoke):
+    if not async_api_present():
+        pytest.skip("the --async_save API (CheckpointManager.poll) is not in finetune yet: P2 is recorded as an error")
+    assert_entry("P2", smoke["P2"])
+    for sub in SUBS["P2"]:
+        assert_entry(sub, smoke["P2"]["sub"][sub])
+
+
+def _fake_result() -> dict:
+    e = {"what": "w", "ours": 2.0, "baseline": 4.0, "ratio": 0.5, "unit": "s", "baseline_name": "b", "goal": "<= 0.6",
+         "met": True, "raw": [1]}
+    result = {"date": "2026-01-01T00:00:00+00:00", "mode": "full", "total_wall_s": 1700.0, "page_cache": "warm",
+              "machine": {"cores": 2, "cpu_model": "CPU", "ram_gib": 8.0, "accelerator": "none",
+                          "bench_dir_disk": {"path": "/tmp", "fstype": "ext4", "device": "/dev/x"}},
+              "versions": {"python": "3.11", "finetune_commit": "abc"}}
+    for key in MEASURES:
+        result[key] = dict(e)
+    result["P2"] = {"what": "w", "error": "not run: no async API", "skipped": True}
+    result["P5"]["sub"] = {"P5b": dict(e, met=False)}
+    return result
+
+
+def test_table_renders_every_measure_and_replaces_only_the_block():
+    table = _load("table")
+    result = _fake_result()
+    text = table.table(result)
+    assert text.count("\n") == 1 + 9 + 1  # header, rule, P1…P9 and P5b
+    assert "| P2 | w | – |" in text and "not run: no async API" in text
+    assert "| P5b |" in text and "| no |" in text
+    doc = f"# T\n\nbefore\n{table.BEGIN}\nold\n{table.END}\nafter\n"
+    new = table.replace_block(doc, table.block(result, short=True), Path("x.md"))
+    assert new.startswith("# T\n\nbefore\n" + table.BEGIN) and new.endswith(table.END + "\nafter\n")
+    assert "old" not in new and "| P9 |" in new
+    with pytest.raises(ValueError):
+        table.replace_block("no markers", "x", Path("x.md"))
+
+
+def test_docs_have_the_bench_block():
+    table = _load("table")
+    for path in DOCS:
+        text = path.read_text()
+        assert text.count(table.BEGIN) == 1 and text.count(table.END) == 1, path
+        assert text.index(table.BEGIN) < text.index(table.END), path
