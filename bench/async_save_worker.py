@@ -40,6 +40,8 @@ from finetune.checkpoint.manager import CheckpointManager
 from finetune.cli import parse_train_args
 from finetune.trainer import Trainer
 
+from checkpoint_save_worker import folder_bytes, timed  # noqa: E402 — this script's folder is on sys.path
+
 
 def async_api_missing() -> str | None:
     """Why this finetune has no background save API (None when it has one)."""
@@ -55,18 +57,6 @@ def settle() -> None:
     the write-back of the one before it."""
     os.sync()
     dist.barrier()
-
-
-def timed(fn) -> float:
-    dist.barrier()
-    start = time.perf_counter()
-    fn()
-    dist.barrier()
-    return time.perf_counter() - start
-
-
-def folder_bytes(folder: Path) -> int:
-    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
 
 
 def main() -> None:
