@@ -174,15 +174,13 @@ class CheckpointManager:
             dist.log_main(logging.WARNING, "training on: %s (--on_save_error continue)", e)
         return None
 
-    def settle(self) -> SaveError | None:
-        """Commit the save in flight, if any (training stops here); its failure is logged and
-        returned, not raised. Collective."""
+    def settle(self) -> None:
+        """Commit the save in flight, if any (training stops here); its failure is logged, not
+        raised. Collective."""
         try:
             self.wait()
         except SaveError as e:
             dist.log_main(logging.ERROR, "the save in flight failed: %s", e)
-            return e
-        return None
 
     def at_preemption(self, step: int, signals: str) -> tuple[Path | None, str | None]:
         """Commit this step (partitioned only: fast) unless it is already saved; returns (the new

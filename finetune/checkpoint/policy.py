@@ -33,6 +33,9 @@ class Committed:
     parent_save_id: str | None = None
     total_bytes: int = 0
 
+    # The manifest fields this reads (resume shares only these with every rank, not the file list).
+    MANIFEST_KEYS = ("commit_seq", "save_id", "parent", "parent_save_id", "total_bytes")
+
     @classmethod
     def from_manifest(cls, tag: str, manifest: dict) -> "Committed":
         seq = manifest.get("commit_seq")

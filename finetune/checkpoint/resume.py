@@ -43,9 +43,6 @@ class ResumePlan:
     max_seq: int = 0  # the highest commit number seen, set-aside ones included: later commits go above it
 
 
-IDENTITY = ("commit_seq", "save_id", "parent", "parent_save_id", "total_bytes")  # what Committed and _universal read
-
-
 class Resumer:
     def __init__(self, cfg: RunConfig, storage: LocalStorage, node_local: bool = False, leader: bool | None = None):
         """``node_local``: each node has its own OUT; ``leader``: this rank does rank 0's part for
@@ -70,7 +67,7 @@ class Resumer:
             fault_point("resume.read_state")
             manifest = read_manifest(folder)
             # Only its identity travels to every rank: the file list is O(world size) entries.
-            identity = {k: manifest[k] for k in IDENTITY if k in manifest} if manifest is not None else None
+            identity = {k: manifest[k] for k in Committed.MANIFEST_KEYS if k in manifest} if manifest else None
             return (json.loads((folder / TRAINER_STATE).read_text()), identity,
                     folder.parent.resolve() == self.out.resolve())
 

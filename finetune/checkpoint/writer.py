@@ -56,15 +56,22 @@ class GuardedWriter:
         return self.queue.bytes if self.queue is not None else 0
 
     def start(self) -> None:
-        """--async_save: start writing what ``save`` snapshotted (a no-op for a synchronous save)."""
-        if self.queue is not None:
+        """--async_save: start writing what ``save`` snapshotted (a no-op for a synchronous save).
+        A thread that cannot start is recorded like a failed write: raising here, on one rank,
+        would leave the others in the next collective."""
+        if self.queue is None:
+            return
+        try:
             self.queue.start()
+        except Exception as e:  # noqa: BLE001 — reported to all ranks by the manager
+            self._fail(self.staging, e)
+            self.queue.finished.set()
 
     def done(self) -> bool:
-        return self.queue is None or self.queue.thread is None or self.queue.done()
+        return self.queue is None or self.queue.done()
 
     def join(self) -> None:
-        if self.queue is not None and self.queue.thread is not None:
+        if self.queue is not None:
             self.queue.join()
 
     def makedirs(self, path, exist_ok=False):

@@ -141,3 +141,18 @@ def test_distinct_empty_storages_stay_distinct():
     state = {f"p{i}": torch.empty(0) for i in range(3)}
     copied, nbytes = host_copy(state)
     assert nbytes == 0 and _saved(copied) == _saved(state)
+
+
+def test_a_writer_thread_that_cannot_start_is_a_recorded_failure(tmp_path, monkeypatch):
+    """Raised on one rank, it would leave the others waiting in the next collective."""
+    w = GuardedWriter(_Inner())
+    w.reset(tmp_path, 4, background=True)
+    w.save(_state(), str(tmp_path / "f.pt"))
+
+    def refuse(self):
+        raise RuntimeError("can't start new thread")
+
+    monkeypatch.setattr("threading.Thread.start", refuse)
+    w.start()
+    w.join()  # returns: nothing to wait for
+    assert w.done() and w.error is not None and "can't start new thread" in w.error
