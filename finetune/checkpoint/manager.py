@@ -2,10 +2,12 @@
 
 Built once, after the engine, with the objects whose state a checkpoint holds (the engine, the
 training progress, the sampler; each rank's RNG) and the resume plan chosen before the engine
-existed (resume.py). It owns *when* to save (``at_step``: every --save_steps; ``at_preemption``;
-``at_end``) and the --on_save_error policy; the trainer only reports step boundaries.
+existed (resume.py). *When* to save (``at_step``: every --save_steps; ``at_preemption``;
+``at_end``) and the --on_save_error policy are its SaveSchedule part (schedule.py); the trainer
+only reports step boundaries.
 
-A save is four functions, in order (the async-save issue re-orders them without rewriting them):
+A save is four functions, in order (--async_save runs the write's files on a thread and the agree
+and commit at a later boundary: ``poll``/``wait``):
   snapshot  each rank captures what is not on the engine: its RNG, and (leaders) trainer_state;
   write     every rank calls ``engine.save_checkpoint`` into ``OUT/.staging/<tag>`` (a collective),
             through a checkpoint engine that fsyncs and checksums each file *as it is written* and
@@ -61,6 +63,7 @@ from finetune.checkpoint.layout import Layout
 from finetune.checkpoint.manifest import MANIFEST
 from finetune.checkpoint.policy import Committed, line_of, select_for_deletion, space_needed
 from finetune.checkpoint.resume import ResumePlan
+from finetune.checkpoint.schedule import SaveError, SaveSchedule
 from finetune.checkpoint.rng import rng_state, set_rng_state
 from finetune.checkpoint.state import TRAINER_STATE, TrainingState
 from finetune.checkpoint.storage import STAGING, LocalStorage, committed, step_of, tag_for
@@ -74,10 +77,6 @@ SLOW_COMMIT_ENV = "FINETUNE_SLOW_COMMIT"
 BYTES_PER_PARAM_ESTIMATE = 16
 SPACE_MARGIN = 1.10
 CONSOLIDATED_PATTERNS = ("model.safetensors", "model-*-of-*.safetensors", "model.safetensors.index.json")
-
-
-class SaveError(RuntimeError):
-    """A save failed on at least one rank; every rank raises it, nothing was committed."""
 
 
 def versions() -> dict:
@@ -112,7 +111,7 @@ class Pending:
     background: bool
 
 
-class CheckpointManager:
+class CheckpointManager(SaveSchedule):
     def __init__(self, storage: LocalStorage, ckpt: CheckpointArgs, layout: Layout, *, engine, progress: TrainingState,
                  sampler, tokenizer, run_info: dict, run_id: str, plan: ResumePlan | None = None,
                  consolidated_dtype: torch.dtype = torch.float32, still_ours=lambda: True):
@@ -154,92 +153,6 @@ class CheckpointManager:
         self.next_seq = 1 + max([seen_seq] + [v[1] for v in views])
         self.head = head
         self.last_bytes = out.result[2] if out.result else None
-
-    # --- when to save ------------------------------------------------------------------------
-
-    def at_step(self, step: int, total: int) -> int | None:
-        """At a step boundary: commit a background save whose writes are done, and start the
-        periodic save if one is due. An exit code to stop with, or None. Collective."""
-        ck = self.ckpt
-        due = ck.save_checkpoint and ck.save_steps and step % ck.save_steps == 0 and step < total
-        try:
-            if due:
-                self.save(step, background=ck.async_save)  # waits for a save still in flight first
-            else:
-                self.poll()
-        except SaveError as e:
-            if ck.on_save_error == "abort":
-                dist.log_main(logging.ERROR, "stopping: %s (--on_save_error abort)", e)
-                return 1
-            dist.log_main(logging.WARNING, "training on: %s (--on_save_error continue)", e)
-        return None
-
-    def settle(self) -> None:
-        """Commit the save in flight, if any (training stops here); its failure is logged, not
-        raised. Collective."""
-        try:
-            self.wait()
-        except SaveError as e:
-            dist.log_main(logging.ERROR, "the save in flight failed: %s", e)
-
-    def at_preemption(self, step: int, signals: str) -> tuple[Path | None, str | None]:
-        """Commit this step (partitioned only: fast) unless it is already saved; returns (the new
-        checkpoint or None, the save's error or None). A save in flight is committed first: when
-        it is of this step, that is the checkpoint."""
-        if not self.ckpt.save_checkpoint:
-            dist.log_main(logging.WARNING, "preempted (%s) at step %d: not saving (no --save_checkpoint)", signals, step)
-            return None, None
-        in_flight = self.pending.step if self.pending is not None else None
-        self.settle()
-        if in_flight == step and self.committed_step == step:
-            return self.out / tag_for(step), None
-        if self.committed_step == step or step == 0:
-            dist.log_main(logging.WARNING, "preempted (%s) at step %d: nothing new to save", signals, step)
-            return None, None
-        try:
-            return self.save(step, consolidated=False), None
-        except SaveError as e:
-            dist.log_main(logging.ERROR, "preempted (%s) at step %d and the save failed: %s", signals, step, e)
-            return None, str(e)
-
-    def at_end(self, step: int) -> int:
-        """The final save: its failure always makes the run exit 1."""
-        if not self.ckpt.save_checkpoint:
-            return 0
-        self.settle()
-        if self.committed_step == step:
-            # Resumed at (or past) the last step: re-saving the same step would only swap a
-            # complete checkpoint for a copy of itself.
-            logger.info("step %d is already saved as %s", step, self.out / tag_for(step))
-            self._finish_commit(step)
-            return 0
-        try:
-            path = self.save(step, final=True)
-        except SaveError as e:
-            dist.log_main(logging.ERROR, "final save failed: %s", e)
-            return 1
-        logger.info("checkpoint saved to %s", path)
-        return 0
-
-    def _finish_commit(self, step: int) -> None:
-        """Resumed at its last step, already saved: what a crash after that checkpoint's rename may
-        have left undone, `latest` and retention, is done now; no later commit would do it, so
-        `latest` would name an older checkpoint, and --save_total_limit be exceeded, for good.
-        Leaders, agreed. Collective."""
-        if self.head is None or self.head.tag != tag_for(step):
-            return  # resumed from a checkpoint outside OUT: nothing of this output dir to finish
-        tag = self.head.tag
-
-        def point_latest():
-            fault_point("resume.finish_commit", step)
-            if self.storage.read_latest() != tag:
-                self.storage.write_latest(tag)
-
-        out = dist.gather_outcomes(point_latest, on=self.leader, inline=True)
-        if not out.ok:
-            dist.log_main(logging.WARNING, "could not point `latest` at %s (%s); resume follows the commit order",
-                          tag, out.describe())
-        self.retain()
 
     # --- save: snapshot → write → agree → commit ------------------------------------------------
 
