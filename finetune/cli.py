@@ -18,6 +18,7 @@ import time
 import traceback
 from typing import Any, Callable
 
+from finetune import __version__, console, run_config
 from finetune import distributed as dist
 from finetune.config import GROUPS, ConfigError, RunConfig, check_size, precision_shorthand, resolve
 from finetune.ops import use_venv_extensions_dir
@@ -62,23 +63,33 @@ def _help(f: dataclasses.Field) -> str:
 
 
 def build_train_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="finetune", description="ZeRO-3 fine-tuning of HuggingFace causal LMs with DeepSpeed. "
-                "With no flags: trains the embedded tiny model on bundled data.")
+    """The training flags, one per config field. A flag not given is absent from the Namespace
+    (argument_default=SUPPRESS), so a --config file's value shows through where no flag overrides it."""
+    p = _Parser(prog="finetune", argument_default=argparse.SUPPRESS,
+                description="ZeRO-3 fine-tuning of HuggingFace causal LMs with DeepSpeed. With no flags: trains "
+                "the embedded tiny model on bundled data. Commands: " + ", ".join(f"finetune {c}" for c in SUBCOMMANDS)
+                + " (each with --help).")
+    p.add_argument("--version", action="version", version=f"finetune {__version__}")
+    p.add_argument("--config", metavar="FILE", help="A .yaml or .json file of training flags (keys are the flag names "
+                   "without --, e.g. learning_rate: 2.0e-5); flags on the command line override it. Every run writes "
+                   "its resolved flags to OUT/run_config.yaml, which this takes to run it again.")
     for title, cls in GROUPS:
         group = p.add_argument_group(f"{title} arguments")
         for f in dataclasses.fields(cls):
             flag = f"--{f.name}"
             if f.type in (bool, "bool"):
                 group.add_argument(flag, action="store_true", help=_help(f))
+                # Every switch can be turned off too: to override a --config file that turns it on.
+                group.add_argument(f"--no_{f.name}", action="store_false", dest=f.name,
+                                   help=f"Turn off --{f.name}." if f.default else argparse.SUPPRESS)
                 continue
-            kind = _scalar_type(f)
-            group.add_argument(flag, type=kind, default=None if f.default is None else f.default,
-                               choices=f.metadata.get("choices"), help=_help(f), metavar=f.name.upper())
+            group.add_argument(flag, type=_scalar_type(f), choices=f.metadata.get("choices"), help=_help(f),
+                               metavar=f.name.upper())
     shorthand = p.add_mutually_exclusive_group()  # "argument --fp16: not allowed with argument --bf16"
     shorthand.add_argument("--bf16", action="store_const", const="bf16", dest="precision_alias", help="Shorthand for --precision bf16.")
     shorthand.add_argument("--fp16", action="store_const", const="fp16", dest="precision_alias", help="Shorthand for --precision fp16.")
     # The DeepSpeed launcher appends --local_rank; the environment already carries it.
-    p.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--local_rank", "--local-rank", type=int, help=argparse.SUPPRESS)
     return p
 
 
@@ -92,9 +103,13 @@ def _scalar_type(f: dataclasses.Field) -> Callable[[str], Any]:
 
 
 def parse_train_args(argv: list[str]) -> RunConfig:
-    ns = build_train_parser().parse_args(argv)
-    values = {k: v for k, v in vars(ns).items() if k not in ("local_rank", "precision_alias")}
-    values["precision"], precision_flag = precision_shorthand(values["precision"], ns.precision_alias)
+    """Flags over --config file over defaults, then validated and reconciled (config.resolve)."""
+    given = vars(build_train_parser().parse_args(argv))
+    alias = given.pop("precision_alias", None)
+    given.pop("local_rank", None)
+    config_file = given.pop("config", None)
+    values = {**(run_config.load(config_file) if config_file else {}), **given}
+    values["precision"], precision_flag = precision_shorthand(values.get("precision", "auto"), alias)
     return resolve(values, precision_flag)
 
 
@@ -102,6 +117,7 @@ def parse_train_args(argv: list[str]) -> RunConfig:
 
 def _train(argv: list[str]) -> int:
     cfg = parse_train_args(argv)
+    console.quiet(level=cfg.train.log_level)  # a --config file's log_level, now that it is read
     from finetune.trainer import run
 
     return run(cfg)
@@ -184,7 +200,27 @@ def _export(argv: list[str]) -> int:
     return 0
 
 
-COMMANDS: dict[str, Callable[[list[str]], int]] = {"train": _train, "verify": _verify, "export": _export}
+def _ls(argv: list[str]) -> int:
+    from finetune import listing
+
+    return listing.main(argv)
+
+
+def _plot(argv: list[str]) -> int:
+    from finetune import plot
+
+    return plot.main(argv)
+
+
+def _env(argv: list[str]) -> int:
+    from finetune import environment
+
+    return environment.main(argv)
+
+
+COMMANDS: dict[str, Callable[[list[str]], int]] = {"train": _train, "verify": _verify, "export": _export,
+                                                   "ls": _ls, "plot": _plot, "env": _env}
+SUBCOMMANDS = ("verify", "export", "ls", "plot", "env")
 
 
 def _command(argv: list[str]) -> str:
@@ -228,9 +264,10 @@ def entry() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    console.quiet(argv)  # before DeepSpeed is imported: it logs while the flags are checked
     use_venv_extensions_dir()  # before DeepSpeed loads an op
     dist.adopt_launcher_env()
-    argv = list(sys.argv[1:] if argv is None else argv)
     try:
         command = _command(argv)
         if command != "train":

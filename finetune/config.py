@@ -88,7 +88,16 @@ class TrainArgs:
     precision: str = _f("auto", "auto = bf16 where the accelerator supports it, else fp32.", choices=PRECISIONS)
     logging_steps: int | None = _f(None, "Log train metrics every N optimizer steps (default 10; 5 for the embedded model).")
     eval_steps: int | None = _f(None, "Evaluate every N steps; eval always runs at step 0 and at the end.")
-    report_to: str = _f("none", "Also log to TensorBoard through DeepSpeed's monitor.", choices=("none", "tensorboard"))
+    report_to: str = _f("none", "Trackers that also get the metrics rows, the run's config and its checkpoint events: "
+                        "a comma list of tensorboard (OUT/tensorboard), wandb (needs `pip install wandb`; "
+                        "WANDB_PROJECT, WANDB_MODE=offline are read), csv (OUT/csv), or none.")
+    run_name: str | None = _f(None, "The run's name in trackers (default: the --output_dir folder's name).")
+    log_level: str = _f("warning", "What DeepSpeed, transformers and datasets print: warning hides their info lines and "
+                        "known per-rank repeats (torch deprecations DeepSpeed triggers); info or debug shows "
+                        "everything.", choices=("warning", "info", "debug"))
+    plot: bool = _f(True, "Draw OUT/plots/training.png (train and eval loss, learning rate, tokens/s; checkpoints, "
+                    "resumes and preemptions marked) at each eval and at the end, on rank 0 in the background; "
+                    "--no_plot turns it off.")
     ddp_timeout: int | None = _f(None, "Seconds a collective may wait for a peer before the run fails (default 900). "
                                  "finetune's own long single-rank work (dataset tokenization, universal conversion) "
                                  "waits with short polling collectives, so this only bounds how long a dead or stuck "
@@ -153,6 +162,21 @@ LEGACY_TIMEOUT_ENV = "FINETUNE_DIST_TIMEOUT_MIN"
 
 
 # --- flag values → RunConfig -----------------------------------------------------------------
+
+TRACKERS = ("tensorboard", "wandb", "csv")
+
+
+def report_targets(value: str) -> tuple[str, ...]:
+    """--report_to's trackers, in order, without duplicates; () for "none"."""
+    names = [n.strip() for n in value.split(",") if n.strip()]
+    if names == ["none"] or not names:
+        return ()
+    bad = [n for n in names if n not in TRACKERS]
+    if bad:
+        raise ConfigError(f"`--report_to`: unknown tracker {', '.join(map(repr, bad))} "
+                          f"(choose from {', '.join(TRACKERS)}, comma-separated, or none)")
+    return tuple(dict.fromkeys(names))
+
 
 def flag_defaults() -> dict[str, Any]:
     """Every flag's value when it is not given (``None`` = unset, filled by ``resolve``)."""
@@ -246,6 +270,12 @@ def validate_flags(v: Mapping[str, Any]) -> None:
             and not v["save_checkpoint"]:
         raise ConfigError("`--save_steps`, `--save_total_limit`, `--save_consolidated` and `--async_save` need "
                           "`--save_checkpoint`")
+    if "wandb" in report_targets(v["report_to"]):
+        import importlib.util
+
+        if importlib.util.find_spec("wandb") is None:
+            raise ConfigError("`--report_to wandb`: the wandb package is not installed (pip install wandb, "
+                              "or pip install 'finetune[wandb]')")
     if v["ignore_unverified_checkpoints"] and v["resume_from_checkpoint"] != "auto":
         raise ConfigError("`--ignore_unverified_checkpoints` needs `--resume_from_checkpoint auto`")
 

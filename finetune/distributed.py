@@ -22,6 +22,7 @@ import torch
 
 from finetune import launchers
 from finetune.checkpoint.faults import fault_point
+from finetune.console import swallow_build_notice
 from finetune.config import DEFAULT_DDP_TIMEOUT, ConfigError
 
 logger = logging.getLogger("finetune")
@@ -79,7 +80,8 @@ def init(timeout_s: int | None = None) -> None:
         acc.set_device(local)
     # The timeout bounds how long a dead peer goes unnoticed; long single-rank work polls (gather_outcomes).
     # distributed_port: only MPI discovery reads it (comm.py:898, 944), else it would take 29500.
-    deepspeed.init_distributed(timeout=timedelta(seconds=_timeout_s), distributed_port=int(os.environ["MASTER_PORT"]))
+    with swallow_build_notice():  # its "…shm_comm_op built successfully", once per rank
+        deepspeed.init_distributed(timeout=timedelta(seconds=_timeout_s), distributed_port=int(os.environ["MASTER_PORT"]))
     os.environ["LOCAL_RANK"] = str(local)  # MPI discovery recounts it by host name (comm.py:935-942)
     _setup_logging()
     _unlink_shm_buffer()

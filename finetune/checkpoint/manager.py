@@ -51,6 +51,7 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -133,6 +134,9 @@ class CheckpointManager(SaveSchedule):
         self.committed_step: int | None = plan.saved["global_step"] if plan else None
         self.consolidation_error: str | None = None
         self.pending: Pending | None = None  # --async_save: written in the background, not yet committed
+        # Where commits and failed saves are reported (MetricsWriter.event: OUT/events.jsonl and the
+        # trackers, rank 0); called on every rank, must not raise.
+        self.on_event: Callable[..., None] = lambda kind, step, **fields: None
         self._read_history(plan.head if plan else None, plan.max_seq if plan else 0)
 
     def _read_history(self, head: Committed | None, seen_seq: int) -> None:
@@ -213,6 +217,8 @@ class CheckpointManager(SaveSchedule):
         clock.lap("retain")
         self.committed_step = pending.step
         total = sum(size for size, _ in files.values())
+        self.on_event("checkpoint", pending.step, tag=tag, bytes=total, seconds=round(clock.total, 3),
+                      consolidated=pending.consolidated and self.consolidation_error is None)
         own = pending.io.finish(tag, self.writer.files, clock.total)
         logger.info("Finished saving the checkpoint %s in %.2f seconds (%.1f MB, %.1f MB/s; %s; rank 0 wrote %.1f MB and "
                     "read back %.2f MB)%s.", tag, clock.total, total / 1e6, total / 1e6 / max(clock.total, 1e-9), clock,

@@ -33,6 +33,7 @@ class SaveSchedule:
             else:
                 self.poll()
         except SaveError as e:
+            self.on_event("save_failed", step, error=str(e))
             if ck.on_save_error == "abort":
                 dist.log_main(logging.ERROR, "stopping: %s (--on_save_error abort)", e)
                 return 1
@@ -45,6 +46,7 @@ class SaveSchedule:
         try:
             self.wait()
         except SaveError as e:
+            self.on_event("save_failed", self.progress.global_step, error=str(e))
             dist.log_main(logging.ERROR, "the save in flight failed: %s", e)
 
     def at_preemption(self, step: int, signals: str) -> tuple[Path | None, str | None]:
@@ -64,6 +66,7 @@ class SaveSchedule:
         try:
             return self.save(step, consolidated=False), None
         except SaveError as e:
+            self.on_event("save_failed", step, error=str(e))
             dist.log_main(logging.ERROR, "preempted (%s) at step %d and the save failed: %s", signals, step, e)
             return None, str(e)
 
@@ -81,6 +84,7 @@ class SaveSchedule:
         try:
             path = self.save(step, final=True)
         except SaveError as e:
+            self.on_event("save_failed", step, error=str(e))
             dist.log_main(logging.ERROR, "final save failed: %s", e)
             return 1
         logger.info("checkpoint saved to %s", path)

@@ -1,0 +1,142 @@
+"""Run config files: ``--config run.yaml|json`` in, ``OUT/run_config.yaml`` out.
+
+A file's keys are the training flags' names (``learning_rate: 2.0e-5``); the command line overrides
+it. Values are checked against each flag's type and choices here, with the file and key named, so
+a typo in a job script's config fails in a second with exit 2, not after the model has loaded.
+The file a run writes holds every flag's resolved value, so ``finetune --config OUT/run_config.yaml``
+runs the same training again (give another ``--output_dir`` to keep the first).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import os
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from finetune.config import GROUPS, ConfigError, RunConfig
+
+FILE_NAME = "run_config.yaml"
+_FIELDS = {f.name: f for _, cls in GROUPS for f in dataclasses.fields(cls)}
+# Flags that are spelled differently in a file: the command line's shorthands.
+_ALIASES = {"bf16": "precision: bf16", "fp16": "precision: fp16", "config": "a file cannot include another"}
+
+
+def load(path: str) -> dict[str, Any]:
+    """The flag values a config file sets (flag name → value), checked; ConfigError names the key."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"--config: file not found: {path}")
+    suffix = p.suffix.lower()
+    if suffix not in (".yaml", ".yml", ".json"):
+        raise ConfigError(f"--config {path}: must be a .yaml, .yml or .json file")
+    try:
+        text = p.read_text()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"--config {path}: cannot read it: {_first_line(e)}") from None
+    if suffix == ".json":
+        try:
+            data = json.loads(text)
+        except ValueError as e:
+            raise ConfigError(f"--config {path}: not valid JSON: {_first_line(e)}") from None
+    else:
+        yaml = _yaml()
+        try:
+            data = yaml.safe_load(text)
+        except yaml.YAMLError as e:
+            raise ConfigError(f"--config {path}: not valid YAML: {_first_line(e)}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"--config {path}: must hold a mapping of flag names to values, got {type(data).__name__}")
+    return {str(key): _check(path, str(key), value) for key, value in data.items()}
+
+
+def _check(path: str, key: str, value: Any) -> Any:
+    f = _FIELDS.get(key.lstrip("-").replace("-", "_"))
+    if f is None or key.startswith("-"):
+        if key in _ALIASES:
+            raise ConfigError(f"--config {path}: unknown key `{key}` (use {_ALIASES[key]})")
+        close = difflib.get_close_matches(key, _FIELDS, n=1)
+        hint = f"; did you mean `{close[0]}`?" if close else " (keys are the training flags' names, without --)"
+        raise ConfigError(f"--config {path}: unknown key `{key}`{hint}")
+    if key != f.name:
+        raise ConfigError(f"--config {path}: unknown key `{key}`; did you mean `{f.name}`?")
+    value = _typed(path, f, value)
+    choices = f.metadata.get("choices")
+    if choices and value is not None and value not in choices:
+        raise ConfigError(f"--config {path}: `{key}` must be one of {', '.join(choices)}, got {value!r}")
+    return value
+
+
+def _typed(path: str, f: dataclasses.Field, value: Any) -> Any:
+    kind = str(f.type)
+    if value is None:
+        if f.default is None:
+            return None  # unset, as when the flag is not given
+        expected = "true or false" if "bool" in kind else _expected(kind)
+        raise ConfigError(f"--config {path}: `{f.name}` must be {expected}, got null")
+    if "bool" in kind:
+        ok = isinstance(value, bool)
+    elif "int" in kind:
+        ok = isinstance(value, int) and not isinstance(value, bool)
+    elif "float" in kind:
+        if isinstance(value, str):  # YAML 1.1 reads 1e-5 (no dot) as a string; it is meant as a number
+            try:
+                value = float(value)
+            except ValueError:
+                pass
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        value = float(value) if ok else value
+    else:
+        ok = isinstance(value, str)
+    if not ok:
+        expected = "true or false" if "bool" in kind else _expected(kind)
+        raise ConfigError(f"--config {path}: `{f.name}` must be {expected}, got {value!r} ({_yaml_type(value)})")
+    return value
+
+
+def _expected(kind: str) -> str:
+    if "int" in kind:
+        return "an integer"
+    if "float" in kind:
+        return "a number"
+    return "a string"
+
+
+def _yaml_type(value: Any) -> str:
+    return {bool: "a boolean", int: "an integer", float: "a number", str: "a string", list: "a list",
+            dict: "a mapping"}.get(type(value), type(value).__name__)
+
+
+def _first_line(e: BaseException) -> str:
+    return " ".join(str(e).split())[:300]
+
+
+def _yaml():
+    import yaml  # PyYAML: a dependency of transformers and huggingface_hub
+
+    return yaml
+
+
+def write(cfg: RunConfig, output_dir: str, version: str) -> Path:
+    """OUT/run_config.yaml: every flag's resolved value, grouped as in --help. Atomic (a reader never
+    sees half a file); rank 0 calls it once the run has started."""
+    yaml = _yaml()
+    when = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    parts = [f"# finetune {version}: the resolved configuration of the run started {when} (world size "
+             f"{cfg.world_size}).\n# Run it again with: finetune --config {Path(output_dir) / FILE_NAME} "
+             f"--output_dir NEW_DIR\n"]
+    for name, group in cfg.to_json_dict().items():
+        parts.append(f"\n# {name}\n" + yaml.safe_dump(group, sort_keys=False, default_flow_style=False))
+    path = Path(output_dir) / FILE_NAME
+    tmp = path.with_name(f".{FILE_NAME}.tmp")
+    with open(tmp, "w") as f:
+        f.write("".join(parts))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    return path
