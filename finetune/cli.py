@@ -108,7 +108,7 @@ def parse_train_args(argv: list[str]) -> RunConfig:
     alias = given.pop("precision_alias", None)
     given.pop("local_rank", None)
     config_file = given.pop("config", None)
-    values = {**(run_config.load(config_file) if config_file else {}), **given}
+    values = {**run_config.overridden(run_config.load(config_file), given), **given} if config_file else given
     values["precision"], precision_flag = precision_shorthand(values.get("precision", "auto"), alias)
     return resolve(values, precision_flag)
 

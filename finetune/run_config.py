@@ -55,6 +55,23 @@ def load(path: str) -> dict[str, Any]:
     return {str(key): _check(path, str(key), value) for key, value in data.items()}
 
 
+# Flags that exclude each other: one given on the command line replaces the other from the file
+# (`--max_steps 3` over a file's num_train_epochs is a short try of the same recipe).
+_EITHER = (({"max_steps"}, {"num_train_epochs"}), ({"train_file"}, {"dataset_name", "dataset_config_name"}),
+           ({"model_name_or_path"}, {"config_name"}),
+           ({"messages_column"}, {"prompt_column", "completion_column"}))
+
+
+def overridden(from_file: dict[str, Any], given: dict[str, Any]) -> dict[str, Any]:
+    """The file's values less those that a flag on the command line excludes."""
+    dropped: set[str] = set()
+    for one, other in _EITHER:
+        for side, counterpart in ((one, other), (other, one)):
+            if side & given.keys():
+                dropped |= counterpart - given.keys()
+    return {k: v for k, v in from_file.items() if k not in dropped}
+
+
 def _check(path: str, key: str, value: Any) -> Any:
     f = _FIELDS.get(key.lstrip("-").replace("-", "_"))
     if f is None or key.startswith("-"):

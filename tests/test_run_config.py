@@ -39,6 +39,17 @@ def test_file_values_reach_the_config_and_flags_override_them(tmp_path):
     assert (cfg.ckpt.output_dir, cfg.train.lr_scheduler_type) == ("from_file", "cosine")
 
 
+def test_a_flag_replaces_the_files_value_of_the_flag_it_excludes(tmp_path):
+    path = config_file(tmp_path, "num_train_epochs: 3\nprompt_column: q\ncompletion_column: a\n")
+    cfg = parse_train_args(["--config", path, "--max_steps", "4"])
+    assert (cfg.train.max_steps, cfg.train.num_train_epochs) == (4, None)
+    path = config_file(tmp_path, "max_steps: 4\n")
+    assert parse_train_args(["--config", path, "--num_train_epochs", "1"]).train.max_steps is None
+    # Both exclusive flags on the command line are still an error.
+    with pytest.raises(ConfigError, match="Can't give both `--max_steps` and `--num_train_epochs`"):
+        parse_train_args(["--config", path, "--num_train_epochs", "1", "--max_steps", "2"])
+
+
 def test_json_files_work_the_same(tmp_path):
     path = config_file(tmp_path, '{"max_steps": 3, "packing": true}', "run.json")
     cfg = parse_train_args(["--config", path])
