@@ -11,6 +11,7 @@ import json
 import os
 import time
 from dataclasses import dataclass, field
+from datetime import datetime, timezone
 from pathlib import Path
 
 from finetune.checkpoint.durable import hash_file
@@ -26,7 +27,9 @@ def build_manifest(tag: str, files: dict[str, tuple[int, str]], world_size: int,
                    ranks: list[int] | None = None, identity: dict | None = None) -> dict:
     """``ranks``: node-local storage holds only these ranks' files (absent = all of them);
     ``identity``: commit_seq, save_id, parent, parent_save_id (policy.py reads them)."""
+    # committed_at: for people (`finetune ls`); ordering goes by commit_seq, never by clocks.
     manifest = {**(identity or {}),"format_version": FORMAT_VERSION, "tag": tag, "world_size": world_size, "algorithm": ALGORITHM,
+                "committed_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
                 "versions": versions, "total_bytes": sum(size for size, _ in files.values()),
                 "files": {name: {"size": size, "checksum": digest} for name, (size, digest) in sorted(files.items())}}
     if ranks is not None:

@@ -1,0 +1,306 @@
+"""``finetune ls OUT``: the checkpoints of an output dir, one row each, and what else is in it.
+
+Per checkpoint: step, when it was committed, size, world size, the train and eval loss logged at
+(or last before) its step, whether it holds consolidated weights, and its state: sizes checked
+against the manifest, or with ``--verify`` checksums too (what ``finetune verify`` checks). Below:
+the notes ``finetune verify OUT`` gives (uncommitted folders, a stale ``latest``, leftovers of
+crashed saves, torn metrics lines), and the disk space. Node-local storage: each node lists the
+ranks' files it holds.
+
+Cheap by design: manifests are read and files stat'ed, metrics.jsonl is read once; checksums
+only with ``--verify``. Reads only; a damaged checkpoint is reported, not an error (exit 0).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import textwrap
+from bisect import bisect_right
+from dataclasses import asdict, dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+
+from finetune.checkpoint.lease import LEASE
+from finetune.checkpoint.manifest import MANIFEST, looks_like_checkpoint, read_manifest, stored_ranks, verify
+from finetune.checkpoint.outdir import METRICS, notes
+from finetune.checkpoint.resume import UNIVERSAL
+from finetune.checkpoint.storage import ABANDONED, LATEST, STAGING, LocalStorage, step_of
+from finetune.config import ConfigError
+from finetune.exit_status import EXIT_STATUS
+from finetune.metrics import read_metrics
+
+WIDTH = 100  # the table fits a terminal this wide; full problem texts go below it
+UNCOMMITTED = "uncommitted"
+RUN_FILES = (METRICS, LATEST, EXIT_STATUS, STAGING, ABANDONED, LEASE)  # what only a run writes into OUT
+
+
+@dataclass
+class Checkpoint:
+    """One row: what the manifest, the metrics and the check say about one checkpoint folder."""
+
+    tag: str
+    step: int
+    committed_at: str | None  # UTC ISO-8601; None for a folder that was never committed
+    bytes: int
+    world_size: int | None
+    ranks: list[int] | None  # node-local storage: the ranks whose files this folder holds
+    train_loss: float | None
+    train_loss_step: int | None  # the step it was logged at: the checkpoint's, or the last before
+    eval_loss: float | None
+    eval_loss_step: int | None
+    consolidated: bool | None
+    status: str
+    problems: list[str] = field(default_factory=list)
+    latest: bool = False
+
+
+@dataclass
+class Listing:
+    output_dir: str
+    latest: str | None
+    checkpoints: list[Checkpoint]
+    notes: list[str]
+    free_bytes: int
+    checkpoint_bytes: int
+
+
+def main(argv: list[str]) -> int:
+    from finetune.cli import _Parser  # here, not at the top: cli imports the subcommands' modules
+
+    p = _Parser(prog="finetune ls", description="List an output dir's checkpoints (step, time, size, world size, "
+                "losses, state) and what else is in it. Exit 0 when listed, damaged checkpoints included; "
+                "2 when OUT is not an output dir.")
+    p.add_argument("output_dir", metavar="OUT", help="An output dir (--output_dir of a run).")
+    p.add_argument("--verify", action="store_true", help="Check every file's checksum too, not only its size "
+                   "(reads every byte: as slow as `finetune verify` on each checkpoint).")
+    p.add_argument("--json", action="store_true", help="Print the listing as one JSON object instead of a table.")
+    ns = p.parse_args(argv)
+    listing = collect(Path(ns.output_dir), checksums=ns.verify)
+    print(json.dumps(asdict(listing), indent=2) if ns.json else render(listing))
+    return 0
+
+
+def collect(out: Path, checksums: bool = False) -> Listing:
+    """Everything ``finetune ls`` shows, read from ``out``; ConfigError if it is no output dir."""
+    storage = LocalStorage(out)
+    _check_output_dir(out, storage)
+    latest = storage.read_latest()
+    losses = _Losses(read_metrics(str(out)))
+    rows = [_checkpoint(out / tag, losses, checksums) for tag in storage.tags()]
+    for row in rows:
+        row.latest = row.tag == latest
+    extra = _node_local_note(rows) + _set_aside_note(out) + _universal_notes(out, rows)
+    return Listing(str(out), latest, rows, notes(out) + extra, storage.free_bytes(), sum(r.bytes for r in rows))
+
+
+def _check_output_dir(out: Path, storage: LocalStorage) -> None:
+    if not out.is_dir():
+        raise ConfigError(f"{out}: {'not a folder' if out.exists() else 'no such folder'}")
+    if looks_like_checkpoint(out):
+        raise ConfigError(f"{out}: a checkpoint, not an output dir (list its output dir: finetune ls {out.parent})")
+    if not storage.tags() and not any((out / name).exists() for name in RUN_FILES):
+        raise ConfigError(f"{out}: not a finetune output dir (no checkpoints, {METRICS}, {LATEST} or {EXIT_STATUS})")
+
+
+def _checkpoint(folder: Path, losses: "_Losses", checksums: bool) -> Checkpoint:
+    step = step_of(folder.name)
+    train, train_step = losses.at(step, "loss")
+    evaluated, eval_step = losses.at(step, "eval_loss")
+    manifest = read_manifest(folder)
+    if not isinstance(manifest, dict):  # a crash mid-copy, or a save from before manifests: resume never picks it
+        return Checkpoint(folder.name, step, None, _folder_bytes(folder), None, None, train, train_step, evaluated,
+                          eval_step, None, UNCOMMITTED, [f"{MANIFEST} missing or unreadable (never committed)"])
+    problems = _problems(folder, manifest, checksums)
+    status = f"DAMAGED: {problems[0]}" if problems else f"ok ({'checksums' if checksums else 'sizes'})"
+    world = _int_or_none(manifest.get("world_size"))
+    ranks = manifest.get("ranks") if isinstance(manifest.get("ranks"), list) else None
+    consolidated = manifest.get("consolidated")
+    return Checkpoint(folder.name, step, _committed_at(folder, manifest), _int_or_none(manifest.get("total_bytes")) or
+                      _folder_bytes(folder), world, ranks, train, train_step, evaluated, eval_step,
+                      consolidated if isinstance(consolidated, bool) else None, status, problems)
+
+
+def _problems(folder: Path, manifest: dict, checksums: bool) -> list[str]:
+    """What ``finetune verify`` (``--quick`` without ``checksums``) finds wrong with ``folder``."""
+    try:
+        problems = verify(folder, checksums=checksums).problems
+    except (TypeError, ValueError, AttributeError) as e:  # a hand-edited manifest: one damaged row, not a crash
+        return [f"{MANIFEST}: malformed ({type(e).__name__}: {e})"]
+    if not problems and checksums:  # as `finetune verify`: would resume's unpickling refuse it? (opcodes only)
+        from finetune.checkpoint.safe_load import refusals  # imports torch: only when asked to verify
+
+        problems = refusals(folder, stored_ranks(manifest))
+    return problems
+
+
+def _committed_at(folder: Path, manifest: dict) -> str | None:
+    """The manifest's ``committed_at``; for checkpoints saved before that key existed, the time
+    manifest.json was last written (the commit, unless someone copied the folder since)."""
+    stamp = manifest.get("committed_at")
+    if isinstance(stamp, str):
+        try:
+            return datetime.fromisoformat(stamp).astimezone(timezone.utc).isoformat(timespec="seconds")
+        except ValueError:
+            pass  # hand-edited: the file's time is the next best
+    try:
+        mtime = (folder / MANIFEST).stat().st_mtime
+    except OSError:
+        return None
+    return datetime.fromtimestamp(mtime, timezone.utc).isoformat(timespec="seconds")
+
+
+def _int_or_none(value) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def _folder_bytes(folder: Path) -> int:
+    """Bytes of the files directly in ``folder`` (checkpoint folders are flat; a cached universal
+    conversion below it is reported on its own)."""
+    total = 0
+    try:
+        with os.scandir(folder) as entries:
+            for entry in entries:
+                if entry.is_file(follow_symlinks=False):
+                    total += entry.stat(follow_symlinks=False).st_size
+    except OSError:
+        pass  # unreadable: its rows and notes say so; the size is what could be counted
+    return total
+
+
+class _Losses:
+    """metrics.jsonl read once, indexed by step: the loss at a step is the row logged at it, or the
+    last one before it (logging every N steps need not land on a save step). A step logged twice
+    (a resumed run re-logging it) takes the later row, as the file reads top to bottom."""
+
+    def __init__(self, rows: list[dict]):
+        self.series: dict[str, tuple[list[int], list[float]]] = {}
+        for key in ("loss", "eval_loss"):
+            by_step = {row["step"]: float(row[key]) for row in rows if _int_or_none(row.get("step")) is not None
+                       and isinstance(row.get(key), (int, float)) and not isinstance(row.get(key), bool)}
+            steps = sorted(by_step)
+            self.series[key] = (steps, [by_step[s] for s in steps])
+
+    def at(self, step: int, key: str) -> tuple[float | None, int | None]:
+        steps, values = self.series[key]
+        i = bisect_right(steps, step)
+        return (values[i - 1], steps[i - 1]) if i else (None, None)
+
+
+# --- what else takes space ---------------------------------------------------------------------
+
+def _node_local_note(rows: list[Checkpoint]) -> list[str]:
+    local = [r for r in rows if r.ranks is not None and r.ranks != list(range(r.world_size or 0))]
+    if not local:
+        return []
+    newest = local[-1]
+    return [f"node-local checkpoints: this storage holds the files of rank(s) {_ranges(newest.ranks)} of "
+            f"{newest.world_size} ({newest.tag}); the other nodes' output dirs hold the rest"]
+
+
+def _ranges(ranks: list[int]) -> str:
+    """[0, 1, 2, 5] → "0-2,5": a node's ranks are usually one run of numbers."""
+    spans: list[list[int]] = []
+    for r in ranks:
+        if spans and r == spans[-1][1] + 1:
+            spans[-1][1] = r
+        else:
+            spans.append([r, r])
+    return ",".join(f"{a}-{b}" if a != b else str(a) for a, b in spans)
+
+
+def _set_aside_note(out: Path) -> list[str]:
+    """Checkpoints under ``.abandoned``: kept, never deleted by finetune, so they use disk until
+    someone removes them."""
+    try:
+        kept = [p for p in (out / ABANDONED).iterdir() if p.is_dir()]
+    except OSError:
+        return []
+    if not kept:
+        return []
+    size = sum(_int_or_none((read_manifest(p) or {}).get("total_bytes")) or _folder_bytes(p) for p in kept)
+    return [f"{ABANDONED}: {len(kept)} checkpoint(s) set aside ({_human(size)}): timelines a resume left, or folders "
+            "finetune did not commit; kept, never deleted by finetune (remove them by hand when not needed)"]
+
+
+def _universal_notes(out: Path, rows: list[Checkpoint]) -> list[str]:
+    """Cached universal conversions (resume on another world size): not in a checkpoint's
+    manifest, so not in its size; their own manifest lists their files."""
+    found = []
+    for row in rows:
+        target = out / row.tag / UNIVERSAL
+        if target.is_dir():
+            files = (read_manifest(target) or {}).get("files") or {}
+            size = sum(meta.get("size", 0) for meta in files.values() if isinstance(meta, dict))
+            found.append(f"{row.tag}/{UNIVERSAL}: a universal conversion (for resuming on another world size), "
+                         f"{_human(size) if files else 'size unknown (no manifest)'}; not in the sizes above")
+    return found
+
+
+# --- the table ---------------------------------------------------------------------------------
+
+HEADERS = ("", "step", "committed at", "size", "world", "train loss", "eval loss", "consolidated", "status")
+
+
+def render(listing: Listing) -> str:
+    rows = [_cells(c) for c in listing.checkpoints]
+    lines = _table(rows) if rows else ["no checkpoints"]
+    if any(c.latest for c in listing.checkpoints):
+        lines.append(f"* = named by {LATEST}")
+    for c in listing.checkpoints:
+        if c.problems and c.status != UNCOMMITTED:  # the table has room for the first one at most
+            lines.append(f"{c.tag}: {len(c.problems)} problem(s)")
+            lines += [_wrap(p, "  - ") for p in c.problems]
+    lines += [_wrap(n, "note: ") for n in listing.notes]
+    count = sum(c.status != UNCOMMITTED for c in listing.checkpoints)
+    lines.append(_wrap(f"{_human(listing.checkpoint_bytes)} in {len(listing.checkpoints)} checkpoint folder(s) "
+                       f"({count} committed); {_human(listing.free_bytes)} free on {listing.output_dir}'s "
+                       "filesystem", "disk: "))
+    return "\n".join(lines)
+
+
+def _wrap(text: str, lead: str) -> str:
+    # Paths are not broken: a long one overflows rather than becoming uncopyable.
+    return textwrap.fill(text, WIDTH, initial_indent=lead, subsequent_indent=" " * len(lead),
+                         break_long_words=False, break_on_hyphens=False)
+
+
+def _cells(c: Checkpoint) -> list[str]:
+    when = "-" if c.committed_at is None else \
+        datetime.fromisoformat(c.committed_at).astimezone().strftime("%Y-%m-%d %H:%M")  # the reader's local time
+    world = "-" if c.world_size is None else str(c.world_size)
+    if c.ranks is not None and c.ranks != list(range(c.world_size or 0)):
+        world = f"{len(c.ranks)}/{world}"  # node-local: ranks held here / world size
+    consolidated = {True: "yes", False: "no", None: "-"}[c.consolidated]
+    return ["*" if c.latest else "", str(c.step), when, _human(c.bytes), world,
+            _loss(c.train_loss, c.train_loss_step, c.step), _loss(c.eval_loss, c.eval_loss_step, c.step), consolidated,
+            c.status]
+
+
+def _loss(value: float | None, logged_at: int | None, step: int) -> str:
+    if value is None:
+        return "-"
+    return f"{value:.4f}" if logged_at == step else f"{value:.4f}@{logged_at}"  # @: last logged before the step
+
+
+def _table(rows: list[list[str]]) -> list[str]:
+    """Left-aligned text columns, numbers right-aligned; the last column (status) cut to WIDTH."""
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(HEADERS)]
+    right = {1, 3, 4, 5, 6}
+    out = []
+    for cells in [list(HEADERS), *rows]:
+        text = "  ".join(c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(cells[:-1], widths)))
+        status = cells[-1]
+        if len(text) + 2 + len(status) > WIDTH and status.startswith("DAMAGED: "):
+            status = "DAMAGED (below)"  # half a file name helps no one: the problems follow the table in full
+        text = f"{text}  {status}"
+        out.append(text if len(text) <= WIDTH else text[:WIDTH - 1] + "…")
+    return out
+
+
+def _human(n: int) -> str:
+    """Decimal units, as `df -H` and the save log lines."""
+    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n} B"
