@@ -13,6 +13,8 @@
 #   --offline                      [FINETUNE_OFFLINE=1] no hub access (HF_HUB_OFFLINE etc.)
 #
 # What it adds to a bare launcher:
+#   * a quiet DeepSpeed launcher: its own log at warning (DS_LAUNCHER_LOG_LEVEL=info shows its
+#     command and spawn lines);
 #   * environment: OMP_NUM_THREADS = cores / processes (unless set), TOKENIZERS_PARALLELISM=false,
 #     TORCH_NCCL_ASYNC_ERROR_HANDLING=1 (a dead rank becomes an error, not a hang), unbuffered output;
 #   * a log: everything is also appended to OUT/logs/launch-<time>-<host>-<pid>.log;
@@ -86,7 +88,8 @@ else
 fi
 
 if [[ $launcher == deepspeed ]]; then
-    cmd=("$PYTHON" -m deepspeed.launcher.runner --master_port "$master_port")
+    # The launcher's own INFO lines (its command, world info, each spawn) only at --log_level info.
+    cmd=("$PYTHON" -m deepspeed.launcher.runner --master_port "$master_port" --log_level "${DS_LAUNCHER_LOG_LEVEL:-warning}")
     if [[ -n $hostfile ]]; then
         cmd+=(--hostfile "$hostfile" --master_addr "$master_addr")
     else
