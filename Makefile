@@ -24,7 +24,7 @@ $(STAMP): pyproject.toml
 	PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(PY) scripts/build_ops.py
 	touch $(STAMP)
 
-# On a GPU machine, after installing torch for its CUDA (see README "GPU"): `make setup` then this,
+# On a GPU machine, after installing torch for its CUDA (see docs/CLUSTERS.md "GPU setup"): `make setup` then this,
 # which fails when FusedAdam (needs nvcc) or CPU Adam can't be built. Runs work without them (torch_adam).
 gpu-setup: setup
 	PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(PY) scripts/build_ops.py --strict

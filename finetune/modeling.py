@@ -70,7 +70,11 @@ def load_model(args: ModelArgs, ds_config: dict, precision: str, seed: int):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=args.trust_remote_code)
     _KEEPALIVE.append(hf_ds)  # transformers checks it again later (generate, resize, checkpointing)
     if args.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        enable = getattr(model, "activation_checkpointing_enable", None)  # transformers >= 5.2x; the old name warns
+        if enable is not None:
+            enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     # Training never reads the KV cache; building it costs time. (Restored in saved configs.)
     model.config.use_cache = False
     return model

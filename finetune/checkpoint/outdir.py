@@ -1,7 +1,7 @@
 """What ``finetune verify OUT`` reports about an output dir besides its newest checkpoint.
 
 None of these damages a committed checkpoint, so none changes verify's exit code; each is named
-with what a resume does about it (README "Verify"):
+with what a resume does about it (docs/CHECKPOINTS.md "Verify"):
   * a checkpoint folder with no readable manifest.json: not committed (damage, or a copy that
     never finished); resume never picks it
   * ``latest`` naming no committed checkpoint, an older one than the newest, or not a file: it is

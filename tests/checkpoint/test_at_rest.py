@@ -1,6 +1,6 @@
 """Damage at rest, on real 2-rank checkpoints: `finetune verify` names each kind of damage, and
 `--resume_from_checkpoint auto` skips it (falls back to the older intact checkpoint) or repairs it,
-as README "Resume" and "Verify" say, and finishes. Nothing hangs: every run has a short
+as docs/CHECKPOINTS.md "Resume" and "Verify" say, and finishes. Nothing hangs: every run has a short
 --ddp_timeout and a wall-clock limit. Also: resume unpickles DeepSpeed's files only after they
 verified, and the real rank files need nothing beyond the allow-list (finetune/checkpoint/safe_load.py).
 

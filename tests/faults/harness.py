@@ -213,7 +213,7 @@ EXPECTED: dict[str, Site] = {
     "save.shared_files": Site(FRESH, LEADER, 2, _codes(0), SAVE_FAILED),
     "save.drop_staging": Site(FRESH, LEADER, 2, _codes(0), r"could not remove .staging/global_step{step}",
                               before="save.write_rank_files:1:{step}"),
-    # The consolidated weights alone fail: the partitioned checkpoint commits without them (README).
+    # The consolidated weights alone fail: the partitioned checkpoint commits without them (docs/CHECKPOINTS.md).
     "save.consolidated_gather": Site(FRESH, EVERY, 2, _codes(0), NO_CONSOLIDATED, flags=CONSOLIDATED),
     "save.consolidated_write": Site(FRESH, LEADER, 2, _codes(0), NO_CONSOLIDATED, flags=CONSOLIDATED),
     "commit.manifest": Site(FRESH, LEADER, 2, _codes(0), SAVE_FAILED),

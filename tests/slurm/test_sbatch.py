@@ -1,4 +1,4 @@
-"""scripts/slurm/*.sbatch, and the README's SLURM example, on a real one-node SLURM cluster the tests start."""
+"""scripts/slurm/*.sbatch, and the SLURM example in docs/CLUSTERS.md, on a real one-node SLURM cluster the tests start."""
 
 from __future__ import annotations
 
@@ -110,7 +110,7 @@ def test_time_limit_warning_saves_and_the_requeued_job_resumes(slurm, tmp_path):
     # The requeued run (a new time limit) continues from exactly that checkpoint; then stop it.
     wait_until(lambda: f"global_step{step} at step {step}" in log.read_text(), JOB_TIMEOUT, "the resume")
     wait_until(lambda: last_logged_step(out) > step, JOB_TIMEOUT, "a step after the resume")
-    # Stopping for good, as the README says: a plain scancel saves and requeues (test_preemption.py);
+    # Stopping for good, as docs/CLUSTERS.md says: a plain scancel saves and requeues (test_preemption.py);
     # a scancel of the pending job ends it.
     slurm.run("scancel", job)
     wait_until(lambda: int(slurm.job(job).get("Restarts", "0")) >= 2, 120, "the requeue after scancel", interval=0.5)
@@ -118,13 +118,13 @@ def test_time_limit_warning_saves_and_the_requeued_job_resumes(slurm, tmp_path):
     slurm.wait_for_state(job, {"CANCELLED", "COMPLETED", "FAILED"}, 120)
 
 
-# --- the README's example, copied as written with only the flags changed -------------------
+# --- docs/CLUSTERS.md's example, copied as written with only the flags changed -------------------
 
 MARKER = "<!-- slurm-cpu-example"
 
 
 def readme_example() -> str:
-    text = (REPO / "README.md").read_text()
+    text = (REPO / "docs" / "CLUSTERS.md").read_text()
     block = text[text.index(MARKER):].split("```sh\n", 1)[1].split("```", 1)[0]
     lines = [line for line in block.splitlines() if line.strip() and not line.startswith("#")]
     assert len(lines) == 1, lines
