@@ -128,10 +128,7 @@ def reconcile_ds(v: dict[str, Any], ds: dict, world: int, fallbacks: Mapping[str
         v["warmup_steps"] = reconcile("warmup_steps", v["warmup_steps"], ds, "scheduler.params.warmup_num_steps",
                                       fallbacks["warmup_steps"], path, write=False)
     _reconcile_precision(v, ds, path, precision_flag)
-    if v["report_to"] == "tensorboard":
-        # DeepSpeed's own monitor writes the events (rank 0 only) to OUT/tensorboard/finetune.
-        ds["tensorboard"] = {**ds.get("tensorboard", {}), "enabled": True,
-                             "output_path": str(Path(v["output_dir"]) / "tensorboard"), "job_name": "finetune"}
+    _reconcile_report_to(v, ds, path)
     leftover = [k for k, value in _walk(ds) if value == "auto" and k not in FILLED_LATER]
     if leftover:
         raise ConfigError(f"--deepspeed_config: {path} has \"auto\" for {', '.join(leftover)}, which no flag sets; "
@@ -140,10 +137,30 @@ def reconcile_ds(v: dict[str, Any], ds: dict, world: int, fallbacks: Mapping[str
     check_with_deepspeed(ds, path)
 
 
+def _reconcile_report_to(v: dict[str, Any], ds: dict, path: str) -> None:
+    """--report_to's tensorboard and csv are DeepSpeed's own monitor (rank 0 only), switched on here
+    with its files in OUT/tensorboard/finetune and OUT/csv/finetune; wandb is finetune's own tracker
+    (finetune/trackers.py), so DeepSpeed's must stay off beside it: both would init a run."""
+    from finetune.config import report_targets
+    from finetune.trackers import check_available
+
+    targets = report_targets(v["report_to"])
+    problem = check_available(targets)
+    if problem:
+        raise ConfigError(problem)
+    for target, key in (("tensorboard", "tensorboard"), ("csv", "csv_monitor")):
+        if target in targets:
+            ds[key] = {**ds.get(key, {}), "enabled": True, "output_path": str(Path(v["output_dir"]) / target),
+                       "job_name": "finetune"}
+    if "wandb" in targets and _get(ds, "wandb.enabled") is True:
+        raise ConfigError(f"`--report_to wandb` and `wandb.enabled: true` in {path} would start two wandb runs; "
+                          "drop the JSON's (finetune's own wandb run has the run name, config and checkpoint events)")
+
+
 def _check_shape(ds: dict, path: str) -> None:
     """Objects where DeepSpeed expects objects, and ZeRO stage 3 (what the checkpoints, resume and
     export are built on)."""
-    for key in ("zero_optimization", "optimizer", "scheduler", "bf16", "fp16", "tensorboard",
+    for key in ("zero_optimization", "optimizer", "scheduler", "bf16", "fp16", "tensorboard", "csv_monitor", "wandb",
                 "optimizer.params", "scheduler.params"):
         value = _get(ds, key)
         if value is not _MISSING and not isinstance(value, dict):

@@ -1,42 +1,95 @@
-"""OUT/metrics.jsonl (rank 0, appended, one JSON object per logged step) and TensorBoard rows."""
+"""OUT/metrics.jsonl (rank 0, appended, one JSON object per logged step), OUT/events.jsonl (rank 0,
+appended, never truncated: the run's start, resumes, checkpoints, failed saves, preemption, end), and
+both forwarded to the --report_to trackers (finetune/trackers.py)."""
 
 from __future__ import annotations
 
 import json
-import math
 import os
+from datetime import datetime, timezone
 from pathlib import Path
+from typing import Sequence
 
 from finetune import distributed as dist
+from finetune.trackers import Failures, MonitorTracker, Tracker
+
+EVENTS = "events.jsonl"
 
 
 class MetricsWriter:
-    def __init__(self, output_dir: str, monitor=None):
+    """Called on every rank; only rank 0 writes. A failed write (a full disk) or tracker call is
+    logged and dropped instead of raised: rank 0 alone raising here would leave every other rank
+    waiting in the next collective, and metrics are not worth a week-long job.
+
+    ``monitor``: DeepSpeed's MonitorMaster (``engine.monitor``; TensorBoard and csv when enabled);
+    ``run_id``: this launch's id, in every event; ``trackers``: what ``trackers.open_trackers``
+    started (wandb)."""
+
+    def __init__(self, output_dir: str, monitor=None, *, run_id: str | None = None,
+                 trackers: Sequence[Tracker] = ()):
         self.path = Path(output_dir) / "metrics.jsonl"
-        self.monitor = monitor  # DeepSpeed's MonitorMaster: writes only on rank 0 itself
+        self.events_path = Path(output_dir) / EVENTS
+        self.run_id = run_id
+        self.trackers: list[Tracker] = list(trackers)
+        if monitor is not None and monitor.enabled and dist.is_main():
+            self.trackers.insert(0, MonitorTracker(monitor))
+        self._failures = {id(t): Failures(t.name) for t in self.trackers}
         self.dropped = 0
+        self.closed = False
 
     def write(self, row: dict) -> None:
-        """Called on every rank; only rank 0 writes. A failed write (a full disk) drops the row
-        with a warning instead of raising: rank 0 alone raising here would leave every other
-        rank waiting in the next collective, and metrics are not worth a week-long job."""
-        if self.monitor is not None and self.monitor.enabled:
-            step = row["step"]
-            self.monitor.write_events([(f"finetune/{k}", float(v), step) for k, v in row.items()
-                                       if k != "step" and isinstance(v, (int, float)) and math.isfinite(v)])
+        """One metrics row ({"step": N, ...}) to metrics.jsonl and every tracker."""
         if not dist.is_main():
             return
-        try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            with open(self.path, "a") as f:
-                f.write(json.dumps(row) + "\n")
-                f.flush()
-                os.fsync(f.fileno())
-        except (OSError, TypeError, ValueError) as e:
+        error = _append(self.path, row)
+        if error is not None:
             self.dropped += 1
             if self.dropped == 1 or self.dropped % 100 == 0:
-                dist.logger.warning("could not write %s (%s: %s); %d row(s) dropped so far", self.path,
-                                    type(e).__name__, e, self.dropped)
+                dist.logger.warning("could not write %s (%s); %d row(s) dropped so far", self.path, error, self.dropped)
+        self._forward("write", row)
+
+    def event(self, kind: str, step: int, **fields) -> None:
+        """One event to events.jsonl and every tracker: {"time", "event": kind, "step", "run_id",
+        **fields}. A field named with a trailing underscore (``from_``) is written without it."""
+        if not dist.is_main():
+            return
+        record = {"time": datetime.now(timezone.utc).isoformat(timespec="seconds"), "event": kind, "step": step,
+                  "run_id": self.run_id, **{k.removesuffix("_"): v for k, v in fields.items()}}
+        error = _append(self.events_path, record)
+        if error is not None:
+            dist.logger.warning("could not write the %s event of step %d to %s (%s)", kind, step, self.events_path,
+                                error)
+        self._forward("event", record)
+
+    def close(self, exit_code: int = 0) -> None:
+        """Flush and finish every tracker (wandb.finish with ``exit_code``); once. Not collective."""
+        if self.closed or not dist.is_main():
+            return
+        self.closed = True
+        self._forward("close", exit_code)
+
+    def _forward(self, method: str, arg) -> None:
+        for tracker in self.trackers:
+            # Third-party code (wandb's service, tensorboard's writer): whatever it raises on rank 0
+            # alone is logged, not raised; see the class docstring.
+            try:
+                getattr(tracker, method)(arg)
+            except Exception as e:  # noqa: BLE001 — logged and counted, never raised
+                self._failures[id(tracker)].record(method, e)
+
+
+def _append(path: Path, obj: dict) -> str | None:
+    """One JSON line, fsync'd; what went wrong, or None."""
+    try:
+        line = json.dumps(obj) + "\n"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "a") as f:
+            f.write(line)
+            f.flush()
+            os.fsync(f.fileno())
+        return None
+    except (OSError, TypeError, ValueError) as e:
+        return dist.describe_error(e)
 
 
 def _rows(text: str) -> list[tuple[str, dict]]:
