@@ -29,9 +29,11 @@ from finetune.data.cache import prepare
 from finetune.distributed import logger
 from finetune.exit_status import clear_exit_status, write_exit_status
 from finetune.metrics import MetricsWriter
+from finetune.plot import Plotter
 from finetune.modeling import DTYPES, count_parameters, load_model, load_tokenizer
 from finetune.ops import ADAM_KEY, adam_impl, ensure_adam
 from finetune.preemption import EXIT_PREEMPTED, Preemption, parse_signals
+from finetune.trackers import open_trackers, run_name
 
 
 # Skipped optimizer steps in a row that stop a run: more than fp16's dynamic scaling ever needs
@@ -62,6 +64,8 @@ def run(cfg: RunConfig) -> int:
             raise
         if dist.is_main():
             write_exit_status(cfg.ckpt.output_dir, None, {"reason": "running"})
+            _write_run_config(cfg)
+        code = 1
         try:
             code = trainer.train()
         except BaseException as e:  # a crash (DeepSpeed's fp16 minimum-scale Exception, OOM): not "running"
@@ -71,6 +75,7 @@ def run(cfg: RunConfig) -> int:
             raise
         finally:
             trainer.data.close()
+            trainer.close(code)
         if dist.is_main():
             write_exit_status(cfg.ckpt.output_dir, code, trainer.stop_note)
         # Nobody exits before the file is written: under `srun --kill-on-bad-exit` the first rank
@@ -83,6 +88,17 @@ def run(cfg: RunConfig) -> int:
             if created and dist.is_main():
                 _remove_if_empty(out)  # bad input: the lease was all this run wrote
         dist.shutdown()
+
+
+def _write_run_config(cfg: RunConfig) -> None:
+    """OUT/run_config.yaml, rank 0: what `finetune --config` takes to run this again. Not worth
+    failing a run over (the same flags are in every checkpoint's trainer_state.json)."""
+    from finetune import __version__, run_config
+
+    try:
+        run_config.write(cfg, cfg.ckpt.output_dir, __version__)
+    except OSError as e:
+        logger.warning("could not write %s (%s)", Path(cfg.ckpt.output_dir) / run_config.FILE_NAME, e)
 
 
 def _remove_if_empty(folder: Path) -> None:
@@ -150,6 +166,7 @@ class Trainer:
     metrics: MetricsWriter
     state: TrainingState
     preemption: Preemption
+    plotter: Plotter | None = None  # rank 0's OUT/plots/training.png (--plot)
     stop_note: dict | None = None  # why and where training stopped, for exit_status.json
     skips_in_a_row: int = 0  # optimizer steps DeepSpeed skipped since the last applied one
 
@@ -203,13 +220,20 @@ class Trainer:
             run_info=run_info, run_id=run_id or uuid.uuid4().hex[:12], plan=plan,
             consolidated_dtype=DTYPES[cfg.ckpt.consolidated_dtype or t.precision],
             still_ours=lambda: lease is None or not lease.lost)
-        return cls(cfg, engine, tokenizer, data, evalset, total, checkpoints,
-                   MetricsWriter(cfg.ckpt.output_dir, monitor), state, preemption or Preemption(()))
+        # Collective: wandb starts on rank 0, and its failure (not logged in) stops every rank here.
+        trackers = open_trackers(cfg, checkpoints.run_id, resumed=plan is not None)
+        metrics = MetricsWriter(cfg.ckpt.output_dir, monitor, run_id=checkpoints.run_id, trackers=trackers)
+        checkpoints.on_event = metrics.event
+        plotter = Plotter(cfg.ckpt.output_dir) if cfg.train.plot and dist.is_main() else None
+        return cls(cfg, engine, tokenizer, data, evalset, total, checkpoints, metrics, state,
+                   preemption or Preemption(()), plotter)
 
     # --- the loop --------------------------------------------------------------------------
 
     def train(self) -> int:
-        if not self.checkpoints.load():
+        resumed = self.checkpoints.load()
+        self._started(resumed)
+        if not resumed:
             self.evaluate()
         self.engine.train()  # once: evaluate() puts it back in train mode when it is done
         # In a log file (sbatch, tee) a redraw per step is noise: refresh twice a minute there.
@@ -258,6 +282,21 @@ class Trainer:
         else:
             self.evaluate()
         return self.checkpoints.at_end(self.state.global_step)
+
+    def _started(self, resumed: bool) -> None:
+        """OUT/events.jsonl (and the trackers): this launch's start, and what it resumed from."""
+        step = self.state.global_step
+        self.metrics.event("start", step, world_size=dist.world_size(), run_name=run_name(self.cfg))
+        if resumed:
+            self.metrics.event("resume", step, from_=self.checkpoints.plan.folder.name)
+
+    def close(self, code: int) -> None:
+        """The run's end event, the last plot and the trackers' finish; never raises (rank 0's
+        plotting and trackers catch their own failures)."""
+        self.metrics.event("end", self.state.global_step, exit_code=code)
+        if self.plotter is not None:
+            self.plotter.close()
+        self.metrics.close(code)
 
     def _end_preempted(self) -> bool:
         """Any rank signalled after the last boundary? Then an eval could outlast SLURM's grace time
@@ -376,6 +415,8 @@ class Trainer:
                             "eval_perplexity": math.exp(min(eval_loss, 50.0)), "eval_tokens": int(count)})
         logger.info("step %d: eval_loss %.4f (perplexity %.2f)", self.state.global_step, eval_loss,
                     math.exp(min(eval_loss, 50.0)))
+        if self.plotter is not None:
+            self.plotter.request()  # drawn on a thread; training goes on
         self.engine.train()
         return eval_loss
 
@@ -387,6 +428,7 @@ class Trainer:
         first = dist.all_gather_object(self.preemption.received[:1])  # collective: who was signalled
         signals = ", ".join(f"{got[0]} on rank {r}" for r, got in enumerate(first) if got)
         self.stop_note = {"reason": "preempted", "signal": signals, "step": step}
+        self.metrics.event("preempted", step, signal=signals)
         path, failure = self.checkpoints.at_preemption(step, signals)
         if failure is not None:
             self.stop_note["reason"] = "preempted, save failed"
