@@ -270,12 +270,6 @@ def validate_flags(v: Mapping[str, Any]) -> None:
             and not v["save_checkpoint"]:
         raise ConfigError("`--save_steps`, `--save_total_limit`, `--save_consolidated` and `--async_save` need "
                           "`--save_checkpoint`")
-    if "wandb" in report_targets(v["report_to"]):
-        import importlib.util
-
-        if importlib.util.find_spec("wandb") is None:
-            raise ConfigError("`--report_to wandb`: the wandb package is not installed (pip install wandb, "
-                              "or pip install 'finetune[wandb]')")
     if v["ignore_unverified_checkpoints"] and v["resume_from_checkpoint"] != "auto":
         raise ConfigError("`--ignore_unverified_checkpoints` needs `--resume_from_checkpoint auto`")
 

@@ -196,6 +196,10 @@ class Trainer:
         ds_config = ensure_adam(ds_config, saved=plan.saved.get(ADAM_KEY) if plan is not None else None)
         if plan is not None and plan.universal is not None:
             ds_config["checkpoint"] = {**ds_config.get("checkpoint", {}), "load_universal": True}
+        run_id = run_id or uuid.uuid4().hex[:12]
+        # Collective: wandb starts on rank 0, and its failure (not logged in) stops every rank here,
+        # before the model loads.
+        trackers = open_trackers(cfg, run_id, resumed=plan is not None)
         model = load_model(cfg.model, ds_config, t.precision, t.seed)
         scheduler = None
         if "scheduler" not in ds_config:
@@ -217,11 +221,9 @@ class Trainer:
                     "lr_scheduler": "in DeepSpeed's model_states files (lr_scheduler key)"}
         checkpoints = CheckpointManager(
             storage, cfg.ckpt, layout, engine=engine, progress=state, sampler=sampler, tokenizer=tokenizer,
-            run_info=run_info, run_id=run_id or uuid.uuid4().hex[:12], plan=plan,
+            run_info=run_info, run_id=run_id, plan=plan,
             consolidated_dtype=DTYPES[cfg.ckpt.consolidated_dtype or t.precision],
             still_ours=lambda: lease is None or not lease.lost)
-        # Collective: wandb starts on rank 0, and its failure (not logged in) stops every rank here.
-        trackers = open_trackers(cfg, checkpoints.run_id, resumed=plan is not None)
         metrics = MetricsWriter(cfg.ckpt.output_dir, monitor, run_id=checkpoints.run_id, trackers=trackers)
         checkpoints.on_event = metrics.event
         plotter = Plotter(cfg.ckpt.output_dir) if cfg.train.plot and dist.is_main() else None
