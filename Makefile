@@ -30,7 +30,7 @@ gpu-setup: setup
 	PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(PY) scripts/build_ops.py --strict
 
 demo: setup
-	PATH=$(CURDIR)/$(VENV)/bin:$$PATH deepspeed --log_level warning --num_gpus 2 --module finetune --save_checkpoint --output_dir output/demo
+	PATH=$(CURDIR)/$(VENV)/bin:$$PATH deepspeed --log_level warning --num_gpus 2 --module finetune --save_checkpoint --eval_steps 25 --output_dir output/demo
 
 test: setup
 	$(PY) -m pytest -ra --durations=15 tests

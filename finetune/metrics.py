@@ -92,7 +92,7 @@ def _append(path: Path, obj: dict) -> str | None:
         return dist.describe_error(e)
 
 
-def _rows(text: str) -> list[tuple[str, dict]]:
+def json_rows(text: str) -> list[tuple[str, dict]]:
     """(line, row) of every whole JSON object; a torn line (a crash mid-append) is skipped."""
     out = []
     for line in text.splitlines():
@@ -111,7 +111,7 @@ def truncate_after(path: Path, step: int) -> None:
     if not path.exists():
         return
     try:
-        kept = [line for line, row in _rows(path.read_text()) if isinstance(row.get("step"), int) and row["step"] <= step]
+        kept = [line for line, row in json_rows(path.read_text()) if isinstance(row.get("step"), int) and row["step"] <= step]
         tmp = path.with_name(path.name + ".tmp")
         with open(tmp, "w") as f:
             f.write("".join(line + "\n" for line in kept))
@@ -126,4 +126,4 @@ def read_metrics(output_dir: str) -> list[dict]:
     path = Path(output_dir) / "metrics.jsonl"
     if not path.exists():
         return []
-    return [row for _, row in _rows(path.read_text())]
+    return [row for _, row in json_rows(path.read_text())]

@@ -12,7 +12,6 @@ at module import (the training start does not pay for it), and only through its 
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import sys
@@ -25,7 +24,7 @@ from finetune import distributed as dist
 from finetune.checkpoint.manifest import read_manifest
 from finetune.checkpoint.storage import LocalStorage, step_of
 from finetune.config import ConfigError
-from finetune.metrics import read_metrics
+from finetune.metrics import json_rows, read_metrics
 
 DEFAULT_DEST = Path("plots") / "training.png"  # under OUT
 EVENTS = "events.jsonl"
@@ -80,12 +79,8 @@ def read_events(output_dir: str | os.PathLike) -> list[dict]:
     except OSError:  # absent (runs before events.jsonl existed), a folder in its place
         return []
     events = []
-    for line in text.splitlines():
-        try:
-            event = json.loads(line)
-        except ValueError:
-            continue
-        if not isinstance(event, dict) or event.get("event") not in (*MARKS, "start", "end"):
+    for _, event in json_rows(text):
+        if event.get("event") not in (*MARKS, "start", "end"):
             continue
         if event["event"] == "checkpoint" and not _is_int(event.get("step")):
             event["step"] = step_of(str(event.get("tag", "")))

@@ -74,3 +74,20 @@ def test_an_example_config_runs_on_a_tiny_model_and_its_run_config_reproduces_it
     assert again.returncode == 0, again.output[-3000:]
     assert [(x["step"], x["loss"]) for x in again.train_rows()] == [(x["step"], x["loss"]) for x in r.train_rows()]
     assert [x["eval_loss"] for x in again.eval_rows()] == [x["eval_loss"] for x in r.eval_rows()]
+
+
+@pytest.mark.parametrize("example, data, columns", [
+    ("llama-1b-sft.yaml", "pc_csv", ["--prompt_column", "question", "--completion_column", "answer"]),
+    ("slurm.yaml", "pc_csv", ["--prompt_column", "question", "--completion_column", "answer"]),
+    ("7b-offload.yaml", "text_jsonl", []),  # CPU offload and gradient checkpointing, as the example sets
+])
+def test_each_example_runs_a_few_steps_on_a_tiny_model(run_finetune, tiny_models, data_files, example, data, columns):
+    """The recipes as shipped, with only the model, data and sizes swapped for tiny ones (one process)."""
+    r = run_finetune("--config", str(REPO / "configs" / "examples" / example),
+                     "--model_name_or_path", str(tiny_models["llama"]), "--train_file", str(data_files[data]),
+                     *columns, "--max_steps", "2", "--max_seq_length", "64", "--per_device_train_batch_size", "2",
+                     "--gradient_accumulation_steps", "1", "--precision", "fp32", "--eval_steps", "2",
+                     launcher="python", nprocs=1)
+    assert r.returncode == 0, r.output[-3000:]
+    assert [x["step"] for x in r.eval_rows()] == [0, 2]
+    assert (r.out_dir / "latest").read_text().strip() == "global_step2"
