@@ -245,3 +245,15 @@ def test_nothing_to_plot_yet_is_not_a_failure(tmp_path, warnings):
     p.close(timeout=30)
     assert warnings == [] and p.renders >= 1
     assert_plot(tmp_path / "plots" / "training.png")
+
+
+def test_long_runs_are_thinned_for_drawing_after_smoothing_on_every_row():
+    from finetune.plot import MAX_POINTS, _thin, ema
+
+    steps = list(range(1, 3 * MAX_POINTS + 2))
+    values = [float(s % 7) for s in steps]
+    smooth = ema(values, 50)
+    x, raw, drawn = _thin(steps, values, smooth)
+    assert len(x) == len(raw) == len(drawn) <= MAX_POINTS
+    assert x[0] == 1 and drawn[-1] == smooth[::4][-1]  # the smoothed values are the full series' own
+    assert _thin(steps[:10], values[:10]) == (steps[:10], values[:10])
