@@ -65,22 +65,25 @@ def run(cfg: RunConfig) -> int:
         if dist.is_main():
             write_exit_status(cfg.ckpt.output_dir, None, {"reason": "running"})
             _write_run_config(cfg)
-        code = 1
         try:
             code = trainer.train()
         except BaseException as e:  # a crash (DeepSpeed's fp16 minimum-scale Exception, OOM): not "running"
             if dist.is_main():
                 write_exit_status(cfg.ckpt.output_dir, 1, {"reason": "failed", "error": dist.describe_error(e),
                                                            "step": trainer.state.global_step})
+            trainer.close(1)
             raise
         finally:
             trainer.data.close()
-            trainer.close(code)
         if dist.is_main():
             write_exit_status(cfg.ckpt.output_dir, code, trainer.stop_note)
         # Nobody exits before the file is written: under `srun --kill-on-bad-exit` the first rank
         # to exit with 75 gets the others killed, and the file is how job scripts learn about 75.
         dist.barrier()
+        # Last, and best-effort: the final plot and the trackers' finish (a wandb upload can take a
+        # while) come after the checkpoint and exit_status.json, so a preemption's grace time is
+        # never spent on them, and no rank waits for them in a collective.
+        trainer.close(code)
         return code
     finally:
         if lease is not None:
@@ -297,7 +300,7 @@ class Trainer:
         plotting and trackers catch their own failures)."""
         self.metrics.event("end", self.state.global_step, exit_code=code)
         if self.plotter is not None:
-            self.plotter.close()
+            self.plotter.close(timeout=5.0 if code == EXIT_PREEMPTED else 30.0)
         self.metrics.close(code)
 
     def _end_preempted(self) -> bool:
