@@ -40,7 +40,7 @@ from finetune.checkpoint.manager import CheckpointManager
 from finetune.cli import parse_train_args
 from finetune.trainer import Trainer
 
-from checkpoint_save_worker import folder_bytes, timed  # noqa: E402 — this script's folder is on sys.path
+from checkpoint_save_worker import exit_now, folder_bytes, timed  # noqa: E402 — this script's folder is on sys.path
 
 
 def async_api_missing() -> str | None:
@@ -203,3 +203,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    exit_now()

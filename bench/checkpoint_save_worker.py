@@ -157,5 +157,18 @@ def main() -> None:
     dist.shutdown()
 
 
+def exit_now() -> None:
+    """Everything is recorded: skip interpreter teardown, which with DeepSpeed's and gloo's C++
+    threads still alive sometimes aborts a finished rank ("terminate called without an active
+    exception", exit -6, pytorch/pytorch#179291; more often on a loaded machine) and fails the
+    launch after the fact (what finetune's own entry point and bench/hf_trainer_run.py do too)."""
+    import sys
+
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
 if __name__ == "__main__":
     main()
+    exit_now()

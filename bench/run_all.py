@@ -3,7 +3,7 @@ docs/BENCHMARKS.md and README.md (``make bench`` runs exactly this).
 
     .venv/bin/python bench/run_all.py [--out bench/results/latest.json] [--work DIR] [--no_docs] [--keep_work]
     .venv/bin/python bench/run_all.py --only P3 P9      # some measures: bench/results/partial.json, docs untouched
-    .venv/bin/python bench/run_all.py --smoke --out /tmp/x/latest.json     # every measure, tiny, a few minutes
+    .venv/bin/python bench/run_all.py --smoke --out /tmp/x/latest.json     # every measure, tiny, ~2.5 min on 2 cores
 
 Each measure runs one of the standalone scripts under bench/ (each keeps working on its own, with
 its own defaults) with sizes chosen so that the whole suite takes about 30 minutes on a 2-core
@@ -17,7 +17,10 @@ from a warm page cache (this script never drops caches: they are warm), and how 
 
 ``--smoke`` runs every measure end to end at tiny sizes (a tiny model, tens of rows, one repeat)
 to check that the suite works; its numbers mean nothing, and it never touches the docs. It needs
-``--out`` outside bench/results/latest.json.
+``--out`` outside bench/results/latest.json. Its measures run two at a time (``--jobs``, 2 by
+default; P5 then P6 in one lane, as P6 resumes from P5's checkpoint): nearly all of a smoke run is
+launch start-up (imports, DeepSpeed's op loading), which leaves one of two cores idle part of the
+time. A full run is always one measure at a time.
 
 The per-script JSONs (everything each script recorded) go beside ``--out`` as ``<script>.json``,
 and each script's output to ``run_all_logs/<measure>.log`` there.
@@ -183,10 +186,16 @@ class Runner:
     """Runs one bench script as a child in its own process group, its output into a log (and,
     line by line, to this process's stdout), killed as a group at the timeout."""
 
-    def __init__(self, results: Path, timeout: float, quiet: bool):
+    def __init__(self, results: Path, timeout: float, quiet: bool, concurrent: bool = False):
         self.results, self.timeout, self.quiet = results, timeout, quiet
         self.logs = results / "run_all_logs"
         self.logs.mkdir(parents=True, exist_ok=True)
+        # With scripts running side by side (--jobs > 1), a buffer that appeared during one script
+        # may be another's, just created: stale buffers are then removed once, by sweep(), at the end.
+        self.concurrent = concurrent
+        self.shm_at_start = set(_shm_buffers())
+        self.live: set[subprocess.Popen] = set()
+        self._lock = threading.Lock()
 
     def __call__(self, name: str, script: str, args: list[str], ok_codes=(0,)) -> tuple[int, str]:
         cmd = [PY, str(BENCH / script), *[str(a) for a in args]]
@@ -197,6 +206,8 @@ class Runner:
             f.flush()
             proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                     start_new_session=True, env=child_env())
+            with self._lock:
+                self.live.add(proc)
             timer = threading.Timer(self.timeout, _kill_group, (proc, False))  # a silent hang too
             timer.start()
             try:
@@ -209,12 +220,26 @@ class Runner:
             finally:
                 timer.cancel()
                 _kill_group(proc)  # ranks that outlived their launcher
-                _remove_stale_shm(set(_shm_buffers()) - shm_before)
+                with self._lock:
+                    self.live.discard(proc)
+                if not self.concurrent:
+                    _remove_stale_shm(set(_shm_buffers()) - shm_before)
         text = log.read_text(errors="replace")
         if proc.returncode not in ok_codes:
             why = f"killed after {self.timeout:.0f} s" if proc.returncode == -signal.SIGKILL else f"exited {proc.returncode}"
             raise RuntimeError(f"{script} {why}; last lines of {log}:\n" + "\n".join(text.splitlines()[-25:]))
         return proc.returncode, text
+
+    def sweep(self) -> None:
+        """After concurrent scripts: the stale buffers any of them left."""
+        if self.concurrent:
+            _remove_stale_shm(set(_shm_buffers()) - self.shm_at_start)
+
+    def kill_all(self) -> None:
+        with self._lock:
+            live = list(self.live)
+        for proc in live:
+            _kill_group(proc, False)
 
 
 def _shm_buffers() -> list[Path]:
@@ -518,16 +543,22 @@ class Unavailable(Exception):
 
 
 class Ctx:
-    def __init__(self, smoke: bool, results: Path, work: Path, quiet: bool):
+    def __init__(self, smoke: bool, results: Path, work: Path, quiet: bool, jobs: int = 1):
         self.smoke, self.results, self.work = smoke, results, work
         self.sizes = SMOKE if smoke else FULL
-        self.run = Runner(results, TIMEOUT_S["smoke" if smoke else "full"], quiet)
+        # Side by side, each script gets a share of the machine: its hang guard grows to match.
+        self.run = Runner(results, TIMEOUT_S["smoke" if smoke else "full"] * jobs, quiet, concurrent=jobs > 1)
         self.model_args = ["--model_json", json.dumps(TINY_MODEL)] if smoke else []
         self.model_settings = {"model": ("tiny Llama " + json.dumps(TINY_MODEL)) if smoke else
                                "~134M Llama (hidden 768, 12 layers, vocab 32000, untied head), fp32"}
 
 
 MEASURES = [("P1", p1), ("P2", p2), ("P3", p3_p4), ("P5", p5), ("P6", p6), ("P7", p7), ("P8", p8), ("P9", p9)]
+
+# --smoke --jobs N: the measures as N lanes side by side, the longest (in a smoke run on 2 cores)
+# first. A chain runs in order in one lane: P6 resumes from the checkpoint P5 creates in work/export.
+SMOKE_CHAINS = [("P9",), ("P5", "P6"), ("P1",), ("P7",), ("P8",), ("P3",), ("P2",)]
+SMOKE_JOBS = 2
 
 
 def main(argv=None) -> int:
@@ -540,7 +571,13 @@ def main(argv=None) -> int:
     ap.add_argument("--no_docs", action="store_true", help="don't rewrite docs/BENCHMARKS.md and README.md")
     ap.add_argument("--keep_work", action="store_true")
     ap.add_argument("--quiet", action="store_true", help="don't echo the scripts' output")
+    ap.add_argument("--jobs", type=int, default=None,
+                    help=f"with --smoke: measures run side by side in this many lanes (default {SMOKE_JOBS}); "
+                         "a full run is always one at a time (its numbers need the machine to themselves)")
     a = ap.parse_args(argv)
+    if a.jobs is not None and a.jobs > 1 and not a.smoke:
+        ap.error("--jobs > 1 only with --smoke: measures running side by side skew each other's numbers")
+    jobs = max(1, a.jobs or SMOKE_JOBS) if a.smoke else 1
     out = Path(a.out or (DEFAULT_OUT.with_name("partial.json") if a.only else DEFAULT_OUT)).resolve()
     if a.smoke and out == DEFAULT_OUT.resolve():
         ap.error("--smoke writes numbers that mean nothing: give it --out outside bench/results/latest.json")
@@ -553,7 +590,7 @@ def main(argv=None) -> int:
     if a.only:
         only = {k.upper() for k in a.only} | ({"P3"} if {"P4"} & {k.upper() for k in a.only} else set())
     os.environ.update({k: v for k, v in child_env().items() if k in ("PATH", "TORCH_EXTENSIONS_DIR")})
-    ctx = Ctx(a.smoke, out.parent, work, a.quiet)
+    ctx = Ctx(a.smoke, out.parent, work, a.quiet, jobs)
     started, t0 = _dt.datetime.now(_dt.timezone.utc), time.monotonic()
     result = {"suite": "finetune bench (bench/run_all.py)", "mode": "smoke" if a.smoke else "full",
               "date": started.isoformat(timespec="seconds"), "machine": machine(work), "versions": versions(),
@@ -562,32 +599,16 @@ def main(argv=None) -> int:
                              "page cache where they were just written or read (cold-disk reads would be slower)"),
               "command": " ".join([Path(PY).name, *(sys.argv if argv is None else ["bench/run_all.py", *argv])]),
               "sizes": ctx.sizes}
+    if jobs > 1:
+        result["jobs"] = jobs
     measures: dict = {}
-    for key, fn in MEASURES:
-        if only and key not in only:
-            continue
-        print(f"=== {key} ===", flush=True)
-        m0 = time.monotonic()
-        keys = ("P3", "P4") if key == "P3" else (key,)
-        try:
-            got = fn(ctx)
-            got = got if isinstance(got, tuple) else (got,)
-            for k, e in zip(keys, got):
-                measures[k] = e
-        except Unavailable as e:
-            for k in keys:
-                measures[k] = {"what": WHAT[k], "goal": GOALS[k], "error": f"not run: {e}", "skipped": True}
-        except Exception as e:  # noqa: BLE001 — recorded; the rest of the suite still runs
-            msg = f"{type(e).__name__}: {e}"
-            print(f"{key} failed: {msg}\n{traceback.format_exc()}", file=sys.stderr, flush=True)
-            for k in keys:
-                measures[k] = {"what": WHAT[k], "goal": GOALS[k], "error": msg[-3000:]}
-        wall = round(time.monotonic() - m0, 1)
-        for k in keys:
-            measures[k]["wall_s"] = wall if k == keys[0] else 0.0
-            if k != keys[0]:
-                measures[k]["wall_note"] = f"measured in the same run as {keys[0]}"
-        print(f"=== {key}: {wall:.0f} s; " + "; ".join(_line(k, measures[k]) for k in keys), flush=True)
+    fns = dict(MEASURES)
+    if jobs == 1:
+        for key, _ in MEASURES:
+            if not only or key in only:
+                measures.update(run_measure(ctx, key, fns[key]))
+    else:
+        measures = run_lanes(ctx, [[k for k in chain if not only or k in only] for chain in SMOKE_CHAINS], fns, jobs)
     result.update({k: measures[k] for k in sorted(measures, key=lambda k: int(k[1:]))})
     result["total_wall_s"] = round(time.monotonic() - t0, 1)
     result["machine"]["loadavg_at_end"] = [round(x, 2) for x in os.getloadavg()]
@@ -601,6 +622,69 @@ def main(argv=None) -> int:
     if not a.keep_work:
         shutil.rmtree(work, ignore_errors=True)
     return 0
+
+
+def run_measure(ctx: Ctx, key: str, fn) -> dict:
+    """One measure's entries (P3 gives P3 and P4), each with its wall time; a failure is recorded."""
+    print(f"=== {key} ===", flush=True)
+    measures: dict = {}
+    m0 = time.monotonic()
+    keys = ("P3", "P4") if key == "P3" else (key,)
+    try:
+        got = fn(ctx)
+        got = got if isinstance(got, tuple) else (got,)
+        for k, e in zip(keys, got):
+            measures[k] = e
+    except Unavailable as e:
+        for k in keys:
+            measures[k] = {"what": WHAT[k], "goal": GOALS[k], "error": f"not run: {e}", "skipped": True}
+    except Exception as e:  # noqa: BLE001 — recorded; the rest of the suite still runs
+        msg = f"{type(e).__name__}: {e}"
+        print(f"{key} failed: {msg}\n{traceback.format_exc()}", file=sys.stderr, flush=True)
+        for k in keys:
+            measures[k] = {"what": WHAT[k], "goal": GOALS[k], "error": msg[-3000:]}
+    wall = round(time.monotonic() - m0, 1)
+    for k in keys:
+        measures[k]["wall_s"] = wall if k == keys[0] else 0.0
+        if k != keys[0]:
+            measures[k]["wall_note"] = f"measured in the same run as {keys[0]}"
+    print(f"=== {key}: {wall:.0f} s; " + "; ".join(_line(k, measures[k]) for k in keys), flush=True)
+    return measures
+
+
+def run_lanes(ctx: Ctx, chains: list[list[str]], fns: dict, jobs: int) -> dict:
+    """The chains on ``jobs`` threads, each taking the next chain when its last one is done (smoke
+    only: side by side, the measures' numbers skew each other)."""
+    pending = [c for c in chains if c]
+    measures: dict = {}
+    lock = threading.Lock()
+
+    def lane() -> None:
+        while True:
+            with lock:
+                if not pending:
+                    return
+                chain = pending.pop(0)
+            for key in chain:
+                got = run_measure(ctx, key, fns[key])
+                with lock:
+                    measures.update(got)
+
+    threads = [threading.Thread(target=lane, name=f"lane{i}", daemon=True) for i in range(min(jobs, len(pending)))]
+    for t in threads:
+        t.start()
+    try:
+        for t in threads:
+            while t.is_alive():
+                t.join(0.5)
+    except BaseException:  # Ctrl-C: no new script, and the running ones killed
+        with lock:
+            pending.clear()
+        ctx.run.kill_all()
+        raise
+    finally:
+        ctx.run.sweep()
+    return measures
 
 
 def _line(key: str, e: dict) -> str:
