@@ -20,6 +20,7 @@ can't, every rank switches to torch_adam, and rank 0 says so in one log line.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import shutil
@@ -47,6 +48,7 @@ def use_venv_extensions_dir() -> None:
     the two alternate. Only inside a virtual environment (sys.prefix is ours); an explicit
     TORCH_EXTENSIONS_DIR wins.
     """
+    remember_cpu_info()
     if sys.prefix == sys.base_prefix:
         return
     if not os.environ.get("TORCH_EXTENSIONS_DIR") and os.access(sys.prefix, os.W_OK):
@@ -54,6 +56,24 @@ def use_venv_extensions_dir() -> None:
     venv_bin = Path(sys.prefix) / "bin"
     if (venv_bin / "ninja").exists() and shutil.which("ninja") != str(venv_bin / "ninja"):
         os.environ["PATH"] = os.pathsep.join([str(venv_bin), os.environ.get("PATH", "")])
+
+
+def remember_cpu_info() -> None:
+    """Ask py-cpuinfo about this CPU once per process instead of twice per op loaded.
+
+    Loading an op (prebuilt or not) makes DeepSpeed compute its compiler flags, which calls
+    ``cpuinfo.get_cpu_info()`` for the architecture and again for the SIMD width
+    (op_builder/builder.py cpu_arch, simd_width); each call spawns processes and costs ~1.1 s of
+    CPU, on every rank, at every start: the CPU Adam op and the CPU backend's all-reduce op make
+    four calls. The answer cannot change while the process runs. DeepSpeed imports the function
+    at each call, so the module attribute replaced here is the one it gets.
+    """
+    try:
+        import cpuinfo
+    except ImportError:
+        return
+    if not hasattr(cpuinfo.get_cpu_info, "cache_info"):
+        cpuinfo.get_cpu_info = functools.cache(cpuinfo.get_cpu_info)
 
 
 def adam_op(ds_config: dict) -> str | None:

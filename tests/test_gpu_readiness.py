@@ -208,3 +208,18 @@ def test_the_fallback_config_trains_saves_and_resumes_under_offload(run_finetune
     assert again.returncode == 0, again.output[-3000:]
     assert [r["step"] for r in again.train_rows()][-1] == 3
     assert "trained with torch.optim.AdamW" in again.output
+
+
+def test_cpu_info_is_asked_once_per_process(monkeypatch):
+    """DeepSpeed asks py-cpuinfo twice per op it loads (~1.1 s of CPU each, every rank, every start)."""
+    import cpuinfo
+
+    from finetune.ops import remember_cpu_info
+
+    calls = []
+    monkeypatch.setattr(cpuinfo, "get_cpu_info", lambda: calls.append(1) or {"arch": "X86_64", "flags": ["avx2"]})
+    remember_cpu_info()
+    remember_cpu_info()  # idempotent: not wrapped twice
+    from cpuinfo import get_cpu_info  # as DeepSpeed imports it, at each call
+
+    assert get_cpu_info() is get_cpu_info() and len(calls) == 1
