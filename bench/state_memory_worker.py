@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 from pathlib import Path
 
 import psutil
@@ -30,6 +29,8 @@ import torch
 from finetune import distributed as dist
 from finetune.cli import parse_train_args
 from finetune.trainer import Trainer
+
+from checkpoint_save_worker import exit_now  # noqa: E402 — this script's folder is on sys.path
 
 
 class Storages:
@@ -95,18 +96,6 @@ def main() -> None:
         print("RESULT " + json.dumps({"world_size": dist.world_size(), "ranks": rows}), flush=True)
     dist.barrier()
     dist.shutdown()
-
-
-def exit_now() -> None:
-    """Everything is recorded: skip interpreter teardown, which with DeepSpeed's and gloo's C++
-    threads still alive sometimes aborts a finished rank ("terminate called without an active
-    exception", exit -6, pytorch/pytorch#179291; more often on a loaded machine) and fails the
-    launch after the fact (what finetune's own entry point and bench/hf_trainer_run.py do too)."""
-    import sys
-
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
 
 
 if __name__ == "__main__":
