@@ -12,11 +12,12 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
-import os
+import logging
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from finetune.checkpoint.durable import replace_text
 from finetune.config import GROUPS, ConfigError, RunConfig
 
 FILE_NAME = "run_config.yaml"
@@ -150,10 +151,14 @@ def write(cfg: RunConfig, output_dir: str, version: str) -> Path:
     for name, group in cfg.to_json_dict().items():
         parts.append(f"\n# {name}\n" + yaml.safe_dump(group, sort_keys=False, default_flow_style=False))
     path = Path(output_dir) / FILE_NAME
-    tmp = path.with_name(f".{FILE_NAME}.tmp")
-    with open(tmp, "w") as f:
-        f.write("".join(parts))
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    replace_text(path, "".join(parts))
     return path
+
+
+def write_best_effort(cfg: RunConfig, output_dir: str, version: str) -> None:
+    """``write``, logging instead of raising: not worth failing a run over (the same flags are in
+    every checkpoint's trainer_state.json). Rank 0, not collective."""
+    try:
+        write(cfg, output_dir, version)
+    except OSError as e:
+        logging.getLogger("finetune").warning("could not write %s (%s)", Path(output_dir) / FILE_NAME, e)

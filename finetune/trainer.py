@@ -15,6 +15,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
+from finetune import __version__, run_config
 from finetune import distributed as dist
 from finetune.checkpoint.lease import acquire as acquire_lease
 from finetune.checkpoint.layout import Layout, tidy_storage
@@ -29,9 +30,9 @@ from finetune.data.cache import prepare
 from finetune.distributed import logger
 from finetune.exit_status import clear_exit_status, write_exit_status
 from finetune.metrics import MetricsWriter
-from finetune.plot import Plotter
 from finetune.modeling import DTYPES, count_parameters, load_model, load_tokenizer
 from finetune.ops import ADAM_KEY, adam_impl, ensure_adam
+from finetune.plot import Plotter
 from finetune.preemption import EXIT_PREEMPTED, Preemption, parse_signals
 from finetune.trackers import open_trackers, run_name
 
@@ -64,7 +65,7 @@ def run(cfg: RunConfig) -> int:
             raise
         if dist.is_main():
             write_exit_status(cfg.ckpt.output_dir, None, {"reason": "running"})
-            _write_run_config(cfg)
+            run_config.write_best_effort(cfg, cfg.ckpt.output_dir, __version__)  # what --config reruns
         try:
             code = trainer.train()
         except BaseException as e:  # a crash (DeepSpeed's fp16 minimum-scale Exception, OOM): not "running"
@@ -91,17 +92,6 @@ def run(cfg: RunConfig) -> int:
             if created and dist.is_main():
                 _remove_if_empty(out)  # bad input: the lease was all this run wrote
         dist.shutdown()
-
-
-def _write_run_config(cfg: RunConfig) -> None:
-    """OUT/run_config.yaml, rank 0: what `finetune --config` takes to run this again. Not worth
-    failing a run over (the same flags are in every checkpoint's trainer_state.json)."""
-    from finetune import __version__, run_config
-
-    try:
-        run_config.write(cfg, cfg.ckpt.output_dir, __version__)
-    except OSError as e:
-        logger.warning("could not write %s (%s)", Path(cfg.ckpt.output_dir) / run_config.FILE_NAME, e)
 
 
 def _remove_if_empty(folder: Path) -> None:
