@@ -84,7 +84,7 @@ def build_train_parser() -> argparse.ArgumentParser:
                                    help=f"Turn off --{f.name}." if f.default else argparse.SUPPRESS)
                 continue
             group.add_argument(flag, type=_scalar_type(f), choices=f.metadata.get("choices"), help=_help(f),
-                               metavar=f.name.upper())
+                               metavar=f.name.upper(), nargs=f.metadata.get("nargs"))
     shorthand = p.add_mutually_exclusive_group()  # "argument --fp16: not allowed with argument --bf16"
     shorthand.add_argument("--bf16", action="store_const", const="bf16", dest="precision_alias", help="Shorthand for --precision bf16.")
     shorthand.add_argument("--fp16", action="store_const", const="fp16", dest="precision_alias", help="Shorthand for --precision fp16.")
@@ -144,6 +144,10 @@ def _verify(argv: list[str]) -> int:
         raise ConfigError(f"{ns.checkpoint}: not a checkpoint (no manifest.json or DeepSpeed files)")
     if report.ok and not ns.quick:  # intact; would resume and export unpickle it? (reads the pickles' opcodes)
         report.problems += refusals(folder, stored_ranks(read_manifest(folder) or {}))
+    if report.ok:  # a LoRA checkpoint: are its adapters all there? (headers and shapes only)
+        from finetune.checkpoint.adapter import verify_adapter
+
+        report.problems += verify_adapter(folder, read_manifest(folder))
     what = "sizes" if ns.quick else "sizes and checksums"
     if report.ok:
         rate = report.bytes_checked / 1e9 / max(report.seconds, 1e-9)
@@ -174,13 +178,20 @@ def _export(argv: list[str]) -> int:
     p.add_argument("--exclude_frozen_parameters", action="store_true", help="Leave out parameters that were frozen.")
     p.add_argument("--universal", action="store_true", help="Write DeepSpeed's universal checkpoint format instead "
                    "(what resume on another world size loads).")
+    p.add_argument("--merge_lora", action="store_true", help="A LoRA checkpoint (--use_peft): write the base model with "
+                   "the adapters merged into its weights, a model folder that loads without peft (default: the "
+                   "adapter folder, adapter_model.safetensors + adapter_config.json, for PeftModel.from_pretrained).")
+    p.add_argument("--base_model", metavar="PATH_OR_HUB_ID", default=None, help="With --merge_lora: the base model's "
+                   "folder or hub id, if not where the run loaded it from (its weights must be the same: checked "
+                   "against the fingerprint the checkpoint recorded).")
     p.add_argument("--no_verify", action="store_true", help="Don't check the files read against the checkpoint's "
                    "manifest.json first (sizes and checksums); needed for a checkpoint without one. The rank files "
                    "are unpickled with weights_only=True either way.")
     ns = p.parse_args(argv)
     if ns.universal:
-        if ns.dtype or ns.max_shard_size or ns.exclude_frozen_parameters:
-            raise ConfigError("`--universal` takes no `--dtype`, `--max_shard_size` or `--exclude_frozen_parameters`")
+        if ns.dtype or ns.max_shard_size or ns.exclude_frozen_parameters or ns.merge_lora or ns.base_model:
+            raise ConfigError("`--universal` takes no `--dtype`, `--max_shard_size`, `--exclude_frozen_parameters`, "
+                              "`--merge_lora` or `--base_model`")
         start = time.perf_counter()
         target = export_universal(ns.checkpoint, ns.out, verify=not ns.no_verify)
         print(f"Converted {ns.checkpoint} to DeepSpeed's universal format in {target} "
@@ -192,7 +203,7 @@ def _export(argv: list[str]) -> int:
         check_size(ns.max_shard_size)
     try:
         result = export_hf(ns.checkpoint, ns.out, ns.dtype, ns.max_shard_size, ns.exclude_frozen_parameters,
-                           verify=not ns.no_verify)
+                           verify=not ns.no_verify, merge_lora=ns.merge_lora, base_model=ns.base_model)
     except OSError as e:  # a full disk, an I/O error: the staging folder is gone, OUT was never created
         print(f"finetune: error: export failed, {ns.out} was not written: {e}", file=sys.stderr)
         return 1

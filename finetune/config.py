@@ -45,6 +45,18 @@ class ModelArgs:
     tokenizer_name: str | None = _f(None, "Tokenizer hub id or dir (default: the model's).")
     trust_remote_code: bool = _f(False, "Allow model/tokenizer code from the hub or model dir to run (off by default).")
     gradient_checkpointing: bool = _f(False, "Recompute activations in backward to save memory.")
+    # LoRA, with TRL's flag names (finetune/lora.py).
+    use_peft: bool = _f(False, "Train LoRA adapters (peft) instead of every weight: the base model stays frozen (and "
+                        "partitioned), and checkpoints hold only the adapters' trainable state.")
+    lora_r: int = _f(16, "LoRA rank.")
+    lora_alpha: int = _f(32, "LoRA alpha: the adapters' output is scaled by alpha / r.")
+    lora_dropout: float = _f(0.05, "Dropout on the input of the LoRA branch.")
+    lora_target_modules: str | None = _f(None, "Modules that get adapters: names (space- or comma-separated, e.g. "
+                                         "q_proj v_proj) or all-linear (every linear layer but the output head); "
+                                         "default: peft's choice for the architecture (q_proj v_proj for Llama).",
+                                         nargs="+")
+    lora_modules_to_save: str | None = _f(None, "Modules trained in full beside the adapters and saved with them "
+                                          "(e.g. lm_head).", nargs="+")
 
 
 @dataclass(frozen=True)
@@ -147,6 +159,8 @@ class RunConfig:
 
 
 GROUPS = (("model", ModelArgs), ("data", DataArgs), ("train", TrainArgs), ("ckpt", CheckpointArgs))
+# Flags that take several values (space-separated on the command line, a list in a --config file).
+LIST_FLAGS = tuple(f.name for _, cls in GROUPS for f in dataclasses.fields(cls) if f.metadata.get("nargs"))
 
 # Fallbacks for unset fields; the embedded tiny model gets values that make it learn in a short run.
 FALLBACKS = dict(per_device_train_batch_size=8, gradient_accumulation_steps=1, learning_rate=5e-5,
@@ -205,6 +219,9 @@ def resolve(values: Mapping[str, Any], precision_flag: str | None = None, *,
     if unknown:
         raise ConfigError(f"unknown flag(s): {', '.join('--' + k for k in unknown)}")
     v = {**defaults, **values}
+    for name in LIST_FLAGS:  # one spelling downstream: "q_proj,v_proj"
+        if v[name] is not None:
+            v[name] = ",".join(split_names(v[name]))
     embedded_model = v["model_name_or_path"] is None and v["config_name"] is None
     embedded_data = v["dataset_name"] is None and v["train_file"] is None
     validate_flags(v)
@@ -272,6 +289,38 @@ def validate_flags(v: Mapping[str, Any]) -> None:
                           "`--save_checkpoint`")
     if v["ignore_unverified_checkpoints"] and v["resume_from_checkpoint"] != "auto":
         raise ConfigError("`--ignore_unverified_checkpoints` needs `--resume_from_checkpoint auto`")
+    validate_lora_flags(v)
+
+
+LORA_FLAGS = ("lora_r", "lora_alpha", "lora_dropout", "lora_target_modules", "lora_modules_to_save")
+
+
+def validate_lora_flags(v: Mapping[str, Any]) -> None:
+    """The LoRA flags: meaningful only with --use_peft (a value other than the default without it is
+    a mistake), and in range."""
+    defaults = flag_defaults()
+    if not v["use_peft"]:
+        given = [f"--{k}" for k in LORA_FLAGS if v[k] != defaults[k]]
+        if given:
+            raise ConfigError(f"{', '.join(f'`{g}`' for g in given)} need{'s' if len(given) == 1 else ''} `--use_peft`")
+        return
+    for name in ("lora_r", "lora_alpha"):
+        if v[name] <= 0:
+            raise ConfigError(f"`--{name}` must be positive, got {v[name]}")
+    if not 0 <= v["lora_dropout"] < 1:
+        raise ConfigError(f"`--lora_dropout` must be in [0, 1), got {v['lora_dropout']}")
+    for name in ("lora_target_modules", "lora_modules_to_save"):
+        if v[name] is not None and not split_names(v[name]):
+            raise ConfigError(f"`--{name}` names no module, got {v[name]!r}")
+
+
+def split_names(value: str | list | tuple | None) -> list[str]:
+    """A module-name list flag's names: given space-separated (argparse's nargs), comma-separated or
+    as a YAML list."""
+    if value is None:
+        return []
+    parts = value if isinstance(value, (list, tuple)) else [value]
+    return [name.strip() for part in parts for name in str(part).split(",") if name.strip()]
 
 
 def check_size(text: str) -> None:

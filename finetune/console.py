@@ -2,7 +2,8 @@
 
 At the default level (warning) a 2-rank run otherwise shows, before its first step, a torch
 FutureWarning per rank for each deprecated collective DeepSpeed still calls, DeepSpeed's "Setting
-accelerator to CPU" once per process and its "…shm_comm_op built successfully" print per rank.
+accelerator to CPU" once per process and its "…shm_comm_op built successfully" print per rank
+(and with --use_peft, a transformers FutureWarning per rank for a property peft reads).
 Each is a fact about our dependencies that the user cannot act on, repeated N times. What is
 filtered is listed here by exact message, so a new warning, or one of these from a different
 place, still shows. ``--log_level info|debug`` filters nothing and raises DeepSpeed's, transformers'
@@ -25,6 +26,9 @@ LEVELS = ("warning", "info", "debug")
 # torch 2.13 deprecates the *_tensor collectives DeepSpeed 0.19 calls (all_gather_into_tensor,
 # reduce_scatter_tensor); each fires once per process, from torch's c10d_logger wrapper.
 _DEPRECATED_COLLECTIVE = r"`torch\.distributed\.\w+` is deprecated\. Please use `torch\.distributed\.\w+` instead\."
+# peft 0.21 reads transformers' deprecated model.is_gradient_checkpointing when it wraps a model
+# (--use_peft), once per process.
+_DEPRECATED_BY_PEFT = r"`is_gradient_checkpointing` is deprecated and will be removed in v6\. Use `is_activation_checkpointing` instead\."
 # DeepSpeed's accelerator detection, once per process; on ranks other than 0 it only repeats rank 0.
 _PER_PROCESS = ("Setting accelerator to CPU. If you have GPU or other accelerator, we were unable to detect it.",)
 _BUILT = re.compile(r"^DeepSpeed \S+ built successfully$")
@@ -59,12 +63,12 @@ def quiet(argv: list[str] | None = None, level: str | None = None) -> None:
         level = "warning"  # the parser names the bad value later
     verbose = level != "warning"
     ds = logging.getLogger("DeepSpeed")
+    for message in (_DEPRECATED_COLLECTIVE, _DEPRECATED_BY_PEFT):
+        warnings.filterwarnings("default" if verbose else "ignore", message=message, category=FutureWarning)
     if verbose:
         ds.removeFilter(_repeats)
-        warnings.filterwarnings("default", message=_DEPRECATED_COLLECTIVE, category=FutureWarning)
     else:
         ds.addFilter(_repeats)
-        warnings.filterwarnings("ignore", message=_DEPRECATED_COLLECTIVE, category=FutureWarning)
     numeric = getattr(logging, level.upper())
     # DeepSpeed's factory sets its logger's level when first imported; set again once it is.
     if "deepspeed" in sys.modules:

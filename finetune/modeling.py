@@ -77,6 +77,10 @@ def load_model(args: ModelArgs, ds_config: dict, precision: str, seed: int):
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     # Training never reads the KV cache; building it costs time. (Restored in saved configs.)
     model.config.use_cache = False
+    if args.use_peft:  # the base frozen, LoRA adapters added (finetune/lora.py)
+        from finetune.lora import apply_lora
+
+        model = apply_lora(model, args, args.model_name_or_path or args.config_name or str(EMBEDDED_MODEL_DIR))
     return model
 
 

@@ -109,6 +109,9 @@ def _typed(path: str, f: dataclasses.Field, value: Any) -> Any:
                 pass
         ok = isinstance(value, (int, float)) and not isinstance(value, bool)
         value = float(value) if ok else value
+    elif f.metadata.get("nargs") and isinstance(value, list):  # lora_target_modules: [q_proj, v_proj]
+        ok = all(isinstance(v, str) for v in value)
+        kind = "a string or a list of strings"
     else:
         ok = isinstance(value, str)
     if not ok:
@@ -118,6 +121,8 @@ def _typed(path: str, f: dataclasses.Field, value: Any) -> Any:
 
 
 def _expected(kind: str) -> str:
+    if kind.startswith("a "):
+        return kind
     if "int" in kind:
         return "an integer"
     if "float" in kind:

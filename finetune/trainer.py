@@ -30,7 +30,8 @@ from finetune.data.cache import prepare
 from finetune.distributed import logger
 from finetune.exit_status import clear_exit_status, write_exit_status
 from finetune.metrics import MetricsWriter
-from finetune.modeling import DTYPES, count_parameters, load_model, load_tokenizer
+from finetune.lora import BASE_KEY, base_identity, trainable_parameters
+from finetune.modeling import DTYPES, EMBEDDED_MODEL_DIR, count_parameters, load_model, load_tokenizer
 from finetune.ops import ADAM_KEY, adam_impl, ensure_adam
 from finetune.plot import Plotter
 from finetune.preemption import EXIT_PREEMPTED, Preemption, parse_signals
@@ -183,7 +184,11 @@ class Trainer:
         storage = LocalStorage(cfg.ckpt.output_dir)
         layout = Layout.discover(storage.root, cfg.ds_config, cfg.ckpt.save_checkpoint)
         tidy_storage(storage, layout)  # leftovers of crashed saves (this run holds OUT's lease)
-        plan = Resumer(cfg, storage, layout.node_local, layout.leader).plan_resume()
+        # --use_peft: the base model's identity (rank 0 samples its weight files), recorded in every
+        # checkpoint; a resume refuses a checkpoint whose adapters were trained on another base.
+        base = dist.share_from(0, lambda: base_identity(cfg.model, t.seed, EMBEDDED_MODEL_DIR)) \
+            if cfg.model.use_peft else None
+        plan = Resumer(cfg, storage, layout.node_local, layout.leader, base=base).plan_resume()
         # Collective: FusedAdam / CPU Adam where every rank can load it, else torch_adam (finetune/ops.py);
         # a checkpoint trained with torch_adam resumes with it.
         ds_config = ensure_adam(ds_config, saved=plan.saved.get(ADAM_KEY) if plan is not None else None)
@@ -204,17 +209,18 @@ class Trainer:
                                           betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_epsilon)
         engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config,
                                           model_parameters=None if optimizer else _param_groups(model, t.weight_decay))
-        logger.info("model: %s parameters, %s; %d train / %s eval examples; %d steps (%d per epoch), world size %d; "
-                    "ready in %.1fs", f"{count_parameters(engine.module):,}", t.precision, len(train),
+        lora = f" ({trainable_parameters(engine.module):,} trainable: LoRA r={cfg.model.lora_r})" if base else ""
+        logger.info("model: %s parameters%s, %s; %d train / %s eval examples; %d steps (%d per epoch), world size %d; "
+                    "ready in %.1fs", f"{count_parameters(engine.module):,}", lora, t.precision, len(train),
                     len(evalset) if evalset is not None else 0, total, data.steps_per_epoch, dist.world_size(),
                     time.perf_counter() - start)
         monitor = getattr(engine, "monitor", None)
         state = TrainingState()
         run_info = {"zero_stage": zero_stage(cfg.ds_config), "dtype": t.precision, ADAM_KEY: adam_impl(ds_config), "args": cfg.to_json_dict(),
-                    "lr_scheduler": "in DeepSpeed's model_states files (lr_scheduler key)"}
+                    "lr_scheduler": "in DeepSpeed's model_states files (lr_scheduler key)", BASE_KEY: base}
         checkpoints = CheckpointManager(
             storage, cfg.ckpt, layout, engine=engine, progress=state, sampler=sampler, tokenizer=tokenizer,
-            run_info=run_info, run_id=run_id, plan=plan,
+            run_info=run_info, run_id=run_id, plan=plan, adapters=base is not None,
             consolidated_dtype=DTYPES[cfg.ckpt.consolidated_dtype or t.precision],
             still_ours=lambda: lease is None or not lease.lost)
         metrics = MetricsWriter(cfg.ckpt.output_dir, monitor, run_id=checkpoints.run_id, trackers=trackers)

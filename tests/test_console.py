@@ -13,6 +13,8 @@ from finetune import console
 
 DEPRECATED = ("`torch.distributed.all_gather_into_tensor` is deprecated. Please use "
               "`torch.distributed.all_gather_single` instead.")
+PEFT_READS = ("`is_gradient_checkpointing` is deprecated and will be removed in v6. Use `is_activation_checkpointing` "
+              "instead.")
 ACCELERATOR = "Setting accelerator to CPU. If you have GPU or other accelerator, we were unable to detect it."
 
 
@@ -32,13 +34,14 @@ def shown(level: str) -> list[str]:
         warnings.simplefilter("always")
         console.quiet([], level=level)
         warnings.warn(DEPRECATED, FutureWarning)
+        warnings.warn(PEFT_READS, FutureWarning)
         warnings.warn("`torch.load` with weights_only=False is deprecated", FutureWarning)
     return [str(w.message) for w in caught]
 
 
-def test_the_deprecated_collective_warning_is_filtered_and_others_are_not(ds_logger):
+def test_the_deprecated_collective_and_peft_warnings_are_filtered_and_others_are_not(ds_logger):
     assert shown("warning") == ["`torch.load` with weights_only=False is deprecated"]
-    assert shown("info") == [DEPRECATED, "`torch.load` with weights_only=False is deprecated"]
+    assert shown("info") == [DEPRECATED, PEFT_READS, "`torch.load` with weights_only=False is deprecated"]
 
 
 @pytest.mark.parametrize("rank, level, kept", [("0", "warning", True), ("1", "warning", False), ("1", "info", True)])

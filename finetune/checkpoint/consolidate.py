@@ -291,9 +291,12 @@ def _stream_partitions(p, writer: ShardWriter | None, name: str, failed: _FirstE
     failed.attempt(writer.end, name, p.ds_numel)
 
 
-def save_consolidated(model, folder: Path, dtype: torch.dtype, max_shard_size: str | int) -> dict[str, tuple[int, str]]:
+def save_consolidated(model, folder: Path, dtype: torch.dtype, max_shard_size: str | int, *,
+                      select: Callable[[list], list] | None = None, basename: str = "model") -> dict[str, tuple[int, str]]:
     """Write HF safetensors shards of ``model`` into ``folder``. Collective: every rank must call it.
 
+    ``select`` picks (and may rename) the entries written, from ``tensor_entries(model)``, alike
+    on every rank (the adapters alone: checkpoint/adapter.py); ``basename`` names the files.
     Returns {file name: (size, checksum)} on rank 0, {} elsewhere. Any error a rank hits while
     writing or staging is raised only after every gather has been done, so the other ranks are
     never left waiting.
@@ -301,8 +304,10 @@ def save_consolidated(model, folder: Path, dtype: torch.dtype, max_shard_size: s
     import deepspeed
 
     entries = tensor_entries(model)
+    entries = select(entries) if select is not None else entries
     try:
-        split, meta = plan_shards(entries, dtype, max_shard_size)  # raises on every rank alike, before any collective
+        # Raises on every rank alike, before any collective.
+        split, meta = plan_shards(entries, dtype, max_shard_size, basename)
     except ValueError as e:
         raise ConsolidationFailed(str(e)) from e
     metadata = {SOURCE_KEY: weights_source([getattr(m, a) for _, m, a, is_param in entries if is_param])}

@@ -54,7 +54,8 @@ SAFE_TO_TORCH = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.floa
 DEFAULT_SHARD_SIZE = "5GB"
 WEIGHTS_RE = re.compile(r"^model(-\d{5}-of-\d{5})?\.safetensors$")
 # What a checkpoint holds that is not part of a HF model folder: DeepSpeed's and our own files.
-INTERNAL_NAMES = {MANIFEST, "trainer_state.json", LATEST}
+# (A LoRA checkpoint's consolidated adapter_model.safetensors is weights too: export rebuilds it.)
+INTERNAL_NAMES = {MANIFEST, "trainer_state.json", LATEST, "adapter_model.safetensors"}
 INTERNAL_RE = re.compile(r"(\.pt$)|(^zero_to_.*\.py$)")
 
 
@@ -70,9 +71,10 @@ class ExportResult:
     peak_rss: int  # bytes, this process's high-water mark
     copied: bool  # consolidated weights copied rather than rebuilt
     verified: tuple[int, float] | None = None  # (bytes, seconds) checked against the manifest; None: not
+    how: str | None = None  # what was written, when not the model's weights (a LoRA checkpoint's export)
 
     def summary(self) -> str:
-        how = "copied the consolidated weights" if self.copied else "rebuilt from the rank files"
+        how = self.how or ("copied the consolidated weights" if self.copied else "rebuilt from the rank files")
         shards = sum(1 for f in self.files if f.endswith(".safetensors"))
         checked = (f"{self.verified[0] / 1e6:.1f} MB verified in {self.verified[1]:.2f} s" if self.verified
                    else "unverified: --no_verify")
@@ -85,7 +87,7 @@ class ExportResult:
 
 def export_hf(checkpoint: str | os.PathLike, out: str | os.PathLike, dtype: str | None = None,
               max_shard_size: str | None = None, exclude_frozen: bool = False, progress: bool = True,
-              verify: bool = True) -> ExportResult:
+              verify: bool = True, merge_lora: bool = False, base_model: str | None = None) -> ExportResult:
     """Write a HF model folder at ``out`` from ``checkpoint`` (a checkpoint folder or an output dir).
 
     The weights are rebuilt from the rank files in ``dtype`` (default: the training dtype).
@@ -93,9 +95,20 @@ def export_hf(checkpoint: str | os.PathLike, out: str | os.PathLike, dtype: str 
     the rebuild would write (see ``exact_copy``) and nothing else is asked (no ``max_shard_size``,
     no ``exclude_frozen``); a checkpoint with no rank files can only be copied. ``out`` appears
     complete or not at all. ``verify``: each file is checked against the manifest before it is read.
+    A LoRA checkpoint gives its adapter folder, or with ``merge_lora`` the base with the adapters
+    merged (``base_model``: where the base is, if not where the run loaded it): lora_export.py.
     """
     start = time.perf_counter()
     folder = resolve_checkpoint(checkpoint)
+    if (folder / "adapter_config.json").is_file() or merge_lora or base_model:
+        if exclude_frozen:
+            raise ConfigError("`--exclude_frozen_parameters`: a LoRA checkpoint holds no frozen parameter")
+        from finetune.checkpoint.adapter import is_adapter_checkpoint
+        from finetune.checkpoint.lora_export import export_lora
+
+        if not is_adapter_checkpoint(folder):
+            raise ConfigError(f"`--merge_lora`/`--base_model`: {folder} is not a LoRA checkpoint (no adapter_config.json)")
+        return export_lora(folder, out, dtype, max_shard_size, merge_lora, base_model, verify, progress)
     out = _check_out(out)
     verified = [0, 0.0] if verify else None
     if verify:  # what decides copy or rebuild, and what is copied: before any of it is read

@@ -56,6 +56,7 @@ from typing import Callable
 import torch
 
 from finetune import distributed as dist
+from finetune.checkpoint.adapter import ADAPTER_WEIGHTS, write_adapter_config
 from finetune.checkpoint.accounting import Clock, SaveIO, fmt_bytes, space_report
 from finetune.checkpoint.commit import prepare_staged, publish_staged
 from finetune.checkpoint.durable import fsync_path, hash_file, write_json_durably
@@ -77,7 +78,8 @@ SLOW_COMMIT_ENV = "FINETUNE_SLOW_COMMIT"
 # Adam keeps fp32 master weights + two moments (12 B/param); the module states add a copy.
 BYTES_PER_PARAM_ESTIMATE = 16
 SPACE_MARGIN = 1.10
-CONSOLIDATED_PATTERNS = ("model.safetensors", "model-*-of-*.safetensors", "model.safetensors.index.json")
+CONSOLIDATED_PATTERNS = ("model.safetensors", "model-*-of-*.safetensors", "model.safetensors.index.json",
+                         ADAPTER_WEIGHTS)
 
 
 def versions() -> dict:
@@ -115,16 +117,20 @@ class Pending:
 class CheckpointManager(SaveSchedule):
     def __init__(self, storage: LocalStorage, ckpt: CheckpointArgs, layout: Layout, *, engine, progress: TrainingState,
                  sampler, tokenizer, run_info: dict, run_id: str, plan: ResumePlan | None = None,
-                 consolidated_dtype: torch.dtype = torch.float32, still_ours=lambda: True):
+                 consolidated_dtype: torch.dtype = torch.float32, still_ours=lambda: True, adapters: bool = False):
         """``run_info``: what trainer_state.json records besides the progress (zero stage, dtype,
         args); ``run_id``: the same on every rank (names this run's save ids); ``still_ours``:
-        whether this run still holds OUT's lease (asked by the leader before each commit)."""
+        whether this run still holds OUT's lease (asked by the leader before each commit);
+        ``adapters`` (--use_peft): the engine's module is a peft model whose base is frozen. Its
+        checkpoints leave the base out (the rank files hold only the adapters' state) and add
+        adapter_config.json; their consolidated weights are the adapters (checkpoint/adapter.py)."""
         from finetune.modeling import count_parameters
 
         self.storage, self.ckpt, self.layout, self.out = storage, ckpt, layout, storage.root
         self.engine, self.progress, self.sampler, self.tokenizer = engine, progress, sampler, tokenizer
         self.run_info, self.run_id, self.plan = run_info, run_id, plan
-        self.consolidated_dtype, self.still_ours = consolidated_dtype, still_ours
+        self.consolidated_dtype, self.still_ours, self.adapters = consolidated_dtype, still_ours, adapters
+        self.adapter_summary: dict | None = None  # the consolidated adapter's tensors and bytes, for the manifest
         self.leader = layout.leader
         self.parameters = count_parameters(engine.module)
         self.writer = GuardedWriter(engine.checkpoint_engine)
@@ -250,7 +256,7 @@ class CheckpointManager(SaveSchedule):
         """Rank-local and in memory; a failure is recorded for the agree step, never raised."""
         snap = Snapshot(step)
         self.writer.reset(self.out / STAGING / tag_for(step), step, background)
-        self.consolidation_error = None
+        self.consolidation_error = self.adapter_summary = None
         try:
             fault_point("save.snapshot", step)
             snap.rng = rng_state()
@@ -274,7 +280,9 @@ class CheckpointManager(SaveSchedule):
                 self.writer._fail(folder, e)
         try:
             # Collective: every rank must call it (a rank-0-only call hangs under ZeRO-3).
-            self.engine.save_checkpoint(str(staging_root), tag=tag, save_latest=False)
+            # --use_peft: the frozen base is not saved (a resume loads it from where it came from).
+            self.engine.save_checkpoint(str(staging_root), tag=tag, save_latest=False,
+                                        **({"exclude_frozen_parameters": True} if self.adapters else {}))
         except Exception as e:
             # Every write inside is guarded, so this is unexpected, and this rank may have skipped
             # one of DeepSpeed's collectives: agreeing now could hang. Fail the run loudly instead;
@@ -293,11 +301,16 @@ class CheckpointManager(SaveSchedule):
 
     def _write_consolidated(self, folder: Path) -> None:
         """Collective: every rank gathers, even one whose own writes already failed."""
+        from finetune.checkpoint.adapter import save_adapter
         from finetune.checkpoint.consolidate import ConsolidationFailed, save_consolidated
 
         try:
-            self.writer.files.update(save_consolidated(self.engine.module, folder, self.consolidated_dtype,
-                                                       self.ckpt.max_shard_size))
+            if self.adapters:  # the adapters alone, as peft saves them (the base is elsewhere, unchanged)
+                files, self.adapter_summary = save_adapter(self.engine.module, folder, self.consolidated_dtype)
+                self.writer.files.update(files)
+            else:
+                self.writer.files.update(save_consolidated(self.engine.module, folder, self.consolidated_dtype,
+                                                           self.ckpt.max_shard_size))
         except ConsolidationFailed as e:  # every rank is past the gathers: recorded, only safetensors dropped
             self.consolidation_error = str(e)
         except Exception as e:
@@ -320,6 +333,8 @@ class CheckpointManager(SaveSchedule):
             module.generation_config.save_pretrained(folder)
             written.append(folder / "generation_config.json")
         written += [Path(p) for p in self.tokenizer.save_pretrained(folder)]
+        if self.adapters:  # what export and PeftModel.from_pretrained need to rebuild the adapters
+            written.append(write_adapter_config(module, folder))
         for path in dict.fromkeys(written):
             if path.is_file():
                 self.writer.files[path.name] = hash_file(path)
@@ -385,6 +400,8 @@ class CheckpointManager(SaveSchedule):
         identity = {"commit_seq": seq, "save_id": f"{self.run_id}-{seq}",
                     "parent": parent.tag if parent else None,
                     "parent_save_id": parent.save_id if parent else None, "consolidated": consolidated}
+        if consolidated and self.adapter_summary is not None:  # what `finetune verify` holds the adapter file to
+            identity["adapter"] = self.adapter_summary
         ranks = self.layout.my_group if self.layout.node_local else None
 
         def prepare():
@@ -462,8 +479,11 @@ class CheckpointManager(SaveSchedule):
             return False
         start, folder = time.perf_counter(), plan.folder
         load_dir, tag = (str(folder), plan.universal.name) if plan.universal else (str(folder.parent), folder.name)
+        # --use_peft: the rank files hold no frozen base weight, so the module's state is partial (the
+        # adapters' own weights come from the optimizer's fp32 partitions, as in full fine-tuning).
         load_path, _ = self.engine.load_checkpoint(load_dir, tag=tag, load_optimizer_states=True,
-                                                   load_lr_scheduler_states=True)
+                                                   load_lr_scheduler_states=True,
+                                                   **({"load_module_strict": False} if self.adapters else {}))
         if load_path is None:
             raise RuntimeError(f"DeepSpeed could not load the checkpoint {folder}")
         self.progress.load_state_dict(plan.saved)
@@ -494,7 +514,7 @@ class CheckpointManager(SaveSchedule):
 
 
 def _is_consolidated(name: str) -> bool:
-    return name == "model.safetensors" or name == "model.safetensors.index.json" or \
+    return name in ("model.safetensors", "model.safetensors.index.json", ADAPTER_WEIGHTS) or \
         (name.startswith("model-") and name.endswith(".safetensors"))
 
 

@@ -28,6 +28,7 @@ from finetune.checkpoint.state import TRAINER_STATE
 from finetune.checkpoint.storage import LocalStorage, committed, find_checkpoint, step_of
 from finetune.config import ConfigError, RunConfig
 from finetune.distributed import logger
+from finetune.lora import check_resumable
 from finetune.modeling import check_checkpoint_model
 
 UNIVERSAL = "universal"
@@ -44,10 +45,12 @@ class ResumePlan:
 
 
 class Resumer:
-    def __init__(self, cfg: RunConfig, storage: LocalStorage, node_local: bool = False, leader: bool | None = None):
+    def __init__(self, cfg: RunConfig, storage: LocalStorage, node_local: bool = False, leader: bool | None = None,
+                 base: dict | None = None):
         """``node_local``: each node has its own OUT; ``leader``: this rank does rank 0's part for
-        its OUT (rank 0, or each node's first rank; default rank 0)."""
-        self.cfg, self.storage, self.out = cfg, storage, storage.root
+        its OUT (rank 0, or each node's first rank; default rank 0); ``base``: with --use_peft, the
+        base model's identity (lora.base_identity), the same on every rank."""
+        self.cfg, self.storage, self.out, self.base = cfg, storage, storage.root, base
         self.node_local = node_local
         self.leader = dist.is_main() if leader is None else leader
 
@@ -73,6 +76,8 @@ class Resumer:
 
         saved, manifest, in_out = dist.share_from(0, read_state)
         self._check_compatible(saved)
+        # From facts every rank shares (the saved state, the base's identity): raises alike everywhere.
+        check_resumable(folder, saved, self.cfg.model, self.base)
         # Before anything is set aside or built: another architecture or vocabulary is bad input.
         dist.run_agreed(lambda: check_checkpoint_model(folder, self.cfg.model), on=dist.is_main())
         head, max_seq = None, 0

@@ -47,8 +47,9 @@ class ShardPlan:
         return len(self.filename_to_tensors) > 1
 
 
-def plan_shards(entries, dtype: torch.dtype, max_shard_size: str | int) -> tuple[ShardPlan, dict]:
-    """Fill shards in gather order (a new shard when the next tensor would overflow), HF file names.
+def plan_shards(entries, dtype: torch.dtype, max_shard_size: str | int, basename: str = "model") -> tuple[ShardPlan, dict]:
+    """Fill shards in gather order (a new shard when the next tensor would overflow), HF file names
+    (``basename``.safetensors, or ``basename``-0000i-of-0000n.safetensors).
 
     Order matters: tensors are streamed as they are gathered, so each shard must hold a
     contiguous run of the gather order (huggingface_hub's planner may reorder). Raises ValueError
@@ -73,9 +74,9 @@ def plan_shards(entries, dtype: torch.dtype, max_shard_size: str | int) -> tuple
         shards[-1].append(name)
         size += n
     if len(shards) == 1:
-        files = {"model.safetensors": shards[0]}
+        files = {f"{basename}.safetensors": shards[0]}
     else:
-        files = {f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors": names for i, names in enumerate(shards)}
+        files = {f"{basename}-{i + 1:05d}-of-{len(shards):05d}.safetensors": names for i, names in enumerate(shards)}
     total = sum(m.numel() * m.element_size() for m in meta.values())
     return ShardPlan(files, {n: f for f, names in files.items() for n in names}, total), meta
 
