@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
@@ -320,7 +321,7 @@ def split_names(value: str | list | tuple | None) -> list[str]:
     if value is None:
         return []
     parts = value if isinstance(value, (list, tuple)) else [value]
-    return [name.strip() for part in parts for name in str(part).split(",") if name.strip()]
+    return [name for part in parts for name in re.split(r"[,\s]+", str(part)) if name]
 
 
 def check_size(text: str) -> None:

@@ -34,6 +34,7 @@ from finetune.lora import BASE_KEY, base_identity, trainable_parameters
 from finetune.modeling import DTYPES, EMBEDDED_MODEL_DIR, count_parameters, load_model, load_tokenizer
 from finetune.ops import ADAM_KEY, adam_impl, ensure_adam
 from finetune.plot import Plotter
+from finetune.probe import maybe_probe
 from finetune.preemption import EXIT_PREEMPTED, Preemption, parse_signals
 from finetune.trackers import open_trackers, run_name
 
@@ -282,6 +283,7 @@ class Trainer:
                           "so the final checkpoint commits before the grace period ends")
         else:
             self.evaluate()
+        maybe_probe(self.engine, len(self.tokenizer))  # test seam: FINETUNE_PROBE_LOGITS
         return self.checkpoints.at_end(self.state.global_step)
 
     def _started(self, resumed: bool) -> None:

@@ -1,0 +1,34 @@
+"""Test seam: the training model's logits on a fixed input, for comparing an exported model with it.
+
+``FINETUNE_PROBE_LOGITS=<file>``: after the final evaluation every rank runs the model (a collective
+forward under ZeRO-3) on the same token ids, and rank 0 saves the logits to ``<file>`` (torch.save,
+fp32, CPU). tests/distributed/test_lora.py holds the adapter and merged exports to them.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from finetune import distributed as dist
+
+PROBE_ENV = "FINETUNE_PROBE_LOGITS"
+
+
+def probe_input(vocab_size: int) -> torch.Tensor:
+    """Two rows of 24 token ids, the same for every caller."""
+    return (torch.arange(48, dtype=torch.long) * 7 % vocab_size).reshape(2, 24)
+
+
+@torch.no_grad()
+def maybe_probe(engine, vocab_size: int) -> None:
+    """Every rank, when the seam is set (an environment every rank shares). Collective."""
+    path = os.environ.get(PROBE_ENV)
+    if not path:
+        return
+    engine.eval()
+    logits = engine(input_ids=probe_input(vocab_size).to(engine.device)).logits
+    if dist.is_main():
+        torch.save(logits.float().cpu(), path)
+    engine.train()
