@@ -21,6 +21,7 @@ from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 
+from finetune.checkpoint.adapter import is_adapter_checkpoint
 from finetune.checkpoint.lease import LEASE
 from finetune.checkpoint.manifest import MANIFEST, looks_like_checkpoint, read_manifest, stored_ranks, verify
 from finetune.checkpoint.outdir import METRICS, notes
@@ -53,6 +54,7 @@ class Checkpoint:
     status: str
     problems: list[str] = field(default_factory=list)
     latest: bool = False
+    lora: bool = False  # LoRA adapters (--use_peft): "consolidated" means adapter_model.safetensors
 
 
 @dataclass
@@ -118,7 +120,8 @@ def _checkpoint(folder: Path, losses: "_Losses", checksums: bool) -> Checkpoint:
     consolidated = manifest.get("consolidated")
     return Checkpoint(folder.name, step, _committed_at(folder, manifest), _int_or_none(manifest.get("total_bytes")) or
                       _folder_bytes(folder), world, ranks, train, train_step, evaluated, eval_step,
-                      consolidated if isinstance(consolidated, bool) else None, status, problems)
+                      consolidated if isinstance(consolidated, bool) else None, status, problems,
+                      lora=is_adapter_checkpoint(folder))
 
 
 def _problems(folder: Path, manifest: dict, checksums: bool) -> list[str]:
@@ -131,6 +134,10 @@ def _problems(folder: Path, manifest: dict, checksums: bool) -> list[str]:
         from finetune.checkpoint.safe_load import refusals  # imports torch: only when asked to verify
 
         problems = refusals(folder, stored_ranks(manifest))
+    if not problems and checksums and is_adapter_checkpoint(folder):  # as `finetune verify`: adapters complete?
+        from finetune.checkpoint.adapter import verify_adapter  # imports peft and transformers: only when asked
+
+        problems = verify_adapter(folder, manifest)
     return problems
 
 
@@ -272,6 +279,8 @@ def _cells(c: Checkpoint) -> list[str]:
     if c.ranks is not None and c.ranks != list(range(c.world_size or 0)):
         world = f"{len(c.ranks)}/{world}"  # node-local: ranks held here / world size
     consolidated = {True: "yes", False: "no", None: "-"}[c.consolidated]
+    if c.lora:
+        consolidated = "adapter" if c.consolidated else f"{consolidated} (LoRA)"
     return ["*" if c.latest else "", str(c.step), when, _human(c.bytes), world,
             _loss(c.train_loss, c.train_loss_step, c.step), _loss(c.eval_loss, c.eval_loss_step, c.step), consolidated,
             c.status]

@@ -121,6 +121,11 @@ def test_consolidated_adapter_is_complete_and_loads_with_peft_giving_the_trainin
 
     base_logits = _logits(AutoModelForCausalLM.from_pretrained(lora["base"]).eval(), vocab)
     assert (got - base_logits).abs().max() > 100 * LOGITS_ATOL
+    listed = subprocess.run([sys.executable, "-m", "finetune", "ls", str(lora["out"]), "--json"], env=child_env(),
+                            capture_output=True, text=True, timeout=TIMEOUT)
+    rows = json.loads(listed.stdout)["checkpoints"]
+    assert [(r["tag"], r["lora"], r["consolidated"]) for r in rows] == [("global_step4", True, True),
+                                                                         ("global_step8", True, True)]
 
 
 def test_partitioned_checkpoint_holds_no_frozen_base_tensor_and_is_adapter_sized(lora, full):

@@ -192,6 +192,10 @@ CASES = [
     Case("shard_size_0", ("--save_checkpoint", "--save_consolidated", "--max_shard_size", "0"), ("--max_shard_size",)),
     Case("async_save_without_save_checkpoint", ("--async_save",), ("--async_save", "--save_checkpoint")),
     Case("ddp_timeout_0", ("--ddp_timeout", "0"), ("--ddp_timeout",)),
+    Case("lora_flag_without_use_peft", ("--lora_r", "8"), ("--lora_r", "--use_peft")),
+    Case("lora_r_0", ("--use_peft", "--lora_r", "0"), ("--lora_r",)),
+    Case("lora_target_not_in_model", ("--model_name_or_path", "{llama}", "--use_peft", "--lora_target_modules", "qq_proj"),
+         ("--lora_target_modules", "qq_proj")),
     Case("max_seq_length_1", ("--max_seq_length", "1"), ("--max_seq_length",)),
     Case("learning_rate_not_a_number", ("--learning_rate", "fast"), ("--learning_rate", "'fast'")),
     # paths, resume
@@ -207,6 +211,9 @@ CASES = [
          ("--resume_from_checkpoint", "{ckpt}", "--model_name_or_path", "model_type llama vs gpt2")),
     Case("resume_other_vocabulary", ("--model_name_or_path", "{tmp}/model", "--resume_from_checkpoint", "{ckpt}"),
          ("--resume_from_checkpoint", "{ckpt}", "vocab_size 513 vs 1024"), _other_vocab_model),
+    Case("resume_full_checkpoint_with_use_peft", ("--model_name_or_path", "{llama}", "--use_peft",
+                                                  "--resume_from_checkpoint", "{ckpt}"),
+         ("--use_peft", "{ckpt}", "full fine-tuning")),
     # contradictory flags
     Case("steps_and_epochs", ("--max_steps", "3", "--num_train_epochs", "1"), ("--max_steps", "--num_train_epochs")),
     Case("bf16_and_fp16", ("--bf16", "--fp16"), ("--fp16", "--bf16")),
@@ -223,6 +230,8 @@ CASES = [
     Case("export_of_damaged_checkpoint", ("export", "{ckpt}", "{out}"), (RANK_FILE, "{ckpt}"), _damage_rank_file),
     Case("export_of_not_a_checkpoint", ("export", "{tmp}/folder", "{out}"), ("{tmp}/folder", "not a checkpoint"),
          _not_a_checkpoint),
+    Case("merge_lora_of_a_full_checkpoint", ("export", "{ckpt}", "{out}", "--merge_lora"),
+         ("--merge_lora", "{ckpt}", "not a LoRA checkpoint")),
     Case("verify_not_a_checkpoint", ("verify", "{tmp}/folder"), ("{tmp}/folder", "not a checkpoint"), _not_a_checkpoint),
 ]
 SUBCOMMANDS = ("export", "verify", "exprot")
