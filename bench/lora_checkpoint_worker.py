@@ -1,0 +1,80 @@
+"""Worker for bench/lora_checkpoint.py: runs under `deepspeed --num_gpus 2`, prints one JSON line.
+
+Builds bench/checkpoint_save.py's ~134M-parameter Llama through finetune itself (Trainer.build),
+full fine-tuning or, with ``--lora``, LoRA adapters on it (r 16 on every linear layer but the head,
+TRL's usual choice), trains one step, then times ``--repeats`` partitioned saves
+(CheckpointManager.save: DeepSpeed's rank files + ours + fsync + manifest + commit) and one
+consolidated save (the model's safetensors, or the adapter's). Times are rank 0's wall clock
+between barriers (the slowest rank included); bytes are what the manifest lists.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+from pathlib import Path
+
+import torch
+from checkpoint_save_worker import exit_now, folder_bytes, timed
+
+from finetune import distributed as dist
+from finetune.checkpoint.adapter import save_adapter
+from finetune.checkpoint.consolidate import save_consolidated
+from finetune.cli import parse_train_args
+from finetune.lora import trainable_parameters
+from finetune.trainer import Trainer
+
+LORA = ["--use_peft", "--lora_r", "16", "--lora_alpha", "32", "--lora_target_modules", "all-linear"]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--config_dir", required=True)
+    ap.add_argument("--ds_config", required=True)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--lora", action="store_true")
+    ap.add_argument("--local_rank", type=int, default=None)
+    a = ap.parse_args()
+    out = Path(a.out)
+    tokenizer = str(Path(__file__).resolve().parents[1] / "finetune" / "resources" / "tokenizer")
+    cfg = parse_train_args(["--config_name", a.config_dir, "--tokenizer_name", tokenizer, "--deepspeed_config",
+                            a.ds_config, "--output_dir", str(out), "--max_steps", "1", "--per_device_train_batch_size",
+                            "1", "--max_seq_length", "32", "--validation_split_percentage", "0", "--save_checkpoint",
+                            *(LORA if a.lora else [])])
+    dist.init(cfg.train.ddp_timeout)
+    trainer = Trainer.build(cfg)
+    trainer._train_step()
+    engine, manager = trainer.engine, trainer.checkpoints
+    saves = []
+    for i in range(a.repeats):
+        step = 100 + i
+        seconds = timed(lambda: manager.save(step))
+        folder = out / f"global_step{step}"
+        size = json.loads((folder / "manifest.json").read_text())["total_bytes"] if dist.is_main() else 0
+        dist.barrier()
+        if dist.is_main():
+            shutil.rmtree(folder, ignore_errors=True)
+        saves.append({"seconds": seconds, "bytes": size})
+    cons = out / "consolidated"
+    if dist.is_main():
+        cons.mkdir(parents=True, exist_ok=True)
+    dist.barrier()
+    if a.lora:
+        t_cons = timed(lambda: save_adapter(engine.module, cons, torch.float32))
+    else:
+        t_cons = timed(lambda: save_consolidated(engine.module, cons, torch.float32, "5GB"))
+    if dist.is_main():
+        params = sum(getattr(p, "ds_numel", p.numel()) for p in engine.module.parameters())
+        print("RESULT " + json.dumps({
+            "lora": a.lora, "params": params, "trainable": trainable_parameters(engine.module),
+            "world_size": dist.world_size(), "saves": saves,
+            "consolidated": {"seconds": t_cons, "bytes": folder_bytes(cons)}}), flush=True)
+    dist.barrier()
+    dist.shutdown()
+
+
+if __name__ == "__main__":
+    main()
+    exit_now()
