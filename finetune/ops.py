@@ -189,3 +189,38 @@ def ensure_adam(ds_config: dict, saved: str | None = None, load=load_op) -> dict
                   "with a CUDA toolkit (nvcc) prebuilds it.", op.removesuffix("Builder"), outcome.describe(),
                   "AdamW" if adamw else "Adam")
     return use_torch_adam(ds_config)
+
+
+def replay_adam_steps(engine) -> int:
+    """Make DeepSpeed's CPU Adam kernel continue a resumed run bit for bit; returns the steps replayed.
+
+    DeepSpeedCPUAdam, and FusedAdam on the CPU accelerator, both update through cpu_adam_impl's
+    ``ds_adam_step``, which keeps beta1^t and beta2^t as running float products, recomputed with
+    ``pow`` whenever the step it is given is not the previous one plus 1 (csrc/includes/cpu_adam.h,
+    ``IncrementStep``): in a resumed process, at its first step. Its products then differ from the
+    uninterrupted run's in the last bits, and so do the losses a few steps later. Calling the kernel
+    with empty tensors for steps 1..N rebuilds the same products without touching a parameter
+    (N calls of a no-op update: ~1 µs each). GPU kernels compute the powers every step: nothing to do.
+    """
+    import torch
+
+    opt = getattr(engine.optimizer, "optimizer", engine.optimizer)
+    steps = max((int(s.get("step", 0)) for s in getattr(opt, "state", {}).values() if isinstance(s, dict)), default=0)
+    if steps == 0 or not getattr(opt, "param_groups", None):
+        return 0
+    group = opt.param_groups[0]
+    beta1, beta2 = group["betas"]
+    args = (group["lr"], beta1, beta2, group["eps"])
+    empty = torch.empty(0)
+    if hasattr(opt, "ds_opt_adam") and hasattr(opt, "opt_id"):  # DeepSpeedCPUAdam
+        for step in range(1, steps + 1):
+            opt.ds_opt_adam.adam_update(opt.opt_id, step, *args, group["weight_decay"], group["bias_correction"],
+                                        empty, empty, empty, empty)
+        return steps
+    buf = getattr(opt, "_dummy_overflow_buf", None)
+    if hasattr(opt, "multi_tensor_adam") and buf is not None and buf.device.type == "cpu":  # FusedAdam, CPU build
+        for step in range(1, steps + 1):
+            opt.multi_tensor_adam(1, buf, [[empty], [empty], [empty], [empty]], *args, step, opt.adam_w_mode,
+                                  1 if group["bias_correction"] else 0, group["weight_decay"])
+        return steps
+    return 0

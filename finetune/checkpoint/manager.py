@@ -72,6 +72,7 @@ from finetune.checkpoint.storage import STAGING, LocalStorage, committed, step_o
 from finetune.checkpoint.writer import GuardedWriter
 from finetune.config import CheckpointArgs
 from finetune.distributed import logger
+from finetune.ops import replay_adam_steps
 
 SKIP_SPACE_CHECK_ENV = "FINETUNE_SKIP_SPACE_CHECK"
 SLOW_COMMIT_ENV = "FINETUNE_SLOW_COMMIT"
@@ -486,6 +487,7 @@ class CheckpointManager(SaveSchedule):
                                                    **({"load_module_strict": False} if self.adapters else {}))
         if load_path is None:
             raise RuntimeError(f"DeepSpeed could not load the checkpoint {folder}")
+        replay_adam_steps(self.engine)  # CPU Adam's running beta powers, as the uninterrupted run has them
         self.progress.load_state_dict(plan.saved)
         self.sampler.load_state_dict(self.progress.sampler)
         rng_file = folder / f"rng_state_{dist.rank()}.pt"
