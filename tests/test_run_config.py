@@ -120,4 +120,5 @@ def test_examples_are_valid_config_files(example):
 
 
 def test_the_examples_promised_in_the_docs_exist():
-    assert {p.name for p in EXAMPLES} >= {"llama-1b-sft.yaml", "chat-sft.yaml", "7b-offload.yaml", "slurm.yaml"}
+    assert {p.name for p in EXAMPLES} >= {"llama-1b-sft.yaml", "chat-sft.yaml", "7b-offload.yaml", "slurm.yaml",
+                                               "llama-8b-lora.yaml"}

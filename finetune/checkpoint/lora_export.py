@@ -147,9 +147,9 @@ def _base_folder(folder: Path, state: dict, override: str | None) -> Path:
     recorded = state.get(BASE_KEY)
     if not recorded:
         raise ConfigError(f"{folder}: trainer_state.json records no base model (not a LoRA checkpoint of finetune's)")
-    if recorded.get("kind") != "pretrained" and override is None:
-        raise ConfigError(f"--merge_lora: {folder}'s base was {_shown(recorded)}, not saved anywhere; export the "
-                          f"adapters without --merge_lora, or give the weights with --base_model")
+    if recorded.get("kind") != "pretrained":
+        raise ConfigError(f"--merge_lora: {folder}'s base was {_shown(recorded)}, weights that were never saved; "
+                          "export the adapters without --merge_lora")
     name = override or recorded["source"]
     base_dir, revision = weights_folder(name)
     if base_dir is None:

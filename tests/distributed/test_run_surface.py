@@ -80,6 +80,7 @@ def test_an_example_config_runs_on_a_tiny_model_and_its_run_config_reproduces_it
     ("llama-1b-sft.yaml", "pc_csv", ["--prompt_column", "question", "--completion_column", "answer"]),
     ("slurm.yaml", "pc_csv", ["--prompt_column", "question", "--completion_column", "answer"]),
     ("7b-offload.yaml", "text_jsonl", []),  # CPU offload and gradient checkpointing, as the example sets
+    ("llama-8b-lora.yaml", "pc_csv", ["--prompt_column", "question", "--completion_column", "answer"]),
 ])
 def test_each_example_runs_a_few_steps_on_a_tiny_model(run_finetune, tiny_models, data_files, example, data, columns):
     """The recipes as shipped, with only the model, data and sizes swapped for tiny ones (one process)."""
