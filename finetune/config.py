@@ -225,6 +225,8 @@ def resolve(values: Mapping[str, Any], precision_flag: str | None = None, *,
             v[name] = ",".join(split_names(v[name]))
     embedded_model = v["model_name_or_path"] is None and v["config_name"] is None
     embedded_data = v["dataset_name"] is None and v["train_file"] is None
+    from finetune.sources import validate_paths
+
     validate_flags(v)
     validate_paths(v)
     # The preset is a default, not a flag: an explicit DeepSpeed JSON value must win over it.
@@ -290,29 +292,9 @@ def validate_flags(v: Mapping[str, Any]) -> None:
                           "`--save_checkpoint`")
     if v["ignore_unverified_checkpoints"] and v["resume_from_checkpoint"] != "auto":
         raise ConfigError("`--ignore_unverified_checkpoints` needs `--resume_from_checkpoint auto`")
+    from finetune.lora import validate_lora_flags
+
     validate_lora_flags(v)
-
-
-LORA_FLAGS = ("lora_r", "lora_alpha", "lora_dropout", "lora_target_modules", "lora_modules_to_save")
-
-
-def validate_lora_flags(v: Mapping[str, Any]) -> None:
-    """The LoRA flags: meaningful only with --use_peft (a value other than the default without it is
-    a mistake), and in range."""
-    defaults = flag_defaults()
-    if not v["use_peft"]:
-        given = [f"--{k}" for k in LORA_FLAGS if v[k] != defaults[k]]
-        if given:
-            raise ConfigError(f"{', '.join(f'`{g}`' for g in given)} need{'s' if len(given) == 1 else ''} `--use_peft`")
-        return
-    for name in ("lora_r", "lora_alpha"):
-        if v[name] <= 0:
-            raise ConfigError(f"`--{name}` must be positive, got {v[name]}")
-    if not 0 <= v["lora_dropout"] < 1:
-        raise ConfigError(f"`--lora_dropout` must be in [0, 1), got {v['lora_dropout']}")
-    for name in ("lora_target_modules", "lora_modules_to_save"):
-        if v[name] is not None and not split_names(v[name]):
-            raise ConfigError(f"`--{name}` names no module, got {v[name]!r}")
 
 
 def split_names(value: str | list | tuple | None) -> list[str]:
@@ -335,93 +317,6 @@ def check_size(text: str) -> None:
         ok = False
     if not ok:
         raise ConfigError(f"`--max_shard_size` must be a positive size like 5GB or 500MB, got {text!r}")
-
-
-def validate_paths(v: Mapping[str, Any]) -> None:
-    """Checks that read the filesystem: data files, local model dirs, the output dir, the DeepSpeed JSON."""
-    for flag in ("output_dir", "dataset_cache_dir"):
-        folder = Path(v[flag]) if v[flag] else None
-        if folder is not None and folder.exists() and not folder.is_dir():
-            raise ConfigError(f"--{flag}: {folder} exists and is not a directory")
-    latest = Path(v["output_dir"]) / "latest" if v["output_dir"] else None
-    if latest is not None and (latest.is_dir() or latest.is_symlink() and not latest.is_file()):
-        # Never rewritable by an atomic replace: every commit would leave `latest` stale.
-        raise ConfigError(f"--output_dir: {latest} is not a file (remove it; finetune writes the tag of the "
-                          f"newest checkpoint there)")
-    for flag in ("train_file", "validation_file"):
-        path = v[flag]
-        if path is None:
-            continue
-        if not Path(path).is_file():
-            raise ConfigError(f"--{flag}: file not found: {path}")
-        if data_format(path) is None:
-            raise ConfigError(f"--{flag}: unsupported file type '{Path(path).suffix}' for {path} "
-                              f"(use one of {', '.join(sorted(DATA_EXTENSIONS))})")
-    if v["train_file"] and v["validation_file"] and data_format(v["train_file"]) != data_format(v["validation_file"]):
-        raise ConfigError("--validation_file: must have the same format as --train_file")
-    for flag in ("model_name_or_path", "config_name", "tokenizer_name"):
-        if v[flag]:
-            check_model_source(flag, v[flag])
-    check_resume_path(v["resume_from_checkpoint"])
-    from finetune.ds_config import resolve_config_path
-
-    resolve_config_path(v["deepspeed_config"])
-
-
-def check_model_source(flag: str, name: str) -> None:
-    """A model, config or tokenizer source that cannot load, named before any process starts work:
-    a missing folder, a model folder without config or weights, a hub id that is not cached while
-    offline (HF_HUB_OFFLINE)."""
-    path = Path(name)
-    if path.is_dir():
-        if (path / "adapter_config.json").is_file():
-            return  # a PEFT adapter: transformers finds its base model through it
-        if flag != "tokenizer_name" and not (path / "config.json").is_file():
-            raise ConfigError(f"--{flag}: {name} has no config.json (not a model folder)")
-        if flag == "model_name_or_path" and not any(next(path.glob(p), None) for p in WEIGHT_FILES):
-            raise ConfigError(f"--model_name_or_path: {name} has no weights (model.safetensors, pytorch_model.bin or "
-                              f"their shards); to train from scratch with its config, use --config_name {name}")
-        return
-    if path.exists():
-        if flag == "config_name":
-            return  # a config.json file, which AutoConfig reads too
-        raise ConfigError(f"--{flag}: {name} is a file, not a model folder or hub id")
-    if looks_local(name):
-        raise ConfigError(f"--{flag}: no such directory: {name}")
-    _check_hub_id(flag, name)
-
-
-def _check_hub_id(flag: str, name: str) -> None:
-    import huggingface_hub
-
-    # A tokenizer repo may hold only tokenizer_config.json; AutoTokenizer falls back to config.json.
-    wanted = ("tokenizer_config.json", "config.json") if flag == "tokenizer_name" else ("config.json",)
-    try:
-        cached = [huggingface_hub.try_to_load_from_cache(name, f) for f in wanted]
-    except ValueError as e:  # HFValidationError: not a well-formed repo id
-        raise ConfigError(f"--{flag}: {name} is neither a folder nor a hub id ({str(e).splitlines()[0]})") from None
-    if huggingface_hub.is_offline_mode() and not any(isinstance(c, str) for c in cached):
-        raise ConfigError(f"--{flag}: {name} is not a folder, and the hub is offline (HF_HUB_OFFLINE) with no cached "
-                          f"copy of it; download it first, or point --{flag} at a local folder")
-
-
-def check_resume_path(spec: str | None) -> None:
-    """--resume_from_checkpoint PATH names a checkpoint, or an output dir holding one (latest and auto
-    are resolved later, from what the output dir holds)."""
-    if spec is None or spec in ("latest", "auto"):
-        return
-    from finetune.checkpoint.manifest import looks_like_checkpoint
-    from finetune.checkpoint.storage import find_checkpoint
-
-    folder = find_checkpoint(spec)
-    if folder is None or not looks_like_checkpoint(folder):
-        why = "no such folder" if not Path(spec).exists() else "not a checkpoint, nor an output dir holding one"
-        raise ConfigError(f"--resume_from_checkpoint: {spec}: {why}")
-
-
-def looks_local(name: str) -> bool:
-    """Hub ids are `name` or `org/name`; anything else is meant as a path."""
-    return name.startswith((".", "/", "~")) or name.count("/") > 1 or os.sep != "/" and os.sep in name
 
 
 def resolve_ddp_timeout(flag_value: int | None) -> int:

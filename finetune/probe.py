@@ -2,7 +2,7 @@
 
 ``FINETUNE_PROBE_LOGITS=<file>``: after the final evaluation every rank runs the model (a collective
 forward under ZeRO-3) on the same token ids, and rank 0 saves the logits to ``<file>`` (torch.save,
-fp32, CPU). tests/distributed/test_lora.py holds the adapter and merged exports to them.
+fp32, CPU). tests/distributed/test_lora_runs.py holds the adapter and merged exports to them.
 """
 
 from __future__ import annotations

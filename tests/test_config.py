@@ -20,11 +20,11 @@ from finetune.config import (
     LEGACY_TIMEOUT_ENV,
     ConfigError,
     flag_defaults,
-    looks_local,
     precision_shorthand,
     resolve,
     resolve_ddp_timeout,
 )
+from finetune.sources import looks_local
 from finetune.ds_config import finalize_ds_config, load_ds_json, reconcile, resolve_config_path, zero_stage
 
 PATH = "ds.json"  # only used in messages

@@ -1,6 +1,6 @@
 """LoRA's pure parts, without DeepSpeed: the flags, the base model's fingerprint, the resume checks,
 the adapter checks `finetune verify` runs, and the --merge_lora arithmetic against peft's own
-merge_and_unload. The 2-rank runs are in tests/distributed/test_lora.py."""
+merge_and_unload. The 2-rank runs are in tests/distributed/test_lora_runs.py."""
 
 from __future__ import annotations
 

@@ -40,7 +40,7 @@ import torch
 from finetune.checkpoint import safe_load
 from finetune.checkpoint.consolidate import FROM_MASTER, SOURCE_KEY
 from finetune.checkpoint.shards import INDEX, plan_shards, shard_header
-from finetune.checkpoint.durable import fsync_path, write_json_durably
+from finetune.checkpoint.durable import fsync_path
 from finetune.checkpoint.faults import fault_point
 from finetune.checkpoint.manifest import MANIFEST, check_file, read_manifest
 from finetune.checkpoint.resume import UNIVERSAL, write_universal_manifest
@@ -399,11 +399,7 @@ def _write_hf(source: ZeroCheckpoint, staging: Path, dtype: torch.dtype, max_sha
                     bar.update(_write_tensor(source, f, by_name[name], meta[name], buffers))
                 f.flush()
                 os.fsync(f.fileno())
-    files = list(split.filename_to_tensors)
-    if split.is_sharded:
-        index = {"metadata": {"total_size": split.total_size}, "weight_map": split.tensor_to_filename}
-        write_json_durably(staging / INDEX, index)
-        files.append(INDEX)
+    files = list(split.filename_to_tensors) + list(split.write_index(staging))
     return len(entries), split.total_size, files
 
 def _write_tensor(source: ZeroCheckpoint, f, entry, out: torch.Tensor, buffers: dict) -> int:

@@ -30,7 +30,7 @@ import torch
 
 from finetune.checkpoint.adapter import ADAPTER_CONFIG, ADAPTER_WEIGHTS, expected_tensors
 from finetune.checkpoint.consolidate import FROM_MASTER, SOURCE_KEY
-from finetune.checkpoint.durable import fsync_path, write_json_durably
+from finetune.checkpoint.durable import fsync_path
 from finetune.checkpoint.export import (ExportResult, _check_out, _copy_model_files, _model_files,
                                         _read_config, _training_dtype, _write_tensor, peak_rss_bytes, verify_inputs)
 from finetune.checkpoint.faults import fault_point
@@ -273,11 +273,7 @@ def _write_merged(base_dir: Path, source: ZeroCheckpoint, adapters: dict, config
                     os.fsync(f.fileno())
     finally:
         handles.clear()
-    files = list(split.filename_to_tensors)
-    if split.is_sharded:
-        index = {"metadata": {"total_size": split.total_size}, "weight_map": split.tensor_to_filename}
-        write_json_durably(staging / INDEX, index)
-        files.append(INDEX)
+    files = list(split.filename_to_tensors) + list(split.write_index(staging))
     return len(order), split.total_size, files
 
 

@@ -46,6 +46,13 @@ class ShardPlan:
     def is_sharded(self) -> bool:
         return len(self.filename_to_tensors) > 1
 
+    def write_index(self, folder: Path) -> dict[str, tuple[int, str]]:
+        """model.safetensors.index.json beside the shards when there are several: {name: (size, checksum)}."""
+        if not self.is_sharded:
+            return {}
+        index = {"metadata": {"total_size": self.total_size}, "weight_map": self.tensor_to_filename}
+        return {INDEX: write_json_durably(folder / INDEX, index)}
+
 
 def plan_shards(entries, dtype: torch.dtype, max_shard_size: str | int, basename: str = "model") -> tuple[ShardPlan, dict]:
     """Fill shards in gather order (a new shard when the next tensor would overflow), HF file names
@@ -160,8 +167,6 @@ class ShardWriter:
         self._close()
         if self.pos != len(self.order):
             raise ConsolidationError(f"wrote {self.pos} of {len(self.order)} planned tensors")
-        if self.split.is_sharded:
-            index = {"metadata": {"total_size": self.split.total_size}, "weight_map": self.split.tensor_to_filename}
-            self.files[INDEX] = write_json_durably(self.folder / INDEX, index)
+        self.files.update(self.split.write_index(self.folder))
         return self.files
 
