@@ -194,7 +194,7 @@ def check_resumable(folder: Path, saved: dict, args: ModelArgs, base: dict | Non
     saved_args = saved.get("args", {}).get("model", {})
     for flag in SHAPE_FLAGS:
         before, now = saved_args.get(flag), getattr(args, flag)
-        if flag in saved_args and split_names(before) != split_names(now):
+        if flag in saved_args and sorted(split_names(before)) != sorted(split_names(now)):
             raise ConfigError(f"--{flag}: {folder}'s adapters were trained with --{flag} {before}, this run has "
                               f"{now}; resume with the same value")
     if not same_base(saved_base, base):
