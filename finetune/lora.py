@@ -24,13 +24,14 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 from pathlib import Path
 from typing import Mapping
 
 import xxhash
 
 from finetune.config import ConfigError, ModelArgs, flag_defaults, split_names
-from finetune.distributed import logger
+from finetune.distributed import log_main, logger
 
 FINGERPRINT_METHOD = "xxh3-sampled-v1"
 BLOCK = 4096  # bytes hashed at the start, middle and end of each safetensors tensor
@@ -110,32 +111,42 @@ def base_identity(args: ModelArgs, seed: int, embedded_config: Path) -> dict:
         return {"source": source, "kind": "random init from a config", "seed": seed,
                 "fingerprint": {"method": "config+seed", "config": digest, "seed": seed}}
     folder, revision = weights_folder(args.model_name_or_path)
-    identity = {"source": args.model_name_or_path, "kind": "pretrained", "revision": revision}
+    source = str(Path(args.model_name_or_path).resolve()) if Path(args.model_name_or_path).is_dir() \
+        else args.model_name_or_path  # a local folder as an absolute path: export may run elsewhere
+    identity = {"source": source, "kind": "pretrained", "revision": revision}
     identity["fingerprint"] = fingerprint(folder) if folder is not None else None
     return identity
 
 
 def weights_folder(name: str) -> tuple[Path | None, str | None]:
-    """The local folder holding ``name``'s weights and, for a hub id, the commit of the cached
-    copy transformers loads (None when neither is found: the fingerprint is then unknown)."""
+    """The local folder holding ``name``'s weights and, for a hub id, the commit of that copy (None,
+    None when there is none: the fingerprint is then unknown).
+
+    A hub id's safetensors are fetched into the hub cache first, as ``from_pretrained`` would fetch
+    them a moment later (on rank 0 while the others wait; nothing is fetched twice): the base is
+    fingerprinted before the model is built, so that a resume can refuse another base before
+    anything in OUT is touched. Offline (``HF_HUB_OFFLINE``), the cached copy.
+    """
     path = Path(name)
     if path.is_dir():
         return path, None
     import huggingface_hub
 
     try:
-        config = huggingface_hub.try_to_load_from_cache(name, "config.json")
-    except ValueError:  # not a well-formed hub id
+        folder = Path(huggingface_hub.snapshot_download(name, allow_patterns=["*.safetensors", "*.json"]))
+    except Exception as e:  # noqa: BLE001 — not cached offline, gated, no such repo: from_pretrained says which
+        logger.warning("could not fetch %s's weights to fingerprint them (%s: %s)", name, type(e).__name__,
+                       " ".join(str(e).split())[:200])
         return None, None
-    if not isinstance(config, str):
-        return None, None
-    folder = Path(config).parent  # .../snapshots/<commit>/
-    return folder, folder.name
+    return folder, folder.name  # .../snapshots/<commit>
 
 
-def fingerprint(folder: Path) -> dict:
-    """Sampled digests of ``folder``'s weight files (see the module doc) and one over them all."""
+def fingerprint(folder: Path) -> dict | None:
+    """Sampled digests of ``folder``'s weight files (see the module doc) and one over them all; None
+    when it has none (nothing to fingerprint)."""
     files = sorted({p for pattern in WEIGHT_PATTERNS for p in folder.glob(pattern) if p.is_file()})
+    if not files:
+        return None
     per_file = {}
     for path in files:
         digest = _safetensors_digest(path) if path.suffix == ".safetensors" else _raw_digest(path)
@@ -200,18 +211,19 @@ def check_resumable(folder: Path, saved: dict, args: ModelArgs, base: dict | Non
     if not same_base(saved_base, base):
         raise ConfigError(f"--model_name_or_path: {folder}'s adapters were trained on {_shown(saved_base)}, this run "
                           f"loads {_shown(base)}: another base model; resume with the base they were trained on")
-    if base.get("fingerprint") is None:
-        logger.warning("resume: could not fingerprint the base model %s (no local copy of its weights found); "
-                       "trusting that it is the one the adapters were trained on", base["source"])
+    if saved_base.get("fingerprint") is None or base.get("fingerprint") is None:
+        log_main(logging.WARNING, "resume: the base model %s was not fingerprinted %s; trusting that it is the one "
+                 "the adapters were trained on", base["source"],
+                 "when the checkpoint was saved" if saved_base.get("fingerprint") is None else "now")
 
 
 def same_base(saved: dict, now: dict) -> bool:
-    """The same weights: equal fingerprints (the source may have moved); with no fingerprint on
-    either side, the same source and revision."""
+    """The same weights: equal fingerprints (the source may have moved); when either side has none
+    (weights that could not be found to fingerprint), the same source."""
     a, b = saved.get("fingerprint"), now.get("fingerprint")
     if a is not None and b is not None:
         return _digest(a) == _digest(b)
-    return (saved.get("source"), saved.get("revision")) == (now.get("source"), now.get("revision"))
+    return saved.get("source") == now.get("source")
 
 
 def _digest(fp: dict):

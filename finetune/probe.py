@@ -29,6 +29,6 @@ def maybe_probe(engine, vocab_size: int) -> None:
         return
     engine.eval()
     logits = engine(input_ids=probe_input(vocab_size).to(engine.device)).logits
-    if dist.is_main():
-        torch.save(logits.float().cpu(), path)
+    # Agreed: a failed write on rank 0 must not leave the others in the final save's collectives.
+    dist.run_agreed(lambda: torch.save(logits.float().cpu(), path), on=dist.is_main())
     engine.train()

@@ -129,6 +129,34 @@ def test_fingerprint_reads_blocks_not_whole_tensors(base_copy, monkeypatch):
     assert sum(data_reads) <= 3 * lora.BLOCK * tensors
 
 
+def test_a_hub_base_is_fingerprinted_from_its_cached_copy_with_its_commit(tiny_models, tmp_path, monkeypatch):
+    """A hub id: the snapshot the hub cache holds (HF_HUB_OFFLINE, as in these tests), its commit recorded."""
+    import huggingface_hub
+
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    repo = tmp_path / "hub" / "models--org--tiny"
+    shutil.copytree(tiny_models["llama"], repo / "snapshots" / commit)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    args = _resolve(use_peft=True).model
+    args = type(args)(**{**args.__dict__, "model_name_or_path": "org/tiny"})
+    identity = base_identity(args, 42, Path("unused"))
+    assert identity["revision"] == commit and identity["source"] == "org/tiny"
+    assert identity["fingerprint"]["digest"] == fingerprint(tiny_models["llama"])["digest"]
+    missing = type(args)(**{**args.__dict__, "model_name_or_path": "org/not-cached"})
+    unknown = base_identity(missing, 42, Path("unused"))
+    assert unknown["fingerprint"] is None
+    assert same_base(unknown, identity) is False and same_base(unknown, dict(unknown, revision=commit))
+
+
+def test_a_folder_without_weight_files_has_no_fingerprint(tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    assert fingerprint(tmp_path) is None
+
+
 def test_a_config_base_is_its_config_and_seed(tmp_path):
     from finetune.modeling import EMBEDDED_MODEL_DIR
 
@@ -210,6 +238,21 @@ def test_verify_adapter_names_an_empty_or_incomplete_adapter_file(adapter_folder
     assert problems and "9 of 9 adapter tensors missing" in problems[0]
 
 
+def test_custom_model_code_is_never_run_to_check_an_adapter(adapter_folder, tiny_models):
+    """config.json with auto_map (--trust_remote_code): the adapters are what rank 0's file lists,
+    under peft's key renaming, and no model is built."""
+    from finetune.checkpoint.adapter import _peft_key
+
+    config = json.loads((adapter_folder / "config.json").read_text())
+    (adapter_folder / "config.json").write_text(json.dumps({**config, "auto_map": {"AutoModelForCausalLM": "x.Y"}}))
+    assert expected_tensors(adapter_folder) == {}  # no rank files here: nothing listed, nothing built
+    assert _peft_key("base_model.model.model.layers.0.self_attn.q_proj.lora_A.default.weight") == \
+        "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"
+    assert _peft_key("base_model.model.lm_head.modules_to_save.default.weight") == "base_model.model.lm_head.weight"
+    assert _peft_key("base_model.model.model.embed_tokens.lora_embedding_B.default") == \
+        "base_model.model.model.embed_tokens.lora_embedding_B"
+
+
 def test_an_adapter_config_that_matches_nothing_is_an_empty_adapter(adapter_folder):
     config = json.loads((adapter_folder / "adapter_config.json").read_text())
     (adapter_folder / "adapter_config.json").write_text(json.dumps({**config, "target_modules": ["no_such_module"],
@@ -220,7 +263,7 @@ def test_an_adapter_config_that_matches_nothing_is_an_empty_adapter(adapter_fold
 
 # --- --merge_lora against peft's merge_and_unload ------------------------------------------------------
 
-def _merge_with_both(base: Path, lora_kwargs: dict, tmp_path: Path) -> tuple[dict, dict]:
+def _merge_with_both(base: Path, lora_kwargs: dict, tmp_path: Path, **config_override) -> tuple[dict, dict]:
     """(peft's merge_and_unload state dict, ours written from the same adapters) for one base."""
     from peft import LoraConfig, get_peft_model, get_peft_model_state_dict
     from safetensors.torch import load_file
@@ -237,6 +280,7 @@ def _merge_with_both(base: Path, lora_kwargs: dict, tmp_path: Path) -> tuple[dic
     saved = get_peft_model_state_dict(model)
     config = json.loads(json.dumps(model.peft_config["default"].to_dict(), default=lambda o: sorted(o)
                                    if isinstance(o, set) else str(o)))
+    config.update(config_override)
     entries = {k: types.SimpleNamespace(shape=v.shape, tensor=v.float()) for k, v in saved.items()}
     source = types.SimpleNamespace(folder=tmp_path / "global_step1", pieces=lambda e: [e.tensor.reshape(-1)])
     staging = tmp_path / "merged"
@@ -264,3 +308,11 @@ def test_merge_matches_peft_for_conv1d_and_embeddings(tiny_models, tmp_path):
     for k, v in ours.items():
         torch.testing.assert_close(v, theirs[k], atol=1e-6, rtol=0, msg=k)
     assert "transformer.wte.weight" in ours and "transformer.h.0.attn.c_attn.weight" in ours
+
+
+def test_a_delta_that_does_not_fit_the_base_weight_is_refused(tiny_models, tmp_path):
+    """GPT-2's c_attn adapters merged as if fan_in_fan_out were off: (192, 64) onto a (64, 192) weight."""
+    with pytest.raises(ConfigError, match=r"delta for transformer.h.0.attn.c_attn.weight is \(192, 64\), the base's "
+                                          r"weight \(64, 192\)"):
+        _merge_with_both(tiny_models["gpt2"], dict(r=4, target_modules=["c_attn"], fan_in_fan_out=True), tmp_path,
+                         fan_in_fan_out=False)

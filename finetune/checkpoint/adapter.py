@@ -18,10 +18,13 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 import warnings
 from pathlib import Path
 
 import torch
+
+from finetune.checkpoint.shards import read_header
 
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -52,8 +55,8 @@ def save_adapter(model, folder: Path, dtype: torch.dtype) -> tuple[dict[str, tup
 
     try:  # from the module structure, alike on every rank: raises before any collective or nowhere
         keys = saved_keys(model)
-    except ValueError as e:
-        raise ConsolidationFailed(str(e)) from e
+    except Exception as e:  # noqa: BLE001 — no gather has started: a failed consolidation, agreed as such
+        raise ConsolidationFailed(f"{type(e).__name__}: {e}") from e
     if not keys:
         raise ConsolidationFailed("the model has no trainable adapter parameters to save")
 
@@ -78,10 +81,18 @@ def write_adapter_config(model, folder: Path) -> Path:
 
 def expected_tensors(folder: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
     """{trainable parameter name: (adapter file key, shape)} the adapters of ``folder`` must have:
-    the base built from its config.json on the meta device, wrapped by peft per adapter_config.json."""
+    the base built from its config.json on the meta device, wrapped by peft per adapter_config.json.
+
+    A model whose code is not in transformers (``auto_map``: ``--trust_remote_code``) is not built:
+    checking a checkpoint must not run code that came with it. Its adapters are then what rank 0's
+    file lists, under peft's key renaming; the checks left are that the files agree with each other.
+    """
     from peft import LoraConfig, get_peft_model
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    if "auto_map" in json.loads((folder / "config.json").read_text()):
+        shapes = rank_shapes(folder) or {}
+        return {n: (_peft_key(n), shape) for n, shape in shapes.items()}
     config = AutoConfig.from_pretrained(folder)
     lora = LoraConfig.from_pretrained(str(folder))
     lora.inference_mode = False  # so that peft marks the adapters trainable, as in training
@@ -90,6 +101,24 @@ def expected_tensors(folder: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
         model = get_peft_model(AutoModelForCausalLM.from_config(config), lora, autocast_adapter_dtype=False)
     keys = saved_keys(model)
     return {n: (keys[n], tuple(p.shape)) for n, p in model.named_parameters() if p.requires_grad}
+
+
+def _peft_key(name: str, adapter: str = "default") -> str:
+    """The adapter file's key of a trainable parameter: peft drops the adapter's name."""
+    name = name.replace(f".modules_to_save.{adapter}.", ".")
+    return re.sub(rf"\.(lora_\w+)\.{adapter}(?=\.|$)", r".\1", name)
+
+
+def rank_shapes(folder: Path) -> dict[str, tuple[int, ...]] | None:
+    """{name: shape} of the optimizer's parameters in rank 0's model-states file (the same on every
+    rank; for adapters the file is small); None without rank files."""
+    from finetune.checkpoint import safe_load
+
+    path = folder / "zero_pp_rank_0_mp_rank_00_model_states.pt"
+    if not path.is_file():
+        return None
+    state = safe_load.load(path, "cpu", mmap=True, inert=True)
+    return {n: tuple(s) for group in state.get("param_shapes") or [] for n, s in group.items()}
 
 
 def is_adapter_checkpoint(folder: Path) -> bool:
@@ -120,8 +149,7 @@ def check_adapter_file(path: Path, expected: dict[str, tuple[int, ...]], recorde
     """adapter_model.safetensors holds exactly the ``expected`` {key: shape}, and as many tensors and
     bytes as ``recorded`` (the manifest's "adapter")."""
     try:
-        with open(path, "rb") as f:
-            header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+        header = read_header(path)
     except (OSError, ValueError) as e:
         return [f"{path.name}: unreadable safetensors header ({type(e).__name__})"]
     header.pop("__metadata__", None)
@@ -149,16 +177,13 @@ def check_adapter_file(path: Path, expected: dict[str, tuple[int, ...]], recorde
 def _check_rank_file(folder: Path, expected: dict[str, tuple[int, ...]]) -> list[str]:
     """Rank 0's model-states file lists, as the optimizer's parameters, exactly the adapters' tensors
     (every rank's file lists the same ones; rank 0's is read: for adapters it is small)."""
-    from finetune.checkpoint import safe_load
-
     path = folder / "zero_pp_rank_0_mp_rank_00_model_states.pt"
-    if not path.is_file():
-        return []  # no rank files (a copied adapter folder): the manifest check names what is missing
     try:
-        state = safe_load.load(path, "cpu", mmap=True, inert=True)
+        got = rank_shapes(folder)
     except Exception as e:  # noqa: BLE001 — damage, reported as such
         return [f"{path.name}: unreadable ({type(e).__name__})"]
-    got = {n: tuple(s) for group in state.get("param_shapes") or [] for n, s in group.items()}
+    if got is None:
+        return []  # no rank files (a copied adapter folder): the manifest check names what is missing
     if got == expected:
         return []
     missing, extra = sorted(set(expected) - set(got)), sorted(set(got) - set(expected))

@@ -39,7 +39,7 @@ import torch
 
 from finetune.checkpoint import safe_load
 from finetune.checkpoint.consolidate import FROM_MASTER, SOURCE_KEY
-from finetune.checkpoint.shards import INDEX, plan_shards, shard_header
+from finetune.checkpoint.shards import INDEX, plan_shards, read_header, shard_header
 from finetune.checkpoint.durable import fsync_path
 from finetune.checkpoint.faults import fault_point
 from finetune.checkpoint.manifest import MANIFEST, check_file, read_manifest
@@ -264,14 +264,8 @@ def _consolidated_files(folder: Path) -> list[str]:
     return names if names == ["model.safetensors"] else []
 
 
-def _header_of(path: Path) -> dict:
-    """A safetensors file's JSON header: {"__metadata__": {...}, name: {"dtype", "shape", "data_offsets"}}."""
-    with open(path, "rb") as f:
-        return json.loads(f.read(int.from_bytes(f.read(8), "little")))
-
-
 def _tensors_in(path: Path) -> dict[str, dict]:
-    header = _header_of(path)
+    header = read_header(path)
     header.pop("__metadata__", None)
     return header
 
@@ -279,7 +273,7 @@ def _tensors_in(path: Path) -> dict[str, dict]:
 def _stored_weights(folder: Path, files: list[str]) -> tuple[torch.dtype | None, str | None]:
     """The floating dtype of consolidated weights, and what the consolidated save recorded they
     were written from (None before it recorded that), from the first shard's header."""
-    header = _header_of(folder / files[0])
+    header = read_header(folder / files[0])
     metadata = header.pop("__metadata__", None) or {}
     kinds = {v["dtype"] for v in header.values()}
     return next((SAFE_TO_TORCH[k] for k in kinds if k in SAFE_TO_TORCH), None), metadata.get(SOURCE_KEY)

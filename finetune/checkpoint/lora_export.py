@@ -31,17 +31,16 @@ import torch
 from finetune.checkpoint.adapter import ADAPTER_CONFIG, ADAPTER_WEIGHTS, expected_tensors
 from finetune.checkpoint.consolidate import FROM_MASTER, SOURCE_KEY
 from finetune.checkpoint.durable import fsync_path
-from finetune.checkpoint.export import (ExportResult, _check_out, _copy_model_files, _model_files,
-                                        _read_config, _training_dtype, _write_tensor, peak_rss_bytes, verify_inputs)
+from finetune.checkpoint.export import (DEFAULT_SHARD_SIZE, ExportResult, _check_out, _copy_model_files, _model_files,
+                                        _plain_inputs, _read_config, _training_dtype, _write_tensor, peak_rss_bytes,
+                                        verify_inputs)
 from finetune.checkpoint.faults import fault_point
-from finetune.checkpoint.shards import INDEX, plan_shards, shard_header
+from finetune.checkpoint.shards import INDEX, SAFE_TO_DTYPE, plan_shards, shard_header
 from finetune.checkpoint.storage import step_of
 from finetune.checkpoint.zero_files import CHUNK_BYTES, ZeroCheckpoint
 from finetune.config import ConfigError
 from finetune.lora import BASE_KEY, _shown, fingerprint, same_base, weights_folder
 from finetune.modeling import DTYPES
-
-DEFAULT_SHARD_SIZE = "5GB"
 
 
 def export_lora(folder: Path, out: str | os.PathLike, dtype: str | None, max_shard_size: str | None, merge: bool,
@@ -51,13 +50,11 @@ def export_lora(folder: Path, out: str | os.PathLike, dtype: str | None, max_sha
     out = _check_out(out)
     if not merge and (max_shard_size or base_model):
         raise ConfigError("`--max_shard_size` and `--base_model` go with `--merge_lora` (an adapter is one file)")
-    state = _trainer_state(folder)
-    source = None
     verified = None
-    if verify:
+    if verify:  # every file read below, before any of it is read (what export.py checks, and the rank files)
         models, optims = ZeroCheckpoint.check_files(folder)
-        names = [p.name for p in models + optims] + [p.name for p in _model_files(folder)] + ["trainer_state.json"]
-        verified = verify_inputs(folder, names)
+        verified = verify_inputs(folder, _plain_inputs(folder) + [p.name for p in models + optims])
+    state = _trainer_state(folder)
     source = ZeroCheckpoint(folder)
     adapters = _adapter_entries(folder, source)
     want = DTYPES[dtype] if dtype else _training_dtype(folder)
@@ -168,8 +165,11 @@ def _base_folder(folder: Path, state: dict, override: str | None) -> Path:
 def _base_files(base_dir: Path) -> list[str]:
     index = base_dir / INDEX
     if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        return sorted(set(weight_map.values()))
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+            return sorted(set(weight_map.values()))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            raise ConfigError(f"{index}: unreadable ({type(e).__name__}: {e})") from e
     files = sorted(p.name for p in base_dir.glob("*.safetensors"))
     if len(files) != 1:
         raise ConfigError(f"{base_dir}: {len(files)} safetensors files and no {INDEX}")
@@ -181,6 +181,12 @@ class _Delta:
 
     def __init__(self, a: torch.Tensor, b: torch.Tensor, scaling: float, transposed: bool):
         self.a, self.b, self.scaling, self.transposed = a, b, scaling, transposed
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """The delta's shape, which must be the base weight's."""
+        out_in = (self.b.shape[0], self.a.shape[1])
+        return out_in[::-1] if self.transposed else out_in
 
     def rows(self, lo: int, hi: int) -> torch.Tensor:
         """Rows [lo, hi) of the delta to add to the base weight, in fp32."""
@@ -199,7 +205,7 @@ def _plan_merge(base_dir: Path, adapters: dict, config: dict):
         with safe_open(base_dir / fname, framework="pt") as f:
             for key in f.keys():
                 sl = f.get_slice(key)
-                order.append((fname, key, torch.Size(sl.get_shape()), _dtype_of(sl.get_dtype())))
+                order.append((fname, key, torch.Size(sl.get_shape()), _dtype_of(sl.get_dtype(), key, fname)))
     keys = {key for _, key, _, _ in order}
     r, alpha = config["r"], config["lora_alpha"]
     if config.get("rank_pattern") or config.get("alpha_pattern") or config.get("use_dora"):
@@ -235,11 +241,10 @@ def _match(name: str, keys: set[str]) -> str:
     raise ConfigError(f"--merge_lora: the adapters change {name}, which the base model's files don't hold")
 
 
-def _dtype_of(name: str) -> torch.dtype:
-    table = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64,
-             "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-             "BOOL": torch.bool}
-    return table[name]
+def _dtype_of(name: str, key: str, fname: str) -> torch.dtype:
+    if name not in SAFE_TO_DTYPE:  # fp8, packed quantized weights: merging into them is not this export's
+        raise ConfigError(f"--merge_lora: {fname}'s {key} is {name}, which this merge can't write (a quantized base?)")
+    return SAFE_TO_DTYPE[name]
 
 
 def _read_whole(source: ZeroCheckpoint, entry) -> torch.Tensor:
@@ -279,17 +284,20 @@ def _write_merged(base_dir: Path, source: ZeroCheckpoint, adapters: dict, config
 
 def _write_merged_tensor(f, handle, key: str, out: torch.Tensor, how: tuple | None, source, adapters) -> int:
     """One output tensor: the base's rows, plus the delta's (or the trained copy), cast and appended."""
-    if how is not None and how[0] == "replace":
-        data = _read_whole(source, adapters[how[1]]).to(out.dtype).contiguous()
-        if tuple(data.shape) != tuple(out.shape):
-            raise ConfigError(f"--merge_lora: {key} is {tuple(out.shape)} in the base, {tuple(data.shape)} in the "
+    if how is not None and how[0] == "replace":  # streamed from the rank files, like any exported tensor
+        entry = adapters[how[1]]
+        if tuple(entry.shape) != tuple(out.shape):
+            raise ConfigError(f"--merge_lora: {key} is {tuple(out.shape)} in the base, {tuple(entry.shape)} in the "
                               "checkpoint's modules_to_save")
-        f.write(data.reshape(-1).view(torch.uint8).numpy())
-        return data.numel() * data.element_size()
+        return _write_tensor(source, f, entry, out, {})
     delta = None
     if how is not None:
         _, a_key, b_key, scaling, transposed = how
         delta = _Delta(_read_whole(source, adapters[a_key]), _read_whole(source, adapters[b_key]), scaling, transposed)
+        shape = delta.shape
+        if shape != tuple(out.shape):  # a wrong transpose (fan_in_fan_out) or a base other than the adapters'
+            raise ConfigError(f"--merge_lora: the adapters' delta for {key} is {shape}, the base's weight "
+                              f"{tuple(out.shape)}")
     sl = handle.get_slice(key)
     rows = out.shape[0] if out.dim() else 1
     row_bytes = max(1, out[0].numel() * 4) if out.dim() else 4

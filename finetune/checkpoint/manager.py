@@ -125,6 +125,7 @@ class CheckpointManager(SaveSchedule):
         ``adapters`` (--use_peft): the engine's module is a peft model whose base is frozen. Its
         checkpoints leave the base out (the rank files hold only the adapters' state) and add
         adapter_config.json; their consolidated weights are the adapters (checkpoint/adapter.py)."""
+        from finetune.lora import trainable_parameters
         from finetune.modeling import count_parameters
 
         self.storage, self.ckpt, self.layout, self.out = storage, ckpt, layout, storage.root
@@ -133,7 +134,9 @@ class CheckpointManager(SaveSchedule):
         self.consolidated_dtype, self.still_ours, self.adapters = consolidated_dtype, still_ours, adapters
         self.adapter_summary: dict | None = None  # the consolidated adapter's tensors and bytes, for the manifest
         self.leader = layout.leader
-        self.parameters = count_parameters(engine.module)
+        # What a save's size is estimated from, before there is a checkpoint to size it by: with
+        # adapters, only they are saved (a 70B base would otherwise ask for ~1.2 TB free).
+        self.parameters = trainable_parameters(engine.module) if adapters else count_parameters(engine.module)
         self.writer = GuardedWriter(engine.checkpoint_engine)
         engine.checkpoint_engine = self.writer
         if hasattr(engine, "_copy_recovery_script"):

@@ -88,6 +88,15 @@ def plan_shards(entries, dtype: torch.dtype, max_shard_size: str | int, basename
     return ShardPlan(files, {n: f for f, names in files.items() for n in names}, total), meta
 
 
+def read_header(path: Path) -> dict:
+    """A safetensors file's JSON header: {"__metadata__": {...}, name: {"dtype", "shape", "data_offsets"}}."""
+    with open(path, "rb") as f:
+        return json.loads(f.read(int.from_bytes(f.read(8), "little")))
+
+
+SAFE_TO_DTYPE = {name: dtype for dtype, name in SAFE_DTYPES.items()}
+
+
 def shard_header(names: list[str], meta: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> bytes:
     header: dict = {"__metadata__": {"format": "pt", **(metadata or {})}}
     offset = 0

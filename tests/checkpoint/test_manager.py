@@ -492,3 +492,18 @@ def test_resume_planning_shares_the_manifests_identity_not_its_file_list(tmp_pat
     plan = Resumer(make_cfg(tmp_path, resume_from_checkpoint="latest"), LocalStorage(tmp_path)).plan_resume()
     assert plan.head.save_id and plan.head.seq == 1 and plan.head.total_bytes > 0
     assert shared and not any("files" in repr(value) for value in shared), shared
+
+
+def test_with_adapters_the_space_a_first_save_needs_is_estimated_from_the_trainable_parameters(tmp_path, tiny_module):
+    """A LoRA run on a 70B base saves a few MB: asking for 16 B x 70B free would refuse every save."""
+    import copy
+
+    frozen = copy.deepcopy(tiny_module)
+    for name, p in frozen.named_parameters():
+        p.requires_grad = name.startswith("transformer.h.0.attn")
+    trainable = sum(p.numel() for p in frozen.parameters() if p.requires_grad)
+    full, _, _ = make_manager(make_cfg(tmp_path / "a"), tiny_module)
+    lora, _, _ = make_manager(make_cfg(tmp_path / "b"), frozen, adapters=True)
+    assert full.parameters == sum(p.numel() for p in tiny_module.parameters())
+    assert lora.parameters == trainable < full.parameters / 3
+    assert lora.space_needed() < full.space_needed() / 3
