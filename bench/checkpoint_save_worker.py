@@ -94,19 +94,30 @@ def folder_bytes(folder: Path) -> int:
     return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
 
 
-def main() -> None:
+def worker_args() -> argparse.ArgumentParser:
+    """The flags a save benchmark's worker takes (the deepspeed launcher adds --local_rank)."""
     ap = argparse.ArgumentParser()
     ap.add_argument("--config_dir", required=True)
     ap.add_argument("--ds_config", required=True)
     ap.add_argument("--out", required=True)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--local_rank", type=int, default=None)
-    a = ap.parse_args()
-    out = Path(a.out)
+    return ap
+
+
+def one_step_config(a: argparse.Namespace, *extra: str):
+    """finetune's config for the model in ``a.config_dir``: one step, tiny batches, saving into ``a.out``."""
     tokenizer = str(Path(__file__).resolve().parents[1] / "finetune" / "resources" / "tokenizer")
-    cfg = parse_train_args(["--config_name", a.config_dir, "--tokenizer_name", tokenizer, "--deepspeed_config", a.ds_config, "--output_dir", str(out),
-                            "--max_steps", "1", "--per_device_train_batch_size", "1", "--max_seq_length", "32",
-                            "--validation_split_percentage", "0", "--save_checkpoint"])
+    return parse_train_args(["--config_name", a.config_dir, "--tokenizer_name", tokenizer, "--deepspeed_config",
+                             a.ds_config, "--output_dir", a.out, "--max_steps", "1", "--per_device_train_batch_size",
+                             "1", "--max_seq_length", "32", "--validation_split_percentage", "0", "--save_checkpoint",
+                             *extra])
+
+
+def main() -> None:
+    a = worker_args().parse_args()
+    out = Path(a.out)
+    cfg = one_step_config(a)
     dist.init(cfg.train.ddp_timeout)
     trainer = Trainer.build(cfg)
     trainer._train_step()

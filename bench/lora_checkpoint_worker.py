@@ -10,18 +10,16 @@ between barriers (the slowest rank included); bytes are what the manifest lists.
 
 from __future__ import annotations
 
-import argparse
 import json
 import shutil
 from pathlib import Path
 
 import torch
-from checkpoint_save_worker import exit_now, folder_bytes, timed
+from checkpoint_save_worker import exit_now, folder_bytes, one_step_config, timed, worker_args
 
 from finetune import distributed as dist
 from finetune.checkpoint.adapter import save_adapter
 from finetune.checkpoint.consolidate import save_consolidated
-from finetune.cli import parse_train_args
 from finetune.lora import trainable_parameters
 from finetune.trainer import Trainer
 
@@ -29,20 +27,11 @@ LORA = ["--use_peft", "--lora_r", "16", "--lora_alpha", "32", "--lora_target_mod
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--config_dir", required=True)
-    ap.add_argument("--ds_config", required=True)
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--repeats", type=int, default=3)
+    ap = worker_args()
     ap.add_argument("--lora", action="store_true")
-    ap.add_argument("--local_rank", type=int, default=None)
     a = ap.parse_args()
     out = Path(a.out)
-    tokenizer = str(Path(__file__).resolve().parents[1] / "finetune" / "resources" / "tokenizer")
-    cfg = parse_train_args(["--config_name", a.config_dir, "--tokenizer_name", tokenizer, "--deepspeed_config",
-                            a.ds_config, "--output_dir", str(out), "--max_steps", "1", "--per_device_train_batch_size",
-                            "1", "--max_seq_length", "32", "--validation_split_percentage", "0", "--save_checkpoint",
-                            *(LORA if a.lora else [])])
+    cfg = one_step_config(a, *(LORA if a.lora else []))
     dist.init(cfg.train.ddp_timeout)
     trainer = Trainer.build(cfg)
     trainer._train_step()
