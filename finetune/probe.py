@@ -22,13 +22,13 @@ def probe_input(vocab_size: int) -> torch.Tensor:
 
 
 @torch.no_grad()
-def maybe_probe(engine, vocab_size: int) -> None:
+def maybe_probe(engine, tokenizer) -> None:
     """Every rank, when the seam is set (an environment every rank shares). Collective."""
     path = os.environ.get(PROBE_ENV)
     if not path:
         return
     engine.eval()
-    logits = engine(input_ids=probe_input(vocab_size).to(engine.device)).logits
+    logits = engine(input_ids=probe_input(len(tokenizer)).to(engine.device)).logits
     # Agreed: a failed write on rank 0 must not leave the others in the final save's collectives.
     dist.run_agreed(lambda: torch.save(logits.float().cpu(), path), on=dist.is_main())
     engine.train()

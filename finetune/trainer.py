@@ -283,7 +283,7 @@ class Trainer:
                           "so the final checkpoint commits before the grace period ends")
         else:
             self.evaluate()
-        maybe_probe(self.engine, len(self.tokenizer))  # test seam: FINETUNE_PROBE_LOGITS
+        maybe_probe(self.engine, self.tokenizer)  # test seam: FINETUNE_PROBE_LOGITS
         return self.checkpoints.at_end(self.state.global_step)
 
     def _started(self, resumed: bool) -> None:
