@@ -38,6 +38,7 @@ from pathlib import Path
 import torch
 
 from finetune.checkpoint import safe_load
+from finetune.checkpoint.adapter import is_adapter_checkpoint
 from finetune.checkpoint.consolidate import FROM_MASTER, SOURCE_KEY
 from finetune.checkpoint.shards import INDEX, plan_shards, read_header, shard_header
 from finetune.checkpoint.durable import fsync_path
@@ -100,14 +101,14 @@ def export_hf(checkpoint: str | os.PathLike, out: str | os.PathLike, dtype: str 
     """
     start = time.perf_counter()
     folder = resolve_checkpoint(checkpoint)
-    if (folder / "adapter_config.json").is_file() or merge_lora or base_model:
+    lora = is_adapter_checkpoint(folder)
+    if (merge_lora or base_model) and not lora:
+        raise ConfigError(f"`--merge_lora`/`--base_model`: {folder} is not a LoRA checkpoint (no adapter_config.json)")
+    if lora:
         if exclude_frozen:
             raise ConfigError("`--exclude_frozen_parameters`: a LoRA checkpoint holds no frozen parameter")
-        from finetune.checkpoint.adapter import is_adapter_checkpoint
-        from finetune.checkpoint.lora_export import export_lora
+        from finetune.checkpoint.lora_export import export_lora  # it imports this module
 
-        if not is_adapter_checkpoint(folder):
-            raise ConfigError(f"`--merge_lora`/`--base_model`: {folder} is not a LoRA checkpoint (no adapter_config.json)")
         return export_lora(folder, out, dtype, max_shard_size, merge_lora, base_model, verify, progress)
     out = _check_out(out)
     verified = [0, 0.0] if verify else None
