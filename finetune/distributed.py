@@ -12,6 +12,7 @@ import os
 import socket
 import sys
 import threading
+import time
 import uuid
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -21,6 +22,7 @@ from typing import Any, Callable
 import torch
 
 from finetune import launchers
+from finetune.progress import watch
 from finetune.checkpoint.faults import fault_point
 from finetune.console import swallow_build_notice
 from finetune.config import DEFAULT_DDP_TIMEOUT, ConfigError
@@ -215,8 +217,23 @@ class Outcomes:
             raise RankError(f"rank {r} failed: {self.errors[r]}")
 
 
+class StepTimeout(TimeoutError):
+    """An agreed step's work made no progress for its deadline (a hung mount, a syscall in D-state).
+    Its thread is left behind (it cannot be stopped); every rank treats the step as failed."""
+
+
+WAIT_LOG_S = 60.0  # how often rank 0 says which ranks an agreed step still waits for
+
+
+def io_deadline() -> float:
+    """How long a storage step of a save, commit, retention or resume may go without progress
+    before it fails on every rank: --ddp_timeout, as long as one collective may wait."""
+    return float(_timeout_s)
+
+
 def gather_outcomes(fn: Callable[[], Any], on: bool = True, *, share: bool = False, inline: bool = False,
-                    poll_s: float | None = None) -> Outcomes:
+                    poll_s: float | None = None, step: str = "", deadline_s: float | None = None,
+                    stop: Callable[[], bool] | None = None, cancel: threading.Event | None = None) -> Outcomes:
     """The agreement primitive: run rank-local work, then tell every rank how it went everywhere.
 
     ``fn`` runs on the ranks where ``on`` is true (every rank, one rank, each storage's leader);
@@ -225,42 +242,91 @@ def gather_outcomes(fn: Callable[[], Any], on: bool = True, *, share: bool = Fal
     result), so all of them take the same branch next and none is left alone in a collective.
     While ``fn`` runs (in a thread), the ranks all-gather a "done" flag every ``poll_s`` seconds
     (default: a quarter of --ddp_timeout, at most 5 s): waiting for a long ``fn`` (a tokenization
-    or a universal conversion of hours) never holds one collective open past its timeout.
-    ``fn`` must not call collectives itself (it runs beside them). ``inline``: ``fn`` is quick and
-    bounded (a small file, a value already computed): run it here, no thread, no polling.
+    or a universal conversion of hours) never holds one collective open past its timeout. ``step``
+    names the work: rank 0 logs "waiting for rank r: <step> (N s)" once a minute while it runs.
+    ``deadline_s``: a rank whose ``fn`` has made no progress (``progress.progress()``) for that long fails
+    with StepTimeout, decided from the gathered clocks so every rank decides alike; its thread is
+    abandoned (a syscall stuck in D-state cannot be interrupted), so ``fn`` must leave nothing
+    half-done that a late finish could harm. ``fn`` must not call collectives itself (it runs
+    beside them). ``stop``/``cancel``: when ``stop()`` is true on any rank at a poll (a preemption
+    signal), ``cancel`` is set on every rank; ``fn`` is expected to notice and return early.
+    ``inline``: ``fn`` is quick and bounded and touches no storage (a value already computed): run it
+    here, no thread, no polling.
     """
     box: dict = {}
+    ctx = {"last": time.monotonic()}
 
     def work():
+        watch(ctx)
         try:
             box["result"] = fn()
         except BaseException as e:  # noqa: BLE001 — every rank learns of it below
             box["error"] = e
+        finally:
+            watch(None)
 
-    if world_size() == 1 or inline:
+    late: list[int] = []
+    if inline or (world_size() == 1 and deadline_s is None and stop is None):
         if on:
             work()
     else:
-        thread = threading.Thread(target=_on_this_device(work), name="finetune-agreed", daemon=True) if on else None
-        if thread is not None:
-            thread.start()
-        while True:
-            if thread is not None:
-                thread.join(timeout=poll_s or poll_seconds())
-            if all(all_gather_object(thread is None or not thread.is_alive())):
-                break
+        late = _poll(work, on, poll_s or poll_seconds(), ctx, step, deadline_s, stop, cancel)
     own = box.get("error")
+    if rank() in late:
+        own = StepTimeout(f"{step or 'an agreed step'} made no progress for {deadline_s:g} s (a hung filesystem?)"
+                          if time.monotonic() - ctx["last"] >= deadline_s else
+                          f"{step or 'an agreed step'} given up: another rank's made no progress for {deadline_s:g} s")
     # A ConfigError subclass (LeaseHeld…) is a bad input everywhere: every rank exits 2 with its line.
     kind = None if own is None else ("ConfigError" if isinstance(own, ConfigError) else type(own).__name__)
-    mine = (None if own is None else (kind, describe_error(own)), box.get("result") if share else None)
+    result = None if late else box.get("result")  # a late result (after the deadline) never counts
+    mine = (None if own is None else (kind, describe_error(own)), result if share else None)
     gathered = all_gather_object(mine)
-    out = Outcomes(result=box.get("result"), own=own)
+    out = Outcomes(result=result, own=own)
     for r, (failure, result) in enumerate(gathered):
         if failure is not None:
             out.kinds[r], out.errors[r] = failure
     if share:
         out.results = [result for _, result in gathered]
     return out
+
+
+def _poll(work: Callable[[], None], on: bool, poll_s: float, ctx: dict, step: str, deadline_s: float | None,
+          stop: Callable[[], bool] | None = None, cancel: threading.Event | None = None) -> list[int]:
+    """Run ``work`` on a thread where ``on`` and all-gather (done, seconds without progress, asked
+    to stop) every ``poll_s`` until every rank is done, or until a rank not done has gone
+    ``deadline_s`` without progress; returns the ranks given up on. Collective."""
+    thread = threading.Thread(target=_on_this_device(work), name="finetune-agreed", daemon=True) if on else None
+    if thread is not None:
+        thread.start()
+    start = time.monotonic()
+    logged = 0
+    while True:
+        if thread is not None:
+            thread.join(timeout=poll_s)
+        busy = thread is not None and thread.is_alive()
+        views = all_gather_object((busy, time.monotonic() - ctx["last"] if busy else 0.0, time.monotonic() - start,
+                                   bool(stop is not None and stop())))
+        waiting = [r for r, (b, _, _, _) in enumerate(views) if b]
+        if cancel is not None and any(v[3] for v in views):
+            cancel.set()  # every rank alike: the work (where it runs) stops early
+        if not waiting:
+            return []
+        stalled = max(views[r][1] for r in waiting)
+        if deadline_s is not None and stalled >= deadline_s:
+            hung = [r for r in waiting if views[r][1] >= deadline_s]
+            log_main(logging.ERROR, "giving up on rank %s: %s made no progress for %.0f s (deadline %g s)",
+                     _ranks(hung), step or "an agreed step", stalled, deadline_s)
+            return waiting  # the step failed: a rank still busy with it is abandoned too
+        waited = max(v[2] for v in views)
+        if waited >= (logged + 1) * WAIT_LOG_S:
+            logged = int(waited // WAIT_LOG_S)
+            log_main(logging.WARNING, "waiting for rank %s: %s (%.0f s)", _ranks(waiting), step or "an agreed step",
+                     waited)
+
+
+def _ranks(ranks: list[int]) -> str:
+    shown = ", ".join(map(str, ranks[:8]))
+    return shown + (f" and {len(ranks) - 8} more" if len(ranks) > 8 else "")
 
 
 def _on_this_device(fn: Callable[[], None]) -> Callable[[], None]:
@@ -281,19 +347,20 @@ def _on_this_device(fn: Callable[[], None]) -> Callable[[], None]:
     return bound
 
 
-def run_agreed(fn: Callable[[], Any], on: bool = True, poll_s: float | None = None):
+def run_agreed(fn: Callable[[], Any], on: bool = True, poll_s: float | None = None, *, step: str = "",
+               deadline_s: float | None = None):
     """``gather_outcomes`` that raises the same error on every rank if ``fn`` failed on any.
 
     Returns ``fn``'s result where it ran (None elsewhere).
     """
-    out = gather_outcomes(fn, on, poll_s=poll_s)
+    out = gather_outcomes(fn, on, poll_s=poll_s, step=step, deadline_s=deadline_s)
     out.raise_any()
     return out.result
 
 
-def share_from(src: int, fn: Callable[[], Any]):
+def share_from(src: int, fn: Callable[[], Any], *, step: str = "", deadline_s: float | None = None):
     """``fn``'s result computed on rank ``src`` only, on every rank; its failure raised on all."""
-    out = gather_outcomes(fn, on=rank() == src, share=True)
+    out = gather_outcomes(fn, on=rank() == src, share=True, step=step, deadline_s=deadline_s)
     out.raise_any()
     return out.results[src]
 
@@ -330,9 +397,10 @@ def sharing_groups(folder: Path, flag: str) -> list[list[int]]:
         return [[0]]
     nonce = share_from(0, lambda: uuid.uuid4().hex)
     marker = folder / f"{PROBE}-{nonce}-{rank()}"
-    _cannot_write(gather_outcomes(lambda: _touch(marker), inline=True), folder, flag)  # every marker is down
+    _cannot_write(gather_outcomes(lambda: _touch(marker), step=f"writing a marker in {folder}",
+                                  deadline_s=io_deadline()), folder, flag)  # every marker is down
     out = gather_outcomes(lambda: sorted(int(p.name.rsplit("-", 1)[1]) for p in folder.glob(f"{PROBE}-{nonce}-*")),
-                          share=True, inline=True)
+                          share=True, step=f"listing the markers in {folder}", deadline_s=io_deadline())
     _cannot_write(out, folder, flag)  # and every rank has looked: markers can go
     _unlink(marker)
     views = out.results
@@ -356,7 +424,8 @@ def leads_storage(folder: Path, flag: str) -> bool:
         return True
     nonce = share_from(0, lambda: uuid.uuid4().hex)
     marker = folder / f"{PROBE}-{nonce}"
-    _cannot_write(gather_outcomes(lambda: _touch(marker), on=is_main(), inline=True), folder, flag)
+    _cannot_write(gather_outcomes(lambda: _touch(marker), on=is_main(), step=f"writing a marker in {folder}",
+                                  deadline_s=io_deadline()), folder, flag)
 
     def look():
         try:
@@ -364,7 +433,8 @@ def leads_storage(folder: Path, flag: str) -> bool:
         except OSError:
             return False, socket.gethostname()
 
-    views = gather_outcomes(look, share=True, inline=True).results
+    views = gather_outcomes(look, share=True, step=f"looking for rank 0's marker in {folder}",
+                            deadline_s=io_deadline()).results
     if is_main():
         _unlink(marker)
     me = rank()
