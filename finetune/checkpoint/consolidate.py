@@ -331,10 +331,11 @@ def save_consolidated(model, folder: Path, dtype: torch.dtype, max_shard_size: s
     if writer is None:
         failed.raise_if_any()
         return {}
-    if not failed.ok:
-        writer.abandon()
-        failed.raise_if_any()
-    try:
-        return writer.finish()  # rank 0 alone, after the last collective
-    except Exception as e:  # noqa: BLE001 — a full disk at the index, a short shard: agreed by the caller
-        raise ConsolidationFailed(f"{type(e).__name__}: {e}") from e
+    if failed.ok:
+        try:
+            return writer.finish()  # rank 0 alone, after the last collective
+        except Exception as e:  # noqa: BLE001 — a full disk at the last close or the index: agreed by the caller
+            failed.hold(e)
+    writer.abandon()  # never raises; frees the partial shards' space for the rest of the save
+    failed.raise_if_any()
+    return {}

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import struct
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,6 +24,7 @@ SAFE_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16
                torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
                torch.bool: "BOOL"}
 INDEX = "model.safetensors.index.json"
+SLOW_ENV = "FINETUNE_SLOW_SAVE"  # writer.py's seam: here, a pause after each shard's header
 
 class ConsolidationError(RuntimeError):
     """The gathered tensors don't match the plan (order, shape or element count)."""
@@ -120,6 +122,8 @@ class ShardWriter:
         self.file = self.writer = None
         self.current: str | None = None
         self.files: dict[str, tuple[int, str]] = {}
+        self.created: list[Path] = []  # every shard file opened, for abandon()
+        self.step = step_of(folder.name)  # the save's, for the fault sites
 
     def write(self, name: str, tensor: torch.Tensor) -> None:
         if name in self.meta and tuple(tensor.shape) != tuple(self.meta[name].shape):
@@ -138,18 +142,25 @@ class ShardWriter:
         if fname != self.current:
             self._close()
             self.current = fname
-            fault_point("save.consolidated_write", step_of(self.folder.name))
             self.file = open(self.folder / fname, "wb")
+            self.created.append(self.folder / fname)
             self.writer = HashingWriter(self.file)
             self.writer.write(shard_header(self.split.filename_to_tensors[fname], self.meta, self.metadata))
+            fault_point("save.consolidated_write", self.step)  # after the open and the header
+            if os.environ.get(SLOW_ENV):  # test seam: a moment for a test to fill the disk mid-shard
+                self.writer.flush()
+                time.sleep(float(os.environ[SLOW_ENV]))
         self.appended = 0
 
     def append(self, piece: torch.Tensor) -> None:
         """The next elements of the current tensor, in flattened order."""
         # To CPU first: a received or gathered piece may be on the GPU, and the cast needs no GPU memory there.
         data = piece.detach().reshape(-1).cpu().to(self.meta[self.order[self.pos][1]].dtype).contiguous()
-        if data.numel():
-            self.writer.write(data.view(torch.uint8).numpy())
+        raw = data.view(torch.uint8).numpy()
+        half = len(raw) // 2
+        self.writer.write(raw[:half])
+        fault_point("save.consolidated_append", self.step)  # mid-tensor: half of this piece is written
+        self.writer.write(raw[half:])
         self.appended += data.numel()
 
     def end(self, name: str, numel: int) -> None:
@@ -160,6 +171,7 @@ class ShardWriter:
 
     def _close(self) -> None:
         if self.file is not None:
+            fault_point("save.consolidated_close", self.step)
             self.file.flush()
             os.fsync(self.file.fileno())
             self.file.close()
@@ -167,10 +179,22 @@ class ShardWriter:
             self.file = None
 
     def abandon(self) -> None:
-        """After a failure: close the open shard without recording it."""
+        """After a failure: close the open shard and delete every shard this writer created, so
+        the rest of the save (a full disk's last bytes) has their space back. Never raises: closing
+        a file whose buffer cannot be flushed (ENOSPC, EIO) fails again, and it is this failure's
+        second report; a file that cannot be deleted is left for the caller's cleanup."""
         if self.file is not None:
-            self.file.close()
-            self.file = None
+            file, self.file = self.file, None
+            try:
+                file.close()  # the buffered bytes are flushed once more and fail; the descriptor is closed anyway
+            except OSError:
+                pass
+        for path in self.created:
+            try:
+                path.unlink(missing_ok=True)
+            except OSError:
+                pass  # removed with the staging, or by the agree step's cleanup
+        self.created, self.files = [], {}
 
     def finish(self) -> dict[str, tuple[int, str]]:
         self._close()

@@ -103,6 +103,46 @@ def test_write_error_surfaces_as_oserror_after_the_last_module(tmp_path):
     assert isinstance(e.value.__cause__, IsADirectoryError)
 
 
+@pytest.mark.parametrize("site", ["save.consolidated_write", "save.consolidated_append", "save.consolidated_close"])
+@pytest.mark.parametrize("kind", ["eio", "enospc", "error"])
+def test_a_failure_inside_a_shard_is_held_and_leaves_no_partial_shard(tmp_path, monkeypatch, site, kind):
+    """After the open, mid-tensor, at the close: always ConsolidationFailed (the caller commits the
+    partitioned checkpoint without safetensors), never a bare OSError, and no shard left behind."""
+    from finetune.checkpoint.faults import FAULT_ENV
+
+    monkeypatch.setenv(FAULT_ENV, f"{site}:0:{kind}")
+    monkeypatch.delenv("RANK", raising=False)
+    folder = tmp_path / "global_step3"
+    folder.mkdir()
+    with pytest.raises(ConsolidationFailed, match="injected fault"):
+        save_consolidated(tiny("llama", False), folder, torch.float32, "20KB")
+    assert list(folder.iterdir()) == []
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounting a tmpfs needs root")
+def test_a_disk_that_fills_mid_tensor_fails_the_consolidation_not_the_job(tmp_path):
+    """The review's reproduction: ENOSPC in the middle of a shard. Closing the open file flushed the
+    buffered bytes again and raised a plain OSError out of the writer's cleanup, which the manager
+    takes for a failure mid-gather: rank 0 exited 1 while the others waited in the agreement. Now
+    the failure is ConsolidationFailed and the partial shard is deleted (its space back for the
+    rest of the save)."""
+    import subprocess
+
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=48k", "tmpfs", str(mnt)]).returncode != 0:
+        pytest.skip("cannot mount a tmpfs")
+    try:
+        model = tiny("llama", False)
+        assert sum(p.numel() * 4 for p in model.parameters()) > 2 * 48 * 1024  # far more than fits
+        with pytest.raises(ConsolidationFailed, match="No space left on device"):
+            save_consolidated(model, mnt, torch.float32, "1GB")
+        assert list(mnt.iterdir()) == []
+        (mnt / "rng_state_0.pt").write_bytes(b"x" * 20_000)  # the rest of the save has its space
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)])
+
+
 # --- placement, windows, checks -------------------------------------------------------------------
 
 @pytest.mark.parametrize("backend,accelerator,expected", [
