@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 EXIT_PREEMPTED = 75  # sysexits.h EX_TEMPFAIL: "a temporary failure; the user is invited to retry"
+EXIT_LEASE_LOST = 3  # another run took over the output dir's lease: this one stopped and wrote nothing more
 EXIT_STATUS = "exit_status.json"
 RUN_ID_ENV = "FINETUNE_RUN_ID"
 

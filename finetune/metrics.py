@@ -8,7 +8,7 @@ import json
 import os
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 from finetune import distributed as dist
 from finetune.trackers import Failures, MonitorTracker, Tracker
@@ -23,23 +23,25 @@ class MetricsWriter:
 
     ``monitor``: DeepSpeed's MonitorMaster (``engine.monitor``; TensorBoard and csv when enabled);
     ``run_id``: this launch's id, in every event; ``trackers``: what ``trackers.open_trackers``
-    started (wandb)."""
+    started (wandb); ``may_write``: False once this run may no longer write into OUT (it lost the
+    output dir's lease to another run): every later row, event and tracker call is dropped."""
 
     def __init__(self, output_dir: str, monitor=None, *, run_id: str | None = None,
-                 trackers: Sequence[Tracker] = ()):
+                 trackers: Sequence[Tracker] = (), may_write: Callable[[], bool] = lambda: True):
         self.path = Path(output_dir) / "metrics.jsonl"
         self.events_path = Path(output_dir) / EVENTS
         self.run_id = run_id
         self.trackers: list[Tracker] = list(trackers)
+        self.may_write = may_write
         if monitor is not None and monitor.enabled and dist.is_main():
-            self.trackers.insert(0, MonitorTracker(monitor))
+            self.trackers.insert(0, MonitorTracker(monitor, may_write))
         self._failures = {id(t): Failures(t.name) for t in self.trackers}
         self.dropped = 0
         self.closed = False
 
     def write(self, row: dict) -> None:
         """One metrics row ({"step": N, ...}) to metrics.jsonl and every tracker."""
-        if not dist.is_main():
+        if not dist.is_main() or not self.may_write():
             return
         error = _append(self.path, row)
         if error is not None:
@@ -51,7 +53,7 @@ class MetricsWriter:
     def event(self, kind: str, step: int, **fields) -> None:
         """One event to events.jsonl and every tracker: {"time", "event": kind, "step", "run_id",
         **fields}. A field named with a trailing underscore (``from_``) is written without it."""
-        if not dist.is_main():
+        if not dist.is_main() or not self.may_write():
             return
         record = {"time": datetime.now(timezone.utc).isoformat(timespec="seconds"), "event": kind, "step": step,
                   "run_id": self.run_id, **{k.removesuffix("_"): v for k, v in fields.items()}}
@@ -63,7 +65,7 @@ class MetricsWriter:
 
     def close(self, exit_code: int = 0) -> None:
         """Flush and finish every tracker (wandb.finish with ``exit_code``); once. Not collective."""
-        if self.closed or not dist.is_main():
+        if self.closed or not dist.is_main() or not self.may_write():
             return
         self.closed = True
         self._forward("close", exit_code)

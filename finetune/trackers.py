@@ -29,7 +29,7 @@ import importlib.util
 import math
 import os
 from pathlib import Path
-from typing import Any, Iterable, Protocol
+from typing import Any, Callable, Iterable, Protocol
 
 from finetune import distributed as dist
 from finetune.config import ConfigError, RunConfig, report_targets
@@ -96,10 +96,11 @@ class Failures:
 
 class MonitorTracker:
     """DeepSpeed's MonitorMaster with TensorBoard and/or csv on rank 0: our rows and events as
-    scalars; the monitor's own writes (the engine's too) made unable to raise."""
+    scalars; the monitor's own writes (the engine's too) made unable to raise, and dropped once
+    ``may_write`` says this run may no longer write into OUT (a lost lease)."""
 
-    def __init__(self, monitor):
-        self.monitor = monitor
+    def __init__(self, monitor, may_write: Callable[[], bool] = lambda: True):
+        self.monitor, self.may_write = monitor, may_write
         self.name = "+".join(n for n, m in (("tensorboard", monitor.tb_monitor), ("csv", monitor.csv_monitor))
                              if m is not None) or "DeepSpeed monitor"
         self.failures = Failures(self.name)
@@ -118,6 +119,8 @@ class MonitorTracker:
     def _guarded(self, events: list) -> None:
         # Third-party writers (tensorboard's event file thread, csv files): whatever they raise, on
         # rank 0 alone, must not end the run; OSError is the usual one (a full disk).
+        if not self.may_write():
+            return
         try:
             self._write_events(events)
         except Exception as e:  # noqa: BLE001 — logged, counted; see above

@@ -10,6 +10,7 @@ import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable, Union
 
 import numpy as np
 import torch
@@ -17,7 +18,7 @@ from tqdm.auto import tqdm
 
 from finetune import __version__, run_config
 from finetune import distributed as dist
-from finetune.checkpoint.lease import acquire as acquire_lease
+from finetune.checkpoint.lease import LeaseLost, acquire as acquire_lease, describe, holder
 from finetune.checkpoint.layout import Layout, tidy_storage
 from finetune.checkpoint.manager import CheckpointManager
 from finetune.checkpoint.resume import Resumer
@@ -28,14 +29,14 @@ from finetune.ds_config import check_precision, finalize_ds_config, zero_stage
 from finetune.data import IGNORE, ResumableSampler, TrainData, eval_batches
 from finetune.data.cache import prepare
 from finetune.distributed import logger
-from finetune.exit_status import clear_exit_status, write_exit_status
+from finetune.exit_status import EXIT_LEASE_LOST, clear_exit_status, write_exit_status
 from finetune.metrics import MetricsWriter
 from finetune.lora import BASE_KEY, base_identity, trainable_parameters
 from finetune.modeling import DTYPES, EMBEDDED_MODEL_DIR, count_parameters, load_model, load_tokenizer
 from finetune.ops import ADAM_KEY, adam_impl, ensure_adam
 from finetune.plot import Plotter
 from finetune.probe import maybe_probe
-from finetune.preemption import EXIT_PREEMPTED, Preemption, parse_signals
+from finetune.preemption import EXIT_PREEMPTED, Preempted, Preemption, parse_signals
 from finetune.trackers import open_trackers, run_name
 
 
@@ -44,6 +45,19 @@ from finetune.trackers import open_trackers, run_name
 # raises at its minimum scale), so what trips this is a run that cannot recover: non-finite
 # gradients under bf16/fp32 or a static fp16 scale, where nothing changes between attempts.
 MAX_SKIPS_IN_A_ROW = 100
+
+# Why the loop stops before its last step: PREEMPTED, or an exit code (None: go on).
+PREEMPTED = "preempted"
+Stop = Union[int, str, None]
+
+
+def describe_holder(output_dir: str) -> str:
+    """Who holds OUT's lease now, for the message of a run that lost it."""
+    try:
+        info = holder(output_dir)
+    except OSError as e:
+        return f"its lease is unreadable: {e}"
+    return describe(info) if info else "its lease is gone"
 
 
 def run(cfg: RunConfig) -> int:
@@ -61,23 +75,36 @@ def run(cfg: RunConfig) -> int:
             trainer = Trainer.build(cfg, preemption, run_id, lease)  # bad input stops here, before anything is written
         except ConfigError:
             raise  # OUT as it was, a previous run's exit_status.json included
+        except Preempted as e:  # during a long start-up step (a universal conversion): what it did is kept
+            dist.log_main(logging.WARNING, "%s; exiting with %d so the job is requeued", e, EXIT_PREEMPTED)
+            if dist.is_main():
+                write_exit_status(cfg.ckpt.output_dir, EXIT_PREEMPTED, {"reason": "preempted", "step": None,
+                                                                         "during": "start-up", "error": str(e)})
+            dist.barrier()
+            return EXIT_PREEMPTED
         except BaseException:
             if dist.is_main():  # a crash must not leave a previous run's "75" behind
                 clear_exit_status(cfg.ckpt.output_dir)
             raise
-        if dist.is_main():
+        ours = (lambda: not lease.lost) if lease is not None else (lambda: True)  # rank 0's heartbeat's view
+        if dist.is_main() and ours():
             write_exit_status(cfg.ckpt.output_dir, None, {"reason": "running"})
             run_config.write_best_effort(cfg, cfg.ckpt.output_dir, __version__)  # what --config reruns
         try:
             code = trainer.train()
         except BaseException as e:  # a crash (DeepSpeed's fp16 minimum-scale Exception, OOM): not "running"
-            if dist.is_main():
+            if dist.is_main() and ours():
                 write_exit_status(cfg.ckpt.output_dir, 1, {"reason": "failed", "error": dist.describe_error(e),
                                                            "step": trainer.state.global_step})
-            trainer.close(1)
+            if ours():
+                trainer.close(1)
             raise
         finally:
             trainer.data.close()
+        if trainer.lost_lease:
+            # OUT belongs to the run that took the lease over: its exit_status.json, its events,
+            # its plot. Nothing of this run's end is written there.
+            return code
         if dist.is_main():
             write_exit_status(cfg.ckpt.output_dir, code, trainer.stop_note)
         # Nobody exits before the file is written: under `srun --kill-on-bad-exit` the first rank
@@ -90,8 +117,8 @@ def run(cfg: RunConfig) -> int:
         return code
     finally:
         if lease is not None:
-            lease.release()
-            if created and dist.is_main():
+            lease.release()  # removes the lease only if it is still this run's
+            if created and dist.is_main() and not lease.lost:
                 _remove_if_empty(out)  # bad input: the lease was all this run wrote
         dist.shutdown()
 
@@ -164,6 +191,9 @@ class Trainer:
     plotter: Plotter | None = None  # rank 0's OUT/plots/training.png (--plot)
     stop_note: dict | None = None  # why and where training stopped, for exit_status.json
     skips_in_a_row: int = 0  # optimizer steps DeepSpeed skipped since the last applied one
+    lease_lost: Callable[[], bool] = lambda: False  # rank 0: another run took OUT's lease (heartbeat)
+    lost_lease: bool = False  # training stopped for that: nothing more may be written into OUT
+    t_window: float = 0.0  # when the log window began (tokens/s)
 
     @classmethod
     def build(cls, cfg: RunConfig, preemption: Preemption | None = None, run_id: str | None = None,
@@ -189,7 +219,8 @@ class Trainer:
         # checkpoint; a resume refuses a checkpoint whose adapters were trained on another base.
         base = dist.share_from(0, lambda: base_identity(cfg.model, t.seed, EMBEDDED_MODEL_DIR)) \
             if cfg.model.use_peft else None
-        plan = Resumer(cfg, storage, layout.node_local, layout.leader, base=base).plan_resume()
+        signalled = (lambda: bool(preemption.received)) if preemption is not None else (lambda: False)
+        plan = Resumer(cfg, storage, layout.node_local, layout.leader, base=base, signalled=signalled).plan_resume()
         # Collective: FusedAdam / CPU Adam where every rank can load it, else torch_adam (finetune/ops.py);
         # a checkpoint trained with torch_adam resumes with it.
         ds_config = ensure_adam(ds_config, saved=plan.saved.get(ADAM_KEY) if plan is not None else None)
@@ -217,18 +248,21 @@ class Trainer:
                     time.perf_counter() - start)
         monitor = getattr(engine, "monitor", None)
         state = TrainingState()
+        lost = (lambda: lease.lost) if lease is not None else (lambda: False)  # rank 0 holds the lease
         run_info = {"zero_stage": zero_stage(cfg.ds_config), "dtype": t.precision, ADAM_KEY: adam_impl(ds_config), "args": cfg.to_json_dict(),
                     "lr_scheduler": "in DeepSpeed's model_states files (lr_scheduler key)", BASE_KEY: base}
         checkpoints = CheckpointManager(
             storage, cfg.ckpt, layout, engine=engine, progress=state, sampler=sampler, tokenizer=tokenizer,
             run_info=run_info, run_id=run_id, plan=plan, adapters=base is not None,
             consolidated_dtype=DTYPES[cfg.ckpt.consolidated_dtype or t.precision],
-            still_ours=lambda: lease is None or not lease.lost)
-        metrics = MetricsWriter(cfg.ckpt.output_dir, monitor, run_id=checkpoints.run_id, trackers=trackers)
+            still_ours=(lambda: lease.check()) if lease is not None else (lambda: True))
+        # Rank 0 writes nothing more into OUT from the moment its heartbeat learns the lease is lost.
+        metrics = MetricsWriter(cfg.ckpt.output_dir, monitor, run_id=checkpoints.run_id, trackers=trackers,
+                                may_write=lambda: not lost())
         checkpoints.on_event = metrics.event
         plotter = Plotter(cfg.ckpt.output_dir) if cfg.train.plot and dist.is_main() else None
         return cls(cfg, engine, tokenizer, data, evalset, total, checkpoints, metrics, state,
-                   preemption or Preemption(()), plotter)
+                   preemption or Preemption(()), plotter, lease_lost=lost)
 
     # --- the loop --------------------------------------------------------------------------
 
@@ -241,43 +275,48 @@ class Trainer:
         # In a log file (sbatch, tee) a redraw per step is noise: refresh twice a minute there.
         bar = tqdm(total=self.total_steps, initial=self.state.global_step, disable=not dist.is_main(),
                    desc="train", unit="step", dynamic_ncols=True, mininterval=0.1 if sys.stderr.isatty() else 30)
-        t_window = time.perf_counter()
+        self.t_window = time.perf_counter()
         self.data.start()  # the first step's batches, prepared while the bar and the loop start
-        if self._boundary():  # a signal during start-up, or a first batch that failed
+        try:
+            # A signal during start-up, a first batch that failed, a lease lost while loading.
+            stop = self._boundary()
+            while stop is None and self.state.global_step < self.total_steps:
+                stop = self._iteration(bar)
             bar.close()
+            return self._end(stop)
+        except LeaseLost as e:  # raised alike on every rank (the boundary's all-reduce, or an agreed check)
+            bar.close()
+            return self._lease_lost(e)
+
+    def _iteration(self, bar) -> Stop:
+        """One pass of the loop: an optimizer step, then its row, boundary, eval and save. Returns
+        why training stops (a Stop), or None to go on. Collective."""
+        if not self._train_step():
+            # Not a step: no row, eval or save for a step number twice. The same on every rank,
+            # so no rank leaves the loop or skips a collective alone: see _skipped.
+            return self._skipped() or self._boundary()
+        self.skips_in_a_row = 0
+        self.state.global_step += 1
+        bar.update(1)
+        if self._due(self.cfg.train.logging_steps):
+            self._log(bar)
+        if self.state.global_step == self.total_steps:
+            # The final save comes after the loop whatever happens (a signal during the last step
+            # only skips the final eval: _end_preempted).
+            return None
+        stop = self._boundary()  # collective; before any eval or periodic save of this step
+        if stop is None and self.cfg.train.eval_steps and self._due(self.cfg.train.eval_steps):
+            self.evaluate()
+        return stop or self.checkpoints.at_step(self.state.global_step, self.total_steps)
+
+    def _end(self, stop: Stop) -> int:
+        """Where every run that did not lose its lease ends: the exit code. Collective."""
+        if stop == PREEMPTED:
             return self._stop_preempted()
-        while self.state.global_step < self.total_steps:
-            lr, applied = self._train_step()
-            if not applied:
-                # Not a step: no row, eval or save for a step number twice. The same on every rank,
-                # so no rank leaves the loop or skips a collective alone: see _skipped.
-                code = self._skipped()
-                if code is None and self._boundary():
-                    code = self._stop_preempted()
-                if code is not None:
-                    bar.close()
-                    return code
-                continue
-            self.skips_in_a_row = 0
-            self.state.global_step += 1
-            bar.update(1)
-            if self._due(self.cfg.train.logging_steps):
-                t_window = self._log(lr, t_window, bar)
-            # Collective; before any eval or periodic save of this step. After the last step the
-            # final save comes anyway (a signal then only skips the final eval: _end_preempted).
-            if self.state.global_step < self.total_steps and self._boundary():
-                bar.close()
-                return self._stop_preempted()
-            if self.cfg.train.eval_steps and self._due(self.cfg.train.eval_steps) \
-                    and self.state.global_step < self.total_steps:
-                self.evaluate()
-            code = self.checkpoints.at_step(self.state.global_step, self.total_steps)
-            if code is not None:
-                bar.close()
-                return code
-        bar.close()
-        if self.state.window.steps:
-            self._log(lr, t_window, None)
+        if stop is not None:
+            return stop  # a failed periodic save under --on_save_error abort, or steps that kept failing
+        if self.state.window.steps:  # the steps since the last row (the same count on every rank)
+            self._log(None)
         if self._end_preempted():
             dist.log_main(logging.WARNING, "preemption signal during the last step: final evaluation skipped, "
                           "so the final checkpoint commits before the grace period ends")
@@ -285,6 +324,16 @@ class Trainer:
             self.evaluate()
         maybe_probe(self.engine, self.tokenizer)  # test seam: FINETUNE_PROBE_LOGITS
         return self.checkpoints.at_end(self.state.global_step)
+
+    def _lease_lost(self, e: LeaseLost) -> int:
+        """Another run holds OUT now: stop at once and write nothing more there (no save, no
+        commit, no metrics, no exit_status.json: they are the other run's). Every rank, agreed."""
+        self.lost_lease = True
+        self.checkpoints.abandon()  # a background write stops at its next piece; its staging is left as is
+        dist.log_main(logging.ERROR, "stopping at step %d without writing anything more into %s: %s (exit %d)",
+                      self.state.global_step, self.cfg.ckpt.output_dir, e, EXIT_LEASE_LOST)
+        self.stop_note = {"reason": "lease lost", "step": self.state.global_step}
+        return EXIT_LEASE_LOST
 
     def _started(self, resumed: bool) -> None:
         """OUT/events.jsonl (and the trackers): this launch's start, and what it resumed from."""
@@ -308,27 +357,33 @@ class Trainer:
             return False
         return dist.all_reduce_sum([1.0 if self.preemption.received else 0.0])[0] > 0
 
-    def _boundary(self) -> bool:
-        """One all-reduce per step boundary: did any rank get a preemption signal, or fail to prepare
-        its next batch? The latter raises on every rank (so none waits in the next forward's
-        all-gather); returns whether to stop for preemption. Collective."""
+    def _boundary(self) -> Stop:
+        """One all-reduce per step boundary: did any rank get a preemption signal, fail to prepare
+        its next batch, or (rank 0) learn that another run took OUT's lease? A failed batch raises
+        on every rank (so none waits in the next forward's all-gather), a lost lease raises
+        LeaseLost on every rank; returns PREEMPTED to stop for preemption, else None. Collective."""
         error = self.data.ready()  # the prefetch ran during this step: normally done already
-        signalled, failed = dist.all_reduce_sum([1.0 if self.preemption.received else 0.0, 1.0 if error else 0.0])
+        signalled, failed, lost = dist.all_reduce_sum([1.0 if self.preemption.received else 0.0,
+                                                       1.0 if error else 0.0, 1.0 if self.lease_lost() else 0.0])
+        if lost:
+            raise LeaseLost(f"another run took over {self.cfg.ckpt.output_dir}'s lease "
+                            f"({describe_holder(self.cfg.ckpt.output_dir)})")
         if failed:
             dist.run_agreed(lambda: _reraise(error))  # this rank's own error, or which rank failed
-        return self.preemption.enabled and signalled > 0
+        return PREEMPTED if self.preemption.enabled and signalled > 0 else None
 
     def _due(self, every: int | None) -> bool:
         return bool(every) and self.state.global_step % every == 0
 
-    def _train_step(self) -> tuple[float, bool]:
-        """One optimizer step over gradient-accumulation micro-batches; returns the lr it used and
-        whether DeepSpeed applied it. No host sync of its own: the loss stays on the device."""
+    def _train_step(self) -> bool:
+        """One optimizer step over gradient-accumulation micro-batches; returns whether DeepSpeed
+        applied it (the lr it used goes into the log window). No host sync of its own: the loss
+        stays on the device."""
         engine, w = self.engine, self.state.window
         t0 = time.perf_counter()
         batches = self.data.next_step()
         w.data_s += time.perf_counter() - t0
-        lr = float(engine.get_lr()[0])  # the rate this step uses (the scheduler steps inside engine.step)
+        w.lr = float(engine.get_lr()[0])  # the rate this step uses (the scheduler steps inside engine.step)
         for batch in batches:
             w.tokens += int(batch["attention_mask"].sum())  # on the host copy: no device sync
             batch = _to(batch, engine.device)  # DeepSpeed's forward does not move inputs
@@ -346,7 +401,7 @@ class Trainer:
         self.state.samples_seen += sum(len(b["input_ids"]) for b in batches) * dist.world_size()
         self.state.epoch = self.data.epoch_float
         self.state.sampler = self.data.sampler.state_dict()
-        return lr, applied
+        return applied
 
     def _skipped(self) -> int | None:
         """Count an optimizer step DeepSpeed skipped (its batches stay consumed); the exit code when
@@ -374,11 +429,13 @@ class Trainer:
         self.checkpoints.settle()  # an --async_save save in flight is of good weights: committed
         return 1
 
-    def _log(self, lr: float, t_window: float, bar) -> float:
+    def _log(self, bar) -> None:
         """Reduce the window over ranks and write one metrics row. Collective."""
-        w = self.state.window
+        w, t_window = self.state.window, self.t_window
+        # A window restored from a checkpoint written before it recorded its lr: the next step's.
+        lr = w.lr if w.lr is not None else float(self.engine.get_lr()[0])
         # float(): the window's one device sync; the all-reduce that follows is one anyway.
-        loss_sum, micro, tokens = dist.all_reduce_sum([float(w.loss_sum), w.micro_batches, w.tokens])
+        loss_sum, micro, tokens = dist.all_reduce_sum(w.world_sums())
         now = time.perf_counter()
         loss = loss_sum / max(micro, 1)  # over the window's micro-batches, skipped steps' included
         grad_norm = self.engine.get_global_grad_norm()  # of this step: a row is only written at an applied one
@@ -392,9 +449,9 @@ class Trainer:
         self.metrics.write(row)
         self.state.last_losses = (self.state.last_losses + [loss])[-10:]
         self.state.window = type(w)()
+        self.t_window = now
         if bar is not None:
             bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}", tok_s=f"{row['tokens_per_s']:.0f}")
-        return now
 
     @torch.no_grad()
     def evaluate(self) -> float | None:

@@ -234,6 +234,25 @@ def test_resuming_between_skips_continues_exactly(tmp_path, make_trainer):
     assert t.state.skipped_steps == 2 and t.engine.boundaries == 5  # steps 3-6 and the second skip
 
 
+def test_resumed_at_its_last_step_from_a_save_between_two_rows_logs_them_and_ends(tmp_path, make_trainer):
+    """--max_steps 20 --save_steps 15 --logging_steps 10, then global_step15 resumed with --max_steps
+    15: no step runs, and the loop's end logged the restored window with an lr bound only inside
+    the loop (UnboundLocalError, exit 1, `latest` never pointed back at step 15). The row it logs
+    now is the one a run logging at step 15 writes."""
+    out = tmp_path / "out"
+    assert make_trainer(out, max_steps=20, save_steps=15, logging_steps=10).train() == 0
+    t = make_trainer(out, run_id="run2", max_steps=15, logging_steps=10,
+                     resume_from_checkpoint=str(out / "global_step15"))
+    assert t.train() == 0
+    assert (out / "latest").read_text().strip() == "global_step15"
+    every5 = tmp_path / "every5"
+    assert make_trainer(every5, max_steps=20, logging_steps=5).train() == 0
+    timing = ("tokens_per_s", "data_ms")
+    strip = lambda row: {k: v for k, v in row.items() if k not in timing}  # noqa: E731
+    assert [r["step"] for r in _train_rows(out)] == [10, 15]
+    assert strip(_train_rows(out)[-1]) == strip(next(r for r in _train_rows(every5) if r["step"] == 15))
+
+
 def test_an_epochs_run_with_skips_trains_its_steps_and_reads_into_the_next_epoch(tmp_path, make_trainer):
     n = 16  # 4 steps per epoch
     order1 = ResumableSampler(n, 1, 0, 42).epoch_order(1)[:PER_STEP]

@@ -10,10 +10,13 @@ from __future__ import annotations
 import ctypes
 import json
 import os
+import threading
 from pathlib import Path
 from typing import BinaryIO
 
 import xxhash
+
+from finetune.progress import progress
 
 _WRITEBACK_EVERY = 32 << 20
 _SYNC_FILE_RANGE_WRITE = 2
@@ -34,11 +37,16 @@ _sync_file_range = _load_sync_file_range()
 _CHUNK = 8 << 20
 
 
-class HashingWriter:
-    """A write-only file wrapper that hashes and counts what passes through it."""
+class WriteCancelled(RuntimeError):
+    """A write given up on purpose (``HashingWriter``'s ``cancelled`` was set)."""
 
-    def __init__(self, f: BinaryIO):
-        self.f, self.h, self.size = f, xxhash.xxh3_128(), 0
+
+class HashingWriter:
+    """A write-only file wrapper that hashes and counts what passes through it. ``cancelled``: when
+    set, the next piece raises WriteCancelled instead of being written."""
+
+    def __init__(self, f: BinaryIO, cancelled: threading.Event | None = None):
+        self.f, self.h, self.size, self.cancelled = f, xxhash.xxh3_128(), 0, cancelled
         # torch.save's C++ writer turns an exception from write() into an opaque RuntimeError;
         # keep the real one (ENOSPC, EIO…) so the report names it.
         self.os_error: OSError | None = None
@@ -50,6 +58,8 @@ class HashingWriter:
             # torch hands over a whole storage (often hundreds of MB) in one call: slice it so the
             # disk starts on the first slice while later ones are still being hashed and copied.
             for i in range(0, len(view), _WRITEBACK_EVERY):
+                if self.cancelled is not None and self.cancelled.is_set():
+                    raise WriteCancelled("the write was given up")
                 piece = view[i:i + _WRITEBACK_EVERY]
                 self.h.update(piece)
                 self.f.write(piece)
@@ -84,6 +94,7 @@ def hash_file(path: str | os.PathLike) -> tuple[int, str]:
             h.update(chunk)
             size += len(chunk)
             _read_back[0] += len(chunk)
+            progress()  # a verification of many GB is slow, not hung
     return size, h.hexdigest()
 
 
@@ -126,3 +137,33 @@ def fsync_path(path: str | os.PathLike) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def _load_syncfs():
+    """Linux syncfs(2) through libc; None elsewhere."""
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).syncfs
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_int]
+    return fn
+
+
+_syncfs = _load_syncfs()
+
+
+def sync_filesystem(path: str | os.PathLike) -> bool:
+    """Make everything written to ``path``'s filesystem durable (file data and the directory entries
+    that name it) with one syncfs(2): cheaper than an fsync of each of thousands of small files and
+    their folders. False where it is unavailable (then fsync them one by one); raises OSError when
+    the filesystem reports a write error."""
+    if _syncfs is None:
+        return False
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        if _syncfs(fd) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, os.strerror(err), str(path))
+    finally:
+        os.close(fd)
+    return True

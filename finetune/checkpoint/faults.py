@@ -5,7 +5,8 @@ export that can fail, listed once, so a test can make any of them fail on any ra
 ``fault_point(site, step)`` fail on that rank (the ``RANK`` the launcher set; 0 in a plain process),
 at every call, or only at calls for that step (the save's step; for resume sites the candidate
 checkpoint's). Kinds: ``eio`` (the default) and ``enospc`` raise ``OSError`` with that errno,
-``error`` raises ``InjectedFault`` (any other exception), ``kill`` sends SIGKILL to this process.
+``error`` raises ``InjectedFault`` (any other exception), ``kill`` sends SIGKILL to this process,
+``hang`` never returns (a syscall stuck in D-state on a dead mount: the thread sleeps for good).
 A spec that names no site of ``SITES``, or cannot be parsed, raises ``FaultSpecError`` naming the
 variable at the first fault point, so a typo never silently tests nothing. Each injected fault is
 announced on stderr (``finetune: FINETUNE_FAULT: …``) with its wall-clock time, so a test can tell
@@ -29,6 +30,7 @@ from dataclasses import dataclass
 
 FAULT_ENV = "FINETUNE_FAULT"
 KINDS = ("eio", "enospc", "error", "kill")
+HANG = "hang"  # not in KINDS: the sweep uses it only at sites it polls with a deadline
 
 # name → who reaches it and what fails there. "leader": rank 0 on shared storage (each node's first
 # rank with node-local checkpoints); "every rank": all of them. (step) = the site takes a step.
@@ -51,6 +53,8 @@ SITES: dict[str, str] = {
     "save.recovery_script": "rank 0: DeepSpeed copying zero_to_fp32.py into the staging root (step)",
     "save.shared_files": "leader: config, tokenizer and trainer_state.json into staging (step)",
     "save.drop_staging": "leader: removing a failed save's staging folder (reached only after another failure) (step)",
+    # the output dir's lease, re-read by rank 0 before a commit, a publish, retention and cleanups
+    "lease.check": "rank 0: re-reading OUT/.lease before a commit, publish, retention or cleanup (step)",
     # commit (leader): manifest into staging, agree, then rename + latest
     "commit.manifest": "leader: writing and fsyncing manifest.json into the staged folder (step)",
     "commit.rename": "leader: renaming the staged folder into place (step)",
@@ -63,12 +67,15 @@ SITES: dict[str, str] = {
     "resume.read_state": "rank 0: reading the chosen checkpoint's trainer_state.json and manifest",
     "resume.set_aside": "leader: moving checkpoints of an abandoned timeline to OUT/.abandoned",
     "resume.universal": "rank 0: converting a checkpoint of another world size to the universal format",
+    "resume.universal_piece": "rank 0's converter (a child process): before each piece of a universal conversion",
     "resume.load_rng": "every rank: restoring its RNG state after DeepSpeed's load",
     "resume.truncate_metrics": "rank 0: dropping metrics.jsonl rows past the resumed step",
     "resume.finish_commit": "leader: a run resumed at its last step (already saved) pointing `latest` at it (step)",
     # consolidated weights (--save_consolidated), inside the save's write step
     "save.consolidated_gather": "every rank: its own part of the consolidated save (held until the gathers end) (step)",
-    "save.consolidated_write": "rank 0: opening a consolidated safetensors shard in the staged folder (step)",
+    "save.consolidated_write": "rank 0: a consolidated safetensors shard just opened, its header written (step)",
+    "save.consolidated_append": "rank 0: mid-tensor, half of a piece of a consolidated shard written (step)",
+    "save.consolidated_close": "rank 0: flushing and fsyncing a finished consolidated shard (step)",
     # export (`finetune export`, one process)
     "export.read_rank_file": "export: reading one of DeepSpeed's rank files (step: the checkpoint's)",
     "export.write": "export: writing or copying a weights file into the export's staging folder (step)",
@@ -115,8 +122,8 @@ def parse(spec: str) -> tuple[Fault, ...]:
                 raise ValueError("expected <site>:<rank>[:<step>][:<kind>]")
             if site not in SITES:
                 raise ValueError(f"no fault site {site!r} (sites: {', '.join(sorted(SITES))})")
-            if kind not in KINDS:
-                raise ValueError(f"no fault kind {kind!r} (kinds: {', '.join(KINDS)})")
+            if kind not in (*KINDS, HANG):
+                raise ValueError(f"no fault kind {kind!r} (kinds: {', '.join((*KINDS, HANG))})")
         except ValueError as e:
             raise FaultSpecError(f"{FAULT_ENV}={spec!r}: {item!r}: {e}") from None
         faults.append(Fault(site, rank, step, kind))
@@ -155,6 +162,9 @@ def _inject(fault: Fault, step: int | None) -> None:
     if fault.kind == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
         time.sleep(60)  # never return into the site while the signal is being delivered
+    if fault.kind == HANG:
+        while True:  # like a process in D-state: nothing ends it but the end of the process
+            time.sleep(3600)
     if fault.kind == "error":
         raise InjectedFault(message)
     code = errno.ENOSPC if fault.kind == "enospc" else errno.EIO

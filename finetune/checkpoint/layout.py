@@ -8,7 +8,6 @@ folder, found with marker files; each group's first rank leads.
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,22 +20,6 @@ from finetune.distributed import logger
 
 def node_local(ds_config: dict) -> bool:
     return bool((ds_config.get("checkpoint") or {}).get("use_node_local_storage", False))
-
-
-def nvme_optimizer(ds_config: dict) -> bool:
-    offload = ((ds_config.get("zero_optimization") or {}).get("offload_optimizer") or {})
-    return str(offload.get("device", "none")).lower() == "nvme"
-
-
-def local_rank_clash(groups: list[list[int]], local_ranks: list[str]) -> list[int]:
-    """The first ranks of one storage group that share a LOCAL_RANK (empty when none do)."""
-    for group in groups:
-        seen: dict[str, int] = {}
-        for r in group:
-            if local_ranks[r] in seen:
-                return [seen[local_ranks[r]], r]
-            seen[local_ranks[r]] = r
-    return []
 
 
 @dataclass
@@ -55,13 +38,6 @@ class Layout:
         local = node_local(ds_config)
         if local:
             groups = dist.sharing_groups(out, "output_dir")
-            if nvme_optimizer(ds_config):
-                clash = local_rank_clash(groups, dist.all_gather_object(os.environ.get("LOCAL_RANK", "0")))
-                if clash:
-                    raise ConfigError(f"node-local checkpoints with NVMe optimizer offload: ranks {clash} share an "
-                                      "output_dir and a LOCAL_RANK (one GPU per task), and DeepSpeed names their "
-                                      "offloaded_tensors/rank<LOCAL_RANK> folders by it (engine.py:4930-4940): let "
-                                      "every rank see the node's GPUs, or use shared storage")
             return cls(groups, local)
         if saving and dist.world_size() > 1:
             apart = dist.any_rank(dist.leads_storage(out, "output_dir") and not dist.is_main())
@@ -92,7 +68,8 @@ def tidy_storage(storage: LocalStorage, layout: Layout) -> None:
         fault_point("layout.tidy")
         return storage.housekeeping()
 
-    out = dist.gather_outcomes(tidy, on=layout.leader)
+    out = dist.gather_outcomes(tidy, on=layout.leader, step="removing crashed saves' leftovers",
+                               deadline_s=dist.io_deadline())
     if out.result:
         freed = sum(size for _, size in out.result)
         logger.warning("removed %d leftover(s) of crashed saves from %s, %.1f MB freed: %s", len(out.result),

@@ -48,11 +48,17 @@ Atomicity (every step also holds on NFS and Lustre):
   that run watched (SIGSTOP, ``scontrol suspend``, a hung mount): log an error once, stop beating,
   set ``Lease.lost``, and never overwrite it. If it vanished (removed by hand), create it again. A
   failed write (disk full) is logged and retried at the next beat, never raised into training.
+- A lost lease stops the run: rank 0's flag rides on the step boundary's all-reduce, and every rank
+  raises ``LeaseLost`` (exit 3) and writes nothing more into OUT (metrics and events are dropped from
+  the moment the flag is set). ``check()`` re-reads the lease right before every commit, publish,
+  retention and cleanup, so a takeover between two heartbeats is seen there too.
 
 The one window left: the heartbeat's read-then-replace is not atomic with a takeover, so a holder
 whose stall ends in the very milliseconds another run takes over can overwrite the newcomer's lease;
 the newcomer then logs the error above at its next beat. Every such case (here, in release, and a
 taker judged dead while it replaced a lease) needs a stall longer than ``observe_s``.
+
+Test seam: ``FINETUNE_LEASE_RENEW_S=<seconds>``, the heartbeat of a run (default 30).
 """
 
 from __future__ import annotations
@@ -84,6 +90,7 @@ logger = logging.getLogger("finetune")
 LEASE = ".lease"
 TAKING = ".lease.taking"  # + .<hash of the dead lease>.<n>: one taker at a time replaces that lease
 RENEW_S = 30.0
+RENEW_ENV = "FINETUNE_LEASE_RENEW_S"  # test seam: a faster heartbeat, so a test sees a takeover in time
 OBSERVE_FACTOR = 2.5  # a holder on another machine is dead after this many of its heartbeats pass unseen
 _RECHECK_S = 0.1  # between the two reads of a garbled lease
 _MAX_TRIES = 20  # judge-and-take rounds before giving up on a lease that keeps changing hands
@@ -93,6 +100,12 @@ _NO_HARDLINKS = {errno.EPERM, errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOSYS}
 _OWNER_KEYS = ("run_id", "host", "boot_id", "pid_ns", "pid", "pid_start", "started")
 
 _ALIVE, _DEAD, _CHANGED = "alive", "dead", "changed"
+
+
+class LeaseLost(RuntimeError):
+    """This run no longer holds its output dir's lease: another run took it over (this one stalled
+    for longer than that one watched). Raised alike on every rank; the run stops with exit code 3
+    (``exit_status.EXIT_LEASE_LOST``) and writes nothing more into the output dir."""
 
 
 class LeaseHeld(ConfigError):
@@ -117,13 +130,16 @@ def holder(out: str | os.PathLike) -> dict | None:
     return _parse(_read(Path(out) / LEASE))
 
 
-def acquire(out: str | os.PathLike, run_id: str | None = None, *, renew_s: float = RENEW_S,
+def acquire(out: str | os.PathLike, run_id: str | None = None, *, renew_s: float | None = None,
             observe_s: float | None = None) -> Lease:
     """Take ``OUT/.lease`` (creating OUT) for this process, taking it over from a dead holder.
 
     Raises ``LeaseHeld`` when a live run holds it, and ``ConfigError`` when it cannot be written.
-    ``observe_s``: how long to watch a holder on another machine (default: see the module doc).
+    ``renew_s``: the heartbeat (default RENEW_S; test seam: $FINETUNE_LEASE_RENEW_S). ``observe_s``:
+    how long to watch a holder on another machine (default: see the module doc).
     """
+    if renew_s is None:
+        renew_s = float(os.environ.get(RENEW_ENV) or RENEW_S)
     if renew_s <= 0:
         raise ValueError(f"renew_s must be positive, not {renew_s}")
     out = Path(out)
@@ -154,6 +170,21 @@ class Lease:
     def lost(self) -> bool:
         """True once another run has taken the lease over (this one stalled for longer than it watched)."""
         return self._lost
+
+    def check(self) -> bool:
+        """Re-read the lease now (before a commit, a publish, retention): False, and ``lost`` from
+        then on, when another run holds it. A missing lease counts as ours (the heartbeat writes it
+        again). Raises OSError when it cannot be read."""
+        if self._lost:
+            return False
+        raw = _read(self.path)
+        other = _parse(raw)
+        if other is not None and not _is_ours(raw, self.info):
+            self._lost = True
+            logger.error("%s now belongs to another run (%s): this run stops and writes nothing more into %s",
+                         self.path, describe(other), self.path.parent)
+            return False
+        return True
 
     def release(self) -> None:
         """Stop the heartbeat and remove the lease if it is still ours. Idempotent; never raises."""
@@ -189,8 +220,8 @@ class Lease:
             if other is not None and not _is_ours(current, self.info):
                 self._lost = True
                 logger.error("%s now belongs to another run (%s): this run stalled for longer than that run "
-                             "watched its heartbeat, and both may now write into %s", self.path,
-                             describe(other), self.path.parent)
+                             "watched its heartbeat; it stops at its next step boundary and writes nothing more into "
+                             "%s", self.path, describe(other), self.path.parent)
                 return False
             info = {**self.info, "beat": self.info["beat"] + 1}
             if current is None:

@@ -62,13 +62,14 @@ from finetune.checkpoint.commit import prepare_staged, publish_staged
 from finetune.checkpoint.durable import fsync_path, hash_file, write_json_durably
 from finetune.checkpoint.faults import fault_point
 from finetune.checkpoint.layout import Layout
+from finetune.checkpoint.lease import LeaseLost
 from finetune.checkpoint.manifest import MANIFEST
 from finetune.checkpoint.policy import Committed, line_of, select_for_deletion, space_needed
 from finetune.checkpoint.resume import ResumePlan
 from finetune.checkpoint.schedule import SaveError, SaveSchedule
 from finetune.checkpoint.rng import rng_state, set_rng_state
-from finetune.checkpoint.state import TRAINER_STATE, TrainingState
-from finetune.checkpoint.storage import STAGING, LocalStorage, committed, step_of, tag_for
+from finetune.checkpoint.state import TRAINER_STATE, LogWindow, TrainingState
+from finetune.checkpoint.storage import STAGING, Deleter, LocalStorage, committed, step_of, tag_for
 from finetune.checkpoint.writer import GuardedWriter
 from finetune.config import CheckpointArgs
 from finetune.distributed import logger
@@ -79,6 +80,7 @@ SLOW_COMMIT_ENV = "FINETUNE_SLOW_COMMIT"
 # Adam keeps fp32 master weights + two moments (12 B/param); the module states add a copy.
 BYTES_PER_PARAM_ESTIMATE = 16
 SPACE_MARGIN = 1.10
+RANK_WINDOW = "log_window"  # in rng_state_{r}.pt: rank r's own log window (state.py)
 CONSOLIDATED_PATTERNS = ("model.safetensors", "model-*-of-*.safetensors", "model.safetensors.index.json",
                          ADAPTER_WEIGHTS)
 
@@ -147,6 +149,7 @@ class CheckpointManager(SaveSchedule):
         # Where commits and failed saves are reported (MetricsWriter.event: OUT/events.jsonl and the
         # trackers, rank 0); called on every rank, must not raise.
         self.on_event: Callable[..., None] = lambda kind, step, **fields: None
+        self.deleter = Deleter(storage)  # retention's deletions, in the background (leaders)
         self._read_history(plan.head if plan else None, plan.max_seq if plan else 0)
 
     def _read_history(self, head: Committed | None, seen_seq: int) -> None:
@@ -158,15 +161,17 @@ class CheckpointManager(SaveSchedule):
             line = line_of(head, found) if head else []
             mine_head = next((c for c in found if head and c.tag == head.tag and c.save_id == head.save_id), None)
             return ([c.tag for c in line], max((c.seq or 0 for c in found), default=0),
-                    mine_head.total_bytes if mine_head else None)
+                    mine_head.total_bytes if mine_head else None, {c.tag: c.total_bytes or 0 for c in found})
 
-        out = dist.gather_outcomes(mine, on=self.leader, share=True)
+        out = dist.gather_outcomes(mine, on=self.leader, share=True, step="reading the commit history",
+                                   deadline_s=dist.io_deadline())
         out.raise_any()
         views = [v for v in out.results if v is not None]
         self.line: list[str] = views[0][0]  # tags, oldest first; what retention counts
         self.next_seq = 1 + max([seen_seq] + [v[1] for v in views])
         self.head = head
         self.last_bytes = out.result[2] if out.result else None
+        self.sizes: dict[str, int] = out.result[3] if out.result else {}  # this storage's, by tag: what deleting frees
 
     # --- save: snapshot → write → agree → commit ------------------------------------------------
 
@@ -178,13 +183,14 @@ class CheckpointManager(SaveSchedule):
         ``background`` (--async_save): return once every rank has its snapshot in host memory, the
         rank files being written on a thread; ``poll``/``wait`` commit it later (returns None).
         """
-        self.wait()  # at most one save in flight
+        self.wait()  # at most one save in flight (at_step reports its failure under its own step first)
         tag, clock, io = tag_for(step), Clock(), SaveIO()
         consolidated = self.ckpt.save_consolidated if consolidated is None else consolidated
         self.check_space(tag)
         clock.lap("check")
         snap = self.snapshot(step, background)
         clock.lap("snapshot")
+        self.clear_staging(tag)
         self.write(tag, snap, consolidated)
         self.writer.start()
         clock.lap("write" if not background else "copy")
@@ -207,11 +213,26 @@ class CheckpointManager(SaveSchedule):
 
     def wait(self) -> Path | None:
         """Block until the save in flight is written, then commit it (its path; None when there was
-        none). Raises SaveError on every rank if it failed. Collective."""
+        none). Polled: a writer thread that makes no progress for ``dist.io_deadline()`` fails the
+        save. Raises SaveError on every rank if it failed. Collective."""
         if self.pending is None:
             return None
-        self.writer.join()
+        tag = self.pending.tag
+        out = dist.gather_outcomes(self.writer.join_progressing, step=f"writing {tag} in the background",
+                                   deadline_s=dist.io_deadline())
+        if not out.ok:
+            self.writer.cancel()  # a writer that came back to life stops at its next piece
+            self.pending = None
+            freed = self._drop_staging(tag)
+            raise SaveError(f"save of {tag} failed on {out.describe()}; latest is unchanged{freed}")
         return self._complete(self.pending)
+
+    def abandon(self) -> None:
+        """This run lost its output dir's lease: a background write stops at its next piece and
+        retention's deletions at their next file; nothing is committed or cleaned up."""
+        self.writer.cancel()
+        self.deleter.stop()
+        self.pending = None
 
     def _complete(self, pending: "Pending") -> Path:
         """agree → commit → retain. Collective."""
@@ -244,9 +265,13 @@ class CheckpointManager(SaveSchedule):
             if os.environ.get(SKIP_SPACE_CHECK_ENV) == "1":
                 return None  # test seam: lets tests hit a real ENOSPC mid-write
             free = self.storage.free_bytes()
+            if free < need <= free + self.deleter.pending_bytes:
+                self.deleter.drain()  # retention is still deleting older checkpoints: what it frees counts
+                free = self.storage.free_bytes()
             return None if free >= need else f"{fmt_bytes(free)} free, need ~{fmt_bytes(need)}"
 
-        out = dist.gather_outcomes(problem, on=self.leader, share=True, inline=True)  # one statfs
+        out = dist.gather_outcomes(problem, on=self.leader, share=True, step=f"checking free space for {tag}",
+                                   deadline_s=dist.io_deadline())
         bad = {r: p for r, p in enumerate(out.results) if p}
         bad.update(out.errors)
         if bad:
@@ -257,31 +282,42 @@ class CheckpointManager(SaveSchedule):
         return space_needed(self.last_bytes, self.parameters, self.layout.share, BYTES_PER_PARAM_ESTIMATE, SPACE_MARGIN)
 
     def snapshot(self, step: int, background: bool = False) -> Snapshot:
-        """Rank-local and in memory; a failure is recorded for the agree step, never raised."""
+        """In memory; a failure is recorded for the agree step, never raised. Collective: one
+        all-reduce of the log window, so trainer_state.json holds the world's sum (what another
+        world size resumes from) while each rank's file keeps its own (what the same one does)."""
         snap = Snapshot(step)
         self.writer.reset(self.out / STAGING / tag_for(step), step, background)
         self.consolidation_error = self.adapter_summary = None
+        window = self.progress.window
+        totals = dist.all_reduce_sum(window.world_sums())  # before anything that can fail on one rank
         try:
             fault_point("save.snapshot", step)
-            snap.rng = rng_state()
+            snap.rng = {**rng_state(), RANK_WINDOW: window.state_dict()}
             if self.leader:
-                snap.trainer_state = {**self.progress.state_dict(), **self.run_info, "world_size": dist.world_size(),
+                progress = {**self.progress.state_dict(), "window": window.summed(totals).state_dict()}
+                snap.trainer_state = {**progress, **self.run_info, "world_size": dist.world_size(),
                                       "versions": versions()}
         except Exception as e:  # noqa: BLE001 — recorded; the agree step decides for all ranks
             self.writer._fail("the snapshot", e)
         return snap
+
+    def clear_staging(self, tag: str) -> None:
+        """Leaders remove what a crashed save of the same step left in staging, before DeepSpeed's
+        collective write. Polled; SaveError on every rank if it failed. Collective."""
+        def clear():
+            fault_point("save.clear_staging", step_of(tag))
+            self.storage.remove(f"{STAGING}/{tag}")
+
+        out = dist.gather_outcomes(clear, on=self.leader, step=f"clearing {STAGING}/{tag}",
+                                   deadline_s=dist.io_deadline())
+        if not out.ok:
+            raise SaveError(f"save of {tag} failed on {out.describe()}; latest is unchanged")
 
     def write(self, tag: str, snap: Snapshot, consolidated: bool) -> None:
         """Every rank: DeepSpeed's files (collective), its RNG file, leaders the shared files.
         Failures are recorded in ``self.writer``/``self.consolidation_error``, not raised."""
         staging_root = self.out / STAGING
         folder = staging_root / tag
-        if self.leader:
-            try:
-                fault_point("save.clear_staging", step_of(tag))
-                self.storage.remove(f"{STAGING}/{tag}")  # leftovers of a crashed save of the same step
-            except Exception as e:  # noqa: BLE001 — recorded; DeepSpeed's collectives come next
-                self.writer._fail(folder, e)
         try:
             # Collective: every rank must call it (a rank-0-only call hangs under ZeRO-3).
             # --use_peft: the frozen base is not saved (a resume loads it from where it came from).
@@ -295,13 +331,19 @@ class CheckpointManager(SaveSchedule):
                                f"the ranks may be out of step: {type(e).__name__}: {e}") from e
         if consolidated:
             self._write_consolidated(folder)
-        if snap.rng is not None:
-            self.writer.save(snap.rng, str(folder / f"rng_state_{dist.rank()}.pt"))
-        if self.leader and self.writer.error is None:
-            try:
-                self._write_shared(folder, snap, consolidated and self.consolidation_error is None)
-            except Exception as e:  # noqa: BLE001 — recorded; the agree step decides for all ranks
-                self.writer._fail(folder, e)
+        def own_files() -> dict[str, tuple[int, str]]:
+            if snap.rng is not None:  # --async_save: its host copy, written by the writer's thread
+                self.writer.save(snap.rng, str(folder / f"rng_state_{dist.rank()}.pt"))
+            if self.leader and self.writer.error is None:
+                return self._write_shared(folder, snap, consolidated and self.consolidation_error is None)
+            return {}
+
+        # Rank-local I/O before the agree step's all-gather: polled, so a hung write fails the save.
+        out = dist.gather_outcomes(own_files, step=f"writing {tag}'s RNG and shared files",
+                                   deadline_s=dist.io_deadline())
+        if out.own is not None:  # recorded; the agree step decides for all ranks
+            self.writer._fail(folder, out.own)
+        self.writer.files.update(out.result or {})
 
     def _write_consolidated(self, folder: Path) -> None:
         """Collective: every rank gathers, even one whose own writes already failed."""
@@ -323,8 +365,10 @@ class CheckpointManager(SaveSchedule):
             raise RuntimeError(f"the consolidated save raised on rank {dist.rank()} mid-gather; stopping because the "
                                f"ranks may be out of step: {type(e).__name__}: {e}") from e
 
-    def _write_shared(self, folder: Path, snap: Snapshot, consolidated: bool) -> None:
-        """A leader's files: config, tokenizer, trainer_state.json; hashes only what it wrote here."""
+    def _write_shared(self, folder: Path, snap: Snapshot, consolidated: bool) -> dict[str, tuple[int, str]]:
+        """A leader's files: config, tokenizer, trainer_state.json; hashes only what it wrote here.
+        Returns them (never records them itself: a write that hung past its deadline and returns
+        later must not touch a later save's list)."""
         fault_point("save.shared_files", snap.step)
         module = self.engine.module
         config = copy.deepcopy(module.config)
@@ -339,11 +383,13 @@ class CheckpointManager(SaveSchedule):
         written += [Path(p) for p in self.tokenizer.save_pretrained(folder)]
         if self.adapters:  # what export and PeftModel.from_pretrained need to rebuild the adapters
             written.append(write_adapter_config(module, folder))
+        files = {}
         for path in dict.fromkeys(written):
             if path.is_file():
-                self.writer.files[path.name] = hash_file(path)
+                files[path.name] = hash_file(path)
                 fsync_path(path)
-        self.writer.files[TRAINER_STATE] = write_json_durably(folder / TRAINER_STATE, snap.trainer_state)
+        files[TRAINER_STATE] = write_json_durably(folder / TRAINER_STATE, snap.trainer_state)
+        return files
 
     def agree(self, tag: str) -> dict[str, tuple[int, str]]:
         """Collective: every rank's outcome. On any failure, clean up and raise on every rank.
@@ -363,10 +409,11 @@ class CheckpointManager(SaveSchedule):
             self.consolidation_error = _describe(consolidation)
             files = {n: v for n, v in files.items() if not _is_consolidated(n)}
             out = dist.gather_outcomes(lambda: self.storage.remove_matching(f"{STAGING}/{tag}", CONSOLIDATED_PATTERNS),
-                                       on=self.leader)
+                                       on=self.leader, step=f"removing {tag}'s partial safetensors",
+                                       deadline_s=dist.io_deadline())
             if not out.ok:  # the files are left but unlisted; the checkpoint is still complete
                 dist.log_main(logging.WARNING, "could not remove partial safetensors files: %s", out.describe())
-            dist.log_main(logging.ERROR, "consolidated weights of %s not written (%s); committing the partitioned "
+            dist.log_main(logging.WARNING, "consolidated weights of %s not written (%s); committing the partitioned "
                           "checkpoint without them: `finetune export` can rebuild them from it", tag,
                           self.consolidation_error)
         return files
@@ -376,6 +423,12 @@ class CheckpointManager(SaveSchedule):
         what that freed, the free space left and what a save needs, for the error line ("" when
         the removal failed: it is logged here). ``written``: every file of the save was written
         (only its publishing failed), so DeepSpeed's recovery scripts are whole and kept."""
+        try:
+            self.ensure_lease(f"removing {STAGING}/{tag}", step_of(tag))
+        except SaveError as e:  # left for the next start to tidy
+            dist.log_main(logging.WARNING, "%s", e)
+            return ""
+
         def remove():
             fault_point("save.drop_staging", step_of(tag))
             freed = self.storage.remove(f"{STAGING}/{tag}") or 0
@@ -386,7 +439,8 @@ class CheckpointManager(SaveSchedule):
                 free = None  # the folder is gone all the same: report what is known
             return freed, free
 
-        out = dist.gather_outcomes(remove, on=self.leader, share=True)
+        out = dist.gather_outcomes(remove, on=self.leader, share=True, step=f"removing {STAGING}/{tag}",
+                                   deadline_s=dist.io_deadline())
         if not out.ok:
             dist.log_main(logging.WARNING, "could not remove %s/%s (%s); it is removed at the next start", STAGING,
                           tag, out.describe())
@@ -407,11 +461,12 @@ class CheckpointManager(SaveSchedule):
         if consolidated and self.adapter_summary is not None:  # what `finetune verify` holds the adapter file to
             identity["adapter"] = self.adapter_summary
         ranks = self.layout.my_group if self.layout.node_local else None
+        try:
+            self.ensure_lease(f"committing {tag}", step_of(tag))
+        except SaveError as e:
+            raise SaveError(f"{e}{self._drop_staging(tag)}") from e
 
         def prepare():
-            if not self.still_ours():
-                raise RuntimeError(f"another run took over {self.out}'s lease (this run stalled past its heartbeat); "
-                                   "not committing into it")
             if os.environ.get(SLOW_COMMIT_ENV):
                 time.sleep(float(os.environ[SLOW_COMMIT_ENV]))  # test seam: a moment to fill the disk
             try:
@@ -421,11 +476,17 @@ class CheckpointManager(SaveSchedule):
                     raise OSError(e.errno, e.strerror, str(self.out / STAGING / tag / MANIFEST)) from e
                 raise
 
-        out = dist.gather_outcomes(prepare, on=self.leader, inline=True)
+        out = dist.gather_outcomes(prepare, on=self.leader, step=f"writing {tag}'s manifest",
+                                   deadline_s=dist.io_deadline())
         if not out.ok:
             freed = self._drop_staging(tag)
             raise SaveError(f"commit of {tag} failed on {out.describe()}; latest is unchanged{freed}")
-        out = dist.gather_outcomes(lambda: publish_staged(self.storage, tag), on=self.leader)
+        try:
+            self.ensure_lease(f"publishing {tag}", step_of(tag))
+        except SaveError as e:
+            raise SaveError(f"{e}{self._drop_staging(tag)}") from e
+        out = dist.gather_outcomes(lambda: publish_staged(self.storage, tag), on=self.leader,
+                                   step=f"publishing {tag}", deadline_s=dist.io_deadline())
         if not out.ok and not self._in_place(tag, identity["save_id"]):
             # Only a rename or the `latest` write failed, after every node had its files complete.
             self._drop_staging(tag, written=True)  # a no-op where the rename happened
@@ -440,13 +501,29 @@ class CheckpointManager(SaveSchedule):
         self.head = Committed(tag, seq, identity["save_id"], identity["parent"], identity["parent_save_id"],
                               sum(size for size, _ in files.values()))
         self.line = [t for t in self.line if t != tag] + [tag]
-        self.last_bytes = self.head.total_bytes
+        self.last_bytes = self.sizes[tag] = self.head.total_bytes
+
+    def ensure_lease(self, before: str, step: int | None) -> None:
+        """Right before a commit, a publish, retention or a cleanup: rank 0 re-reads OUT's lease
+        (``still_ours``). LeaseLost on every rank if another run holds it; SaveError on every rank
+        if it could not be read (nothing is done then either). Polled. Collective."""
+        def check():
+            fault_point("lease.check", step)
+            return self.still_ours()
+
+        out = dist.gather_outcomes(check, on=dist.is_main(), share=True, step="checking the output dir's lease",
+                                   deadline_s=dist.io_deadline())
+        if not out.ok:
+            raise SaveError(f"could not check {self.out}'s lease before {before} ({out.describe()}); not {before}")
+        if out.results[0] is False:
+            raise LeaseLost(f"another run took over {self.out}'s lease; not {before}")
 
     def _in_place(self, tag: str, save_id: str) -> bool:
         """Whether every storage holds this save under its name: after a failed publish, that only
         ``latest`` failed. Leaders read their manifest; agreed. Collective."""
         out = dist.gather_outcomes(lambda: (self.storage.read_manifest(tag) or {}).get("save_id") == save_id,
-                                   on=self.leader, share=True, inline=True)
+                                   on=self.leader, share=True, step=f"reading {tag}'s manifest",
+                                   deadline_s=dist.io_deadline())
         placed = [v for v in out.results if v is not None]
         return out.ok and bool(placed) and all(placed)
 
@@ -460,18 +537,36 @@ class CheckpointManager(SaveSchedule):
         doomed = select_for_deletion(self.line, limit, {self.head.tag})
         if not doomed:
             return
-        def delete():
-            fault_point("retention.delete", step_of(self.head.tag))
-            return sum(self.storage.remove(tag) or 0 for tag in doomed)
+        try:
+            self.ensure_lease("deleting older checkpoints", step_of(self.head.tag))
+        except SaveError as e:  # the save itself is committed: retried after the next one
+            dist.log_main(logging.WARNING, "save_total_limit %d: %s", limit, e)
+            return
 
-        out = dist.gather_outcomes(delete, on=self.leader)
+        def retire():
+            fault_point("retention.delete", step_of(self.head.tag))
+            # The one atomic step: out of the tag namespace. The files go in the background.
+            return [(tag, self.storage.retire(tag)) for tag in doomed if self.storage.exists(tag)]
+
+        out = dist.gather_outcomes(retire, on=self.leader, step="retention", deadline_s=dist.io_deadline())
         if out.ok:
+            for tag, trash in out.result or []:
+                self.deleter.add(trash, self.sizes.pop(tag, 0), tag)
             self.line = [t for t in self.line if t not in doomed]
-            dist.log_main(logging.INFO, "save_total_limit %d: deleted %s (%s freed)", limit, ", ".join(doomed),
-                          fmt_bytes(out.result or 0))
+            dist.log_main(logging.INFO, "save_total_limit %d: deleting %s in the background", limit, ", ".join(doomed))
         else:  # kept in the line: retried after the next save
             dist.log_main(logging.WARNING, "save_total_limit %d: could not delete %s (%s); retrying after the next "
                           "save", limit, ", ".join(doomed), out.describe())
+
+    def finish_deletions(self) -> None:
+        """At the end of training: leaders wait for retention's background deletions (polled; one
+        that makes no progress is left for the next start to tidy, with a warning). Collective."""
+        out = dist.gather_outcomes(self.deleter.drain, on=self.leader, step="deleting older checkpoints",
+                                   deadline_s=dist.io_deadline())
+        if not out.ok:
+            self.deleter.stop()
+            dist.log_main(logging.WARNING, "older checkpoints not deleted completely (%s); what is left under "
+                          ".trash-* is removed at the next start", out.describe())
 
     # --- load ----------------------------------------------------------------------------------
 
@@ -498,13 +593,17 @@ class CheckpointManager(SaveSchedule):
         def load_rng():
             fault_point("resume.load_rng")
             if not rng_file.exists():
-                return False
-            set_rng_state(torch.load(rng_file, weights_only=True))
-            return True
+                return None
+            state = torch.load(rng_file, weights_only=True)
+            set_rng_state(state)
+            return state
 
-        if not dist.run_agreed(load_rng):
+        state = dist.run_agreed(load_rng, step="restoring each rank's RNG", deadline_s=dist.io_deadline())
+        if state is None:
             logger.warning("no RNG state for rank %d in %s (it had %d ranks); this rank keeps its seeded RNG",
                            dist.rank(), folder.name, plan.saved["world_size"])
+        self.progress.window = restored_window(self.progress.window, (state or {}).get(RANK_WINDOW),
+                                               plan.saved["world_size"] == dist.world_size())
         from finetune.metrics import truncate_after
 
         def truncate():
@@ -512,10 +611,23 @@ class CheckpointManager(SaveSchedule):
             truncate_after(self.out / "metrics.jsonl", self.progress.global_step)
 
         # metrics.jsonl is rank 0's, whatever the storage; a crashed run's tail goes.
-        dist.run_agreed(truncate, on=dist.is_main())
+        dist.run_agreed(truncate, on=dist.is_main(), step="trimming metrics.jsonl", deadline_s=dist.io_deadline())
         logger.info("Resumed from %s at step %d (epoch %.2f) in %.2f seconds.", folder, self.progress.global_step,
                     self.progress.epoch, time.perf_counter() - start)
         return True
+
+
+def restored_window(world: LogWindow, own: dict | None, same_world: bool) -> LogWindow:
+    """This rank's log window after a resume. ``world``: trainer_state.json's (the world's sum; rank 0's
+    own in checkpoints written before rank files kept theirs); ``own``: the rank file's. At the same
+    world size each rank takes its own, so the next row sums exactly what the uninterrupted run's
+    does; on another world size rank 0 takes the world's sum and the others start empty. Every rank
+    keeps the window's step count, which decides (alike everywhere) whether a row is due at the end."""
+    if same_world and own is not None:
+        return LogWindow.from_state_dict(own)
+    if dist.is_main():
+        return world
+    return LogWindow(steps=world.steps, skipped_steps=world.skipped_steps, lr=world.lr)
 
 
 def _is_consolidated(name: str) -> bool:

@@ -32,15 +32,18 @@ class Committed:
     parent: str | None = None
     parent_save_id: str | None = None
     total_bytes: int = 0
+    world_size: int | None = None  # the ranks that saved it
 
     # The manifest fields this reads (resume shares only these with every rank, not the file list).
-    MANIFEST_KEYS = ("commit_seq", "save_id", "parent", "parent_save_id", "total_bytes")
+    MANIFEST_KEYS = ("commit_seq", "save_id", "parent", "parent_save_id", "total_bytes", "world_size")
 
     @classmethod
     def from_manifest(cls, tag: str, manifest: dict) -> "Committed":
         seq = manifest.get("commit_seq")
+        world = manifest.get("world_size")
         return cls(tag, int(seq) if seq is not None else None, manifest.get("save_id"), manifest.get("parent"),
-                   manifest.get("parent_save_id"), int(manifest.get("total_bytes", 0)))
+                   manifest.get("parent_save_id"), int(manifest.get("total_bytes", 0)),
+                   int(world) if world is not None else None)
 
     @property
     def order_key(self) -> tuple:

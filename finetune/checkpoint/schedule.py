@@ -1,8 +1,8 @@
 """When to save: the step-boundary, preemption and end-of-training decisions of CheckpointManager,
 and the --on_save_error policy, apart from how a save is made (manager.py).
 
-A mixin of CheckpointManager: it uses the manager's ``save``, ``wait``, ``poll``, ``retain`` and
-its state (``ckpt``, ``pending``, ``committed_step``, ``head``, ``storage``, ``leader``, ``out``).
+A mixin of CheckpointManager: it uses the manager's ``save``, ``wait``, ``poll``, ``retain``,
+``ensure_lease``, ``finish_deletions`` and its state (``ckpt``, ``pending``, ``committed_step``, ``head``, ``storage``, ``leader``, ``out``).
 Every method is collective: every rank calls it at the same boundary, with the same arguments.
 """
 
@@ -23,31 +23,52 @@ class SaveError(RuntimeError):
 
 class SaveSchedule:
     def at_step(self, step: int, total: int) -> int | None:
-        """At a step boundary: commit a background save whose writes are done, and start the
-        periodic save if one is due. An exit code to stop with, or None. Collective."""
+        """At a step boundary: commit a background save whose writes are done (waiting for it when
+        a save is due), then start the periodic save if one is due. A failure is reported under the
+        step of the save that failed, and a failed background save never cancels the due one. An
+        exit code to stop with, or None. Collective."""
         ck = self.ckpt
         due = ck.save_checkpoint and ck.save_steps and step % ck.save_steps == 0 and step < total
+        code = self._settle_in_flight(block=bool(due))
+        if code is None and due:
+            try:
+                self.save(step, background=ck.async_save)
+            except SaveError as e:
+                code = self._failed(step, e)
+        return code
+
+    def _settle_in_flight(self, block: bool) -> int | None:
+        """Commit the background save if its writes are done (``block``: wait for them); its
+        failure goes through the --on_save_error policy under its own step. Collective."""
+        if self.pending is None:
+            return None
+        step = self.pending.step
         try:
-            if due:
-                self.save(step, background=ck.async_save)  # waits for a save still in flight first
-            else:
-                self.poll()
+            self.wait() if block else self.poll()
         except SaveError as e:
-            self.on_event("save_failed", step, error=str(e))
-            if ck.on_save_error == "abort":
-                dist.log_main(logging.ERROR, "stopping: %s (--on_save_error abort)", e)
-                return 1
-            dist.log_main(logging.WARNING, "training on: %s (--on_save_error continue)", e)
+            return self._failed(step, e)
+        return None
+
+    def _failed(self, step: int, e: SaveError) -> int | None:
+        """A save of ``step`` failed (every rank knows): the event, then --on_save_error."""
+        self.on_event("save_failed", step, error=str(e))
+        if self.ckpt.on_save_error == "abort":
+            dist.log_main(logging.ERROR, "stopping: %s (--on_save_error abort)", e)
+            return 1
+        dist.log_main(logging.WARNING, "training on: %s (--on_save_error continue)", e)
         return None
 
     def settle(self) -> None:
-        """Commit the save in flight, if any (training stops here); its failure is logged, not
-        raised. Collective."""
+        """Commit the save in flight, if any (training stops here); its failure is logged under its
+        own step, not raised. Collective."""
+        if self.pending is None:
+            return
+        step = self.pending.step
         try:
             self.wait()
         except SaveError as e:
-            self.on_event("save_failed", self.progress.global_step, error=str(e))
-            dist.log_main(logging.ERROR, "the save in flight failed: %s", e)
+            self.on_event("save_failed", step, error=str(e))
+            dist.log_main(logging.ERROR, "the save of step %d in flight failed: %s", step, e)
 
     def at_preemption(self, step: int, signals: str) -> tuple[Path | None, str | None]:
         """Commit this step (partitioned only: fast) unless it is already saved; returns (the new
@@ -80,6 +101,7 @@ class SaveSchedule:
             # complete checkpoint for a copy of itself.
             logger.info("step %d is already saved as %s", step, self.out / tag_for(step))
             self._finish_commit(step)
+            self.finish_deletions()
             return 0
         try:
             path = self.save(step, final=True)
@@ -88,6 +110,7 @@ class SaveSchedule:
             dist.log_main(logging.ERROR, "final save failed: %s", e)
             return 1
         logger.info("checkpoint saved to %s", path)
+        self.finish_deletions()
         return 0
 
     def _finish_commit(self, step: int) -> None:
@@ -104,7 +127,13 @@ class SaveSchedule:
             if self.storage.read_latest() != tag:
                 self.storage.write_latest(tag)
 
-        out = dist.gather_outcomes(point_latest, on=self.leader, inline=True)
+        try:
+            self.ensure_lease(f"pointing `latest` at {tag}", step)
+        except SaveError as e:
+            dist.log_main(logging.WARNING, "%s; resume follows the commit order", e)
+            return
+        out = dist.gather_outcomes(point_latest, on=self.leader, step=f"pointing `latest` at {tag}",
+                                   deadline_s=dist.io_deadline())
         if not out.ok:
             dist.log_main(logging.WARNING, "could not point `latest` at %s (%s); resume follows the commit order",
                           tag, out.describe())

@@ -1,4 +1,10 @@
-"""Training progress as a dataclass (RNG streams: rng.py)."""
+"""Training progress as a dataclass (RNG streams: rng.py).
+
+The log window (train metrics since the last logged step) is each rank's own: a checkpoint keeps
+every rank's in that rank's file (``rank_state``) and the world's sum in trainer_state.json, so the
+first row after a resume from a save between two logged steps is the row the uninterrupted run
+logs (bit for bit at the same world size; on another world size rank 0 takes the world's sum).
+"""
 
 from __future__ import annotations
 
@@ -24,6 +30,7 @@ class LogWindow:
     steps: int = 0  # iterations of the loop, skipped optimizer steps included
     data_s: float = 0.0  # time the loop waited for its batches (what the prefetch did not hide)
     skipped_steps: int = 0  # optimizer steps DeepSpeed skipped (non-finite gradients)
+    lr: float | None = None  # the learning rate of the window's last step (its row's "lr")
 
     def state_dict(self) -> dict:
         sd = {f.name: getattr(self, f.name) for f in fields(self)}
@@ -34,6 +41,16 @@ class LogWindow:
     def from_state_dict(cls, sd: dict) -> "LogWindow":
         known = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in sd.items() if k in known})  # an older file lacks newer keys
+
+    def summed(self, totals: list[float]) -> "LogWindow":
+        """This window with the world's ``[loss_sum, micro_batches, tokens]`` (``world_sums``)."""
+        loss_sum, micro, tokens = totals
+        return LogWindow(loss_sum=loss_sum, micro_batches=int(micro), tokens=int(tokens), steps=self.steps,
+                         data_s=self.data_s, skipped_steps=self.skipped_steps, lr=self.lr)
+
+    def world_sums(self) -> list[float]:
+        """What the ranks add up, for ``all_reduce_sum`` (one device sync)."""
+        return [float(self.loss_sum), self.micro_batches, self.tokens]
 
 
 @dataclass

@@ -17,10 +17,12 @@ import logging
 import os
 import re
 import shutil
+import threading
 import uuid
 from pathlib import Path
 
 from finetune.checkpoint.durable import fsync_path, replace_text
+from finetune.progress import progress
 
 TAG_RE = re.compile(r"^global_step(\d+)$")
 LATEST = "latest"
@@ -28,6 +30,7 @@ STAGING = ".staging"
 TRASH = ".trash-"
 ABANDONED = ".abandoned"
 MANIFEST = "manifest.json"
+UNIVERSAL_TMP = "universal.tmp"  # an interrupted universal conversion's pieces (universal.py): kept
 
 logger = logging.getLogger("finetune")
 
@@ -90,18 +93,57 @@ class LocalStorage:
         path = self.root / rel
         if not path.exists():
             return 0
-        trash = path
-        if not rel.startswith(f"{STAGING}/"):  # under a tag name: never half-deleted in place
-            trash = self.root / f"{TRASH}{path.name}-{uuid.uuid4().hex[:8]}"
-            os.rename(path, trash)  # raises: the caller keeps the tag and retries
-        used = _tree_usage(trash)
-        failures: list[str] = []
-        shutil.rmtree(trash, onerror=lambda fn, p, exc: failures.append(f"{p}: {exc[1]}"))
+        return self.purge(self.retire(rel) if not rel.startswith(f"{STAGING}/") else rel)
+
+    def retire(self, rel: str) -> str:
+        """Rename a folder under a tag name out of the tag namespace (``.trash-<tag>-<nonce>``), the
+        one atomic step of a deletion; its path relative to root. Raises: the caller keeps the tag."""
+        trash = f"{TRASH}{Path(rel).name}-{uuid.uuid4().hex[:8]}"
+        os.rename(self.root / rel, self.root / trash)
+        return trash
+
+    def purge(self, rel: str, stop: threading.Event | None = None, on_file=None) -> int:
+        """Remove a folder already out of the tag namespace, file by file, until ``stop`` is set;
+        the bytes freed. ``on_file`` is called after each file (default: ``progress.progress``,
+        so a polled step's deadline counts from the last file removed). Failures are logged: what
+        is left is tidied at the next start."""
+        on_file = on_file or progress
+
+        root = self.root / rel
+        freed, failures = 0, []
+        if not root.is_dir() or root.is_symlink():
+            freed = _tree_usage(root)
+            try:
+                root.unlink(missing_ok=True)
+            except OSError as e:
+                failures.append(f"{root}: {e}")
+                freed = 0
+        else:
+            for parent, dirs, files in os.walk(root, topdown=False):
+                for name in files:
+                    if stop is not None and stop.is_set():
+                        return freed
+                    path = os.path.join(parent, name)
+                    size = _tree_usage(Path(path))
+                    try:
+                        os.unlink(path)
+                        freed += size
+                    except OSError as e:
+                        failures.append(f"{path}: {e}")
+                    on_file()
+                for name in dirs:
+                    try:
+                        os.rmdir(os.path.join(parent, name))
+                    except OSError as e:
+                        failures.append(f"{os.path.join(parent, name)}: {e}")
+            try:
+                os.rmdir(root)
+            except OSError as e:
+                failures.append(f"{root}: {e}")
         if failures:
             logger.warning("could not delete %s completely (%d error(s), first: %s); it is retried at the next "
                            "start", rel, len(failures), failures[0])
-            return used - _tree_usage(trash)
-        return used
+        return freed
 
     def remove_matching(self, rel: str, patterns: tuple[str, ...]) -> list[str]:
         """Delete the files of folder ``rel`` that match any glob of ``patterns``; their names."""
@@ -137,7 +179,9 @@ class LocalStorage:
         found = [f"{STAGING}/{p.name}" for p in _children(self.root / STAGING)]
         found += [p.name for p in _children(self.root) if p.name.startswith((TRASH, ".storage-probe-"))
                   or p.name in (f".{LATEST}.tmp", "metrics.jsonl.tmp", ".exit_status.json.tmp")]
-        found += [f"{t}/{p.name}" for t in self.tags() for p in _children(self.root / t) if p.name.endswith(".tmp")]
+        # <tag>/universal.tmp is kept: an interrupted conversion's finished pieces (universal.py).
+        found += [f"{t}/{p.name}" for t in self.tags() for p in _children(self.root / t)
+                  if p.name.endswith(".tmp") and p.name != UNIVERSAL_TMP]
         return sorted(found)
 
     def housekeeping(self) -> list[tuple[str, int]]:
@@ -147,11 +191,7 @@ class LocalStorage:
         self._rescue_committed()
         for rel in self.leftovers():
             size = _tree_bytes(self.root / rel)
-            path = self.root / rel
-            if path.is_dir() and not path.is_symlink():
-                shutil.rmtree(path, ignore_errors=True)
-            else:
-                path.unlink(missing_ok=True)
+            self.purge(rel)  # file by file: each one is progress for the start-up step's deadline
             removed.append((rel, size))
         staging = self.root / STAGING
         if staging.is_dir() and not any(staging.iterdir()):
@@ -287,3 +327,73 @@ def find_checkpoint(path: str | os.PathLike) -> Path | None:
     order = resume_order(storage.tags(), committed(storage))
     return p / order[0] if order else p
 
+
+
+class Deleter:
+    """Retention's deletions, off the critical path: a leader's thread removes folders already
+    renamed out of the tag namespace (``LocalStorage.retire``), one at a time, while training goes
+    on. ``pending_bytes``: what the queued deletions will free (the next free-space check counts
+    on it); ``wait`` blocks until they are done; ``stop`` ends them at the next file (a run that
+    lost its output dir's lease touches nothing more). A crash leaves ``.trash-*`` folders, which
+    the next start removes."""
+
+    def __init__(self, storage: LocalStorage):
+        self.storage = storage
+        self.queue: list[tuple[str, int, str]] = []  # (trash path, bytes it holds, tag it was)
+        self.lock = threading.Lock()
+        self.idle = threading.Event()
+        self.idle.set()
+        self.stopped = threading.Event()
+        self.thread: threading.Thread | None = None
+        self.files_deleted = 0  # progress, for ``drain``
+
+    @property
+    def pending_bytes(self) -> int:
+        with self.lock:
+            return sum(n for _, n, _ in self.queue)
+
+    def add(self, trash: str, nbytes: int, tag: str) -> None:
+        with self.lock:
+            self.queue.append((trash, nbytes, tag))
+            self.idle.clear()
+            if self.thread is None or not self.thread.is_alive():
+                self.thread = threading.Thread(target=self._run, name="finetune-retention", daemon=True)
+                self.thread.start()
+
+    def _run(self) -> None:
+        while not self.stopped.is_set():
+            with self.lock:
+                if not self.queue:
+                    self.idle.set()
+                    return
+                trash, _, tag = self.queue[0]
+            try:
+                freed = self.storage.purge(trash, self.stopped, on_file=self._deleted_one)
+            except Exception as e:  # noqa: BLE001 — a thread of its own: logged, tidied at the next start
+                logger.warning("could not delete %s (%s: %s); it is retried at the next start", trash,
+                               type(e).__name__, e)
+                freed = 0
+            with self.lock:
+                self.queue.pop(0)
+            if not self.stopped.is_set():
+                logger.info("save_total_limit: deleted %s (%.2f MB freed)", tag, freed / 1e6)
+        self.idle.set()
+
+    def _deleted_one(self) -> None:
+        self.files_deleted += 1
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until every queued deletion is done (True) or ``timeout`` passed (False)."""
+        return self.idle.wait(timeout)
+
+    def drain(self) -> None:
+        """Inside an agreed step: wait until the queued deletions are done, each file deleted
+        counting as the step's progress (a hung mount makes none: the step's deadline ends it)."""
+        seen = self.files_deleted
+        while not self.idle.wait(0.5):
+            if self.files_deleted != seen:
+                seen = self.files_deleted
+                progress()
+
+    def stop(self) -> None:
+        self.stopped.set()

@@ -17,6 +17,7 @@ after each file, so a test can act (send a signal, kill a rank) while a save is 
 from __future__ import annotations
 
 import os
+import threading
 import time
 from pathlib import Path
 
@@ -24,7 +25,8 @@ import torch
 
 from finetune.checkpoint import safe_load
 from finetune.checkpoint.background import Queue, host_copy
-from finetune.checkpoint.durable import HashingWriter
+from finetune.checkpoint.durable import HashingWriter, WriteCancelled
+from finetune.progress import progress
 from finetune.checkpoint.faults import fault_point
 
 SLOW_ENV = "FINETUNE_SLOW_SAVE"
@@ -36,6 +38,7 @@ class GuardedWriter:
     def __init__(self, inner):
         self.inner = inner
         self.buffers: dict = {}  # --async_save: host buffers kept from one save to the next
+        self.cancelled = threading.Event()  # set: the writes in progress stop at their next piece
         self.reset(None)
 
     def __getattr__(self, name):
@@ -50,6 +53,8 @@ class GuardedWriter:
         self.error: str | None = None
         self.files: dict[str, tuple[int, str]] = {}
         self.queue = Queue(self._write) if background else None
+        self.cancelled = threading.Event()
+        self.current: HashingWriter | None = None  # the file being written (its size: progress)
 
     @property
     def snapshot_bytes(self) -> int:
@@ -74,6 +79,22 @@ class GuardedWriter:
         if self.queue is not None:
             self.queue.join()
 
+    def join_progressing(self) -> None:
+        """``join`` inside an agreed step: every piece written counts as the step's progress, so a
+        write that hangs (a dead mount) trips the step's deadline and a slow one does not."""
+        if self.queue is None:
+            return
+        seen = None
+        while not self.queue.finished.wait(0.5):
+            now = (len(self.files), self.current.size if self.current is not None else 0)
+            if now != seen:
+                seen = now
+                progress()
+
+    def cancel(self) -> None:
+        """Stop the writes in progress at their next piece (recorded as this save's failure)."""
+        self.cancelled.set()
+
     def makedirs(self, path, exist_ok=False):
         try:
             fault_point("save.makedirs", self.step)
@@ -97,16 +118,21 @@ class GuardedWriter:
     def _write(self, state_dict, path) -> None:
         if self.error is not None:
             return
+        # This save's list: a write that returns after its save was given up (a hung mount past the
+        # deadline) must not record its file in a later save's.
+        files, staging = self.files, self.staging
         w = None
         try:
             fault_point("save.write_rank_files", self.step)
+            if self.cancelled.is_set():
+                raise WriteCancelled("the save was given up (a lost lease, or a write past its deadline)")
             with open(path, "wb") as f:
-                w = HashingWriter(f)
+                w = self.current = HashingWriter(f, self.cancelled)
                 torch.save(state_dict, w, _use_new_zipfile_serialization=getattr(self.inner, "zipfile_serialization", True))
                 f.flush()
                 fault_point("save.fsync", self.step)
                 os.fsync(f.fileno())
-            self.files[os.path.relpath(path, self.staging)] = (w.size, w.digest())
+            files[os.path.relpath(path, staging)] = (w.size, w.digest())
             if os.environ.get(SLOW_ENV):
                 time.sleep(float(os.environ[SLOW_ENV]))
         except Exception as e:  # noqa: BLE001 — any failure is reported to all ranks by the manager

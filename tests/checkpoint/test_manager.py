@@ -338,7 +338,7 @@ def test_torn_metrics_line_is_dropped_on_resume(tmp_path):
 
 
 def test_a_universal_conversion_is_reused_only_if_it_verifies(tmp_path):
-    from finetune.checkpoint.resume import verify_universal, write_universal_manifest
+    from finetune.checkpoint.universal import verify_universal, write_universal_manifest
 
     target = tmp_path / "universal"
     (target / "zero" / "w").mkdir(parents=True)
@@ -440,13 +440,56 @@ def test_a_fresh_run_sets_aside_an_earlier_runs_checkpoints_instead_of_overwriti
                                                                                           "global_step4"]
 
 
-def test_a_run_that_lost_its_lease_does_not_commit(tmp_path, tiny_module):
-    from finetune.checkpoint.manager import SaveError
+def test_a_run_that_lost_its_lease_does_not_commit_and_touches_nothing(tmp_path, tiny_module):
+    from finetune.checkpoint.lease import LeaseLost
 
     m, progress, _ = make_manager(make_cfg(tmp_path), tiny_module, still_ours=lambda: False)
-    with pytest.raises(SaveError, match="another run took over"):
+    with pytest.raises(LeaseLost, match="another run took over"):
         run_saves(m, progress, [2])
-    assert LocalStorage(tmp_path).tags() == [] and not (tmp_path / STAGING).exists()
+    # Not committed, and its staging is left as it is: the output dir is the other run's now.
+    assert LocalStorage(tmp_path).tags() == [] and (tmp_path / STAGING / "global_step2").is_dir()
+    assert not (tmp_path / "latest").exists()
+
+
+class Lease:
+    """``still_ours`` for the manager: True until ``lose_when`` holds, then False for good."""
+
+    def __init__(self, lose_when):
+        self.lose_when, self.lost, self.checks = lose_when, False, 0
+
+    def __call__(self) -> bool:
+        self.checks += 1
+        self.lost = self.lost or self.lose_when()
+        return not self.lost
+
+
+def test_the_lease_is_checked_again_right_before_the_publish(tmp_path, tiny_module):
+    """Lost while the manifest was written (after the commit's first check): nothing is renamed
+    into place, `latest` and the staged folder stay as they are."""
+    from finetune.checkpoint.lease import LeaseLost
+
+    staged = tmp_path / STAGING / "global_step4" / MANIFEST
+    lease = Lease(staged.exists)
+    m, progress, _ = make_manager(make_cfg(tmp_path), tiny_module, still_ours=lease)
+    run_saves(m, progress, [2])
+    with pytest.raises(LeaseLost):
+        run_saves(m, progress, [4])
+    assert LocalStorage(tmp_path).tags() == ["global_step2"] and staged.is_file()
+    assert (tmp_path / "latest").read_text().strip() == "global_step2"
+
+
+def test_the_lease_is_checked_again_right_before_retention(tmp_path, tiny_module):
+    """Lost after the publish: the checkpoint is committed, but nothing is deleted."""
+    from finetune.checkpoint.lease import LeaseLost
+
+    lease = Lease(lambda: (tmp_path / "global_step6").is_dir())
+    m, progress, _ = make_manager(make_cfg(tmp_path, save_total_limit=1), tiny_module, still_ours=lease)
+    run_saves(m, progress, [2, 4])
+    assert LocalStorage(tmp_path).tags() == ["global_step4"]
+    with pytest.raises(LeaseLost):
+        run_saves(m, progress, [6])
+    m.deleter.wait(10)
+    assert LocalStorage(tmp_path).tags() == ["global_step4", "global_step6"]
 
 
 def test_a_lease_refusal_is_a_config_error_on_every_rank():
@@ -484,8 +527,8 @@ def test_resume_planning_shares_the_manifests_identity_not_its_file_list(tmp_pat
     shared = []
     original = dist.share_from
 
-    def recording(src, fn):
-        shared.append(original(src, fn))
+    def recording(src, fn, **kw):
+        shared.append(original(src, fn, **kw))
         return shared[-1]
 
     monkeypatch.setattr(dist, "share_from", recording)
@@ -507,3 +550,84 @@ def test_with_adapters_the_space_a_first_save_needs_is_estimated_from_the_traina
     assert full.parameters == sum(p.numel() for p in tiny_module.parameters())
     assert lora.parameters == trainable < full.parameters / 3
     assert lora.space_needed() < full.space_needed() / 3
+
+
+# --- the review's defects (issue 22): deadlines, a failed background save, retention off the path --
+
+@pytest.fixture
+def short_deadline(monkeypatch):
+    """--ddp_timeout 1: every storage step of a save may go 1 s without progress."""
+    from finetune import distributed as dist
+
+    monkeypatch.setattr(dist, "_timeout_s", 1)
+
+
+@pytest.mark.parametrize("site,says", [("commit.manifest", "writing global_step4's manifest"),
+                                       ("save.check_space", "checking free space for global_step4")])
+def test_a_storage_step_that_hangs_fails_the_save_after_its_deadline(tmp_path, tiny_module, monkeypatch,
+                                                                     short_deadline, site, says):
+    """A manifest write (or a statfs) stuck on a dead mount used to sit inside one collective (or
+    be polled for ever): now the save fails on every rank after the deadline, naming rank and step,
+    `latest` untouched, and the next save goes ahead."""
+    import time
+
+    from finetune.checkpoint.manager import SaveError
+
+    monkeypatch.setenv(FAULT_ENV, f"{site}:0:4:hang")
+    m, progress, _ = make_manager(make_cfg(tmp_path), tiny_module)
+    run_saves(m, progress, [2])
+    started = time.monotonic()
+    with pytest.raises(SaveError, match=rf"rank 0: StepTimeout: {says} made no progress for 1 s"):
+        run_saves(m, progress, [4])
+    assert time.monotonic() - started < 10
+    assert (tmp_path / "latest").read_text().strip() == "global_step2"
+    run_saves(m, progress, [6])
+    assert LocalStorage(tmp_path).tags() == ["global_step2", "global_step6"]
+
+
+def test_retention_that_hangs_is_given_up_with_a_warning(tmp_path, tiny_module, monkeypatch, short_deadline, caplog):
+    monkeypatch.setenv(FAULT_ENV, "retention.delete:0:4:hang")
+    m, progress, _ = make_manager(make_cfg(tmp_path, save_total_limit=1), tiny_module)
+    run_saves(m, progress, [2, 4])  # committed; the deletion of step 2 gave up
+    assert "could not delete global_step2" in caplog.text and "made no progress" in caplog.text
+    run_saves(m, progress, [6])  # retried after the next save
+    assert m.deleter.wait(10) and LocalStorage(tmp_path).tags() == ["global_step6"]
+
+
+def test_a_failed_background_save_is_reported_under_its_step_and_the_due_save_still_runs(tmp_path, tiny_module,
+                                                                                         monkeypatch):
+    """--async_save --save_steps 1 with a write fault at step 2: step 3's save used to be cancelled
+    by step 2's failure (reported under step 3); commits were 1, 4, 5."""
+    monkeypatch.setenv(FAULT_ENV, "save.write_rank_files:0:2")
+    m, progress, _ = make_manager(make_cfg(tmp_path, async_save=True, save_steps=1), tiny_module)
+    events = []
+    m.on_event = lambda kind, step, **fields: events.append((kind, step))
+    for step in range(1, 6):
+        progress.global_step = step
+        assert m.at_step(step, 6) is None
+    progress.global_step = 6
+    assert m.at_end(6) == 0
+    assert [e for e in events if e[0] == "save_failed"] == [("save_failed", 2)]
+    assert [s for kind, s in events if kind == "checkpoint"] == [1, 3, 4, 5, 6]
+    assert LocalStorage(tmp_path).tags() == [f"global_step{s}" for s in (1, 3, 4, 5, 6)]
+
+
+def test_retention_deletes_in_the_background_and_the_space_check_waits_for_what_it_frees(tmp_path, tiny_module,
+                                                                                         monkeypatch):
+    """The save path only renames the old checkpoint out of the tag namespace; its files go on a
+    thread (on Lustre, thousands of unlinks). A save that needs the space being freed waits for it."""
+    import threading
+
+    m, progress, _ = make_manager(make_cfg(tmp_path, save_total_limit=1), tiny_module)
+    release = threading.Event()
+    purge = m.storage.purge
+    monkeypatch.setattr(m.storage, "purge", lambda rel, *a, **kw: (release.wait(10), purge(rel, *a, **kw))[1])
+    run_saves(m, progress, [2, 4])  # returns with step 2's files still on disk
+    trash = list(tmp_path.glob(".trash-global_step2-*"))
+    assert LocalStorage(tmp_path).tags() == ["global_step4"] and trash and m.deleter.pending_bytes > 0
+    need = m.space_needed()
+    # Not enough free until the deletion is done; enough with what it will free.
+    monkeypatch.setattr(m.storage, "free_bytes", lambda: need // 2 if m.deleter.pending_bytes else 10 * need)
+    threading.Timer(0.3, release.set).start()
+    run_saves(m, progress, [6])
+    assert not any(p.exists() for p in trash) and LocalStorage(tmp_path).tags() == ["global_step6"]

@@ -106,21 +106,20 @@ def test_housekeeping_removes_crashed_saves_leftovers_and_reports_bytes(tmp_path
     (tmp_path / ABANDONED / "global_step9-abandoned").mkdir()  # kept: set aside on purpose
     removed = dict(s.housekeeping())
     assert removed == {f"{STAGING}/global_step7": 1000, f"{STAGING}/global_step4.replaced": 0,
-                       ".trash-global_step1-abcd": 10, ".latest.tmp": 13, "global_step2/universal.tmp": 0}
+                       ".trash-global_step1-abcd": 10, ".latest.tmp": 13}
     assert not (tmp_path / STAGING).exists() and (tmp_path / ABANDONED / "global_step9-abandoned").exists()
+    assert (tmp_path / "global_step2" / "universal.tmp").is_dir()  # an interrupted conversion's pieces: kept
     assert s.tags() == ["global_step2"] and s.leftovers() == []
 
 
 def test_retention_deletes_by_renaming_to_trash_first(tmp_path, monkeypatch):
-    import shutil
-
     s = LocalStorage(tmp_path)
     save(s, 2, 1)
     seen = []
-    real = shutil.rmtree
-    monkeypatch.setattr(shutil, "rmtree", lambda p, **kw: (seen.append(p), real(p, **kw)))
-    s.remove("global_step2")
-    assert seen and seen[0].name.startswith(".trash-global_step2-")  # never removed under its tag
+    real = s.purge
+    monkeypatch.setattr(s, "purge", lambda rel, *a, **kw: (seen.append(rel), real(rel, *a, **kw))[1])
+    assert s.remove("global_step2") > 0
+    assert seen and seen[0].startswith(".trash-global_step2-")  # never removed under its tag
     assert s.tags() == [] and not list(tmp_path.glob(".trash-*"))
 
 
