@@ -193,9 +193,9 @@ def _export(argv: list[str]) -> int:
             raise ConfigError("`--universal` takes no `--dtype`, `--max_shard_size`, `--exclude_frozen_parameters`, "
                               "`--merge_lora` or `--base_model`")
         start = time.perf_counter()
-        target = export_universal(ns.checkpoint, ns.out, verify=not ns.no_verify)
+        target, summary = export_universal(ns.checkpoint, ns.out, verify=not ns.no_verify)
         print(f"Converted {ns.checkpoint} to DeepSpeed's universal format in {target} "
-              f"({time.perf_counter() - start:.1f} s)")
+              f"({time.perf_counter() - start:.1f} s; {summary.removeprefix('converted ')})")
         return 0
     if ns.out is None:
         p.error("the following arguments are required: OUT")

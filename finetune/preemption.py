@@ -60,6 +60,11 @@ def parse_signals(text: str) -> tuple[signal.Signals, ...]:
     return tuple(out)
 
 
+class Preempted(Exception):
+    """Start-up work that can take hours (a universal conversion) was stopped for a preemption
+    signal, what it finished kept; raised alike on every rank: the run exits 75 (requeue)."""
+
+
 class Preemption:
     """Records signals; the trainer's step-boundary all-reduce turns one rank's into every rank's decision."""
 

@@ -10,8 +10,9 @@ so the same command gives the same weights whether or not the run saved them.
 Tied parameters are written once, under the name DeepSpeed stored (the one ``save_pretrained``
 keeps, e.g. ``model.embed_tokens.weight``; ``from_pretrained`` re-ties ``lm_head.weight``).
 
-``export_universal`` runs DeepSpeed's own ds_to_universal: the format resume loads on another
-world size, which reuses a ``universal/`` folder found inside the checkpoint.
+``export_universal`` converts with DeepSpeed's own ZeRO-3 conversion (universal.py, resumable):
+the format resume loads on another world size, which reuses a ``universal/`` folder found inside
+the checkpoint.
 
 Safe loading: before any file of the checkpoint is read, it is checked against the checkpoint's
 manifest (size and checksum; ``verify_inputs``): every file export reads must be listed there and
@@ -28,7 +29,6 @@ import os
 import re
 import resource
 import shutil
-import subprocess
 import sys
 import time
 import types
@@ -37,14 +37,13 @@ from pathlib import Path
 
 import torch
 
-from finetune.checkpoint import safe_load
 from finetune.checkpoint.adapter import is_adapter_checkpoint
 from finetune.checkpoint.consolidate import FROM_MASTER, SOURCE_KEY
 from finetune.checkpoint.shards import INDEX, plan_shards, read_header, shard_header
 from finetune.checkpoint.durable import fsync_path
 from finetune.checkpoint.faults import fault_point
 from finetune.checkpoint.manifest import MANIFEST, check_file, read_manifest
-from finetune.checkpoint.resume import UNIVERSAL, write_universal_manifest
+from finetune.checkpoint.universal import UNIVERSAL, to_universal
 from finetune.checkpoint.storage import LATEST, find_checkpoint, step_of
 from finetune.checkpoint.zero_files import CHUNK_BYTES, ZeroCheckpoint, rank_model_files
 from finetune.config import ConfigError
@@ -150,42 +149,17 @@ def _add(total: list, part: tuple[int, float]) -> None:
 
 
 def export_universal(checkpoint: str | os.PathLike, out: str | os.PathLike | None = None,
-                     verify: bool = True) -> Path:
+                     verify: bool = True) -> tuple[Path, str]:
     """Convert ``checkpoint`` to DeepSpeed's universal format in ``out`` (default: CHECKPOINT/universal);
-    ``verify``: DeepSpeed's files are checked against the manifest first."""
+    ``verify``: DeepSpeed's files are checked against the manifest first. Returns the folder and the
+    converter's summary (pieces done now and before, the longest piece)."""
     folder = resolve_checkpoint(checkpoint)
     ZeroCheckpoint.check_files(folder)
     target = _check_out(out if out is not None else folder / UNIVERSAL)
     if verify:  # every rank file ds_to_universal picks up (it globs the folder)
         verify_inputs(folder, sorted(p.name for p in folder.glob("*_states.pt")))
-    error = to_universal(folder, target)
-    if error:
-        raise RuntimeError(f"DeepSpeed's ds_to_universal failed on {folder}: {error}")
-    return target
-
-
-def to_universal(folder: Path, target: Path) -> str | None:
-    """Run DeepSpeed's ds_to_universal on ``folder`` into ``target``: staged in ``target.tmp``,
-    renamed into place on success, with a manifest.json of its files and the save id it was converted
-from. Returns None, or DeepSpeed's last output line on failure. Every unpickling in it is restricted
-to the allow-list (``safe_load``); a rank file naming anything else raises ``UnsafePickle`` first."""
-    for path in sorted(folder.glob("*_states.pt")):  # what it reads: refused here, one line, naming the class
-        safe_load.check_globals(path)
-    tmp = target.with_name(f"{target.name}.tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    workers = str(max(1, min(4, os.cpu_count() or 1)))
-    # Its torch.load calls (weights_only=False) restricted to the allow-list: see safe_load.run_module.
-    proc = subprocess.run([sys.executable, "-m", "finetune.checkpoint.safe_load",
-                           "deepspeed.checkpoint.ds_to_universal", "--input_folder", str(folder), "--output_folder",
-                           str(tmp), "--num_extract_workers", workers, "--num_merge_workers", workers],
-                          capture_output=True, text=True)
-    if proc.returncode != 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        return ((proc.stderr or proc.stdout).strip().splitlines() or ["no output"])[-1]
-    # Its own manifest, before the rename: a resume reuses the conversion only if it verifies.
-    write_universal_manifest(tmp, (read_manifest(folder) or {}).get("save_id"))
-    os.replace(tmp, target)
-    return None
+    summary = to_universal(folder, target)  # resumes what an interrupted export --universal finished
+    return target, summary
 
 
 def resolve_checkpoint(path: str | os.PathLike) -> Path:

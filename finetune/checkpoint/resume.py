@@ -12,27 +12,26 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import shutil
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from finetune import distributed as dist
 from finetune.checkpoint import safe_load
-from finetune.checkpoint.durable import hash_file, write_json_durably
 from finetune.checkpoint.faults import fault_point
-from finetune.checkpoint.manifest import MANIFEST, check_file, looks_like_checkpoint, read_manifest, verify
+from finetune.checkpoint.manifest import MANIFEST, looks_like_checkpoint, read_manifest, verify
 from finetune.checkpoint.policy import Committed, newer_than, resume_order
 from finetune.checkpoint.state import TRAINER_STATE
 from finetune.checkpoint.storage import LocalStorage, committed, find_checkpoint, step_of
+from finetune.checkpoint.universal import UNIVERSAL, to_universal, verify_universal
 from finetune.config import ConfigError, RunConfig
 from finetune.distributed import logger
 from finetune.lora import check_resumable
 from finetune.modeling import check_checkpoint_model
+from finetune.preemption import Preempted
 
-UNIVERSAL = "universal"
-SLOW_UNIVERSAL_ENV = "FINETUNE_SLOW_UNIVERSAL"  # test seam: seconds the conversion sleeps first
 
 
 @dataclass
@@ -46,13 +45,15 @@ class ResumePlan:
 
 class Resumer:
     def __init__(self, cfg: RunConfig, storage: LocalStorage, node_local: bool = False, leader: bool | None = None,
-                 base: dict | None = None):
+                 base: dict | None = None, signalled=lambda: False):
         """``node_local``: each node has its own OUT; ``leader``: this rank does rank 0's part for
         its OUT (rank 0, or each node's first rank; default rank 0); ``base``: with --use_peft, the
-        base model's identity (lora.base_identity), the same on every rank."""
-        self.cfg, self.storage, self.out, self.base = cfg, storage, storage.root, base
+        base model's identity (lora.base_identity), the same on every rank; ``signalled``: whether
+        this rank got a preemption signal (stops a universal conversion)."""
+        self.cfg, self.storage, self.out, self.base, self.signalled = cfg, storage, storage.root, base, signalled
         self.node_local = node_local
         self.leader = dist.is_main() if leader is None else leader
+        self.saved_worlds: dict[str, int | None] = {}  # node-local: each candidate's world size
 
     def plan_resume(self) -> ResumePlan | None:
         """Pick (and verify) what to resume from, before the engine exists. Collective.
@@ -74,7 +75,8 @@ class Resumer:
             return (json.loads((folder / TRAINER_STATE).read_text()), identity,
                     folder.parent.resolve() == self.out.resolve())
 
-        saved, manifest, in_out = dist.share_from(0, read_state)
+        saved, manifest, in_out = dist.share_from(0, read_state, step=f"reading {folder.name}'s trainer state",
+                                                  deadline_s=dist.io_deadline())
         self._check_compatible(saved)
         # From facts every rank shares (the saved state, the base's identity): raises alike everywhere.
         check_resumable(folder, saved, self.cfg.model, self.base)
@@ -89,9 +91,7 @@ class Resumer:
         universal = None
         if saved["world_size"] != dist.world_size():
             if self.node_local:
-                raise ConfigError(f"--resume_from_checkpoint: {folder} was saved by {saved['world_size']} ranks on "
-                                  "node-local storage; resuming it on another world size needs every node's files in "
-                                  "one folder (copy them together, then resume from that folder on shared storage)")
+                raise ConfigError(_node_local_world(folder, saved["world_size"]))
             universal = self._universal(folder, manifest or {})
             dist.log_main(logging.INFO, "Resuming a %d-rank checkpoint on %d ranks: loading DeepSpeed's universal "
                           "format from %s; the data order continues from global sample %d of epoch %d.",
@@ -104,6 +104,10 @@ class Resumer:
     def _resolve(self, spec: str) -> Path | None:
         """The folder to resume from: verified (collectively), falling back past damaged ones."""
         candidates = self._agreed_candidates(spec)
+        if self.node_local and candidates:
+            # Before verifying anything: a rank the checkpoint has no files for would fail every
+            # candidate (and --ignore_unverified_checkpoints set healthy ones aside).
+            self._refuse_another_world(candidates[0])
         tried: list[tuple[Path, list[str]]] = []
         for folder in candidates:
             problems = self._verify_collectively(folder)
@@ -154,7 +158,7 @@ class Resumer:
                     raise ConfigError(f"--resume_from_checkpoint: no checkpoint at {spec}")
                 return str(path)
 
-            return [Path(dist.share_from(0, explicit))]
+            return [Path(dist.share_from(0, explicit, step="finding the checkpoint", deadline_s=dist.io_deadline()))]
 
         def listing():
             fault_point("resume.list")
@@ -162,11 +166,18 @@ class Resumer:
             return resume_order(self.storage.tags(), found), {c.tag: c.save_id for c in found}
 
         if not self.node_local:
-            order, _ = dist.share_from(0, listing)
+            order, _ = dist.share_from(0, listing, step="listing checkpoints", deadline_s=dist.io_deadline())
             return [self.out / t for t in order]
-        out = dist.gather_outcomes(listing, on=self.leader, share=True)
+
+        def node_listing():
+            order, ids = listing()
+            return order, ids, {c.tag: c.world_size for c in committed(self.storage)}
+
+        out = dist.gather_outcomes(node_listing, on=self.leader, share=True, step="listing checkpoints",
+                                   deadline_s=dist.io_deadline())
         out.raise_any()
-        views = [v for v in out.results if v is not None]
+        views = [v[:2] for v in out.results if v is not None]
+        self.saved_worlds = next(v[2] for v in out.results if v is not None)
         common = [t for t in views[0][0] if all(t in ids and ids[t] == views[0][1].get(t) for _, ids in views[1:])
                   and all(t in order for order, _ in views[1:])]
         if not common and any(order for order, _ in views):
@@ -175,6 +186,13 @@ class Resumer:
                               "ranks placed on other nodes than when they were saved? Start the job on the same "
                               "nodes, in the same order")
         return [self.out / t for t in common]
+
+    def _refuse_another_world(self, folder: Path) -> None:
+        """Node-local checkpoints resume only on the world size that saved them: ConfigError (exit
+        2, nothing touched) naming both, from the manifests the leaders listed (alike everywhere)."""
+        saved = self.saved_worlds.get(folder.name)
+        if saved is not None and saved != dist.world_size():
+            raise ConfigError(_node_local_world(folder, saved))
 
     def _verify_collectively(self, folder: Path) -> list[str]:
         """Every rank checks a share of the rank files (rank 0 also the shared ones). Collective.
@@ -192,7 +210,7 @@ class Resumer:
             # Intact, but would DeepSpeed's unpickling refuse it? Every rank learns before the load.
             return problems or safe_load.refusals(folder, ranks)
 
-        out = dist.gather_outcomes(mine, share=True)
+        out = dist.gather_outcomes(mine, share=True, step=f"verifying {folder.name}", deadline_s=dist.io_deadline())
         problems = [p for rank_problems in out.results if rank_problems for p in rank_problems]
         return problems + [f"rank {r} could not check it: {e}" for r, e in sorted(out.errors.items())]
 
@@ -206,7 +224,8 @@ class Resumer:
         def newer():
             return [(c.tag, c.seq or 0) for c in newer_than(point, committed(self.storage))]
 
-        out = dist.gather_outcomes(newer, on=self.leader, share=True)
+        out = dist.gather_outcomes(newer, on=self.leader, share=True, step="listing newer checkpoints",
+                                   deadline_s=dist.io_deadline())
         out.raise_any()
         found = [item for r in out.results if r for item in r]
         tags = sorted({t for t, _ in found})
@@ -220,7 +239,8 @@ class Resumer:
         aside first (kept, not counted). Leaders, agreed."""
         if not self.cfg.ckpt.save_checkpoint:
             return
-        out = dist.gather_outcomes(lambda: [c.tag for c in committed(self.storage)], on=self.leader, share=True)
+        out = dist.gather_outcomes(lambda: [c.tag for c in committed(self.storage)], on=self.leader, share=True,
+                                   step="listing checkpoints", deadline_s=dist.io_deadline())
         out.raise_any()
         tags = sorted({t for r in out.results if r for t in r})
         if tags:
@@ -232,7 +252,8 @@ class Resumer:
             return [(t, self.storage.set_aside(t, f"{label}-{time.strftime('%Y%m%d-%H%M%S')}"))
                     for t in tags if self.storage.exists(t)]
 
-        out = dist.gather_outcomes(move, on=self.leader, share=True)
+        out = dist.gather_outcomes(move, on=self.leader, share=True, step="setting checkpoints aside",
+                                   deadline_s=dist.io_deadline())
         out.raise_any()
         for moved in out.results:
             for tag, where in moved or []:
@@ -241,11 +262,14 @@ class Resumer:
     # --- another world size ----------------------------------------------------------------------
 
     def _universal(self, folder: Path, manifest: dict) -> Path:
-        """Rank 0 converts with DeepSpeed's ds_to_universal (staged, then renamed), writes a manifest
-        for it, and reuses an existing conversion only if it verifies against that manifest. The
-        other ranks wait in short polling collectives, however long it takes."""
+        """Rank 0 converts with DeepSpeed's ZeRO-3 conversion in resumable pieces (universal.py),
+        staged, then renamed, with a manifest of its own; an existing conversion is reused only if
+        it verifies against that manifest. The other ranks wait in short polling collectives,
+        however long it takes. A preemption signal on any rank stops it (the pieces done are kept
+        for the next start): Preempted on every rank."""
         target = folder / UNIVERSAL
         checksums = not self.cfg.ckpt.resume_skip_checksum
+        cancel = threading.Event()
 
         def convert():
             fault_point("resume.universal", step_of(folder.name))
@@ -255,20 +279,19 @@ class Resumer:
                     return "reused"
                 logger.warning("not reusing %s: %s; converting again", target, "; ".join(problems[:3]))
                 shutil.rmtree(target)
-            from finetune.checkpoint.export import to_universal
-
-            if os.environ.get(SLOW_UNIVERSAL_ENV):
-                time.sleep(float(os.environ[SLOW_UNIVERSAL_ENV]))
             start = time.perf_counter()
-            # Staged in universal.tmp with its manifest, renamed into place on success.
-            failure = to_universal(folder, target)
-            if failure is not None:
-                raise RuntimeError(f"DeepSpeed's ds_to_universal failed on {folder}: {failure}")
-            logger.info("Converted %s to the universal format in %.1f seconds.", folder.name,
-                        time.perf_counter() - start)
+            summary = to_universal(folder, target, cancel)
+            logger.info("Converted %s to the universal format in %.1f seconds (%s).", folder.name,
+                        time.perf_counter() - start, summary)
             return "converted"
 
-        dist.run_agreed(convert, on=dist.is_main())
+        out = dist.gather_outcomes(convert, on=dist.is_main(), step=f"converting {folder.name} for {dist.world_size()} "
+                                   "ranks", stop=self.signalled, cancel=cancel)
+        if not out.ok and (cancel.is_set() or "Interrupted" in out.kinds.values()):
+            # Stopped for a signal (or its converter died of one first): exit 75, the pieces kept.
+            raise Preempted(f"preempted while converting {folder.name} to the universal format: "
+                            f"{out.describe()}")
+        out.raise_any()  # a conversion that finished despite a signal goes on: the first boundary stops
         return target
 
     def _check_compatible(self, saved: dict) -> None:
@@ -279,24 +302,14 @@ class Resumer:
                     dist.log_main(logging.WARNING, "resume: --%s is %r now, was %r in the checkpoint", key, value, before)
 
 
+def _node_local_world(folder: Path, saved: int) -> str:
+    return (f"--resume_from_checkpoint: {folder} was saved by {saved} ranks on node-local storage, this run has "
+            f"{dist.world_size()}; resuming it on another world size needs every node's files in one folder (copy "
+            "them together, then resume from that folder on shared storage); nothing was changed")
+
+
 IGNORED_ON_RESUME = {"resume_from_checkpoint", "output_dir", "max_steps", "num_train_epochs", "save_steps",
                      "save_total_limit", "logging_steps", "eval_steps", "on_save_error", "save_checkpoint",
                      "resume_skip_checksum", "ddp_timeout", "ignore_unverified_checkpoints"}
 
 
-def write_universal_manifest(target: Path, source_save_id: str | None) -> None:
-    files = {str(p.relative_to(target)): hash_file(p) for p in sorted(target.rglob("*"))
-             if p.is_file() and p.name != MANIFEST}
-    write_json_durably(target / MANIFEST, {"source_save_id": source_save_id,
-                                           "files": {n: {"size": s, "checksum": c} for n, (s, c) in files.items()}})
-
-
-def verify_universal(target: Path, source_save_id: str | None, checksums: bool = True) -> list[str]:
-    """Problems of a universal conversion against its manifest (empty: reusable)."""
-    manifest = read_manifest(target)
-    if manifest is None:
-        return [f"{MANIFEST} missing or unreadable (an interrupted or foreign conversion)"]
-    if manifest.get("source_save_id") != source_save_id:
-        return [f"converted from save {manifest.get('source_save_id')}, the checkpoint is save {source_save_id}"]
-    return [p for name, meta in manifest.get("files", {}).items()
-            for p in check_file(target / name, name, meta, checksums)]

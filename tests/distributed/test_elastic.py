@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -12,7 +13,8 @@ TIMEOUT = 420
 # Same global batch on 1 and 2 ranks (8 × GA 2 × 1 = 8 × GA 1 × 2), so losses are comparable.
 PER_WORLD = {1: ["--gradient_accumulation_steps", "2"], 2: ["--gradient_accumulation_steps", "1"]}
 DDP_TIMEOUT = 15
-COMMON = ["--max_steps", "6", "--logging_steps", "1", "--per_device_train_batch_size", "8"]
+# A row every 2 steps and a checkpoint at step 3: the checkpoint holds half a log window.
+COMMON = ["--max_steps", "6", "--logging_steps", "2", "--per_device_train_batch_size", "8"]
 
 
 def _ok(r):
@@ -21,8 +23,9 @@ def _ok(r):
 
 @pytest.mark.parametrize("saved_world,resumed_world", [(2, 1), (1, 2)])
 def test_resume_on_another_world_size(run_finetune, tmp_path, saved_world, resumed_world):
-    """1→2: rank 0 converts while rank 1 waits, and the conversion is slowed past --ddp_timeout:
-    the waiting rank polls with short collectives instead of sitting in one that times out."""
+    """1→2: rank 0 converts while rank 1 waits, and the conversion is slowed past --ddp_timeout (1 s
+    a piece, over 20 pieces): the waiting rank polls with short collectives instead of sitting in
+    one that times out."""
     launcher = {1: "python", 2: "deepspeed"}
     slow = resumed_world > 1
     ref = run_finetune(*COMMON, *PER_WORLD[saved_world], "--save_checkpoint", "--save_steps", "3",
@@ -32,19 +35,60 @@ def test_resume_on_another_world_size(run_finetune, tmp_path, saved_world, resum
     resumed = run_finetune(*COMMON, *PER_WORLD[resumed_world], "--resume_from_checkpoint", str(ckpt),
                            *(["--ddp_timeout", str(DDP_TIMEOUT)] if slow else []),
                            launcher=launcher[resumed_world], nprocs=resumed_world, out_dir=tmp_path / "new",
-                           env={"FINETUNE_SLOW_UNIVERSAL": str(2 * DDP_TIMEOUT)} if slow else None, timeout=TIMEOUT)
+                           env={"FINETUNE_SLOW_UNIVERSAL": "1"} if slow else None, timeout=TIMEOUT)
     _ok(resumed)
     assert f"Resuming a {saved_world}-rank checkpoint on {resumed_world} ranks" in resumed.output
+    if slow:
+        took = float(re.search(r"to the universal format in ([\d.]+) seconds", resumed.output).group(1))
+        assert took > DDP_TIMEOUT, took
     assert (ckpt / "universal" / "zero").is_dir()  # cached beside the checkpoint for the next resume
     manifest = json.loads((ckpt / "universal" / "manifest.json").read_text())  # verified before any reuse
     assert manifest["source_save_id"] == json.loads((ckpt / "manifest.json").read_text())["save_id"]
     assert any(name.startswith("zero/") for name in manifest["files"])
     want = {r["step"]: r for r in ref.train_rows()}
     got = resumed.train_rows()
-    assert [r["step"] for r in got] == [4, 5, 6]
-    first = got[0]
+    assert [r["step"] for r in got] == [4, 6]
+    first = got[0]  # steps 3 (before the checkpoint, on the other world size) and 4
     assert abs(first["loss"] - want[4]["loss"]) <= 0.01 * want[4]["loss"], (first, want[4])
     assert first["lr"] == pytest.approx(want[4]["lr"])  # the LR schedule continued
     assert first["samples_seen"] == want[4]["samples_seen"]  # the data position mapped, nothing skipped
+    # The window saved mid-way is the world's, counted once whatever the world size now.
+    assert [r["tokens_seen"] for r in got] == [want[s]["tokens_seen"] for s in (4, 6)]
     state = json.loads((ckpt / "trainer_state.json").read_text())
     assert state["world_size"] == saved_world
+
+
+def test_a_preemption_during_the_conversion_exits_75_and_the_next_start_finishes_it(run_finetune, start_finetune,
+                                                                                    tmp_path):
+    """A whole-job SIGTERM while a 2-rank checkpoint is converted for 1 rank: the converter (a child)
+    used to die with the job and the run exit 1 (no requeue), and the next start deleted what it had
+    converted, so frequent preemptions meant it never finished. Now: exit 75, the pieces converted are
+    kept, and the next start does only the rest."""
+    import os
+    import signal
+
+    from conftest import wait_until
+
+    from finetune.checkpoint.universal import PIECES, SLOW_ENV
+    from finetune.preemption import EXIT_PREEMPTED
+
+    ref = run_finetune(*COMMON, *PER_WORLD[2], "--save_checkpoint", "--save_steps", "3", launcher="deepspeed",
+                       nprocs=2, out_dir=tmp_path / "ref", timeout=TIMEOUT)
+    _ok(ref)
+    ckpt = tmp_path / "ref" / "global_step3"
+    pieces = ckpt / "universal.tmp" / PIECES
+    markers = lambda: [p for p in pieces.iterdir() if p.name != "source.json"] if pieces.is_dir() else []  # noqa: E731
+    resume = (*COMMON, *PER_WORLD[1], "--resume_from_checkpoint", str(ckpt))
+    run = start_finetune(*resume, launcher="python", nprocs=1, out_dir=tmp_path / "new", env={SLOW_ENV: "1"})
+    wait_until(lambda: len(markers()) >= 2, TIMEOUT, "two pieces of the conversion")
+    os.killpg(run.proc.pid, signal.SIGTERM)  # the whole job, the converter included (as SLURM's scancel)
+    stopped = run.finish(TIMEOUT)
+    assert stopped.returncode == EXIT_PREEMPTED, stopped.output[-4000:]
+    status = json.loads((tmp_path / "new" / "exit_status.json").read_text())
+    assert (status["exit_code"], status["reason"]) == (EXIT_PREEMPTED, "preempted")
+    kept = len(markers())
+    assert kept >= 2 and not (ckpt / "universal").exists()
+    again = run_finetune(*resume, launcher="python", nprocs=1, out_dir=tmp_path / "new", timeout=TIMEOUT)
+    _ok(again)
+    assert f"{kept} done before" in again.output  # only the rest was converted
+    assert [r["step"] for r in again.train_rows()] == [4, 6]

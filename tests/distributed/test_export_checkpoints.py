@@ -108,7 +108,7 @@ def test_universal(runs, tmp_path):
     r = export(part, "--universal")
     assert r.returncode == 0, r.stderr[-4000:]
     assert (part / "universal" / "zero").is_dir() and any((part / "universal" / "zero").iterdir())
-    from finetune.checkpoint.resume import verify_universal
+    from finetune.checkpoint.universal import verify_universal
 
     source = json.loads((part / "manifest.json").read_text()).get("save_id")
     assert verify_universal(part / "universal", source) == []  # a resume on another world size reuses it
@@ -170,3 +170,59 @@ def test_frozen_parameter(tiny_models, tmp_path):
     r = export(tmp_path / "ds" / "global_step1", tmp_path / "hf_trainable", "--exclude_frozen_parameters", "--no_verify")
     assert r.returncode == 0, r.stderr[-4000:]
     assert set(load_file(tmp_path / "hf_trainable" / "model.safetensors")) == set(reference) - {frozen}
+
+
+def _same(a, b) -> bool:
+    import torch
+
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    if hasattr(a, "__dict__") and not isinstance(a, type):  # DeepSpeed's LossScaler: no __eq__
+        return type(a) is type(b) and _same(vars(a), vars(b))
+    return a == b
+
+
+def test_an_interrupted_conversion_keeps_its_pieces_and_ends_equal_to_deepspeeds(runs, tmp_path, monkeypatch):
+    """A preemption stops the universal conversion after a few pieces: they are kept (marked done in
+    universal.tmp/.pieces), the next attempt skips them, and the result is DeepSpeed's own
+    ds_to_universal output, tensor for tensor."""
+    import threading
+
+    import torch
+
+    from finetune.checkpoint.universal import PIECES, SLOW_ENV, Interrupted, to_universal
+
+    part = partitioned_only(runs["llama"] / "global_step2", tmp_path / "part")
+    target, pieces = part / "universal", part / "universal.tmp" / PIECES
+    markers = lambda: [p for p in pieces.iterdir() if p.name != "source.json"] if pieces.is_dir() else []  # noqa: E731
+    cancel = threading.Event()
+
+    def preempt_after_three_pieces():
+        while len(markers()) < 3 and not cancel.wait(0.05):
+            pass
+        cancel.set()
+
+    monkeypatch.setenv(SLOW_ENV, "0.3")
+    threading.Thread(target=preempt_after_three_pieces, daemon=True).start()
+    with pytest.raises(Interrupted, match="piece"):
+        to_universal(part, target, cancel)
+    kept = len(markers())
+    assert kept >= 3 and not target.exists()
+    monkeypatch.delenv(SLOW_ENV)
+    summary = to_universal(part, target)
+    ran, total = (int(w) for w in summary.split(": ")[1].split(" pieces")[0].split(" of "))
+    assert total - ran == kept, summary  # the kept pieces were not done again
+    ref = tmp_path / "ref"
+    proc = subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", str(part),
+                           "--output_folder", str(ref), "--num_extract_workers", "1", "--num_merge_workers", "1"],
+                          capture_output=True, text=True, env=child_env(), timeout=TIMEOUT)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    want = sorted(str(p.relative_to(ref)) for p in ref.rglob("*") if p.is_file())
+    got = sorted(str(p.relative_to(target)) for p in target.rglob("*") if p.is_file() and p.name != "manifest.json")
+    assert got == want
+    for name in want:
+        assert _same(torch.load(target / name, weights_only=False), torch.load(ref / name, weights_only=False)), name
