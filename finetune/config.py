@@ -114,7 +114,9 @@ class TrainArgs:
     ddp_timeout: int | None = _f(None, "Seconds a collective may wait for a peer before the run fails (default 900). "
                                  "finetune's own long single-rank work (dataset tokenization, universal conversion) "
                                  "waits with short polling collectives, so this only bounds how long a dead or stuck "
-                                 "peer goes unnoticed.")
+                                 "peer goes unnoticed; it is also how long a checkpoint's storage step (a manifest, a "
+                                 "rename, a deletion, a verification read) may go without progress before it fails "
+                                 "on every rank (a hung filesystem).")
 
 
 @dataclass(frozen=True)

@@ -112,6 +112,7 @@ def reconcile_ds(v: dict[str, Any], ds: dict, world: int, fallbacks: Mapping[str
     """
     path = v["deepspeed_config"]
     _check_shape(ds, path)
+    _refuse_nvme_checkpoints(v, ds, path)
     for flag, key in (("per_device_train_batch_size", "train_micro_batch_size_per_gpu"),
                       ("gradient_accumulation_steps", "gradient_accumulation_steps"),
                       ("max_grad_norm", "gradient_clipping")):
@@ -135,6 +136,28 @@ def reconcile_ds(v: dict[str, Any], ds: dict, world: int, fallbacks: Mapping[str
                           "give a value (\"auto\" works for the values flags set and a scheduler's step counts and "
                           "learning rates)")
     check_with_deepspeed(ds, path)
+
+
+def _refuse_nvme_checkpoints(v: Mapping[str, Any], ds: dict, path: str) -> None:
+    """NVMe optimizer offload trains, but its state cannot be checkpointed or resumed as promised.
+
+    DeepSpeed 0.19's ``save_checkpoint`` copies the swap folder (the fp32 master weights and Adam's
+    moments) into ``<tag>/offloaded_tensors`` with a plain copy beside its checkpoint engine: nothing
+    fsyncs, hashes or verifies it, and a rank that fails there skips the collective that follows.
+    Its ``load_checkpoint`` then reads the master weights back but not the moments or the step
+    count: the resumed run trains with a fresh Adam (seen here: the step after a resume differs from
+    the uninterrupted run's; with CPU offload it is equal). A checkpoint that cannot resume is not
+    saved at all."""
+    offload = ((ds.get("zero_optimization") or {}).get("offload_optimizer") or {})
+    if str(offload.get("device", "none")).lower() != "nvme":
+        return
+    flag = "--save_checkpoint" if v.get("save_checkpoint") else (
+        "--resume_from_checkpoint" if v.get("resume_from_checkpoint") else None)
+    if flag:
+        raise ConfigError(f"`zero_optimization.offload_optimizer.device: nvme` in {path} can't be used with {flag}: "
+                          "DeepSpeed copies the NVMe optimizer state outside its checkpoint files (never fsynced or "
+                          "verified) and does not restore Adam's moments when loading, so a resume would silently "
+                          "restart the optimizer; use `\"device\": \"cpu\"` (exact resume) or train without checkpoints")
 
 
 def _reconcile_report_to(v: dict[str, Any], ds: dict, path: str) -> None:

@@ -164,13 +164,6 @@ def test_ranks_whose_auto_precision_differs_are_stopped(monkeypatch):
         check_precision("bf16")
 
 
-def test_node_local_nvme_offload_refuses_ranks_sharing_a_local_rank():
-    from finetune.checkpoint.layout import local_rank_clash
-
-    assert local_rank_clash([[0, 1], [2, 3]], ["0", "1", "0", "1"]) == []
-    assert local_rank_clash([[0, 1], [2, 3]], ["0", "0", "0", "0"]) == [0, 1]  # --gpus-per-task=1
-
-
 def test_ops_are_found_where_make_setup_built_them(monkeypatch, tmp_path):
     """Inside a venv: <venv>/torch_extensions and the venv's ninja, unless TORCH_EXTENSIONS_DIR is set."""
     venv = tmp_path / "venv"
