@@ -78,20 +78,27 @@ def test_kill_during_a_background_write_keeps_latest_on_the_previous_checkpoint(
     assert not (out / ".staging").exists() or not any((out / ".staging").iterdir())
 
 
-@pytest.mark.parametrize("fault,policy,code,kept", [
-    ("save.write_rank_files:1:4", "continue", 0, ["global_step2", "global_step6"]),
-    ("save.fsync:0:4:enospc", "abort", 1, ["global_step2"]),
+@pytest.mark.parametrize("fault,policy,every,code,kept", [
+    ("save.write_rank_files:1:4", "continue", 2, 0, [2, 6]),
+    ("save.fsync:0:4:enospc", "abort", 2, 1, [2]),
+    # A save every step: the failure of step 2's background write used to cancel step 3's save
+    # (reported under step 3): commits were 1, 4, 5, 6.
+    ("save.write_rank_files:0:2", "continue", 1, 0, [1, 3, 4, 5, 6]),
 ])
-def test_a_background_write_failure_is_agreed_and_follows_the_policy(run_finetune, fault, policy, code, kept):
-    r = run_finetune("--max_steps", "6", "--save_checkpoint", "--save_steps", "2", "--async_save", "--logging_steps",
-                     "1", "--on_save_error", policy, env={"FINETUNE_FAULT": fault}, timeout=TIMEOUT)
+def test_a_background_write_failure_is_agreed_and_follows_the_policy(run_finetune, fault, policy, every, code, kept):
+    r = run_finetune("--max_steps", "6", "--save_checkpoint", "--save_steps", str(every), "--async_save",
+                     "--logging_steps", "1", "--on_save_error", policy, env={"FINETUNE_FAULT": fault}, timeout=TIMEOUT)
     assert r.returncode == code, r.output[-4000:]
-    assert sorted(p.name for p in r.out_dir.glob("global_step*")) == kept
+    kept = [f"global_step{s}" for s in kept]
+    assert sorted(p.name for p in r.out_dir.glob("global_step*")) == sorted(kept)
     assert (r.out_dir / "latest").read_text().strip() == kept[-1]
     assert not (r.out_dir / ".staging").exists() or not any((r.out_dir / ".staging").iterdir())
-    failed_rank = fault.split(":")[1]
-    failures = [l for l in r.output.splitlines() if f"save of global_step4 failed on rank {failed_rank}" in l]
+    failed_rank, failed_step = fault.split(":")[1:3]
+    failures = [line for line in r.output.splitlines()
+                if f"save of global_step{failed_step} failed on rank {failed_rank}" in line]
     assert failures and "injected fault" in failures[0]
+    events = [json.loads(line) for line in (r.out_dir / "events.jsonl").read_text().splitlines()]
+    assert [e["step"] for e in events if e["event"] == "save_failed"] == [int(failed_step)]  # under its own step
     if policy == "abort":
         assert r.train_rows()[-1]["step"] == 5  # surfaced at the boundary after the one that saved
 

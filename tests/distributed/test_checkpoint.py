@@ -115,6 +115,25 @@ def test_resume_is_bitwise_identical(run_finetune, tiny_models, tmp_path, launch
     assert [r["step"] for r in resumed.train_rows()][-4:] == [9, 10, 11, 12]
 
 
+def test_logged_rows_resume_exactly_from_a_save_between_two_rows(run_finetune, tmp_path):
+    """--logging_steps 3 and a checkpoint at step 4, one step into a log window; the run is killed
+    at its final save and resumed with auto. Only rank 0's window used to be saved and every rank
+    loaded it: the first row after the resume counted rank 0's partial sums twice (its loss off,
+    tokens_seen off for good). Now the resumed run's rows are the uninterrupted run's, bit for bit."""
+    flags = ["--max_steps", "8", "--logging_steps", "3", "--save_checkpoint", "--save_steps", "4",
+             "--max_train_samples", "96", "--max_eval_samples", "8", "--eval_steps", "1000"]
+    straight = run_finetune(*flags, out_dir=tmp_path / "a", timeout=TIMEOUT)
+    _ok(straight)
+    killed = run_finetune(*flags, out_dir=tmp_path / "b", env={"FINETUNE_FAULT": "save.snapshot:0:8:kill"},
+                          timeout=TIMEOUT)
+    assert killed.returncode != 0 and (tmp_path / "b" / "latest").read_text().strip() == "global_step4"
+    resumed = run_finetune(*flags, "--resume_from_checkpoint", "auto", out_dir=tmp_path / "b", timeout=TIMEOUT)
+    _ok(resumed)
+    assert "Resumed from" in resumed.output
+    assert [r["step"] for r in resumed.train_rows()] == [3, 6, 8]
+    assert _comparable(resumed.metrics()) == _comparable(straight.metrics())
+
+
 def test_resume_is_bitwise_after_many_steps(run_finetune, tmp_path):
     """DeepSpeed's CPU Adam keeps beta^t as a running product that a resumed process would recompute
     with pow(): a few ulps off, losses drifting from the third step after the resume (seen at step 23

@@ -74,3 +74,27 @@ def test_an_output_dir_that_is_not_shared_is_refused_without_node_local_config(t
                       config=str(REPO / "configs" / "ds_zero3.json"))
     assert "--output_dir" in runs[0].output and "is not the same folder on every rank" in runs[0].output
     assert not list((tmp_path / "apart-node0").glob("global_step*"))
+
+
+def test_a_node_local_checkpoint_resumed_on_more_ranks_is_refused_first_and_never_set_aside(tmp_path):
+    """Saved by one rank, resumed by two on the same node-local folder: rank 1 has no files, so
+    every candidate failed verification ("no such file") before the clear node-local error was
+    reached, and with --ignore_unverified_checkpoints every healthy checkpoint was set aside and
+    the run started fresh. Now the world-size error comes first (exit 2), nothing is moved."""
+    out = tmp_path / "out"
+
+    def launch(nprocs: int, *flags: str, expect: int):
+        cmd = [str(BIN / "torchrun"), "--nproc_per_node", str(nprocs), "--master_port", str(free_port()), "-m",
+               "finetune", "--deepspeed_config", CONFIG, *COMMON, *flags, "--output_dir", str(out)]
+        r = Running(cmd, tmp_path, child_env(), out).finish(TIMEOUT)
+        assert r.returncode == expect, r.output[-4000:]
+        return r
+
+    launch(1, "--max_steps", "4", expect=0)
+    before = sorted(p.name for p in out.iterdir())
+    more = launch(2, "--max_steps", "6", "--resume_from_checkpoint", "auto", "--ignore_unverified_checkpoints",
+                  expect=1)  # finetune exits 2; torchrun says 1
+    assert "was saved by 1 ranks on node-local storage, this run has 2" in more.output, more.output[-4000:]
+    assert "does not verify" not in more.output and "not resuming from" not in more.output
+    assert sorted(p.name for p in out.iterdir()) == before  # nothing set aside, nothing written
+    assert (out / "latest").read_text().strip() == "global_step4"

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from conftest import Running, child_env, free_port
 
-from finetune.checkpoint.faults import FAULT_ENV, KINDS
+from finetune.checkpoint.faults import FAULT_ENV, HANG, KINDS
 from finetune.checkpoint.manifest import MANIFEST, read_manifest
 from finetune.checkpoint.storage import ABANDONED, LATEST, TRASH, step_of, tag_for
 
@@ -104,7 +104,7 @@ def output_dir_problems(out: Path) -> list[str]:
     """What no crash, failure or kill may ever leave in an output dir: a `latest` naming anything
     but a checkpoint that verifies; a folder with a manifest (committed, set aside, or staged and
     committed but never renamed) that does not verify; a checkpoint's name without a manifest."""
-    from finetune.checkpoint.resume import verify_universal
+    from finetune.checkpoint.universal import verify_universal
 
     problems = []
     latest = out / LATEST
@@ -191,6 +191,7 @@ class Site:
     before: str = ""
     steps: int = MAX_STEPS
     flags: tuple = ()
+    child: bool = False  # reached in a child process (the universal conversion): kill ends the child, not the rank
 
 
 # Exit codes (README "Exit codes"): 0 where the failure is agreed and training goes on (a periodic
@@ -216,6 +217,10 @@ EXPECTED: dict[str, Site] = {
     # The consolidated weights alone fail: the partitioned checkpoint commits without them (docs/CHECKPOINTS.md).
     "save.consolidated_gather": Site(FRESH, EVERY, 2, _codes(0), NO_CONSOLIDATED, flags=CONSOLIDATED),
     "save.consolidated_write": Site(FRESH, LEADER, 2, _codes(0), NO_CONSOLIDATED, flags=CONSOLIDATED),
+    "save.consolidated_append": Site(FRESH, LEADER, 2, _codes(0), NO_CONSOLIDATED, flags=CONSOLIDATED),
+    "save.consolidated_close": Site(FRESH, LEADER, 2, _codes(0), NO_CONSOLIDATED, flags=CONSOLIDATED),
+    # The lease cannot be re-read before the commit: the save fails (nothing is published).
+    "lease.check": Site(FRESH, LEADER, 2, _codes(0), r"could not check .*'s lease before committing global_step{step}"),
     "commit.manifest": Site(FRESH, LEADER, 2, _codes(0), SAVE_FAILED),
     "commit.rename": Site(FRESH, LEADER, 2, _codes(0), SAVE_FAILED),
     # Renamed into place: committed (resume follows the commit order), `latest` stale until the next commit.
@@ -227,6 +232,8 @@ EXPECTED: dict[str, Site] = {
     "resume.read_state": Site(RESUME, LEADER, None, _codes(1)),
     "resume.set_aside": Site(RESUME, LEADER, None, _codes(1), before="resume.verify:1:2"),
     "resume.universal": Site(RESHAPE, LEADER, None, _codes(1)),
+    # In the converter (a child of rank 0): the rank reports its failure (the pieces done are kept).
+    "resume.universal_piece": Site(RESHAPE, LEADER, None, _codes(1), "ds_to_universal failed", child=True),
     "resume.load_rng": Site(RESUME, EVERY, None, _codes(1)),
     "resume.truncate_metrics": Site(RESUME, LEADER, None, _codes(1)),
     # Resumed at its last step: nothing to save, `latest` (and retention) brought up to date.
@@ -266,6 +273,8 @@ class Fault:
 
     def says(self) -> str | None:
         site = EXPECTED[self.site]
+        if self.kind == HANG:
+            return "made no progress for"
         return site.says.format(step=self.at, rank=self.rank) if site.says and self.kind != "kill" else None
 
 
@@ -301,10 +310,12 @@ class Case:
             ("-async" if self.extra == ASYNC else "")
 
     def codes(self) -> list[int]:
-        kill = next((f for f in self.faults if f.kind == "kill"), None)
+        kill = next((f for f in self.faults if f.kind == "kill" and not EXPECTED[f.site].child), None)
         if kill is not None:
             return [KILLED if r == kill.rank else 1 for r in range(self.nprocs)]
-        worst = max((EXPECTED[f.site].codes[f.kind] for f in self.faults), key=lambda c: (c != 0, c))
+        # A hang is given up after the step's deadline and then agreed like an I/O error there.
+        kinds = [("eio" if f.kind in (HANG, "kill") else f.kind) for f in self.faults]
+        worst = max((EXPECTED[f.site].codes[k] for f, k in zip(self.faults, kinds)), key=lambda c: (c != 0, c))
         return [worst] * self.nprocs
 
 
@@ -322,6 +333,14 @@ def _ranks(site: Site) -> list[int]:
     return [0] if site.reached_by == LEADER else [0, 1]
 
 
+# Polled with a deadline (--ddp_timeout): a syscall that never returns there (a dead mount) fails on
+# every rank within the deadline, with the site's documented outcome for an I/O error.
+HANG_SITES = ("layout.tidy", "manager.history", "save.check_space", "save.clear_staging", "lease.check",
+              "commit.manifest", "commit.rename", "commit.latest", "retention.delete", "resume.list", "resume.verify",
+              "verify.read_file", "resume.read_state", "resume.load_rng", "resume.truncate_metrics",
+              "resume.finish_commit", "save.shared_files")
+HANG_SAMPLE = ("commit.manifest", "retention.delete")
+
 # At 4 ranks: a failure and a kill on a rank that is neither the first nor the second.
 FOUR_RANKS = [single("save.write_rank_files", 3, "eio", 4), single("save.fsync", 2, "kill", 4),
               single("save.snapshot", 3, "error", 4)]
@@ -332,7 +351,8 @@ def long_cases() -> list[Case]:
     a few at 4 ranks; and the sample's 4-rank bundle."""
     return [single(name, rank, kind) for name, site in EXPECTED.items() for rank in _ranks(site)
             for kind in KINDS] + [single(name, rank, kind, extra=ASYNC) for name in WRITER_THREAD
-                                  for rank in (0, 1) for kind in KINDS] + FOUR_RANKS + [BUNDLE]
+                                  for rank in (0, 1) for kind in KINDS] + \
+        [single(name, rank, HANG) for name in HANG_SITES for rank in _ranks(EXPECTED[name])] + FOUR_RANKS + [BUNDLE]
 
 
 def _bundle() -> Case:
@@ -367,7 +387,7 @@ def sampled_cases() -> list[Case]:
             continue
         cases.append(single(name, 1 if site.reached_by == EVERY else 0, KINDS[i % len(KINDS)]))
         i += 1
-    return cases + [single("save.fsync", 1, "kill")]
+    return cases + [single("save.fsync", 1, "kill")] + [single(name, 0, HANG) for name in HANG_SAMPLE]
 
 
 def _committed_state(out: Path) -> dict:

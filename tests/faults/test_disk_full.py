@@ -102,9 +102,9 @@ class Filler(threading.Thread):
     """Polls ``ready()``; when it holds, writes one file that takes every free byte of the tmpfs,
     so whatever is written next fails with the filesystem's own ENOSPC. ``remove`` frees it."""
 
-    def __init__(self, mnt: Path, ready):
+    def __init__(self, mnt: Path, ready, reserve: int = 0):
         super().__init__(daemon=True)
-        self.path, self.ready = mnt / f"filler-{uuid.uuid4().hex[:6]}", ready
+        self.path, self.ready, self.reserve = mnt / f"filler-{uuid.uuid4().hex[:6]}", ready, reserve
         self.stop, self.filled_at, self.bytes, self.free_after = threading.Event(), None, 0, None
 
     def run(self) -> None:
@@ -125,6 +125,8 @@ class Filler(threading.Thread):
                         if e.errno != errno.ENOSPC:
                             raise
                         break
+            if self.reserve:  # give back this much: what is written next gets it, then ENOSPC
+                os.ftruncate(fd, max(0, self.bytes - self.reserve))
         finally:
             os.close(fd)
         self.filled_at = time.time()
@@ -295,6 +297,63 @@ def test_final_save_write_runs_out_of_space(tmp_path, checkpoint_bytes, fault_re
             resume_after_freeing(tmp_path, filler, out)
         finally:
             filler.remove()
+
+
+def shard_begun(out: Path, step: int):
+    """Rank 0 has opened this save's consolidated shard and written its header (it then pauses:
+    FINETUNE_SLOW_SAVE), after every rank file of the save."""
+    shard = out / STAGING / tag_for(step) / "model.safetensors"
+
+    def ready() -> bool:
+        try:
+            return shard.stat().st_size > 0
+        except OSError:
+            return False
+    return ready
+
+
+SHARED_RESERVE = 256 << 10  # room for the RNG, config, tokenizer and state files, not for the safetensors
+
+
+@pytest.mark.timeout(3 * RUN_TIMEOUT)
+def test_consolidated_write_runs_out_of_space_and_the_partitioned_checkpoint_commits(tmp_path, checkpoint_bytes,
+                                                                                      fault_record):
+    """The disk fills in the middle of step 2's safetensors (--save_consolidated). The writer's
+    cleanup used to flush the buffered bytes again and raise a plain OSError on rank 0 alone: rank 0
+    exited 1, the others waited in the agreement, the step's partitioned checkpoint was lost. Now:
+    one warning, step 2 committed partitioned (`consolidated: false`, verifies), training goes on
+    (the disk freed meanwhile), exit 0."""
+    fault_record["tmpfs_bytes"] = roomy_size(checkpoint_bytes) + (8 << 20)  # and step 3's safetensors
+    with tmpfs(tmp_path / "mnt", fault_record["tmpfs_bytes"]) as mnt:
+        out = mnt / "out"
+        filler = Filler(mnt, shard_begun(out, 2), reserve=SHARED_RESERVE)
+        committed = out / tag_for(2) / MANIFEST
+        freer = threading.Thread(target=lambda: (wait_for(committed.is_file), filler.remove()), daemon=True)
+        filler.start()
+        freer.start()
+        try:
+            r = run_ranks(tmp_path, 2, train_args(3, "--save_consolidated"), out, env={SLOW_ENV: SLOW_S})
+        finally:
+            filler.remove()
+        log = r.output[-8000:]
+        assert filler.filled_at is not None and filler.free_after <= SHARED_RESERVE + PAGE, log
+        assert r.codes == [0, 0], f"exit codes {r.codes}\n{log}"
+        said = [line for line in r.output.splitlines() if "consolidated weights of global_step2 not written" in line]
+        assert len(said) == 1 and "No space left on device" in said[0], said or log
+        assert "Traceback" not in r.output, log
+        manifest = read_manifest(out / tag_for(2))
+        assert manifest["consolidated"] is False and not list((out / tag_for(2)).glob("*.safetensors*"))
+        assert read_manifest(out / tag_for(3))["consolidated"] is True  # the next save, with room again
+        assert (out / LATEST).read_text().strip() == tag_for(3)
+        problems = output_dir_problems(out)
+        assert not problems, f"{problems}\n{log}"
+        fault_record["time_to_exit_s"] = None
+
+
+def wait_for(predicate, timeout: float = RUN_TIMEOUT) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate() and time.monotonic() < deadline:
+        time.sleep(0.005)
 
 
 @pytest.mark.faults_long

@@ -8,10 +8,10 @@ import re
 from pathlib import Path
 
 import pytest
-from harness import EXPECTED, EXPORT, EXPORT_SAMPLE, long_cases, sampled_cases
+from harness import EXPECTED, EXPORT, EXPORT_SAMPLE, HANG_SAMPLE, HANG_SITES, long_cases, sampled_cases
 
 from finetune.checkpoint import faults
-from finetune.checkpoint.faults import FAULT_ENV, KINDS, SITES, FaultSpecError, InjectedFault, fault_point, parse
+from finetune.checkpoint.faults import FAULT_ENV, HANG, KINDS, SITES, FaultSpecError, InjectedFault, fault_point, parse
 
 PACKAGE = Path(faults.__file__).resolve().parents[1]
 CALL = re.compile(r"""fault_point\(\s*["']([^"']+)["']""")
@@ -43,14 +43,16 @@ def test_the_sweep_knows_every_site():
     assert all(set(codes) == set(KINDS) for codes in EXPORT.values()) and set(EXPORT_SAMPLE) == set(EXPORT)
     sampled = [f for case in sampled_cases() for f in case.faults]
     assert {f.site for f in sampled} == set(EXPECTED)
-    assert {f.kind for f in sampled} == set(KINDS)
+    assert {f.kind for f in sampled} == {*KINDS, HANG}
+    assert set(HANG_SAMPLE) <= set(HANG_SITES) <= set(EXPECTED)
     assert {f.rank for f in sampled} >= {0, 1}
     assert any(case.nprocs == 4 for case in sampled_cases())
     assert set(sampled_cases()) <= set(long_cases())
     singles = [case.faults[-1] for case in long_cases() if case.nprocs == 2 or EXPECTED[case.faults[-1].site].scenario == "reshape"]
     for name, site in EXPECTED.items():
         assert {f.rank for f in singles if f.site == name} == ({0} if site.reached_by == "leader" else {0, 1}), name
-        assert {f.kind for f in singles if f.site == name} == set(KINDS), name
+        hang = {HANG} if name in HANG_SITES else set()  # the sites polled with a deadline
+        assert {f.kind for f in singles if f.site == name} == set(KINDS) | hang, name
 
 
 def test_reliability_md_lists_every_site():
