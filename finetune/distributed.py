@@ -250,6 +250,8 @@ def gather_outcomes(fn: Callable[[], Any], on: bool = True, *, share: bool = Fal
     half-done that a late finish could harm. ``fn`` must not call collectives itself (it runs
     beside them). ``stop``/``cancel``: when ``stop()`` is true on any rank at a poll (a preemption
     signal), ``cancel`` is set on every rank; ``fn`` is expected to notice and return early.
+    ``cancel`` is also set when the step is given up at its deadline: a thread that comes back later
+    checks it before any further side effect (a rename's ``latest``, the next file).
     ``inline``: ``fn`` is quick and bounded and touches no storage (a value already computed): run it
     here, no thread, no polling.
     """
@@ -271,6 +273,8 @@ def gather_outcomes(fn: Callable[[], Any], on: bool = True, *, share: bool = Fal
             work()
     else:
         late = _poll(work, on, poll_s or poll_seconds(), ctx, step, deadline_s, stop, cancel)
+        if late and cancel is not None:
+            cancel.set()  # every rank alike (``late`` is agreed): the abandoned work stops where it can
     own = box.get("error")
     if rank() in late:
         own = StepTimeout(f"{step or 'an agreed step'} made no progress for {deadline_s:g} s (a hung filesystem?)"

@@ -77,7 +77,7 @@ def run(cfg: RunConfig) -> int:
             raise  # OUT as it was, a previous run's exit_status.json included
         except Preempted as e:  # during a long start-up step (a universal conversion): what it did is kept
             dist.log_main(logging.WARNING, "%s; exiting with %d so the job is requeued", e, EXIT_PREEMPTED)
-            if dist.is_main():
+            if dist.is_main() and not lease.lost:
                 write_exit_status(cfg.ckpt.output_dir, EXIT_PREEMPTED, {"reason": "preempted", "step": None,
                                                                          "during": "start-up", "error": str(e)})
             dist.barrier()
@@ -101,10 +101,16 @@ def run(cfg: RunConfig) -> int:
             raise
         finally:
             trainer.data.close()
-        if trainer.lost_lease:
+        # Collective: the heartbeat may have learned after the last check that another run took
+        # OUT over (during the final eval, or in a run that never saves).
+        if trainer.lost_lease or dist.any_rank(not ours()):
             # OUT belongs to the run that took the lease over: its exit_status.json, its events,
             # its plot. Nothing of this run's end is written there.
-            return code
+            if not trainer.lost_lease:
+                dist.log_main(logging.ERROR, "another run took over %s's lease during the run's last steps; "
+                              "stopping without writing anything more there (exit %d)", cfg.ckpt.output_dir,
+                              EXIT_LEASE_LOST)
+            return EXIT_LEASE_LOST
         if dist.is_main():
             write_exit_status(cfg.ckpt.output_dir, code, trainer.stop_note)
         # Nobody exits before the file is written: under `srun --kill-on-bad-exit` the first rank
@@ -439,6 +445,8 @@ class Trainer:
         now = time.perf_counter()
         loss = loss_sum / max(micro, 1)  # over the window's micro-batches, skipped steps' included
         grad_norm = self.engine.get_global_grad_norm()  # of this step: a row is only written at an applied one
+        if grad_norm is None:  # no step in this process yet (resumed at its last step): the saved one
+            grad_norm = w.grad_norm
         self.state.tokens_seen += int(tokens)
         row = {"step": self.state.global_step, "epoch": round(self.state.epoch, 4), "loss": loss, "lr": lr,
                "grad_norm": float(grad_norm) if grad_norm is not None else None,
@@ -475,7 +483,7 @@ class Trainer:
                             "eval_perplexity": math.exp(min(eval_loss, 50.0)), "eval_tokens": int(count)})
         logger.info("step %d: eval_loss %.4f (perplexity %.2f)", self.state.global_step, eval_loss,
                     math.exp(min(eval_loss, 50.0)))
-        if self.plotter is not None:
+        if self.plotter is not None and not self.lease_lost():
             self.plotter.request()  # drawn on a thread; training goes on
         self.engine.train()
         return eval_loss

@@ -90,7 +90,8 @@ class FakeEngine:
         return [g["lr"] for g in self.optimizer.param_groups]
 
     def get_global_grad_norm(self):
-        return 1.0
+        # As DeepSpeed's: None until this engine's first optimizer step (a resumed process has none).
+        return 1.0 if self.boundaries else None
 
     def fp16_enabled(self) -> bool:
         return True

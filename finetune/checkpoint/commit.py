@@ -7,6 +7,8 @@ steps so that node-local storage publishes only after every node prepared.
 
 from __future__ import annotations
 
+import threading
+
 from finetune.checkpoint.durable import fsync_path, write_json_durably
 from finetune.checkpoint.faults import fault_point
 from finetune.distributed import logger
@@ -35,7 +37,10 @@ def prepare_staged(storage: LocalStorage, tag: str, files: dict[str, tuple[int, 
     fsync_path(staged)
 
 
-def publish_staged(storage: LocalStorage, tag: str) -> None:
+def publish_staged(storage: LocalStorage, tag: str, given_up: threading.Event | None = None) -> None:
+    """Rename the staged folder into place, then ``latest``. ``given_up``: set when the agreed step
+    gave up waiting for this (a rename stuck on a hung mount past its deadline): a rename that
+    completes later leaves ``latest`` alone (the commit order still finds the folder)."""
     # Never overwrite in place: a folder of the same step (an abandoned timeline's) is swapped out.
     fault_point("commit.rename", step_of(tag))
     if storage.exists(tag) and not (storage.root / tag / MANIFEST).exists():
@@ -44,6 +49,8 @@ def publish_staged(storage: LocalStorage, tag: str) -> None:
         logger.warning("set aside %s, which has no %s (not committed by finetune), as %s before committing %s there",
                        tag, MANIFEST, where, tag)
     storage.replace_dir(f"{STAGING}/{tag}", tag)
+    if given_up is not None and given_up.is_set():
+        return
     fault_point("commit.latest", step_of(tag))
     storage.write_latest(tag)
     storage.finish_staging()

@@ -54,7 +54,7 @@ SITES: dict[str, str] = {
     "save.shared_files": "leader: config, tokenizer and trainer_state.json into staging (step)",
     "save.drop_staging": "leader: removing a failed save's staging folder (reached only after another failure) (step)",
     # the output dir's lease, re-read by rank 0 before a commit, a publish, retention and cleanups
-    "lease.check": "rank 0: re-reading OUT/.lease before a commit, publish, retention or cleanup (step)",
+    "lease.check": "rank 0: re-reading OUT/.lease before a save, commit, publish, retention or cleanup (step)",
     # commit (leader): manifest into staging, agree, then rename + latest
     "commit.manifest": "leader: writing and fsyncing manifest.json into the staged folder (step)",
     "commit.rename": "leader: renaming the staged folder into place (step)",

@@ -50,8 +50,8 @@ Atomicity (every step also holds on NFS and Lustre):
   failed write (disk full) is logged and retried at the next beat, never raised into training.
 - A lost lease stops the run: rank 0's flag rides on the step boundary's all-reduce, and every rank
   raises ``LeaseLost`` (exit 3) and writes nothing more into OUT (metrics and events are dropped from
-  the moment the flag is set). ``check()`` re-reads the lease right before every commit, publish,
-  retention and cleanup, so a takeover between two heartbeats is seen there too.
+  the moment the flag is set). ``check()`` re-reads the lease right before every save, commit,
+  publish, retention and cleanup, so a takeover between two heartbeats is seen there too.
 
 The one window left: the heartbeat's read-then-replace is not atomic with a takeover, so a holder
 whose stall ends in the very milliseconds another run takes over can overwrite the newcomer's lease;

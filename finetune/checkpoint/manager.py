@@ -48,6 +48,7 @@ from __future__ import annotations
 import copy
 import logging
 import os
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -59,7 +60,7 @@ from finetune import distributed as dist
 from finetune.checkpoint.adapter import ADAPTER_WEIGHTS, write_adapter_config
 from finetune.checkpoint.accounting import Clock, SaveIO, fmt_bytes, space_report
 from finetune.checkpoint.commit import prepare_staged, publish_staged
-from finetune.checkpoint.durable import fsync_path, hash_file, write_json_durably
+from finetune.checkpoint.durable import WriteCancelled, fsync_path, hash_file, write_json_durably
 from finetune.checkpoint.faults import fault_point
 from finetune.checkpoint.layout import Layout
 from finetune.checkpoint.lease import LeaseLost
@@ -185,6 +186,7 @@ class CheckpointManager(SaveSchedule):
         """
         self.wait()  # at most one save in flight (at_step reports its failure under its own step first)
         tag, clock, io = tag_for(step), Clock(), SaveIO()
+        self.ensure_lease(f"saving {tag}", step)  # before its staging is cleared and written
         consolidated = self.ckpt.save_consolidated if consolidated is None else consolidated
         self.check_space(tag)
         clock.lap("check")
@@ -290,6 +292,8 @@ class CheckpointManager(SaveSchedule):
         self.consolidation_error = self.adapter_summary = None
         window = self.progress.window
         totals = dist.all_reduce_sum(window.world_sums())  # before anything that can fail on one rank
+        norm = getattr(self.engine, "get_global_grad_norm", lambda: None)()  # the same on every rank
+        window.grad_norm = float(norm) if norm is not None else None
         try:
             fault_point("save.snapshot", step)
             snap.rng = {**rng_state(), RANK_WINDOW: window.state_dict()}
@@ -340,7 +344,7 @@ class CheckpointManager(SaveSchedule):
 
         # Rank-local I/O before the agree step's all-gather: polled, so a hung write fails the save.
         out = dist.gather_outcomes(own_files, step=f"writing {tag}'s RNG and shared files",
-                                   deadline_s=dist.io_deadline())
+                                   deadline_s=dist.io_deadline(), cancel=self.writer.record.cancelled)
         if out.own is not None:  # recorded; the agree step decides for all ranks
             self.writer._fail(folder, out.own)
         self.writer.files.update(out.result or {})
@@ -384,6 +388,8 @@ class CheckpointManager(SaveSchedule):
         if self.adapters:  # what export and PeftModel.from_pretrained need to rebuild the adapters
             written.append(write_adapter_config(module, folder))
         files = {}
+        if self.writer.record.cancelled.is_set():  # given up on (a hung write above): write no more
+            raise WriteCancelled(f"{folder}: the save was given up")
         for path in dict.fromkeys(written):
             if path.is_file():
                 files[path.name] = hash_file(path)
@@ -485,8 +491,15 @@ class CheckpointManager(SaveSchedule):
             self.ensure_lease(f"publishing {tag}", step_of(tag))
         except SaveError as e:
             raise SaveError(f"{e}{self._drop_staging(tag)}") from e
-        out = dist.gather_outcomes(lambda: publish_staged(self.storage, tag), on=self.leader,
-                                   step=f"publishing {tag}", deadline_s=dist.io_deadline())
+        given_up = threading.Event()
+        out = dist.gather_outcomes(lambda: publish_staged(self.storage, tag, given_up), on=self.leader,
+                                   step=f"publishing {tag}", deadline_s=dist.io_deadline(), cancel=given_up)
+        if given_up.is_set() and not self._in_place(tag, identity["save_id"]):
+            # A rename stuck past its deadline may still complete when the filesystem recovers: its
+            # staging is left alone (a purge racing the rename could put a half-deleted folder in
+            # place). A complete folder that lands later is found by the commit order.
+            raise SaveError(f"commit of {tag} failed on {out.describe()}; its staging is left in place, `latest` "
+                            "is unchanged")
         if not out.ok and not self._in_place(tag, identity["save_id"]):
             # Only a rename or the `latest` write failed, after every node had its files complete.
             self._drop_staging(tag, written=True)  # a no-op where the rename happened
@@ -543,15 +556,22 @@ class CheckpointManager(SaveSchedule):
             dist.log_main(logging.WARNING, "save_total_limit %d: %s", limit, e)
             return
 
+        moved: list[tuple[str, str]] = []  # (tag, its trash): what this leader renamed, even if a later one failed
+
         def retire():
             fault_point("retention.delete", step_of(self.head.tag))
             # The one atomic step: out of the tag namespace. The files go in the background.
-            return [(tag, self.storage.retire(tag)) for tag in doomed if self.storage.exists(tag)]
+            for tag in doomed:
+                if self.storage.exists(tag):
+                    moved.append((tag, self.storage.retire(tag)))
 
-        out = dist.gather_outcomes(retire, on=self.leader, step="retention", deadline_s=dist.io_deadline())
-        if out.ok:
-            for tag, trash in out.result or []:
+        given_up = threading.Event()
+        out = dist.gather_outcomes(retire, on=self.leader, step="retention", deadline_s=dist.io_deadline(),
+                                   cancel=given_up)
+        if not given_up.is_set():  # a rename given up on may land later: its folder is tidied at the next start
+            for tag, trash in moved:
                 self.deleter.add(trash, self.sizes.pop(tag, 0), tag)
+        if out.ok:
             self.line = [t for t in self.line if t not in doomed]
             dist.log_main(logging.INFO, "save_total_limit %d: deleting %s in the background", limit, ", ".join(doomed))
         else:  # kept in the line: retried after the next save
@@ -627,7 +647,7 @@ def restored_window(world: LogWindow, own: dict | None, same_world: bool) -> Log
         return LogWindow.from_state_dict(own)
     if dist.is_main():
         return world
-    return LogWindow(steps=world.steps, skipped_steps=world.skipped_steps, lr=world.lr)
+    return LogWindow(steps=world.steps, skipped_steps=world.skipped_steps, lr=world.lr, grad_norm=world.grad_norm)
 
 
 def _is_consolidated(name: str) -> bool:

@@ -104,12 +104,12 @@ class Resumer:
     def _resolve(self, spec: str) -> Path | None:
         """The folder to resume from: verified (collectively), falling back past damaged ones."""
         candidates = self._agreed_candidates(spec)
-        if self.node_local and candidates:
-            # Before verifying anything: a rank the checkpoint has no files for would fail every
-            # candidate (and --ignore_unverified_checkpoints set healthy ones aside).
-            self._refuse_another_world(candidates[0])
         tried: list[tuple[Path, list[str]]] = []
         for folder in candidates:
+            if self.node_local:
+                # Before verifying it: a rank the checkpoint has no files for would fail every
+                # candidate (and --ignore_unverified_checkpoints set healthy ones aside).
+                self._refuse_another_world(folder)
             problems = self._verify_collectively(folder)
             if not problems:
                 if tried:
@@ -191,6 +191,9 @@ class Resumer:
         """Node-local checkpoints resume only on the world size that saved them: ConfigError (exit
         2, nothing touched) naming both, from the manifests the leaders listed (alike everywhere)."""
         saved = self.saved_worlds.get(folder.name)
+        if folder.name not in self.saved_worlds:  # an explicit PATH: rank 0's manifest says
+            saved = dist.share_from(0, lambda: (read_manifest(folder) or {}).get("world_size"),
+                                    step=f"reading {folder.name}'s manifest", deadline_s=dist.io_deadline())
         if saved is not None and saved != dist.world_size():
             raise ConfigError(_node_local_world(folder, saved))
 
@@ -274,7 +277,7 @@ class Resumer:
         def convert():
             fault_point("resume.universal", step_of(folder.name))
             if target.is_dir():
-                problems = verify_universal(target, manifest.get("save_id"), checksums)
+                problems = verify_universal(target, manifest.get("save_id"), checksums, cancel)
                 if not problems:
                     return "reused"
                 logger.warning("not reusing %s: %s; converting again", target, "; ".join(problems[:3]))

@@ -31,6 +31,7 @@ class LogWindow:
     data_s: float = 0.0  # time the loop waited for its batches (what the prefetch did not hide)
     skipped_steps: int = 0  # optimizer steps DeepSpeed skipped (non-finite gradients)
     lr: float | None = None  # the learning rate of the window's last step (its row's "lr")
+    grad_norm: float | None = None  # set when saved: the last step's, for a row logged before any new step
 
     def state_dict(self) -> dict:
         sd = {f.name: getattr(self, f.name) for f in fields(self)}
@@ -46,7 +47,7 @@ class LogWindow:
         """This window with the world's ``[loss_sum, micro_batches, tokens]`` (``world_sums``)."""
         loss_sum, micro, tokens = totals
         return LogWindow(loss_sum=loss_sum, micro_batches=int(micro), tokens=int(tokens), steps=self.steps,
-                         data_s=self.data_s, skipped_steps=self.skipped_steps, lr=self.lr)
+                         data_s=self.data_s, skipped_steps=self.skipped_steps, lr=self.lr, grad_norm=self.grad_norm)
 
     def world_sums(self) -> list[float]:
         """What the ranks add up, for ``all_reduce_sum`` (one device sync)."""

@@ -356,7 +356,7 @@ class Deleter:
         with self.lock:
             self.queue.append((trash, nbytes, tag))
             self.idle.clear()
-            if self.thread is None or not self.thread.is_alive():
+            if self.thread is None:  # (a thread that ran out of work cleared it, under this lock)
                 self.thread = threading.Thread(target=self._run, name="finetune-retention", daemon=True)
                 self.thread.start()
 
@@ -365,6 +365,7 @@ class Deleter:
             with self.lock:
                 if not self.queue:
                     self.idle.set()
+                    self.thread = None  # the next add() starts another
                     return
                 trash, _, tag = self.queue[0]
             try:

@@ -69,7 +69,8 @@ def to_universal(folder: Path, target: Path, cancel: threading.Event | None = No
     for path in sorted(folder.glob("*_states.pt")):  # what it reads: refused here, one line, naming the class
         safe_load.check_globals(path)
     tmp = target.with_name(f"{target.name}.tmp")
-    cmd = [sys.executable, "-c", _CHILD, __name__, str(folder), str(tmp), (read_manifest(folder) or {}).get("save_id") or ""]
+    cmd = [sys.executable, "-c", _CHILD, str(os.getpid()), __name__, str(folder), str(tmp),
+           (read_manifest(folder) or {}).get("save_id") or ""]
     with open(os.devnull, "rb") as stdin:
         # A process group of its own: a stop kills it with its workers, all at once.
         proc = subprocess.Popen(cmd, stdin=stdin, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -103,19 +104,35 @@ def to_universal(folder: Path, target: Path, cancel: threading.Event | None = No
         last = [line.strip() for line in lines if line.strip()]
         raise RuntimeError(f"DeepSpeed's ds_to_universal failed on {folder} (exit {proc.returncode}): "
                            f"{last[-1] if last else 'no output'}")
-    shutil.rmtree(tmp / PIECES, ignore_errors=True)
-    write_universal_manifest(tmp, (read_manifest(folder) or {}).get("save_id"))
+    # The manifest from what each piece hashed as it finished (nothing is read back here: at 70B that
+    # would be ~1 TB on one rank, in a window no preemption waits for); the markers go only after
+    # the rename, so an interruption up to there leaves every piece done.
+    write_universal_manifest(tmp, (read_manifest(folder) or {}).get("save_id"), piece_hashes(tmp))
     os.replace(tmp, target)
     fsync_path(target.parent)
+    shutil.rmtree(target / PIECES, ignore_errors=True)
     return next((line.strip() for line in reversed(lines) if line.startswith("converted")), "converted")
 
 
-# The child ignores the preemption signals from its first instruction (the parent decides when a
-# preemption stops it, and kills it), then runs main() with every torch.load restricted.
-_CHILD = ("import signal, sys\n"
+# The child ignores the preemption signals and dies with its parent from its first instructions (the
+# parent decides when a preemption stops it, and kills it; a parent killed while the child imports
+# must not leave it converting beside the next run's), then runs main() with every torch.load restricted.
+_CHILD = ("import ctypes, os, signal, sys\n"
           "for s in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT): signal.signal(s, signal.SIG_IGN)\n"
+          "try:\n    ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG\n"
+          "except (OSError, AttributeError):\n    pass\n"
+          "if os.getppid() != int(sys.argv[1]):\n    os._exit(1)  # the parent died before the line above\n"
           "from finetune.checkpoint.safe_load import run_module\n"
-          "run_module(sys.argv[1], sys.argv[2:])\n")
+          "run_module(sys.argv[2], sys.argv[3:])\n")
+
+
+def piece_hashes(tmp: Path) -> dict[str, tuple[int, str]]:
+    """{file relative to the conversion: (size, xxh3)} that the finished pieces recorded."""
+    found: dict[str, tuple[int, str]] = {}
+    for marker in sorted((tmp / PIECES).glob("*")):
+        if marker.name != "source.json":
+            found.update({name: tuple(v) for name, v in ((_read_json(marker) or {}).get("files") or {}).items()})
+    return found
 
 
 def done_pieces(tmp: Path) -> int:
@@ -125,22 +142,36 @@ def done_pieces(tmp: Path) -> int:
         return 0
 
 
-def write_universal_manifest(target: Path, source_save_id: str | None) -> None:
-    files = {str(p.relative_to(target)): hash_file(p) for p in sorted(target.rglob("*"))
-             if p.is_file() and p.name != MANIFEST}
+def write_universal_manifest(target: Path, source_save_id: str | None,
+                             known: dict[str, tuple[int, str]] | None = None) -> None:
+    """``target``'s manifest.json: every file (but the pieces' markers) with its size and checksum,
+    from ``known`` where the file's size still matches, else hashed now."""
+    known = known or {}
+    files = {}
+    for p in sorted(target.rglob("*")):
+        rel = str(p.relative_to(target))
+        if not p.is_file() or p.name == MANIFEST or rel.startswith(f"{PIECES}/"):
+            continue
+        files[rel] = known[rel] if rel in known and known[rel][0] == p.stat().st_size else hash_file(p)
     write_json_durably(target / MANIFEST, {"source_save_id": source_save_id,
                                            "files": {n: {"size": s, "checksum": c} for n, (s, c) in files.items()}})
 
 
-def verify_universal(target: Path, source_save_id: str | None, checksums: bool = True) -> list[str]:
-    """Problems of a universal conversion against its manifest (empty: reusable)."""
+def verify_universal(target: Path, source_save_id: str | None, checksums: bool = True,
+                     cancel: threading.Event | None = None) -> list[str]:
+    """Problems of a universal conversion against its manifest (empty: reusable). ``cancel``: checked
+    between files (a preemption stops a verification of hundreds of GB): Interrupted."""
     manifest = read_manifest(target)
     if manifest is None:
         return [f"{MANIFEST} missing or unreadable (an interrupted or foreign conversion)"]
     if manifest.get("source_save_id") != source_save_id:
         return [f"converted from save {manifest.get('source_save_id')}, the checkpoint is save {source_save_id}"]
-    return [p for name, meta in manifest.get("files", {}).items()
-            for p in check_file(target / name, name, meta, checksums)]
+    problems = []
+    for name, meta in manifest.get("files", {}).items():
+        if cancel is not None and cancel.is_set():
+            raise Interrupted(f"stopped verifying {target}")
+        problems += check_file(target / name, name, meta, checksums)
+    return problems
 
 
 # --- the child's side: the pieces -----------------------------------------------------------------
@@ -162,9 +193,11 @@ class Pieces:
     def done(self, name: str) -> bool:
         return (self.dir / name).is_file()
 
-    def run(self, name: str, work, written) -> float:
+    def run(self, name: str, work, written, final: bool = True) -> float:
         """``work()``; then what ``written()`` lists made durable, then the piece marked done (a
-        marker lost in a crash only means the piece is done again). Returns its seconds."""
+        marker lost in a crash only means the piece is done again), with the size and checksum of
+        each file ``final`` (part of the conversion, not a fragment): hashed now, from the page
+        cache, so the manifest needs no second read. Returns its seconds."""
         fault_point("resume.universal_piece")
         slow = float(os.environ.get(SLOW_ENV) or 0)
         if slow:
@@ -177,8 +210,9 @@ class Pieces:
                 fsync_path(path)
             for parent in sorted({p.parent for p in files}):
                 fsync_path(parent)
+        record = {str(p.relative_to(self.out)): hash_file(p) for p in written()} if final else {}
         marker = self.dir / f".{name}.tmp"
-        marker.write_text("done\n")
+        marker.write_text(json.dumps({"files": record}) + "\n")
         os.replace(marker, self.dir / name)
         return time.perf_counter() - start
 
@@ -195,7 +229,8 @@ def _piece(kind: str, arg) -> float:
         return job["pieces"].run(
             f"extract-{arg:06d}",
             lambda: ds.extract_zero_shards_stage3(job["optim_grid"], job["shapes_grid"], dp, str(fragments), (0, arg)),
-            lambda: [fragments / n / "0" / f"{s}.{ds.dp_index_to_str(arg)}" for n in shapes for s in STATES])
+            lambda: [fragments / n / "0" / f"{s}.{ds.dp_index_to_str(arg)}" for n in shapes for s in STATES],
+            final=False)
     return job["pieces"].run(f"merge-{_safe(arg)}", lambda: _merge(ds, fragments, zero, arg, shapes[arg], dp),
                              lambda: [zero / arg / f"{s}.pt" for s in STATES])
 
@@ -251,20 +286,17 @@ def convert(folder: Path, out: Path, source: str) -> None:
 
 
 def _merge(ds, fragments: Path, zero: Path, name: str, shape, dp: int) -> None:
-    """One parameter: DeepSpeed's merge, after checking every rank's fragment is there (its merge
-    would concatenate whatever it finds), then the merged size checked against the parameter's."""
+    """One parameter: DeepSpeed's merge (it concatenates whatever fragments it finds, and merges
+    start only once every rank's extraction is marked done), then the merged size checked against
+    the parameter's: a fragment missing or short fails here, never in the resumed run."""
     import torch
 
-    for state in STATES:
-        missing = [r for r in range(dp) if not (fragments / name / "0" / f"{state}.{ds.dp_index_to_str(r)}").is_file()]
-        if missing:
-            raise RuntimeError(f"{name}: no {state} fragment of rank(s) {missing} (an extraction was cut short?)")
     ds.merge_zero3_slices(dp, str(zero), str(fragments), name)
     want = ds._shape_numel(shape)
     for state in STATES:
         got = torch.load(zero / name / f"{state}.pt", map_location="cpu", mmap=True, weights_only=True).numel()
         if got != want:
-            raise RuntimeError(f"{name}: merged {state} has {got} elements, the parameter {want}")
+            raise RuntimeError(f"{name}: merged {state} has {got} elements, the parameter {want} (a fragment missing?)")
 
 
 def _can_split(ds, folder: Path) -> bool:
@@ -314,7 +346,6 @@ def _die_with_parent() -> None:
 
 
 def main(argv: list[str]) -> None:
-    _die_with_parent()
     folder, out, source = Path(argv[0]), Path(argv[1]), argv[2]
     convert(folder, out, source)
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -32,13 +33,30 @@ from finetune.checkpoint.faults import fault_point
 SLOW_ENV = "FINETUNE_SLOW_SAVE"
 
 
+@dataclass
+class SaveRecord:
+    """One save's writes: what each rank reports at the agree step. A save given up (a lost lease, a
+    write past its deadline) keeps its own record, so a thread that comes back later writes into it,
+    never into a later save's."""
+
+    staging: Path | None
+    step: int | None
+    error: str | None = None
+    files: dict = field(default_factory=dict)  # {path relative to staging: (size, xxh3)}
+    cancelled: threading.Event = field(default_factory=threading.Event)  # set: stop at the next piece
+    current: HashingWriter | None = None  # the file being written (its size: progress)
+
+    def fail(self, path, e: BaseException) -> None:
+        if self.error is None:
+            self.error = f"{type(e).__name__} writing {path}: {getattr(e, 'strerror', None) or e}"
+
+
 class GuardedWriter:
     """Wraps DeepSpeed's checkpoint engine: durable, checksummed writes; failures recorded, not raised."""
 
     def __init__(self, inner):
         self.inner = inner
         self.buffers: dict = {}  # --async_save: host buffers kept from one save to the next
-        self.cancelled = threading.Event()  # set: the writes in progress stop at their next piece
         self.reset(None)
 
     def __getattr__(self, name):
@@ -49,12 +67,14 @@ class GuardedWriter:
     load = staticmethod(safe_load.load)
 
     def reset(self, staging: Path | None, step: int | None = None, background: bool = False) -> None:
-        self.staging, self.step = staging, step
-        self.error: str | None = None
-        self.files: dict[str, tuple[int, str]] = {}
-        self.queue = Queue(self._write) if background else None
-        self.cancelled = threading.Event()
-        self.current: HashingWriter | None = None  # the file being written (its size: progress)
+        self.record = record = SaveRecord(staging, step)
+        self.queue = Queue(lambda state, path: self._write(state, path, record)) if background else None
+
+    # This save's record, as the manager reads it (after the writes are done).
+    staging = property(lambda self: self.record.staging)
+    step = property(lambda self: self.record.step)
+    error = property(lambda self: self.record.error)
+    files = property(lambda self: self.record.files)
 
     @property
     def snapshot_bytes(self) -> int:
@@ -84,16 +104,16 @@ class GuardedWriter:
         write that hangs (a dead mount) trips the step's deadline and a slow one does not."""
         if self.queue is None:
             return
-        seen = None
+        record, seen = self.record, None
         while not self.queue.finished.wait(0.5):
-            now = (len(self.files), self.current.size if self.current is not None else 0)
+            now = (len(record.files), record.current.size if record.current is not None else 0)
             if now != seen:
                 seen = now
                 progress()
 
     def cancel(self) -> None:
-        """Stop the writes in progress at their next piece (recorded as this save's failure)."""
-        self.cancelled.set()
+        """Stop this save's writes in progress at their next piece (recorded as its failure)."""
+        self.record.cancelled.set()
 
     def makedirs(self, path, exist_ok=False):
         try:
@@ -113,30 +133,28 @@ class GuardedWriter:
             except Exception as e:  # noqa: BLE001 — recorded like a write
                 self._fail(path, e)
             return
-        self._write(state_dict, path)
+        self._write(state_dict, path, self.record)
 
-    def _write(self, state_dict, path) -> None:
-        if self.error is not None:
+    def _write(self, state_dict, path, record: SaveRecord) -> None:
+        """Write one file of the save ``record`` is of (its own record: see SaveRecord)."""
+        if record.error is not None:
             return
-        # This save's list: a write that returns after its save was given up (a hung mount past the
-        # deadline) must not record its file in a later save's.
-        files, staging = self.files, self.staging
         w = None
         try:
-            fault_point("save.write_rank_files", self.step)
-            if self.cancelled.is_set():
+            fault_point("save.write_rank_files", record.step)
+            if record.cancelled.is_set():
                 raise WriteCancelled("the save was given up (a lost lease, or a write past its deadline)")
             with open(path, "wb") as f:
-                w = self.current = HashingWriter(f, self.cancelled)
+                w = record.current = HashingWriter(f, record.cancelled)
                 torch.save(state_dict, w, _use_new_zipfile_serialization=getattr(self.inner, "zipfile_serialization", True))
                 f.flush()
-                fault_point("save.fsync", self.step)
+                fault_point("save.fsync", record.step)
                 os.fsync(f.fileno())
-            files[os.path.relpath(path, staging)] = (w.size, w.digest())
+            record.files[os.path.relpath(path, record.staging)] = (w.size, w.digest())
             if os.environ.get(SLOW_ENV):
                 time.sleep(float(os.environ[SLOW_ENV]))
         except Exception as e:  # noqa: BLE001 — any failure is reported to all ranks by the manager
-            self._fail(path, w.os_error if w is not None and w.os_error else e)
+            record.fail(path, w.os_error if w is not None and w.os_error else e)
 
     def guard(self, fn):
         """Wrap a DeepSpeed write helper so it records a failure instead of raising.
@@ -155,5 +173,4 @@ class GuardedWriter:
         return guarded
 
     def _fail(self, path, e: BaseException) -> None:
-        if self.error is None:
-            self.error = f"{type(e).__name__} writing {path}: {getattr(e, 'strerror', None) or e}"
+        self.record.fail(path, e)

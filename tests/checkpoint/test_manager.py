@@ -446,8 +446,8 @@ def test_a_run_that_lost_its_lease_does_not_commit_and_touches_nothing(tmp_path,
     m, progress, _ = make_manager(make_cfg(tmp_path), tiny_module, still_ours=lambda: False)
     with pytest.raises(LeaseLost, match="another run took over"):
         run_saves(m, progress, [2])
-    # Not committed, and its staging is left as it is: the output dir is the other run's now.
-    assert LocalStorage(tmp_path).tags() == [] and (tmp_path / STAGING / "global_step2").is_dir()
+    # Checked before the save clears or writes anything: the output dir is the other run's now.
+    assert LocalStorage(tmp_path).tags() == [] and not (tmp_path / STAGING).exists()
     assert not (tmp_path / "latest").exists()
 
 
@@ -631,3 +631,37 @@ def test_retention_deletes_in_the_background_and_the_space_check_waits_for_what_
     threading.Timer(0.3, release.set).start()
     run_saves(m, progress, [6])
     assert not any(p.exists() for p in trash) and LocalStorage(tmp_path).tags() == ["global_step6"]
+
+
+def test_a_publish_given_up_at_its_deadline_leaves_its_staging_and_latest_alone(tmp_path, tiny_module, monkeypatch,
+                                                                                 short_deadline):
+    """A rename stuck on a hung mount may still complete when the filesystem recovers: purging its
+    staging meanwhile could put a half-deleted folder in place, and the late rename must not move
+    `latest`. The save fails on every rank, the staged folder (with its manifest) is left."""
+    from finetune.checkpoint.manager import SaveError
+
+    monkeypatch.setenv(FAULT_ENV, "commit.rename:0:4:hang")
+    m, progress, _ = make_manager(make_cfg(tmp_path), tiny_module)
+    run_saves(m, progress, [2])
+    with pytest.raises(SaveError, match="its staging is left in place"):
+        run_saves(m, progress, [4])
+    assert (tmp_path / STAGING / "global_step4" / MANIFEST).is_file()
+    assert (tmp_path / "latest").read_text().strip() == "global_step2"
+
+
+def test_a_write_that_returns_after_its_save_was_given_up_touches_only_that_save(tmp_path):
+    """--async_save: the writer thread of a save given up at its deadline wakes after the next save
+    began. Its file must not be recorded in, nor its failure fail, the next save (one record per save)."""
+    w = GuardedWriter(_Inner())
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    w.reset(tmp_path / "a", step=2, background=True)
+    w.save({"x": torch.ones(4)}, str(tmp_path / "a" / "late.pt"))
+    given_up, late = w.queue, w.queue.items[0]
+    first = w.record
+    w.cancel()  # the save of step 2 is given up at its deadline
+    w.reset(tmp_path / "b", step=3)
+    w.save({"x": torch.ones(4)}, str(tmp_path / "b" / "next.pt"))
+    given_up.write(*late)  # the old thread wakes now
+    assert w.error is None and set(w.files) == {"next.pt"}
+    assert first.error is not None and "WriteCancelled" in first.error and not (tmp_path / "a" / "late.pt").exists()
