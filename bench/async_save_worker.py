@@ -35,12 +35,12 @@ import sys
 import time
 from pathlib import Path
 
+from checkpoint_save_worker import exit_now, folder_bytes, timed  # noqa: E402 — this script's folder is on sys.path
+
 from finetune import distributed as dist
 from finetune.checkpoint.manager import CheckpointManager
 from finetune.cli import parse_train_args
 from finetune.trainer import Trainer
-
-from checkpoint_save_worker import exit_now, folder_bytes, timed  # noqa: E402 — this script's folder is on sys.path
 
 
 def async_api_missing() -> str | None:

@@ -25,7 +25,7 @@ peak (hundreds of MB once it has imported transformers to create the checkpoint)
 libraries) is part of any tool's peak, so the table also shows peak − floor, the memory the
 conversion itself needs, and both as a fraction of the fp32 weight bytes. Each tool's own floor
 (a process that imports what the tool imports before it starts working: ``finetune.cli`` and
-``finetune.checkpoint.export``; torch, numpy, tqdm and DeepSpeed's modules for ``zero_to_fp32.py``)
+``finetune.offline.export``; torch, numpy, tqdm and DeepSpeed's modules for ``zero_to_fp32.py``)
 is in the JSON too (``own_floor_rss_bytes``, ``peak_minus_own_floor_over_weights``): the increase
 over the process's own baseline after imports. The rank files are read
 through the page cache, warm after the first run (not counted in RSS). Outputs are compared tensor
@@ -122,7 +122,7 @@ def measure(cmd: list[str]) -> dict:
 
 OUTS = {"finetune export": "out_finetune", "zero_to_fp32.py": "out_zero_to_fp32"}
 # What each tool has imported before it reads the checkpoint: its own RSS floor.
-IMPORTS = {"finetune export": "import finetune.cli, finetune.checkpoint.export",
+IMPORTS = {"finetune export": "import finetune.cli, finetune.offline.export",
            "zero_to_fp32.py": "import torch, numpy, tqdm, deepspeed.utils, deepspeed.checkpoint.constants"}
 
 

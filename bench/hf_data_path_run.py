@@ -35,8 +35,15 @@ def main() -> None:
     args = p.parse_args()
     import datasets
     import torch
-    from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer, DataCollatorForSeq2Seq, Trainer,
-                              TrainerCallback, TrainingArguments)
+    from transformers import (
+        AutoConfig,
+        AutoModelForCausalLM,
+        AutoTokenizer,
+        DataCollatorForSeq2Seq,
+        Trainer,
+        TrainerCallback,
+        TrainingArguments,
+    )
 
     ds_config = json.loads((REPO / "configs/ds_zero3.json").read_text())
     ds_config.pop("train_batch_size", None)  # HF's "auto" would use world size 1 on CPU

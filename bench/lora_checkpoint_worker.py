@@ -15,7 +15,13 @@ import shutil
 from pathlib import Path
 
 import torch
-from checkpoint_save_worker import exit_now, folder_bytes, one_step_config, timed, worker_args
+from checkpoint_save_worker import (
+    exit_now,
+    folder_bytes,
+    one_step_config,
+    timed,
+    worker_args,
+)
 
 from finetune import distributed as dist
 from finetune.checkpoint.adapter import save_adapter

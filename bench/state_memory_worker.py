@@ -25,12 +25,11 @@ from pathlib import Path
 
 import psutil
 import torch
+from checkpoint_save_worker import exit_now  # noqa: E402 — this script's folder is on sys.path
 
 from finetune import distributed as dist
 from finetune.cli import parse_train_args
 from finetune.trainer import Trainer
-
-from checkpoint_save_worker import exit_now  # noqa: E402 — this script's folder is on sys.path
 
 
 class Storages:

@@ -2,7 +2,7 @@
 
 ``finetune [flags]`` trains; ``finetune COMMAND …`` runs a subcommand. The train parser is built
 from the config dataclasses' fields; its Namespace becomes a plain dict of flag values that
-``config.resolve`` validates and reconciles. Usage errors exit 2 with one line naming the flag or
+``resolve.resolve`` validates and reconciles. Usage errors exit 2 with one line naming the flag or
 file, before any heavy work and before anything is written.
 """
 
@@ -20,39 +20,17 @@ from typing import Any, Callable
 
 from finetune import __version__, console, run_config
 from finetune import distributed as dist
-from finetune.config import GROUPS, ConfigError, RunConfig, check_size, precision_shorthand, resolve
+from finetune.commands import SUBCOMMANDS, Parser, subcommand
+from finetune.config import (
+    GROUPS,
+    ConfigError,
+    RunConfig,
+    check_size,
+    precision_shorthand,
+)
 from finetune.ops import use_venv_extensions_dir
 from finetune.preemption import release_early
-
-
-class _Parser(argparse.ArgumentParser):
-    """argparse that reports usage errors once (rank 0), not once per rank.
-
-    No abbreviated flags: `--output` would silently be --output_dir to training but not to the
-    job scripts, which read --output_dir from the same arguments (finetune.exit_status).
-    """
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, allow_abbrev=False, **kwargs)
-
-    def error(self, message: str):
-        if message.startswith("unrecognized arguments: "):
-            message += self._suggestions(message.split(": ", 1)[1].split())
-        if dist.env_rank() == 0:
-            self.print_usage(sys.stderr)
-            print(f"{self.prog}: error: {message}", file=sys.stderr)
-        sys.exit(2)
-
-    def _suggestions(self, unknown: list[str]) -> str:
-        """'; did you mean --learning_rate?' for the unknown flags that are close to a real one."""
-        known = [s for a in self._actions if a.help != argparse.SUPPRESS for s in a.option_strings]
-        pairs = [(flag, close[0]) for flag in (t.split("=", 1)[0] for t in unknown if t.startswith("-"))
-                 if (close := difflib.get_close_matches(flag, known, n=1))]
-        if not pairs:
-            return ""
-        if len(pairs) == 1:
-            return f"; did you mean {pairs[0][1]}?"
-        return "; did you mean " + ", ".join(f"{good} (for {bad})" for bad, good in pairs) + "?"
+from finetune.resolve import resolve
 
 
 def _help(f: dataclasses.Field) -> str:
@@ -65,7 +43,7 @@ def _help(f: dataclasses.Field) -> str:
 def build_train_parser() -> argparse.ArgumentParser:
     """The training flags, one per config field. A flag not given is absent from the Namespace
     (argument_default=SUPPRESS), so a --config file's value shows through where no flag overrides it."""
-    p = _Parser(prog="finetune", argument_default=argparse.SUPPRESS,
+    p = Parser(prog="finetune", argument_default=argparse.SUPPRESS,
                 description="ZeRO-3 fine-tuning of HuggingFace causal LMs with DeepSpeed. With no flags: trains "
                 "the embedded tiny model on bundled data. Commands: " + ", ".join(f"finetune {c}" for c in SUBCOMMANDS)
                 + " (each with --help).")
@@ -103,7 +81,7 @@ def _scalar_type(f: dataclasses.Field) -> Callable[[str], Any]:
 
 
 def parse_train_args(argv: list[str]) -> RunConfig:
-    """Flags over --config file over defaults, then validated and reconciled (config.resolve)."""
+    """Flags over --config file over defaults, then validated and reconciled (resolve.resolve)."""
     given = vars(build_train_parser().parse_args(argv))
     alias = given.pop("precision_alias", None)
     given.pop("local_rank", None)
@@ -127,11 +105,11 @@ def _verify(argv: list[str]) -> int:
     from pathlib import Path
 
     from finetune.checkpoint.manifest import read_manifest, stored_ranks, verify
-    from finetune.checkpoint.outdir import notes
-    from finetune.checkpoint.safe_load import refusals
     from finetune.checkpoint.storage import find_checkpoint
+    from finetune.offline.safe_load import refusals
+    from finetune.offline.verify import notes
 
-    p = _Parser(prog="finetune verify", description="Check a checkpoint against its manifest.json. "
+    p = Parser(prog="finetune verify", description="Check a checkpoint against its manifest.json. "
                 "Exit 0 intact, 1 damaged (names the files), 2 not a checkpoint.")
     p.add_argument("checkpoint", help="A checkpoint folder, or an output dir (its newest committed checkpoint is "
                    "checked, and the rest of the dir is looked over: uncommitted folders, `latest`, leftovers of "
@@ -164,9 +142,9 @@ def _verify(argv: list[str]) -> int:
 
 
 def _export(argv: list[str]) -> int:
-    from finetune.checkpoint.export import export_hf, export_universal
+    from finetune.offline.export import export_hf, export_universal
 
-    p = _Parser(prog="finetune export", description="Turn a checkpoint into a HuggingFace model folder (safetensors, "
+    p = Parser(prog="finetune export", description="Turn a checkpoint into a HuggingFace model folder (safetensors, "
                 "config, tokenizer), rebuilt from the rank files in one plain process with bounded memory; "
                 "or, with --universal, into DeepSpeed's universal format. Exit 2 on bad input.")
     p.add_argument("checkpoint", metavar="CKPT", help="A checkpoint folder, or an output dir (its newest committed checkpoint is exported).")
@@ -211,27 +189,7 @@ def _export(argv: list[str]) -> int:
     return 0
 
 
-def _ls(argv: list[str]) -> int:
-    from finetune import listing
-
-    return listing.main(argv)
-
-
-def _plot(argv: list[str]) -> int:
-    from finetune import plot
-
-    return plot.main(argv)
-
-
-def _env(argv: list[str]) -> int:
-    from finetune import environment
-
-    return environment.main(argv)
-
-
-COMMANDS: dict[str, Callable[[list[str]], int]] = {"train": _train, "verify": _verify, "export": _export,
-                                                   "ls": _ls, "plot": _plot, "env": _env}
-SUBCOMMANDS = ("verify", "export", "ls", "plot", "env")
+COMMANDS: dict[str, Callable[[list[str]], int]] = {"train": _train, **{name: subcommand(name) for name in SUBCOMMANDS}}
 
 
 def _command(argv: list[str]) -> str:

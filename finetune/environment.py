@@ -16,6 +16,8 @@ import platform
 import sys
 from pathlib import Path
 
+from finetune.commands import Parser
+
 PACKAGES = ("torch", "deepspeed", "transformers", "datasets", "accelerate", "safetensors", "huggingface_hub",
             "tokenizers", "peft", "wandb", "tensorboard", "matplotlib", "numpy", "xxhash", "pyyaml")
 # The ops finetune can use: the Adam update (FusedAdam on GPU, CPUAdam under offload) and the CPU
@@ -104,9 +106,7 @@ def _lines(facts: dict, indent: str = "") -> list[str]:
 
 
 def main(argv: list[str]) -> int:
-    from finetune.cli import _Parser
-
-    p = _Parser(prog="finetune env", description="Print the versions, accelerator, DeepSpeed ops and environment "
+    p = Parser(prog="finetune env", description="Print the versions, accelerator, DeepSpeed ops and environment "
                 "a bug report needs (reads only; builds nothing).")
     p.add_argument("--json", action="store_true", help="One JSON object instead of text.")
     ns = p.parse_args(argv)

@@ -23,13 +23,26 @@ from pathlib import Path
 
 from finetune.checkpoint.adapter import is_adapter_checkpoint
 from finetune.checkpoint.lease import LEASE
-from finetune.checkpoint.manifest import MANIFEST, looks_like_checkpoint, read_manifest, stored_ranks, verify
-from finetune.checkpoint.outdir import METRICS, notes
+from finetune.checkpoint.manifest import (
+    MANIFEST,
+    looks_like_checkpoint,
+    read_manifest,
+    stored_ranks,
+    verify,
+)
 from finetune.checkpoint.resume import UNIVERSAL
-from finetune.checkpoint.storage import ABANDONED, LATEST, STAGING, LocalStorage, step_of
+from finetune.checkpoint.storage import (
+    ABANDONED,
+    LATEST,
+    STAGING,
+    LocalStorage,
+    step_of,
+)
+from finetune.commands import Parser
 from finetune.config import ConfigError
 from finetune.exit_status import EXIT_STATUS
 from finetune.metrics import read_metrics
+from finetune.offline.verify import METRICS, notes
 
 WIDTH = 100  # the table fits a terminal this wide; full problem texts go below it
 UNCOMMITTED = "uncommitted"
@@ -68,9 +81,7 @@ class Listing:
 
 
 def main(argv: list[str]) -> int:
-    from finetune.cli import _Parser  # here, not at the top: cli imports the subcommands' modules
-
-    p = _Parser(prog="finetune ls", description="List an output dir's checkpoints (step, time, size, world size, "
+    p = Parser(prog="finetune ls", description="List an output dir's checkpoints (step, time, size, world size, "
                 "losses, state) and what else is in it. Exit 0 when listed, damaged checkpoints included; "
                 "2 when OUT is not an output dir.")
     p.add_argument("output_dir", metavar="OUT", help="An output dir (--output_dir of a run).")
@@ -131,11 +142,15 @@ def _problems(folder: Path, manifest: dict, checksums: bool) -> list[str]:
     except (TypeError, ValueError, AttributeError) as e:  # a hand-edited manifest: one damaged row, not a crash
         return [f"{MANIFEST}: malformed ({type(e).__name__}: {e})"]
     if not problems and checksums:  # as `finetune verify`: would resume's unpickling refuse it? (opcodes only)
-        from finetune.checkpoint.safe_load import refusals  # imports torch: only when asked to verify
+        from finetune.offline.safe_load import (
+            refusals,  # imports torch: only when asked to verify
+        )
 
         problems = refusals(folder, stored_ranks(manifest))
     if not problems and checksums and is_adapter_checkpoint(folder):  # as `finetune verify`: adapters complete?
-        from finetune.checkpoint.adapter import verify_adapter  # imports peft and transformers: only when asked
+        from finetune.checkpoint.adapter import (
+            verify_adapter,  # imports peft and transformers: only when asked
+        )
 
         problems = verify_adapter(folder, manifest)
     return problems

@@ -200,7 +200,7 @@ def check_resumable(folder: Path, saved: dict, args: ModelArgs, base: dict | Non
         raise ConfigError(f"--use_peft: {folder} is a full fine-tuning checkpoint, not LoRA adapters; resume it "
                           "without --use_peft")
     if base is None:
-        raise ConfigError(f"--resume_from_checkpoint: {folder} holds LoRA adapters (on {_shown(saved_base)}); "
+        raise ConfigError(f"--resume_from_checkpoint: {folder} holds LoRA adapters (on {describe_base(saved_base)}); "
                           "resume it with --use_peft and the same --lora_* flags")
     saved_args = saved.get("args", {}).get("model", {})
     for flag in SHAPE_FLAGS:
@@ -209,8 +209,8 @@ def check_resumable(folder: Path, saved: dict, args: ModelArgs, base: dict | Non
             raise ConfigError(f"--{flag}: {folder}'s adapters were trained with --{flag} {before}, this run has "
                               f"{now}; resume with the same value")
     if not same_base(saved_base, base):
-        raise ConfigError(f"--model_name_or_path: {folder}'s adapters were trained on {_shown(saved_base)}, this run "
-                          f"loads {_shown(base)}: another base model; resume with the base they were trained on")
+        raise ConfigError(f"--model_name_or_path: {folder}'s adapters were trained on {describe_base(saved_base)}, this run "
+                          f"loads {describe_base(base)}: another base model; resume with the base they were trained on")
     if saved_base.get("fingerprint") is None or base.get("fingerprint") is None:
         log_main(logging.WARNING, "resume: the base model %s was not fingerprinted %s; trusting that it is the one "
                  "the adapters were trained on", base["source"],
@@ -230,7 +230,8 @@ def _digest(fp: dict):
     return fp.get("digest") if fp.get("method") == FINGERPRINT_METHOD else fp
 
 
-def _shown(base: dict) -> str:
+def describe_base(base: dict) -> str:
+    """A base model as a message names it: its source, revision and weights fingerprint."""
     fp = base.get("fingerprint") or {}
     what = base["source"] + (f"@{base['revision'][:12]}" if base.get("revision") else "")
     if fp.get("method") == FINGERPRINT_METHOD:

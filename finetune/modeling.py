@@ -10,8 +10,8 @@ from __future__ import annotations
 import torch
 
 from finetune.config import RESOURCES_DIR, ConfigError, ModelArgs
-from finetune.ds_config import zero_stage
 from finetune.distributed import logger
+from finetune.ds_config import zero_stage
 
 EMBEDDED_MODEL_DIR = RESOURCES_DIR / "model"
 EMBEDDED_TOKENIZER_DIR = RESOURCES_DIR / "tokenizer"

@@ -23,6 +23,7 @@ from pathlib import Path
 from finetune import distributed as dist
 from finetune.checkpoint.manifest import read_manifest
 from finetune.checkpoint.storage import LocalStorage, step_of
+from finetune.commands import Parser
 from finetune.config import ConfigError
 from finetune.metrics import json_rows, read_metrics
 
@@ -256,9 +257,7 @@ def _title(run: Run) -> str:
 # --- `finetune plot` ---------------------------------------------------------------------------
 
 def main(argv: list[str]) -> int:
-    from finetune.cli import _Parser
-
-    p = _Parser(prog="finetune plot", description="Draw a run's loss, learning rate and throughput, with its "
+    p = Parser(prog="finetune plot", description="Draw a run's loss, learning rate and throughput, with its "
                 "checkpoints, resumes and preemptions, as a 1200x900 PNG. Exit 2 when OUT has no metrics to plot.")
     p.add_argument("output_dir", metavar="OUT", help="A run's output dir (reads metrics.jsonl, events.jsonl and "
                    "the committed checkpoints' manifests).")

@@ -1,6 +1,6 @@
 """Checks that read the filesystem, before any work: the output dir, data files, the model, config and
 tokenizer sources (a folder, or a hub id cached for offline use), --resume_from_checkpoint PATH and
-the DeepSpeed JSON. Each failure is a ConfigError naming its flag (config.resolve calls these)."""
+the DeepSpeed JSON. Each failure is a ConfigError naming its flag (resolve.resolve calls these)."""
 
 from __future__ import annotations
 

@@ -18,27 +18,33 @@ from tqdm.auto import tqdm
 
 from finetune import __version__, run_config
 from finetune import distributed as dist
-from finetune.checkpoint.lease import LeaseLost, acquire as acquire_lease, describe, holder
 from finetune.checkpoint.layout import Layout, tidy_storage
+from finetune.checkpoint.lease import LeaseLost, describe, holder
+from finetune.checkpoint.lease import acquire as acquire_lease
 from finetune.checkpoint.manager import CheckpointManager
 from finetune.checkpoint.resume import Resumer
 from finetune.checkpoint.state import TrainingState
 from finetune.checkpoint.storage import LocalStorage, tag_for
 from finetune.config import ConfigError, RunConfig
-from finetune.ds_config import check_precision, finalize_ds_config, zero_stage
 from finetune.data import IGNORE, ResumableSampler, TrainData, eval_batches
 from finetune.data.cache import prepare
 from finetune.distributed import logger
+from finetune.ds_config import check_precision, finalize_ds_config, zero_stage
 from finetune.exit_status import EXIT_LEASE_LOST, clear_exit_status, write_exit_status
-from finetune.metrics import MetricsWriter
 from finetune.lora import BASE_KEY, base_identity, trainable_parameters
-from finetune.modeling import DTYPES, EMBEDDED_MODEL_DIR, count_parameters, load_model, load_tokenizer
+from finetune.metrics import MetricsWriter
+from finetune.modeling import (
+    DTYPES,
+    EMBEDDED_MODEL_DIR,
+    count_parameters,
+    load_model,
+    load_tokenizer,
+)
 from finetune.ops import ADAM_KEY, adam_impl, ensure_adam
 from finetune.plot import Plotter
-from finetune.probe import maybe_probe
 from finetune.preemption import EXIT_PREEMPTED, Preempted, Preemption, parse_signals
+from finetune.probe import maybe_probe
 from finetune.trackers import open_trackers, run_name
-
 
 # Skipped optimizer steps in a row that stop a run: more than fp16's dynamic scaling ever needs
 # (from the largest initial scale, 2**32, to 1 is 32 halvings plus its hysteresis; DeepSpeed itself

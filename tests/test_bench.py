@@ -15,7 +15,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from conftest import REPO, child_env, run_group
 
 MEASURES = [f"P{i}" for i in range(1, 10)]

@@ -1,4 +1,4 @@
-"""finetune.cli: argv → the dict ``config.resolve`` takes, the --bf16/--fp16 shorthand, --help, and
+"""finetune.cli: argv → the dict ``resolve.resolve`` takes, the --bf16/--fp16 shorthand, --help, and
 usage errors as the process reports them (exit 2, one line). Resolution itself: test_config."""
 
 from __future__ import annotations

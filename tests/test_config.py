@@ -1,4 +1,4 @@
-"""finetune.config: flag values → RunConfig (``resolve``), flag ↔ DeepSpeed JSON reconciliation,
+"""finetune.config and finetune.resolve: flag values → RunConfig (``resolve``), flag ↔ DeepSpeed JSON reconciliation,
 "auto" resolution, validation errors naming the flag, JSON loading. No argparse here: see test_cli."""
 
 from __future__ import annotations
@@ -21,11 +21,17 @@ from finetune.config import (
     ConfigError,
     flag_defaults,
     precision_shorthand,
-    resolve,
     resolve_ddp_timeout,
 )
+from finetune.ds_config import (
+    finalize_ds_config,
+    load_ds_json,
+    reconcile,
+    resolve_config_path,
+    zero_stage,
+)
+from finetune.resolve import resolve
 from finetune.sources import looks_local
-from finetune.ds_config import finalize_ds_config, load_ds_json, reconcile, resolve_config_path, zero_stage
 
 PATH = "ds.json"  # only used in messages
 

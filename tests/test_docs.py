@@ -15,7 +15,6 @@ from functools import lru_cache
 from pathlib import Path
 
 import pytest
-
 from conftest import REPO
 
 DOCS = sorted([REPO / "README.md", *(REPO / "docs").glob("*.md")])

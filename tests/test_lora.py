@@ -12,10 +12,23 @@ from pathlib import Path
 import pytest
 import torch
 
-from finetune.checkpoint.adapter import ADAPTER_WEIGHTS, check_adapter_file, expected_tensors, verify_adapter
+from finetune.checkpoint.adapter import (
+    ADAPTER_WEIGHTS,
+    check_adapter_file,
+    expected_tensors,
+    verify_adapter,
+)
 from finetune.checkpoint.shards import shard_header
-from finetune.config import ConfigError, resolve
-from finetune.lora import (BASE_KEY, base_identity, check_resumable, fingerprint, lora_config, same_base)
+from finetune.config import ConfigError
+from finetune.lora import (
+    BASE_KEY,
+    base_identity,
+    check_resumable,
+    fingerprint,
+    lora_config,
+    same_base,
+)
+from finetune.resolve import resolve
 from finetune.run_config import load as load_run_config
 
 
@@ -269,7 +282,7 @@ def _merge_with_both(base: Path, lora_kwargs: dict, tmp_path: Path, **config_ove
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    from finetune.checkpoint.lora_export import _write_merged
+    from finetune.offline.lora_export import _write_merged
 
     torch.manual_seed(0)
     model = get_peft_model(AutoModelForCausalLM.from_pretrained(base), LoraConfig(init_lora_weights=False, **lora_kwargs))

@@ -14,8 +14,9 @@ from pathlib import Path
 import pytest
 
 from finetune import trackers
-from finetune.config import ConfigError, resolve
+from finetune.config import ConfigError
 from finetune.metrics import EVENTS, MetricsWriter, read_metrics, truncate_after
+from finetune.resolve import resolve
 
 TRAIN = [{"step": s, "epoch": 0.1 * s, "loss": 3.0 / s, "lr": 1e-3, "grad_norm": None, "tokens_per_s": 100.0 + s}
          for s in (1, 2, 3)]

@@ -23,10 +23,10 @@ from finetune.checkpoint.manager import CheckpointManager
 from finetune.checkpoint.resume import Resumer
 from finetune.checkpoint.state import TRAINER_STATE, TrainingState
 from finetune.checkpoint.storage import LocalStorage
-from finetune.config import resolve
 from finetune.data import ResumableSampler, TrainData
 from finetune.metrics import MetricsWriter, read_metrics
 from finetune.preemption import Preemption
+from finetune.resolve import resolve
 from finetune.trainer import Trainer
 
 PAD, LR, WARMUP, SCALE = 3, 1e-3, 2, 2.0**16

@@ -26,7 +26,6 @@ import torch
 
 from finetune.checkpoint.shards import read_header
 
-
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
 UNSHARDED = 1 << 62  # peft writes one adapter file, whatever its size; so do we
@@ -112,7 +111,7 @@ def _peft_key(name: str, adapter: str = "default") -> str:
 def rank_shapes(folder: Path) -> dict[str, tuple[int, ...]] | None:
     """{name: shape} of the optimizer's parameters in rank 0's model-states file (the same on every
     rank; for adapters the file is small); None without rank files."""
-    from finetune.checkpoint import safe_load
+    from finetune.offline import safe_load
 
     path = folder / "zero_pp_rank_0_mp_rank_00_model_states.pt"
     if not path.is_file():

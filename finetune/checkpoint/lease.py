@@ -79,8 +79,14 @@ from pathlib import Path
 from finetune.checkpoint.faults import fault_point
 from finetune.checkpoint.holder import (
     identity as _identity,
+)
+from finetune.checkpoint.holder import (
     process_gone as _process_gone,
+)
+from finetune.checkpoint.holder import (
     requeued_predecessor as _requeued_predecessor,
+)
+from finetune.checkpoint.holder import (
     same_machine as _same_machine,
 )
 from finetune.config import ConfigError

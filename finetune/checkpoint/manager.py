@@ -57,20 +57,37 @@ from typing import Callable
 import torch
 
 from finetune import distributed as dist
-from finetune.checkpoint.adapter import ADAPTER_WEIGHTS, write_adapter_config
 from finetune.checkpoint.accounting import Clock, SaveIO, fmt_bytes, space_report
+from finetune.checkpoint.adapter import ADAPTER_WEIGHTS, write_adapter_config
 from finetune.checkpoint.commit import prepare_staged, publish_staged
-from finetune.checkpoint.durable import WriteCancelled, fsync_path, hash_file, write_json_durably
+from finetune.checkpoint.durable import (
+    WriteCancelled,
+    fsync_path,
+    hash_file,
+    write_json_durably,
+)
 from finetune.checkpoint.faults import fault_point
 from finetune.checkpoint.layout import Layout
 from finetune.checkpoint.lease import LeaseLost
 from finetune.checkpoint.manifest import MANIFEST
-from finetune.checkpoint.policy import Committed, line_of, select_for_deletion, space_needed
+from finetune.checkpoint.policy import (
+    Committed,
+    line_of,
+    select_for_deletion,
+    space_needed,
+)
 from finetune.checkpoint.resume import ResumePlan
-from finetune.checkpoint.schedule import SaveError, SaveSchedule
 from finetune.checkpoint.rng import rng_state, set_rng_state
+from finetune.checkpoint.schedule import SaveError, SaveSchedule
 from finetune.checkpoint.state import TRAINER_STATE, LogWindow, TrainingState
-from finetune.checkpoint.storage import STAGING, Deleter, LocalStorage, committed, step_of, tag_for
+from finetune.checkpoint.storage import (
+    STAGING,
+    Deleter,
+    LocalStorage,
+    committed,
+    step_of,
+    tag_for,
+)
 from finetune.checkpoint.writer import GuardedWriter
 from finetune.config import CheckpointArgs
 from finetune.distributed import logger
@@ -302,7 +319,7 @@ class CheckpointManager(SaveSchedule):
                 snap.trainer_state = {**progress, **self.run_info, "world_size": dist.world_size(),
                                       "versions": versions()}
         except Exception as e:  # noqa: BLE001 — recorded; the agree step decides for all ranks
-            self.writer._fail("the snapshot", e)
+            self.writer.fail("the snapshot", e)
         return snap
 
     def clear_staging(self, tag: str) -> None:
@@ -346,13 +363,16 @@ class CheckpointManager(SaveSchedule):
         out = dist.gather_outcomes(own_files, step=f"writing {tag}'s RNG and shared files",
                                    deadline_s=dist.io_deadline(), cancel=self.writer.record.cancelled)
         if out.own is not None:  # recorded; the agree step decides for all ranks
-            self.writer._fail(folder, out.own)
+            self.writer.fail(folder, out.own)
         self.writer.files.update(out.result or {})
 
     def _write_consolidated(self, folder: Path) -> None:
         """Collective: every rank gathers, even one whose own writes already failed."""
         from finetune.checkpoint.adapter import save_adapter
-        from finetune.checkpoint.consolidate import ConsolidationFailed, save_consolidated
+        from finetune.checkpoint.consolidate import (
+            ConsolidationFailed,
+            save_consolidated,
+        )
 
         try:
             if self.adapters:  # the adapters alone, as peft saves them (the base is elsewhere, unchanged)

@@ -17,9 +17,21 @@ checkpoint its run continued from (parent tag + parent save id). From these:
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
-from finetune.checkpoint.storage import step_of
+TAG_RE = re.compile(r"^global_step(\d+)$")
+
+
+def tag_for(step: int) -> str:
+    """A checkpoint's folder name (DeepSpeed's tag) for an optimizer step."""
+    return f"global_step{step}"
+
+
+def step_of(tag: str) -> int | None:
+    """The step a checkpoint folder name stands for; None for any other name."""
+    m = TAG_RE.match(tag)
+    return int(m.group(1)) if m else None
 
 
 @dataclass(frozen=True)

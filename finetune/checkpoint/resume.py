@@ -19,19 +19,28 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from finetune import distributed as dist
-from finetune.checkpoint import safe_load
 from finetune.checkpoint.faults import fault_point
-from finetune.checkpoint.manifest import MANIFEST, looks_like_checkpoint, read_manifest, verify
+from finetune.checkpoint.manifest import (
+    MANIFEST,
+    looks_like_checkpoint,
+    read_manifest,
+    verify,
+)
 from finetune.checkpoint.policy import Committed, newer_than, resume_order
 from finetune.checkpoint.state import TRAINER_STATE
-from finetune.checkpoint.storage import LocalStorage, committed, find_checkpoint, step_of
+from finetune.checkpoint.storage import (
+    LocalStorage,
+    committed,
+    find_checkpoint,
+    step_of,
+)
 from finetune.checkpoint.universal import UNIVERSAL, to_universal, verify_universal
 from finetune.config import ConfigError, RunConfig
 from finetune.distributed import logger
 from finetune.lora import check_resumable
 from finetune.modeling import check_checkpoint_model
+from finetune.offline import safe_load
 from finetune.preemption import Preempted
-
 
 
 @dataclass

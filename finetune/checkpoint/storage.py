@@ -15,16 +15,15 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
-import re
 import shutil
 import threading
 import uuid
 from pathlib import Path
 
 from finetune.checkpoint.durable import fsync_path, replace_text
+from finetune.checkpoint.policy import TAG_RE, Committed, resume_order, step_of, tag_for  # noqa: F401
 from finetune.progress import progress
 
-TAG_RE = re.compile(r"^global_step(\d+)$")
 LATEST = "latest"
 STAGING = ".staging"
 TRASH = ".trash-"
@@ -33,15 +32,6 @@ MANIFEST = "manifest.json"
 UNIVERSAL_TMP = "universal.tmp"  # an interrupted universal conversion's pieces (universal.py): kept
 
 logger = logging.getLogger("finetune")
-
-
-def tag_for(step: int) -> str:
-    return f"global_step{step}"
-
-
-def step_of(tag: str) -> int | None:
-    m = TAG_RE.match(tag)
-    return int(m.group(1)) if m else None
 
 
 class LocalStorage:
@@ -300,8 +290,6 @@ def _tree_bytes(path: Path) -> int:
 
 def committed(storage: LocalStorage):
     """Every checkpoint of ``storage`` whose manifest reads, with its place in the commit order."""
-    from finetune.checkpoint.policy import Committed
-
     out = []
     for tag in storage.tags():
         manifest = storage.read_manifest(tag)
@@ -316,8 +304,6 @@ def committed(storage: LocalStorage):
 def find_checkpoint(path: str | os.PathLike) -> Path | None:
     """A checkpoint folder as given, or an output dir's newest committed checkpoint (commit order,
     not `latest` or names), else its highest step. None when ``path`` is not a folder."""
-    from finetune.checkpoint.policy import resume_order
-
     p = Path(path)
     if not p.is_dir():
         return None

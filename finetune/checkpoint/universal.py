@@ -42,10 +42,15 @@ import threading
 import time
 from pathlib import Path
 
-from finetune.checkpoint import safe_load
-from finetune.checkpoint.durable import fsync_path, hash_file, sync_filesystem, write_json_durably
+from finetune.checkpoint.durable import (
+    fsync_path,
+    hash_file,
+    sync_filesystem,
+    write_json_durably,
+)
 from finetune.checkpoint.faults import fault_point
 from finetune.checkpoint.manifest import MANIFEST, check_file, read_manifest
+from finetune.offline import safe_load
 
 UNIVERSAL = "universal"
 PIECES = ".pieces"  # inside <target>.tmp: source.json and one marker per finished piece
@@ -122,7 +127,7 @@ _CHILD = ("import ctypes, os, signal, sys\n"
           "try:\n    ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG\n"
           "except (OSError, AttributeError):\n    pass\n"
           "if os.getppid() != int(sys.argv[1]):\n    os._exit(1)  # the parent died before the line above\n"
-          "from finetune.checkpoint.safe_load import run_module\n"
+          "from finetune.offline.safe_load import run_module\n"
           "run_module(sys.argv[2], sys.argv[3:])\n")
 
 

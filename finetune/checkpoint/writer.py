@@ -24,11 +24,11 @@ from pathlib import Path
 
 import torch
 
-from finetune.checkpoint import safe_load
 from finetune.checkpoint.background import Queue, host_copy
 from finetune.checkpoint.durable import HashingWriter, WriteCancelled
-from finetune.progress import progress
 from finetune.checkpoint.faults import fault_point
+from finetune.offline import safe_load
+from finetune.progress import progress
 
 SLOW_ENV = "FINETUNE_SLOW_SAVE"
 
@@ -89,7 +89,7 @@ class GuardedWriter:
         try:
             self.queue.start()
         except Exception as e:  # noqa: BLE001 — reported to all ranks by the manager
-            self._fail(self.staging, e)
+            self.fail(self.staging, e)
             self.queue.finished.set()
 
     def done(self) -> bool:
@@ -120,7 +120,7 @@ class GuardedWriter:
             fault_point("save.makedirs", self.step)
             os.makedirs(path, exist_ok=exist_ok)
         except Exception as e:  # noqa: BLE001 — recorded like a write: rank 0 calls this just before a barrier
-            self._fail(path, e)
+            self.fail(path, e)
 
     def save(self, state_dict, path) -> None:
         if self.error is not None:
@@ -131,7 +131,7 @@ class GuardedWriter:
                 state, nbytes = host_copy(state_dict, self.buffers, os.path.basename(path))
                 self.queue.add(state, path, nbytes)
             except Exception as e:  # noqa: BLE001 — recorded like a write
-                self._fail(path, e)
+                self.fail(path, e)
             return
         self._write(state_dict, path, self.record)
 
@@ -168,9 +168,10 @@ class GuardedWriter:
                 fault_point("save.recovery_script", self.step)
                 return fn(path, *args, **kwargs)
             except Exception as e:  # noqa: BLE001 — reported to all ranks by the manager
-                self._fail(path, e)
+                self.fail(path, e)
 
         return guarded
 
-    def _fail(self, path, e: BaseException) -> None:
+    def fail(self, path, e: BaseException) -> None:
+        """Record that writing ``path`` failed (the save fails at its commit; nothing raises here)."""
         self.record.fail(path, e)

@@ -2,7 +2,7 @@
 `--resume_from_checkpoint auto` skips it (falls back to the older intact checkpoint) or repairs it,
 as docs/CHECKPOINTS.md "Resume" and "Verify" say, and finishes. Nothing hangs: every run has a short
 --ddp_timeout and a wall-clock limit. Also: resume unpickles DeepSpeed's files only after they
-verified, and the real rank files need nothing beyond the allow-list (finetune/checkpoint/safe_load.py).
+verified, and the real rank files need nothing beyond the allow-list (finetune/offline/safe_load.py).
 
 One 2-rank run makes the checkpoints (global_step1, global_step2); each case damages a copy.
 """
@@ -18,9 +18,9 @@ from pathlib import Path
 import pytest
 from conftest import Running, child_env, launcher_cmd
 
-from finetune.checkpoint import safe_load
 from finetune.checkpoint.durable import hash_file
 from finetune.checkpoint.manifest import read_manifest
+from finetune.offline import safe_load
 
 pytestmark = pytest.mark.distributed
 

@@ -15,14 +15,14 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from finetune.checkpoint import export as ex
-from finetune.checkpoint import safe_load
-from finetune.checkpoint import zero_files as zf
 from finetune.checkpoint.consolidate import FROM_MASTER, FROM_MODULE, SOURCE_KEY
 from finetune.checkpoint.durable import hash_file
 from finetune.checkpoint.manifest import build_manifest
 from finetune.checkpoint.shards import INDEX
 from finetune.cli import main
+from finetune.offline import export as ex
+from finetune.offline import safe_load
+from finetune.offline import zero_files as zf
 
 VOCAB = 97
 
@@ -153,7 +153,7 @@ def test_buffers_keep_their_dtype(tmp_path):
 
 def test_reads_rank_files_without_importing_deepspeed(tmp_path, qwen_checkpoint):
     _, folder = qwen_checkpoint
-    code = ("import sys; from finetune.checkpoint.export import export_hf; "
+    code = ("import sys; from finetune.offline.export import export_hf; "
             f"export_hf({str(folder)!r}, {str(tmp_path / 'hf')!r}, progress=False); "
             "assert 'deepspeed' not in sys.modules, 'deepspeed was imported'")
     subprocess.run([sys.executable, "-c", code], check=True)

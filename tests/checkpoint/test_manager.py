@@ -10,9 +10,9 @@ import torch
 
 from finetune.checkpoint.commit import commit_staged
 from finetune.checkpoint.durable import hash_file
+from finetune.checkpoint.faults import FAULT_ENV
 from finetune.checkpoint.manifest import MANIFEST, read_manifest
 from finetune.checkpoint.storage import STAGING, LocalStorage
-from finetune.checkpoint.faults import FAULT_ENV
 from finetune.checkpoint.writer import GuardedWriter
 
 
@@ -169,7 +169,7 @@ def _fake_engines_model_is_not_checked(monkeypatch):
 
 
 def make_cfg(out, **flags):
-    from finetune.config import resolve
+    from finetune.resolve import resolve
 
     return resolve({"output_dir": str(out), "save_checkpoint": True, **flags}, world_size=1)
 

@@ -16,7 +16,13 @@ from finetune.checkpoint.policy import (
     select_for_deletion,
     space_needed,
 )
-from finetune.checkpoint.storage import ABANDONED, STAGING, LocalStorage, committed, find_checkpoint
+from finetune.checkpoint.storage import (
+    ABANDONED,
+    STAGING,
+    LocalStorage,
+    committed,
+    find_checkpoint,
+)
 
 
 def save(s: LocalStorage, step: int, seq: int | None, parent: Committed | None = None, run: str = "r") -> Committed:

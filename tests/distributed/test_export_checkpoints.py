@@ -194,7 +194,12 @@ def test_an_interrupted_conversion_keeps_its_pieces_and_ends_equal_to_deepspeeds
 
     import torch
 
-    from finetune.checkpoint.universal import PIECES, SLOW_ENV, Interrupted, to_universal
+    from finetune.checkpoint.universal import (
+        PIECES,
+        SLOW_ENV,
+        Interrupted,
+        to_universal,
+    )
 
     part = partitioned_only(runs["llama"] / "global_step2", tmp_path / "part")
     target, pieces = part / "universal", part / "universal.tmp" / PIECES

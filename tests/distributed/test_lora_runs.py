@@ -12,9 +12,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import assert_verifies, build_tiny_model, child_env, launcher_cmd, run_group
+from conftest import (
+    assert_verifies,
+    build_tiny_model,
+    child_env,
+    launcher_cmd,
+    run_group,
+)
 
-from finetune.checkpoint import safe_load
+from finetune.offline import safe_load
 from finetune.probe import PROBE_ENV, probe_input
 
 pytestmark = pytest.mark.distributed

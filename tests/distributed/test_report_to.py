@@ -7,7 +7,13 @@ from __future__ import annotations
 import json
 
 import pytest
-from test_trackers import csv_rows, history_at, offline_runs, read_wandb_run, tensorboard_scalars
+from test_trackers import (
+    csv_rows,
+    history_at,
+    offline_runs,
+    read_wandb_run,
+    tensorboard_scalars,
+)
 
 pytestmark = pytest.mark.distributed
 

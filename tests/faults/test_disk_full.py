@@ -32,7 +32,15 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
-from harness import BOUND_S, RUN_TIMEOUT, RankRun, assert_resumes_to_the_end, output_dir_problems, run_ranks, train_args
+from harness import (
+    BOUND_S,
+    RUN_TIMEOUT,
+    RankRun,
+    assert_resumes_to_the_end,
+    output_dir_problems,
+    run_ranks,
+    train_args,
+)
 
 from finetune.checkpoint.manager import SLOW_COMMIT_ENV, SPACE_MARGIN
 from finetune.checkpoint.manifest import MANIFEST, read_manifest

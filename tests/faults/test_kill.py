@@ -15,7 +15,15 @@ import time
 
 import pytest
 from conftest import last_logged_step, wait_until
-from harness import BOUND_S, KILLED, RUN_TIMEOUT, RankRun, assert_resumes_to_the_end, output_dir_problems, train_args
+from harness import (
+    BOUND_S,
+    KILLED,
+    RUN_TIMEOUT,
+    RankRun,
+    assert_resumes_to_the_end,
+    output_dir_problems,
+    train_args,
+)
 
 pytestmark = [pytest.mark.distributed, pytest.mark.faults]
 

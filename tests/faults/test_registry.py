@@ -8,10 +8,27 @@ import re
 from pathlib import Path
 
 import pytest
-from harness import EXPECTED, EXPORT, EXPORT_SAMPLE, HANG_SAMPLE, HANG_SITES, long_cases, sampled_cases
+from harness import (
+    EXPECTED,
+    EXPORT,
+    EXPORT_SAMPLE,
+    HANG_SAMPLE,
+    HANG_SITES,
+    long_cases,
+    sampled_cases,
+)
 
 from finetune.checkpoint import faults
-from finetune.checkpoint.faults import FAULT_ENV, HANG, KINDS, SITES, FaultSpecError, InjectedFault, fault_point, parse
+from finetune.checkpoint.faults import (
+    FAULT_ENV,
+    HANG,
+    KINDS,
+    SITES,
+    FaultSpecError,
+    InjectedFault,
+    fault_point,
+    parse,
+)
 
 PACKAGE = Path(faults.__file__).resolve().parents[1]
 CALL = re.compile(r"""fault_point\(\s*["']([^"']+)["']""")

@@ -7,7 +7,13 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "checkpoint"))
-from test_manager import _fake_engines_model_is_not_checked, make_cfg, make_manager, run_saves, tiny_module  # noqa: E402
+from test_manager import (  # noqa: E402
+    _fake_engines_model_is_not_checked,
+    make_cfg,
+    make_manager,
+    run_saves,
+    tiny_module,
+)
 
 from finetune.checkpoint.faults import FAULT_ENV  # noqa: E402
 from finetune.checkpoint.manifest import read_manifest  # noqa: E402

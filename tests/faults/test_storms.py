@@ -20,7 +20,14 @@ from dataclasses import dataclass
 
 import pytest
 from conftest import last_logged_step, wait_until
-from harness import BOUND_S, RUN_TIMEOUT, RankRun, assert_resumes_to_the_end, output_dir_problems, train_args
+from harness import (
+    BOUND_S,
+    RUN_TIMEOUT,
+    RankRun,
+    assert_resumes_to_the_end,
+    output_dir_problems,
+    train_args,
+)
 
 from finetune.checkpoint.storage import LATEST, STAGING, step_of
 from finetune.metrics import read_metrics

@@ -15,10 +15,19 @@ import sys
 import time
 
 import pytest
-from harness import (BOUND_S, EXPORT, EXPORT_SAMPLE, FAULT_ENV, RUN_TIMEOUT, long_cases, run_case, run_ranks,
-                     sampled_cases, train_args)
-
 from faults.plugin import LONG_ENV
+from harness import (
+    BOUND_S,
+    EXPORT,
+    EXPORT_SAMPLE,
+    FAULT_ENV,
+    RUN_TIMEOUT,
+    long_cases,
+    run_case,
+    run_ranks,
+    sampled_cases,
+    train_args,
+)
 
 from finetune.checkpoint.faults import KINDS
 

@@ -1,4 +1,7 @@
-"""What ``finetune verify OUT`` reports about an output dir besides its newest checkpoint.
+"""``finetune verify``: a checkpoint against its manifest, and what else an output dir holds.
+
+``main`` checks the checkpoint (sizes and checksums; the pickles' opcodes; a LoRA checkpoint's
+adapters). ``notes`` is what it reports about an output dir besides its newest checkpoint.
 
 None of these damages a committed checkpoint, so none changes verify's exit code; each is named
 with what a resume does about it (docs/CHECKPOINTS.md "Verify"):
@@ -16,8 +19,13 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from finetune.checkpoint.adapter import verify_adapter
+from finetune.checkpoint.manifest import read_manifest, stored_ranks
+from finetune.checkpoint.manifest import verify as check_checkpoint
 from finetune.checkpoint.policy import newest_first
-from finetune.checkpoint.storage import LATEST, LocalStorage, committed
+from finetune.checkpoint.storage import LATEST, LocalStorage, committed, find_checkpoint
+from finetune.commands import Parser
+from finetune.config import ConfigError
 
 METRICS = "metrics.jsonl"
 
@@ -75,3 +83,37 @@ def _is_row(line: str) -> bool:
         return isinstance(json.loads(line), dict)
     except ValueError:
         return False
+
+
+def main(argv: list[str]) -> int:
+    """``finetune verify CKPT|OUT``: exit 0 intact, 1 damaged, 2 not a checkpoint."""
+    from finetune.offline.safe_load import refusals  # imports torch: only here
+
+    p = Parser(prog="finetune verify", description="Check a checkpoint against its manifest.json. "
+                "Exit 0 intact, 1 damaged (names the files), 2 not a checkpoint.")
+    p.add_argument("checkpoint", help="A checkpoint folder, or an output dir (its newest committed checkpoint is "
+                   "checked, and the rest of the dir is looked over: uncommitted folders, `latest`, leftovers of "
+                   "crashed saves, torn metrics lines; reported as notes).")
+    p.add_argument("--quick", action="store_true", help="Check file sizes only, not checksums.")
+    ns = p.parse_args(argv)
+    folder = find_checkpoint(ns.checkpoint)
+    report = check_checkpoint(folder, checksums=not ns.quick) if folder else None
+    if report is None or not report.is_checkpoint:
+        raise ConfigError(f"{ns.checkpoint}: not a checkpoint (no manifest.json or DeepSpeed files)")
+    if report.ok and not ns.quick:  # intact; would resume and export unpickle it? (reads the pickles' opcodes)
+        report.problems += refusals(folder, stored_ranks(read_manifest(folder) or {}))
+    if report.ok:  # a LoRA checkpoint: are its adapters all there? (headers and shapes only)
+        report.problems += verify_adapter(folder, read_manifest(folder))
+    what = "sizes" if ns.quick else "sizes and checksums"
+    if report.ok:
+        rate = report.bytes_checked / 1e9 / max(report.seconds, 1e-9)
+        print(f"OK {folder}: {report.files} files, {report.bytes_checked / 1e6:.1f} MB, {what} match "
+              f"({report.seconds:.2f} s, {rate:.2f} GB/s)")
+    else:
+        print(f"DAMAGED {folder}: {len(report.problems)} problem(s)")
+        for problem in report.problems:
+            print(f"  - {problem}")
+    if folder.resolve() != Path(ns.checkpoint).resolve():  # an output dir: what else is in it
+        for note in notes(Path(ns.checkpoint)):
+            print(f"  note: {note}")
+    return 0 if report.ok else 1

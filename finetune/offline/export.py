@@ -26,62 +26,40 @@ from __future__ import annotations
 
 import json
 import os
-import re
-import resource
 import shutil
 import sys
 import time
 import types
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from finetune.checkpoint.adapter import is_adapter_checkpoint
 from finetune.checkpoint.consolidate import FROM_MASTER, SOURCE_KEY
-from finetune.checkpoint.shards import INDEX, plan_shards, read_header, shard_header
 from finetune.checkpoint.durable import fsync_path
 from finetune.checkpoint.faults import fault_point
-from finetune.checkpoint.manifest import MANIFEST, check_file, read_manifest
+from finetune.checkpoint.manifest import read_manifest
+from finetune.checkpoint.shards import INDEX, plan_shards, read_header, shard_header
+from finetune.checkpoint.storage import find_checkpoint, step_of
 from finetune.checkpoint.universal import UNIVERSAL, to_universal
-from finetune.checkpoint.storage import LATEST, find_checkpoint, step_of
-from finetune.checkpoint.zero_files import CHUNK_BYTES, ZeroCheckpoint, rank_model_files
-from finetune.config import ConfigError
+from finetune.commands import Parser
+from finetune.config import ConfigError, check_size
 from finetune.modeling import DTYPES
-
-HF_DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
-SAFE_TO_TORCH = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
-DEFAULT_SHARD_SIZE = "5GB"
-WEIGHTS_RE = re.compile(r"^model(-\d{5}-of-\d{5})?\.safetensors$")
-# What a checkpoint holds that is not part of a HF model folder: DeepSpeed's and our own files.
-# (A LoRA checkpoint's consolidated adapter_model.safetensors is weights too: export rebuilds it.)
-INTERNAL_NAMES = {MANIFEST, "trainer_state.json", LATEST, "adapter_model.safetensors"}
-INTERNAL_RE = re.compile(r"(\.pt$)|(^zero_to_.*\.py$)")
-
-
-@dataclass
-class ExportResult:
-    folder: Path  # the checkpoint exported
-    out: Path
-    tensors: int
-    bytes: int  # of weights written
-    dtype: torch.dtype
-    files: list[str]
-    seconds: float
-    peak_rss: int  # bytes, this process's high-water mark
-    copied: bool  # consolidated weights copied rather than rebuilt
-    verified: tuple[int, float] | None = None  # (bytes, seconds) checked against the manifest; None: not
-    how: str | None = None  # what was written, when not the model's weights (a LoRA checkpoint's export)
-
-    def summary(self) -> str:
-        how = self.how or ("copied the consolidated weights" if self.copied else "rebuilt from the rank files")
-        shards = sum(1 for f in self.files if f.endswith(".safetensors"))
-        checked = (f"{self.verified[0] / 1e6:.1f} MB verified in {self.verified[1]:.2f} s" if self.verified
-                   else "unverified: --no_verify")
-        return (f"Exported {self.folder} to {self.out} ({how}): {self.tensors} tensors, {self.bytes / 1e6:.1f} MB "
-                f"{HF_DTYPE_NAMES[self.dtype]} in {shards} shard(s), {self.seconds:.2f} s, {checked}, "
-                f"peak RSS {self.peak_rss / 1e6:.0f} MB")
-
+from finetune.offline.model_files import (
+    DEFAULT_SHARD_SIZE,
+    SAFE_TO_TORCH,
+    WEIGHTS_RE,
+    ExportResult,
+    check_out,
+    copy_model_files,
+    peak_rss_bytes,
+    plain_inputs,
+    read_config,
+    training_dtype,
+    verify_inputs,
+    write_tensor,
+)
+from finetune.offline.zero_files import ZeroCheckpoint, rank_model_files
 
 # --- entry points ------------------------------------------------------------------------------
 
@@ -106,14 +84,16 @@ def export_hf(checkpoint: str | os.PathLike, out: str | os.PathLike, dtype: str 
     if lora:
         if exclude_frozen:
             raise ConfigError("`--exclude_frozen_parameters`: a LoRA checkpoint holds no frozen parameter")
-        from finetune.checkpoint.lora_export import export_lora  # it imports this module
+        from finetune.offline.lora_export import (
+            export_lora,  # imports peft: only for a LoRA checkpoint
+        )
 
         return export_lora(folder, out, dtype, max_shard_size, merge_lora, base_model, verify, progress)
-    out = _check_out(out)
+    out = check_out(out)
     verified = [0, 0.0] if verify else None
     if verify:  # what decides copy or rebuild, and what is copied: before any of it is read
-        _add(verified, verify_inputs(folder, _plain_inputs(folder)))
-    config = _read_config(folder)
+        _add(verified, verify_inputs(folder, plain_inputs(folder)))
+    config = read_config(folder)
     copy, want = _copy_or_rebuild(folder, DTYPES[dtype] if dtype else None,
                                   max_shard_size is None and not exclude_frozen)
     source = None
@@ -131,7 +111,7 @@ def export_hf(checkpoint: str | os.PathLike, out: str | os.PathLike, dtype: str 
         else:
             tensors, size, files = _write_hf(source, staging, want, max_shard_size or DEFAULT_SHARD_SIZE,
                                                    exclude_frozen, progress)
-        files += _copy_model_files(folder, staging, want, config)
+        files += copy_model_files(folder, staging, want, config)
         fsync_path(staging)
         fault_point("export.publish", step_of(folder.name))
         os.replace(staging, out)  # over an empty `out` too: rename(2) replaces an empty directory
@@ -155,7 +135,7 @@ def export_universal(checkpoint: str | os.PathLike, out: str | os.PathLike | Non
     converter's summary (pieces done now and before, the longest piece)."""
     folder = resolve_checkpoint(checkpoint)
     ZeroCheckpoint.check_files(folder)
-    target = _check_out(out if out is not None else folder / UNIVERSAL)
+    target = check_out(out if out is not None else folder / UNIVERSAL)
     if verify:  # every rank file ds_to_universal picks up (it globs the folder)
         verify_inputs(folder, sorted(p.name for p in folder.glob("*_states.pt")))
     summary = to_universal(folder, target)  # resumes what an interrupted export --universal finished
@@ -173,56 +153,7 @@ def resolve_checkpoint(path: str | os.PathLike) -> Path:
     return folder
 
 
-def peak_rss_bytes() -> int:
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return peak if sys.platform == "darwin" else peak * 1024  # Linux reports KiB
-
-
 # --- checks and plain files -----------------------------------------------------------------------
-
-def verify_inputs(folder: Path, names: list[str]) -> tuple[int, float]:
-    """Each file is listed in ``folder``'s manifest with its size and checksum, and matches them;
-    otherwise ConfigError naming each problem (nothing of the checkpoint has been read yet).
-    Returns (bytes checked, seconds)."""
-    start = time.perf_counter()
-    manifest = read_manifest(folder)
-    if manifest is None:
-        raise ConfigError(f"{folder}: no readable {MANIFEST} to verify it against (not saved by finetune, or "
-                          f"an incomplete save); pass --no_verify to export it unverified")
-    listed = manifest.get("files") if isinstance(manifest.get("files"), dict) else {}
-    problems, checked = [], 0
-    for name in dict.fromkeys(names):
-        meta = listed.get(name)
-        if not (isinstance(meta, dict) and isinstance(meta.get("size"), int) and "checksum" in meta):
-            problems.append(f"{name}: not in {MANIFEST}" if meta is None else f"{name}: unreadable {MANIFEST} entry")
-            continue
-        problems += check_file(folder / name, name, meta, checksums=True)
-        checked += meta["size"]
-    if problems:
-        shown = "; ".join(problems[:5]) + (f"; and {len(problems) - 5} more" if len(problems) > 5 else "")
-        raise ConfigError(f"{folder}: does not verify against its {MANIFEST} ({shown}); nothing was read. "
-                          f"Pass --no_verify to export it anyway")
-    return checked, time.perf_counter() - start
-
-
-def _check_out(out: str | os.PathLike) -> Path:
-    out = Path(out)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise ConfigError(f"{out}: exists and is not an empty directory (won't overwrite it)")
-    return out
-
-
-def _plain_inputs(folder: Path) -> list[str]:
-    """The files export reads besides the rank files: trainer_state.json, the model files it copies
-    (those present, and those the manifest lists: a missing tokenizer is damage too) and, unless
-    the manifest says the consolidated save failed, the consolidated weights present."""
-    manifest = read_manifest(folder) or {}
-    names = [n for n in ("trainer_state.json",) if (folder / n).exists()]
-    listed = {n for n in manifest.get("files") or {} if _is_model_file(n)}
-    names += sorted({p.name for p in _model_files(folder)} | listed)
-    if manifest.get("consolidated") is not False:
-        names += sorted(p.name for p in folder.iterdir() if WEIGHTS_RE.match(p.name) or p.name == INDEX)
-    return names
 
 
 def _consolidated_files(folder: Path) -> list[str]:
@@ -274,7 +205,7 @@ def _copy_or_rebuild(folder: Path, want: torch.dtype | None, as_saved: bool) -> 
     # What a failed consolidated save left is not listed and not weights to copy: never read.
     files = [] if (read_manifest(folder) or {}).get("consolidated") is False else _consolidated_files(folder)
     stored, weights_from = _stored_weights(folder, files) if files else (None, None)
-    training = _training_dtype(folder)
+    training = training_dtype(folder)
     if not rank_model_files(folder):  # nothing to rebuild from: copied as they are, or an error later
         stored = stored or torch.float32
         want = want or stored
@@ -282,15 +213,6 @@ def _copy_or_rebuild(folder: Path, want: torch.dtype | None, as_saved: bool) -> 
     want = want or training
     exact = bool(files) and want == stored and exact_copy(stored, training, weights_from)
     return (files if exact and as_saved else []), want
-
-
-def _training_dtype(folder: Path) -> torch.dtype:
-    """The training precision trainer_state.json records; fp32 when absent or fp32."""
-    try:
-        saved = json.loads((folder / "trainer_state.json").read_text()).get("dtype")
-    except (OSError, ValueError):
-        saved = None
-    return DTYPES.get(saved, torch.float32)
 
 
 def _copy_weights(folder: Path, staging: Path, files: list[str]) -> tuple[int, int, list[str]]:
@@ -303,46 +225,6 @@ def _copy_weights(folder: Path, staging: Path, files: list[str]) -> tuple[int, i
             tensors += len(header)
             size += sum(v["data_offsets"][1] - v["data_offsets"][0] for v in header.values())
     return tensors, size, files
-
-
-def _model_files(folder: Path) -> list[Path]:
-    """Config, generation config, tokenizer and chat template: every top-level file that is neither
-    DeepSpeed's nor ours nor weights."""
-    return [p for p in sorted(folder.iterdir()) if p.is_file() and _is_model_file(p.name)]
-
-
-def _is_model_file(name: str) -> bool:
-    return not (name in INTERNAL_NAMES or INTERNAL_RE.search(name) or WEIGHTS_RE.match(name) or name == INDEX
-                or "/" in name)
-
-
-def _read_config(folder: Path) -> dict:
-    path = folder / "config.json"
-    if not path.is_file():
-        raise ConfigError(f"{path}: missing (export needs the model config)")
-    try:
-        config = json.loads(path.read_text())
-    except (OSError, ValueError) as e:  # damaged, and not verified (--no_verify)
-        raise ConfigError(f"{path}: unreadable ({type(e).__name__}: {e})") from e
-    if not isinstance(config, dict):
-        raise ConfigError(f"{path}: not a model config (a JSON {type(config).__name__})")
-    return config
-
-
-def _copy_model_files(folder: Path, staging: Path, dtype: torch.dtype, config: dict) -> list[str]:
-    """The model files, copied; config.json's dtype is set to the exported weights' dtype."""
-    copied = []
-    for p in _model_files(folder):
-        if p.name == "config.json":
-            config = dict(config)
-            config["dtype"] = HF_DTYPE_NAMES[dtype]
-            if "torch_dtype" in config:  # the name before transformers 4.56
-                config["torch_dtype"] = HF_DTYPE_NAMES[dtype]
-            (staging / p.name).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-        else:
-            shutil.copyfile(p, staging / p.name)
-        copied.append(p.name)
-    return copied
 
 
 # --- writing HF shards from the rank files ------------------------------------------------------
@@ -365,30 +247,57 @@ def _write_hf(source: ZeroCheckpoint, staging: Path, dtype: torch.dtype, max_sha
             with open(staging / fname, "wb") as f:
                 f.write(shard_header(names, meta, {SOURCE_KEY: FROM_MASTER}))  # as a consolidated save records it
                 for name in names:
-                    bar.update(_write_tensor(source, f, by_name[name], meta[name], buffers))
+                    bar.update(write_tensor(source, f, by_name[name], meta[name], buffers))
                 f.flush()
                 os.fsync(f.fileno())
     files = list(split.filename_to_tensors) + list(split.write_index(staging))
     return len(entries), split.total_size, files
 
-def _write_tensor(source: ZeroCheckpoint, f, entry, out: torch.Tensor, buffers: dict) -> int:
-    """Append one tensor's bytes, converted to the planned dtype, chunk by chunk."""
-    written = 0
-    for piece in source.pieces(entry):
-        data = piece
-        if piece.dtype != out.dtype:  # converted into one reused buffer: no allocation per chunk
-            data = _buffer(buffers, out.dtype, piece.numel())[:piece.numel()]
-            data.copy_(piece)
-        f.write(data.view(torch.uint8).numpy() if data.numel() else b"")
-        written += data.numel() * data.element_size()
-    expected = out.numel() * out.element_size()
-    if written != expected:
-        raise RuntimeError(f"{entry.name}: rebuilt {written} bytes, its shape needs {expected}")
-    return written
 
+# --- the command ---------------------------------------------------------------------------------
 
-def _buffer(buffers: dict, dtype: torch.dtype, numel: int) -> torch.Tensor:
-    buf = buffers.get(dtype)
-    if buf is None or buf.numel() < numel:
-        buf = buffers[dtype] = torch.empty(max(numel, CHUNK_BYTES // 4), dtype=dtype)
-    return buf
+def main(argv: list[str]) -> int:
+    """``finetune export CKPT OUT``: exit 0 written, 1 failed while writing, 2 bad input."""
+    p = Parser(prog="finetune export", description="Turn a checkpoint into a HuggingFace model folder (safetensors, "
+                "config, tokenizer), rebuilt from the rank files in one plain process with bounded memory; "
+                "or, with --universal, into DeepSpeed's universal format. Exit 2 on bad input.")
+    p.add_argument("checkpoint", metavar="CKPT", help="A checkpoint folder, or an output dir (its newest committed checkpoint is exported).")
+    p.add_argument("out", metavar="OUT", nargs="?", help="The folder to create (must not exist, or be empty). "
+                   "With --universal, default CHECKPOINT/universal.")
+    p.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default=None,
+                   help="Weights dtype (default: the training dtype in trainer_state.json, else fp32).")
+    p.add_argument("--max_shard_size", default=None, help="Largest safetensors shard (default: 5GB).")
+    p.add_argument("--exclude_frozen_parameters", action="store_true", help="Leave out parameters that were frozen.")
+    p.add_argument("--universal", action="store_true", help="Write DeepSpeed's universal checkpoint format instead "
+                   "(what resume on another world size loads).")
+    p.add_argument("--merge_lora", action="store_true", help="A LoRA checkpoint (--use_peft): write the base model with "
+                   "the adapters merged into its weights, a model folder that loads without peft (default: the "
+                   "adapter folder, adapter_model.safetensors + adapter_config.json, for PeftModel.from_pretrained).")
+    p.add_argument("--base_model", metavar="PATH_OR_HUB_ID", default=None, help="With --merge_lora: the base model's "
+                   "folder or hub id, if not where the run loaded it from (its weights must be the same: checked "
+                   "against the fingerprint the checkpoint recorded).")
+    p.add_argument("--no_verify", action="store_true", help="Don't check the files read against the checkpoint's "
+                   "manifest.json first (sizes and checksums); needed for a checkpoint without one. The rank files "
+                   "are unpickled with weights_only=True either way.")
+    ns = p.parse_args(argv)
+    if ns.universal:
+        if ns.dtype or ns.max_shard_size or ns.exclude_frozen_parameters or ns.merge_lora or ns.base_model:
+            raise ConfigError("`--universal` takes no `--dtype`, `--max_shard_size`, `--exclude_frozen_parameters`, "
+                              "`--merge_lora` or `--base_model`")
+        start = time.perf_counter()
+        target, summary = export_universal(ns.checkpoint, ns.out, verify=not ns.no_verify)
+        print(f"Converted {ns.checkpoint} to DeepSpeed's universal format in {target} "
+              f"({time.perf_counter() - start:.1f} s; {summary.removeprefix('converted ')})")
+        return 0
+    if ns.out is None:
+        p.error("the following arguments are required: OUT")
+    if ns.max_shard_size is not None:
+        check_size(ns.max_shard_size)
+    try:
+        result = export_hf(ns.checkpoint, ns.out, ns.dtype, ns.max_shard_size, ns.exclude_frozen_parameters,
+                           verify=not ns.no_verify, merge_lora=ns.merge_lora, base_model=ns.base_model)
+    except OSError as e:  # a full disk, an I/O error: the staging folder is gone, OUT was never created
+        print(f"finetune: error: export failed, {ns.out} was not written: {e}", file=sys.stderr)
+        return 1
+    print(result.summary())
+    return 0

@@ -28,36 +28,56 @@ from pathlib import Path
 
 import torch
 
-from finetune.checkpoint.adapter import ADAPTER_CONFIG, ADAPTER_WEIGHTS, expected_tensors
+from finetune.checkpoint.adapter import (
+    ADAPTER_CONFIG,
+    ADAPTER_WEIGHTS,
+    expected_tensors,
+)
 from finetune.checkpoint.consolidate import FROM_MASTER, SOURCE_KEY
 from finetune.checkpoint.durable import fsync_path
-from finetune.checkpoint.export import (DEFAULT_SHARD_SIZE, ExportResult, _check_out, _copy_model_files, _model_files,
-                                        _plain_inputs, _read_config, _training_dtype, _write_tensor, peak_rss_bytes,
-                                        verify_inputs)
 from finetune.checkpoint.faults import fault_point
 from finetune.checkpoint.shards import INDEX, SAFE_TO_DTYPE, plan_shards, shard_header
 from finetune.checkpoint.storage import step_of
-from finetune.checkpoint.zero_files import CHUNK_BYTES, ZeroCheckpoint
 from finetune.config import ConfigError
-from finetune.lora import BASE_KEY, _shown, fingerprint, same_base, weights_folder
+from finetune.lora import (
+    BASE_KEY,
+    describe_base,
+    fingerprint,
+    same_base,
+    weights_folder,
+)
 from finetune.modeling import DTYPES
+from finetune.offline.model_files import (
+    DEFAULT_SHARD_SIZE,
+    ExportResult,
+    check_out,
+    copy_model_files,
+    model_files,
+    peak_rss_bytes,
+    plain_inputs,
+    read_config,
+    training_dtype,
+    verify_inputs,
+    write_tensor,
+)
+from finetune.offline.zero_files import CHUNK_BYTES, ZeroCheckpoint
 
 
 def export_lora(folder: Path, out: str | os.PathLike, dtype: str | None, max_shard_size: str | None, merge: bool,
                 base_model: str | None, verify: bool, progress: bool) -> ExportResult:
     """The adapter folder of LoRA checkpoint ``folder`` at ``out`` (or, ``merge``, the merged model)."""
     start = time.perf_counter()
-    out = _check_out(out)
+    out = check_out(out)
     if not merge and (max_shard_size or base_model):
         raise ConfigError("`--max_shard_size` and `--base_model` go with `--merge_lora` (an adapter is one file)")
     verified = None
     if verify:  # every file read below, before any of it is read (what export.py checks, and the rank files)
         models, optims = ZeroCheckpoint.check_files(folder)
-        verified = verify_inputs(folder, _plain_inputs(folder) + [p.name for p in models + optims])
+        verified = verify_inputs(folder, plain_inputs(folder) + [p.name for p in models + optims])
     state = _trainer_state(folder)
     source = ZeroCheckpoint(folder)
     adapters = _adapter_entries(folder, source)
-    want = DTYPES[dtype] if dtype else _training_dtype(folder)
+    want = DTYPES[dtype] if dtype else training_dtype(folder)
     base_dir = _base_folder(folder, state, base_model) if merge else None
     staging = out.parent / f".{out.name}.export-tmp"
     shutil.rmtree(staging, ignore_errors=True)
@@ -66,12 +86,12 @@ def export_lora(folder: Path, out: str | os.PathLike, dtype: str | None, max_sha
         if merge:
             tensors, size, files = _write_merged(base_dir, source, adapters, _read_adapter_config(folder), staging,
                                                  want, max_shard_size or DEFAULT_SHARD_SIZE, progress)
-            files += _copy_model_files(folder, staging, want, _read_config(folder))
+            files += copy_model_files(folder, staging, want, read_config(folder))
             files = [f for f in files if f != ADAPTER_CONFIG]
             (staging / ADAPTER_CONFIG).unlink(missing_ok=True)  # a plain model: nothing for peft to find
         else:
             tensors, size, files = _write_adapter(source, adapters, staging, want)
-            for p in _model_files(folder):
+            for p in model_files(folder):
                 if p.name not in ("config.json", "generation_config.json", ADAPTER_CONFIG):  # the base's, or written
                     shutil.copyfile(p, staging / p.name)
                     files.append(p.name)
@@ -129,7 +149,7 @@ def _write_adapter(source: ZeroCheckpoint, adapters: dict, staging: Path, dtype:
     with open(staging / ADAPTER_WEIGHTS, "wb") as f:
         f.write(shard_header(list(adapters), meta, {SOURCE_KEY: FROM_MASTER}))
         for key, entry in adapters.items():
-            _write_tensor(source, f, entry, meta[key], buffers)
+            write_tensor(source, f, entry, meta[key], buffers)
         f.flush()
         os.fsync(f.fileno())
     shutil.copyfile(source.folder / ADAPTER_CONFIG, staging / ADAPTER_CONFIG)
@@ -145,7 +165,7 @@ def _base_folder(folder: Path, state: dict, override: str | None) -> Path:
     if not recorded:
         raise ConfigError(f"{folder}: trainer_state.json records no base model (not a LoRA checkpoint of finetune's)")
     if recorded.get("kind") != "pretrained":
-        raise ConfigError(f"--merge_lora: {folder}'s base was {_shown(recorded)}, weights that were never saved; "
+        raise ConfigError(f"--merge_lora: {folder}'s base was {describe_base(recorded)}, weights that were never saved; "
                           "export the adapters without --merge_lora")
     name = override or recorded["source"]
     base_dir, revision = weights_folder(name)
@@ -157,8 +177,8 @@ def _base_folder(folder: Path, state: dict, override: str | None) -> Path:
         raise ConfigError(f"{base_dir}: no safetensors weights (--merge_lora streams the base's safetensors shards)")
     now = {"source": name, "revision": revision, "fingerprint": fingerprint(base_dir)}
     if not same_base(recorded, now):
-        raise ConfigError(f"--merge_lora: {folder}'s adapters were trained on {_shown(recorded)}, {base_dir} holds "
-                          f"{_shown(now)}: another base model; give the base they were trained on with --base_model")
+        raise ConfigError(f"--merge_lora: {folder}'s adapters were trained on {describe_base(recorded)}, {base_dir} holds "
+                          f"{describe_base(now)}: another base model; give the base they were trained on with --base_model")
     return base_dir
 
 
@@ -289,7 +309,7 @@ def _write_merged_tensor(f, handle, key: str, out: torch.Tensor, how: tuple | No
         if tuple(entry.shape) != tuple(out.shape):
             raise ConfigError(f"--merge_lora: {key} is {tuple(out.shape)} in the base, {tuple(entry.shape)} in the "
                               "checkpoint's modules_to_save")
-        return _write_tensor(source, f, entry, out, {})
+        return write_tensor(source, f, entry, out, {})
     delta = None
     if how is not None:
         _, a_key, b_key, scaling, transposed = how

@@ -46,11 +46,11 @@ from pathlib import Path
 
 import torch
 
-from finetune.checkpoint import safe_load
 from finetune.checkpoint.faults import fault_point
 from finetune.checkpoint.manifest import RANK_FILE_PATTERNS, read_manifest
 from finetune.checkpoint.storage import step_of
 from finetune.config import ConfigError
+from finetune.offline import safe_load
 
 CHUNK_BYTES = 8 << 20  # read, converted and written at a time
 MODEL_FILE = RANK_FILE_PATTERNS[0]

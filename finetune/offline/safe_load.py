@@ -106,7 +106,7 @@ def load(path: str | os.PathLike, map_location=None, *, mmap: bool = False, iner
 
 def _refusal(path, what: str) -> UnsafePickle:
     return UnsafePickle(path, f"refused to unpickle {what}: not on the allow-list of what DeepSpeed pickles "
-                        "into a checkpoint (finetune/checkpoint/safe_load.py); loading it could run code")
+                        "into a checkpoint (finetune/offline/safe_load.py); loading it could run code")
 
 
 def refused(message: str) -> str:

@@ -1,0 +1,102 @@
+"""The package's shape: no import cycle among finetune's modules, counting imports inside functions
+(a lazy import hides a cycle from Python, not from a reader), and the leaves import nothing above
+them. Pure AST reading; no module is imported."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+from conftest import REPO
+
+PACKAGE = REPO / "finetune"
+
+# Modules every other module may import: each imports nothing of finetune's.
+LEAVES = ("finetune.config", "finetune.commands")
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(REPO).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def graph() -> dict[str, dict[str, int]]:
+    """module → {imported finetune module: line of the first such import}."""
+    paths = {module_name(p): p for p in PACKAGE.rglob("*.py")}
+    edges: dict[str, dict[str, int]] = {}
+    for mod, path in paths.items():
+        package = mod if path.name == "__init__.py" else mod.rpartition(".")[0]
+        out = edges.setdefault(mod, {})
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    up = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    base = ".".join(up + ([base] if base else []))
+                # `from pkg import mod` imports the module pkg.mod when there is one
+                names = [f"{base}.{a.name}" if f"{base}.{a.name}" in paths else base for a in node.names]
+            else:
+                continue
+            for name in names:
+                while name and name not in paths:  # `import finetune.x.y` of a name inside a module
+                    name = name.rpartition(".")[0]
+                if name and name != mod and not (name == "finetune" and mod.startswith("finetune.")):
+                    out.setdefault(name, node.lineno)
+    return edges
+
+
+def cycles(edges: dict[str, dict[str, int]]) -> list[list[str]]:
+    """Strongly connected groups of more than one module (Tarjan's algorithm)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in edges.get(v, {}):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            group = []
+            while True:
+                w = stack.pop()
+                group.append(w)
+                if w == v:
+                    break
+            if len(group) > 1:
+                found.append(sorted(group))
+
+    for v in sorted(edges):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_no_import_cycle_counting_imports_inside_functions():
+    edges = graph()
+    found = cycles(edges)
+    described = [
+        " ↔ ".join(group)
+        + ": "
+        + "; ".join(f"{a} imports {b} (line {edges[a][b]})" for a in group for b in group if b in edges[a])
+        for group in found
+    ]
+    assert not found, "import cycles:\n" + "\n".join(described)
+
+
+def test_the_cycle_finder_finds_a_cycle_through_a_function_level_import():
+    edges = {"a": {"b": 1}, "b": {"c": 3}, "c": {"a": 7}, "d": {"a": 1}}
+    assert cycles(edges) == [["a", "b", "c"]]
+    assert cycles({"a": {"b": 1}, "b": {}}) == []
+
+
+def test_the_leaves_import_nothing_of_finetune():
+    edges = graph()
+    assert {leaf: sorted(edges[leaf]) for leaf in LEAVES} == {leaf: [] for leaf in LEAVES}
