@@ -22,10 +22,10 @@ from typing import Any, Callable
 import torch
 
 from finetune import launchers
-from finetune.checkpoint.faults import fault_point
 from finetune.config import DEFAULT_DDP_TIMEOUT, ConfigError
 from finetune.console import swallow_build_notice
-from finetune.progress import watch
+from finetune.io.faults import fault_point
+from finetune.io.progress import watch
 
 logger = logging.getLogger("finetune")
 

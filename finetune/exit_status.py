@@ -32,7 +32,7 @@ def write_exit_status(output_dir: str, code: int | None, note: dict | None) -> N
     Never raises: rank 0 alone calls it between collectives, and a full disk here must not leave
     the other ranks waiting for it; the launcher's own exit code still tells the outcome.
     """
-    from finetune.checkpoint.durable import replace_text
+    from finetune.io.durable import replace_text
 
     status = {"exit_code": code, "reason": "finished" if code == 0 else "failed", **(note or {}),
               "run_id": os.environ.get(RUN_ID_ENV), "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}

@@ -7,13 +7,10 @@ fp32, CPU). tests/distributed/test_lora_runs.py holds the adapter and merged exp
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from finetune import distributed as dist
-
-PROBE_ENV = "FINETUNE_PROBE_LOGITS"
+from finetune.io import seams
 
 
 def probe_input(vocab_size: int) -> torch.Tensor:
@@ -24,7 +21,7 @@ def probe_input(vocab_size: int) -> torch.Tensor:
 @torch.no_grad()
 def maybe_probe(engine, tokenizer) -> None:
     """Every rank, when the seam is set (an environment every rank shares). Collective."""
-    path = os.environ.get(PROBE_ENV)
+    path = seams.value(seams.PROBE_LOGITS)
     if not path:
         return
     engine.eval()

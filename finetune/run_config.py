@@ -17,7 +17,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from finetune.checkpoint.durable import replace_text
+from finetune.io.durable import replace_text
 from finetune.config import GROUPS, ConfigError, RunConfig
 
 FILE_NAME = "run_config.yaml"

@@ -171,7 +171,7 @@ class WandbTracker:
         run.define_metric(STEP_METRIC)
         run.define_metric("*", step_metric=STEP_METRIC, step_sync=True)
         try:
-            from finetune.checkpoint.durable import replace_text
+            from finetune.io.durable import replace_text
 
             replace_text(id_file, run.id + "\n")
         except OSError as e:  # the run goes on; only a resume would start a new wandb run

@@ -100,3 +100,32 @@ def test_the_cycle_finder_finds_a_cycle_through_a_function_level_import():
 def test_the_leaves_import_nothing_of_finetune():
     edges = graph()
     assert {leaf: sorted(edges[leaf]) for leaf in LEAVES} == {leaf: [] for leaf in LEAVES}
+
+
+def test_finetune_io_imports_nothing_above_it():
+    edges = graph()
+    low = {mod: sorted(m for m in out if not m.startswith("finetune.io"))
+           for mod, out in edges.items() if mod.startswith("finetune.io")}
+    assert low == {mod: [] for mod in low}
+
+
+# FINETUNE_* variables a user may set (docs/CLUSTERS.md); every other one is a test seam.
+USER_SETTINGS = {"FINETUNE_DIST_TIMEOUT_MIN", "FINETUNE_RUN_ID"}
+
+
+def test_every_test_seam_is_read_in_seams_py_alone():
+    from finetune.io import seams
+
+    named: dict[str, list[str]] = {}
+    for path in PACKAGE.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str):
+                if node.value.startswith("FINETUNE_") and node.value.isupper():
+                    named.setdefault(node.value, []).append(f"{module_name(path)}:{node.lineno}")
+    outside = {
+        name: where
+        for name, where in named.items()
+        if name not in USER_SETTINGS and where != [f"finetune.io.seams:{where[0].split(':')[1]}"]
+    }
+    assert not outside, f"FINETUNE_* names outside finetune/io/seams.py: {outside}"
+    assert set(seams.ALL) == set(named) - USER_SETTINGS

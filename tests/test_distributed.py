@@ -69,7 +69,7 @@ def test_a_step_that_makes_no_progress_fails_on_every_rank_after_its_deadline(tw
 def test_a_slow_step_that_reports_progress_is_not_given_up(two_ranks):
     import time
 
-    from finetune.progress import progress
+    from finetune.io.progress import progress
 
     def slow():
         for _ in range(8):

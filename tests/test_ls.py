@@ -14,9 +14,9 @@ import torch
 
 from finetune import cli, listing
 from finetune.checkpoint.commit import commit_staged
-from finetune.checkpoint.durable import hash_file
 from finetune.checkpoint.manifest import MANIFEST, read_manifest
 from finetune.checkpoint.storage import STAGING, LocalStorage
+from finetune.io.durable import hash_file
 
 WORLD = 2
 KEYS = {"tag", "step", "committed_at", "bytes", "world_size", "train_loss", "eval_loss", "consolidated", "status",

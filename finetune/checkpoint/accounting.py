@@ -6,15 +6,13 @@ Test seam: ``FINETUNE_SAVE_IO=<dir>`` writes each rank's record to ``<dir>/<tag>
 from __future__ import annotations
 
 import json
-import os
 import time
 from pathlib import Path
 
 from finetune import distributed as dist
-from finetune.checkpoint.durable import bytes_hashed
 from finetune.distributed import logger
-
-SAVE_IO_ENV = "FINETUNE_SAVE_IO"
+from finetune.io import seams
+from finetune.io.durable import bytes_hashed
 
 
 class SaveIO:
@@ -29,13 +27,13 @@ class SaveIO:
         record = {"tag": tag, "rank": dist.rank(), "world_size": dist.world_size(), "seconds": round(seconds, 4),
                   "own_bytes": sum(size for size, _ in files.values()), "hashed_bytes": bytes_hashed() - hashed0,
                   **{f"{k}_delta": io1[k] - io0[k] for k in io1 if k in io0}}
-        folder = os.environ.get(SAVE_IO_ENV)
+        folder = seams.value(seams.SAVE_IO)
         if folder:
             try:
                 Path(folder).mkdir(parents=True, exist_ok=True)
                 (Path(folder) / f"{tag}-rank{dist.rank()}.json").write_text(json.dumps(record))
             except OSError as e:
-                logger.warning("%s: %s", SAVE_IO_ENV, e)
+                logger.warning("%s: %s", seams.SAVE_IO, e)
         return record
 
 

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import threading
 
-from finetune.checkpoint.durable import fsync_path, write_json_durably
-from finetune.checkpoint.faults import fault_point
 from finetune.checkpoint.manifest import MANIFEST, build_manifest
 from finetune.checkpoint.storage import STAGING, LocalStorage, step_of
 from finetune.distributed import logger
+from finetune.io.durable import fsync_path, write_json_durably
+from finetune.io.faults import fault_point
 
 
 def commit_staged(storage: LocalStorage, tag: str, files: dict[str, tuple[int, str]], world_size: int,

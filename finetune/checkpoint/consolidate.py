@@ -41,16 +41,16 @@ from __future__ import annotations
 
 import functools
 import itertools
-import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
 
 from finetune import distributed as dist
-from finetune.checkpoint.faults import fault_point
 from finetune.checkpoint.shards import ConsolidationError, ShardWriter, plan_shards
 from finetune.checkpoint.storage import step_of
+from finetune.io import seams
+from finetune.io.faults import fault_point
 
 # Backends that move CPU tensors; any other one (nccl, hccl, ...) moves only accelerator tensors.
 CPU_BACKENDS = frozenset({"gloo", "mpi", "ccl"})
@@ -139,7 +139,7 @@ STREAM_BYTES = 8 << 20
 
 
 def _stream_bytes() -> int:
-    return int(os.environ.get("FINETUNE_STREAM_BYTES", STREAM_BYTES))
+    return int(seams.number(seams.STREAM_BYTES, STREAM_BYTES))
 
 
 def _streamable(p) -> bool:

@@ -12,10 +12,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from finetune import distributed as dist
-from finetune.checkpoint.faults import fault_point
 from finetune.checkpoint.storage import LocalStorage
 from finetune.config import ConfigError
 from finetune.distributed import logger
+from finetune.io.faults import fault_point
 
 
 def node_local(ds_config: dict) -> bool:

@@ -76,7 +76,6 @@ import time
 import uuid
 from pathlib import Path
 
-from finetune.checkpoint.faults import fault_point
 from finetune.checkpoint.holder import (
     identity as _identity,
 )
@@ -90,13 +89,14 @@ from finetune.checkpoint.holder import (
     same_machine as _same_machine,
 )
 from finetune.config import ConfigError
+from finetune.io import seams
+from finetune.io.faults import fault_point
 
 logger = logging.getLogger("finetune")
 
 LEASE = ".lease"
 TAKING = ".lease.taking"  # + .<hash of the dead lease>.<n>: one taker at a time replaces that lease
 RENEW_S = 30.0
-RENEW_ENV = "FINETUNE_LEASE_RENEW_S"  # test seam: a faster heartbeat, so a test sees a takeover in time
 OBSERVE_FACTOR = 2.5  # a holder on another machine is dead after this many of its heartbeats pass unseen
 _RECHECK_S = 0.1  # between the two reads of a garbled lease
 _MAX_TRIES = 20  # judge-and-take rounds before giving up on a lease that keeps changing hands
@@ -145,7 +145,7 @@ def acquire(out: str | os.PathLike, run_id: str | None = None, *, renew_s: float
     how long to watch a holder on another machine (default: see the module doc).
     """
     if renew_s is None:
-        renew_s = float(os.environ.get(RENEW_ENV) or RENEW_S)
+        renew_s = seams.number(seams.LEASE_RENEW_S, RENEW_S)
     if renew_s <= 0:
         raise ValueError(f"renew_s must be positive, not {renew_s}")
     out = Path(out)

@@ -47,7 +47,6 @@ from __future__ import annotations
 
 import copy
 import logging
-import os
 import threading
 import time
 from dataclasses import dataclass
@@ -60,13 +59,6 @@ from finetune import distributed as dist
 from finetune.checkpoint.accounting import Clock, SaveIO, fmt_bytes, space_report
 from finetune.checkpoint.adapter import ADAPTER_WEIGHTS, write_adapter_config
 from finetune.checkpoint.commit import prepare_staged, publish_staged
-from finetune.checkpoint.durable import (
-    WriteCancelled,
-    fsync_path,
-    hash_file,
-    write_json_durably,
-)
-from finetune.checkpoint.faults import fault_point
 from finetune.checkpoint.layout import Layout
 from finetune.checkpoint.lease import LeaseLost
 from finetune.checkpoint.manifest import MANIFEST
@@ -91,10 +83,16 @@ from finetune.checkpoint.storage import (
 from finetune.checkpoint.writer import GuardedWriter
 from finetune.config import CheckpointArgs
 from finetune.distributed import logger
+from finetune.io import seams
+from finetune.io.durable import (
+    WriteCancelled,
+    fsync_path,
+    hash_file,
+    write_json_durably,
+)
+from finetune.io.faults import fault_point
 from finetune.ops import replay_adam_steps
 
-SKIP_SPACE_CHECK_ENV = "FINETUNE_SKIP_SPACE_CHECK"
-SLOW_COMMIT_ENV = "FINETUNE_SLOW_COMMIT"
 # Adam keeps fp32 master weights + two moments (12 B/param); the module states add a copy.
 BYTES_PER_PARAM_ESTIMATE = 16
 SPACE_MARGIN = 1.10
@@ -281,8 +279,8 @@ class CheckpointManager(SaveSchedule):
 
         def problem():
             fault_point("save.check_space", step_of(tag))
-            if os.environ.get(SKIP_SPACE_CHECK_ENV) == "1":
-                return None  # test seam: lets tests hit a real ENOSPC mid-write
+            if seams.enabled(seams.SKIP_SPACE_CHECK):
+                return None  # lets tests hit a real ENOSPC mid-write
             free = self.storage.free_bytes()
             if free < need <= free + self.deleter.pending_bytes:
                 self.deleter.drain()  # retention is still deleting older checkpoints: what it frees counts
@@ -493,8 +491,7 @@ class CheckpointManager(SaveSchedule):
             raise SaveError(f"{e}{self._drop_staging(tag)}") from e
 
         def prepare():
-            if os.environ.get(SLOW_COMMIT_ENV):
-                time.sleep(float(os.environ[SLOW_COMMIT_ENV]))  # test seam: a moment to fill the disk
+            seams.pause(seams.SLOW_COMMIT)  # a moment for a test to fill the disk
             try:
                 prepare_staged(self.storage, tag, files, dist.world_size(), versions(), ranks, identity)
             except OSError as e:

@@ -14,9 +14,9 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 
-from finetune.checkpoint.durable import hash_file
-from finetune.checkpoint.faults import fault_point
 from finetune.checkpoint.storage import step_of
+from finetune.io.durable import hash_file
+from finetune.io.faults import fault_point
 
 MANIFEST = "manifest.json"
 ALGORITHM = "xxh3_128"

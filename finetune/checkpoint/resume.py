@@ -19,7 +19,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from finetune import distributed as dist
-from finetune.checkpoint.faults import fault_point
 from finetune.checkpoint.manifest import (
     MANIFEST,
     looks_like_checkpoint,
@@ -37,6 +36,7 @@ from finetune.checkpoint.storage import (
 from finetune.checkpoint.universal import UNIVERSAL, to_universal, verify_universal
 from finetune.config import ConfigError, RunConfig
 from finetune.distributed import logger
+from finetune.io.faults import fault_point
 from finetune.lora import check_resumable
 from finetune.modeling import check_checkpoint_model
 from finetune.offline import safe_load

@@ -12,9 +12,9 @@ import logging
 from pathlib import Path
 
 from finetune import distributed as dist
-from finetune.checkpoint.faults import fault_point
 from finetune.checkpoint.storage import tag_for
 from finetune.distributed import logger
+from finetune.io.faults import fault_point
 
 
 class SaveError(RuntimeError):

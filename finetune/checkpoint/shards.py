@@ -10,21 +10,20 @@ from __future__ import annotations
 import json
 import os
 import struct
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from finetune.checkpoint.durable import HashingWriter, write_json_durably
-from finetune.checkpoint.faults import fault_point
 from finetune.checkpoint.storage import step_of
+from finetune.io import seams
+from finetune.io.durable import HashingWriter, write_json_durably
+from finetune.io.faults import fault_point
 
 SAFE_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
                torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
                torch.bool: "BOOL"}
 INDEX = "model.safetensors.index.json"
-SLOW_ENV = "FINETUNE_SLOW_SAVE"  # writer.py's seam: here, a pause after each shard's header
 
 class ConsolidationError(RuntimeError):
     """The gathered tensors don't match the plan (order, shape or element count)."""
@@ -147,9 +146,9 @@ class ShardWriter:
             self.writer = HashingWriter(self.file)
             self.writer.write(shard_header(self.split.filename_to_tensors[fname], self.meta, self.metadata))
             fault_point("save.consolidated_write", self.step)  # after the open and the header
-            if os.environ.get(SLOW_ENV):  # test seam: a moment for a test to fill the disk mid-shard
+            if seams.value(seams.SLOW_SAVE):  # a moment for a test to fill the disk mid-shard
                 self.writer.flush()
-                time.sleep(float(os.environ[SLOW_ENV]))
+                seams.pause(seams.SLOW_SAVE)
         self.appended = 0
 
     def append(self, piece: torch.Tensor) -> None:

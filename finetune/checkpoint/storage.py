@@ -20,9 +20,9 @@ import threading
 import uuid
 from pathlib import Path
 
-from finetune.checkpoint.durable import fsync_path, replace_text
 from finetune.checkpoint.policy import TAG_RE, Committed, resume_order, step_of, tag_for  # noqa: F401
-from finetune.progress import progress
+from finetune.io.durable import fsync_path, replace_text
+from finetune.io.progress import progress
 
 LATEST = "latest"
 STAGING = ".staging"

@@ -42,19 +42,19 @@ import threading
 import time
 from pathlib import Path
 
-from finetune.checkpoint.durable import (
+from finetune.checkpoint.manifest import MANIFEST, check_file, read_manifest
+from finetune.io import seams
+from finetune.io.durable import (
     fsync_path,
     hash_file,
     sync_filesystem,
     write_json_durably,
 )
-from finetune.checkpoint.faults import fault_point
-from finetune.checkpoint.manifest import MANIFEST, check_file, read_manifest
+from finetune.io.faults import fault_point
 from finetune.offline import safe_load
 
 UNIVERSAL = "universal"
 PIECES = ".pieces"  # inside <target>.tmp: source.json and one marker per finished piece
-SLOW_ENV = "FINETUNE_SLOW_UNIVERSAL"
 STATES = ("fp32", "exp_avg", "exp_avg_sq")
 
 
@@ -204,9 +204,7 @@ class Pieces:
         each file ``final`` (part of the conversion, not a fragment): hashed now, from the page
         cache, so the manifest needs no second read. Returns its seconds."""
         fault_point("resume.universal_piece")
-        slow = float(os.environ.get(SLOW_ENV) or 0)
-        if slow:
-            time.sleep(slow)
+        seams.pause(seams.SLOW_UNIVERSAL)
         start = time.perf_counter()
         work()
         if not sync_filesystem(self.out):  # one flush of the filesystem, where Linux has syncfs

@@ -18,19 +18,17 @@ from __future__ import annotations
 
 import os
 import threading
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from finetune.checkpoint.background import Queue, host_copy
-from finetune.checkpoint.durable import HashingWriter, WriteCancelled
-from finetune.checkpoint.faults import fault_point
+from finetune.io import seams
+from finetune.io.durable import HashingWriter, WriteCancelled
+from finetune.io.faults import fault_point
+from finetune.io.progress import progress
 from finetune.offline import safe_load
-from finetune.progress import progress
-
-SLOW_ENV = "FINETUNE_SLOW_SAVE"
 
 
 @dataclass
@@ -151,8 +149,7 @@ class GuardedWriter:
                 fault_point("save.fsync", record.step)
                 os.fsync(f.fileno())
             record.files[os.path.relpath(path, record.staging)] = (w.size, w.digest())
-            if os.environ.get(SLOW_ENV):
-                time.sleep(float(os.environ[SLOW_ENV]))
+            seams.pause(seams.SLOW_SAVE)
         except Exception as e:  # noqa: BLE001 — any failure is reported to all ranks by the manager
             record.fail(path, w.os_error if w is not None and w.os_error else e)
 

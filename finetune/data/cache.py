@@ -27,7 +27,7 @@ from pathlib import Path
 import xxhash
 
 from finetune import distributed as dist
-from finetune.checkpoint.durable import fsync_path, hash_file, write_json_durably
+from finetune.io.durable import fsync_path, hash_file, write_json_durably
 from finetune.config import ConfigError, RunConfig
 from finetune.data.load import EMBEDDED_DATA, load_raw, load_splits, nothing_to_learn, pack, tokenize
 from finetune.distributed import logger

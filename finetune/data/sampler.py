@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import errno
 import math
-import os
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Iterator
@@ -19,8 +18,7 @@ import torch
 
 from finetune.config import ConfigError
 from finetune.data.load import collate
-
-FAIL_BATCH_ENV = "FINETUNE_FAIL_BATCH"
+from finetune.io import seams
 
 
 @dataclass(frozen=True)
@@ -171,8 +169,8 @@ class TrainData:
 
 def _injected_failure(rank: int, step: int) -> None:
     """Test seam: ``FINETUNE_FAIL_BATCH=R:K`` fails rank R preparing optimizer step K of the first epoch."""
-    if os.environ.get(FAIL_BATCH_ENV) == f"{rank}:{step}":
-        raise OSError(errno.EIO, f"injected by {FAIL_BATCH_ENV} while preparing a batch")
+    if seams.value(seams.FAIL_BATCH) == f"{rank}:{step}":
+        raise OSError(errno.EIO, f"injected by {seams.FAIL_BATCH} while preparing a batch")
 
 
 def eval_batches(dataset, batch_size: int, world_size: int, rank: int, pad_id: int,

@@ -36,14 +36,14 @@ import torch
 
 from finetune.checkpoint.adapter import is_adapter_checkpoint
 from finetune.checkpoint.consolidate import FROM_MASTER, SOURCE_KEY
-from finetune.checkpoint.durable import fsync_path
-from finetune.checkpoint.faults import fault_point
 from finetune.checkpoint.manifest import read_manifest
 from finetune.checkpoint.shards import INDEX, plan_shards, read_header, shard_header
 from finetune.checkpoint.storage import find_checkpoint, step_of
 from finetune.checkpoint.universal import UNIVERSAL, to_universal
 from finetune.commands import Parser
 from finetune.config import ConfigError, check_size
+from finetune.io.durable import fsync_path
+from finetune.io.faults import fault_point
 from finetune.modeling import DTYPES
 from finetune.offline.model_files import (
     DEFAULT_SHARD_SIZE,

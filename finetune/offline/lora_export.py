@@ -34,11 +34,11 @@ from finetune.checkpoint.adapter import (
     expected_tensors,
 )
 from finetune.checkpoint.consolidate import FROM_MASTER, SOURCE_KEY
-from finetune.checkpoint.durable import fsync_path
-from finetune.checkpoint.faults import fault_point
 from finetune.checkpoint.shards import INDEX, SAFE_TO_DTYPE, plan_shards, shard_header
 from finetune.checkpoint.storage import step_of
 from finetune.config import ConfigError
+from finetune.io.durable import fsync_path
+from finetune.io.faults import fault_point
 from finetune.lora import (
     BASE_KEY,
     describe_base,

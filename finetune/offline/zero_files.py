@@ -46,10 +46,10 @@ from pathlib import Path
 
 import torch
 
-from finetune.checkpoint.faults import fault_point
 from finetune.checkpoint.manifest import RANK_FILE_PATTERNS, read_manifest
 from finetune.checkpoint.storage import step_of
 from finetune.config import ConfigError
+from finetune.io.faults import fault_point
 from finetune.offline import safe_load
 
 CHUNK_BYTES = 8 << 20  # read, converted and written at a time

@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 from conftest import Running, child_env, launcher_cmd
 
-from finetune.checkpoint.durable import hash_file
 from finetune.checkpoint.manifest import read_manifest
+from finetune.io.durable import hash_file
 from finetune.offline import safe_load
 
 pytestmark = pytest.mark.distributed

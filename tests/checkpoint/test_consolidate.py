@@ -32,6 +32,7 @@ from finetune.checkpoint.consolidate import (
     weights_source,
 )
 from finetune.checkpoint.shards import INDEX, ShardWriter, plan_shards
+from finetune.io import seams
 
 
 def tiny(model_type: str, tied: bool):
@@ -108,9 +109,9 @@ def test_write_error_surfaces_as_oserror_after_the_last_module(tmp_path):
 def test_a_failure_inside_a_shard_is_held_and_leaves_no_partial_shard(tmp_path, monkeypatch, site, kind):
     """After the open, mid-tensor, at the close: always ConsolidationFailed (the caller commits the
     partitioned checkpoint without safetensors), never a bare OSError, and no shard left behind."""
-    from finetune.checkpoint.faults import FAULT_ENV
+    
 
-    monkeypatch.setenv(FAULT_ENV, f"{site}:0:{kind}")
+    monkeypatch.setenv(seams.FAULT, f"{site}:0:{kind}")
     monkeypatch.delenv("RANK", raising=False)
     folder = tmp_path / "global_step3"
     folder.mkdir()

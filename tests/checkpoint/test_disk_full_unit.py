@@ -84,8 +84,8 @@ class _DiskFull:
 
 
 def test_a_write_that_runs_out_of_space_reports_the_space_freed(tmp_path, tiny_module, monkeypatch):
-    from finetune.checkpoint.durable import HashingWriter
     from finetune.checkpoint.manager import SaveError
+    from finetune.io.durable import HashingWriter
 
     m, progress, _ = make_manager(make_cfg(tmp_path), tiny_module)
     run_saves(m, progress, [1])

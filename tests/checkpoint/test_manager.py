@@ -9,11 +9,11 @@ import pytest
 import torch
 
 from finetune.checkpoint.commit import commit_staged
-from finetune.checkpoint.durable import hash_file
-from finetune.checkpoint.faults import FAULT_ENV
 from finetune.checkpoint.manifest import MANIFEST, read_manifest
 from finetune.checkpoint.storage import STAGING, LocalStorage
 from finetune.checkpoint.writer import GuardedWriter
+from finetune.io import seams
+from finetune.io.durable import hash_file
 
 
 class FakeStorage(LocalStorage):
@@ -99,7 +99,7 @@ def test_guarded_writer_checksums_what_it_wrote(tmp_path):
 
 
 def test_guarded_writer_records_failures_instead_of_raising(tmp_path, monkeypatch):
-    monkeypatch.setenv(FAULT_ENV, "save.write_rank_files:0:3")
+    monkeypatch.setenv(seams.FAULT, "save.write_rank_files:0:3")
     w = GuardedWriter(_Inner())
     w.reset(tmp_path, step=3)
     w.save({"x": torch.ones(2)}, str(tmp_path / "a.pt"))
@@ -196,7 +196,7 @@ def run_saves(manager, progress, steps):
 
 
 def test_a_save_lists_exactly_the_files_written_and_rank0_reads_back_only_its_own(tmp_path, tiny_module):
-    from finetune.checkpoint.durable import bytes_hashed
+    from finetune.io.durable import bytes_hashed
 
     m, progress, _ = make_manager(make_cfg(tmp_path), tiny_module)
     before = bytes_hashed()
@@ -573,7 +573,7 @@ def test_a_storage_step_that_hangs_fails_the_save_after_its_deadline(tmp_path, t
 
     from finetune.checkpoint.manager import SaveError
 
-    monkeypatch.setenv(FAULT_ENV, f"{site}:0:4:hang")
+    monkeypatch.setenv(seams.FAULT, f"{site}:0:4:hang")
     m, progress, _ = make_manager(make_cfg(tmp_path), tiny_module)
     run_saves(m, progress, [2])
     started = time.monotonic()
@@ -586,7 +586,7 @@ def test_a_storage_step_that_hangs_fails_the_save_after_its_deadline(tmp_path, t
 
 
 def test_retention_that_hangs_is_given_up_with_a_warning(tmp_path, tiny_module, monkeypatch, short_deadline, caplog):
-    monkeypatch.setenv(FAULT_ENV, "retention.delete:0:4:hang")
+    monkeypatch.setenv(seams.FAULT, "retention.delete:0:4:hang")
     m, progress, _ = make_manager(make_cfg(tmp_path, save_total_limit=1), tiny_module)
     run_saves(m, progress, [2, 4])  # committed; the deletion of step 2 gave up
     assert "could not delete global_step2" in caplog.text and "made no progress" in caplog.text
@@ -598,7 +598,7 @@ def test_a_failed_background_save_is_reported_under_its_step_and_the_due_save_st
                                                                                          monkeypatch):
     """--async_save --save_steps 1 with a write fault at step 2: step 3's save used to be cancelled
     by step 2's failure (reported under step 3); commits were 1, 4, 5."""
-    monkeypatch.setenv(FAULT_ENV, "save.write_rank_files:0:2")
+    monkeypatch.setenv(seams.FAULT, "save.write_rank_files:0:2")
     m, progress, _ = make_manager(make_cfg(tmp_path, async_save=True, save_steps=1), tiny_module)
     events = []
     m.on_event = lambda kind, step, **fields: events.append((kind, step))
@@ -640,7 +640,7 @@ def test_a_publish_given_up_at_its_deadline_leaves_its_staging_and_latest_alone(
     `latest`. The save fails on every rank, the staged folder (with its manifest) is left."""
     from finetune.checkpoint.manager import SaveError
 
-    monkeypatch.setenv(FAULT_ENV, "commit.rename:0:4:hang")
+    monkeypatch.setenv(seams.FAULT, "commit.rename:0:4:hang")
     m, progress, _ = make_manager(make_cfg(tmp_path), tiny_module)
     run_saves(m, progress, [2])
     with pytest.raises(SaveError, match="its staging is left in place"):

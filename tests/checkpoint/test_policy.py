@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 
 from finetune.checkpoint.commit import commit_staged
-from finetune.checkpoint.durable import hash_file
 from finetune.checkpoint.policy import (
     Committed,
     line_of,
@@ -23,6 +22,7 @@ from finetune.checkpoint.storage import (
     committed,
     find_checkpoint,
 )
+from finetune.io.durable import hash_file
 
 
 def save(s: LocalStorage, step: int, seq: int | None, parent: Committed | None = None, run: str = "r") -> Committed:

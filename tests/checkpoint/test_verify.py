@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from finetune.checkpoint.commit import commit_staged
-from finetune.checkpoint.durable import hash_file
 from finetune.checkpoint.manifest import verify
 from finetune.checkpoint.storage import STAGING, LocalStorage
+from finetune.io.durable import hash_file
 
 WORLD = 2
 

@@ -9,7 +9,7 @@ import uuid
 import pytest
 from conftest import checkpoint_files, partitioned_file_set
 
-from finetune.checkpoint.durable import hash_file
+from finetune.io.durable import hash_file
 
 pytestmark = pytest.mark.distributed
 

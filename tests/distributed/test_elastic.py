@@ -7,6 +7,8 @@ import re
 
 import pytest
 
+from finetune.io import seams
+
 pytestmark = pytest.mark.distributed
 
 TIMEOUT = 420
@@ -69,7 +71,7 @@ def test_a_preemption_during_the_conversion_exits_75_and_the_next_start_finishes
 
     from conftest import wait_until
 
-    from finetune.checkpoint.universal import PIECES, SLOW_ENV
+    from finetune.checkpoint.universal import PIECES
     from finetune.preemption import EXIT_PREEMPTED
 
     ref = run_finetune(*COMMON, *PER_WORLD[2], "--save_checkpoint", "--save_steps", "3", launcher="deepspeed",
@@ -79,7 +81,7 @@ def test_a_preemption_during_the_conversion_exits_75_and_the_next_start_finishes
     pieces = ckpt / "universal.tmp" / PIECES
     markers = lambda: [p for p in pieces.iterdir() if p.name != "source.json"] if pieces.is_dir() else []  # noqa: E731
     resume = (*COMMON, *PER_WORLD[1], "--resume_from_checkpoint", str(ckpt))
-    run = start_finetune(*resume, launcher="python", nprocs=1, out_dir=tmp_path / "new", env={SLOW_ENV: "1"})
+    run = start_finetune(*resume, launcher="python", nprocs=1, out_dir=tmp_path / "new", env={seams.SLOW_SAVE: "1"})
     wait_until(lambda: len(markers()) >= 2, TIMEOUT, "two pieces of the conversion")
     os.killpg(run.proc.pid, signal.SIGTERM)  # the whole job, the converter included (as SLURM's scancel)
     stopped = run.finish(TIMEOUT)

@@ -10,6 +10,8 @@ import sys
 import pytest
 from conftest import BIN, child_env, free_port, launcher_cmd, run_group
 
+from finetune.io import seams
+
 pytestmark = pytest.mark.distributed
 
 TIMEOUT = 420
@@ -194,12 +196,7 @@ def test_an_interrupted_conversion_keeps_its_pieces_and_ends_equal_to_deepspeeds
 
     import torch
 
-    from finetune.checkpoint.universal import (
-        PIECES,
-        SLOW_ENV,
-        Interrupted,
-        to_universal,
-    )
+    from finetune.checkpoint.universal import PIECES, Interrupted, to_universal
 
     part = partitioned_only(runs["llama"] / "global_step2", tmp_path / "part")
     target, pieces = part / "universal", part / "universal.tmp" / PIECES
@@ -211,13 +208,13 @@ def test_an_interrupted_conversion_keeps_its_pieces_and_ends_equal_to_deepspeeds
             pass
         cancel.set()
 
-    monkeypatch.setenv(SLOW_ENV, "0.3")
+    monkeypatch.setenv(seams.SLOW_SAVE, "0.3")
     threading.Thread(target=preempt_after_three_pieces, daemon=True).start()
     with pytest.raises(Interrupted, match="piece"):
         to_universal(part, target, cancel)
     kept = len(markers())
     assert kept >= 3 and not target.exists()
-    monkeypatch.delenv(SLOW_ENV)
+    monkeypatch.delenv(seams.SLOW_SAVE)
     summary = to_universal(part, target)
     ran, total = (int(w) for w in summary.split(": ")[1].split(" pieces")[0].split(" of "))
     assert total - ran == kept, summary  # the kept pieces were not done again

@@ -20,8 +20,9 @@ from conftest import (
     run_group,
 )
 
+from finetune.io import seams
 from finetune.offline import safe_load
-from finetune.probe import PROBE_ENV, probe_input
+from finetune.probe import probe_input
 
 pytestmark = pytest.mark.distributed
 
@@ -60,7 +61,7 @@ def lora(tiny_models, tmp_path_factory):
     root = tmp_path_factory.mktemp("lora")
     probe = root / "probe.pt"
     code, output, out = _run(root, "--model_name_or_path", str(tiny_models["llama"]), *LORA, *COMMON,
-                             "--save_consolidated", env={PROBE_ENV: str(probe)})
+                             "--save_consolidated", env={seams.PROBE_LOGITS: str(probe)})
     _ok(code, output)
     return {"out": out, "probe": torch.load(probe), "output": output, "base": tiny_models["llama"], "root": root}
 

@@ -19,9 +19,10 @@ from pathlib import Path
 
 from conftest import Running, child_env, free_port
 
-from finetune.checkpoint.faults import FAULT_ENV, HANG, KINDS
 from finetune.checkpoint.manifest import MANIFEST, read_manifest
 from finetune.checkpoint.storage import ABANDONED, LATEST, TRASH, step_of, tag_for
+from finetune.io import seams
+from finetune.io.faults import HANG, KINDS
 
 HERE = Path(__file__).resolve().parent
 DDP_TIMEOUT = 20  # every run's --ddp_timeout: a rank stuck in a collective fails after this long
@@ -53,7 +54,7 @@ class Ranks:
 
     def fired(self, site: str = "") -> list[float]:
         """Wall-clock times at which an injected fault (at ``site``, or any) fired: faults.py announces each."""
-        pattern = rf"{FAULT_ENV}: injecting \w+ at {re.escape(site) if site else ''}.*\(t=([0-9.]+)\)"
+        pattern = rf"{seams.FAULT}: injecting \w+ at {re.escape(site) if site else ''}.*\(t=([0-9.]+)\)"
         return [float(t) for t in re.findall(pattern, self.output)]
 
     def exited_by(self) -> float | None:
@@ -407,8 +408,8 @@ def run_case(case: Case, tmp: Path, seed_out: Path | None, resume: str = "always
     if case.scenario in (RESUME, RESHAPE):
         shutil.copytree(seed_out, out)
     before = _committed_state(out)
-    first = run_ranks(tmp, case.nprocs, train_args(case.steps, *case.flags), out, env={FAULT_ENV: case.spec})
-    where = f"{FAULT_ENV}={case.spec}"
+    first = run_ranks(tmp, case.nprocs, train_args(case.steps, *case.flags), out, env={seams.FAULT: case.spec})
+    where = f"{seams.FAULT}={case.spec}"
     log = first.output[-8000:]
     fired = []
     for fault in case.faults:

@@ -42,10 +42,10 @@ from harness import (
     train_args,
 )
 
-from finetune.checkpoint.manager import SLOW_COMMIT_ENV, SPACE_MARGIN
+from finetune.checkpoint.manager import SPACE_MARGIN
 from finetune.checkpoint.manifest import MANIFEST, read_manifest
 from finetune.checkpoint.storage import LATEST, STAGING, tag_for
-from finetune.checkpoint.writer import SLOW_ENV
+from finetune.io import seams
 
 pytestmark = [pytest.mark.distributed, pytest.mark.faults]
 
@@ -256,7 +256,7 @@ def test_periodic_save_write_runs_out_of_space(tmp_path, checkpoint_bytes, fault
     fault_record["tmpfs_bytes"] = roomy_size(checkpoint_bytes)
     with tmpfs(tmp_path / "mnt", fault_record["tmpfs_bytes"]) as mnt:
         r, filler = run_full(tmp_path, mnt, 3, lambda out: first_files_written(out, 2, checkpoint_bytes),
-                             {SLOW_ENV: SLOW_S}, ("--on_save_error", policy))
+                             {seams.SLOW_SAVE: SLOW_S}, ("--on_save_error", policy))
         try:
             out = mnt / "out"
             fault_record.update(check_outcome(r, filler, out, [1, 1], r"save of global_step2 failed on rank",
@@ -275,7 +275,7 @@ def test_commit_runs_out_of_space(tmp_path, checkpoint_bytes, fault_record, poli
     removing the staging frees a whole checkpoint."""
     fault_record["tmpfs_bytes"] = roomy_size(checkpoint_bytes)
     with tmpfs(tmp_path / "mnt", fault_record["tmpfs_bytes"]) as mnt:
-        r, filler = run_full(tmp_path, mnt, 3, lambda out: staged_completely(out, 2), {SLOW_COMMIT_ENV: SLOW_S},
+        r, filler = run_full(tmp_path, mnt, 3, lambda out: staged_completely(out, 2), {seams.SLOW_COMMIT: SLOW_S},
                              ("--on_save_error", policy))
         try:
             out = mnt / "out"
@@ -297,7 +297,7 @@ def test_final_save_write_runs_out_of_space(tmp_path, checkpoint_bytes, fault_re
     fault_record["tmpfs_bytes"] = roomy_size(checkpoint_bytes)
     with tmpfs(tmp_path / "mnt", fault_record["tmpfs_bytes"]) as mnt:
         r, filler = run_full(tmp_path, mnt, 3, lambda out: first_files_written(out, 3, checkpoint_bytes),
-                             {SLOW_ENV: SLOW_S})
+                             {seams.SLOW_SAVE: SLOW_S})
         try:
             out = mnt / "out"
             fault_record.update(check_outcome(r, filler, out, [1, 1], r"final save failed: save of global_step3 failed "
@@ -340,7 +340,7 @@ def test_consolidated_write_runs_out_of_space_and_the_partitioned_checkpoint_com
         filler.start()
         freer.start()
         try:
-            r = run_ranks(tmp_path, 2, train_args(3, "--save_consolidated"), out, env={SLOW_ENV: SLOW_S})
+            r = run_ranks(tmp_path, 2, train_args(3, "--save_consolidated"), out, env={seams.SLOW_SAVE: SLOW_S})
         finally:
             filler.remove()
         log = r.output[-8000:]

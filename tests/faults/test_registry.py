@@ -18,9 +18,8 @@ from harness import (
     sampled_cases,
 )
 
-from finetune.checkpoint import faults
-from finetune.checkpoint.faults import (
-    FAULT_ENV,
+from finetune.io import faults, seams
+from finetune.io.faults import (
     HANG,
     KINDS,
     SITES,
@@ -96,14 +95,14 @@ def test_parse(spec, expected):
     ("save.fsync:1:2:eio:extra", "expected <site>:<rank>"),
 ])
 def test_a_malformed_spec_names_the_variable(spec, why):
-    with pytest.raises(FaultSpecError, match=FAULT_ENV) as e:
+    with pytest.raises(FaultSpecError, match=seams.FAULT) as e:
         parse(spec)
     assert why in str(e.value)
 
 
 def test_fault_point_fires_only_for_its_site_rank_and_step(monkeypatch, capsys):
     monkeypatch.setenv("RANK", "1")
-    monkeypatch.setenv(FAULT_ENV, "save.fsync:1:4")
+    monkeypatch.setenv(seams.FAULT, "save.fsync:1:4")
     fault_point("save.fsync", 3)
     fault_point("save.snapshot", 4)
     with pytest.raises(OSError) as e:
@@ -116,11 +115,11 @@ def test_fault_point_fires_only_for_its_site_rank_and_step(monkeypatch, capsys):
 
 def test_fault_kinds(monkeypatch):
     monkeypatch.delenv("RANK", raising=False)  # a plain process is rank 0
-    monkeypatch.setenv(FAULT_ENV, "commit.rename:0:enospc")
+    monkeypatch.setenv(seams.FAULT, "commit.rename:0:enospc")
     with pytest.raises(OSError) as e:
         fault_point("commit.rename", 7)  # no step in the spec: every call
     assert e.value.errno == errno.ENOSPC
-    monkeypatch.setenv(FAULT_ENV, "commit.rename:0:error")
+    monkeypatch.setenv(seams.FAULT, "commit.rename:0:error")
     with pytest.raises(InjectedFault):
         fault_point("commit.rename")
     assert not issubclass(InjectedFault, (OSError, ValueError))
@@ -134,7 +133,7 @@ def test_a_kill_is_sigkill(monkeypatch):
 
     monkeypatch.setattr(faults.os, "kill", lambda pid, sig: killed.append((pid, sig)))
     monkeypatch.setattr(faults.time, "sleep", dying)
-    monkeypatch.setenv(FAULT_ENV, "lease.acquire:0:kill")
+    monkeypatch.setenv(seams.FAULT, "lease.acquire:0:kill")
     monkeypatch.delenv("RANK", raising=False)
     with pytest.raises(SystemExit):
         fault_point("lease.acquire")
@@ -142,8 +141,8 @@ def test_a_kill_is_sigkill(monkeypatch):
 
 
 def test_without_the_variable_nothing_happens_and_unknown_names_are_caught(monkeypatch):
-    monkeypatch.delenv(FAULT_ENV, raising=False)
+    monkeypatch.delenv(seams.FAULT, raising=False)
     fault_point("no.such.site")  # free when no fault is asked for
-    monkeypatch.setenv(FAULT_ENV, "save.fsync:5")
+    monkeypatch.setenv(seams.FAULT, "save.fsync:5")
     with pytest.raises(FaultSpecError, match="no.such.site"):
         fault_point("no.such.site")

@@ -15,9 +15,9 @@ from test_manager import (  # noqa: E402
     tiny_module,
 )
 
-from finetune.checkpoint.faults import FAULT_ENV  # noqa: E402
 from finetune.checkpoint.manifest import read_manifest  # noqa: E402
 from finetune.checkpoint.storage import LocalStorage  # noqa: E402
+from finetune.io import seams  # noqa: E402
 
 FIXTURES = (tiny_module, _fake_engines_model_is_not_checked)  # test_manager's, found by pytest under these names
 
@@ -27,7 +27,7 @@ def test_a_commit_whose_latest_write_fails_is_committed_and_counted_by_retention
     """`latest` failing after the rename (sweep: commit.latest): the checkpoint is in place with its
     manifest, so resume takes it (commit order). It used to be reported as a failed save and left
     out of the run's line: retention never deleted it, and the next save's parent skipped it."""
-    monkeypatch.setenv(FAULT_ENV, "commit.latest:0:4")
+    monkeypatch.setenv(seams.FAULT, "commit.latest:0:4")
     m, progress, _ = make_manager(make_cfg(tmp_path, save_total_limit=2), tiny_module)
     run_saves(m, progress, [2, 4])  # no SaveError: the save of step 4 is committed
     assert "committed global_step4, but `latest` was not updated" in caplog.text
@@ -43,7 +43,7 @@ def test_a_rename_that_fails_is_still_a_failed_save(tmp_path, tiny_module, monke
 
     from finetune.checkpoint.manager import SaveError
 
-    monkeypatch.setenv(FAULT_ENV, "commit.rename:0:4")
+    monkeypatch.setenv(seams.FAULT, "commit.rename:0:4")
     m, progress, _ = make_manager(make_cfg(tmp_path, save_total_limit=2), tiny_module)
     run_saves(m, progress, [2])
     with pytest.raises(SaveError, match="commit of global_step4 failed"):
@@ -63,7 +63,7 @@ def test_makedirs_records_any_failure_instead_of_raising(tmp_path, monkeypatch):
     class Inner:
         zipfile_serialization = True
 
-    monkeypatch.setenv(FAULT_ENV, "save.makedirs:0:3:error")
+    monkeypatch.setenv(seams.FAULT, "save.makedirs:0:3:error")
     monkeypatch.delenv("RANK", raising=False)
     w = GuardedWriter(Inner())
     w.reset(tmp_path, step=3)

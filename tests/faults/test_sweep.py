@@ -20,7 +20,6 @@ from harness import (
     BOUND_S,
     EXPORT,
     EXPORT_SAMPLE,
-    FAULT_ENV,
     RUN_TIMEOUT,
     long_cases,
     run_case,
@@ -29,7 +28,8 @@ from harness import (
     train_args,
 )
 
-from finetune.checkpoint.faults import KINDS
+from finetune.io import seams
+from finetune.io.faults import KINDS
 
 pytestmark = [pytest.mark.distributed, pytest.mark.faults]
 
@@ -61,7 +61,7 @@ def test_site(case, tmp_path, request, fault_record):
 def test_verify_command_reports_a_file_it_cannot_read(kind, request, fault_record):
     """`finetune verify` (one process): a read that fails is damage (exit 1), never a pass."""
     folder = request.getfixturevalue("resume_seed") / "global_step2"
-    env = {**os.environ, FAULT_ENV: f"verify.read_file:0:{kind}"}
+    env = {**os.environ, seams.FAULT: f"verify.read_file:0:{kind}"}
     proc = subprocess.run([sys.executable, "-m", "finetune", "verify", str(folder)], capture_output=True, text=True,
                           env=env, timeout=BOUND_S)
     assert proc.returncode == (-9 if kind == "kill" else 1), proc.stdout + proc.stderr
@@ -84,7 +84,7 @@ def test_export_site(site, kind, request, tmp_path, fault_record):
     folder = request.getfixturevalue("resume_seed") / "global_step2"
     out = tmp_path / "hf"
     start = time.time()
-    proc = _export(folder, out, {FAULT_ENV: f"{site}:0:2:{kind}"})
+    proc = _export(folder, out, {seams.FAULT: f"{site}:0:2:{kind}"})
     fault_record["time_to_exit_s"] = round(time.time() - start, 2)
     log = proc.stdout + proc.stderr
     assert f"injecting {kind} at {site}" in proc.stderr, log

@@ -16,7 +16,7 @@ from typing import BinaryIO
 
 import xxhash
 
-from finetune.progress import progress
+from finetune.io.progress import progress
 
 _WRITEBACK_EVERY = 32 << 20
 _SYNC_FILE_RANGE_WRITE = 2

@@ -28,7 +28,8 @@ import sys
 import time
 from dataclasses import dataclass
 
-FAULT_ENV = "FINETUNE_FAULT"
+from finetune.io import seams
+
 KINDS = ("eio", "enospc", "error", "kill")
 HANG = "hang"  # not in KINDS: the sweep uses it only at sites it polls with a deadline
 
@@ -125,13 +126,13 @@ def parse(spec: str) -> tuple[Fault, ...]:
             if kind not in (*KINDS, HANG):
                 raise ValueError(f"no fault kind {kind!r} (kinds: {', '.join((*KINDS, HANG))})")
         except ValueError as e:
-            raise FaultSpecError(f"{FAULT_ENV}={spec!r}: {item!r}: {e}") from None
+            raise FaultSpecError(f"{seams.FAULT}={spec!r}: {item!r}: {e}") from None
         faults.append(Fault(site, rank, step, kind))
     return tuple(faults)
 
 
 def _active() -> tuple[Fault, ...]:
-    spec = os.environ.get(FAULT_ENV, "")
+    spec = os.environ.get(seams.FAULT, "")
     if spec not in _cache:
         _cache[spec] = parse(spec)
     return _cache[spec]
@@ -147,7 +148,7 @@ def fault_point(site: str, step: int | None = None) -> None:
     if not faults:
         return
     if site not in SITES:
-        raise FaultSpecError(f"fault_point({site!r}): not a site in finetune.checkpoint.faults.SITES")
+        raise FaultSpecError(f"fault_point({site!r}): not a site in finetune.io.faults.SITES")
     rank = int(os.environ.get("RANK", "0"))
     for fault in faults:
         if fault.matches(site, rank, step):
@@ -156,9 +157,9 @@ def fault_point(site: str, step: int | None = None) -> None:
 
 def _inject(fault: Fault, step: int | None) -> None:
     where = f"{fault.site} on rank {fault.rank}" + (f" at step {step}" if step is not None else "")
-    print(f"finetune: {FAULT_ENV}: injecting {fault.kind} at {where} (t={time.time():.3f})", file=sys.stderr,
+    print(f"finetune: {seams.FAULT}: injecting {fault.kind} at {where} (t={time.time():.3f})", file=sys.stderr,
           flush=True)
-    message = f"injected fault at {where} ({FAULT_ENV})"
+    message = f"injected fault at {where} ({seams.FAULT})"
     if fault.kind == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
         time.sleep(60)  # never return into the site while the signal is being delivered
