@@ -17,8 +17,9 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from finetune.io.durable import replace_text
 from finetune.config import GROUPS, ConfigError, RunConfig
+from finetune.data.formats import exclusive_flags
+from finetune.io.durable import replace_text
 
 FILE_NAME = "run_config.yaml"
 _FIELDS = {f.name: f for _, cls in GROUPS for f in dataclasses.fields(cls)}
@@ -57,16 +58,16 @@ def load(path: str) -> dict[str, Any]:
 
 
 # Flags that exclude each other: one given on the command line replaces the other from the file
-# (`--max_steps 3` over a file's num_train_epochs is a short try of the same recipe).
+# (`--max_steps 3` over a file's num_train_epochs is a short try of the same recipe). The data
+# formats' flags are paired by their registry (data/formats.py exclusive_flags).
 _EITHER = (({"max_steps"}, {"num_train_epochs"}), ({"train_file"}, {"dataset_name", "dataset_config_name"}),
-           ({"model_name_or_path"}, {"config_name"}),
-           ({"messages_column"}, {"prompt_column", "completion_column"}))
+           ({"model_name_or_path"}, {"config_name"}))
 
 
 def overridden(from_file: dict[str, Any], given: dict[str, Any]) -> dict[str, Any]:
     """The file's values less those that a flag on the command line excludes."""
     dropped: set[str] = set()
-    for one, other in _EITHER:
+    for one, other in (*_EITHER, *exclusive_flags()):
         for side, counterpart in ((one, other), (other, one)):
             if side & given.keys():
                 dropped |= counterpart - given.keys()

@@ -10,13 +10,12 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import TOKENIZER_DIR
 
 from finetune.cli import parse_train_args
 from finetune.data import cache
 from finetune.data.load import encode_prompt_completion, load_raw
 from finetune.modeling import load_tokenizer
-
-from conftest import TOKENIZER_DIR
 
 
 def _rows(n: int) -> list[dict]:

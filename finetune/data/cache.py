@@ -3,8 +3,10 @@
 The tokenized (and packed) train and eval sets are kept under ``DIR/finetune-tokenized/<key>/``
 (DIR: ``--dataset_cache_dir``, default datasets' cache). ``key`` fingerprints everything the
 result depends on: the data's bytes (local files) or datasets' own fingerprint of the loaded
-splits (hub datasets), the tokenizer's saved files, the format and length flags, the split seed
-and the library versions. So a changed tokenizer, flag or file is a miss, never a stale hit.
+splits (hub datasets), the tokenizer's saved files, the data format's name and the values of its
+own flags (each format lists them: a new format or flag needs no change here), the length and
+split flags, the split seed and the library versions. So a changed tokenizer, flag or file is a
+miss, never a stale hit.
 
 The first rank of each group of ranks that see the same DIR builds a missing entry (tokenizing with
 several processes) in a temporary folder, fsyncs it and renames it into place: an entry is
@@ -27,10 +29,18 @@ from pathlib import Path
 import xxhash
 
 from finetune import distributed as dist
-from finetune.io.durable import fsync_path, hash_file, write_json_durably
 from finetune.config import ConfigError, RunConfig
-from finetune.data.load import EMBEDDED_DATA, load_raw, load_splits, nothing_to_learn, pack, tokenize
+from finetune.data.formats import choose
+from finetune.data.load import (
+    EMBEDDED_DATA,
+    load_raw,
+    load_splits,
+    nothing_to_learn,
+    pack,
+    tokenize,
+)
 from finetune.distributed import logger
+from finetune.io.durable import fsync_path, hash_file, write_json_durably
 
 CACHE_FORMAT = 1  # bump when what tokenize/pack produce changes for the same inputs
 SUBDIR = "finetune-tokenized"
@@ -76,12 +86,14 @@ def fingerprint(cfg: RunConfig, tokenizer) -> str:
     import transformers
 
     d = cfg.data
+    data_format = choose(d)
     inputs = {
         "format": CACHE_FORMAT,
         "data": _data_identity(cfg),
         "tokenizer": _tokenizer_identity(tokenizer),
-        "flags": {k: getattr(d, k) for k in ("text_column", "prompt_column", "completion_column", "messages_column",
-                                             "max_seq_length", "packing", "validation_split_percentage",
+        # The chosen format's own flags, whatever they are: the other formats' flags do not matter.
+        "data_format": {"name": data_format.name, "flags": data_format.values},
+        "flags": {k: getattr(d, k) for k in ("max_seq_length", "packing", "validation_split_percentage",
                                              "max_train_samples", "max_eval_samples")},
         # The seed only matters where the eval set is split off the training data.
         "split_seed": None if d.validation_file or cfg.uses_embedded_data else cfg.train.seed,

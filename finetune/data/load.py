@@ -1,20 +1,27 @@
-"""Datasets: loading, formatting, tokenization, packing, collation.
+"""Datasets: loading, tokenization, packing, collation.
 
-Formats: plain text (`--text_column`); prompt + completion with the prompt masked from the loss;
-chat messages rendered through the tokenizer's chat template with only assistant turns trained on.
+Rows are encoded by the data format the flags choose (formats.py: plain text, prompt + completion
+with the prompt masked, chat through the template); nothing here depends on which one it is.
 """
 
 from __future__ import annotations
 
-import json
 import os
-from typing import Any
 
 import torch
 
 from finetune.config import RESOURCES_DIR, ConfigError, DataArgs, data_format
 
-IGNORE = -100  # label value the loss skips
+# encode_*: re-exported (callers imported them from here before they moved to formats.py).
+from finetune.data.formats import (  # noqa: F401
+    IGNORE,
+    Format,
+    choose,
+    encode_chat,
+    encode_prompt_completion,
+    encode_text,
+)
+
 EMBEDDED_DATA = {"train": str(RESOURCES_DIR / "data" / "train.jsonl"),
                  "validation": str(RESOURCES_DIR / "data" / "validation.jsonl")}
 
@@ -81,20 +88,15 @@ def source_flag(args: DataArgs) -> str:
 
 
 def _check_columns(args: DataArgs, ds, what: str) -> None:
-    if args.messages_column:
-        needed = {"--messages_column": args.messages_column}
-    elif args.prompt_column:
-        needed = {"--prompt_column": args.prompt_column, "--completion_column": args.completion_column}
-    else:
-        needed = {"--text_column": args.text_column}
-    for flag, col in needed.items():
+    fmt = choose(args)
+    for flag, col in fmt.columns.items():
         if col not in ds.column_names:
-            raise ConfigError(f"{flag}: no column '{col}' in the {what} (available: {', '.join(ds.column_names)})")
-    if args.messages_column and len(ds):
-        _messages(ds[0][args.messages_column], args.messages_column)  # before tokenizing: the first row's shape
+            raise ConfigError(f"--{flag}: no column '{col}' in the {what} "
+                              f"(available: {', '.join(ds.column_names)})")
+    fmt.check(ds)
 
 
-# --- formatting and tokenization -------------------------------------------------------------
+# --- tokenization ---------------------------------------------------------------------------
 
 def tokenize(ds, tokenizer, args: DataArgs, max_len: int, num_proc: int = 1, cache_file: str | None = None):
     """Map raw rows to {'input_ids', 'labels'} (int32); drop rows left with nothing to learn.
@@ -104,11 +106,11 @@ def tokenize(ds, tokenizer, args: DataArgs, max_len: int, num_proc: int = 1, cac
     """
     import datasets
 
-    if args.messages_column and not getattr(tokenizer, "chat_template", None):
-        raise ConfigError("--messages_column: the tokenizer has no chat template (pass --tokenizer_name with one)")
+    fmt = choose(args)
+    fmt.check_tokenizer(tokenizer)
     features = datasets.Features({"input_ids": datasets.Sequence(datasets.Value("int32")),
                                   "labels": datasets.Sequence(datasets.Value("int32"))})
-    out = ds.map(_BatchEncoder(tokenizer, args, max_len), batched=True, batch_size=1000, features=features,
+    out = ds.map(_BatchEncoder(tokenizer, fmt, max_len), batched=True, batch_size=1000, features=features,
                  remove_columns=ds.column_names, num_proc=num_proc if num_proc > 1 else None,
                  load_from_cache_file=False, keep_in_memory=cache_file is None, cache_file_name=cache_file,
                  desc="tokenizing")
@@ -118,79 +120,16 @@ def tokenize(ds, tokenizer, args: DataArgs, max_len: int, num_proc: int = 1, cac
 class _BatchEncoder:
     """``datasets.map`` function: a batch of raw rows → the rows worth training on, encoded.
 
-    A class, not a closure: with ``num_proc`` it is pickled to the worker processes. Prompts,
-    completions and texts are tokenized a batch at a time (one call into the Rust tokenizer);
-    the ids are the same as one call per row.
+    A class, not a closure: with ``num_proc`` it is pickled to the worker processes.
     """
 
-    def __init__(self, tokenizer, args: DataArgs, max_len: int):
-        self.tokenizer, self.args, self.max_len = tokenizer, args, max_len
+    def __init__(self, tokenizer, fmt: Format, max_len: int):
+        self.tokenizer, self.fmt, self.max_len = tokenizer, fmt, max_len
 
     def __call__(self, batch: dict[str, list]) -> dict[str, list]:
-        a, tok = self.args, self.tokenizer
-        eos = tok.eos_token_id  # once: each attribute read goes through the tokenizer's __getattr__
-        if a.messages_column:
-            rows = [encode_chat(tok, _messages(m, a.messages_column), self.max_len) for m in batch[a.messages_column]]
-        elif a.prompt_column:
-            prompts = _batch_ids(tok, batch[a.prompt_column], True)
-            completions = _batch_ids(tok, batch[a.completion_column], False)
-            rows = [_prompt_completion(eos, p, c, self.max_len) for p, c in zip(prompts, completions)]
-        else:
-            rows = [_text(eos, ids, self.max_len) for ids in _batch_ids(tok, batch[a.text_column], True)]
+        rows = self.fmt.encode(batch, self.tokenizer, self.max_len)
         rows = [r for r in rows if any(x != IGNORE for x in r["labels"][1:])]
         return {"input_ids": [r["input_ids"] for r in rows], "labels": [r["labels"] for r in rows]}
-
-
-def _batch_ids(tokenizer, texts: list, special: bool) -> list[list[int]]:
-    return tokenizer([str(t or "") for t in texts], add_special_tokens=special)["input_ids"]
-
-
-def _ids(tokenizer, text: str, special: bool) -> list[int]:
-    return tokenizer(text, add_special_tokens=special)["input_ids"]
-
-
-def _with_eos(eos: int | None, ids: list[int]) -> list[int]:
-    return ids + [eos] if eos is not None and (not ids or ids[-1] != eos) else ids
-
-
-def encode_text(tokenizer, text: Any, max_len: int) -> dict:
-    return _text(tokenizer.eos_token_id, _ids(tokenizer, str(text or ""), True), max_len)
-
-
-def _text(eos: int | None, ids: list[int], max_len: int) -> dict:
-    ids = _with_eos(eos, ids)[:max_len]
-    return {"input_ids": ids, "labels": list(ids)}
-
-
-def encode_prompt_completion(tokenizer, prompt: Any, completion: Any, max_len: int) -> dict:
-    return _prompt_completion(tokenizer.eos_token_id, _ids(tokenizer, str(prompt or ""), True),
-                              _ids(tokenizer, str(completion or ""), False), max_len)
-
-
-def _prompt_completion(eos: int | None, p: list[int], c: list[int], max_len: int) -> dict:
-    if p and p[-1] == eos:
-        p = p[:-1]  # tokenizers that append eos themselves: eos belongs after the completion
-    c = _with_eos(eos, c)
-    ids = (p + c)[:max_len]
-    labels = ([IGNORE] * len(p) + c)[:max_len]
-    return {"input_ids": ids, "labels": labels}
-
-
-def _messages(value: Any, column: str) -> list[dict]:
-    """A row's conversation: a list of {"role", "content"} messages (CSV and some exports carry it as
-    a JSON string). Anything else is bad input naming the column, not a traceback from the template."""
-    messages = value
-    if isinstance(value, str):
-        try:
-            messages = json.loads(value)
-        except ValueError:
-            messages = None
-    if not isinstance(messages, (list, tuple)) or not all(isinstance(m, dict) and "role" in m and "content" in m
-                                                          for m in messages):
-        shown = repr(value) if len(repr(value)) <= 80 else repr(value)[:77] + "..."
-        raise ConfigError(f"--messages_column: column '{column}' must hold lists of {{\"role\", \"content\"}} "
-                          f"messages, found {shown}")
-    return list(messages)
 
 
 def nothing_to_learn(args: DataArgs, tokenizer, raw, max_len: int) -> str:
@@ -199,32 +138,12 @@ def nothing_to_learn(args: DataArgs, tokenizer, raw, max_len: int) -> str:
     Re-encodes a sample without truncation: if rows then have labels, --max_seq_length cut them
     all away (a prompt at least that long); otherwise the data itself has nothing to learn from.
     """
+    fmt = choose(args)
     sample = raw.select(range(min(100, len(raw))))[:]
-    if _BatchEncoder(tokenizer, args, 2**31)(sample)["input_ids"]:
+    if _BatchEncoder(tokenizer, fmt, 2**31)(sample)["input_ids"]:
         return (f"--max_seq_length {max_len}: in every training example the prompt fills the first {max_len} tokens, "
                 f"leaving nothing to learn from ({source_flag(args)}); raise --max_seq_length")
-    what = "chats with no assistant turn" if args.messages_column else "empty rows"
-    return f"{source_flag(args)}: no training example has a token to learn from ({what})"
-
-
-def encode_chat(tokenizer, messages: list[dict], max_len: int) -> dict:
-    """Render with the chat template; train only on the assistant turns.
-
-    Each assistant turn's span is the text between the render of the conversation before it
-    (with the generation prompt) and the render including it; tokens whose characters start in
-    such a span are labelled, the rest are masked.
-    """
-    render = lambda msgs, gen: tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=gen)  # noqa: E731
-    full = render(messages, False)
-    spans = []
-    for i, m in enumerate(messages):
-        if m.get("role") == "assistant":
-            start = len(render(messages[:i], True)) if i else 0
-            spans.append((start, len(render(messages[: i + 1], False))))
-    enc = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
-    ids = enc["input_ids"]
-    labels = [tok if any(s <= off[0] < e for s, e in spans) else IGNORE for tok, off in zip(ids, enc["offset_mapping"])]
-    return {"input_ids": ids[:max_len], "labels": labels[:max_len]}
+    return f"{source_flag(args)}: no training example has a token to learn from ({fmt.empty_rows})"
 
 
 def pack(ds, max_len: int, path: str | None = None, chunk_rows: int = 10_000):
