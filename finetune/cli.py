@@ -16,7 +16,8 @@ import os
 import sys
 import time
 import traceback
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from finetune import __version__, console, run_config
 from finetune import distributed as dist
@@ -43,14 +44,22 @@ def _help(f: dataclasses.Field) -> str:
 def build_train_parser() -> argparse.ArgumentParser:
     """The training flags, one per config field. A flag not given is absent from the Namespace
     (argument_default=SUPPRESS), so a --config file's value shows through where no flag overrides it."""
-    p = Parser(prog="finetune", argument_default=argparse.SUPPRESS,
-                description="ZeRO-3 fine-tuning of HuggingFace causal LMs with DeepSpeed. With no flags: trains "
-                "the embedded tiny model on bundled data. Commands: " + ", ".join(f"finetune {c}" for c in SUBCOMMANDS)
-                + " (each with --help).")
+    p = Parser(
+        prog="finetune",
+        argument_default=argparse.SUPPRESS,
+        description="ZeRO-3 fine-tuning of HuggingFace causal LMs with DeepSpeed. With no flags: trains "
+        "the embedded tiny model on bundled data. Commands: "
+        + ", ".join(f"finetune {c}" for c in SUBCOMMANDS)
+        + " (each with --help).",
+    )
     p.add_argument("--version", action="version", version=f"finetune {__version__}")
-    p.add_argument("--config", metavar="FILE", help="A .yaml or .json file of training flags (keys are the flag names "
-                   "without --, e.g. learning_rate: 2.0e-5); flags on the command line override it. Every run writes "
-                   "its resolved flags to OUT/run_config.yaml, which this takes to run it again.")
+    p.add_argument(
+        "--config",
+        metavar="FILE",
+        help="A .yaml or .json file of training flags (keys are the flag names "
+        "without --, e.g. learning_rate: 2.0e-5); flags on the command line override it. Every run writes "
+        "its resolved flags to OUT/run_config.yaml, which this takes to run it again.",
+    )
     for title, cls in GROUPS:
         group = p.add_argument_group(f"{title} arguments")
         for f in dataclasses.fields(cls):
@@ -58,14 +67,38 @@ def build_train_parser() -> argparse.ArgumentParser:
             if f.type in (bool, "bool"):
                 group.add_argument(flag, action="store_true", help=_help(f))
                 # Every switch can be turned off too: to override a --config file that turns it on.
-                group.add_argument(f"--no_{f.name}", action="store_false", dest=f.name,
-                                   help=f"Turn off --{f.name}." if f.default else argparse.SUPPRESS)
+                group.add_argument(
+                    f"--no_{f.name}",
+                    action="store_false",
+                    dest=f.name,
+                    help=f"Turn off --{f.name}." if f.default else argparse.SUPPRESS,
+                )
                 continue
-            group.add_argument(flag, type=_scalar_type(f), choices=f.metadata.get("choices"), help=_help(f),
-                               metavar=f.name.upper(), nargs=f.metadata.get("nargs"))
-    shorthand = p.add_mutually_exclusive_group()  # "argument --fp16: not allowed with argument --bf16"
-    shorthand.add_argument("--bf16", action="store_const", const="bf16", dest="precision_alias", help="Shorthand for --precision bf16.")
-    shorthand.add_argument("--fp16", action="store_const", const="fp16", dest="precision_alias", help="Shorthand for --precision fp16.")
+            group.add_argument(
+                flag,
+                type=_scalar_type(f),
+                choices=f.metadata.get("choices"),
+                help=_help(f),
+                metavar=f.name.upper(),
+                nargs=f.metadata.get("nargs"),
+            )
+    shorthand = (
+        p.add_mutually_exclusive_group()
+    )  # "argument --fp16: not allowed with argument --bf16"
+    shorthand.add_argument(
+        "--bf16",
+        action="store_const",
+        const="bf16",
+        dest="precision_alias",
+        help="Shorthand for --precision bf16.",
+    )
+    shorthand.add_argument(
+        "--fp16",
+        action="store_const",
+        const="fp16",
+        dest="precision_alias",
+        help="Shorthand for --precision fp16.",
+    )
     # The DeepSpeed launcher appends --local_rank; the environment already carries it.
     p.add_argument("--local_rank", "--local-rank", type=int, help=argparse.SUPPRESS)
     return p
@@ -86,12 +119,19 @@ def parse_train_args(argv: list[str]) -> RunConfig:
     alias = given.pop("precision_alias", None)
     given.pop("local_rank", None)
     config_file = given.pop("config", None)
-    values = {**run_config.overridden(run_config.load(config_file), given), **given} if config_file else given
-    values["precision"], precision_flag = precision_shorthand(values.get("precision", "auto"), alias)
+    values = (
+        {**run_config.overridden(run_config.load(config_file), given), **given}
+        if config_file
+        else given
+    )
+    values["precision"], precision_flag = precision_shorthand(
+        values.get("precision", "auto"), alias
+    )
     return resolve(values, precision_flag)
 
 
 # --- subcommands ---------------------------------------------------------------------------
+
 
 def _train(argv: list[str]) -> int:
     cfg = parse_train_args(argv)
@@ -105,22 +145,32 @@ def _verify(argv: list[str]) -> int:
     from pathlib import Path
 
     from finetune.checkpoint.manifest import read_manifest, stored_ranks, verify
-    from finetune.checkpoint.storage import find_checkpoint
+    from finetune.checkpoint.outdir import find_checkpoint
     from finetune.offline.safe_load import refusals
     from finetune.offline.verify import notes
 
-    p = Parser(prog="finetune verify", description="Check a checkpoint against its manifest.json. "
-                "Exit 0 intact, 1 damaged (names the files), 2 not a checkpoint.")
-    p.add_argument("checkpoint", help="A checkpoint folder, or an output dir (its newest committed checkpoint is "
-                   "checked, and the rest of the dir is looked over: uncommitted folders, `latest`, leftovers of "
-                   "crashed saves, torn metrics lines; reported as notes).")
+    p = Parser(
+        prog="finetune verify",
+        description="Check a checkpoint against its manifest.json. "
+        "Exit 0 intact, 1 damaged (names the files), 2 not a checkpoint.",
+    )
+    p.add_argument(
+        "checkpoint",
+        help="A checkpoint folder, or an output dir (its newest committed checkpoint is "
+        "checked, and the rest of the dir is looked over: uncommitted folders, `latest`, leftovers of "
+        "crashed saves, torn metrics lines; reported as notes).",
+    )
     p.add_argument("--quick", action="store_true", help="Check file sizes only, not checksums.")
     ns = p.parse_args(argv)
     folder = find_checkpoint(ns.checkpoint)
     report = verify(folder, checksums=not ns.quick) if folder else None
     if report is None or not report.is_checkpoint:
-        raise ConfigError(f"{ns.checkpoint}: not a checkpoint (no manifest.json or DeepSpeed files)")
-    if report.ok and not ns.quick:  # intact; would resume and export unpickle it? (reads the pickles' opcodes)
+        raise ConfigError(
+            f"{ns.checkpoint}: not a checkpoint (no manifest.json or DeepSpeed files)"
+        )
+    if (
+        report.ok and not ns.quick
+    ):  # intact; would resume and export unpickle it? (reads the pickles' opcodes)
         report.problems += refusals(folder, stored_ranks(read_manifest(folder) or {}))
     if report.ok:  # a LoRA checkpoint: are its adapters all there? (headers and shapes only)
         from finetune.checkpoint.adapter import verify_adapter
@@ -129,8 +179,10 @@ def _verify(argv: list[str]) -> int:
     what = "sizes" if ns.quick else "sizes and checksums"
     if report.ok:
         rate = report.bytes_checked / 1e9 / max(report.seconds, 1e-9)
-        print(f"OK {folder}: {report.files} files, {report.bytes_checked / 1e6:.1f} MB, {what} match "
-              f"({report.seconds:.2f} s, {rate:.2f} GB/s)")
+        print(
+            f"OK {folder}: {report.files} files, {report.bytes_checked / 1e6:.1f} MB, {what} match "
+            f"({report.seconds:.2f} s, {rate:.2f} GB/s)"
+        )
     else:
         print(f"DAMAGED {folder}: {len(report.problems)} problem(s)")
         for problem in report.problems:
@@ -144,52 +196,114 @@ def _verify(argv: list[str]) -> int:
 def _export(argv: list[str]) -> int:
     from finetune.offline.export import export_hf, export_universal
 
-    p = Parser(prog="finetune export", description="Turn a checkpoint into a HuggingFace model folder (safetensors, "
-                "config, tokenizer), rebuilt from the rank files in one plain process with bounded memory; "
-                "or, with --universal, into DeepSpeed's universal format. Exit 2 on bad input.")
-    p.add_argument("checkpoint", metavar="CKPT", help="A checkpoint folder, or an output dir (its newest committed checkpoint is exported).")
-    p.add_argument("out", metavar="OUT", nargs="?", help="The folder to create (must not exist, or be empty). "
-                   "With --universal, default CHECKPOINT/universal.")
-    p.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default=None,
-                   help="Weights dtype (default: the training dtype in trainer_state.json, else fp32).")
-    p.add_argument("--max_shard_size", default=None, help="Largest safetensors shard (default: 5GB).")
-    p.add_argument("--exclude_frozen_parameters", action="store_true", help="Leave out parameters that were frozen.")
-    p.add_argument("--universal", action="store_true", help="Write DeepSpeed's universal checkpoint format instead "
-                   "(what resume on another world size loads).")
-    p.add_argument("--merge_lora", action="store_true", help="A LoRA checkpoint (--use_peft): write the base model with "
-                   "the adapters merged into its weights, a model folder that loads without peft (default: the "
-                   "adapter folder, adapter_model.safetensors + adapter_config.json, for PeftModel.from_pretrained).")
-    p.add_argument("--base_model", metavar="PATH_OR_HUB_ID", default=None, help="With --merge_lora: the base model's "
-                   "folder or hub id, if not where the run loaded it from (its weights must be the same: checked "
-                   "against the fingerprint the checkpoint recorded).")
-    p.add_argument("--no_verify", action="store_true", help="Don't check the files read against the checkpoint's "
-                   "manifest.json first (sizes and checksums); needed for a checkpoint without one. The rank files "
-                   "are unpickled with weights_only=True either way.")
+    p = Parser(
+        prog="finetune export",
+        description="Turn a checkpoint into a HuggingFace model folder (safetensors, "
+        "config, tokenizer), rebuilt from the rank files in one plain process with bounded memory; "
+        "or, with --universal, into DeepSpeed's universal format. Exit 2 on bad input.",
+    )
+    p.add_argument(
+        "checkpoint",
+        metavar="CKPT",
+        help="A checkpoint folder, or an output dir (its newest committed checkpoint is exported).",
+    )
+    p.add_argument(
+        "out",
+        metavar="OUT",
+        nargs="?",
+        help="The folder to create (must not exist, or be empty). "
+        "With --universal, default CHECKPOINT/universal.",
+    )
+    p.add_argument(
+        "--dtype",
+        choices=("bf16", "fp16", "fp32"),
+        default=None,
+        help="Weights dtype (default: the training dtype in trainer_state.json, else fp32).",
+    )
+    p.add_argument(
+        "--max_shard_size", default=None, help="Largest safetensors shard (default: 5GB)."
+    )
+    p.add_argument(
+        "--exclude_frozen_parameters",
+        action="store_true",
+        help="Leave out parameters that were frozen.",
+    )
+    p.add_argument(
+        "--universal",
+        action="store_true",
+        help="Write DeepSpeed's universal checkpoint format instead "
+        "(what resume on another world size loads).",
+    )
+    p.add_argument(
+        "--merge_lora",
+        action="store_true",
+        help="A LoRA checkpoint (--use_peft): write the base model with "
+        "the adapters merged into its weights, a model folder that loads without peft (default: the "
+        "adapter folder, adapter_model.safetensors + adapter_config.json, for PeftModel.from_pretrained).",
+    )
+    p.add_argument(
+        "--base_model",
+        metavar="PATH_OR_HUB_ID",
+        default=None,
+        help="With --merge_lora: the base model's "
+        "folder or hub id, if not where the run loaded it from (its weights must be the same: checked "
+        "against the fingerprint the checkpoint recorded).",
+    )
+    p.add_argument(
+        "--no_verify",
+        action="store_true",
+        help="Don't check the files read against the checkpoint's "
+        "manifest.json first (sizes and checksums); needed for a checkpoint without one. The rank files "
+        "are unpickled with weights_only=True either way.",
+    )
     ns = p.parse_args(argv)
     if ns.universal:
-        if ns.dtype or ns.max_shard_size or ns.exclude_frozen_parameters or ns.merge_lora or ns.base_model:
-            raise ConfigError("`--universal` takes no `--dtype`, `--max_shard_size`, `--exclude_frozen_parameters`, "
-                              "`--merge_lora` or `--base_model`")
+        if (
+            ns.dtype
+            or ns.max_shard_size
+            or ns.exclude_frozen_parameters
+            or ns.merge_lora
+            or ns.base_model
+        ):
+            raise ConfigError(
+                "`--universal` takes no `--dtype`, `--max_shard_size`, `--exclude_frozen_parameters`, "
+                "`--merge_lora` or `--base_model`"
+            )
         start = time.perf_counter()
         target, summary = export_universal(ns.checkpoint, ns.out, verify=not ns.no_verify)
-        print(f"Converted {ns.checkpoint} to DeepSpeed's universal format in {target} "
-              f"({time.perf_counter() - start:.1f} s; {summary.removeprefix('converted ')})")
+        print(
+            f"Converted {ns.checkpoint} to DeepSpeed's universal format in {target} "
+            f"({time.perf_counter() - start:.1f} s; {summary.removeprefix('converted ')})"
+        )
         return 0
     if ns.out is None:
         p.error("the following arguments are required: OUT")
     if ns.max_shard_size is not None:
         check_size(ns.max_shard_size)
     try:
-        result = export_hf(ns.checkpoint, ns.out, ns.dtype, ns.max_shard_size, ns.exclude_frozen_parameters,
-                           verify=not ns.no_verify, merge_lora=ns.merge_lora, base_model=ns.base_model)
-    except OSError as e:  # a full disk, an I/O error: the staging folder is gone, OUT was never created
+        result = export_hf(
+            ns.checkpoint,
+            ns.out,
+            ns.dtype,
+            ns.max_shard_size,
+            ns.exclude_frozen_parameters,
+            verify=not ns.no_verify,
+            merge_lora=ns.merge_lora,
+            base_model=ns.base_model,
+        )
+    except (
+        OSError
+    ) as e:  # a full disk, an I/O error: the staging folder is gone, OUT was never created
         print(f"finetune: error: export failed, {ns.out} was not written: {e}", file=sys.stderr)
         return 1
     print(result.summary())
     return 0
 
 
-COMMANDS: dict[str, Callable[[list[str]], int]] = {"train": _train, **{name: subcommand(name) for name in SUBCOMMANDS}}
+COMMANDS: dict[str, Callable[[list[str]], int]] = {
+    "train": _train,
+    **{name: subcommand(name) for name in SUBCOMMANDS},
+}
 
 
 def _command(argv: list[str]) -> str:
@@ -200,8 +314,10 @@ def _command(argv: list[str]) -> str:
         # Training takes no positional arguments: a bare word is a mistyped command.
         close = difflib.get_close_matches(argv[0], COMMANDS, n=1)
         hint = f" (did you mean {close[0]}?)" if close else ""
-        raise ConfigError(f"unknown command '{argv[0]}'{hint}; commands: {', '.join(sorted(COMMANDS))} "
-                          "(or flags alone, to train)")
+        raise ConfigError(
+            f"unknown command '{argv[0]}'{hint}; commands: {', '.join(sorted(COMMANDS))} "
+            "(or flags alone, to train)"
+        )
     return "train"
 
 

@@ -12,7 +12,7 @@ import difflib
 import importlib
 import os
 import sys
-from typing import Callable
+from collections.abc import Callable
 
 # name → the module whose main(argv) runs it
 SUBCOMMANDS: dict[str, str] = {
@@ -55,8 +55,11 @@ class Parser(argparse.ArgumentParser):
     def _suggestions(self, unknown: list[str]) -> str:
         """'; did you mean --learning_rate?' for the unknown flags that are close to a real one."""
         known = [s for a in self._actions if a.help != argparse.SUPPRESS for s in a.option_strings]
-        pairs = [(flag, close[0]) for flag in (t.split("=", 1)[0] for t in unknown if t.startswith("-"))
-                 if (close := difflib.get_close_matches(flag, known, n=1))]
+        pairs = [
+            (flag, close[0])
+            for flag in (t.split("=", 1)[0] for t in unknown if t.startswith("-"))
+            if (close := difflib.get_close_matches(flag, known, n=1))
+        ]
         if not pairs:
             return ""
         if len(pairs) == 1:

@@ -23,11 +23,24 @@ CONFIGS_DIR = PACKAGE_DIR.parent / "configs"
 DEFAULT_DS_CONFIG = "configs/ds_zero3.json"
 
 PRECISIONS = ("auto", "bf16", "fp16", "fp32")
-DATA_EXTENSIONS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet", ".txt": "text"}
+DATA_EXTENSIONS = {
+    ".json": "json",
+    ".jsonl": "json",
+    ".csv": "csv",
+    ".parquet": "parquet",
+    ".txt": "text",
+}
 SCHEDULERS = ("linear", "cosine", "constant", "constant_with_warmup")
 # A model folder's weights, in any layout transformers loads (single file or sharded with an index).
-WEIGHT_FILES = ("*.safetensors", "*.safetensors.index.json", "pytorch_model*.bin", "pytorch_model.bin.index.json",
-                "tf_model.h5", "flax_model.msgpack", "model.ckpt.index")
+WEIGHT_FILES = (
+    "*.safetensors",
+    "*.safetensors.index.json",
+    "pytorch_model*.bin",
+    "pytorch_model.bin.index.json",
+    "tf_model.h5",
+    "flax_model.msgpack",
+    "model.ckpt.index",
+)
 
 
 class ConfigError(ValueError):
@@ -40,23 +53,38 @@ def _f(default: Any, help: str, **kw: Any) -> Any:
 
 @dataclass(frozen=True)
 class ModelArgs:
-    model_name_or_path: str | None = _f(None, "Hub id or local directory of a causal LM (default: the embedded tiny model).")
-    config_name: str | None = _f(None, "Config (hub id or dir) to train a model from scratch instead of loading weights.")
+    model_name_or_path: str | None = _f(
+        None, "Hub id or local directory of a causal LM (default: the embedded tiny model)."
+    )
+    config_name: str | None = _f(
+        None, "Config (hub id or dir) to train a model from scratch instead of loading weights."
+    )
     tokenizer_name: str | None = _f(None, "Tokenizer hub id or dir (default: the model's).")
-    trust_remote_code: bool = _f(False, "Allow model/tokenizer code from the hub or model dir to run (off by default).")
+    trust_remote_code: bool = _f(
+        False, "Allow model/tokenizer code from the hub or model dir to run (off by default)."
+    )
     gradient_checkpointing: bool = _f(False, "Recompute activations in backward to save memory.")
     # LoRA, with TRL's flag names (finetune/lora.py).
-    use_peft: bool = _f(False, "Train LoRA adapters (peft) instead of every weight: the base model stays frozen (and "
-                        "partitioned), and checkpoints hold only the adapters' trainable state.")
+    use_peft: bool = _f(
+        False,
+        "Train LoRA adapters (peft) instead of every weight: the base model stays frozen (and "
+        "partitioned), and checkpoints hold only the adapters' trainable state.",
+    )
     lora_r: int = _f(16, "LoRA rank.")
     lora_alpha: int = _f(32, "LoRA alpha: the adapters' output is scaled by alpha / r.")
     lora_dropout: float = _f(0.05, "Dropout on the input of the LoRA branch.")
-    lora_target_modules: str | None = _f(None, "Modules that get adapters: names (space- or comma-separated, e.g. "
-                                         "q_proj v_proj) or all-linear (every linear layer but the output head); "
-                                         "default: peft's choice for the architecture (q_proj v_proj for Llama).",
-                                         nargs="+")
-    lora_modules_to_save: str | None = _f(None, "Modules trained in full beside the adapters and saved with them "
-                                          "(e.g. lm_head).", nargs="+")
+    lora_target_modules: str | None = _f(
+        None,
+        "Modules that get adapters: names (space- or comma-separated, e.g. "
+        "q_proj v_proj) or all-linear (every linear layer but the output head); "
+        "default: peft's choice for the architecture (q_proj v_proj for Llama).",
+        nargs="+",
+    )
+    lora_modules_to_save: str | None = _f(
+        None,
+        "Modules trained in full beside the adapters and saved with them (e.g. lm_head).",
+        nargs="+",
+    )
 
 
 @dataclass(frozen=True)
@@ -66,79 +94,156 @@ class DataArgs:
     train_file: str | None = _f(None, "Local training file: .json, .jsonl, .csv, .parquet or .txt.")
     validation_file: str | None = _f(None, "Local validation file (same formats as --train_file).")
     text_column: str = _f("text", "Column holding plain text.")
-    prompt_column: str | None = _f(None, "Column holding prompts (loss masked); needs --completion_column.")
+    prompt_column: str | None = _f(
+        None, "Column holding prompts (loss masked); needs --completion_column."
+    )
     completion_column: str | None = _f(None, "Column holding completions (trained on).")
-    messages_column: str | None = _f(None, "Column holding chat messages, rendered with the tokenizer's chat template.")
-    max_seq_length: int | None = _f(None, "Truncate (or pack) sequences to this many tokens (default 512; 128 for the embedded model).")
+    messages_column: str | None = _f(
+        None, "Column holding chat messages, rendered with the tokenizer's chat template."
+    )
+    max_seq_length: int | None = _f(
+        None,
+        "Truncate (or pack) sequences to this many tokens (default 512; 128 for the embedded model).",
+    )
     packing: bool = _f(False, "Concatenate examples and cut them into --max_seq_length blocks.")
-    validation_split_percentage: int = _f(5, "Percent of the training data held out for eval when there is no validation split.")
+    validation_split_percentage: int = _f(
+        5, "Percent of the training data held out for eval when there is no validation split."
+    )
     max_train_samples: int | None = _f(None, "Truncate the training set to this many examples.")
     max_eval_samples: int | None = _f(None, "Truncate the eval set to this many examples.")
-    dataset_cache_dir: str | None = _f(None, "Where tokenized datasets are cached and reused by later runs "
-                                       "(default: datasets' cache, $HF_DATASETS_CACHE).")
-    preprocessing_num_workers: int | None = _f(None, "Processes that tokenize a dataset not yet in the cache "
-                                               "(default: the cores this process may use; 1 below 20,000 examples).")
+    dataset_cache_dir: str | None = _f(
+        None,
+        "Where tokenized datasets are cached and reused by later runs "
+        "(default: datasets' cache, $HF_DATASETS_CACHE).",
+    )
+    preprocessing_num_workers: int | None = _f(
+        None,
+        "Processes that tokenize a dataset not yet in the cache "
+        "(default: the cores this process may use; 1 below 20,000 examples).",
+    )
 
 
 @dataclass(frozen=True)
 class TrainArgs:
-    deepspeed_config: str = _f(DEFAULT_DS_CONFIG, "DeepSpeed JSON; \"auto\" values are filled from these flags.")
+    deepspeed_config: str = _f(
+        DEFAULT_DS_CONFIG, 'DeepSpeed JSON; "auto" values are filled from these flags.'
+    )
     per_device_train_batch_size: int | None = _f(None, "Micro batch per rank (default 8).")
     per_device_eval_batch_size: int = _f(8, "Eval batch per rank.")
-    gradient_accumulation_steps: int | None = _f(None, "Micro batches per optimizer step (default 1).")
-    learning_rate: float | None = _f(None, "Peak learning rate (default 5e-5; 1e-3 for the embedded model).")
-    weight_decay: float | None = _f(None, "AdamW weight decay, not applied to biases and norms (default 0.0).")
+    gradient_accumulation_steps: int | None = _f(
+        None, "Micro batches per optimizer step (default 1)."
+    )
+    learning_rate: float | None = _f(
+        None, "Peak learning rate (default 5e-5; 1e-3 for the embedded model)."
+    )
+    weight_decay: float | None = _f(
+        None, "AdamW weight decay, not applied to biases and norms (default 0.0)."
+    )
     adam_beta1: float | None = _f(None, "AdamW beta1 (default 0.9).")
     adam_beta2: float | None = _f(None, "AdamW beta2 (default 0.999).")
     adam_epsilon: float | None = _f(None, "AdamW epsilon (default 1e-8).")
     max_grad_norm: float | None = _f(None, "Gradient clipping norm, 0 disables (default 1.0).")
     lr_scheduler_type: str = _f("linear", "Learning-rate decay after warmup.", choices=SCHEDULERS)
-    warmup_steps: int | None = _f(None, "Linear warmup steps (default 0; 10 for the embedded model).")
-    num_train_epochs: float | None = _f(None, "Epochs to train (default 3); exclusive with --max_steps.")
+    warmup_steps: int | None = _f(
+        None, "Linear warmup steps (default 0; 10 for the embedded model)."
+    )
+    num_train_epochs: float | None = _f(
+        None, "Epochs to train (default 3); exclusive with --max_steps."
+    )
     max_steps: int | None = _f(None, "Optimizer steps to train; exclusive with --num_train_epochs.")
     seed: int = _f(42, "Seed for model init, data order and dropout.")
-    precision: str = _f("auto", "auto = bf16 where the accelerator supports it, else fp32.", choices=PRECISIONS)
-    logging_steps: int | None = _f(None, "Log train metrics every N optimizer steps (default 10; 5 for the embedded model).")
-    eval_steps: int | None = _f(None, "Evaluate every N steps; eval always runs at step 0 and at the end.")
-    report_to: str = _f("none", "Trackers that also get the metrics rows, the run's config and its checkpoint events: "
-                        "a comma list of tensorboard (OUT/tensorboard), wandb (needs `pip install wandb`; "
-                        "WANDB_PROJECT, WANDB_MODE=offline are read), csv (OUT/csv), or none.")
-    run_name: str | None = _f(None, "The run's name in trackers (default: the --output_dir folder's name).")
-    log_level: str = _f("warning", "What DeepSpeed, transformers and datasets print: warning hides their info lines and "
-                        "known per-rank repeats (torch deprecations DeepSpeed triggers); info or debug shows "
-                        "everything.", choices=("warning", "info", "debug"))
-    plot: bool = _f(True, "Draw OUT/plots/training.png (train and eval loss, learning rate, tokens/s; checkpoints, "
-                    "resumes and preemptions marked) at each eval and at the end, on rank 0 in the background; "
-                    "--no_plot turns it off.")
-    ddp_timeout: int | None = _f(None, "Seconds a collective may wait for a peer before the run fails (default 900). "
-                                 "finetune's own long single-rank work (dataset tokenization, universal conversion) "
-                                 "waits with short polling collectives, so this only bounds how long a dead or stuck "
-                                 "peer goes unnoticed; it is also how long a checkpoint's storage step (a manifest, a "
-                                 "rename, a deletion, a verification read) may go without progress before it fails "
-                                 "on every rank (a hung filesystem).")
+    precision: str = _f(
+        "auto", "auto = bf16 where the accelerator supports it, else fp32.", choices=PRECISIONS
+    )
+    logging_steps: int | None = _f(
+        None, "Log train metrics every N optimizer steps (default 10; 5 for the embedded model)."
+    )
+    eval_steps: int | None = _f(
+        None, "Evaluate every N steps; eval always runs at step 0 and at the end."
+    )
+    report_to: str = _f(
+        "none",
+        "Trackers that also get the metrics rows, the run's config and its checkpoint events: "
+        "a comma list of tensorboard (OUT/tensorboard), wandb (needs `pip install wandb`; "
+        "WANDB_PROJECT, WANDB_MODE=offline are read), csv (OUT/csv), or none.",
+    )
+    run_name: str | None = _f(
+        None, "The run's name in trackers (default: the --output_dir folder's name)."
+    )
+    log_level: str = _f(
+        "warning",
+        "What DeepSpeed, transformers and datasets print: warning hides their info lines and "
+        "known per-rank repeats (torch deprecations DeepSpeed triggers); info or debug shows "
+        "everything.",
+        choices=("warning", "info", "debug"),
+    )
+    plot: bool = _f(
+        True,
+        "Draw OUT/plots/training.png (train and eval loss, learning rate, tokens/s; checkpoints, "
+        "resumes and preemptions marked) at each eval and at the end, on rank 0 in the background; "
+        "--no_plot turns it off.",
+    )
+    ddp_timeout: int | None = _f(
+        None,
+        "Seconds a collective may wait for a peer before the run fails (default 900). "
+        "finetune's own long single-rank work (dataset tokenization, universal conversion) "
+        "waits with short polling collectives, so this only bounds how long a dead or stuck "
+        "peer goes unnoticed; it is also how long a checkpoint's storage step (a manifest, a "
+        "rename, a deletion, a verification read) may go without progress before it fails "
+        "on every rank (a hung filesystem).",
+    )
 
 
 @dataclass(frozen=True)
 class CheckpointArgs:
     output_dir: str = _f("output", "Where metrics.jsonl and checkpoints go.")
-    save_checkpoint: bool = _f(False, "Save checkpoints (always a final one; periodic with --save_steps).")
+    save_checkpoint: bool = _f(
+        False, "Save checkpoints (always a final one; periodic with --save_steps)."
+    )
     save_steps: int | None = _f(None, "Also save every N optimizer steps.")
-    save_total_limit: int | None = _f(None, "Keep at most K checkpoints (never deletes the newest complete one).")
-    save_consolidated: bool = _f(False, "Also gather the weights into HF safetensors in the checkpoint folder.")
-    async_save: bool = _f(False, "Periodic saves block training only while each rank copies its shard into host memory "
-                          "(~1x the shard); a thread writes it and the commit happens at a later step boundary. "
-                          "Consolidated weights are still written before training goes on.")
-    max_shard_size: str = _f("5GB", "Largest consolidated safetensors shard (HF size string, e.g. 500MB).")
-    consolidated_dtype: str | None = _f(None, "dtype of consolidated weights (default: the training dtype).", choices=("bf16", "fp16", "fp32"))
-    resume_from_checkpoint: str | None = _f(None, "PATH, 'latest' or 'auto' (resume if a checkpoint exists).")
-    resume_skip_checksum: bool = _f(False, "Verify only file sizes (not checksums) before resuming.")
-    ignore_unverified_checkpoints: bool = _f(False, "With --resume_from_checkpoint auto: start fresh even when "
-                                             "--output_dir holds checkpoints of which none verifies (they are set "
-                                             "aside under OUT/.abandoned, not deleted). Without it such a run exits 2 "
-                                             "naming each checkpoint and its problem.")
-    on_save_error: str = _f("continue", "What a failed periodic save does; a failed final save always exits 1.", choices=("continue", "abort"))
-    preempt_signals: str = _f("SIGTERM,SIGUSR1", "Signals that stop training at the next step boundary with a committed "
-                              "checkpoint (partitioned only) and exit code 75, for requeueing; 'none' disables.")
+    save_total_limit: int | None = _f(
+        None, "Keep at most K checkpoints (never deletes the newest complete one)."
+    )
+    save_consolidated: bool = _f(
+        False, "Also gather the weights into HF safetensors in the checkpoint folder."
+    )
+    async_save: bool = _f(
+        False,
+        "Periodic saves block training only while each rank copies its shard into host memory "
+        "(~1x the shard); a thread writes it and the commit happens at a later step boundary. "
+        "Consolidated weights are still written before training goes on.",
+    )
+    max_shard_size: str = _f(
+        "5GB", "Largest consolidated safetensors shard (HF size string, e.g. 500MB)."
+    )
+    consolidated_dtype: str | None = _f(
+        None,
+        "dtype of consolidated weights (default: the training dtype).",
+        choices=("bf16", "fp16", "fp32"),
+    )
+    resume_from_checkpoint: str | None = _f(
+        None, "PATH, 'latest' or 'auto' (resume if a checkpoint exists)."
+    )
+    resume_skip_checksum: bool = _f(
+        False, "Verify only file sizes (not checksums) before resuming."
+    )
+    ignore_unverified_checkpoints: bool = _f(
+        False,
+        "With --resume_from_checkpoint auto: start fresh even when "
+        "--output_dir holds checkpoints of which none verifies (they are set "
+        "aside under OUT/.abandoned, not deleted). Without it such a run exits 2 "
+        "naming each checkpoint and its problem.",
+    )
+    on_save_error: str = _f(
+        "continue",
+        "What a failed periodic save does; a failed final save always exits 1.",
+        choices=("continue", "abort"),
+    )
+    preempt_signals: str = _f(
+        "SIGTERM,SIGUSR1",
+        "Signals that stop training at the next step boundary with a committed "
+        "checkpoint (partitioned only) and exit code 75, for requeueing; 'none' disables.",
+    )
 
 
 @dataclass(frozen=True)
@@ -162,12 +267,24 @@ class RunConfig:
 
 GROUPS = (("model", ModelArgs), ("data", DataArgs), ("train", TrainArgs), ("ckpt", CheckpointArgs))
 # Flags that take several values (space-separated on the command line, a list in a --config file).
-LIST_FLAGS = tuple(f.name for _, cls in GROUPS for f in dataclasses.fields(cls) if f.metadata.get("nargs"))
+LIST_FLAGS = tuple(
+    f.name for _, cls in GROUPS for f in dataclasses.fields(cls) if f.metadata.get("nargs")
+)
 
 # Fallbacks for unset fields; the embedded tiny model gets values that make it learn in a short run.
-FALLBACKS = dict(per_device_train_batch_size=8, gradient_accumulation_steps=1, learning_rate=5e-5,
-                 weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8,
-                 max_grad_norm=1.0, warmup_steps=0, logging_steps=10, max_seq_length=512)
+FALLBACKS = dict(
+    per_device_train_batch_size=8,
+    gradient_accumulation_steps=1,
+    learning_rate=5e-5,
+    weight_decay=0.0,
+    adam_beta1=0.9,
+    adam_beta2=0.999,
+    adam_epsilon=1e-8,
+    max_grad_norm=1.0,
+    warmup_steps=0,
+    logging_steps=10,
+    max_seq_length=512,
+)
 EMBEDDED_PRESET = dict(learning_rate=1e-3, warmup_steps=10, logging_steps=5, max_seq_length=128)
 EMBEDDED_MAX_STEPS = 150
 DEFAULT_DDP_TIMEOUT = 900
@@ -189,8 +306,10 @@ def report_targets(value: str) -> tuple[str, ...]:
         return ()
     bad = [n for n in names if n not in TRACKERS]
     if bad:
-        raise ConfigError(f"`--report_to`: unknown tracker {', '.join(map(repr, bad))} "
-                          f"(choose from {', '.join(TRACKERS)}, comma-separated, or none)")
+        raise ConfigError(
+            f"`--report_to`: unknown tracker {', '.join(map(repr, bad))} "
+            f"(choose from {', '.join(TRACKERS)}, comma-separated, or none)"
+        )
     return tuple(dict.fromkeys(names))
 
 
@@ -227,7 +346,9 @@ def check_size(text: str) -> None:
     except ValueError:
         ok = False
     if not ok:
-        raise ConfigError(f"`--max_shard_size` must be a positive size like 5GB or 500MB, got {text!r}")
+        raise ConfigError(
+            f"`--max_shard_size` must be a positive size like 5GB or 500MB, got {text!r}"
+        )
 
 
 def resolve_ddp_timeout(flag_value: int | None) -> int:
@@ -242,8 +363,10 @@ def resolve_ddp_timeout(flag_value: int | None) -> int:
     except ValueError:
         seconds = 0
     if seconds < MIN_DDP_TIMEOUT:
-        raise ConfigError(f"${LEGACY_TIMEOUT_ENV} must be a whole number of minutes, at least 1, got {minutes!r} "
-                          f"(or give `--ddp_timeout SECONDS`, which replaces it)")
+        raise ConfigError(
+            f"${LEGACY_TIMEOUT_ENV} must be a whole number of minutes, at least 1, got {minutes!r} "
+            f"(or give `--ddp_timeout SECONDS`, which replaces it)"
+        )
     return seconds
 
 

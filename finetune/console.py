@@ -19,18 +19,22 @@ import os
 import re
 import sys
 import warnings
-from typing import Iterator
+from collections.abc import Iterator
 
 LEVELS = ("warning", "info", "debug")
 
 # torch 2.13 deprecates the *_tensor collectives DeepSpeed 0.19 calls (all_gather_into_tensor,
 # reduce_scatter_tensor); each fires once per process, from torch's c10d_logger wrapper.
-_DEPRECATED_COLLECTIVE = r"`torch\.distributed\.\w+` is deprecated\. Please use `torch\.distributed\.\w+` instead\."
+_DEPRECATED_COLLECTIVE = (
+    r"`torch\.distributed\.\w+` is deprecated\. Please use `torch\.distributed\.\w+` instead\."
+)
 # peft 0.21 reads transformers' deprecated model.is_gradient_checkpointing when it wraps a model
 # (--use_peft), once per process.
 _DEPRECATED_BY_PEFT = r"`is_gradient_checkpointing` is deprecated and will be removed in v6\. Use `is_activation_checkpointing` instead\."
 # DeepSpeed's accelerator detection, once per process; on ranks other than 0 it only repeats rank 0.
-_PER_PROCESS = ("Setting accelerator to CPU. If you have GPU or other accelerator, we were unable to detect it.",)
+_PER_PROCESS = (
+    "Setting accelerator to CPU. If you have GPU or other accelerator, we were unable to detect it.",
+)
 _BUILT = re.compile(r"^DeepSpeed \S+ built successfully$")
 
 
@@ -64,7 +68,9 @@ def quiet(argv: list[str] | None = None, level: str | None = None) -> None:
     verbose = level != "warning"
     ds = logging.getLogger("DeepSpeed")
     for message in (_DEPRECATED_COLLECTIVE, _DEPRECATED_BY_PEFT):
-        warnings.filterwarnings("default" if verbose else "ignore", message=message, category=FutureWarning)
+        warnings.filterwarnings(
+            "default" if verbose else "ignore", message=message, category=FutureWarning
+        )
     if verbose:
         ds.removeFilter(_repeats)
     else:

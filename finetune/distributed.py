@@ -13,18 +13,16 @@ import socket
 import sys
 import threading
 import time
-import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
-from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
 from finetune import launchers
 from finetune.config import DEFAULT_DDP_TIMEOUT, ConfigError
 from finetune.console import swallow_build_notice
-from finetune.io.faults import fault_point
 from finetune.io.progress import watch
 
 logger = logging.getLogger("finetune")
@@ -40,7 +38,9 @@ def adopt_launcher_env() -> None:
         return  # init() raises it
 
 
-local_device_index = launchers.local_device_index  # for ds_config (before init): the device this rank drives
+local_device_index = (
+    launchers.local_device_index
+)  # for ds_config (before init): the device this rank drives
 
 
 def env_rank() -> int:
@@ -59,7 +59,9 @@ def init(timeout_s: int | None = None) -> None:
     # An mpirun world without MASTER_ADDR: rank 0's address over mpi4py, or (AzureML) DeepSpeed's patch.
     discover = launchers.deepspeed_discovers_master()
     if discover and not launchers.in_azureml():
-        os.environ["MASTER_ADDR"] = launchers.master_from_mpi()  # mpi4py: checked by deepspeed_discovers_master
+        os.environ["MASTER_ADDR"] = (
+            launchers.master_from_mpi()
+        )  # mpi4py: checked by deepspeed_discovers_master
         discover = False
     os.environ.setdefault("RANK", "0")
     os.environ.setdefault("LOCAL_RANK", "0")
@@ -83,8 +85,12 @@ def init(timeout_s: int | None = None) -> None:
     # The timeout bounds how long a dead peer goes unnoticed; long single-rank work polls (gather_outcomes).
     # distributed_port: only MPI discovery reads it (comm.py:898, 944), else it would take 29500.
     with swallow_build_notice():  # its "…shm_comm_op built successfully", once per rank
-        deepspeed.init_distributed(timeout=timedelta(seconds=_timeout_s), distributed_port=int(os.environ["MASTER_PORT"]))
-    os.environ["LOCAL_RANK"] = str(local)  # MPI discovery recounts it by host name (comm.py:935-942)
+        deepspeed.init_distributed(
+            timeout=timedelta(seconds=_timeout_s), distributed_port=int(os.environ["MASTER_PORT"])
+        )
+    os.environ["LOCAL_RANK"] = str(
+        local
+    )  # MPI discovery recounts it by host name (comm.py:935-942)
     _setup_logging()
     _unlink_shm_buffer()
 
@@ -102,10 +108,13 @@ def _unlink_shm_buffer() -> None:
 
     # DeepSpeed's own condition (comm/torch.py + shm_interface.cpp), from facts every rank shares,
     # so every rank takes the barrier or none does; GPU runs skip it.
-    if get_accelerator().device_name() != "cpu" or os.environ.get("LOCAL_SIZE") != str(world_size()):
+    if get_accelerator().device_name() != "cpu" or os.environ.get("LOCAL_SIZE") != str(
+        world_size()
+    ):
         return
     name = "deepspeed_allreduce_buffer_{}_{}_{}_{}".format(
-        os.getuid(), os.environ.get("MASTER_ADDR", ""), os.environ.get("MASTER_PORT", ""), rank())
+        os.getuid(), os.environ.get("MASTER_ADDR", ""), os.environ.get("MASTER_PORT", ""), rank()
+    )
     barrier()
     try:
         os.unlink(os.path.join("/dev/shm", name))
@@ -118,7 +127,11 @@ def device() -> torch.device:
     from deepspeed.accelerator import get_accelerator
 
     acc = get_accelerator()
-    return torch.device("cpu") if acc.device_name() == "cpu" else torch.device(acc.current_device_name())
+    return (
+        torch.device("cpu")
+        if acc.device_name() == "cpu"
+        else torch.device(acc.current_device_name())
+    )
 
 
 def world_size_env() -> int:
@@ -136,7 +149,11 @@ def rank() -> int:
 
 
 def world_size() -> int:
-    return torch.distributed.get_world_size() if torch.distributed.is_initialized() else world_size_env()
+    return (
+        torch.distributed.get_world_size()
+        if torch.distributed.is_initialized()
+        else world_size_env()
+    )
 
 
 def is_main() -> bool:
@@ -231,9 +248,18 @@ def io_deadline() -> float:
     return float(_timeout_s)
 
 
-def gather_outcomes(fn: Callable[[], Any], on: bool = True, *, share: bool = False, inline: bool = False,
-                    poll_s: float | None = None, step: str = "", deadline_s: float | None = None,
-                    stop: Callable[[], bool] | None = None, cancel: threading.Event | None = None) -> Outcomes:
+def gather_outcomes(
+    fn: Callable[[], Any],
+    on: bool = True,
+    *,
+    share: bool = False,
+    inline: bool = False,
+    poll_s: float | None = None,
+    step: str = "",
+    deadline_s: float | None = None,
+    stop: Callable[[], bool] | None = None,
+    cancel: threading.Event | None = None,
+) -> Outcomes:
     """The agreement primitive: run rank-local work, then tell every rank how it went everywhere.
 
     ``fn`` runs on the ranks where ``on`` is true (every rank, one rank, each storage's leader);
@@ -277,11 +303,17 @@ def gather_outcomes(fn: Callable[[], Any], on: bool = True, *, share: bool = Fal
             cancel.set()  # every rank alike (``late`` is agreed): the abandoned work stops where it can
     own = box.get("error")
     if rank() in late:
-        own = StepTimeout(f"{step or 'an agreed step'} made no progress for {deadline_s:g} s (a hung filesystem?)"
-                          if time.monotonic() - ctx["last"] >= deadline_s else
-                          f"{step or 'an agreed step'} given up: another rank's made no progress for {deadline_s:g} s")
+        own = StepTimeout(
+            f"{step or 'an agreed step'} made no progress for {deadline_s:g} s (a hung filesystem?)"
+            if time.monotonic() - ctx["last"] >= deadline_s
+            else f"{step or 'an agreed step'} given up: another rank's made no progress for {deadline_s:g} s"
+        )
     # A ConfigError subclass (LeaseHeld…) is a bad input everywhere: every rank exits 2 with its line.
-    kind = None if own is None else ("ConfigError" if isinstance(own, ConfigError) else type(own).__name__)
+    kind = (
+        None
+        if own is None
+        else ("ConfigError" if isinstance(own, ConfigError) else type(own).__name__)
+    )
     result = None if late else box.get("result")  # a late result (after the deadline) never counts
     mine = (None if own is None else (kind, describe_error(own)), result if share else None)
     gathered = all_gather_object(mine)
@@ -294,12 +326,24 @@ def gather_outcomes(fn: Callable[[], Any], on: bool = True, *, share: bool = Fal
     return out
 
 
-def _poll(work: Callable[[], None], on: bool, poll_s: float, ctx: dict, step: str, deadline_s: float | None,
-          stop: Callable[[], bool] | None = None, cancel: threading.Event | None = None) -> list[int]:
+def _poll(
+    work: Callable[[], None],
+    on: bool,
+    poll_s: float,
+    ctx: dict,
+    step: str,
+    deadline_s: float | None,
+    stop: Callable[[], bool] | None = None,
+    cancel: threading.Event | None = None,
+) -> list[int]:
     """Run ``work`` on a thread where ``on`` and all-gather (done, seconds without progress, asked
     to stop) every ``poll_s`` until every rank is done, or until a rank not done has gone
     ``deadline_s`` without progress; returns the ranks given up on. Collective."""
-    thread = threading.Thread(target=_on_this_device(work), name="finetune-agreed", daemon=True) if on else None
+    thread = (
+        threading.Thread(target=_on_this_device(work), name="finetune-agreed", daemon=True)
+        if on
+        else None
+    )
     if thread is not None:
         thread.start()
     start = time.monotonic()
@@ -308,8 +352,14 @@ def _poll(work: Callable[[], None], on: bool, poll_s: float, ctx: dict, step: st
         if thread is not None:
             thread.join(timeout=poll_s)
         busy = thread is not None and thread.is_alive()
-        views = all_gather_object((busy, time.monotonic() - ctx["last"] if busy else 0.0, time.monotonic() - start,
-                                   bool(stop is not None and stop())))
+        views = all_gather_object(
+            (
+                busy,
+                time.monotonic() - ctx["last"] if busy else 0.0,
+                time.monotonic() - start,
+                bool(stop is not None and stop()),
+            )
+        )
         waiting = [r for r, (b, _, _, _) in enumerate(views) if b]
         if cancel is not None and any(v[3] for v in views):
             cancel.set()  # every rank alike: the work (where it runs) stops early
@@ -318,14 +368,25 @@ def _poll(work: Callable[[], None], on: bool, poll_s: float, ctx: dict, step: st
         stalled = max(views[r][1] for r in waiting)
         if deadline_s is not None and stalled >= deadline_s:
             hung = [r for r in waiting if views[r][1] >= deadline_s]
-            log_main(logging.ERROR, "giving up on rank %s: %s made no progress for %.0f s (deadline %g s)",
-                     _ranks(hung), step or "an agreed step", stalled, deadline_s)
+            log_main(
+                logging.ERROR,
+                "giving up on rank %s: %s made no progress for %.0f s (deadline %g s)",
+                _ranks(hung),
+                step or "an agreed step",
+                stalled,
+                deadline_s,
+            )
             return waiting  # the step failed: a rank still busy with it is abandoned too
         waited = max(v[2] for v in views)
         if waited >= (logged + 1) * WAIT_LOG_S:
             logged = int(waited // WAIT_LOG_S)
-            log_main(logging.WARNING, "waiting for rank %s: %s (%.0f s)", _ranks(waiting), step or "an agreed step",
-                     waited)
+            log_main(
+                logging.WARNING,
+                "waiting for rank %s: %s (%.0f s)",
+                _ranks(waiting),
+                step or "an agreed step",
+                waited,
+            )
 
 
 def _ranks(ranks: list[int]) -> str:
@@ -351,8 +412,14 @@ def _on_this_device(fn: Callable[[], None]) -> Callable[[], None]:
     return bound
 
 
-def run_agreed(fn: Callable[[], Any], on: bool = True, poll_s: float | None = None, *, step: str = "",
-               deadline_s: float | None = None):
+def run_agreed(
+    fn: Callable[[], Any],
+    on: bool = True,
+    poll_s: float | None = None,
+    *,
+    step: str = "",
+    deadline_s: float | None = None,
+):
     """``gather_outcomes`` that raises the same error on every rank if ``fn`` failed on any.
 
     Returns ``fn``'s result where it ran (None elsewhere).
@@ -367,84 +434,6 @@ def share_from(src: int, fn: Callable[[], Any], *, step: str = "", deadline_s: f
     out = gather_outcomes(fn, on=rank() == src, share=True, step=step, deadline_s=deadline_s)
     out.raise_any()
     return out.results[src]
-
-
-PROBE = ".storage-probe"  # marker files that show which ranks share a folder
-
-
-def _touch(marker: Path) -> None:
-    fault_point("layout.probe")
-    marker.parent.mkdir(parents=True, exist_ok=True)
-    marker.touch()
-
-
-def _unlink(marker: Path) -> None:
-    try:
-        marker.unlink(missing_ok=True)
-    except OSError:
-        pass  # a leftover marker is harmless: the next probe uses another nonce
-
-
-def _cannot_write(out: Outcomes, folder: Path, flag: str) -> None:
-    if not out.ok:
-        raise ConfigError(f"--{flag}: cannot write {folder}: {out.describe()}")
-
-
-def sharing_groups(folder: Path, flag: str) -> list[list[int]]:
-    """Ranks grouped by which of them see the same ``folder`` (one group on shared storage). Collective.
-
-    Found out, not guessed from host names (containers share them; a "node-local" path may be
-    shared after all): every rank drops a marker file in ``folder``, and ranks that see each
-    other's markers share it. ``flag`` names the folder in errors.
-    """
-    if world_size() == 1:
-        return [[0]]
-    nonce = share_from(0, lambda: uuid.uuid4().hex)
-    marker = folder / f"{PROBE}-{nonce}-{rank()}"
-    _cannot_write(gather_outcomes(lambda: _touch(marker), step=f"writing a marker in {folder}",
-                                  deadline_s=io_deadline()), folder, flag)  # every marker is down
-    out = gather_outcomes(lambda: sorted(int(p.name.rsplit("-", 1)[1]) for p in folder.glob(f"{PROBE}-{nonce}-*")),
-                          share=True, step=f"listing the markers in {folder}", deadline_s=io_deadline())
-    _cannot_write(out, folder, flag)  # and every rank has looked: markers can go
-    _unlink(marker)
-    views = out.results
-    for r, view in enumerate(views):
-        if any(views[other] != view for other in view):
-            raise ConfigError(f"--{flag}: ranks disagree about who shares {folder} (rank {r} sees {view}); "
-                              "use storage local to each node, or storage all ranks share")
-    return [list(v) for v in sorted({tuple(v) for v in views})]
-
-
-def leads_storage(folder: Path, flag: str) -> bool:
-    """Whether this rank is the first of the ranks that see the same ``folder``. Collective.
-
-    For work where a duplicate is only wasted effort (two leaders on one storage publish the
-    same thing atomically), so it is cheap at any world size: one marker file from rank 0, one
-    lookup per rank (a name never seen before, so no filesystem cache can answer for the
-    server), one all-gather. Ranks that see rank 0's marker share with it; the others are
-    grouped by host (node-local disks).
-    """
-    if world_size() == 1:
-        return True
-    nonce = share_from(0, lambda: uuid.uuid4().hex)
-    marker = folder / f"{PROBE}-{nonce}"
-    _cannot_write(gather_outcomes(lambda: _touch(marker), on=is_main(), step=f"writing a marker in {folder}",
-                                  deadline_s=io_deadline()), folder, flag)
-
-    def look():
-        try:
-            return marker.exists(), socket.gethostname()
-        except OSError:
-            return False, socket.gethostname()
-
-    views = gather_outcomes(look, share=True, step=f"looking for rank 0's marker in {folder}",
-                            deadline_s=io_deadline()).results
-    if is_main():
-        _unlink(marker)
-    me = rank()
-    if views[me][0]:
-        return me == 0
-    return me == min(r for r, (s, host) in enumerate(views) if not s and host == views[me][1])
 
 
 def all_reduce_sum(values: list[float]) -> list[float]:
@@ -472,7 +461,9 @@ def _setup_logging() -> None:
     if logger.handlers:
         return
     handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter("[%(asctime)s] [finetune] [rank%(rank)s] %(message)s", "%H:%M:%S"))
+    handler.setFormatter(
+        logging.Formatter("[%(asctime)s] [finetune] [rank%(rank)s] %(message)s", "%H:%M:%S")
+    )
     handler.addFilter(_RankFilter())
     handler.addFilter(_add_rank)
     logger.addHandler(handler)

@@ -11,8 +11,9 @@ rejects. Each error names the file and the key.
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 from finetune.config import CONFIGS_DIR, ConfigError
 
@@ -36,21 +37,33 @@ def load_ds_json(path: str) -> dict:
     try:
         cfg = json.loads(text)
     except json.JSONDecodeError as e:
-        raise ConfigError(f"--deepspeed_config: {p} is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}") from None
+        raise ConfigError(
+            f"--deepspeed_config: {p} is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}"
+        ) from None
     if not isinstance(cfg, dict):
-        raise ConfigError(f"--deepspeed_config: {p} must hold a JSON object, not {type(cfg).__name__}")
+        raise ConfigError(
+            f"--deepspeed_config: {p} must hold a JSON object, not {type(cfg).__name__}"
+        )
     return cfg
 
 
 _MISSING = object()
 # The "auto" values filled once the dataset's size is known (finalize_ds_config); any other "auto"
 # left after reconciling with the flags has nothing to fill it.
-FILLED_LATER = tuple(f"scheduler.params.{k}" for k in ("total_num_steps", "warmup_num_steps", "warmup_max_lr",
-                                                     "warmup_min_lr"))
+FILLED_LATER = tuple(
+    f"scheduler.params.{k}"
+    for k in ("total_num_steps", "warmup_num_steps", "warmup_max_lr", "warmup_min_lr")
+)
 # What an explicit JSON value of a flag's setting must be: (an integer, > 0 rather than >= 0).
-NUMBERS = {"per_device_train_batch_size": (True, True), "gradient_accumulation_steps": (True, True),
-           "max_grad_norm": (False, False), "learning_rate": (False, True), "weight_decay": (False, False),
-           "adam_epsilon": (False, False), "warmup_steps": (True, False)}
+NUMBERS = {
+    "per_device_train_batch_size": (True, True),
+    "gradient_accumulation_steps": (True, True),
+    "max_grad_norm": (False, False),
+    "learning_rate": (False, True),
+    "weight_decay": (False, False),
+    "adam_epsilon": (False, False),
+    "warmup_steps": (True, False),
+}
 
 
 def _get(cfg: dict, dotted: str) -> Any:
@@ -70,7 +83,9 @@ def _set(cfg: dict, dotted: str, value: Any) -> None:
     node[last] = value
 
 
-def reconcile(flag: str, flag_value: Any, cfg: dict, key: str, fallback: Any, path: str, *, write: bool = True) -> Any:
+def reconcile(
+    flag: str, flag_value: Any, cfg: dict, key: str, fallback: Any, path: str, *, write: bool = True
+) -> Any:
     """One value set both by a flag and by the DeepSpeed JSON.
 
     "auto" or absent in the JSON → the flag (or ``fallback``) wins and is written into the JSON;
@@ -84,19 +99,29 @@ def reconcile(flag: str, flag_value: Any, cfg: dict, key: str, fallback: Any, pa
         return value
     _check_number(flag, key, json_value, path)
     if flag_value is not None and not _same(flag_value, json_value):
-        raise ConfigError(f"`--{flag} {flag_value}` contradicts `{key}: {json.dumps(json_value)}` in {path}; drop one or make them agree")
+        raise ConfigError(
+            f"`--{flag} {flag_value}` contradicts `{key}: {json.dumps(json_value)}` in {path}; drop one or make them agree"
+        )
     return json_value
 
 
 def _check_number(flag: str, key: str, value: Any, path: str) -> None:
     """An explicit JSON value of a flag's setting obeys the flag's type and range."""
     integer, positive = NUMBERS.get(flag, (False, False))
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and (not integer or float(value).is_integer())
+    ok = (
+        isinstance(value, (int, float))
+        and not isinstance(value, bool)
+        and (not integer or float(value).is_integer())
+    )
     if ok and not (value > 0 if positive else value >= 0):
         ok = False
     if not ok:
-        want = ("a positive " if positive else "a non-negative ") + ("integer" if integer else "number")
-        raise ConfigError(f"--deepspeed_config: `{key}` in {path} must be {want} or \"auto\", got {json.dumps(value)}")
+        want = ("a positive " if positive else "a non-negative ") + (
+            "integer" if integer else "number"
+        )
+        raise ConfigError(
+            f'--deepspeed_config: `{key}` in {path} must be {want} or "auto", got {json.dumps(value)}'
+        )
 
 
 def _same(a: Any, b: Any) -> bool:
@@ -105,7 +130,9 @@ def _same(a: Any, b: Any) -> bool:
     return a == b
 
 
-def reconcile_ds(v: dict[str, Any], ds: dict, world: int, fallbacks: Mapping[str, Any], precision_flag: str) -> None:
+def reconcile_ds(
+    v: dict[str, Any], ds: dict, world: int, fallbacks: Mapping[str, Any], precision_flag: str
+) -> None:
     """Settle every value that both a flag and the DeepSpeed JSON set; updates ``v`` and ``ds`` in place.
 
     ``fallbacks`` fill what neither sets; ``precision_flag`` is how errors name the precision flag.
@@ -113,28 +140,41 @@ def reconcile_ds(v: dict[str, Any], ds: dict, world: int, fallbacks: Mapping[str
     path = v["deepspeed_config"]
     _check_shape(ds, path)
     _refuse_nvme_checkpoints(v, ds, path)
-    for flag, key in (("per_device_train_batch_size", "train_micro_batch_size_per_gpu"),
-                      ("gradient_accumulation_steps", "gradient_accumulation_steps"),
-                      ("max_grad_norm", "gradient_clipping")):
+    for flag, key in (
+        ("per_device_train_batch_size", "train_micro_batch_size_per_gpu"),
+        ("gradient_accumulation_steps", "gradient_accumulation_steps"),
+        ("max_grad_norm", "gradient_clipping"),
+    ):
         v[flag] = reconcile(flag, v[flag], ds, key, fallbacks[flag], path)
     want = v["per_device_train_batch_size"] * v["gradient_accumulation_steps"] * world
     tbs = ds.get("train_batch_size", "auto")
     if tbs != "auto" and tbs != want:
-        raise ConfigError(f"`train_batch_size: {tbs}` in {path} must equal --per_device_train_batch_size × "
-                          f"--gradient_accumulation_steps × world size = {want}")
+        raise ConfigError(
+            f"`train_batch_size: {tbs}` in {path} must equal --per_device_train_batch_size × "
+            f"--gradient_accumulation_steps × world size = {want}"
+        )
     ds["train_batch_size"] = want
     if isinstance(ds.get("optimizer"), dict):
         _reconcile_optimizer(v, ds, path, fallbacks)
     if isinstance(ds.get("scheduler"), dict):
-        v["warmup_steps"] = reconcile("warmup_steps", v["warmup_steps"], ds, "scheduler.params.warmup_num_steps",
-                                      fallbacks["warmup_steps"], path, write=False)
+        v["warmup_steps"] = reconcile(
+            "warmup_steps",
+            v["warmup_steps"],
+            ds,
+            "scheduler.params.warmup_num_steps",
+            fallbacks["warmup_steps"],
+            path,
+            write=False,
+        )
     _reconcile_precision(v, ds, path, precision_flag)
     _reconcile_report_to(v, ds, path)
     leftover = [k for k, value in _walk(ds) if value == "auto" and k not in FILLED_LATER]
     if leftover:
-        raise ConfigError(f"--deepspeed_config: {path} has \"auto\" for {', '.join(leftover)}, which no flag sets; "
-                          "give a value (\"auto\" works for the values flags set and a scheduler's step counts and "
-                          "learning rates)")
+        raise ConfigError(
+            f'--deepspeed_config: {path} has "auto" for {", ".join(leftover)}, which no flag sets; '
+            'give a value ("auto" works for the values flags set and a scheduler\'s step counts and '
+            "learning rates)"
+        )
     check_with_deepspeed(ds, path)
 
 
@@ -148,16 +188,21 @@ def _refuse_nvme_checkpoints(v: Mapping[str, Any], ds: dict, path: str) -> None:
     count: the resumed run trains with a fresh Adam (seen here: the step after a resume differs from
     the uninterrupted run's; with CPU offload it is equal). A checkpoint that cannot resume is not
     saved at all."""
-    offload = ((ds.get("zero_optimization") or {}).get("offload_optimizer") or {})
+    offload = (ds.get("zero_optimization") or {}).get("offload_optimizer") or {}
     if str(offload.get("device", "none")).lower() != "nvme":
         return
-    flag = "--save_checkpoint" if v.get("save_checkpoint") else (
-        "--resume_from_checkpoint" if v.get("resume_from_checkpoint") else None)
+    flag = (
+        "--save_checkpoint"
+        if v.get("save_checkpoint")
+        else ("--resume_from_checkpoint" if v.get("resume_from_checkpoint") else None)
+    )
     if flag:
-        raise ConfigError(f"`zero_optimization.offload_optimizer.device: nvme` in {path} can't be used with {flag}: "
-                          "DeepSpeed copies the NVMe optimizer state outside its checkpoint files (never fsynced or "
-                          "verified) and does not restore Adam's moments when loading, so a resume would silently "
-                          "restart the optimizer; use `\"device\": \"cpu\"` (exact resume) or train without checkpoints")
+        raise ConfigError(
+            f"`zero_optimization.offload_optimizer.device: nvme` in {path} can't be used with {flag}: "
+            "DeepSpeed copies the NVMe optimizer state outside its checkpoint files (never fsynced or "
+            "verified) and does not restore Adam's moments when loading, so a resume would silently "
+            'restart the optimizer; use `"device": "cpu"` (exact resume) or train without checkpoints'
+        )
 
 
 def _reconcile_report_to(v: dict[str, Any], ds: dict, path: str) -> None:
@@ -173,26 +218,50 @@ def _reconcile_report_to(v: dict[str, Any], ds: dict, path: str) -> None:
         raise ConfigError(problem)
     for target, key in (("tensorboard", "tensorboard"), ("csv", "csv_monitor")):
         if target in targets:
-            ds[key] = {**ds.get(key, {}), "enabled": True, "output_path": str(Path(v["output_dir"]) / target),
-                       "job_name": "finetune"}
+            ds[key] = {
+                **ds.get(key, {}),
+                "enabled": True,
+                "output_path": str(Path(v["output_dir"]) / target),
+                "job_name": "finetune",
+            }
     if "wandb" in targets and _get(ds, "wandb.enabled") is True:
-        raise ConfigError(f"`--report_to wandb` and `wandb.enabled: true` in {path} would start two wandb runs; "
-                          "drop the JSON's (finetune's own wandb run has the run name, config and checkpoint events)")
+        raise ConfigError(
+            f"`--report_to wandb` and `wandb.enabled: true` in {path} would start two wandb runs; "
+            "drop the JSON's (finetune's own wandb run has the run name, config and checkpoint events)"
+        )
 
 
 def _check_shape(ds: dict, path: str) -> None:
     """Objects where DeepSpeed expects objects, and ZeRO stage 3 (what the checkpoints, resume and
     export are built on)."""
-    for key in ("zero_optimization", "optimizer", "scheduler", "bf16", "fp16", "tensorboard", "csv_monitor", "wandb",
-                "optimizer.params", "scheduler.params"):
+    for key in (
+        "zero_optimization",
+        "optimizer",
+        "scheduler",
+        "bf16",
+        "fp16",
+        "tensorboard",
+        "csv_monitor",
+        "wandb",
+        "optimizer.params",
+        "scheduler.params",
+    ):
         value = _get(ds, key)
         if value is not _MISSING and not isinstance(value, dict):
-            raise ConfigError(f"--deepspeed_config: `{key}` in {path} must be an object, got {json.dumps(value)}")
+            raise ConfigError(
+                f"--deepspeed_config: `{key}` in {path} must be an object, got {json.dumps(value)}"
+            )
     stage = _get(ds, "zero_optimization.stage")
     if stage is _MISSING or isinstance(stage, bool) or stage != 3:
-        got = "no `zero_optimization.stage`" if stage is _MISSING else f"`zero_optimization.stage: {json.dumps(stage)}`"
-        raise ConfigError(f"--deepspeed_config: {path} has {got}; finetune trains with ZeRO stage 3 only "
-                          "(its checkpoints, resume and export are ZeRO-3's): set `zero_optimization.stage: 3`")
+        got = (
+            "no `zero_optimization.stage`"
+            if stage is _MISSING
+            else f"`zero_optimization.stage: {json.dumps(stage)}`"
+        )
+        raise ConfigError(
+            f"--deepspeed_config: {path} has {got}; finetune trains with ZeRO stage 3 only "
+            "(its checkpoints, resume and export are ZeRO-3's): set `zero_optimization.stage: 3`"
+        )
 
 
 def check_with_deepspeed(ds: dict, path: str) -> None:
@@ -206,7 +275,9 @@ def check_with_deepspeed(ds: dict, path: str) -> None:
 
     trial = json.loads(json.dumps(ds))
     # It checks the batch against the world size it sees: one process, before distributed init.
-    trial["train_batch_size"] = trial["train_micro_batch_size_per_gpu"] * trial["gradient_accumulation_steps"]
+    trial["train_batch_size"] = (
+        trial["train_micro_batch_size_per_gpu"] * trial["gradient_accumulation_steps"]
+    )
     ds_logger = logging.getLogger("DeepSpeed")
     level = ds_logger.level
     ds_logger.setLevel(logging.ERROR)  # its warnings come again, once, from deepspeed.initialize
@@ -214,12 +285,25 @@ def check_with_deepspeed(ds: dict, path: str) -> None:
         DeepSpeedConfig(trial, mpu=_OneProcess())
     except ValidationError as e:
         first = e.errors()[0]
-        where = _locate(ds, tuple(str(x) for x in first["loc"])) or ".".join(str(x) for x in first["loc"])
-        raise ConfigError(f"--deepspeed_config: `{where}` in {path}: {first['msg']} "
-                          f"(got {json.dumps(first.get('input'), default=str)})") from None
-    except (DeepSpeedConfigError, AssertionError, TypeError, ValueError, AttributeError, KeyError) as e:
+        where = _locate(ds, tuple(str(x) for x in first["loc"])) or ".".join(
+            str(x) for x in first["loc"]
+        )
+        raise ConfigError(
+            f"--deepspeed_config: `{where}` in {path}: {first['msg']} "
+            f"(got {json.dumps(first.get('input'), default=str)})"
+        ) from None
+    except (
+        DeepSpeedConfigError,
+        AssertionError,
+        TypeError,
+        ValueError,
+        AttributeError,
+        KeyError,
+    ) as e:
         text = str(e).strip().splitlines()
-        raise ConfigError(f"--deepspeed_config: DeepSpeed rejects {path}: {text[0] if text else type(e).__name__}") from None
+        raise ConfigError(
+            f"--deepspeed_config: DeepSpeed rejects {path}: {text[0] if text else type(e).__name__}"
+        ) from None
     finally:
         ds_logger.setLevel(level)
 
@@ -235,25 +319,45 @@ def _locate(cfg: dict, loc: tuple[str, ...]) -> str | None:
     """The dotted key in ``cfg`` that a pydantic error's location (relative to one of DeepSpeed's
     sub-models, e.g. `stage` inside zero_optimization) points at: the first path ending in it."""
     n = len(loc)
-    return next((key for key, _ in _walk(cfg) if tuple(key.split("."))[-n:] == loc), None) if n else None
+    return (
+        next((key for key, _ in _walk(cfg) if tuple(key.split("."))[-n:] == loc), None)
+        if n
+        else None
+    )
 
 
-def _reconcile_optimizer(v: dict[str, Any], ds: dict, path: str, fallbacks: Mapping[str, Any]) -> None:
+def _reconcile_optimizer(
+    v: dict[str, Any], ds: dict, path: str, fallbacks: Mapping[str, Any]
+) -> None:
     p = "optimizer.params."
-    for flag, key in (("learning_rate", "lr"), ("weight_decay", "weight_decay"), ("adam_epsilon", "eps")):
+    for flag, key in (
+        ("learning_rate", "lr"),
+        ("weight_decay", "weight_decay"),
+        ("adam_epsilon", "eps"),
+    ):
         v[flag] = reconcile(flag, v[flag], ds, p + key, fallbacks[flag], path)
     params = ds["optimizer"].setdefault("params", {})
     betas = params.get("betas", "auto")
-    if betas != "auto" and not (isinstance(betas, list) and len(betas) == 2 and all(
-            b == "auto" or isinstance(b, (int, float)) and not isinstance(b, bool) and 0 <= b < 1 for b in betas)):
-        raise ConfigError(f"--deepspeed_config: `optimizer.params.betas` in {path} must be \"auto\" or two numbers "
-                          f"in [0, 1) (each may be \"auto\"), got {json.dumps(betas)}")
+    if betas != "auto" and not (
+        isinstance(betas, list)
+        and len(betas) == 2
+        and all(
+            b == "auto" or isinstance(b, (int, float)) and not isinstance(b, bool) and 0 <= b < 1
+            for b in betas
+        )
+    ):
+        raise ConfigError(
+            f'--deepspeed_config: `optimizer.params.betas` in {path} must be "auto" or two numbers '
+            f'in [0, 1) (each may be "auto"), got {json.dumps(betas)}'
+        )
     betas = ["auto", "auto"] if betas == "auto" else list(betas)
     for i, flag in enumerate(("adam_beta1", "adam_beta2")):
         if betas[i] == "auto":
             betas[i] = fallbacks[flag] if v[flag] is None else v[flag]
         elif v[flag] is not None and float(v[flag]) != float(betas[i]):
-            raise ConfigError(f"`--{flag} {v[flag]}` contradicts `optimizer.params.betas: {params['betas']}` in {path}")
+            raise ConfigError(
+                f"`--{flag} {v[flag]}` contradicts `optimizer.params.betas: {params['betas']}` in {path}"
+            )
         v[flag] = betas[i]
     params["betas"] = betas
 
@@ -262,8 +366,10 @@ def _reconcile_precision(v: dict[str, Any], ds: dict, path: str, flag: str) -> N
     enabled = {k: ds.setdefault(k, {}).get("enabled", "auto") for k in ("bf16", "fp16")}
     for k, e in enabled.items():
         if not isinstance(e, bool) and e != "auto":
-            raise ConfigError(f"--deepspeed_config: `{k}.enabled` in {path} must be true, false or \"auto\", "
-                              f"got {json.dumps(e)}")
+            raise ConfigError(
+                f'--deepspeed_config: `{k}.enabled` in {path} must be true, false or "auto", '
+                f"got {json.dumps(e)}"
+            )
     explicit = [k for k, e in enabled.items() if e is True]
     if len(explicit) > 1:
         raise ConfigError(f"--deepspeed_config: {path} enables both bf16 and fp16")
@@ -315,8 +421,10 @@ def check_precision(precision: str) -> None:
     chosen = dist.all_gather_object(precision)
     if len(set(chosen)) > 1:
         by = ", ".join(f"rank {r}: {p}" for r, p in enumerate(chosen) if p != chosen[0])
-        raise ConfigError(f"`--precision auto` differs between ranks (rank 0: {chosen[0]}; {by}): their GPUs differ; "
-                          "give --precision bf16, fp16 or fp32")
+        raise ConfigError(
+            f"`--precision auto` differs between ranks (rank 0: {chosen[0]}; {by}): their GPUs differ; "
+            "give --precision bf16, fp16 or fp32"
+        )
     dist.run_agreed(lambda: check_precision_supported(precision))
 
 
@@ -327,8 +435,10 @@ def check_precision_supported(precision: str) -> None:
 
     acc = get_accelerator()
     if precision == "fp16" and not acc.is_fp16_supported():
-        raise ConfigError(f"`--precision fp16`: this machine's {acc.device_name()} accelerator can't train in fp16; "
-                          "use --precision bf16 or fp32")
+        raise ConfigError(
+            f"`--precision fp16`: this machine's {acc.device_name()} accelerator can't train in fp16; "
+            "use --precision bf16 or fp32"
+        )
 
 
 def zero_stage(cfg: dict) -> int:
@@ -336,25 +446,31 @@ def zero_stage(cfg: dict) -> int:
     return 0 if stage is _MISSING else int(stage)
 
 
-def finalize_ds_config(cfg: dict, total_steps: int, warmup_steps: int, learning_rate: float) -> dict:
+def finalize_ds_config(
+    cfg: dict, total_steps: int, warmup_steps: int, learning_rate: float
+) -> dict:
     """Fill the values that need the dataset's size: a DeepSpeed scheduler's step counts."""
     out = json.loads(json.dumps(cfg))
     sched = out.get("scheduler")
     if isinstance(sched, dict):
         params = sched.setdefault("params", {})
-        for key, value in (("total_num_steps", total_steps), ("warmup_num_steps", warmup_steps),
-                           ("warmup_max_lr", learning_rate), ("warmup_min_lr", 0.0)):
+        for key, value in (
+            ("total_num_steps", total_steps),
+            ("warmup_num_steps", warmup_steps),
+            ("warmup_max_lr", learning_rate),
+            ("warmup_min_lr", 0.0),
+        ):
             if params.get(key) == "auto":
                 params[key] = value
     leftover = [k for k, v in _walk(out) if v == "auto"]
     if leftover:
-        raise ConfigError(f"--deepspeed_config: cannot resolve \"auto\" for {', '.join(leftover)}")
+        raise ConfigError(f'--deepspeed_config: cannot resolve "auto" for {", ".join(leftover)}')
     return out
 
 
 def _walk(node: Any, prefix: str = ""):
     if isinstance(node, (dict, list)):
-        for k, v in (node.items() if isinstance(node, dict) else enumerate(node)):
+        for k, v in node.items() if isinstance(node, dict) else enumerate(node):
             yield from _walk(v, f"{prefix}{k}.")
     else:
         yield prefix.rstrip("."), node

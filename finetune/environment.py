@@ -18,15 +18,46 @@ from pathlib import Path
 
 from finetune.commands import Parser
 
-PACKAGES = ("torch", "deepspeed", "transformers", "datasets", "accelerate", "safetensors", "huggingface_hub",
-            "tokenizers", "peft", "wandb", "tensorboard", "matplotlib", "numpy", "xxhash", "pyyaml")
+PACKAGES = (
+    "torch",
+    "deepspeed",
+    "transformers",
+    "datasets",
+    "accelerate",
+    "safetensors",
+    "huggingface_hub",
+    "tokenizers",
+    "peft",
+    "wandb",
+    "tensorboard",
+    "matplotlib",
+    "numpy",
+    "xxhash",
+    "pyyaml",
+)
 # The ops finetune can use: the Adam update (FusedAdam on GPU, CPUAdam under offload) and the CPU
 # backend's shared-memory all-reduce.
 OPS = ("FusedAdamBuilder", "CPUAdamBuilder", "ShareMemCommBuilder", "AsyncIOBuilder")
-ENV_VARS = ("CUDA_VISIBLE_DEVICES", "DS_ACCELERATOR", "TORCH_EXTENSIONS_DIR", "OMP_NUM_THREADS", "HF_HOME",
-            "HF_HUB_OFFLINE", "HF_DATASETS_CACHE", "TRANSFORMERS_OFFLINE", "WANDB_MODE", "WANDB_PROJECT",
-            "NCCL_DEBUG", "NCCL_SOCKET_IFNAME", "NCCL_IB_DISABLE", "TORCH_NCCL_ASYNC_ERROR_HANDLING",
-            "MASTER_ADDR", "MASTER_PORT", "SLURM_JOB_ID", "FINETUNE_DIST_TIMEOUT_MIN")
+ENV_VARS = (
+    "CUDA_VISIBLE_DEVICES",
+    "DS_ACCELERATOR",
+    "TORCH_EXTENSIONS_DIR",
+    "OMP_NUM_THREADS",
+    "HF_HOME",
+    "HF_HUB_OFFLINE",
+    "HF_DATASETS_CACHE",
+    "TRANSFORMERS_OFFLINE",
+    "WANDB_MODE",
+    "WANDB_PROJECT",
+    "NCCL_DEBUG",
+    "NCCL_SOCKET_IFNAME",
+    "NCCL_IB_DISABLE",
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "SLURM_JOB_ID",
+    "FINETUNE_DIST_TIMEOUT_MIN",
+)
 
 
 def _version(name: str) -> str | None:
@@ -39,16 +70,24 @@ def _version(name: str) -> str | None:
 def accelerator() -> dict:
     import torch
 
-    info: dict = {"torch_cuda": torch.version.cuda, "cuda_available": torch.cuda.is_available(), "devices": []}
+    info: dict = {
+        "torch_cuda": torch.version.cuda,
+        "cuda_available": torch.cuda.is_available(),
+        "devices": [],
+    }
     if info["cuda_available"]:
-        info["devices"] = [f"{torch.cuda.get_device_name(i)} ({torch.cuda.get_device_properties(i).total_memory / 2**30:.0f} GiB)"
-                           for i in range(torch.cuda.device_count())]
+        info["devices"] = [
+            f"{torch.cuda.get_device_name(i)} ({torch.cuda.get_device_properties(i).total_memory / 2**30:.0f} GiB)"
+            for i in range(torch.cuda.device_count())
+        ]
         info["bf16_supported"] = torch.cuda.is_bf16_supported()
         info["cudnn"] = torch.backends.cudnn.version()
     dist = torch.distributed
-    info["backends"] = {"nccl": dist.is_available() and dist.is_nccl_available(),
-                        "gloo": dist.is_available() and dist.is_gloo_available(),
-                        "mpi": dist.is_available() and dist.is_mpi_available()}
+    info["backends"] = {
+        "nccl": dist.is_available() and dist.is_nccl_available(),
+        "gloo": dist.is_available() and dist.is_gloo_available(),
+        "mpi": dist.is_available() and dist.is_mpi_available(),
+    }
     if info["backends"]["nccl"] and info["cuda_available"]:
         info["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
     info["cpu_threads"] = torch.get_num_threads()
@@ -79,7 +118,9 @@ def deepspeed_ops() -> dict:
         except Exception as e:  # noqa: BLE001 - a builder's probe failing is itself the answer
             compatible, _ = False, e
         built = builder.NAME in built_dirs or any(d.startswith(builder.NAME) for d in built_dirs)
-        out[name] = f"{'compatible' if compatible else 'NOT compatible'}, {'built' if built else 'not built'}"
+        out[name] = (
+            f"{'compatible' if compatible else 'NOT compatible'}, {'built' if built else 'not built'}"
+        )
     out["torch_extensions_dir"] = ext
     return out
 
@@ -87,10 +128,16 @@ def deepspeed_ops() -> dict:
 def report() -> dict:
     from finetune import __version__
 
-    return {"finetune": __version__, "python": sys.version.split()[0], "platform": platform.platform(),
-            "cpus": os.cpu_count(), "packages": {p: _version(p) for p in PACKAGES},
-            "accelerator": accelerator(), "deepspeed_ops": deepspeed_ops(),
-            "environment": {k: os.environ[k] for k in ENV_VARS if k in os.environ}}
+    return {
+        "finetune": __version__,
+        "python": sys.version.split()[0],
+        "platform": platform.platform(),
+        "cpus": os.cpu_count(),
+        "packages": {p: _version(p) for p in PACKAGES},
+        "accelerator": accelerator(),
+        "deepspeed_ops": deepspeed_ops(),
+        "environment": {k: os.environ[k] for k in ENV_VARS if k in os.environ},
+    }
 
 
 def _lines(facts: dict, indent: str = "") -> list[str]:
@@ -106,8 +153,11 @@ def _lines(facts: dict, indent: str = "") -> list[str]:
 
 
 def main(argv: list[str]) -> int:
-    p = Parser(prog="finetune env", description="Print the versions, accelerator, DeepSpeed ops and environment "
-                "a bug report needs (reads only; builds nothing).")
+    p = Parser(
+        prog="finetune env",
+        description="Print the versions, accelerator, DeepSpeed ops and environment "
+        "a bug report needs (reads only; builds nothing).",
+    )
     p.add_argument("--json", action="store_true", help="One JSON object instead of text.")
     ns = p.parse_args(argv)
     # DeepSpeed logs its accelerator guess to stdout on import; the report says which it chose.

@@ -21,7 +21,9 @@ import time
 from pathlib import Path
 
 EXIT_PREEMPTED = 75  # sysexits.h EX_TEMPFAIL: "a temporary failure; the user is invited to retry"
-EXIT_LEASE_LOST = 3  # another run took over the output dir's lease: this one stopped and wrote nothing more
+EXIT_LEASE_LOST = (
+    3  # another run took over the output dir's lease: this one stopped and wrote nothing more
+)
 EXIT_STATUS = "exit_status.json"
 RUN_ID_ENV = "FINETUNE_RUN_ID"
 
@@ -34,13 +36,20 @@ def write_exit_status(output_dir: str, code: int | None, note: dict | None) -> N
     """
     from finetune.io.durable import replace_text
 
-    status = {"exit_code": code, "reason": "finished" if code == 0 else "failed", **(note or {}),
-              "run_id": os.environ.get(RUN_ID_ENV), "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    status = {
+        "exit_code": code,
+        "reason": "finished" if code == 0 else "failed",
+        **(note or {}),
+        "run_id": os.environ.get(RUN_ID_ENV),
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
     try:
         Path(output_dir).mkdir(parents=True, exist_ok=True)
         replace_text(Path(output_dir) / EXIT_STATUS, json.dumps(status, indent=2) + "\n")
     except OSError as e:
-        print(f"[finetune] warning: cannot write {EXIT_STATUS} in {output_dir}: {e}", file=sys.stderr)
+        print(
+            f"[finetune] warning: cannot write {EXIT_STATUS} in {output_dir}: {e}", file=sys.stderr
+        )
 
 
 def clear_exit_status(output_dir: str) -> None:
@@ -48,7 +57,10 @@ def clear_exit_status(output_dir: str) -> None:
     try:
         (Path(output_dir) / EXIT_STATUS).unlink(missing_ok=True)
     except OSError as e:
-        print(f"[finetune] warning: cannot remove an old {EXIT_STATUS} in {output_dir}: {e}", file=sys.stderr)
+        print(
+            f"[finetune] warning: cannot remove an old {EXIT_STATUS} in {output_dir}: {e}",
+            file=sys.stderr,
+        )
 
 
 def output_dir_of(flags: list[str]) -> str:

@@ -22,7 +22,11 @@ from finetune.config import ConfigError
 # srun --mpi=pmi2 also sets PMI_RANK / PMI_SIZE but no local rank (Slurm's mpi_pmi2.c, task hook):
 # PMI without a launcher's local rank is srun's, and SLURM's own variables describe that world.
 MPI_VARIABLES = (
-    ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", ("OMPI_COMM_WORLD_LOCAL_RANK",)),  # OpenMPI, PRRTE
+    (
+        "OMPI_COMM_WORLD_RANK",
+        "OMPI_COMM_WORLD_SIZE",
+        ("OMPI_COMM_WORLD_LOCAL_RANK",),
+    ),  # OpenMPI, PRRTE
     ("MV2_COMM_WORLD_RANK", "MV2_COMM_WORLD_SIZE", ("MV2_COMM_WORLD_LOCAL_RANK",)),  # MVAPICH2
     # Hydra (MPICH, Intel MPI) and Cray PALS: the variables DeepSpeed's launcher_helper.py:88-89 maps.
     ("PMI_RANK", "PMI_SIZE", ("MPI_LOCALRANKID", "PALS_LOCAL_RANKID")),
@@ -37,7 +41,9 @@ class Launch:
     rank: int
     world_size: int
     local_rank: int  # the process's index on its node (not yet a device: see local_device_index)
-    master_addr: str | None = None  # None: init()'s 127.0.0.1 (one host) or DeepSpeed's MPI discovery
+    master_addr: str | None = (
+        None  # None: init()'s 127.0.0.1 (one host) or DeepSpeed's MPI discovery
+    )
     master_port: str | None = None
 
 
@@ -52,7 +58,9 @@ def adopt_launcher_env(env: MutableMapping[str, str] | None = None) -> Launch | 
     launch = detect(env)
     if launch is None:
         return None
-    env.update(RANK=str(launch.rank), WORLD_SIZE=str(launch.world_size), LOCAL_RANK=str(launch.local_rank))
+    env.update(
+        RANK=str(launch.rank), WORLD_SIZE=str(launch.world_size), LOCAL_RANK=str(launch.local_rank)
+    )
     if launch.master_addr:
         env["MASTER_ADDR"] = launch.master_addr
     if launch.master_port:
@@ -66,21 +74,38 @@ def detect(env: Mapping[str, str]) -> Launch | None:
     which are not theirs), then srun's."""
     if "RANK" in env:
         if "WORLD_SIZE" not in env:
-            raise ConfigError(f"RANK={env['RANK']} is set but WORLD_SIZE is not: set both (and LOCAL_RANK, "
-                              "MASTER_ADDR), or start finetune with torchrun, deepspeed, srun or mpirun")
-        return _checked(Launch("RANK/WORLD_SIZE", _int(env, "RANK"), _int(env, "WORLD_SIZE"),
-                               _int(env, "LOCAL_RANK") if "LOCAL_RANK" in env else 0,
-                               env.get("MASTER_ADDR"), env.get("MASTER_PORT")))
+            raise ConfigError(
+                f"RANK={env['RANK']} is set but WORLD_SIZE is not: set both (and LOCAL_RANK, "
+                "MASTER_ADDR), or start finetune with torchrun, deepspeed, srun or mpirun"
+            )
+        return _checked(
+            Launch(
+                "RANK/WORLD_SIZE",
+                _int(env, "RANK"),
+                _int(env, "WORLD_SIZE"),
+                _int(env, "LOCAL_RANK") if "LOCAL_RANK" in env else 0,
+                env.get("MASTER_ADDR"),
+                env.get("MASTER_PORT"),
+            )
+        )
     launch = _from_mpi(env) or _from_slurm(env)
     if launch is not None:
         return launch
-    partial = [v for v in ("OMPI_COMM_WORLD_RANK", "MV2_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK") if v in env]
+    partial = [
+        v
+        for v in ("OMPI_COMM_WORLD_RANK", "MV2_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK")
+        if v in env
+    ]
     if partial:
-        raise ConfigError(f"{partial[0]}={env[partial[0]]} is set but not this world's size and local rank "
-                          "(no mpirun or srun variables beside it): set RANK, WORLD_SIZE, LOCAL_RANK and MASTER_ADDR")
+        raise ConfigError(
+            f"{partial[0]}={env[partial[0]]} is set but not this world's size and local rank "
+            "(no mpirun or srun variables beside it): set RANK, WORLD_SIZE, LOCAL_RANK and MASTER_ADDR"
+        )
     if env.get("WORLD_SIZE", "1") != "1":
-        raise ConfigError(f"WORLD_SIZE={env['WORLD_SIZE']} is set but RANK is not: set both (and LOCAL_RANK, "
-                          "MASTER_ADDR), or start finetune with torchrun, deepspeed, srun or mpirun")
+        raise ConfigError(
+            f"WORLD_SIZE={env['WORLD_SIZE']} is set but RANK is not: set both (and LOCAL_RANK, "
+            "MASTER_ADDR), or start finetune with torchrun, deepspeed, srun or mpirun"
+        )
     return None
 
 
@@ -132,9 +157,11 @@ def check_deepspeed_local_rank(device_index: int, env: Mapping[str, str] | None 
     env = os.environ if env is None else env
     ompi = env.get("OMPI_COMM_WORLD_LOCAL_RANK")
     if ompi is not None and ompi != str(device_index):
-        raise ConfigError(f"this rank drives device {device_index} but OMPI_COMM_WORLD_LOCAL_RANK={ompi}, and "
-                          "DeepSpeed requires the two to be equal: under mpirun let every rank see all of its "
-                          "node's GPUs (no per-rank CUDA_VISIBLE_DEVICES), and start no launcher from mpirun")
+        raise ConfigError(
+            f"this rank drives device {device_index} but OMPI_COMM_WORLD_LOCAL_RANK={ompi}, and "
+            "DeepSpeed requires the two to be equal: under mpirun let every rank see all of its "
+            "node's GPUs (no per-rank CUDA_VISIBLE_DEVICES), and start no launcher from mpirun"
+        )
 
 
 def expand_nodelist(nodelist: str, source: str = "host list") -> list[str]:
@@ -190,8 +217,10 @@ def _expand_group(group: str, nodelist: str, source: str) -> list[str]:
 
 
 def _bad_nodelist(nodelist: str, source: str, why: str) -> ConfigError:
-    return ConfigError(f"{source}={nodelist!r}: cannot expand this host list ({why}); export MASTER_ADDR="
-                       f"<rank 0's host> (e.g. $(scontrol show hostnames \"${source}\" | head -n 1))")
+    return ConfigError(
+        f"{source}={nodelist!r}: cannot expand this host list ({why}); export MASTER_ADDR="
+        f'<rank 0\'s host> (e.g. $(scontrol show hostnames "${source}" | head -n 1))'
+    )
 
 
 def _from_mpi(env: Mapping[str, str]) -> Launch | None:
@@ -203,14 +232,30 @@ def _from_mpi(env: Mapping[str, str]) -> Launch | None:
             continue  # srun's PMI (see MPI_VARIABLES): _from_slurm
         missing = [v for v in (size_var, local_var or local_vars[0]) if v not in env]
         if missing:
-            raise ConfigError(f"{rank_var}={env[rank_var]} is set but {' and '.join(missing)} not: an incomplete "
-                              "mpirun environment; set RANK, WORLD_SIZE, LOCAL_RANK and MASTER_ADDR instead")
-        launch = _checked(Launch(f"{rank_var.rsplit('_', 1)[0]}_*", _int(env, rank_var), _int(env, size_var),
-                                 _int(env, local_var), env.get("MASTER_ADDR"), env.get("MASTER_PORT")))
-        if launch.master_addr is None and launch.world_size > 1 and not _deepspeed_can_discover(env):
-            raise ConfigError(f"started by mpirun ({rank_var}={launch.rank} of {launch.world_size}) without "
-                              "MASTER_ADDR: export it on every rank (mpirun -x MASTER_ADDR=<rank 0's host>, or a "
-                              "MASTER_ADDR line in .deepspeed_env), or install mpi4py so DeepSpeed can discover it")
+            raise ConfigError(
+                f"{rank_var}={env[rank_var]} is set but {' and '.join(missing)} not: an incomplete "
+                "mpirun environment; set RANK, WORLD_SIZE, LOCAL_RANK and MASTER_ADDR instead"
+            )
+        launch = _checked(
+            Launch(
+                f"{rank_var.rsplit('_', 1)[0]}_*",
+                _int(env, rank_var),
+                _int(env, size_var),
+                _int(env, local_var),
+                env.get("MASTER_ADDR"),
+                env.get("MASTER_PORT"),
+            )
+        )
+        if (
+            launch.master_addr is None
+            and launch.world_size > 1
+            and not _deepspeed_can_discover(env)
+        ):
+            raise ConfigError(
+                f"started by mpirun ({rank_var}={launch.rank} of {launch.world_size}) without "
+                "MASTER_ADDR: export it on every rank (mpirun -x MASTER_ADDR=<rank 0's host>, or a "
+                "MASTER_ADDR line in .deepspeed_env), or install mpi4py so DeepSpeed can discover it"
+            )
         return launch
     return None
 
@@ -253,7 +298,9 @@ def master_from_mpi() -> str:
 
 # The step ids of the batch script, the extern and the interactive (salloc) step (SLURM_BATCH_SCRIPT,
 # SLURM_EXTERN_CONT, SLURM_INTERACTIVE_STEP), for Slurm versions that export one there.
-BATCH_STEP_IDS = frozenset({"4294967290", "4294967291", "4294967292", "batch", "extern", "interactive"})
+BATCH_STEP_IDS = frozenset(
+    {"4294967290", "4294967291", "4294967292", "batch", "extern", "interactive"}
+)
 
 
 def _from_slurm(env: Mapping[str, str]) -> Launch | None:
@@ -265,8 +312,10 @@ def _from_slurm(env: Mapping[str, str]) -> Launch | None:
     if world > 1 and (step is None or step in BATCH_STEP_IDS):
         # The batch script itself (one process) also has SLURM_PROCID=0 and the job's SLURM_NTASKS:
         # taken as rank 0 of N it would wait for N-1 peers that never start, until --ddp_timeout.
-        raise ConfigError(f"started in an sbatch script's batch step (SLURM_NTASKS={world}, no srun step): start "
-                          "one task per rank with `srun python -m finetune …`, or a launcher (deepspeed, torchrun)")
+        raise ConfigError(
+            f"started in an sbatch script's batch step (SLURM_NTASKS={world}, no srun step): start "
+            "one task per rank with `srun python -m finetune …`, or a launcher (deepspeed, torchrun)"
+        )
     local = _int(env, "SLURM_LOCALID") if "SLURM_LOCALID" in env else 0
     addr = env.get("MASTER_ADDR")
     if addr is None:
@@ -274,16 +323,20 @@ def _from_slurm(env: Mapping[str, str]) -> Launch | None:
         if var is not None:
             addr = expand_nodelist(env[var], var)[0]
         elif world > 1:
-            raise ConfigError(f"srun task {rank} of {world} but neither SLURM_STEP_NODELIST nor SLURM_JOB_NODELIST "
-                              "is set: export MASTER_ADDR=<rank 0's host>")
+            raise ConfigError(
+                f"srun task {rank} of {world} but neither SLURM_STEP_NODELIST nor SLURM_JOB_NODELIST "
+                "is set: export MASTER_ADDR=<rank 0's host>"
+            )
     port = env.get("MASTER_PORT") or str(29500 + int(env.get("SLURM_JOB_ID", "0") or 0) % 1000)
     return _checked(Launch("SLURM_PROCID/SLURM_NTASKS", rank, world, local, addr, port))
 
 
 def _checked(launch: Launch) -> Launch:
     if not (0 <= launch.rank < launch.world_size and launch.local_rank >= 0):
-        raise ConfigError(f"{launch.source}: rank {launch.rank}, world size {launch.world_size}, local rank "
-                          f"{launch.local_rank} is not a world")
+        raise ConfigError(
+            f"{launch.source}: rank {launch.rank}, world size {launch.world_size}, local rank "
+            f"{launch.local_rank} is not a world"
+        )
     return launch
 
 

@@ -30,14 +30,14 @@ from finetune.checkpoint.manifest import (
     stored_ranks,
     verify,
 )
-from finetune.checkpoint.resume import UNIVERSAL
-from finetune.checkpoint.storage import (
+from finetune.checkpoint.outdir import (
     ABANDONED,
     LATEST,
     STAGING,
-    LocalStorage,
+    OutputDir,
     step_of,
 )
+from finetune.checkpoint.resume import UNIVERSAL
 from finetune.commands import Parser
 from finetune.config import ConfigError
 from finetune.exit_status import EXIT_STATUS
@@ -46,7 +46,14 @@ from finetune.offline.verify import METRICS, notes
 
 WIDTH = 100  # the table fits a terminal this wide; full problem texts go below it
 UNCOMMITTED = "uncommitted"
-RUN_FILES = (METRICS, LATEST, EXIT_STATUS, STAGING, ABANDONED, LEASE)  # what only a run writes into OUT
+RUN_FILES = (
+    METRICS,
+    LATEST,
+    EXIT_STATUS,
+    STAGING,
+    ABANDONED,
+    LEASE,
+)  # what only a run writes into OUT
 
 
 @dataclass
@@ -81,13 +88,24 @@ class Listing:
 
 
 def main(argv: list[str]) -> int:
-    p = Parser(prog="finetune ls", description="List an output dir's checkpoints (step, time, size, world size, "
-                "losses, state) and what else is in it. Exit 0 when listed, damaged checkpoints included; "
-                "2 when OUT is not an output dir.")
+    p = Parser(
+        prog="finetune ls",
+        description="List an output dir's checkpoints (step, time, size, world size, "
+        "losses, state) and what else is in it. Exit 0 when listed, damaged checkpoints included; "
+        "2 when OUT is not an output dir.",
+    )
     p.add_argument("output_dir", metavar="OUT", help="An output dir (--output_dir of a run).")
-    p.add_argument("--verify", action="store_true", help="Check every file's checksum too, not only its size "
-                   "(reads every byte: as slow as `finetune verify` on each checkpoint).")
-    p.add_argument("--json", action="store_true", help="Print the listing as one JSON object instead of a table.")
+    p.add_argument(
+        "--verify",
+        action="store_true",
+        help="Check every file's checksum too, not only its size "
+        "(reads every byte: as slow as `finetune verify` on each checkpoint).",
+    )
+    p.add_argument(
+        "--json",
+        action="store_true",
+        help="Print the listing as one JSON object instead of a table.",
+    )
     ns = p.parse_args(argv)
     listing = collect(Path(ns.output_dir), checksums=ns.verify)
     print(json.dumps(asdict(listing), indent=2) if ns.json else render(listing))
@@ -96,7 +114,7 @@ def main(argv: list[str]) -> int:
 
 def collect(out: Path, checksums: bool = False) -> Listing:
     """Everything ``finetune ls`` shows, read from ``out``; ConfigError if it is no output dir."""
-    storage = LocalStorage(out)
+    storage = OutputDir(out)
     _check_output_dir(out, storage)
     latest = storage.read_latest()
     losses = _Losses(read_metrics(str(out)))
@@ -104,50 +122,93 @@ def collect(out: Path, checksums: bool = False) -> Listing:
     for row in rows:
         row.latest = row.tag == latest
     extra = _node_local_note(rows) + _set_aside_note(out) + _universal_notes(out, rows)
-    return Listing(str(out), latest, rows, notes(out) + extra, storage.free_bytes(), sum(r.bytes for r in rows))
+    return Listing(
+        str(out), latest, rows, notes(out) + extra, storage.free_bytes(), sum(r.bytes for r in rows)
+    )
 
 
-def _check_output_dir(out: Path, storage: LocalStorage) -> None:
+def _check_output_dir(out: Path, storage: OutputDir) -> None:
     if not out.is_dir():
         raise ConfigError(f"{out}: {'not a folder' if out.exists() else 'no such folder'}")
     if looks_like_checkpoint(out):
-        raise ConfigError(f"{out}: a checkpoint, not an output dir (list its output dir: finetune ls {out.parent})")
+        raise ConfigError(
+            f"{out}: a checkpoint, not an output dir (list its output dir: finetune ls {out.parent})"
+        )
     if not storage.tags() and not any((out / name).exists() for name in RUN_FILES):
-        raise ConfigError(f"{out}: not a finetune output dir (no checkpoints, {METRICS}, {LATEST} or {EXIT_STATUS})")
+        raise ConfigError(
+            f"{out}: not a finetune output dir (no checkpoints, {METRICS}, {LATEST} or {EXIT_STATUS})"
+        )
 
 
-def _checkpoint(folder: Path, losses: "_Losses", checksums: bool) -> Checkpoint:
+def _checkpoint(folder: Path, losses: _Losses, checksums: bool) -> Checkpoint:
     step = step_of(folder.name)
     train, train_step = losses.at(step, "loss")
     evaluated, eval_step = losses.at(step, "eval_loss")
     manifest = read_manifest(folder)
-    if not isinstance(manifest, dict):  # a crash mid-copy, or a save from before manifests: resume never picks it
-        return Checkpoint(folder.name, step, None, _folder_bytes(folder), None, None, train, train_step, evaluated,
-                          eval_step, None, UNCOMMITTED, [f"{MANIFEST} missing or unreadable (never committed)"])
+    if not isinstance(
+        manifest, dict
+    ):  # a crash mid-copy, or a save from before manifests: resume never picks it
+        return Checkpoint(
+            folder.name,
+            step,
+            None,
+            _folder_bytes(folder),
+            None,
+            None,
+            train,
+            train_step,
+            evaluated,
+            eval_step,
+            None,
+            UNCOMMITTED,
+            [f"{MANIFEST} missing or unreadable (never committed)"],
+        )
     problems = _problems(folder, manifest, checksums)
-    status = f"DAMAGED: {problems[0]}" if problems else f"ok ({'checksums' if checksums else 'sizes'})"
+    status = (
+        f"DAMAGED: {problems[0]}" if problems else f"ok ({'checksums' if checksums else 'sizes'})"
+    )
     world = _int_or_none(manifest.get("world_size"))
     ranks = manifest.get("ranks") if isinstance(manifest.get("ranks"), list) else None
     consolidated = manifest.get("consolidated")
-    return Checkpoint(folder.name, step, _committed_at(folder, manifest), _int_or_none(manifest.get("total_bytes")) or
-                      _folder_bytes(folder), world, ranks, train, train_step, evaluated, eval_step,
-                      consolidated if isinstance(consolidated, bool) else None, status, problems,
-                      lora=is_adapter_checkpoint(folder))
+    return Checkpoint(
+        folder.name,
+        step,
+        _committed_at(folder, manifest),
+        _int_or_none(manifest.get("total_bytes")) or _folder_bytes(folder),
+        world,
+        ranks,
+        train,
+        train_step,
+        evaluated,
+        eval_step,
+        consolidated if isinstance(consolidated, bool) else None,
+        status,
+        problems,
+        lora=is_adapter_checkpoint(folder),
+    )
 
 
 def _problems(folder: Path, manifest: dict, checksums: bool) -> list[str]:
     """What ``finetune verify`` (``--quick`` without ``checksums``) finds wrong with ``folder``."""
     try:
         problems = verify(folder, checksums=checksums).problems
-    except (TypeError, ValueError, AttributeError) as e:  # a hand-edited manifest: one damaged row, not a crash
+    except (
+        TypeError,
+        ValueError,
+        AttributeError,
+    ) as e:  # a hand-edited manifest: one damaged row, not a crash
         return [f"{MANIFEST}: malformed ({type(e).__name__}: {e})"]
-    if not problems and checksums:  # as `finetune verify`: would resume's unpickling refuse it? (opcodes only)
+    if (
+        not problems and checksums
+    ):  # as `finetune verify`: would resume's unpickling refuse it? (opcodes only)
         from finetune.offline.safe_load import (
             refusals,  # imports torch: only when asked to verify
         )
 
         problems = refusals(folder, stored_ranks(manifest))
-    if not problems and checksums and is_adapter_checkpoint(folder):  # as `finetune verify`: adapters complete?
+    if (
+        not problems and checksums and is_adapter_checkpoint(folder)
+    ):  # as `finetune verify`: adapters complete?
         from finetune.checkpoint.adapter import (
             verify_adapter,  # imports peft and transformers: only when asked
         )
@@ -162,7 +223,9 @@ def _committed_at(folder: Path, manifest: dict) -> str | None:
     stamp = manifest.get("committed_at")
     if isinstance(stamp, str):
         try:
-            return datetime.fromisoformat(stamp).astimezone(timezone.utc).isoformat(timespec="seconds")
+            return (
+                datetime.fromisoformat(stamp).astimezone(timezone.utc).isoformat(timespec="seconds")
+            )
         except ValueError:
             pass  # hand-edited: the file's time is the next best
     try:
@@ -198,8 +261,13 @@ class _Losses:
     def __init__(self, rows: list[dict]):
         self.series: dict[str, tuple[list[int], list[float]]] = {}
         for key in ("loss", "eval_loss"):
-            by_step = {row["step"]: float(row[key]) for row in rows if _int_or_none(row.get("step")) is not None
-                       and isinstance(row.get(key), (int, float)) and not isinstance(row.get(key), bool)}
+            by_step = {
+                row["step"]: float(row[key])
+                for row in rows
+                if _int_or_none(row.get("step")) is not None
+                and isinstance(row.get(key), (int, float))
+                and not isinstance(row.get(key), bool)
+            }
             steps = sorted(by_step)
             self.series[key] = (steps, [by_step[s] for s in steps])
 
@@ -211,13 +279,16 @@ class _Losses:
 
 # --- what else takes space ---------------------------------------------------------------------
 
+
 def _node_local_note(rows: list[Checkpoint]) -> list[str]:
     local = [r for r in rows if r.ranks is not None and r.ranks != list(range(r.world_size or 0))]
     if not local:
         return []
     newest = local[-1]
-    return [f"node-local checkpoints: this storage holds the files of rank(s) {_ranges(newest.ranks)} of "
-            f"{newest.world_size} ({newest.tag}); the other nodes' output dirs hold the rest"]
+    return [
+        f"node-local checkpoints: this storage holds the files of rank(s) {_ranges(newest.ranks)} of "
+        f"{newest.world_size} ({newest.tag}); the other nodes' output dirs hold the rest"
+    ]
 
 
 def _ranges(ranks: list[int]) -> str:
@@ -240,9 +311,13 @@ def _set_aside_note(out: Path) -> list[str]:
         return []
     if not kept:
         return []
-    size = sum(_int_or_none((read_manifest(p) or {}).get("total_bytes")) or _folder_bytes(p) for p in kept)
-    return [f"{ABANDONED}: {len(kept)} checkpoint(s) set aside ({_human(size)}): timelines a resume left, or folders "
-            "finetune did not commit; kept, never deleted by finetune (remove them by hand when not needed)"]
+    size = sum(
+        _int_or_none((read_manifest(p) or {}).get("total_bytes")) or _folder_bytes(p) for p in kept
+    )
+    return [
+        f"{ABANDONED}: {len(kept)} checkpoint(s) set aside ({_human(size)}): timelines a resume left, or folders "
+        "finetune did not commit; kept, never deleted by finetune (remove them by hand when not needed)"
+    ]
 
 
 def _universal_notes(out: Path, rows: list[Checkpoint]) -> list[str]:
@@ -254,14 +329,26 @@ def _universal_notes(out: Path, rows: list[Checkpoint]) -> list[str]:
         if target.is_dir():
             files = (read_manifest(target) or {}).get("files") or {}
             size = sum(meta.get("size", 0) for meta in files.values() if isinstance(meta, dict))
-            found.append(f"{row.tag}/{UNIVERSAL}: a universal conversion (for resuming on another world size), "
-                         f"{_human(size) if files else 'size unknown (no manifest)'}; not in the sizes above")
+            found.append(
+                f"{row.tag}/{UNIVERSAL}: a universal conversion (for resuming on another world size), "
+                f"{_human(size) if files else 'size unknown (no manifest)'}; not in the sizes above"
+            )
     return found
 
 
 # --- the table ---------------------------------------------------------------------------------
 
-HEADERS = ("", "step", "committed at", "size", "world", "train loss", "eval loss", "consolidated", "status")
+HEADERS = (
+    "",
+    "step",
+    "committed at",
+    "size",
+    "world",
+    "train loss",
+    "eval loss",
+    "consolidated",
+    "status",
+)
 
 
 def render(listing: Listing) -> str:
@@ -275,36 +362,60 @@ def render(listing: Listing) -> str:
             lines += [_wrap(p, "  - ") for p in c.problems]
     lines += [_wrap(n, "note: ") for n in listing.notes]
     count = sum(c.status != UNCOMMITTED for c in listing.checkpoints)
-    lines.append(_wrap(f"{_human(listing.checkpoint_bytes)} in {len(listing.checkpoints)} checkpoint folder(s) "
-                       f"({count} committed); {_human(listing.free_bytes)} free on {listing.output_dir}'s "
-                       "filesystem", "disk: "))
+    lines.append(
+        _wrap(
+            f"{_human(listing.checkpoint_bytes)} in {len(listing.checkpoints)} checkpoint folder(s) "
+            f"({count} committed); {_human(listing.free_bytes)} free on {listing.output_dir}'s "
+            "filesystem",
+            "disk: ",
+        )
+    )
     return "\n".join(lines)
 
 
 def _wrap(text: str, lead: str) -> str:
     # Paths are not broken: a long one overflows rather than becoming uncopyable.
-    return textwrap.fill(text, WIDTH, initial_indent=lead, subsequent_indent=" " * len(lead),
-                         break_long_words=False, break_on_hyphens=False)
+    return textwrap.fill(
+        text,
+        WIDTH,
+        initial_indent=lead,
+        subsequent_indent=" " * len(lead),
+        break_long_words=False,
+        break_on_hyphens=False,
+    )
 
 
 def _cells(c: Checkpoint) -> list[str]:
-    when = "-" if c.committed_at is None else \
-        datetime.fromisoformat(c.committed_at).astimezone().strftime("%Y-%m-%d %H:%M")  # the reader's local time
+    when = (
+        "-"
+        if c.committed_at is None
+        else datetime.fromisoformat(c.committed_at).astimezone().strftime("%Y-%m-%d %H:%M")
+    )  # the reader's local time
     world = "-" if c.world_size is None else str(c.world_size)
     if c.ranks is not None and c.ranks != list(range(c.world_size or 0)):
         world = f"{len(c.ranks)}/{world}"  # node-local: ranks held here / world size
     consolidated = {True: "yes", False: "no", None: "-"}[c.consolidated]
     if c.lora:
         consolidated = "adapter" if c.consolidated else f"{consolidated} (LoRA)"
-    return ["*" if c.latest else "", str(c.step), when, _human(c.bytes), world,
-            _loss(c.train_loss, c.train_loss_step, c.step), _loss(c.eval_loss, c.eval_loss_step, c.step), consolidated,
-            c.status]
+    return [
+        "*" if c.latest else "",
+        str(c.step),
+        when,
+        _human(c.bytes),
+        world,
+        _loss(c.train_loss, c.train_loss_step, c.step),
+        _loss(c.eval_loss, c.eval_loss_step, c.step),
+        consolidated,
+        c.status,
+    ]
 
 
 def _loss(value: float | None, logged_at: int | None, step: int) -> str:
     if value is None:
         return "-"
-    return f"{value:.4f}" if logged_at == step else f"{value:.4f}@{logged_at}"  # @: last logged before the step
+    return (
+        f"{value:.4f}" if logged_at == step else f"{value:.4f}@{logged_at}"
+    )  # @: last logged before the step
 
 
 def _table(rows: list[list[str]]) -> list[str]:
@@ -313,12 +424,15 @@ def _table(rows: list[list[str]]) -> list[str]:
     right = {1, 3, 4, 5, 6}
     out = []
     for cells in [list(HEADERS), *rows]:
-        text = "  ".join(c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(cells[:-1], widths)))
+        text = "  ".join(
+            c.rjust(w) if i in right else c.ljust(w)
+            for i, (c, w) in enumerate(zip(cells[:-1], widths))
+        )
         status = cells[-1]
         if len(text) + 2 + len(status) > WIDTH and status.startswith("DAMAGED: "):
             status = "DAMAGED (below)"  # half a file name helps no one: the problems follow the table in full
         text = f"{text}  {status}"
-        out.append(text if len(text) <= WIDTH else text[:WIDTH - 1] + "…")
+        out.append(text if len(text) <= WIDTH else text[: WIDTH - 1] + "…")
     return out
 
 

@@ -25,8 +25,8 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Mapping
 
 import xxhash
 
@@ -49,7 +49,9 @@ def validate_lora_flags(v: Mapping) -> None:
     if not v["use_peft"]:
         given = [f"--{k}" for k in LORA_FLAGS if v[k] != defaults[k]]
         if given:
-            raise ConfigError(f"{', '.join(f'`{g}`' for g in given)} need{'s' if len(given) == 1 else ''} `--use_peft`")
+            raise ConfigError(
+                f"{', '.join(f'`{g}`' for g in given)} need{'s' if len(given) == 1 else ''} `--use_peft`"
+            )
         return
     for name in ("lora_r", "lora_alpha"):
         if v[name] <= 0:
@@ -72,9 +74,15 @@ def lora_config(args: ModelArgs, base_name: str | None = None):
 
     targets = split_names(args.lora_target_modules)
     targets = targets[0] if targets == ["all-linear"] else (targets or None)
-    return LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
-                      target_modules=targets, modules_to_save=split_names(args.lora_modules_to_save) or None,
-                      task_type="CAUSAL_LM", base_model_name_or_path=base_name)
+    return LoraConfig(
+        r=args.lora_r,
+        lora_alpha=args.lora_alpha,
+        lora_dropout=args.lora_dropout,
+        target_modules=targets,
+        modules_to_save=split_names(args.lora_modules_to_save) or None,
+        task_type="CAUSAL_LM",
+        base_model_name_or_path=base_name,
+    )
 
 
 def apply_lora(model, args: ModelArgs, base_name: str | None):
@@ -101,6 +109,7 @@ def trainable_parameters(model) -> int:
 
 # --- the base model's identity ---------------------------------------------------------------------
 
+
 def base_identity(args: ModelArgs, seed: int, embedded_config: Path) -> dict:
     """What trainer_state.json records of the base (``BASE_KEY``); reads only headers and sampled
     blocks of its weight files. Rank 0 computes it, every rank receives it."""
@@ -108,11 +117,18 @@ def base_identity(args: ModelArgs, seed: int, embedded_config: Path) -> dict:
         source = args.config_name or str(embedded_config)
         config = Path(source) / "config.json" if Path(source).is_dir() else Path(source)
         digest = _file_digest(config) if config.is_file() else None
-        return {"source": source, "kind": "random init from a config", "seed": seed,
-                "fingerprint": {"method": "config+seed", "config": digest, "seed": seed}}
+        return {
+            "source": source,
+            "kind": "random init from a config",
+            "seed": seed,
+            "fingerprint": {"method": "config+seed", "config": digest, "seed": seed},
+        }
     folder, revision = weights_folder(args.model_name_or_path)
-    source = str(Path(args.model_name_or_path).resolve()) if Path(args.model_name_or_path).is_dir() \
-        else args.model_name_or_path  # a local folder as an absolute path: export may run elsewhere
+    source = (
+        str(Path(args.model_name_or_path).resolve())
+        if Path(args.model_name_or_path).is_dir()
+        else args.model_name_or_path
+    )  # a local folder as an absolute path: export may run elsewhere
     identity = {"source": source, "kind": "pretrained", "revision": revision}
     identity["fingerprint"] = fingerprint(folder) if folder is not None else None
     return identity
@@ -133,10 +149,16 @@ def weights_folder(name: str) -> tuple[Path | None, str | None]:
     import huggingface_hub
 
     try:
-        folder = Path(huggingface_hub.snapshot_download(name, allow_patterns=["*.safetensors", "*.json"]))
+        folder = Path(
+            huggingface_hub.snapshot_download(name, allow_patterns=["*.safetensors", "*.json"])
+        )
     except Exception as e:  # noqa: BLE001 — not cached offline, gated, no such repo: from_pretrained says which
-        logger.warning("could not fetch %s's weights to fingerprint them (%s: %s)", name, type(e).__name__,
-                       " ".join(str(e).split())[:200])
+        logger.warning(
+            "could not fetch %s's weights to fingerprint them (%s: %s)",
+            name,
+            type(e).__name__,
+            " ".join(str(e).split())[:200],
+        )
         return None, None
     return folder, folder.name  # .../snapshots/<commit>
 
@@ -168,7 +190,9 @@ def _safetensors_digest(path: Path) -> str:
             tensors = []  # not a safetensors file after all: its header bytes were hashed
         base = 8 + n
         for start, end in sorted(tuple(t["data_offsets"]) for t in tensors if "data_offsets" in t):
-            for offset in dict.fromkeys((start, max(start, (start + end) // 2 - BLOCK // 2), max(start, end - BLOCK))):
+            for offset in dict.fromkeys(
+                (start, max(start, (start + end) // 2 - BLOCK // 2), max(start, end - BLOCK))
+            ):
                 f.seek(base + offset)
                 h.update(f.read(min(BLOCK, end - offset)))
     return h.hexdigest()
@@ -190,6 +214,7 @@ def _file_digest(path: Path) -> str:
 
 # --- resume checks ---------------------------------------------------------------------------------
 
+
 def check_resumable(folder: Path, saved: dict, args: ModelArgs, base: dict | None) -> None:
     """A LoRA checkpoint resumes only with --use_peft, adapters of the same shapes and the same base
     (and a full fine-tuning one only without --use_peft); otherwise ConfigError naming both sides."""
@@ -197,24 +222,36 @@ def check_resumable(folder: Path, saved: dict, args: ModelArgs, base: dict | Non
     if saved_base is None and base is None:
         return
     if saved_base is None:
-        raise ConfigError(f"--use_peft: {folder} is a full fine-tuning checkpoint, not LoRA adapters; resume it "
-                          "without --use_peft")
+        raise ConfigError(
+            f"--use_peft: {folder} is a full fine-tuning checkpoint, not LoRA adapters; resume it "
+            "without --use_peft"
+        )
     if base is None:
-        raise ConfigError(f"--resume_from_checkpoint: {folder} holds LoRA adapters (on {describe_base(saved_base)}); "
-                          "resume it with --use_peft and the same --lora_* flags")
+        raise ConfigError(
+            f"--resume_from_checkpoint: {folder} holds LoRA adapters (on {describe_base(saved_base)}); "
+            "resume it with --use_peft and the same --lora_* flags"
+        )
     saved_args = saved.get("args", {}).get("model", {})
     for flag in SHAPE_FLAGS:
         before, now = saved_args.get(flag), getattr(args, flag)
         if flag in saved_args and sorted(split_names(before)) != sorted(split_names(now)):
-            raise ConfigError(f"--{flag}: {folder}'s adapters were trained with --{flag} {before}, this run has "
-                              f"{now}; resume with the same value")
+            raise ConfigError(
+                f"--{flag}: {folder}'s adapters were trained with --{flag} {before}, this run has "
+                f"{now}; resume with the same value"
+            )
     if not same_base(saved_base, base):
-        raise ConfigError(f"--model_name_or_path: {folder}'s adapters were trained on {describe_base(saved_base)}, this run "
-                          f"loads {describe_base(base)}: another base model; resume with the base they were trained on")
+        raise ConfigError(
+            f"--model_name_or_path: {folder}'s adapters were trained on {describe_base(saved_base)}, this run "
+            f"loads {describe_base(base)}: another base model; resume with the base they were trained on"
+        )
     if saved_base.get("fingerprint") is None or base.get("fingerprint") is None:
-        log_main(logging.WARNING, "resume: the base model %s was not fingerprinted %s; trusting that it is the one "
-                 "the adapters were trained on", base["source"],
-                 "when the checkpoint was saved" if saved_base.get("fingerprint") is None else "now")
+        log_main(
+            logging.WARNING,
+            "resume: the base model %s was not fingerprinted %s; trusting that it is the one "
+            "the adapters were trained on",
+            base["source"],
+            "when the checkpoint was saved" if saved_base.get("fingerprint") is None else "now",
+        )
 
 
 def same_base(saved: dict, now: dict) -> bool:

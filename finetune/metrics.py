@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable, Sequence
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Callable, Sequence
 
 from finetune import distributed as dist
 from finetune.trackers import Failures, MonitorTracker, Tracker
@@ -26,8 +26,15 @@ class MetricsWriter:
     started (wandb); ``may_write``: False once this run may no longer write into OUT (it lost the
     output dir's lease to another run): every later row, event and tracker call is dropped."""
 
-    def __init__(self, output_dir: str, monitor=None, *, run_id: str | None = None,
-                 trackers: Sequence[Tracker] = (), may_write: Callable[[], bool] = lambda: True):
+    def __init__(
+        self,
+        output_dir: str,
+        monitor=None,
+        *,
+        run_id: str | None = None,
+        trackers: Sequence[Tracker] = (),
+        may_write: Callable[[], bool] = lambda: True,
+    ):
         self.path = Path(output_dir) / "metrics.jsonl"
         self.events_path = Path(output_dir) / EVENTS
         self.run_id = run_id
@@ -47,7 +54,12 @@ class MetricsWriter:
         if error is not None:
             self.dropped += 1
             if self.dropped == 1 or self.dropped % 100 == 0:
-                dist.logger.warning("could not write %s (%s); %d row(s) dropped so far", self.path, error, self.dropped)
+                dist.logger.warning(
+                    "could not write %s (%s); %d row(s) dropped so far",
+                    self.path,
+                    error,
+                    self.dropped,
+                )
         self._forward("write", row)
 
     def event(self, kind: str, step: int, **fields) -> None:
@@ -55,12 +67,22 @@ class MetricsWriter:
         **fields}. A field named with a trailing underscore (``from_``) is written without it."""
         if not dist.is_main() or not self.may_write():
             return
-        record = {"time": datetime.now(timezone.utc).isoformat(timespec="seconds"), "event": kind, "step": step,
-                  "run_id": self.run_id, **{k.removesuffix("_"): v for k, v in fields.items()}}
+        record = {
+            "time": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "event": kind,
+            "step": step,
+            "run_id": self.run_id,
+            **{k.removesuffix("_"): v for k, v in fields.items()},
+        }
         error = _append(self.events_path, record)
         if error is not None:
-            dist.logger.warning("could not write the %s event of step %d to %s (%s)", kind, step, self.events_path,
-                                error)
+            dist.logger.warning(
+                "could not write the %s event of step %d to %s (%s)",
+                kind,
+                step,
+                self.events_path,
+                error,
+            )
         self._forward("event", record)
 
     def close(self, exit_code: int = 0) -> None:
@@ -113,15 +135,26 @@ def truncate_after(path: Path, step: int) -> None:
     if not path.exists():
         return
     try:
-        kept = [line for line, row in json_rows(path.read_text()) if isinstance(row.get("step"), int) and row["step"] <= step]
+        kept = [
+            line
+            for line, row in json_rows(path.read_text())
+            if isinstance(row.get("step"), int) and row["step"] <= step
+        ]
         tmp = path.with_name(path.name + ".tmp")
         with open(tmp, "w") as f:
             f.write("".join(line + "\n" for line in kept))
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except OSError as e:  # a directory in its place, a read error: the metrics are not the checkpoint
-        dist.logger.warning("could not trim %s to step %d (%s); new rows are appended after what is there", path, step, e)
+    except (
+        OSError
+    ) as e:  # a directory in its place, a read error: the metrics are not the checkpoint
+        dist.logger.warning(
+            "could not trim %s to step %d (%s); new rows are appended after what is there",
+            path,
+            step,
+            e,
+        )
 
 
 def read_metrics(output_dir: str) -> list[dict]:

@@ -25,18 +25,33 @@ SHAPE_KEYS = ("model_type", "vocab_size", "hidden_size", "num_hidden_layers", "n
 def load_tokenizer(args: ModelArgs):
     from transformers import AutoTokenizer
 
-    name = args.tokenizer_name or args.model_name_or_path or args.config_name or str(EMBEDDED_TOKENIZER_DIR)
+    name = (
+        args.tokenizer_name
+        or args.model_name_or_path
+        or args.config_name
+        or str(EMBEDDED_TOKENIZER_DIR)
+    )
     if name == args.config_name and args.tokenizer_name is None and _is_embedded_name(name):
         name = str(EMBEDDED_TOKENIZER_DIR)
     try:
         tok = AutoTokenizer.from_pretrained(name, trust_remote_code=args.trust_remote_code)
     except (OSError, ValueError) as e:
-        flag = "--tokenizer_name" if args.tokenizer_name else "--model_name_or_path" if args.model_name_or_path else "--config_name"
-        raise ConfigError(f"{flag}: cannot load a tokenizer from '{name}': {_first_line(e)}") from None
+        flag = (
+            "--tokenizer_name"
+            if args.tokenizer_name
+            else "--model_name_or_path"
+            if args.model_name_or_path
+            else "--config_name"
+        )
+        raise ConfigError(
+            f"{flag}: cannot load a tokenizer from '{name}': {_first_line(e)}"
+        ) from None
     if tok.pad_token is None:
         # Causal LMs often ship without one; padded positions are masked from loss and attention.
         if tok.eos_token is None:
-            raise ConfigError(f"--tokenizer_name: tokenizer '{name}' has neither a pad nor an eos token")
+            raise ConfigError(
+                f"--tokenizer_name: tokenizer '{name}' has neither a pad nor an eos token"
+            )
         tok.pad_token = tok.eos_token
         logger.info("tokenizer has no pad token; using eos (%r) for padding", tok.eos_token)
     return tok
@@ -57,30 +72,43 @@ def load_model(args: ModelArgs, ds_config: dict, precision: str, seed: int):
     torch.manual_seed(seed)
     if args.model_name_or_path:
         try:
-            model = AutoModelForCausalLM.from_pretrained(args.model_name_or_path, dtype=dtype,
-                                                         trust_remote_code=args.trust_remote_code)
+            model = AutoModelForCausalLM.from_pretrained(
+                args.model_name_or_path, dtype=dtype, trust_remote_code=args.trust_remote_code
+            )
         except (OSError, ValueError) as e:
-            raise ConfigError(f"--model_name_or_path: cannot load '{args.model_name_or_path}': {_first_line(e)}") from None
+            raise ConfigError(
+                f"--model_name_or_path: cannot load '{args.model_name_or_path}': {_first_line(e)}"
+            ) from None
     else:
         source = args.config_name or str(EMBEDDED_MODEL_DIR)
         try:
             config = AutoConfig.from_pretrained(source, trust_remote_code=args.trust_remote_code)
         except (OSError, ValueError) as e:
-            raise ConfigError(f"--config_name: cannot load a config from '{source}': {_first_line(e)}") from None
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=args.trust_remote_code)
+            raise ConfigError(
+                f"--config_name: cannot load a config from '{source}': {_first_line(e)}"
+            ) from None
+        model = AutoModelForCausalLM.from_config(
+            config, dtype=dtype, trust_remote_code=args.trust_remote_code
+        )
     _KEEPALIVE.append(hf_ds)  # transformers checks it again later (generate, resize, checkpointing)
     if args.gradient_checkpointing:
-        enable = getattr(model, "activation_checkpointing_enable", None)  # transformers >= 5.2x; the old name warns
+        enable = getattr(
+            model, "activation_checkpointing_enable", None
+        )  # transformers >= 5.2x; the old name warns
         if enable is not None:
             enable(activation_checkpointing_kwargs={"use_reentrant": False})
         else:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            model.gradient_checkpointing_enable(
+                gradient_checkpointing_kwargs={"use_reentrant": False}
+            )
     # Training never reads the KV cache; building it costs time. (Restored in saved configs.)
     model.config.use_cache = False
     if args.use_peft:  # the base frozen, LoRA adapters added (finetune/lora.py)
         from finetune.lora import apply_lora
 
-        model = apply_lora(model, args, args.model_name_or_path or args.config_name or str(EMBEDDED_MODEL_DIR))
+        model = apply_lora(
+            model, args, args.model_name_or_path or args.config_name or str(EMBEDDED_MODEL_DIR)
+        )
     return model
 
 
@@ -97,16 +125,25 @@ def check_checkpoint_model(folder, args: ModelArgs) -> None:
     try:
         saved = AutoConfig.from_pretrained(folder, trust_remote_code=args.trust_remote_code)
     except (OSError, ValueError) as e:
-        raise ConfigError(f"--resume_from_checkpoint: {folder}/config.json is unreadable: {_first_line(e)}") from None
+        raise ConfigError(
+            f"--resume_from_checkpoint: {folder}/config.json is unreadable: {_first_line(e)}"
+        ) from None
     try:
         now = AutoConfig.from_pretrained(source, trust_remote_code=args.trust_remote_code)
     except (OSError, ValueError) as e:
-        raise ConfigError(f"{flag}: cannot load a config from '{shown}': {_first_line(e)}") from None
-    differ = [f"{k} {getattr(saved, k, None)} vs {getattr(now, k, None)}" for k in SHAPE_KEYS
-              if getattr(saved, k, None) != getattr(now, k, None)]
+        raise ConfigError(
+            f"{flag}: cannot load a config from '{shown}': {_first_line(e)}"
+        ) from None
+    differ = [
+        f"{k} {getattr(saved, k, None)} vs {getattr(now, k, None)}"
+        for k in SHAPE_KEYS
+        if getattr(saved, k, None) != getattr(now, k, None)
+    ]
     if differ:
-        raise ConfigError(f"--resume_from_checkpoint: {folder} holds another model than {flag} {shown} "
-                          f"({'; '.join(differ)}: checkpoint vs model); resume with the model it was trained from")
+        raise ConfigError(
+            f"--resume_from_checkpoint: {folder} holds another model than {flag} {shown} "
+            f"({'; '.join(differ)}: checkpoint vs model); resume with the model it was trained from"
+        )
 
 
 def _model_source(args: ModelArgs) -> tuple[str, str, str]:

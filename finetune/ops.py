@@ -88,7 +88,9 @@ def adam_op(ds_config: dict) -> str | None:
     return "CPUAdamBuilder" if str(offload).lower() in ("cpu", "nvme") else "FusedAdamBuilder"
 
 
-STALE_LOCK_S = 15 * 60  # a build holds its lock for minutes (FusedAdam: 1-3 min); older is an interrupted one
+STALE_LOCK_S = (
+    15 * 60
+)  # a build holds its lock for minutes (FusedAdam: 1-3 min); older is an interrupted one
 
 
 def load_op(builder_name: str) -> None:
@@ -97,7 +99,9 @@ def load_op(builder_name: str) -> None:
 
     builder = get_accelerator().create_op_builder(builder_name)
     if builder is None:
-        raise RuntimeError(f"DeepSpeed has no {builder_name} for the {get_accelerator().device_name()} accelerator")
+        raise RuntimeError(
+            f"DeepSpeed has no {builder_name} for the {get_accelerator().device_name()} accelerator"
+        )
     check_build_lock(builder.name)
     builder.load(verbose=False)
 
@@ -118,7 +122,9 @@ def check_build_lock(name: str, now: float | None = None) -> None:
     except FileNotFoundError:
         return
     if age > STALE_LOCK_S:
-        raise RuntimeError(f"{lock} is {age / 60:.0f} min old, left by an interrupted build: remove it to build {name}")
+        raise RuntimeError(
+            f"{lock} is {age / 60:.0f} min old, left by an interrupted build: remove it to build {name}"
+        )
 
 
 def needs_deepspeed_adam(ds_config: dict) -> str | None:
@@ -127,7 +133,10 @@ def needs_deepspeed_adam(ds_config: dict) -> str | None:
     zero = ds_config.get("zero_optimization") or {}
     if float((zero.get("offload_optimizer") or {}).get("ratio", 1.0)) < 1.0:
         return "zero_optimization.offload_optimizer.ratio < 1 (partial offload)"
-    for section, key in (("bf16", "bf16_master_weights_and_grads"), ("fp16", "fp16_master_weights_and_grads")):
+    for section, key in (
+        ("bf16", "bf16_master_weights_and_grads"),
+        ("fp16", "fp16_master_weights_and_grads"),
+    ):
         if (ds_config.get(section) or {}).get(key):
             return f"{section}.{key}"
     if ((ds_config.get("optimizer") or {}).get("params") or {}).get("bias_correction") is False:
@@ -142,7 +151,11 @@ _DEEPSPEED_ADAM_ONLY = ("bias_correction", "set_grad_none")
 def use_torch_adam(ds_config: dict) -> dict:
     """A copy of ``ds_config`` whose Adam is ``torch.optim.AdamW`` (or Adam): nothing to compile."""
     out = {**ds_config, "optimizer": {**ds_config["optimizer"]}}
-    params = {k: v for k, v in (ds_config["optimizer"].get("params") or {}).items() if k not in _DEEPSPEED_ADAM_ONLY}
+    params = {
+        k: v
+        for k, v in (ds_config["optimizer"].get("params") or {}).items()
+        if k not in _DEEPSPEED_ADAM_ONLY
+    }
     out["optimizer"]["params"] = {**params, "torch_adam": True}
     return out
 
@@ -169,25 +182,38 @@ def ensure_adam(ds_config: dict, saved: str | None = None, load=load_op) -> dict
     if op is None:
         return ds_config
     if saved == TORCH_ADAM:
-        dist.log_main(logging.WARNING, "the checkpoint was trained with torch.optim.AdamW (torch_adam, no %s "
-                      "then): resuming with it, since its optimizer state can't be loaded into %s",
-                      op.removesuffix("Builder"), op.removesuffix("Builder"))
+        dist.log_main(
+            logging.WARNING,
+            "the checkpoint was trained with torch.optim.AdamW (torch_adam, no %s "
+            "then): resuming with it, since its optimizer state can't be loaded into %s",
+            op.removesuffix("Builder"),
+            op.removesuffix("Builder"),
+        )
         return use_torch_adam(ds_config)
     outcome = dist.gather_outcomes(lambda: load(op), on=True)
     if outcome.ok:
         return ds_config
     needs = needs_deepspeed_adam(ds_config)
     if needs:
-        raise ConfigError(f"--deepspeed_config: {needs} needs DeepSpeed's {op.removesuffix('Builder')}, which can't "
-                          f"be loaded or built here ({outcome.describe()}); run `make gpu-setup` where a compiler "
-                          "(and for FusedAdam a CUDA toolkit) exists, or drop that setting")
+        raise ConfigError(
+            f"--deepspeed_config: {needs} needs DeepSpeed's {op.removesuffix('Builder')}, which can't "
+            f"be loaded or built here ({outcome.describe()}); run `make gpu-setup` where a compiler "
+            "(and for FusedAdam a CUDA toolkit) exists, or drop that setting"
+        )
     opt = ds_config["optimizer"]
     # DeepSpeed's rule (engine.py:2487-2490): type AdamW, or Adam with adam_w_mode (default true).
-    adamw = str(opt["type"]).lower() == "adamw" or (opt.get("params") or {}).get("adam_w_mode", True)
-    dist.log_main(logging.WARNING, "%s can't be loaded or built here (%s): using torch.optim.%s instead "
-                  "(DeepSpeed's torch_adam: same update, nothing to compile). `make gpu-setup` on a machine "
-                  "with a CUDA toolkit (nvcc) prebuilds it.", op.removesuffix("Builder"), outcome.describe(),
-                  "AdamW" if adamw else "Adam")
+    adamw = str(opt["type"]).lower() == "adamw" or (opt.get("params") or {}).get(
+        "adam_w_mode", True
+    )
+    dist.log_main(
+        logging.WARNING,
+        "%s can't be loaded or built here (%s): using torch.optim.%s instead "
+        "(DeepSpeed's torch_adam: same update, nothing to compile). `make gpu-setup` on a machine "
+        "with a CUDA toolkit (nvcc) prebuilds it.",
+        op.removesuffix("Builder"),
+        outcome.describe(),
+        "AdamW" if adamw else "Adam",
+    )
     return use_torch_adam(ds_config)
 
 
@@ -205,7 +231,10 @@ def replay_adam_steps(engine) -> int:
     import torch
 
     opt = getattr(engine.optimizer, "optimizer", engine.optimizer)
-    steps = max((int(s.get("step", 0)) for s in getattr(opt, "state", {}).values() if isinstance(s, dict)), default=0)
+    steps = max(
+        (int(s.get("step", 0)) for s in getattr(opt, "state", {}).values() if isinstance(s, dict)),
+        default=0,
+    )
     if steps == 0 or not getattr(opt, "param_groups", None):
         return 0
     group = opt.param_groups[0]
@@ -214,13 +243,32 @@ def replay_adam_steps(engine) -> int:
     empty = torch.empty(0)
     if hasattr(opt, "ds_opt_adam") and hasattr(opt, "opt_id"):  # DeepSpeedCPUAdam
         for step in range(1, steps + 1):
-            opt.ds_opt_adam.adam_update(opt.opt_id, step, *args, group["weight_decay"], group["bias_correction"],
-                                        empty, empty, empty, empty)
+            opt.ds_opt_adam.adam_update(
+                opt.opt_id,
+                step,
+                *args,
+                group["weight_decay"],
+                group["bias_correction"],
+                empty,
+                empty,
+                empty,
+                empty,
+            )
         return steps
     buf = getattr(opt, "_dummy_overflow_buf", None)
-    if hasattr(opt, "multi_tensor_adam") and buf is not None and buf.device.type == "cpu":  # FusedAdam, CPU build
+    if (
+        hasattr(opt, "multi_tensor_adam") and buf is not None and buf.device.type == "cpu"
+    ):  # FusedAdam, CPU build
         for step in range(1, steps + 1):
-            opt.multi_tensor_adam(1, buf, [[empty], [empty], [empty], [empty]], *args, step, opt.adam_w_mode,
-                                  1 if group["bias_correction"] else 0, group["weight_decay"])
+            opt.multi_tensor_adam(
+                1,
+                buf,
+                [[empty], [empty], [empty], [empty]],
+                *args,
+                step,
+                opt.adam_w_mode,
+                1 if group["bias_correction"] else 0,
+                group["weight_decay"],
+            )
         return steps
     return 0

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from finetune import distributed as dist
 from finetune.checkpoint.manifest import read_manifest
-from finetune.checkpoint.storage import LocalStorage, step_of
+from finetune.checkpoint.outdir import OutputDir, step_of
 from finetune.commands import Parser
 from finetune.config import ConfigError
 from finetune.metrics import json_rows, read_metrics
@@ -32,7 +32,7 @@ EVENTS = "events.jsonl"
 FIGSIZE = (12.0, 9.0)  # inches; at DPI: 1200x900 px
 DPI = 100
 MAX_POINTS = 5000  # per drawn series (see _thin)
-LOG_LOSS_SPAN = 10 ** 1.5  # a loss axis spanning more than 1.5 decades is drawn log-scale
+LOG_LOSS_SPAN = 10**1.5  # a loss axis spanning more than 1.5 decades is drawn log-scale
 
 # Vertical markers: (label, colour, line style, line width, marker at the loss panel's top edge).
 MARKS = {
@@ -56,11 +56,14 @@ class Run:
 
 # --- reading -----------------------------------------------------------------------------------
 
+
 def load_run(output_dir: str | os.PathLike) -> Run:
     """Metrics, events and checkpoints of ``output_dir``; ConfigError when there is nothing to plot."""
     out = Path(output_dir)
     if not (out / "metrics.jsonl").is_file():
-        raise ConfigError(f"{out}: no metrics.jsonl (not a run's output dir, or no step logged yet)")
+        raise ConfigError(
+            f"{out}: no metrics.jsonl (not a run's output dir, or no step logged yet)"
+        )
     rows = read_metrics(str(out))
     train = _last_per_step(r for r in rows if _num(r, "loss") is not None)
     evals = _last_per_step(r for r in rows if _num(r, "eval_loss") is not None)
@@ -93,7 +96,9 @@ def read_events(output_dir: str | os.PathLike) -> list[dict]:
 
 def _committed_steps(out: Path) -> list[int]:
     """Steps of the checkpoint folders with a manifest (committed), for runs without events.jsonl."""
-    return [step_of(tag) for tag in LocalStorage(out).tags() if read_manifest(out / tag) is not None]
+    return [
+        step_of(tag) for tag in OutputDir(out).tags() if read_manifest(out / tag) is not None
+    ]
 
 
 def _last_per_step(rows) -> list[dict]:
@@ -134,7 +139,7 @@ def ema(values: list[float], span: float) -> list[float]:
     out, avg = [], 0.0
     for i, v in enumerate(values, 1):
         avg = beta * avg + (1.0 - beta) * v
-        out.append(avg / (1.0 - beta ** i))
+        out.append(avg / (1.0 - beta**i))
     return out
 
 
@@ -145,6 +150,7 @@ def ema_span(n: int) -> int:
 
 
 # --- drawing -----------------------------------------------------------------------------------
+
 
 def render(output_dir: str | os.PathLike, dest: str | os.PathLike | None = None) -> Path:
     """Draw ``output_dir``'s run to ``dest`` (default OUT/plots/training.png), atomically; the path."""
@@ -195,11 +201,15 @@ def _loss_panel(ax, run: Run) -> list:
         span = ema_span(len(loss))
         x, raw, smooth = _thin(steps, loss, ema(loss, span))
         handles += ax.plot(x, raw, color="tab:blue", lw=0.8, alpha=0.35, label="train loss")
-        handles += ax.plot(x, smooth, color="tab:blue", lw=2.2, label=f"train loss, EMA\n(span {span} rows)")
+        handles += ax.plot(
+            x, smooth, color="tab:blue", lw=2.2, label=f"train loss, EMA\n(span {span} rows)"
+        )
     e_steps, e_loss = _series(run.evals, "eval_loss")
     if e_loss:
         marker = "o" if len(e_loss) <= 60 else None  # hundreds of markers would hide the line
-        handles += ax.plot(e_steps, e_loss, color="tab:orange", lw=1.5, marker=marker, ms=5, label="eval loss")
+        handles += ax.plot(
+            e_steps, e_loss, color="tab:orange", lw=1.5, marker=marker, ms=5, label="eval loss"
+        )
     values = [v for v in loss + e_loss if v > 0]
     if values and max(values) / min(values) > LOG_LOSS_SPAN:
         ax.set_yscale("log")
@@ -211,7 +221,15 @@ def _line_panel(ax, rows: list[dict], key: str, label: str, color: str, smooth: 
     """One series; with ``smooth``, raw (thin, light) under its EMA (thick), as in the loss panel."""
     steps, values = _series(rows, key)
     if not values:
-        ax.text(0.5, 0.5, f"no {label} logged yet", transform=ax.transAxes, ha="center", va="center", color="0.5")
+        ax.text(
+            0.5,
+            0.5,
+            f"no {label} logged yet",
+            transform=ax.transAxes,
+            ha="center",
+            va="center",
+            color="0.5",
+        )
     elif smooth:
         x, raw, smoothed = _thin(steps, values, ema(values, ema_span(len(values))))
         ax.plot(x, raw, color=color, lw=0.8, alpha=0.4)
@@ -233,13 +251,40 @@ def _marks(axes, run: Run) -> list:
         if not steps:
             continue
         for ax in axes:  # one collection per panel, however many checkpoints
-            ax.vlines(steps, 0, 1, transform=ax.get_xaxis_transform(), colors=color, linestyles=style,
-                      linewidths=width, zorder=0.5)
+            ax.vlines(
+                steps,
+                0,
+                1,
+                transform=ax.get_xaxis_transform(),
+                colors=color,
+                linestyles=style,
+                linewidths=width,
+                zorder=0.5,
+            )
         if marker:
-            axes[0].plot(steps, [1.0] * len(steps), ls="none", marker=marker, color=color, ms=8, clip_on=False,
-                         transform=axes[0].get_xaxis_transform(), zorder=3)
-        handles.append(Line2D([], [], color=color, ls=style, lw=max(width, 1.2), marker=marker, ms=7,
-                              label=f"{label} ({len(steps)})"))
+            axes[0].plot(
+                steps,
+                [1.0] * len(steps),
+                ls="none",
+                marker=marker,
+                color=color,
+                ms=8,
+                clip_on=False,
+                transform=axes[0].get_xaxis_transform(),
+                zorder=3,
+            )
+        handles.append(
+            Line2D(
+                [],
+                [],
+                color=color,
+                ls=style,
+                lw=max(width, 1.2),
+                marker=marker,
+                ms=7,
+                label=f"{label} ({len(steps)})",
+            )
+        )
     return handles
 
 
@@ -248,7 +293,9 @@ def _title(run: Run) -> str:
     parts = []
     steps, loss = _series(run.train, "loss")
     if loss:
-        parts.append(f"final train loss {loss[-1]:.4f} (EMA {ema(loss, ema_span(len(loss)))[-1]:.4f}, step {steps[-1]})")
+        parts.append(
+            f"final train loss {loss[-1]:.4f} (EMA {ema(loss, ema_span(len(loss)))[-1]:.4f}, step {steps[-1]})"
+        )
     if run.evals and (loss := _num(run.evals[-1], "eval_loss")) is not None:
         parts.append(f"final eval loss {loss:.4f} (step {run.evals[-1]['step']})")
     return head + ("\n" + "   ·   ".join(parts) if parts else "")
@@ -256,13 +303,26 @@ def _title(run: Run) -> str:
 
 # --- `finetune plot` ---------------------------------------------------------------------------
 
+
 def main(argv: list[str]) -> int:
-    p = Parser(prog="finetune plot", description="Draw a run's loss, learning rate and throughput, with its "
-                "checkpoints, resumes and preemptions, as a 1200x900 PNG. Exit 2 when OUT has no metrics to plot.")
-    p.add_argument("output_dir", metavar="OUT", help="A run's output dir (reads metrics.jsonl, events.jsonl and "
-                   "the committed checkpoints' manifests).")
-    p.add_argument("-o", "--output", metavar="FILE.png", default=None,
-                   help=f"Where to write the PNG (default: OUT/{DEFAULT_DEST}).")
+    p = Parser(
+        prog="finetune plot",
+        description="Draw a run's loss, learning rate and throughput, with its "
+        "checkpoints, resumes and preemptions, as a 1200x900 PNG. Exit 2 when OUT has no metrics to plot.",
+    )
+    p.add_argument(
+        "output_dir",
+        metavar="OUT",
+        help="A run's output dir (reads metrics.jsonl, events.jsonl and "
+        "the committed checkpoints' manifests).",
+    )
+    p.add_argument(
+        "-o",
+        "--output",
+        metavar="FILE.png",
+        default=None,
+        help=f"Where to write the PNG (default: OUT/{DEFAULT_DEST}).",
+    )
     ns = p.parse_args(argv)
     run = load_run(ns.output_dir)
     dest = Path(ns.output) if ns.output else Path(ns.output_dir) / DEFAULT_DEST
@@ -271,12 +331,15 @@ def main(argv: list[str]) -> int:
     except OSError as e:  # a full disk, a file where the folder should be
         print(f"finetune: error: plot failed, {dest} was not written: {e}", file=sys.stderr)
         return 1
-    print(f"Wrote {dest} ({len(run.train)} train rows, {len(run.evals)} eval rows, "
-          f"{len(run.marks['checkpoint'])} checkpoints)")
+    print(
+        f"Wrote {dest} ({len(run.train)} train rows, {len(run.evals)} eval rows, "
+        f"{len(run.marks['checkpoint'])} checkpoints)"
+    )
     return 0
 
 
 # --- during training ---------------------------------------------------------------------------
+
 
 class Plotter:
     """Rank 0's OUT/plots/training.png, redrawn on a daemon thread while training runs.
@@ -289,8 +352,12 @@ class Plotter:
     is never worth a training step.
     """
 
-    def __init__(self, output_dir: str | os.PathLike, dest: str | os.PathLike | None = None,
-                 min_interval_s: float = 10.0):
+    def __init__(
+        self,
+        output_dir: str | os.PathLike,
+        dest: str | os.PathLike | None = None,
+        min_interval_s: float = 10.0,
+    ):
         self.output_dir = Path(output_dir)
         self.dest = Path(dest) if dest is not None else self.output_dir / DEFAULT_DEST
         self.min_interval_s = min_interval_s
@@ -326,8 +393,11 @@ class Plotter:
             return
         thread.join(timeout)
         if thread.is_alive():
-            dist.logger.warning("the final plot did not finish within %g s; %s may show an earlier step",
-                                timeout, self.dest)
+            dist.logger.warning(
+                "the final plot did not finish within %g s; %s may show an earlier step",
+                timeout,
+                self.dest,
+            )
         with self._lock:
             self.disabled = True  # no render after close
 
@@ -366,5 +436,9 @@ class Plotter:
             first = not self.disabled
             self.disabled, self._running = True, False
         if first:
-            dist.logger.warning("plotting %s failed (%s: %s); no more plots this run", self.dest,
-                                type(e).__name__, e)
+            dist.logger.warning(
+                "plotting %s failed (%s: %s); no more plots this run",
+                self.dest,
+                type(e).__name__,
+                e,
+            )

@@ -10,7 +10,8 @@ them imports it back.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from finetune.config import (
     EMBEDDED_MAX_STEPS,
@@ -33,8 +34,9 @@ from finetune.preemption import parse_signals
 from finetune.sources import validate_paths
 
 
-def resolve(values: Mapping[str, Any], precision_flag: str | None = None, *,
-            world_size: int | None = None) -> RunConfig:
+def resolve(
+    values: Mapping[str, Any], precision_flag: str | None = None, *, world_size: int | None = None
+) -> RunConfig:
     """Validate flag values, reconcile them with the DeepSpeed JSON, and freeze them.
 
     ``values`` maps flag names (no dashes) to values; flags it lacks take their defaults, and it is
@@ -55,7 +57,12 @@ def resolve(values: Mapping[str, Any], precision_flag: str | None = None, *,
     validate_paths(v)
     # The preset is a default, not a flag: an explicit DeepSpeed JSON value must win over it.
     fallbacks = {**FALLBACKS, **EMBEDDED_PRESET} if embedded_model else FALLBACKS
-    if embedded_model and v["max_steps"] is None and v["num_train_epochs"] is None and embedded_data:
+    if (
+        embedded_model
+        and v["max_steps"] is None
+        and v["num_train_epochs"] is None
+        and embedded_data
+    ):
         v["max_steps"] = EMBEDDED_MAX_STEPS
     if v["max_steps"] is None and v["num_train_epochs"] is None:
         v["num_train_epochs"] = 3.0
@@ -65,9 +72,16 @@ def resolve(values: Mapping[str, Any], precision_flag: str | None = None, *,
     reconcile_ds(v, ds, world, fallbacks, precision_flag or f"precision {v['precision']}")
     for k, fallback in fallbacks.items():
         v[k] = fallback if v[k] is None else v[k]
-    groups = {name: cls(**{f.name: v[f.name] for f in dataclasses.fields(cls)}) for name, cls in GROUPS}
-    return RunConfig(**groups, ds_config=ds, world_size=world,
-                     uses_embedded_model=embedded_model, uses_embedded_data=embedded_data)
+    groups = {
+        name: cls(**{f.name: v[f.name] for f in dataclasses.fields(cls)}) for name, cls in GROUPS
+    }
+    return RunConfig(
+        **groups,
+        ds_config=ds,
+        world_size=world,
+        uses_embedded_model=embedded_model,
+        uses_embedded_data=embedded_data,
+    )
 
 
 def validate_flags(v: Mapping[str, Any]) -> None:
@@ -77,16 +91,33 @@ def validate_flags(v: Mapping[str, Any]) -> None:
     if v["dataset_name"] and v["train_file"]:
         raise ConfigError("Can't give both `--dataset_name` and `--train_file`")
     if v["config_name"] and v["model_name_or_path"]:
-        raise ConfigError("Can't give both `--config_name` (train from scratch) and `--model_name_or_path` (load weights)")
+        raise ConfigError(
+            "Can't give both `--config_name` (train from scratch) and `--model_name_or_path` (load weights)"
+        )
     if bool(v["prompt_column"]) != bool(v["completion_column"]):
-        raise ConfigError("`--prompt_column` and `--completion_column` go together: give both or neither")
+        raise ConfigError(
+            "`--prompt_column` and `--completion_column` go together: give both or neither"
+        )
     if v["messages_column"] and v["prompt_column"]:
-        raise ConfigError("Can't give both `--messages_column` and `--prompt_column`/`--completion_column`")
+        raise ConfigError(
+            "Can't give both `--messages_column` and `--prompt_column`/`--completion_column`"
+        )
     if v["validation_file"] and not (v["train_file"] or v["dataset_name"]):
         raise ConfigError("`--validation_file` needs `--train_file` or `--dataset_name`")
-    for name in ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps",
-                 "max_steps", "logging_steps", "eval_steps", "save_steps", "save_total_limit",
-                 "max_seq_length", "max_train_samples", "max_eval_samples", "preprocessing_num_workers"):
+    for name in (
+        "per_device_train_batch_size",
+        "per_device_eval_batch_size",
+        "gradient_accumulation_steps",
+        "max_steps",
+        "logging_steps",
+        "eval_steps",
+        "save_steps",
+        "save_total_limit",
+        "max_seq_length",
+        "max_train_samples",
+        "max_eval_samples",
+        "preprocessing_num_workers",
+    ):
         if v[name] is not None and v[name] <= 0:
             raise ConfigError(f"`--{name}` must be positive, got {v[name]}")
     for name in ("num_train_epochs", "learning_rate"):
@@ -96,22 +127,33 @@ def validate_flags(v: Mapping[str, Any]) -> None:
         if v[name] is not None and v[name] < 0:
             raise ConfigError(f"`--{name}` must not be negative, got {v[name]}")
     if v["max_seq_length"] is not None and v["max_seq_length"] < 2:
-        raise ConfigError(f"`--max_seq_length` must be at least 2 (a token to predict the next one from), "
-                          f"got {v['max_seq_length']}")
+        raise ConfigError(
+            f"`--max_seq_length` must be at least 2 (a token to predict the next one from), "
+            f"got {v['max_seq_length']}"
+        )
     if not 0 <= v["validation_split_percentage"] < 100:
-        raise ConfigError(f"`--validation_split_percentage` must be in [0, 100), got {v['validation_split_percentage']}")
+        raise ConfigError(
+            f"`--validation_split_percentage` must be in [0, 100), got {v['validation_split_percentage']}"
+        )
     if v["ddp_timeout"] is not None and v["ddp_timeout"] < MIN_DDP_TIMEOUT:
-        raise ConfigError(f"`--ddp_timeout` must be at least {MIN_DDP_TIMEOUT} seconds, got {v['ddp_timeout']}")
+        raise ConfigError(
+            f"`--ddp_timeout` must be at least {MIN_DDP_TIMEOUT} seconds, got {v['ddp_timeout']}"
+        )
     if v["max_shard_size"] is not None:
         check_size(v["max_shard_size"])
     try:
         parse_signals(v["preempt_signals"])
     except ValueError as e:
-        raise ConfigError(f"`--preempt_signals`: {e} is not a signal that can be caught (e.g. SIGTERM,SIGUSR1 or none)") from None
-    if (v["save_steps"] or v["save_total_limit"] or v["save_consolidated"] or v["async_save"]) \
-            and not v["save_checkpoint"]:
-        raise ConfigError("`--save_steps`, `--save_total_limit`, `--save_consolidated` and `--async_save` need "
-                          "`--save_checkpoint`")
+        raise ConfigError(
+            f"`--preempt_signals`: {e} is not a signal that can be caught (e.g. SIGTERM,SIGUSR1 or none)"
+        ) from None
+    if (
+        v["save_steps"] or v["save_total_limit"] or v["save_consolidated"] or v["async_save"]
+    ) and not v["save_checkpoint"]:
+        raise ConfigError(
+            "`--save_steps`, `--save_total_limit`, `--save_consolidated` and `--async_save` need "
+            "`--save_checkpoint`"
+        )
     if v["ignore_unverified_checkpoints"] and v["resume_from_checkpoint"] != "auto":
         raise ConfigError("`--ignore_unverified_checkpoints` needs `--resume_from_checkpoint auto`")
     validate_lora_flags(v)

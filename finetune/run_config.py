@@ -24,7 +24,11 @@ from finetune.io.durable import replace_text
 FILE_NAME = "run_config.yaml"
 _FIELDS = {f.name: f for _, cls in GROUPS for f in dataclasses.fields(cls)}
 # Flags that are spelled differently in a file: the command line's shorthands.
-_ALIASES = {"bf16": "precision: bf16", "fp16": "precision: fp16", "config": "a file cannot include another"}
+_ALIASES = {
+    "bf16": "precision: bf16",
+    "fp16": "precision: fp16",
+    "config": "a file cannot include another",
+}
 
 
 def load(path: str) -> dict[str, Any]:
@@ -53,15 +57,20 @@ def load(path: str) -> dict[str, Any]:
     if data is None:
         return {}
     if not isinstance(data, dict):
-        raise ConfigError(f"--config {path}: must hold a mapping of flag names to values, got {type(data).__name__}")
+        raise ConfigError(
+            f"--config {path}: must hold a mapping of flag names to values, got {type(data).__name__}"
+        )
     return {str(key): _check(path, str(key), value) for key, value in data.items()}
 
 
 # Flags that exclude each other: one given on the command line replaces the other from the file
 # (`--max_steps 3` over a file's num_train_epochs is a short try of the same recipe). The data
 # formats' flags are paired by their registry (data/formats.py exclusive_flags).
-_EITHER = (({"max_steps"}, {"num_train_epochs"}), ({"train_file"}, {"dataset_name", "dataset_config_name"}),
-           ({"model_name_or_path"}, {"config_name"}))
+_EITHER = (
+    ({"max_steps"}, {"num_train_epochs"}),
+    ({"train_file"}, {"dataset_name", "dataset_config_name"}),
+    ({"model_name_or_path"}, {"config_name"}),
+)
 
 
 def overridden(from_file: dict[str, Any], given: dict[str, Any]) -> dict[str, Any]:
@@ -80,14 +89,20 @@ def _check(path: str, key: str, value: Any) -> Any:
         if key in _ALIASES:
             raise ConfigError(f"--config {path}: unknown key `{key}` (use {_ALIASES[key]})")
         close = difflib.get_close_matches(key, _FIELDS, n=1)
-        hint = f"; did you mean `{close[0]}`?" if close else " (keys are the training flags' names, without --)"
+        hint = (
+            f"; did you mean `{close[0]}`?"
+            if close
+            else " (keys are the training flags' names, without --)"
+        )
         raise ConfigError(f"--config {path}: unknown key `{key}`{hint}")
     if key != f.name:
         raise ConfigError(f"--config {path}: unknown key `{key}`; did you mean `{f.name}`?")
     value = _typed(path, f, value)
     choices = f.metadata.get("choices")
     if choices and value is not None and value not in choices:
-        raise ConfigError(f"--config {path}: `{key}` must be one of {', '.join(choices)}, got {value!r}")
+        raise ConfigError(
+            f"--config {path}: `{key}` must be one of {', '.join(choices)}, got {value!r}"
+        )
     return value
 
 
@@ -103,21 +118,27 @@ def _typed(path: str, f: dataclasses.Field, value: Any) -> Any:
     elif "int" in kind:
         ok = isinstance(value, int) and not isinstance(value, bool)
     elif "float" in kind:
-        if isinstance(value, str):  # YAML 1.1 reads 1e-5 (no dot) as a string; it is meant as a number
+        if isinstance(
+            value, str
+        ):  # YAML 1.1 reads 1e-5 (no dot) as a string; it is meant as a number
             try:
                 value = float(value)
             except ValueError:
                 pass
         ok = isinstance(value, (int, float)) and not isinstance(value, bool)
         value = float(value) if ok else value
-    elif f.metadata.get("nargs") and isinstance(value, list):  # lora_target_modules: [q_proj, v_proj]
+    elif f.metadata.get("nargs") and isinstance(
+        value, list
+    ):  # lora_target_modules: [q_proj, v_proj]
         ok = all(isinstance(v, str) for v in value)
         kind = "a string or a list of strings"
     else:
         ok = isinstance(value, str)
     if not ok:
         expected = "true or false" if "bool" in kind else _expected(kind)
-        raise ConfigError(f"--config {path}: `{f.name}` must be {expected}, got {value!r} ({_yaml_type(value)})")
+        raise ConfigError(
+            f"--config {path}: `{f.name}` must be {expected}, got {value!r} ({_yaml_type(value)})"
+        )
     return value
 
 
@@ -132,8 +153,14 @@ def _expected(kind: str) -> str:
 
 
 def _yaml_type(value: Any) -> str:
-    return {bool: "a boolean", int: "an integer", float: "a number", str: "a string", list: "a list",
-            dict: "a mapping"}.get(type(value), type(value).__name__)
+    return {
+        bool: "a boolean",
+        int: "an integer",
+        float: "a number",
+        str: "a string",
+        list: "a list",
+        dict: "a mapping",
+    }.get(type(value), type(value).__name__)
 
 
 def _first_line(e: BaseException) -> str:
@@ -151,11 +178,15 @@ def write(cfg: RunConfig, output_dir: str, version: str) -> Path:
     sees half a file); rank 0 calls it once the run has started."""
     yaml = _yaml()
     when = datetime.now(timezone.utc).isoformat(timespec="seconds")
-    parts = [f"# finetune {version}: the resolved configuration of the run started {when} (world size "
-             f"{cfg.world_size}).\n# Run it again with: finetune --config {Path(output_dir) / FILE_NAME} "
-             f"--output_dir NEW_DIR\n"]
+    parts = [
+        f"# finetune {version}: the resolved configuration of the run started {when} (world size "
+        f"{cfg.world_size}).\n# Run it again with: finetune --config {Path(output_dir) / FILE_NAME} "
+        f"--output_dir NEW_DIR\n"
+    ]
     for name, group in cfg.to_json_dict().items():
-        parts.append(f"\n# {name}\n" + yaml.safe_dump(group, sort_keys=False, default_flow_style=False))
+        parts.append(
+            f"\n# {name}\n" + yaml.safe_dump(group, sort_keys=False, default_flow_style=False)
+        )
     path = Path(output_dir) / FILE_NAME
     replace_text(path, "".join(parts))
     return path
@@ -167,4 +198,6 @@ def write_best_effort(cfg: RunConfig, output_dir: str, version: str) -> None:
     try:
         write(cfg, output_dir, version)
     except OSError as e:
-        logging.getLogger("finetune").warning("could not write %s (%s)", Path(output_dir) / FILE_NAME, e)
+        logging.getLogger("finetune").warning(
+            "could not write %s (%s)", Path(output_dir) / FILE_NAME, e
+        )

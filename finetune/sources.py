@@ -5,8 +5,9 @@ the DeepSpeed JSON. Each failure is a ConfigError naming its flag (resolve.resol
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 from finetune.config import DATA_EXTENSIONS, WEIGHT_FILES, ConfigError, data_format
 
@@ -20,8 +21,10 @@ def validate_paths(v: Mapping[str, Any]) -> None:
     latest = Path(v["output_dir"]) / "latest" if v["output_dir"] else None
     if latest is not None and (latest.is_dir() or latest.is_symlink() and not latest.is_file()):
         # Never rewritable by an atomic replace: every commit would leave `latest` stale.
-        raise ConfigError(f"--output_dir: {latest} is not a file (remove it; finetune writes the tag of the "
-                          f"newest checkpoint there)")
+        raise ConfigError(
+            f"--output_dir: {latest} is not a file (remove it; finetune writes the tag of the "
+            f"newest checkpoint there)"
+        )
     for flag in ("train_file", "validation_file"):
         path = v[flag]
         if path is None:
@@ -29,9 +32,15 @@ def validate_paths(v: Mapping[str, Any]) -> None:
         if not Path(path).is_file():
             raise ConfigError(f"--{flag}: file not found: {path}")
         if data_format(path) is None:
-            raise ConfigError(f"--{flag}: unsupported file type '{Path(path).suffix}' for {path} "
-                              f"(use one of {', '.join(sorted(DATA_EXTENSIONS))})")
-    if v["train_file"] and v["validation_file"] and data_format(v["train_file"]) != data_format(v["validation_file"]):
+            raise ConfigError(
+                f"--{flag}: unsupported file type '{Path(path).suffix}' for {path} "
+                f"(use one of {', '.join(sorted(DATA_EXTENSIONS))})"
+            )
+    if (
+        v["train_file"]
+        and v["validation_file"]
+        and data_format(v["train_file"]) != data_format(v["validation_file"])
+    ):
         raise ConfigError("--validation_file: must have the same format as --train_file")
     for flag in ("model_name_or_path", "config_name", "tokenizer_name"):
         if v[flag]:
@@ -53,8 +62,10 @@ def check_model_source(flag: str, name: str) -> None:
         if flag != "tokenizer_name" and not (path / "config.json").is_file():
             raise ConfigError(f"--{flag}: {name} has no config.json (not a model folder)")
         if flag == "model_name_or_path" and not any(next(path.glob(p), None) for p in WEIGHT_FILES):
-            raise ConfigError(f"--model_name_or_path: {name} has no weights (model.safetensors, pytorch_model.bin or "
-                              f"their shards); to train from scratch with its config, use --config_name {name}")
+            raise ConfigError(
+                f"--model_name_or_path: {name} has no weights (model.safetensors, pytorch_model.bin or "
+                f"their shards); to train from scratch with its config, use --config_name {name}"
+            )
         return
     if path.exists():
         if flag == "config_name":
@@ -69,14 +80,20 @@ def _check_hub_id(flag: str, name: str) -> None:
     import huggingface_hub
 
     # A tokenizer repo may hold only tokenizer_config.json; AutoTokenizer falls back to config.json.
-    wanted = ("tokenizer_config.json", "config.json") if flag == "tokenizer_name" else ("config.json",)
+    wanted = (
+        ("tokenizer_config.json", "config.json") if flag == "tokenizer_name" else ("config.json",)
+    )
     try:
         cached = [huggingface_hub.try_to_load_from_cache(name, f) for f in wanted]
     except ValueError as e:  # HFValidationError: not a well-formed repo id
-        raise ConfigError(f"--{flag}: {name} is neither a folder nor a hub id ({str(e).splitlines()[0]})") from None
+        raise ConfigError(
+            f"--{flag}: {name} is neither a folder nor a hub id ({str(e).splitlines()[0]})"
+        ) from None
     if huggingface_hub.is_offline_mode() and not any(isinstance(c, str) for c in cached):
-        raise ConfigError(f"--{flag}: {name} is not a folder, and the hub is offline (HF_HUB_OFFLINE) with no cached "
-                          f"copy of it; download it first, or point --{flag} at a local folder")
+        raise ConfigError(
+            f"--{flag}: {name} is not a folder, and the hub is offline (HF_HUB_OFFLINE) with no cached "
+            f"copy of it; download it first, or point --{flag} at a local folder"
+        )
 
 
 def check_resume_path(spec: str | None) -> None:
@@ -85,14 +102,20 @@ def check_resume_path(spec: str | None) -> None:
     if spec is None or spec in ("latest", "auto"):
         return
     from finetune.checkpoint.manifest import looks_like_checkpoint
-    from finetune.checkpoint.storage import find_checkpoint
+    from finetune.checkpoint.outdir import find_checkpoint
 
     folder = find_checkpoint(spec)
     if folder is None or not looks_like_checkpoint(folder):
-        why = "no such folder" if not Path(spec).exists() else "not a checkpoint, nor an output dir holding one"
+        why = (
+            "no such folder"
+            if not Path(spec).exists()
+            else "not a checkpoint, nor an output dir holding one"
+        )
         raise ConfigError(f"--resume_from_checkpoint: {spec}: {why}")
 
 
 def looks_local(name: str) -> bool:
     """Hub ids are `name` or `org/name`; anything else is meant as a path."""
-    return name.startswith((".", "/", "~")) or name.count("/") > 1 or os.sep != "/" and os.sep in name
+    return (
+        name.startswith((".", "/", "~")) or name.count("/") > 1 or os.sep != "/" and os.sep in name
+    )

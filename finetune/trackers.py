@@ -28,8 +28,9 @@ from __future__ import annotations
 import importlib.util
 import math
 import os
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any, Callable, Iterable, Protocol
+from typing import Any, Protocol
 
 from finetune import distributed as dist
 from finetune.config import ConfigError, RunConfig, report_targets
@@ -38,8 +39,10 @@ STEP_METRIC = "train/global_step"  # wandb's x axis for everything we log (HF Tr
 WANDB_ID_FILE = "wandb_run_id"  # under OUT: the wandb run a resumed run continues
 DEFAULT_WANDB_PROJECT = "finetune"  # when $WANDB_PROJECT is not set
 # What each target needs installed, and how to get it.
-PACKAGES = {"tensorboard": ("tensorboard", "pip install tensorboard"),
-            "wandb": ("wandb", "pip install wandb, or pip install 'finetune[wandb]'")}
+PACKAGES = {
+    "tensorboard": ("tensorboard", "pip install tensorboard"),
+    "wandb": ("wandb", "pip install wandb, or pip install 'finetune[wandb]'"),
+}
 
 
 class Tracker(Protocol):
@@ -68,7 +71,12 @@ def scalars(row: dict) -> dict[str, float]:
     ``train/loss``); the step, None and non-finite values left out."""
     out = {}
     for key, value in row.items():
-        if key == "step" or isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        if (
+            key == "step"
+            or isinstance(value, bool)
+            or not isinstance(value, (int, float))
+            or not math.isfinite(value)
+        ):
             continue
         out[f"eval/{key[5:]}" if key.startswith("eval_") else f"train/{key}"] = value
     return out
@@ -88,11 +96,17 @@ class Failures:
     def record(self, what: str, error: BaseException) -> None:
         self.count += 1
         if self.count == 1 or self.count % 100 == 0:
-            dist.logger.warning("%s: %s failed (%s); %d failure(s) so far, training goes on", self.name, what,
-                                dist.describe_error(error), self.count)
+            dist.logger.warning(
+                "%s: %s failed (%s); %d failure(s) so far, training goes on",
+                self.name,
+                what,
+                dist.describe_error(error),
+                self.count,
+            )
 
 
 # --- tensorboard, csv: DeepSpeed's monitor -------------------------------------------------------
+
 
 class MonitorTracker:
     """DeepSpeed's MonitorMaster with TensorBoard and/or csv on rank 0: our rows and events as
@@ -101,8 +115,14 @@ class MonitorTracker:
 
     def __init__(self, monitor, may_write: Callable[[], bool] = lambda: True):
         self.monitor, self.may_write = monitor, may_write
-        self.name = "+".join(n for n, m in (("tensorboard", monitor.tb_monitor), ("csv", monitor.csv_monitor))
-                             if m is not None) or "DeepSpeed monitor"
+        self.name = (
+            "+".join(
+                n
+                for n, m in (("tensorboard", monitor.tb_monitor), ("csv", monitor.csv_monitor))
+                if m is not None
+            )
+            or "DeepSpeed monitor"
+        )
         self.failures = Failures(self.name)
         self._write_events = monitor.write_events
         # An instance attribute: engine.step's own self.monitor.write_events(...) comes here too.
@@ -112,7 +132,9 @@ class MonitorTracker:
             # csvMonitor writes a header the first time it sees a file in this process: a resumed
             # run's would land mid-file. Files already there have theirs.
             try:
-                csv.filenames.extend(p.stem for p in Path(csv.log_dir).glob("*.csv") if p.stem not in csv.filenames)
+                csv.filenames.extend(
+                    p.stem for p in Path(csv.log_dir).glob("*.csv") if p.stem not in csv.filenames
+                )
             except OSError as e:  # rank 0 alone: at worst a second header line
                 dist.logger.warning("could not list %s (%s)", csv.log_dir, e)
 
@@ -141,6 +163,7 @@ class MonitorTracker:
 
 # --- wandb ---------------------------------------------------------------------------------------
 
+
 class WandbTracker:
     """One wandb run, on rank 0: named, with the resolved flags as its config, files under OUT, the
     same run continued when the training run resumes (its id kept in OUT/wandb_run_id)."""
@@ -152,22 +175,34 @@ class WandbTracker:
         self.last_step = 0
 
     @classmethod
-    def start(cls, out: Path, name: str, config: dict, run_id: str, resumed: bool) -> "WandbTracker":
+    def start(
+        cls, out: Path, name: str, config: dict, run_id: str, resumed: bool
+    ) -> WandbTracker:
         """wandb.init: project $WANDB_PROJECT (default "finetune"), files under $WANDB_DIR or OUT;
         the id: $WANDB_RUN_ID, else the one OUT/wandb_run_id names when resuming, else ``run_id``.
         Not being logged in is bad input (ConfigError); other failures raise as they are."""
         import wandb
 
         id_file = out / WANDB_ID_FILE
-        wandb_id = os.environ.get("WANDB_RUN_ID") or (_read_id(id_file) if resumed else None) or run_id
+        wandb_id = (
+            os.environ.get("WANDB_RUN_ID") or (_read_id(id_file) if resumed else None) or run_id
+        )
         try:
-            run = wandb.init(project=os.environ.get("WANDB_PROJECT") or DEFAULT_WANDB_PROJECT, name=name,
-                             id=wandb_id, resume="allow", config=config, dir=os.environ.get("WANDB_DIR") or str(out))
+            run = wandb.init(
+                project=os.environ.get("WANDB_PROJECT") or DEFAULT_WANDB_PROJECT,
+                name=name,
+                id=wandb_id,
+                resume="allow",
+                config=config,
+                dir=os.environ.get("WANDB_DIR") or str(out),
+            )
         except (wandb.errors.UsageError, wandb.errors.AuthenticationError) as e:
             text = (str(e).strip().splitlines() or [type(e).__name__])[0]
             login = isinstance(e, wandb.errors.AuthenticationError) or "api_key" in text
-            raise ConfigError(f"`--report_to wandb`: {text}" + (" (run `wandb login`, or set WANDB_MODE=offline)"
-                                                               if login else "")) from None
+            raise ConfigError(
+                f"`--report_to wandb`: {text}"
+                + (" (run `wandb login`, or set WANDB_MODE=offline)" if login else "")
+            ) from None
         run.define_metric(STEP_METRIC)
         run.define_metric("*", step_metric=STEP_METRIC, step_sync=True)
         try:
@@ -175,7 +210,9 @@ class WandbTracker:
 
             replace_text(id_file, run.id + "\n")
         except OSError as e:  # the run goes on; only a resume would start a new wandb run
-            dist.logger.warning("could not write %s (%s); a resumed run will log to a new wandb run", id_file, e)
+            dist.logger.warning(
+                "could not write %s (%s); a resumed run will log to a new wandb run", id_file, e
+            )
         return cls(run)
 
     def write(self, row: dict) -> None:
@@ -186,8 +223,11 @@ class WandbTracker:
     def event(self, record: dict) -> None:
         kind, step = record["event"], record["step"]
         data = {f"events/{kind}": step}
-        data.update((f"events/{kind}_{k}", v) for k, v in event_fields(record).items()
-                    if isinstance(v, (str, int, float, bool)))
+        data.update(
+            (f"events/{kind}_{k}", v)
+            for k, v in event_fields(record).items()
+            if isinstance(v, (str, int, float, bool))
+        )
         # At its step, or later (a background save commits a few steps after it was taken): the
         # step metric's summary stays the newest step.
         self.run.log({**data, STEP_METRIC: max(step, self.last_step)})
@@ -230,9 +270,16 @@ def open_trackers(cfg: RunConfig, run_id: str, resumed: bool) -> list[Tracker]:
     a failure (not logged in to wandb) raises on every rank."""
     if "wandb" not in report_targets(cfg.train.report_to):
         return []
-    start = lambda: WandbTracker.start(Path(cfg.ckpt.output_dir), run_name(cfg), tracker_config(cfg),  # noqa: E731
-                                       run_id, resumed)
+    start = lambda: WandbTracker.start(
+        Path(cfg.ckpt.output_dir),
+        run_name(cfg),
+        tracker_config(cfg),  # noqa: E731
+        run_id,
+        resumed,
+    )
     tracker = dist.run_agreed(start, on=dist.is_main())
     if tracker is not None:
-        dist.logger.info("wandb run %s (%s), files in %s", tracker.run.id, tracker.run.name, tracker.run.dir)
+        dist.logger.info(
+            "wandb run %s (%s), files in %s", tracker.run.id, tracker.run.name, tracker.run.dir
+        )
     return [tracker] if tracker is not None else []

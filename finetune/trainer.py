@@ -8,9 +8,10 @@ import random
 import sys
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Union
+from typing import Union
 
 import numpy as np
 import torch
@@ -22,9 +23,9 @@ from finetune.checkpoint.layout import Layout, tidy_storage
 from finetune.checkpoint.lease import LeaseLost, describe, holder
 from finetune.checkpoint.lease import acquire as acquire_lease
 from finetune.checkpoint.manager import CheckpointManager
+from finetune.checkpoint.outdir import OutputDir, tag_for
 from finetune.checkpoint.resume import Resumer
 from finetune.checkpoint.state import TrainingState
-from finetune.checkpoint.storage import LocalStorage, tag_for
 from finetune.config import ConfigError, RunConfig
 from finetune.data import IGNORE, ResumableSampler, TrainData, eval_batches
 from finetune.data.cache import prepare
@@ -78,30 +79,52 @@ def run(cfg: RunConfig) -> int:
         run_id, created = dist.share_from(0, lambda: (uuid.uuid4().hex[:12], not out.exists()))
         lease = dist.run_agreed(lambda: acquire_lease(out, run_id), on=dist.is_main())
         try:
-            trainer = Trainer.build(cfg, preemption, run_id, lease)  # bad input stops here, before anything is written
+            trainer = Trainer.build(
+                cfg, preemption, run_id, lease
+            )  # bad input stops here, before anything is written
         except ConfigError:
             raise  # OUT as it was, a previous run's exit_status.json included
-        except Preempted as e:  # during a long start-up step (a universal conversion): what it did is kept
-            dist.log_main(logging.WARNING, "%s; exiting with %d so the job is requeued", e, EXIT_PREEMPTED)
+        except (
+            Preempted
+        ) as e:  # during a long start-up step (a universal conversion): what it did is kept
+            dist.log_main(
+                logging.WARNING, "%s; exiting with %d so the job is requeued", e, EXIT_PREEMPTED
+            )
             if dist.is_main() and not lease.lost:
-                write_exit_status(cfg.ckpt.output_dir, EXIT_PREEMPTED, {"reason": "preempted", "step": None,
-                                                                         "during": "start-up", "error": str(e)})
+                write_exit_status(
+                    cfg.ckpt.output_dir,
+                    EXIT_PREEMPTED,
+                    {"reason": "preempted", "step": None, "during": "start-up", "error": str(e)},
+                )
             dist.barrier()
             return EXIT_PREEMPTED
         except BaseException:
             if dist.is_main():  # a crash must not leave a previous run's "75" behind
                 clear_exit_status(cfg.ckpt.output_dir)
             raise
-        ours = (lambda: not lease.lost) if lease is not None else (lambda: True)  # rank 0's heartbeat's view
+        ours = (
+            (lambda: not lease.lost) if lease is not None else (lambda: True)
+        )  # rank 0's heartbeat's view
         if dist.is_main() and ours():
             write_exit_status(cfg.ckpt.output_dir, None, {"reason": "running"})
-            run_config.write_best_effort(cfg, cfg.ckpt.output_dir, __version__)  # what --config reruns
+            run_config.write_best_effort(
+                cfg, cfg.ckpt.output_dir, __version__
+            )  # what --config reruns
         try:
             code = trainer.train()
-        except BaseException as e:  # a crash (DeepSpeed's fp16 minimum-scale Exception, OOM): not "running"
+        except (
+            BaseException
+        ) as e:  # a crash (DeepSpeed's fp16 minimum-scale Exception, OOM): not "running"
             if dist.is_main() and ours():
-                write_exit_status(cfg.ckpt.output_dir, 1, {"reason": "failed", "error": dist.describe_error(e),
-                                                           "step": trainer.state.global_step})
+                write_exit_status(
+                    cfg.ckpt.output_dir,
+                    1,
+                    {
+                        "reason": "failed",
+                        "error": dist.describe_error(e),
+                        "step": trainer.state.global_step,
+                    },
+                )
             if ours():
                 trainer.close(1)
             raise
@@ -113,9 +136,13 @@ def run(cfg: RunConfig) -> int:
             # OUT belongs to the run that took the lease over: its exit_status.json, its events,
             # its plot. Nothing of this run's end is written there.
             if not trainer.lost_lease:
-                dist.log_main(logging.ERROR, "another run took over %s's lease during the run's last steps; "
-                              "stopping without writing anything more there (exit %d)", cfg.ckpt.output_dir,
-                              EXIT_LEASE_LOST)
+                dist.log_main(
+                    logging.ERROR,
+                    "another run took over %s's lease during the run's last steps; "
+                    "stopping without writing anything more there (exit %d)",
+                    cfg.ckpt.output_dir,
+                    EXIT_LEASE_LOST,
+                )
             return EXIT_LEASE_LOST
         if dist.is_main():
             write_exit_status(cfg.ckpt.output_dir, code, trainer.stop_note)
@@ -185,7 +212,10 @@ def _param_groups(model, weight_decay: float) -> list[dict]:
         if not p.requires_grad:
             continue
         (decay if len(getattr(p, "ds_shape", p.shape)) >= 2 else no_decay).append(p)
-    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return [
+        {"params": decay, "weight_decay": weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
 
 
 @dataclass
@@ -203,13 +233,20 @@ class Trainer:
     plotter: Plotter | None = None  # rank 0's OUT/plots/training.png (--plot)
     stop_note: dict | None = None  # why and where training stopped, for exit_status.json
     skips_in_a_row: int = 0  # optimizer steps DeepSpeed skipped since the last applied one
-    lease_lost: Callable[[], bool] = lambda: False  # rank 0: another run took OUT's lease (heartbeat)
+    lease_lost: Callable[[], bool] = lambda: (
+        False
+    )  # rank 0: another run took OUT's lease (heartbeat)
     lost_lease: bool = False  # training stopped for that: nothing more may be written into OUT
     t_window: float = 0.0  # when the log window began (tokens/s)
 
     @classmethod
-    def build(cls, cfg: RunConfig, preemption: Preemption | None = None, run_id: str | None = None,
-              lease=None) -> "Trainer":
+    def build(
+        cls,
+        cfg: RunConfig,
+        preemption: Preemption | None = None,
+        run_id: str | None = None,
+        lease=None,
+    ) -> Trainer:
         import deepspeed
         from transformers import get_scheduler
 
@@ -220,22 +257,37 @@ class Trainer:
         tokenizer = dist.run_agreed(lambda: load_tokenizer(cfg.model))
         train, evalset = prepare(cfg, tokenizer)
         sampler = ResumableSampler(len(train), dist.world_size(), dist.rank(), t.seed)
-        data = TrainData(train, sampler, t.per_device_train_batch_size, t.gradient_accumulation_steps,
-                         tokenizer.pad_token_id, pin_memory=dist.device().type == "cuda")
+        data = TrainData(
+            train,
+            sampler,
+            t.per_device_train_batch_size,
+            t.gradient_accumulation_steps,
+            tokenizer.pad_token_id,
+            pin_memory=dist.device().type == "cuda",
+        )
         total = t.max_steps or math.ceil(t.num_train_epochs * data.steps_per_epoch)
         ds_config = finalize_ds_config(cfg.ds_config, total, t.warmup_steps, t.learning_rate)
-        storage = LocalStorage(cfg.ckpt.output_dir)
-        layout = Layout.discover(storage.root, cfg.ds_config, cfg.ckpt.save_checkpoint)
+        storage = OutputDir(cfg.ckpt.output_dir)
+        layout = Layout.discover(storage, cfg.ds_config, cfg.ckpt.save_checkpoint)
         tidy_storage(storage, layout)  # leftovers of crashed saves (this run holds OUT's lease)
         # --use_peft: the base model's identity (rank 0 samples its weight files), recorded in every
         # checkpoint; a resume refuses a checkpoint whose adapters were trained on another base.
-        base = dist.share_from(0, lambda: base_identity(cfg.model, t.seed, EMBEDDED_MODEL_DIR)) \
-            if cfg.model.use_peft else None
-        signalled = (lambda: bool(preemption.received)) if preemption is not None else (lambda: False)
-        plan = Resumer(cfg, storage, layout.node_local, layout.leader, base=base, signalled=signalled).plan_resume()
+        base = (
+            dist.share_from(0, lambda: base_identity(cfg.model, t.seed, EMBEDDED_MODEL_DIR))
+            if cfg.model.use_peft
+            else None
+        )
+        signalled = (
+            (lambda: bool(preemption.received)) if preemption is not None else (lambda: False)
+        )
+        plan = Resumer(
+            cfg, storage, layout.node_local, layout.leader, base=base, signalled=signalled
+        ).plan_resume()
         # Collective: FusedAdam / CPU Adam where every rank can load it, else torch_adam (finetune/ops.py);
         # a checkpoint trained with torch_adam resumes with it.
-        ds_config = ensure_adam(ds_config, saved=plan.saved.get(ADAM_KEY) if plan is not None else None)
+        ds_config = ensure_adam(
+            ds_config, saved=plan.saved.get(ADAM_KEY) if plan is not None else None
+        )
         if plan is not None and plan.universal is not None:
             ds_config["checkpoint"] = {**ds_config.get("checkpoint", {}), "load_universal": True}
         run_id = run_id or uuid.uuid4().hex[:12]
@@ -245,36 +297,97 @@ class Trainer:
         model = load_model(cfg.model, ds_config, t.precision, t.seed)
         scheduler = None
         if "scheduler" not in ds_config:
-            scheduler = lambda opt: get_scheduler(t.lr_scheduler_type, opt, num_warmup_steps=t.warmup_steps,  # noqa: E731
-                                                  num_training_steps=total)
+            scheduler = lambda opt: get_scheduler(
+                t.lr_scheduler_type,
+                opt,
+                num_warmup_steps=t.warmup_steps,  # noqa: E731
+                num_training_steps=total,
+            )
         optimizer = None
         if "optimizer" not in ds_config:
-            optimizer = torch.optim.AdamW(_param_groups(model, t.weight_decay), lr=t.learning_rate,
-                                          betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_epsilon)
-        engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config,
-                                          model_parameters=None if optimizer else _param_groups(model, t.weight_decay))
-        lora = f" ({trainable_parameters(engine.module):,} trainable: LoRA r={cfg.model.lora_r})" if base else ""
-        logger.info("model: %s parameters%s, %s; %d train / %s eval examples; %d steps (%d per epoch), world size %d; "
-                    "ready in %.1fs", f"{count_parameters(engine.module):,}", lora, t.precision, len(train),
-                    len(evalset) if evalset is not None else 0, total, data.steps_per_epoch, dist.world_size(),
-                    time.perf_counter() - start)
+            optimizer = torch.optim.AdamW(
+                _param_groups(model, t.weight_decay),
+                lr=t.learning_rate,
+                betas=(t.adam_beta1, t.adam_beta2),
+                eps=t.adam_epsilon,
+            )
+        engine, *_ = deepspeed.initialize(
+            model=model,
+            optimizer=optimizer,
+            lr_scheduler=scheduler,
+            config=ds_config,
+            model_parameters=None if optimizer else _param_groups(model, t.weight_decay),
+        )
+        lora = (
+            f" ({trainable_parameters(engine.module):,} trainable: LoRA r={cfg.model.lora_r})"
+            if base
+            else ""
+        )
+        logger.info(
+            "model: %s parameters%s, %s; %d train / %s eval examples; %d steps (%d per epoch), world size %d; "
+            "ready in %.1fs",
+            f"{count_parameters(engine.module):,}",
+            lora,
+            t.precision,
+            len(train),
+            len(evalset) if evalset is not None else 0,
+            total,
+            data.steps_per_epoch,
+            dist.world_size(),
+            time.perf_counter() - start,
+        )
         monitor = getattr(engine, "monitor", None)
         state = TrainingState()
-        lost = (lambda: lease.lost) if lease is not None else (lambda: False)  # rank 0 holds the lease
-        run_info = {"zero_stage": zero_stage(cfg.ds_config), "dtype": t.precision, ADAM_KEY: adam_impl(ds_config), "args": cfg.to_json_dict(),
-                    "lr_scheduler": "in DeepSpeed's model_states files (lr_scheduler key)", BASE_KEY: base}
+        lost = (
+            (lambda: lease.lost) if lease is not None else (lambda: False)
+        )  # rank 0 holds the lease
+        run_info = {
+            "zero_stage": zero_stage(cfg.ds_config),
+            "dtype": t.precision,
+            ADAM_KEY: adam_impl(ds_config),
+            "args": cfg.to_json_dict(),
+            "lr_scheduler": "in DeepSpeed's model_states files (lr_scheduler key)",
+            BASE_KEY: base,
+        }
         checkpoints = CheckpointManager(
-            storage, cfg.ckpt, layout, engine=engine, progress=state, sampler=sampler, tokenizer=tokenizer,
-            run_info=run_info, run_id=run_id, plan=plan, adapters=base is not None,
+            storage,
+            cfg.ckpt,
+            layout,
+            engine=engine,
+            progress=state,
+            sampler=sampler,
+            tokenizer=tokenizer,
+            run_info=run_info,
+            run_id=run_id,
+            plan=plan,
+            adapters=base is not None,
             consolidated_dtype=DTYPES[cfg.ckpt.consolidated_dtype or t.precision],
-            still_ours=(lambda: lease.check()) if lease is not None else (lambda: True))
+            still_ours=(lambda: lease.check()) if lease is not None else (lambda: True),
+        )
         # Rank 0 writes nothing more into OUT from the moment its heartbeat learns the lease is lost.
-        metrics = MetricsWriter(cfg.ckpt.output_dir, monitor, run_id=checkpoints.run_id, trackers=trackers,
-                                may_write=lambda: not lost())
+        metrics = MetricsWriter(
+            cfg.ckpt.output_dir,
+            monitor,
+            run_id=checkpoints.run_id,
+            trackers=trackers,
+            may_write=lambda: not lost(),
+        )
         checkpoints.on_event = metrics.event
         plotter = Plotter(cfg.ckpt.output_dir) if cfg.train.plot and dist.is_main() else None
-        return cls(cfg, engine, tokenizer, data, evalset, total, checkpoints, metrics, state,
-                   preemption or Preemption(()), plotter, lease_lost=lost)
+        return cls(
+            cfg,
+            engine,
+            tokenizer,
+            data,
+            evalset,
+            total,
+            checkpoints,
+            metrics,
+            state,
+            preemption or Preemption(()),
+            plotter,
+            lease_lost=lost,
+        )
 
     # --- the loop --------------------------------------------------------------------------
 
@@ -285,8 +398,15 @@ class Trainer:
             self.evaluate()
         self.engine.train()  # once: evaluate() puts it back in train mode when it is done
         # In a log file (sbatch, tee) a redraw per step is noise: refresh twice a minute there.
-        bar = tqdm(total=self.total_steps, initial=self.state.global_step, disable=not dist.is_main(),
-                   desc="train", unit="step", dynamic_ncols=True, mininterval=0.1 if sys.stderr.isatty() else 30)
+        bar = tqdm(
+            total=self.total_steps,
+            initial=self.state.global_step,
+            disable=not dist.is_main(),
+            desc="train",
+            unit="step",
+            dynamic_ncols=True,
+            mininterval=0.1 if sys.stderr.isatty() else 30,
+        )
         self.t_window = time.perf_counter()
         self.data.start()  # the first step's batches, prepared while the bar and the loop start
         try:
@@ -296,7 +416,9 @@ class Trainer:
                 stop = self._iteration(bar)
             bar.close()
             return self._end(stop)
-        except LeaseLost as e:  # raised alike on every rank (the boundary's all-reduce, or an agreed check)
+        except (
+            LeaseLost
+        ) as e:  # raised alike on every rank (the boundary's all-reduce, or an agreed check)
             bar.close()
             return self._lease_lost(e)
 
@@ -330,8 +452,11 @@ class Trainer:
         if self.state.window.steps:  # the steps since the last row (the same count on every rank)
             self._log(None)
         if self._end_preempted():
-            dist.log_main(logging.WARNING, "preemption signal during the last step: final evaluation skipped, "
-                          "so the final checkpoint commits before the grace period ends")
+            dist.log_main(
+                logging.WARNING,
+                "preemption signal during the last step: final evaluation skipped, "
+                "so the final checkpoint commits before the grace period ends",
+            )
         else:
             self.evaluate()
         maybe_probe(self.engine, self.tokenizer)  # test seam: FINETUNE_PROBE_LOGITS
@@ -342,8 +467,14 @@ class Trainer:
         commit, no metrics, no exit_status.json: they are the other run's). Every rank, agreed."""
         self.lost_lease = True
         self.checkpoints.abandon()  # a background write stops at its next piece; its staging is left as is
-        dist.log_main(logging.ERROR, "stopping at step %d without writing anything more into %s: %s (exit %d)",
-                      self.state.global_step, self.cfg.ckpt.output_dir, e, EXIT_LEASE_LOST)
+        dist.log_main(
+            logging.ERROR,
+            "stopping at step %d without writing anything more into %s: %s (exit %d)",
+            self.state.global_step,
+            self.cfg.ckpt.output_dir,
+            e,
+            EXIT_LEASE_LOST,
+        )
         self.stop_note = {"reason": "lease lost", "step": self.state.global_step}
         return EXIT_LEASE_LOST
 
@@ -375,11 +506,18 @@ class Trainer:
         on every rank (so none waits in the next forward's all-gather), a lost lease raises
         LeaseLost on every rank; returns PREEMPTED to stop for preemption, else None. Collective."""
         error = self.data.ready()  # the prefetch ran during this step: normally done already
-        signalled, failed, lost = dist.all_reduce_sum([1.0 if self.preemption.received else 0.0,
-                                                       1.0 if error else 0.0, 1.0 if self.lease_lost() else 0.0])
+        signalled, failed, lost = dist.all_reduce_sum(
+            [
+                1.0 if self.preemption.received else 0.0,
+                1.0 if error else 0.0,
+                1.0 if self.lease_lost() else 0.0,
+            ]
+        )
         if lost:
-            raise LeaseLost(f"another run took over {self.cfg.ckpt.output_dir}'s lease "
-                            f"({describe_holder(self.cfg.ckpt.output_dir)})")
+            raise LeaseLost(
+                f"another run took over {self.cfg.ckpt.output_dir}'s lease "
+                f"({describe_holder(self.cfg.ckpt.output_dir)})"
+            )
         if failed:
             dist.run_agreed(lambda: _reraise(error))  # this rank's own error, or which rank failed
         return PREEMPTED if self.preemption.enabled and signalled > 0 else None
@@ -395,7 +533,9 @@ class Trainer:
         t0 = time.perf_counter()
         batches = self.data.next_step()
         w.data_s += time.perf_counter() - t0
-        w.lr = float(engine.get_lr()[0])  # the rate this step uses (the scheduler steps inside engine.step)
+        w.lr = float(
+            engine.get_lr()[0]
+        )  # the rate this step uses (the scheduler steps inside engine.step)
         for batch in batches:
             w.tokens += int(batch["attention_mask"].sum())  # on the host copy: no device sync
             batch = _to(batch, engine.device)  # DeepSpeed's forward does not move inputs
@@ -427,17 +567,39 @@ class Trainer:
         st.window.skipped_steps += 1
         self.skips_in_a_row += 1
         scale = _loss_scale(self.engine)
-        what = f"loss scale now {scale:g}" if scale is not None else f"{self.cfg.train.precision}, no loss scale"
+        what = (
+            f"loss scale now {scale:g}"
+            if scale is not None
+            else f"{self.cfg.train.precision}, no loss scale"
+        )
         if self.skips_in_a_row < MAX_SKIPS_IN_A_ROW:
             # INFO: DeepSpeed has just logged its own "OVERFLOW! Skipping step"; this adds the counts.
-            dist.log_main(logging.INFO, "after step %d: optimizer step skipped, non-finite gradients (%s); "
-                          "%d in a row, %d in all", st.global_step, what, self.skips_in_a_row, st.skipped_steps)
+            dist.log_main(
+                logging.INFO,
+                "after step %d: optimizer step skipped, non-finite gradients (%s); "
+                "%d in a row, %d in all",
+                st.global_step,
+                what,
+                self.skips_in_a_row,
+                st.skipped_steps,
+            )
             return None
-        dist.log_main(logging.ERROR, "stopping: %d optimizer steps in a row skipped after step %d, non-finite "
-                      "gradients every time (%s). Try a lower --learning_rate, bf16 instead of fp16, or check the "
-                      "data; the last committed checkpoint is untouched.", self.skips_in_a_row, st.global_step, what)
-        self.stop_note = {"reason": "failed", "error": "non-finite gradients", "step": st.global_step,
-                          "skipped_in_a_row": self.skips_in_a_row, "skipped_steps": st.skipped_steps}
+        dist.log_main(
+            logging.ERROR,
+            "stopping: %d optimizer steps in a row skipped after step %d, non-finite "
+            "gradients every time (%s). Try a lower --learning_rate, bf16 instead of fp16, or check the "
+            "data; the last committed checkpoint is untouched.",
+            self.skips_in_a_row,
+            st.global_step,
+            what,
+        )
+        self.stop_note = {
+            "reason": "failed",
+            "error": "non-finite gradients",
+            "step": st.global_step,
+            "skipped_in_a_row": self.skips_in_a_row,
+            "skipped_steps": st.skipped_steps,
+        }
         self.checkpoints.settle()  # an --async_save save in flight is of good weights: committed
         return 1
 
@@ -450,16 +612,27 @@ class Trainer:
         loss_sum, micro, tokens = dist.all_reduce_sum(w.world_sums())
         now = time.perf_counter()
         loss = loss_sum / max(micro, 1)  # over the window's micro-batches, skipped steps' included
-        grad_norm = self.engine.get_global_grad_norm()  # of this step: a row is only written at an applied one
-        if grad_norm is None:  # no step in this process yet (resumed at its last step): the saved one
+        grad_norm = (
+            self.engine.get_global_grad_norm()
+        )  # of this step: a row is only written at an applied one
+        if (
+            grad_norm is None
+        ):  # no step in this process yet (resumed at its last step): the saved one
             grad_norm = w.grad_norm
         self.state.tokens_seen += int(tokens)
-        row = {"step": self.state.global_step, "epoch": round(self.state.epoch, 4), "loss": loss, "lr": lr,
-               "grad_norm": float(grad_norm) if grad_norm is not None else None,
-               "tokens_per_s": round(tokens / max(now - t_window, 1e-9), 2),
-               "data_ms": round(1000 * w.data_s / max(w.steps, 1), 3),
-               "samples_seen": self.state.samples_seen, "tokens_seen": self.state.tokens_seen,
-               "skipped_steps": w.skipped_steps, "loss_scale": _loss_scale(self.engine)}
+        row = {
+            "step": self.state.global_step,
+            "epoch": round(self.state.epoch, 4),
+            "loss": loss,
+            "lr": lr,
+            "grad_norm": float(grad_norm) if grad_norm is not None else None,
+            "tokens_per_s": round(tokens / max(now - t_window, 1e-9), 2),
+            "data_ms": round(1000 * w.data_s / max(w.steps, 1), 3),
+            "samples_seen": self.state.samples_seen,
+            "tokens_seen": self.state.tokens_seen,
+            "skipped_steps": w.skipped_steps,
+            "loss_scale": _loss_scale(self.engine),
+        }
         self.metrics.write(row)
         self.state.last_losses = (self.state.last_losses + [loss])[-10:]
         self.state.window = type(w)()
@@ -476,8 +649,14 @@ class Trainer:
         # Summed on the device, read once at the end: no host sync per batch.
         loss_sum = torch.zeros((), dtype=_sum_dtype(self.engine.device), device=self.engine.device)
         n_tokens = 0
-        for batch, real in eval_batches(self.evalset, self.cfg.train.per_device_eval_batch_size, dist.world_size(),
-                                        dist.rank(), self.tokenizer.pad_token_id, pin_memory=self.data.pin_memory):
+        for batch, real in eval_batches(
+            self.evalset,
+            self.cfg.train.per_device_eval_batch_size,
+            dist.world_size(),
+            dist.rank(),
+            self.tokenizer.pad_token_id,
+            pin_memory=self.data.pin_memory,
+        ):
             n = int((batch["labels"][:, 1:] != IGNORE).sum())  # on the host copy: no device sync
             out = self.engine(**_to(batch, self.engine.device))
             if real:
@@ -485,10 +664,20 @@ class Trainer:
                 n_tokens += n
         total, count = dist.all_reduce_sum([float(loss_sum), n_tokens])
         eval_loss = total / max(count, 1)
-        self.metrics.write({"step": self.state.global_step, "eval_loss": eval_loss,
-                            "eval_perplexity": math.exp(min(eval_loss, 50.0)), "eval_tokens": int(count)})
-        logger.info("step %d: eval_loss %.4f (perplexity %.2f)", self.state.global_step, eval_loss,
-                    math.exp(min(eval_loss, 50.0)))
+        self.metrics.write(
+            {
+                "step": self.state.global_step,
+                "eval_loss": eval_loss,
+                "eval_perplexity": math.exp(min(eval_loss, 50.0)),
+                "eval_tokens": int(count),
+            }
+        )
+        logger.info(
+            "step %d: eval_loss %.4f (perplexity %.2f)",
+            self.state.global_step,
+            eval_loss,
+            math.exp(min(eval_loss, 50.0)),
+        )
         if self.plotter is not None and not self.lease_lost():
             self.plotter.request()  # drawn on a thread; training goes on
         self.engine.train()
@@ -499,7 +688,9 @@ class Trainer:
     def _stop_preempted(self) -> int:
         """Every rank, after agreeing on a signal: commit this step (fast: partitioned only), exit 75."""
         step = self.state.global_step
-        first = dist.all_gather_object(self.preemption.received[:1])  # collective: who was signalled
+        first = dist.all_gather_object(
+            self.preemption.received[:1]
+        )  # collective: who was signalled
         signals = ", ".join(f"{got[0]} on rank {r}" for r, got in enumerate(first) if got)
         self.stop_note = {"reason": "preempted", "signal": signals, "step": step}
         self.metrics.event("preempted", step, signal=signals)
@@ -508,8 +699,13 @@ class Trainer:
             self.stop_note["reason"] = "preempted, save failed"
             return 1
         if path is not None:
-            dist.log_main(logging.WARNING, "preempted (%s): committed %s; exiting with %d so the job is requeued",
-                          signals, path, EXIT_PREEMPTED)
+            dist.log_main(
+                logging.WARNING,
+                "preempted (%s): committed %s; exiting with %d so the job is requeued",
+                signals,
+                path,
+                EXIT_PREEMPTED,
+            )
         if self.cfg.ckpt.save_checkpoint:
             committed = self.checkpoints.committed_step
             self.stop_note["checkpoint"] = tag_for(committed) if committed is not None else None

@@ -15,27 +15,49 @@ import torch
 from finetune import cli, listing
 from finetune.checkpoint.commit import commit_staged
 from finetune.checkpoint.manifest import MANIFEST, read_manifest
-from finetune.checkpoint.storage import STAGING, LocalStorage
+from finetune.checkpoint.outdir import STAGING, OutputDir
 from finetune.io.durable import hash_file
 
 WORLD = 2
-KEYS = {"tag", "step", "committed_at", "bytes", "world_size", "train_loss", "eval_loss", "consolidated", "status",
-        "problems", "latest"}
+KEYS = {
+    "tag",
+    "step",
+    "committed_at",
+    "bytes",
+    "world_size",
+    "train_loss",
+    "eval_loss",
+    "consolidated",
+    "status",
+    "problems",
+    "latest",
+}
 
 
-def commit(out, step: int, world: int = WORLD, ranks: list[int] | None = None, consolidated: bool = False):
+def commit(
+    out, step: int, world: int = WORLD, ranks: list[int] | None = None, consolidated: bool = False
+):
     """A checkpoint committed the way a save commits it: files staged, manifest, rename, `latest`."""
-    storage, tag = LocalStorage(out), f"global_step{step}"
+    storage, tag = OutputDir(out), f"global_step{step}"
     staged = storage.root / STAGING / tag
     staged.mkdir(parents=True)
     for r in range(world) if ranks is None else ranks:
-        for name in (f"zero_pp_rank_{r}_mp_rank_00_model_states.pt", f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt",
-                     f"rng_state_{r}.pt"):
-            torch.save({"step": step, "data": torch.arange(64)}, staged / name)  # verify --verify reads the opcodes
+        for name in (
+            f"zero_pp_rank_{r}_mp_rank_00_model_states.pt",
+            f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt",
+            f"rng_state_{r}.pt",
+        ):
+            torch.save(
+                {"step": step, "data": torch.arange(64)}, staged / name
+            )  # verify --verify reads the opcodes
     (staged / "config.json").write_text("{}")
-    (staged / "trainer_state.json").write_text(json.dumps({"global_step": step, "world_size": world}))
+    (staged / "trainer_state.json").write_text(
+        json.dumps({"global_step": step, "world_size": world})
+    )
     files = {p.name: hash_file(p) for p in staged.iterdir()}
-    commit_staged(storage, tag, files, world, {}, ranks, {"commit_seq": step, "consolidated": consolidated})
+    commit_staged(
+        storage, tag, files, world, {}, ranks, {"commit_seq": step, "consolidated": consolidated}
+    )
     return out / tag
 
 
@@ -51,8 +73,16 @@ def run(tmp_path):
     out = tmp_path / "out"
     for step in (2, 4, 10):
         commit(out, step)
-    write_metrics(out, [{"step": 3, "loss": 3.0}, {"step": 4, "loss": 9.0}, {"step": 4, "eval_loss": 2.5},
-                        {"step": 4, "loss": 2.0}, {"step": 8, "loss": 1.0}])
+    write_metrics(
+        out,
+        [
+            {"step": 3, "loss": 3.0},
+            {"step": 4, "loss": 9.0},
+            {"step": 4, "eval_loss": 2.5},
+            {"step": 4, "loss": 2.0},
+            {"step": 8, "loss": 1.0},
+        ],
+    )
     return out
 
 
@@ -80,7 +110,10 @@ def test_rows_are_sorted_by_step_and_latest_is_marked(run, capsys):
     assert list(rows) == ["2", "4", "10"]
     assert [r.startswith("*") for r in rows.values()] == [False, False, True]
     assert all("ok (sizes)" in r and "  2  " in r for r in rows.values())  # world size 2
-    disk = " ".join(line.strip() for line in lines[next(i for i, x in enumerate(lines) if x.startswith("disk: ")):])
+    disk = " ".join(
+        line.strip()
+        for line in lines[next(i for i, x in enumerate(lines) if x.startswith("disk: ")) :]
+    )
     assert "3 checkpoint folder(s) (3 committed);" in disk and f"free on {run}'s filesystem" in disk
     assert all(len(line) <= listing.WIDTH for line in lines)
 
@@ -88,8 +121,15 @@ def test_rows_are_sorted_by_step_and_latest_is_marked(run, capsys):
 def test_losses_are_the_rows_at_or_last_before_each_step(run):
     found = {c.step: c for c in listing.collect(run).checkpoints}
     assert (found[2].train_loss, found[2].eval_loss) == (None, None)  # nothing logged by step 2
-    assert (found[4].train_loss, found[4].eval_loss) == (2.0, 2.5)  # the later of two rows at one step
-    assert (found[10].train_loss, found[10].train_loss_step, found[10].eval_loss_step) == (1.0, 8, 4)
+    assert (found[4].train_loss, found[4].eval_loss) == (
+        2.0,
+        2.5,
+    )  # the later of two rows at one step
+    assert (found[10].train_loss, found[10].train_loss_step, found[10].eval_loss_step) == (
+        1.0,
+        8,
+        4,
+    )
     cells = listing._cells(found[10])
     assert cells[5:7] == ["1.0000@8", "2.5000@4"] and listing._cells(found[2])[5:7] == ["-", "-"]
 
@@ -98,7 +138,14 @@ def test_json_is_one_object_with_the_documented_keys(run, capsys):
     code, out = ls(capsys, run, "--json")
     data = json.loads(out)  # nothing else on stdout
     assert code == 0
-    assert {"output_dir", "latest", "checkpoints", "notes", "free_bytes", "checkpoint_bytes"} <= set(data)
+    assert {
+        "output_dir",
+        "latest",
+        "checkpoints",
+        "notes",
+        "free_bytes",
+        "checkpoint_bytes",
+    } <= set(data)
     assert data["latest"] == "global_step10" and data["notes"] == []
     assert [c["step"] for c in data["checkpoints"]] == [2, 4, 10]
     assert all(KEYS <= set(c) for c in data["checkpoints"])
@@ -110,7 +157,9 @@ def test_json_is_one_object_with_the_documented_keys(run, capsys):
 
 def test_committed_at_is_recorded_in_the_manifest_in_utc(run):
     stamp = datetime.fromisoformat(read_manifest(run / "global_step10")["committed_at"])
-    assert stamp.utcoffset() == timedelta(0) and abs(datetime.now(timezone.utc) - stamp) < timedelta(minutes=5)
+    assert stamp.utcoffset() == timedelta(0) and abs(
+        datetime.now(timezone.utc) - stamp
+    ) < timedelta(minutes=5)
     assert listing.collect(run).checkpoints[-1].committed_at == stamp.isoformat()
 
 
@@ -136,8 +185,10 @@ def test_verify_finds_a_flipped_byte_that_sizes_miss_and_still_exits_0(run, caps
     assert rows["4"].endswith("  DAMAGED (below)")  # too long for the table: in full below it
     assert "ok (checksums)" in rows["2"] and "ok (checksums)" in rows["10"]
     below = out.splitlines()
-    assert below[below.index("global_step4: 1 problem(s)") + 1] == \
-        "  - zero_pp_rank_1_mp_rank_00_model_states.pt: checksum mismatch (corrupted)"
+    assert (
+        below[below.index("global_step4: 1 problem(s)") + 1]
+        == "  - zero_pp_rank_1_mp_rank_00_model_states.pt: checksum mismatch (corrupted)"
+    )
     assert all(len(line) <= listing.WIDTH for line in rows.values())
     damaged = json.loads(ls(capsys, run, "--verify", "--json")[1])["checkpoints"][1]
     assert damaged["status"].startswith("DAMAGED") and "checksum mismatch" in damaged["problems"][0]
@@ -145,7 +196,9 @@ def test_verify_finds_a_flipped_byte_that_sizes_miss_and_still_exits_0(run, caps
 
 def test_leftovers_uncommitted_folders_and_torn_metrics_are_noted(run, capsys):
     (run / STAGING / "global_step12").mkdir(parents=True)
-    (run / STAGING / "global_step12" / "zero_pp_rank_0_mp_rank_00_model_states.pt").write_bytes(b"x" * 10)
+    (run / STAGING / "global_step12" / "zero_pp_rank_0_mp_rank_00_model_states.pt").write_bytes(
+        b"x" * 10
+    )
     (run / "global_step6").mkdir()
     (run / "global_step6" / "rng_state_0.pt").write_bytes(b"x" * 100)
     write_metrics(run, [{"step": 4, "loss": 2.0}], torn=True)
@@ -153,7 +206,9 @@ def test_leftovers_uncommitted_folders_and_torn_metrics_are_noted(run, capsys):
     assert code == 0
     assert rows_of(out)["6"].endswith("  uncommitted")
     notes = [line for line in out.splitlines() if line.startswith("note: ")]
-    assert any(n.startswith(f"note: {STAGING}/global_step12: left by a crashed save") for n in notes)
+    assert any(
+        n.startswith(f"note: {STAGING}/global_step12: left by a crashed save") for n in notes
+    )
     assert any(n.startswith("note: global_step6: no readable manifest.json") for n in notes)
     assert any("metrics.jsonl: 1 torn line(s)" in n for n in notes)
     data = listing.collect(run)
@@ -185,8 +240,14 @@ def test_a_run_without_checkpoints_lists_nothing_but_its_disk(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("what", ["empty", "missing", "checkpoint"])
-def test_not_an_output_dir_exits_2_with_one_line_naming_it(tmp_path, run, capsys, monkeypatch, what):
-    target = {"empty": tmp_path / "empty", "missing": tmp_path / "nope", "checkpoint": run / "global_step4"}[what]
+def test_not_an_output_dir_exits_2_with_one_line_naming_it(
+    tmp_path, run, capsys, monkeypatch, what
+):
+    target = {
+        "empty": tmp_path / "empty",
+        "missing": tmp_path / "nope",
+        "checkpoint": run / "global_step4",
+    }[what]
     if what == "empty":
         target.mkdir()
     monkeypatch.setitem(cli.COMMANDS, "ls", listing.main)  # the real CLI's error path, wired or not
@@ -199,29 +260,40 @@ def test_not_an_output_dir_exits_2_with_one_line_naming_it(tmp_path, run, capsys
 def test_unknown_flag_is_a_usage_error(run, capsys):
     with pytest.raises(SystemExit) as e:
         listing.main([str(run), "--verif"])
-    assert e.value.code == 2 and "--verify" in capsys.readouterr().err  # no abbreviations; a suggestion
+    assert (
+        e.value.code == 2 and "--verify" in capsys.readouterr().err
+    )  # no abbreviations; a suggestion
 
 
 @pytest.mark.skipif("ls" not in cli.COMMANDS, reason="finetune ls not wired yet")
 def test_the_cli_lists_and_refuses_as_a_user_runs_it(run, tmp_path):
     def finetune(*args):
-        return subprocess.run([sys.executable, "-m", "finetune", "ls", *map(str, args)], capture_output=True,
-                              text=True, timeout=120)
+        return subprocess.run(
+            [sys.executable, "-m", "finetune", "ls", *map(str, args)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
 
     listed = finetune(run, "--json")
     assert listed.returncode == 0 and json.loads(listed.stdout)["latest"] == "global_step10"
     (tmp_path / "empty").mkdir()
     refused = finetune(tmp_path / "empty")
     assert refused.returncode == 2 and refused.stdout == ""
-    assert refused.stderr.strip().splitlines() == [f"finetune: error: {tmp_path / 'empty'}: not a finetune output dir "
-                                                    "(no checkpoints, metrics.jsonl, latest or exit_status.json)"]
+    assert refused.stderr.strip().splitlines() == [
+        f"finetune: error: {tmp_path / 'empty'}: not a finetune output dir "
+        "(no checkpoints, metrics.jsonl, latest or exit_status.json)"
+    ]
 
 
 def test_a_malformed_manifest_is_one_damaged_row_not_a_crash(run):
     (run / "global_step2" / MANIFEST).write_text(json.dumps({"world_size": "two", "files": {}}))
     (run / "global_step4" / MANIFEST).write_text("[]")
     found = listing.collect(run).checkpoints
-    assert found[0].status.startswith("DAMAGED: manifest.json: malformed") and found[1].status == "uncommitted"
+    assert (
+        found[0].status.startswith("DAMAGED: manifest.json: malformed")
+        and found[1].status == "uncommitted"
+    )
     assert found[2].status == "ok (sizes)"
 
 
@@ -232,5 +304,7 @@ def test_a_cached_universal_conversion_is_noted_with_its_size(run):
     target.mkdir(parents=True)
     (target / "fp32.pt").write_bytes(b"x" * 2000)
     write_universal_manifest(run / "global_step10" / "universal", None)
-    assert "global_step10/universal: a universal conversion (for resuming on another world size), 2.0 kB; not in " \
-           "the sizes above" in listing.collect(run).notes
+    assert (
+        "global_step10/universal: a universal conversion (for resuming on another world size), 2.0 kB; not in "
+        "the sizes above" in listing.collect(run).notes
+    )

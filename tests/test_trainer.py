@@ -20,9 +20,9 @@ from torch.overrides import TorchFunctionMode
 import finetune.trainer as trainer_module
 from finetune.checkpoint.layout import Layout
 from finetune.checkpoint.manager import CheckpointManager
+from finetune.checkpoint.outdir import OutputDir
 from finetune.checkpoint.resume import Resumer
 from finetune.checkpoint.state import TRAINER_STATE, TrainingState
-from finetune.checkpoint.storage import LocalStorage
 from finetune.data import ResumableSampler, TrainData
 from finetune.metrics import MetricsWriter, read_metrics
 from finetune.preemption import Preemption
@@ -36,7 +36,9 @@ PER_STEP = MICRO * ACCUM  # rows per optimizer step (one rank)
 
 def _rows(n: int) -> list[dict]:
     """Row i starts with token 10 + i: a batch tells which rows it holds."""
-    return [{"input_ids": [10 + i] * (1 + i % 3), "labels": [10 + i] * (1 + i % 3)} for i in range(n)]
+    return [
+        {"input_ids": [10 + i] * (1 + i % 3), "labels": [10 + i] * (1 + i % 3)} for i in range(n)
+    ]
 
 
 class _Optimizer(torch.optim.SGD):
@@ -56,10 +58,16 @@ class FakeEngine:
     def __init__(self, module, total: int, overflow_rows=(), device: str = "cpu"):
         from transformers import get_scheduler
 
-        self.module, self.device, self.overflow_rows = module, torch.device(device), set(overflow_rows)
+        self.module, self.device, self.overflow_rows = (
+            module,
+            torch.device(device),
+            set(overflow_rows),
+        )
         self.checkpoint_engine = _Writer()
         self.optimizer = _Optimizer([torch.nn.Parameter(torch.zeros(1))], lr=LR)
-        self.lr_scheduler = get_scheduler("linear", self.optimizer, num_warmup_steps=WARMUP, num_training_steps=total)
+        self.lr_scheduler = get_scheduler(
+            "linear", self.optimizer, num_warmup_steps=WARMUP, num_training_steps=total
+        )
         self.micro_steps, self.boundaries, self._overflow, self._applied = 0, 0, False, False
 
     def __call__(self, input_ids, labels, attention_mask):
@@ -105,10 +113,15 @@ class FakeEngine:
     def save_checkpoint(self, save_dir, tag, save_latest):
         folder = f"{save_dir}/{tag}"
         self.checkpoint_engine.makedirs(folder, exist_ok=True)
-        state = {"lr_scheduler": self.lr_scheduler.state_dict(), "optimizer": self.optimizer.state_dict(),
-                 "cur_scale": self.optimizer.cur_scale}
+        state = {
+            "lr_scheduler": self.lr_scheduler.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "cur_scale": self.optimizer.cur_scale,
+        }
         self.checkpoint_engine.save(state, f"{folder}/zero_pp_rank_0_mp_rank_00_model_states.pt")
-        self.checkpoint_engine.save({"x": torch.ones(4)}, f"{folder}/zero_pp_rank_0_mp_rank_00_optim_states.pt")
+        self.checkpoint_engine.save(
+            {"x": torch.ones(4)}, f"{folder}/zero_pp_rank_0_mp_rank_00_optim_states.pt"
+        )
 
     def load_checkpoint(self, load_dir, tag, load_optimizer_states, load_lr_scheduler_states):
         path = f"{load_dir}/{tag}"
@@ -140,22 +153,56 @@ def make_trainer(tiny_module, monkeypatch):
     made = []
     # The fake engine trains a tiny GPT-2 while the flags name the embedded model: a resume's
     # architecture check (tested in test_modeling) would rightly refuse every checkpoint here.
-    monkeypatch.setattr("finetune.checkpoint.resume.check_checkpoint_model", lambda folder, args: None)
+    monkeypatch.setattr(
+        "finetune.checkpoint.resume.check_checkpoint_model", lambda folder, args: None
+    )
 
-    def make(out, n_rows=64, overflow_rows=(), device="cpu", evalset=None, run_id="run1", **flags) -> Trainer:
-        cfg = resolve({"output_dir": str(out), "save_checkpoint": True, "per_device_train_batch_size": MICRO,
-                       "gradient_accumulation_steps": ACCUM, "logging_steps": 1, "preempt_signals": "none",
-                       **flags}, world_size=1)
+    def make(
+        out, n_rows=64, overflow_rows=(), device="cpu", evalset=None, run_id="run1", **flags
+    ) -> Trainer:
+        cfg = resolve(
+            {
+                "output_dir": str(out),
+                "save_checkpoint": True,
+                "per_device_train_batch_size": MICRO,
+                "gradient_accumulation_steps": ACCUM,
+                "logging_steps": 1,
+                "preempt_signals": "none",
+                **flags,
+            },
+            world_size=1,
+        )
         sampler = ResumableSampler(n_rows, 1, 0, cfg.train.seed)
         data = TrainData(_rows(n_rows), sampler, MICRO, ACCUM, PAD)
         total = cfg.train.max_steps or int(cfg.train.num_train_epochs * data.steps_per_epoch)
         engine = FakeEngine(tiny_module, total, overflow_rows, device)
-        storage, state = LocalStorage(out), TrainingState()
-        manager = CheckpointManager(storage, cfg.ckpt, Layout([[0]], False), engine=engine, progress=state,
-                                    sampler=sampler, tokenizer=FakeTokenizer(), run_info={"args": {}}, run_id=run_id,
-                                    plan=Resumer(cfg, storage).plan_resume())
-        made.append(Trainer(cfg, engine, FakeTokenizer(), data, evalset, total, manager, MetricsWriter(str(out)),
-                            state, Preemption(())))
+        storage, state = OutputDir(out), TrainingState()
+        manager = CheckpointManager(
+            storage,
+            cfg.ckpt,
+            Layout([[0]], False),
+            engine=engine,
+            progress=state,
+            sampler=sampler,
+            tokenizer=FakeTokenizer(),
+            run_info={"args": {}},
+            run_id=run_id,
+            plan=Resumer(cfg, storage).plan_resume(),
+        )
+        made.append(
+            Trainer(
+                cfg,
+                engine,
+                FakeTokenizer(),
+                data,
+                evalset,
+                total,
+                manager,
+                MetricsWriter(str(out)),
+                state,
+                Preemption(()),
+            )
+        )
         return made[-1]
 
     yield make
@@ -193,10 +240,17 @@ def _trainer_state(out, step: int) -> dict:
 
 # --- skipped optimizer steps ----------------------------------------------------------------------
 
+
 def test_skipped_steps_do_not_count_toward_max_steps_and_show_in_metrics(tmp_path, make_trainer):
     out = tmp_path / "out"
-    t = make_trainer(out, overflow_rows=_rows_of_steps(42, 64, 1, 4), max_steps=5, save_steps=2, eval_steps=2,
-                     evalset=_rows(6))
+    t = make_trainer(
+        out,
+        overflow_rows=_rows_of_steps(42, 64, 1, 4),
+        max_steps=5,
+        save_steps=2,
+        eval_steps=2,
+        evalset=_rows(6),
+    )
     assert t.train() == 0
     assert t.engine.boundaries == 7  # 5 applied + 2 skipped
     assert (t.state.global_step, t.state.skipped_steps) == (5, 2)
@@ -208,10 +262,14 @@ def test_skipped_steps_do_not_count_toward_max_steps_and_show_in_metrics(tmp_pat
     assert [r["lr"] for r in rows] == pytest.approx(_expected_lrs(5), rel=0, abs=1e-15)
     assert rows[-1]["samples_seen"] == 7 * PER_STEP  # a skipped step's batches were consumed
     assert [r["step"] for r in read_metrics(str(out)) if "eval_loss" in r] == [0, 2, 4, 5]
-    assert LocalStorage(out).tags() == ["global_step2", "global_step4", "global_step5"]
+    assert OutputDir(out).tags() == ["global_step2", "global_step4", "global_step5"]
     saved = {s: _trainer_state(out, s) for s in (2, 4, 5)}
     assert [saved[s]["skipped_steps"] for s in (2, 4, 5)] == [1, 2, 2]
-    assert [saved[s]["sampler"]["consumed"] for s in (2, 4, 5)] == [3 * PER_STEP, 6 * PER_STEP, 7 * PER_STEP]
+    assert [saved[s]["sampler"]["consumed"] for s in (2, 4, 5)] == [
+        3 * PER_STEP,
+        6 * PER_STEP,
+        7 * PER_STEP,
+    ]
 
 
 def test_resuming_between_skips_continues_exactly(tmp_path, make_trainer):
@@ -225,8 +283,13 @@ def test_resuming_between_skips_continues_exactly(tmp_path, make_trainer):
     shutil.copytree(whole, resumed)
     # Step 2's window holds steps 1-2 and the skip between them: saved as plain JSON.
     assert _trainer_state(resumed, 2)["window"]["skipped_steps"] == 1
-    t = make_trainer(resumed, overflow_rows=overflow, run_id="run2",
-                     resume_from_checkpoint=str(resumed / "global_step2"), **flags)
+    t = make_trainer(
+        resumed,
+        overflow_rows=overflow,
+        run_id="run2",
+        resume_from_checkpoint=str(resumed / "global_step2"),
+        **flags,
+    )
     assert t.train() == 0
     timing = ("tokens_per_s", "data_ms")
     strip = lambda rows: [{k: v for k, v in r.items() if k not in timing} for r in rows]  # noqa: E731
@@ -235,15 +298,22 @@ def test_resuming_between_skips_continues_exactly(tmp_path, make_trainer):
     assert t.state.skipped_steps == 2 and t.engine.boundaries == 5  # steps 3-6 and the second skip
 
 
-def test_resumed_at_its_last_step_from_a_save_between_two_rows_logs_them_and_ends(tmp_path, make_trainer):
+def test_resumed_at_its_last_step_from_a_save_between_two_rows_logs_them_and_ends(
+    tmp_path, make_trainer
+):
     """--max_steps 20 --save_steps 15 --logging_steps 10, then global_step15 resumed with --max_steps
     15: no step runs, and the loop's end logged the restored window with an lr bound only inside
     the loop (UnboundLocalError, exit 1, `latest` never pointed back at step 15). The row it logs
     now is the one a run logging at step 15 writes."""
     out = tmp_path / "out"
     assert make_trainer(out, max_steps=20, save_steps=15, logging_steps=10).train() == 0
-    t = make_trainer(out, run_id="run2", max_steps=15, logging_steps=10,
-                     resume_from_checkpoint=str(out / "global_step15"))
+    t = make_trainer(
+        out,
+        run_id="run2",
+        max_steps=15,
+        logging_steps=10,
+        resume_from_checkpoint=str(out / "global_step15"),
+    )
     assert t.train() == 0
     assert (out / "latest").read_text().strip() == "global_step15"
     every5 = tmp_path / "every5"
@@ -251,13 +321,21 @@ def test_resumed_at_its_last_step_from_a_save_between_two_rows_logs_them_and_end
     timing = ("tokens_per_s", "data_ms")
     strip = lambda row: {k: v for k, v in row.items() if k not in timing}  # noqa: E731
     assert [r["step"] for r in _train_rows(out)] == [10, 15]
-    assert strip(_train_rows(out)[-1]) == strip(next(r for r in _train_rows(every5) if r["step"] == 15))
+    assert strip(_train_rows(out)[-1]) == strip(
+        next(r for r in _train_rows(every5) if r["step"] == 15)
+    )
 
 
-def test_an_epochs_run_with_skips_trains_its_steps_and_reads_into_the_next_epoch(tmp_path, make_trainer):
+def test_an_epochs_run_with_skips_trains_its_steps_and_reads_into_the_next_epoch(
+    tmp_path, make_trainer
+):
     n = 16  # 4 steps per epoch
     order1 = ResumableSampler(n, 1, 0, 42).epoch_order(1)[:PER_STEP]
-    row = next(r for r in ResumableSampler(n, 1, 0, 42).epoch_order(0)[PER_STEP:2 * PER_STEP] if r not in order1)
+    row = next(
+        r
+        for r in ResumableSampler(n, 1, 0, 42).epoch_order(0)[PER_STEP : 2 * PER_STEP]
+        if r not in order1
+    )
     out = tmp_path / "out"
     t = make_trainer(out, n_rows=n, overflow_rows=[row], num_train_epochs=1)
     assert t.total_steps == 4 and t.train() == 0
@@ -266,15 +344,22 @@ def test_an_epochs_run_with_skips_trains_its_steps_and_reads_into_the_next_epoch
     assert _train_rows(out)[-1]["epoch"] == 1.25
 
 
-def test_a_run_that_only_skips_stops_with_exit_1_and_saves_nothing(tmp_path, make_trainer, monkeypatch):
+def test_a_run_that_only_skips_stops_with_exit_1_and_saves_nothing(
+    tmp_path, make_trainer, monkeypatch
+):
     monkeypatch.setattr(trainer_module, "MAX_SKIPS_IN_A_ROW", 3)
     out = tmp_path / "out"
     t = make_trainer(out, overflow_rows=range(64), max_steps=5, save_steps=1)
     assert t.train() == 1
     assert t.engine.boundaries == 3 and t.state.global_step == 0
-    assert t.stop_note == {"reason": "failed", "error": "non-finite gradients", "step": 0, "skipped_in_a_row": 3,
-                           "skipped_steps": 3}
-    assert _train_rows(out) == [] and LocalStorage(out).tags() == []
+    assert t.stop_note == {
+        "reason": "failed",
+        "error": "non-finite gradients",
+        "step": 0,
+        "skipped_in_a_row": 3,
+        "skipped_steps": 3,
+    }
+    assert _train_rows(out) == [] and OutputDir(out).tags() == []
 
 
 @pytest.mark.e2e
@@ -283,23 +368,49 @@ def test_real_deepspeed_skips_non_finite_steps_and_a_run_that_only_skips_stops(r
     in any precision (zero/stage3.py step), as it skips an fp16 overflow. After a first step at a
     learning rate of 1e30 every gradient is: the run stops after MAX_SKIPS_IN_A_ROW with exit 1
     and nothing saved past step 1, instead of counting the skips as --max_steps."""
-    r = run_finetune("--max_steps", "6", "--learning_rate", "1e30", "--warmup_steps", "0", "--logging_steps", "1",
-                     "--save_checkpoint", "--save_steps", "1", launcher="python", nprocs=1)
+    r = run_finetune(
+        "--max_steps",
+        "6",
+        "--learning_rate",
+        "1e30",
+        "--warmup_steps",
+        "0",
+        "--logging_steps",
+        "1",
+        "--save_checkpoint",
+        "--save_steps",
+        "1",
+        launcher="python",
+        nprocs=1,
+    )
     assert r.returncode == 1, r.output[-4000:]
     status = json.loads((r.out_dir / "exit_status.json").read_text())
     assert (status["error"], status["step"], status["skipped_in_a_row"]) == (
-        "non-finite gradients", 1, trainer_module.MAX_SKIPS_IN_A_ROW)
-    assert [(x["step"], x["skipped_steps"], x["loss_scale"]) for x in r.train_rows()] == [(1, 0, None)]  # fp32
-    assert LocalStorage(r.out_dir).tags() == ["global_step1"]
+        "non-finite gradients",
+        1,
+        trainer_module.MAX_SKIPS_IN_A_ROW,
+    )
+    assert [(x["step"], x["skipped_steps"], x["loss_scale"]) for x in r.train_rows()] == [
+        (1, 0, None)
+    ]  # fp32
+    assert OutputDir(r.out_dir).tags() == ["global_step1"]
 
 
 # --- no host sync in the hot path ---------------------------------------------------------------
+
 
 class HostReads(TorchFunctionMode):
     """Records every read of a tensor on the meta device (our stand-in for the GPU: it has no data,
     so any host conversion of the device copy shows up here) and answers it with a dummy value."""
 
-    READS = {"item": 1.0, "__float__": 1.0, "__int__": 1, "__index__": 1, "__bool__": True, "tolist": 1.0}
+    READS = {
+        "item": 1.0,
+        "__float__": 1.0,
+        "__int__": 1,
+        "__index__": 1,
+        "__bool__": True,
+        "tolist": 1.0,
+    }
 
     def __init__(self):
         super().__init__()
@@ -325,14 +436,26 @@ def test_a_training_step_reads_nothing_back_from_the_device(tmp_path, make_train
             t._train_step()
     assert mode.reads == []  # 6 micro-batches, not one host sync
     w = t.state.window
-    assert isinstance(w.loss_sum, torch.Tensor) and w.loss_sum.is_meta and w.micro_batches == 3 * ACCUM
-    consumed = t.data.sampler.epoch_order(0)[:3 * PER_STEP]
-    assert w.tokens == sum(1 + i % 3 for i in consumed)  # counted on the host copy (row i has 1 + i % 3 tokens)
+    assert (
+        isinstance(w.loss_sum, torch.Tensor) and w.loss_sum.is_meta and w.micro_batches == 3 * ACCUM
+    )
+    consumed = t.data.sampler.epoch_order(0)[: 3 * PER_STEP]
+    assert w.tokens == sum(
+        1 + i % 3 for i in consumed
+    )  # counted on the host copy (row i has 1 + i % 3 tokens)
     assert t.engine.boundaries == 3 and t.engine.was_step_applied()
 
 
-def test_evaluation_reads_the_device_once_and_pins_like_training(tmp_path, make_trainer, monkeypatch):
-    t = make_trainer(tmp_path / "out", device="meta", max_steps=5, evalset=_rows(10), per_device_eval_batch_size=2)
+def test_evaluation_reads_the_device_once_and_pins_like_training(
+    tmp_path, make_trainer, monkeypatch
+):
+    t = make_trainer(
+        tmp_path / "out",
+        device="meta",
+        max_steps=5,
+        evalset=_rows(10),
+        per_device_eval_batch_size=2,
+    )
     t.data.pin_memory = True  # what Trainer.build sets on CUDA
     real, pinned = trainer_module.eval_batches, []
 
@@ -346,8 +469,12 @@ def test_evaluation_reads_the_device_once_and_pins_like_training(tmp_path, make_
     assert mode.reads == ["__float__"] and pinned == [True]
 
 
-@pytest.mark.parametrize("error,kept", [(ValueError("a crash while building"), False), ("config", True)])
-def test_a_previous_exit_status_is_kept_on_bad_input_and_cleared_on_a_crash(tmp_path, monkeypatch, error, kept):
+@pytest.mark.parametrize(
+    "error,kept", [(ValueError("a crash while building"), False), ("config", True)]
+)
+def test_a_previous_exit_status_is_kept_on_bad_input_and_cleared_on_a_crash(
+    tmp_path, monkeypatch, error, kept
+):
     """Bad input leaves OUT as it was; a crash while building must not leave a previous run's 75
     for a job script to read as "requeue me"."""
     from finetune.config import ConfigError

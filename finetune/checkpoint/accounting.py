@@ -24,9 +24,15 @@ class SaveIO:
 
     def finish(self, tag: str, files: dict[str, tuple[int, str]], seconds: float) -> dict:
         (io0, hashed0), io1 = self.start, _proc_io()
-        record = {"tag": tag, "rank": dist.rank(), "world_size": dist.world_size(), "seconds": round(seconds, 4),
-                  "own_bytes": sum(size for size, _ in files.values()), "hashed_bytes": bytes_hashed() - hashed0,
-                  **{f"{k}_delta": io1[k] - io0[k] for k in io1 if k in io0}}
+        record = {
+            "tag": tag,
+            "rank": dist.rank(),
+            "world_size": dist.world_size(),
+            "seconds": round(seconds, 4),
+            "own_bytes": sum(size for size, _ in files.values()),
+            "hashed_bytes": bytes_hashed() - hashed0,
+            **{f"{k}_delta": io1[k] - io0[k] for k in io1 if k in io0},
+        }
         folder = seams.value(seams.SAVE_IO)
         if folder:
             try:
@@ -42,7 +48,11 @@ def _proc_io() -> dict[str, int]:
         lines = Path("/proc/self/io").read_text().splitlines()
     except OSError:
         return {}
-    return {k: int(v) for k, v in (line.split(": ") for line in lines) if k in ("rchar", "read_bytes", "wchar")}
+    return {
+        k: int(v)
+        for k, v in (line.split(": ") for line in lines)
+        if k in ("rchar", "read_bytes", "wchar")
+    }
 
 
 class Clock:

@@ -37,7 +37,9 @@ def saved_keys(peft_model) -> dict[str, str]:
     from peft import get_peft_model_state_dict
 
     placeholders = {n: torch.empty(0) for n, p in peft_model.named_parameters() if p.requires_grad}
-    saved = get_peft_model_state_dict(peft_model, state_dict=placeholders, save_embedding_layers=False)
+    saved = get_peft_model_state_dict(
+        peft_model, state_dict=placeholders, save_embedding_layers=False
+    )
     by_id = {id(t): key for key, t in saved.items()}
     keys = {name: by_id.get(id(t)) for name, t in placeholders.items()}
     unsaved = [name for name, key in keys.items() if key is None]
@@ -46,7 +48,9 @@ def saved_keys(peft_model) -> dict[str, str]:
     return keys
 
 
-def save_adapter(model, folder: Path, dtype: torch.dtype) -> tuple[dict[str, tuple[int, str]], dict]:
+def save_adapter(
+    model, folder: Path, dtype: torch.dtype
+) -> tuple[dict[str, tuple[int, str]], dict]:
     """adapter_model.safetensors of ``model`` (a peft model under ZeRO-3), gathered and written by
     rank 0. Collective: every rank must call it. Returns (rank 0's {file: (size, checksum)}, {}
     elsewhere; {"tensors", "bytes"} of the file, on every rank)."""
@@ -60,9 +64,15 @@ def save_adapter(model, folder: Path, dtype: torch.dtype) -> tuple[dict[str, tup
         raise ConsolidationFailed("the model has no trainable adapter parameters to save")
 
     def select(entries):
-        return [(keys[name], module, attr, True) for name, module, attr, is_param in entries if is_param and name in keys]
+        return [
+            (keys[name], module, attr, True)
+            for name, module, attr, is_param in entries
+            if is_param and name in keys
+        ]
 
-    files = save_consolidated(model, folder, dtype, UNSHARDED, select=select, basename="adapter_model")
+    files = save_consolidated(
+        model, folder, dtype, UNSHARDED, select=select, basename="adapter_model"
+    )
     params = dict(model.named_parameters())
     size = sum(torch.Size(getattr(params[n], "ds_shape", params[n].shape)).numel() for n in keys)
     return files, {"tensors": len(keys), "bytes": size * torch.empty(0, dtype=dtype).element_size()}
@@ -77,6 +87,7 @@ def write_adapter_config(model, folder: Path) -> Path:
 
 
 # --- what the adapters must be ----------------------------------------------------------------------
+
 
 def expected_tensors(folder: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
     """{trainable parameter name: (adapter file key, shape)} the adapters of ``folder`` must have:
@@ -97,7 +108,9 @@ def expected_tensors(folder: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
     lora.inference_mode = False  # so that peft marks the adapters trainable, as in training
     with warnings.catch_warnings(), torch.device("meta"):
         warnings.simplefilter("ignore")
-        model = get_peft_model(AutoModelForCausalLM.from_config(config), lora, autocast_adapter_dtype=False)
+        model = get_peft_model(
+            AutoModelForCausalLM.from_config(config), lora, autocast_adapter_dtype=False
+        )
     keys = saved_keys(model)
     return {n: (keys[n], tuple(p.shape)) for n, p in model.named_parameters() if p.requires_grad}
 
@@ -133,18 +146,26 @@ def verify_adapter(folder: Path, manifest: dict | None = None) -> list[str]:
     try:
         expected = expected_tensors(folder)
     except Exception as e:  # noqa: BLE001 — a damaged or foreign config: reported, not raised
-        return [f"{ADAPTER_CONFIG}: can't tell which tensors the adapters have ({type(e).__name__}: "
-                f"{' '.join(str(e).split())[:200]})"]
+        return [
+            f"{ADAPTER_CONFIG}: can't tell which tensors the adapters have ({type(e).__name__}: "
+            f"{' '.join(str(e).split())[:200]})"
+        ]
     if not expected:
-        return [f"{ADAPTER_CONFIG}: its target modules match nothing in the model (an empty adapter)"]
+        return [
+            f"{ADAPTER_CONFIG}: its target modules match nothing in the model (an empty adapter)"
+        ]
     problems = _check_rank_file(folder, {n: shape for n, (_, shape) in expected.items()})
     weights = folder / ADAPTER_WEIGHTS
     if weights.is_file():
-        problems += check_adapter_file(weights, dict(expected.values()), (manifest or {}).get("adapter"))
+        problems += check_adapter_file(
+            weights, dict(expected.values()), (manifest or {}).get("adapter")
+        )
     return problems
 
 
-def check_adapter_file(path: Path, expected: dict[str, tuple[int, ...]], recorded: dict | None) -> list[str]:
+def check_adapter_file(
+    path: Path, expected: dict[str, tuple[int, ...]], recorded: dict | None
+) -> list[str]:
     """adapter_model.safetensors holds exactly the ``expected`` {key: shape}, and as many tensors and
     bytes as ``recorded`` (the manifest's "adapter")."""
     try:
@@ -158,18 +179,24 @@ def check_adapter_file(path: Path, expected: dict[str, tuple[int, ...]], recorde
     missing = sorted(set(expected) - set(got))
     extra = sorted(set(got) - set(expected))
     if missing:
-        problems.append(f"{name}: {len(missing)} of {len(expected)} adapter tensors missing (e.g. {missing[0]})")
+        problems.append(
+            f"{name}: {len(missing)} of {len(expected)} adapter tensors missing (e.g. {missing[0]})"
+        )
     if extra:
         problems.append(f"{name}: {len(extra)} tensors the adapters don't have (e.g. {extra[0]})")
     wrong = [k for k in set(got) & set(expected) if got[k] != tuple(expected[k])]
     if wrong:
-        problems.append(f"{name}: {wrong[0]} has shape {got[wrong[0]]}, the adapters' is {tuple(expected[wrong[0]])}"
-                        + (f" (and {len(wrong) - 1} more)" if len(wrong) > 1 else ""))
+        problems.append(
+            f"{name}: {wrong[0]} has shape {got[wrong[0]]}, the adapters' is {tuple(expected[wrong[0]])}"
+            + (f" (and {len(wrong) - 1} more)" if len(wrong) > 1 else "")
+        )
     if recorded:
         size = sum(v["data_offsets"][1] - v["data_offsets"][0] for v in header.values())
         if (len(header), size) != (recorded.get("tensors"), recorded.get("bytes")):
-            problems.append(f"{name}: {len(header)} tensors, {size} bytes; the manifest records "
-                            f"{recorded.get('tensors')} tensors, {recorded.get('bytes')} bytes")
+            problems.append(
+                f"{name}: {len(header)} tensors, {size} bytes; the manifest records "
+                f"{recorded.get('tensors')} tensors, {recorded.get('bytes')} bytes"
+            )
     return problems
 
 
@@ -187,7 +214,9 @@ def _check_rank_file(folder: Path, expected: dict[str, tuple[int, ...]]) -> list
         return []
     missing, extra = sorted(set(expected) - set(got)), sorted(set(got) - set(expected))
     if missing or extra:
-        what = f"{len(missing)} adapter tensors missing" + (f" (e.g. {missing[0]})" if missing else "")
+        what = f"{len(missing)} adapter tensors missing" + (
+            f" (e.g. {missing[0]})" if missing else ""
+        )
         what += f", {len(extra)} others" + (f" (e.g. {extra[0]})" if extra else "") if extra else ""
         return [f"{path.name}: its trainable parameters are not the adapters': {what}"]
     bad = next(n for n in got if got[n] != expected[n])

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import copy
 import threading
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -36,7 +36,9 @@ def host_copy(obj, pool: dict | None = None, name: str = "") -> tuple[object, in
 
     def storage_copy(st: torch.UntypedStorage) -> torch.UntypedStorage:
         nonlocal copied, on_device
-        key = st._cdata  # the storage's identity, as torch.save keys it (empty storages all have data_ptr 0)
+        key = (
+            st._cdata
+        )  # the storage's identity, as torch.save keys it (empty storages all have data_ptr 0)
         if key not in storages:
             src = torch.empty(0, dtype=torch.uint8, device=st.device).set_(st)
             slot = (name, len(storages))
@@ -44,7 +46,9 @@ def host_copy(obj, pool: dict | None = None, name: str = "") -> tuple[object, in
             if dst is None or dst.numel() != st.nbytes():
                 # Kept for the next save: a fresh buffer costs its page faults at every save
                 # (bench/writer_interference.py: 65-135 ms for 300 MiB, 15-28 ms into a kept one).
-                dst = torch.empty(st.nbytes(), dtype=torch.uint8, pin_memory=st.device.type != "cpu")
+                dst = torch.empty(
+                    st.nbytes(), dtype=torch.uint8, pin_memory=st.device.type != "cpu"
+                )
                 if pool is not None:
                     pool[slot] = dst
             dst.copy_(src, non_blocking=st.device.type != "cpu")
@@ -54,13 +58,16 @@ def host_copy(obj, pool: dict | None = None, name: str = "") -> tuple[object, in
         return storages[key]
 
     def tensor_copy(t: torch.Tensor) -> torch.Tensor:
-        new = torch.empty(0, dtype=t.dtype).set_(storage_copy(t.untyped_storage()), t.storage_offset(), t.size(),
-                                                 t.stride())
+        new = torch.empty(0, dtype=t.dtype).set_(
+            storage_copy(t.untyped_storage()), t.storage_offset(), t.size(), t.stride()
+        )
         if isinstance(t, torch.nn.Parameter):
             new = torch.nn.Parameter(new, requires_grad=t.requires_grad)
         elif t.requires_grad:
             new.requires_grad_(True)
-        if t.__dict__:  # Python attributes are pickled with the tensor (DeepSpeed's ds_id on flat groups)
+        if (
+            t.__dict__
+        ):  # Python attributes are pickled with the tensor (DeepSpeed's ds_id on flat groups)
             new.__dict__.update(copy.deepcopy(t.__dict__, memo))
         return new
 
@@ -114,4 +121,3 @@ class Queue:
 
     def join(self) -> None:
         self.finished.wait()
-

@@ -47,8 +47,8 @@ from pathlib import Path
 import torch
 
 from finetune import distributed as dist
+from finetune.checkpoint.outdir import step_of
 from finetune.checkpoint.shards import ConsolidationError, ShardWriter, plan_shards
-from finetune.checkpoint.storage import step_of
 from finetune.io import seams
 from finetune.io.faults import fault_point
 
@@ -81,7 +81,11 @@ def tensor_entries(model) -> list[tuple[str, torch.nn.Module, str, bool]]:
                 seen.add(id(p))
                 out.append((prefix + attr, module, attr, True))
         for attr, b in module.named_buffers(recurse=False):
-            if b is not None and attr not in module._non_persistent_buffers_set and id(b) not in seen:
+            if (
+                b is not None
+                and attr not in module._non_persistent_buffers_set
+                and id(b) not in seen
+            ):
                 seen.add(id(b))
                 out.append((prefix + attr, module, attr, False))
     return out
@@ -146,7 +150,9 @@ def _streamable(p) -> bool:
     """Decided from facts every rank shares (full size, offload config), never from a rank's own
     partition: the answer picks send/recv or all-gather, and all ranks must pick the same."""
     on_nvme = str(getattr(getattr(p, "ds_tensor", None), "final_location", "")).endswith("nvme")
-    return hasattr(p, "ds_numel") and not on_nvme and p.ds_numel * p.element_size() >= _stream_bytes()
+    return (
+        hasattr(p, "ds_numel") and not on_nvme and p.ds_numel * p.element_size() >= _stream_bytes()
+    )
 
 
 def master_dtype(p) -> torch.dtype | None:
@@ -174,7 +180,11 @@ def weights_source(params) -> str:
     """What consolidated trainable parameters are written from (``SOURCE_KEY``): FROM_MASTER when
     every one has master weights (read from them, or exact module weights), else FROM_MODULE."""
     trainable = [p for p in params if p.requires_grad and hasattr(p, "ds_id")]
-    return FROM_MASTER if trainable and all(master_dtype(p) is not None for p in trainable) else FROM_MODULE
+    return (
+        FROM_MASTER
+        if trainable and all(master_dtype(p) is not None for p in trainable)
+        else FROM_MODULE
+    )
 
 
 def comm_device(backend: str, accelerator: torch.device) -> torch.device:
@@ -212,7 +222,9 @@ def _local_partition(p, name: str, spec: torch.Tensor, master: bool) -> torch.Te
         part = p.ds_tensor
     if part is None or part.numel() != spec.numel() or part.dtype != spec.dtype:
         got = "none" if part is None else f"{part.numel()} {part.dtype} elements"
-        raise ConsolidationError(f"{name}: this rank's partition has {got}, planned {spec.numel()} {spec.dtype}")
+        raise ConsolidationError(
+            f"{name}: this rank's partition has {got}, planned {spec.numel()} {spec.dtype}"
+        )
     return part.detach().reshape(-1)
 
 
@@ -223,7 +235,9 @@ def _partition_spec(p, master: bool) -> torch.Tensor:
     return torch.empty(numel, dtype=master_dtype(p) if master else p.dtype, device="meta")
 
 
-def _staged(fetch: Callable[[], torch.Tensor], device: torch.device, failed: _FirstError) -> torch.Tensor | None:
+def _staged(
+    fetch: Callable[[], torch.Tensor], device: torch.device, failed: _FirstError
+) -> torch.Tensor | None:
     """``fetch()`` on ``device``; None, with the error held, if that fails."""
     try:
         return fetch().to(device).contiguous()
@@ -232,8 +246,9 @@ def _staged(fetch: Callable[[], torch.Tensor], device: torch.device, failed: _Fi
         return None
 
 
-def _send_partition(fetch: Callable[[], torch.Tensor], spec: torch.Tensor, device: torch.device,
-                    failed: _FirstError) -> None:
+def _send_partition(
+    fetch: Callable[[], torch.Tensor], spec: torch.Tensor, device: torch.device, failed: _FirstError
+) -> None:
     """A non-zero rank's side: one batched isend of its partition to rank 0."""
     import torch.distributed as tdist
 
@@ -245,7 +260,9 @@ def _send_partition(fetch: Callable[[], torch.Tensor], spec: torch.Tensor, devic
     _p2p([tdist.P2POp(tdist.isend, staged, 0)])
 
 
-def _received_partitions(spec: torch.Tensor, device: torch.device, peers: int) -> Iterator[torch.Tensor]:
+def _received_partitions(
+    spec: torch.Tensor, device: torch.device, peers: int
+) -> Iterator[torch.Tensor]:
     """Rank 0's side: ranks 1..peers' partitions in rank order, a window of ranks per batch.
 
     The buffers are reused by the next window: each piece must be consumed before the next one.
@@ -259,10 +276,12 @@ def _received_partitions(spec: torch.Tensor, device: torch.device, peers: int) -
     for first in range(1, peers + 1, window):
         ranks = range(first, min(first + window, peers + 1))
         _p2p([tdist.P2POp(tdist.irecv, buf, r) for buf, r in zip(buffers, ranks)])
-        yield from buffers[:len(ranks)]
+        yield from buffers[: len(ranks)]
 
 
-def _stream_partitions(p, writer: ShardWriter | None, name: str, failed: _FirstError, master: bool) -> None:
+def _stream_partitions(
+    p, writer: ShardWriter | None, name: str, failed: _FirstError, master: bool
+) -> None:
     """Every rank must call this: the ZeRO-3 partitions of ``p`` (of its master weights when
     ``master``), in rank order, to rank 0.
 
@@ -287,12 +306,21 @@ def _stream_partitions(p, writer: ShardWriter | None, name: str, failed: _FirstE
     for piece in itertools.chain([own] if own is not None else [], received):
         n = min(remaining, piece.numel())
         remaining -= n
-        failed.attempt(writer.append, piece[:n])  # copied to CPU before the next window reuses the buffer
+        failed.attempt(
+            writer.append, piece[:n]
+        )  # copied to CPU before the next window reuses the buffer
     failed.attempt(writer.end, name, p.ds_numel)
 
 
-def save_consolidated(model, folder: Path, dtype: torch.dtype, max_shard_size: str | int, *,
-                      select: Callable[[list], list] | None = None, basename: str = "model") -> dict[str, tuple[int, str]]:
+def save_consolidated(
+    model,
+    folder: Path,
+    dtype: torch.dtype,
+    max_shard_size: str | int,
+    *,
+    select: Callable[[list], list] | None = None,
+    basename: str = "model",
+) -> dict[str, tuple[int, str]]:
     """Write HF safetensors shards of ``model`` into ``folder``. Collective: every rank must call it.
 
     ``select`` picks (and may rename) the entries written, from ``tensor_entries(model)``, alike
@@ -310,7 +338,9 @@ def save_consolidated(model, folder: Path, dtype: torch.dtype, max_shard_size: s
         split, meta = plan_shards(entries, dtype, max_shard_size, basename)
     except ValueError as e:
         raise ConsolidationFailed(str(e)) from e
-    metadata = {SOURCE_KEY: weights_source([getattr(m, a) for _, m, a, is_param in entries if is_param])}
+    metadata = {
+        SOURCE_KEY: weights_source([getattr(m, a) for _, m, a, is_param in entries if is_param])
+    }
     writer = ShardWriter(folder, split, meta, metadata) if dist.is_main() else None
     failed = _FirstError()
     # A rank's own work failing (held like any other: the gathers below still run on every rank).
@@ -320,9 +350,15 @@ def save_consolidated(model, folder: Path, dtype: torch.dtype, max_shard_size: s
         # Master weights are only ever streamed: nothing gathers them whole on every rank.
         masters = {id(t) for _, t, is_param in tensors if is_param and reads_master(t, dtype)}
         streamed = masters | {id(t) for _, t, is_param in tensors if is_param and _streamable(t)}
-        gathered = [t for _, t, is_param in tensors if is_param and hasattr(t, "ds_id") and id(t) not in streamed]
+        gathered = [
+            t
+            for _, t, is_param in tensors
+            if is_param and hasattr(t, "ds_id") and id(t) not in streamed
+        ]
         # Every rank must enter: this all-gathers the module's small partitioned parameters.
-        with deepspeed.zero.GatheredParameters(gathered, modifier_rank=None, enabled=bool(gathered)):
+        with deepspeed.zero.GatheredParameters(
+            gathered, modifier_rank=None, enabled=bool(gathered)
+        ):
             for name, t, _ in tensors:
                 if id(t) in streamed:
                     _stream_partitions(t, writer, name, failed, master=id(t) in masters)

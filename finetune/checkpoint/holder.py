@@ -14,9 +14,12 @@ from pathlib import Path
 
 
 def requeued_predecessor(info: dict, me: dict) -> bool:
-    return (me["slurm_job_id"] is not None and info.get("slurm_job_id") == me["slurm_job_id"]
-            and info.get("slurm_cluster") == me["slurm_cluster"]
-            and as_int(info.get("slurm_restart_count")) < me["slurm_restart_count"])
+    return (
+        me["slurm_job_id"] is not None
+        and info.get("slurm_job_id") == me["slurm_job_id"]
+        and info.get("slurm_cluster") == me["slurm_cluster"]
+        and as_int(info.get("slurm_restart_count")) < me["slurm_restart_count"]
+    )
 
 
 def same_machine(a: dict, b: dict) -> bool:
@@ -48,7 +51,9 @@ def proc_stat(pid: int) -> tuple[str, int] | None:
         text = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
         return None
-    fields = text.rpartition(")")[2].split()  # after the command name, which may hold spaces and ")"
+    fields = text.rpartition(")")[
+        2
+    ].split()  # after the command name, which may hold spaces and ")"
     try:
         return fields[0], int(fields[19])  # fields 3 and 22 of proc(5)
     except (IndexError, ValueError):
@@ -60,11 +65,20 @@ def identity(run_id: str, renew_s: float) -> dict:
     stat = proc_stat(pid)
     job = os.environ.get("SLURM_JOB_ID") or None
     where = machine()
-    return {"run_id": run_id, "host": where["host"], "pid": pid, "pid_start": stat[1] if stat else None,
-            "started": datetime.now().astimezone().isoformat(timespec="seconds"), "slurm_job_id": job, "beat": 0,
-            "boot_id": where["boot_id"], "pid_ns": where["pid_ns"],
-            "slurm_restart_count": as_int(os.environ.get("SLURM_RESTART_COUNT")) if job else None,
-            "slurm_cluster": os.environ.get("SLURM_CLUSTER_NAME") if job else None, "renew_s": renew_s}
+    return {
+        "run_id": run_id,
+        "host": where["host"],
+        "pid": pid,
+        "pid_start": stat[1] if stat else None,
+        "started": datetime.now().astimezone().isoformat(timespec="seconds"),
+        "slurm_job_id": job,
+        "beat": 0,
+        "boot_id": where["boot_id"],
+        "pid_ns": where["pid_ns"],
+        "slurm_restart_count": as_int(os.environ.get("SLURM_RESTART_COUNT")) if job else None,
+        "slurm_cluster": os.environ.get("SLURM_CLUSTER_NAME") if job else None,
+        "renew_s": renew_s,
+    }
 
 
 def machine() -> dict:

@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from pathlib import Path
 
 from finetune import distributed as dist
-from finetune.checkpoint.storage import LocalStorage
+from finetune.checkpoint.outdir import OutputDir
 from finetune.config import ConfigError
 from finetune.distributed import logger
 from finetune.io.faults import fault_point
+from finetune.sharing import leads_storage, sharing_groups
 
 
 def node_local(ds_config: dict) -> bool:
@@ -30,21 +30,23 @@ class Layout:
     node_local: bool
 
     @classmethod
-    def discover(cls, out: Path, ds_config: dict, saving: bool = True) -> "Layout":
+    def discover(cls, out: OutputDir, ds_config: dict, saving: bool = True) -> Layout:
         """Collective. Node-local: found out with marker files, not guessed from host names. Shared
         (the default) and saving: checked with one marker, since rank 0 alone writes the manifest
         of every rank's files: an OUT that is in fact local to each node would give checkpoints
         that verify nowhere."""
         local = node_local(ds_config)
         if local:
-            groups = dist.sharing_groups(out, "output_dir")
+            groups = sharing_groups(out.storage, "output_dir")
             return cls(groups, local)
         if saving and dist.world_size() > 1:
-            apart = dist.any_rank(dist.leads_storage(out, "output_dir") and not dist.is_main())
+            apart = dist.any_rank(leads_storage(out.storage, "output_dir") and not dist.is_main())
             if apart:
-                raise ConfigError(f"--output_dir {out} is not the same folder on every rank (some ranks cannot see "
-                                  "rank 0's files): use storage all ranks share, or node-local checkpoints "
-                                  "(--deepspeed_config configs/ds_zero3_node_local.json)")
+                raise ConfigError(
+                    f"--output_dir {out.root} is not the same folder on every rank (some ranks cannot see "
+                    "rank 0's files): use storage all ranks share, or node-local checkpoints "
+                    "(--deepspeed_config configs/ds_zero3_node_local.json)"
+                )
         return cls([list(range(dist.world_size()))], local)
 
     @property
@@ -61,18 +63,32 @@ class Layout:
         return len(self.my_group) / max(dist.world_size(), 1)
 
 
-def tidy_storage(storage: LocalStorage, layout: Layout) -> None:
+def tidy_storage(storage: OutputDir, layout: Layout) -> None:
     """At start, each storage's leader removes what crashed saves left (staging, trash, temp
     files) and logs it. Collective. Only safe while this run holds OUT's lease."""
+
     def tidy():
         fault_point("layout.tidy")
         return storage.housekeeping()
 
-    out = dist.gather_outcomes(tidy, on=layout.leader, step="removing crashed saves' leftovers",
-                               deadline_s=dist.io_deadline())
+    out = dist.gather_outcomes(
+        tidy,
+        on=layout.leader,
+        step="removing crashed saves' leftovers",
+        deadline_s=dist.io_deadline(),
+    )
     if out.result:
         freed = sum(size for _, size in out.result)
-        logger.warning("removed %d leftover(s) of crashed saves from %s, %.1f MB freed: %s", len(out.result),
-                       storage.root, freed / 1e6, ", ".join(rel for rel, _ in out.result))
+        logger.warning(
+            "removed %d leftover(s) of crashed saves from %s, %.1f MB freed: %s",
+            len(out.result),
+            storage.root,
+            freed / 1e6,
+            ", ".join(rel for rel, _ in out.result),
+        )
     if not out.ok:
-        dist.log_main(logging.WARNING, "could not tidy leftovers of crashed saves (%s); continuing", out.describe())
+        dist.log_main(
+            logging.WARNING,
+            "could not tidy leftovers of crashed saves (%s); continuing",
+            out.describe(),
+        )

@@ -97,7 +97,9 @@ logger = logging.getLogger("finetune")
 LEASE = ".lease"
 TAKING = ".lease.taking"  # + .<hash of the dead lease>.<n>: one taker at a time replaces that lease
 RENEW_S = 30.0
-OBSERVE_FACTOR = 2.5  # a holder on another machine is dead after this many of its heartbeats pass unseen
+OBSERVE_FACTOR = (
+    2.5  # a holder on another machine is dead after this many of its heartbeats pass unseen
+)
 _RECHECK_S = 0.1  # between the two reads of a garbled lease
 _MAX_TRIES = 20  # judge-and-take rounds before giving up on a lease that keeps changing hands
 _JOIN_S = 10.0  # release() waits this long for a heartbeat write in flight
@@ -119,8 +121,10 @@ class LeaseHeld(ConfigError):
 
     def __init__(self, out: Path, holder: dict):
         self.holder = holder
-        super().__init__(f"--output_dir {out} is in use by another run ({describe(holder)}); "
-                         "wait for it to finish or choose another --output_dir")
+        super().__init__(
+            f"--output_dir {out} is in use by another run ({describe(holder)}); "
+            "wait for it to finish or choose another --output_dir"
+        )
 
 
 def describe(info: dict) -> str:
@@ -136,8 +140,13 @@ def holder(out: str | os.PathLike) -> dict | None:
     return _parse(_read(Path(out) / LEASE))
 
 
-def acquire(out: str | os.PathLike, run_id: str | None = None, *, renew_s: float | None = None,
-            observe_s: float | None = None) -> Lease:
+def acquire(
+    out: str | os.PathLike,
+    run_id: str | None = None,
+    *,
+    renew_s: float | None = None,
+    observe_s: float | None = None,
+) -> Lease:
     """Take ``OUT/.lease`` (creating OUT) for this process, taking it over from a dead holder.
 
     Raises ``LeaseHeld`` when a live run holds it, and ``ConfigError`` when it cannot be written.
@@ -187,8 +196,12 @@ class Lease:
         other = _parse(raw)
         if other is not None and not _is_ours(raw, self.info):
             self._lost = True
-            logger.error("%s now belongs to another run (%s): this run stops and writes nothing more into %s",
-                         self.path, describe(other), self.path.parent)
+            logger.error(
+                "%s now belongs to another run (%s): this run stops and writes nothing more into %s",
+                self.path,
+                describe(other),
+                self.path.parent,
+            )
             return False
         return True
 
@@ -225,9 +238,14 @@ class Lease:
             other = _parse(current)
             if other is not None and not _is_ours(current, self.info):
                 self._lost = True
-                logger.error("%s now belongs to another run (%s): this run stalled for longer than that run "
-                             "watched its heartbeat; it stops at its next step boundary and writes nothing more into "
-                             "%s", self.path, describe(other), self.path.parent)
+                logger.error(
+                    "%s now belongs to another run (%s): this run stalled for longer than that run "
+                    "watched its heartbeat; it stops at its next step boundary and writes nothing more into "
+                    "%s",
+                    self.path,
+                    describe(other),
+                    self.path.parent,
+                )
                 return False
             info = {**self.info, "beat": self.info["beat"] + 1}
             if current is None:
@@ -239,7 +257,9 @@ class Lease:
             self.info = info
         except OSError as e:
             if not self._failing:
-                logger.warning("cannot renew %s (retrying every %g s): %s", self.path, self.info["renew_s"], e)
+                logger.warning(
+                    "cannot renew %s (retrying every %g s): %s", self.path, self.info["renew_s"], e
+                )
             self._failing = True
             return True
         if self._failing:
@@ -252,7 +272,9 @@ class Lease:
         tmp = self.path.with_name(f"{LEASE}.tmp.{self._tag}")
         try:
             _write_file(tmp, data)
-            if self._stop.is_set():  # release() may be about to remove the lease: don't bring it back
+            if (
+                self._stop.is_set()
+            ):  # release() may be about to remove the lease: don't bring it back
                 return False
             os.replace(tmp, self.path)
         finally:
@@ -272,14 +294,22 @@ def _take(path: Path, me: dict, observe_s: float | None) -> None:
             raise LeaseHeld(path.parent, _parse(raw))
         if verdict == _DEAD and _evict(path, raw, me, observe_s):
             old = _parse(raw)
-            logger.warning("%s: the previous run (%s) is dead (%s); took its lease over", path.parent,
-                           describe(old) if old else "holder unknown", why)
+            logger.warning(
+                "%s: the previous run (%s) is dead (%s); took its lease over",
+                path.parent,
+                describe(old) if old else "holder unknown",
+                why,
+            )
             return
-    raise ConfigError(f"--output_dir {path.parent}: its lease changed hands {_MAX_TRIES} times while this run "
-                      "tried to take it; are several runs starting on it at once?")
+    raise ConfigError(
+        f"--output_dir {path.parent}: its lease changed hands {_MAX_TRIES} times while this run "
+        "tried to take it; are several runs starting on it at once?"
+    )
 
 
-def _judge(path: Path, raw: bytes, me: dict, observe_s: float | None) -> tuple[str, bytes | None, str]:
+def _judge(
+    path: Path, raw: bytes, me: dict, observe_s: float | None
+) -> tuple[str, bytes | None, str]:
     """(verdict, the lease bytes it applies to, why dead) for the lease ``raw`` just read at ``path``."""
     info = _parse(raw)
     if info is None:
@@ -289,8 +319,14 @@ def _judge(path: Path, raw: bytes, me: dict, observe_s: float | None) -> tuple[s
             return _CHANGED, again, ""
         return _DEAD, raw, "its lease is unreadable, left by a crash mid-write"
     if _requeued_predecessor(info, me):
-        return _DEAD, raw, (f"SLURM requeued job {me['slurm_job_id']}: restart {info.get('slurm_restart_count') or 0} "
-                           f"→ {me['slurm_restart_count']}")
+        return (
+            _DEAD,
+            raw,
+            (
+                f"SLURM requeued job {me['slurm_job_id']}: restart {info.get('slurm_restart_count') or 0} "
+                f"→ {me['slurm_restart_count']}"
+            ),
+        )
     if _same_machine(info, me):
         why = _process_gone(info["pid"], info.get("pid_start"))
         return (_DEAD, raw, why) if why else (_ALIVE, raw, "")
@@ -307,8 +343,13 @@ def _observe_time(info: dict, me: dict, observe_s: float | None) -> float:
 
 def _observe(path: Path, raw: bytes, info: dict, observe_s: float) -> tuple[str, bytes | None, str]:
     """Watch a holder on another machine: alive as soon as its beat moves; dead if it stays put."""
-    logger.info("%s is held by %s on another machine; watching its heartbeat for up to %g s to see "
-                "whether it is alive", path, describe(info), observe_s)
+    logger.info(
+        "%s is held by %s on another machine; watching its heartbeat for up to %g s to see "
+        "whether it is alive",
+        path,
+        describe(info),
+        observe_s,
+    )
     poll = min(1.0, observe_s / 10)
     deadline = time.monotonic() + observe_s
     while (left := deadline - time.monotonic()) > 0:
@@ -330,7 +371,9 @@ def _evict(path: Path, raw: bytes, me: dict, observe_s: float | None) -> bool:
         if _await_taker(path, raw, marker, me, observe_s) == _CHANGED:
             return False
         # _DEAD: that taker died holding marker n; the next one is ours to try
-    if _read(path) != raw:  # replaced before we won the marker (whose previous copy was then removed)
+    if (
+        _read(path) != raw
+    ):  # replaced before we won the marker (whose previous copy was then removed)
         _unlink(marker)
         return False
     try:
@@ -391,8 +434,13 @@ def _parse(raw: bytes | None) -> dict | None:
     if not isinstance(info, dict):
         return None
     pid, beat = info.get("pid"), info.get("beat")
-    if (not isinstance(info.get("run_id"), str) or not isinstance(info.get("host"), str)
-            or type(pid) is not int or pid <= 0 or type(beat) is not int):
+    if (
+        not isinstance(info.get("run_id"), str)
+        or not isinstance(info.get("host"), str)
+        or type(pid) is not int
+        or pid <= 0
+        or type(beat) is not int
+    ):
         return None  # (a pid <= 0 would make os.kill signal a whole process group)
     return info
 
@@ -416,7 +464,9 @@ def _publish(path: Path, data: bytes, tag: str) -> bool:
         os.link(tmp, path)
         return True
     except FileExistsError:
-        return os.stat(tmp).st_nlink == 2  # NFS: a retried link that had succeeded (see the module doc)
+        return (
+            os.stat(tmp).st_nlink == 2
+        )  # NFS: a retried link that had succeeded (see the module doc)
     except OSError as e:
         if e.errno not in _NO_HARDLINKS:
             raise

@@ -49,9 +49,9 @@ import copy
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import torch
 
@@ -62,6 +62,14 @@ from finetune.checkpoint.commit import prepare_staged, publish_staged
 from finetune.checkpoint.layout import Layout
 from finetune.checkpoint.lease import LeaseLost
 from finetune.checkpoint.manifest import MANIFEST
+from finetune.checkpoint.outdir import (
+    STAGING,
+    Deleter,
+    OutputDir,
+    committed,
+    step_of,
+    tag_for,
+)
 from finetune.checkpoint.policy import (
     Committed,
     line_of,
@@ -72,23 +80,12 @@ from finetune.checkpoint.resume import ResumePlan
 from finetune.checkpoint.rng import rng_state, set_rng_state
 from finetune.checkpoint.schedule import SaveError, SaveSchedule
 from finetune.checkpoint.state import TRAINER_STATE, LogWindow, TrainingState
-from finetune.checkpoint.storage import (
-    STAGING,
-    Deleter,
-    LocalStorage,
-    committed,
-    step_of,
-    tag_for,
-)
 from finetune.checkpoint.writer import GuardedWriter
 from finetune.config import CheckpointArgs
 from finetune.distributed import logger
 from finetune.io import seams
 from finetune.io.durable import (
     WriteCancelled,
-    fsync_path,
-    hash_file,
-    write_json_durably,
 )
 from finetune.io.faults import fault_point
 from finetune.ops import replay_adam_steps
@@ -97,8 +94,12 @@ from finetune.ops import replay_adam_steps
 BYTES_PER_PARAM_ESTIMATE = 16
 SPACE_MARGIN = 1.10
 RANK_WINDOW = "log_window"  # in rng_state_{r}.pt: rank r's own log window (state.py)
-CONSOLIDATED_PATTERNS = ("model.safetensors", "model-*-of-*.safetensors", "model.safetensors.index.json",
-                         ADAPTER_WEIGHTS)
+CONSOLIDATED_PATTERNS = (
+    "model.safetensors",
+    "model-*-of-*.safetensors",
+    "model.safetensors.index.json",
+    ADAPTER_WEIGHTS,
+)
 
 
 def versions() -> dict:
@@ -107,8 +108,12 @@ def versions() -> dict:
 
     import finetune
 
-    return {"finetune": finetune.__version__, "torch": torch.__version__, "deepspeed": deepspeed.__version__,
-            "transformers": transformers.__version__}
+    return {
+        "finetune": finetune.__version__,
+        "torch": torch.__version__,
+        "deepspeed": deepspeed.__version__,
+        "transformers": transformers.__version__,
+    }
 
 
 @dataclass
@@ -134,9 +139,23 @@ class Pending:
 
 
 class CheckpointManager(SaveSchedule):
-    def __init__(self, storage: LocalStorage, ckpt: CheckpointArgs, layout: Layout, *, engine, progress: TrainingState,
-                 sampler, tokenizer, run_info: dict, run_id: str, plan: ResumePlan | None = None,
-                 consolidated_dtype: torch.dtype = torch.float32, still_ours=lambda: True, adapters: bool = False):
+    def __init__(
+        self,
+        storage: OutputDir,
+        ckpt: CheckpointArgs,
+        layout: Layout,
+        *,
+        engine,
+        progress: TrainingState,
+        sampler,
+        tokenizer,
+        run_info: dict,
+        run_id: str,
+        plan: ResumePlan | None = None,
+        consolidated_dtype: torch.dtype = torch.float32,
+        still_ours=lambda: True,
+        adapters: bool = False,
+    ):
         """``run_info``: what trainer_state.json records besides the progress (zero stage, dtype,
         args); ``run_id``: the same on every rank (names this run's save ids); ``still_ours``:
         whether this run still holds OUT's lease (asked by the leader before each commit);
@@ -147,21 +166,36 @@ class CheckpointManager(SaveSchedule):
         from finetune.modeling import count_parameters
 
         self.storage, self.ckpt, self.layout, self.out = storage, ckpt, layout, storage.root
-        self.engine, self.progress, self.sampler, self.tokenizer = engine, progress, sampler, tokenizer
+        self.engine, self.progress, self.sampler, self.tokenizer = (
+            engine,
+            progress,
+            sampler,
+            tokenizer,
+        )
         self.run_info, self.run_id, self.plan = run_info, run_id, plan
-        self.consolidated_dtype, self.still_ours, self.adapters = consolidated_dtype, still_ours, adapters
-        self.adapter_summary: dict | None = None  # the consolidated adapter's tensors and bytes, for the manifest
+        self.consolidated_dtype, self.still_ours, self.adapters = (
+            consolidated_dtype,
+            still_ours,
+            adapters,
+        )
+        self.adapter_summary: dict | None = (
+            None  # the consolidated adapter's tensors and bytes, for the manifest
+        )
         self.leader = layout.leader
         # What a save's size is estimated from, before there is a checkpoint to size it by: with
         # adapters, only they are saved (a 70B base would otherwise ask for ~1.2 TB free).
-        self.parameters = trainable_parameters(engine.module) if adapters else count_parameters(engine.module)
+        self.parameters = (
+            trainable_parameters(engine.module) if adapters else count_parameters(engine.module)
+        )
         self.writer = GuardedWriter(engine.checkpoint_engine)
         engine.checkpoint_engine = self.writer
         if hasattr(engine, "_copy_recovery_script"):
             engine._copy_recovery_script = self.writer.guard(engine._copy_recovery_script)
         self.committed_step: int | None = plan.saved["global_step"] if plan else None
         self.consolidation_error: str | None = None
-        self.pending: Pending | None = None  # --async_save: written in the background, not yet committed
+        self.pending: Pending | None = (
+            None  # --async_save: written in the background, not yet committed
+        )
         # Where commits and failed saves are reported (MetricsWriter.event: OUT/events.jsonl and the
         # trackers, rank 0); called on every rank, must not raise.
         self.on_event: Callable[..., None] = lambda kind, step, **fields: None
@@ -171,28 +205,47 @@ class CheckpointManager(SaveSchedule):
     def _read_history(self, head: Committed | None, seen_seq: int) -> None:
         """The line this run continues (rank 0's view, for every rank), the next commit sequence
         number (above any on any storage) and this storage's last checkpoint size. Collective."""
+
         def mine():
             fault_point("manager.history")
             found = committed(self.storage)
             line = line_of(head, found) if head else []
-            mine_head = next((c for c in found if head and c.tag == head.tag and c.save_id == head.save_id), None)
-            return ([c.tag for c in line], max((c.seq or 0 for c in found), default=0),
-                    mine_head.total_bytes if mine_head else None, {c.tag: c.total_bytes or 0 for c in found})
+            mine_head = next(
+                (c for c in found if head and c.tag == head.tag and c.save_id == head.save_id), None
+            )
+            return (
+                [c.tag for c in line],
+                max((c.seq or 0 for c in found), default=0),
+                mine_head.total_bytes if mine_head else None,
+                {c.tag: c.total_bytes or 0 for c in found},
+            )
 
-        out = dist.gather_outcomes(mine, on=self.leader, share=True, step="reading the commit history",
-                                   deadline_s=dist.io_deadline())
+        out = dist.gather_outcomes(
+            mine,
+            on=self.leader,
+            share=True,
+            step="reading the commit history",
+            deadline_s=dist.io_deadline(),
+        )
         out.raise_any()
         views = [v for v in out.results if v is not None]
         self.line: list[str] = views[0][0]  # tags, oldest first; what retention counts
         self.next_seq = 1 + max([seen_seq] + [v[1] for v in views])
         self.head = head
         self.last_bytes = out.result[2] if out.result else None
-        self.sizes: dict[str, int] = out.result[3] if out.result else {}  # this storage's, by tag: what deleting frees
+        self.sizes: dict[str, int] = (
+            out.result[3] if out.result else {}
+        )  # this storage's, by tag: what deleting frees
 
     # --- save: snapshot → write → agree → commit ------------------------------------------------
 
-    def save(self, step: int, final: bool = False, consolidated: bool | None = None,
-             background: bool = False) -> Path | None:
+    def save(
+        self,
+        step: int,
+        final: bool = False,
+        consolidated: bool | None = None,
+        background: bool = False,
+    ) -> Path | None:
         """Save and commit a checkpoint of this step; raises SaveError on every rank if any failed.
 
         ``consolidated`` overrides --save_consolidated (a preemption save skips the gather).
@@ -214,8 +267,12 @@ class CheckpointManager(SaveSchedule):
         pending = Pending(step, tag, clock, io, consolidated, final, background)
         if background:
             self.pending = pending
-            logger.info("Snapshot of %s in %.2f seconds (%s of host memory); writing it in the background.", tag,
-                        clock.total, fmt_bytes(self.writer.snapshot_bytes))
+            logger.info(
+                "Snapshot of %s in %.2f seconds (%s of host memory); writing it in the background.",
+                tag,
+                clock.total,
+                fmt_bytes(self.writer.snapshot_bytes),
+            )
             return None
         return self._complete(pending)
 
@@ -235,8 +292,11 @@ class CheckpointManager(SaveSchedule):
         if self.pending is None:
             return None
         tag = self.pending.tag
-        out = dist.gather_outcomes(self.writer.join_progressing, step=f"writing {tag} in the background",
-                                   deadline_s=dist.io_deadline())
+        out = dist.gather_outcomes(
+            self.writer.join_progressing,
+            step=f"writing {tag} in the background",
+            deadline_s=dist.io_deadline(),
+        )
         if not out.ok:
             self.writer.cancel()  # a writer that came back to life stops at its next piece
             self.pending = None
@@ -251,7 +311,7 @@ class CheckpointManager(SaveSchedule):
         self.deleter.stop()
         self.pending = None
 
-    def _complete(self, pending: "Pending") -> Path:
+    def _complete(self, pending: Pending) -> Path:
         """agree → commit → retain. Collective."""
         self.pending = None
         tag, clock = pending.tag, pending.clock
@@ -265,12 +325,27 @@ class CheckpointManager(SaveSchedule):
         clock.lap("retain")
         self.committed_step = pending.step
         total = sum(size for size, _ in files.values())
-        self.on_event("checkpoint", pending.step, tag=tag, bytes=total, seconds=round(clock.total, 3),
-                      consolidated=pending.consolidated and self.consolidation_error is None)
+        self.on_event(
+            "checkpoint",
+            pending.step,
+            tag=tag,
+            bytes=total,
+            seconds=round(clock.total, 3),
+            consolidated=pending.consolidated and self.consolidation_error is None,
+        )
         own = pending.io.finish(tag, self.writer.files, clock.total)
-        logger.info("Finished saving the checkpoint %s in %.2f seconds (%.1f MB, %.1f MB/s; %s; rank 0 wrote %.1f MB and "
-                    "read back %.2f MB)%s.", tag, clock.total, total / 1e6, total / 1e6 / max(clock.total, 1e-9), clock,
-                    own["own_bytes"] / 1e6, own["hashed_bytes"] / 1e6, " [final]" if pending.final else "")
+        logger.info(
+            "Finished saving the checkpoint %s in %.2f seconds (%.1f MB, %.1f MB/s; %s; rank 0 wrote %.1f MB and "
+            "read back %.2f MB)%s.",
+            tag,
+            clock.total,
+            total / 1e6,
+            total / 1e6 / max(clock.total, 1e-9),
+            clock,
+            own["own_bytes"] / 1e6,
+            own["hashed_bytes"] / 1e6,
+            " [final]" if pending.final else "",
+        )
         return self.out / tag
 
     def check_space(self, tag: str) -> None:
@@ -287,16 +362,29 @@ class CheckpointManager(SaveSchedule):
                 free = self.storage.free_bytes()
             return None if free >= need else f"{fmt_bytes(free)} free, need ~{fmt_bytes(need)}"
 
-        out = dist.gather_outcomes(problem, on=self.leader, share=True, step=f"checking free space for {tag}",
-                                   deadline_s=dist.io_deadline())
+        out = dist.gather_outcomes(
+            problem,
+            on=self.leader,
+            share=True,
+            step=f"checking free space for {tag}",
+            deadline_s=dist.io_deadline(),
+        )
         bad = {r: p for r, p in enumerate(out.results) if p}
         bad.update(out.errors)
         if bad:
-            raise SaveError(f"not saving {tag}: not enough free space in {self.out} ({_describe(bad)})")
+            raise SaveError(
+                f"not saving {tag}: not enough free space in {self.out} ({_describe(bad)})"
+            )
 
     def space_needed(self) -> int:
         """Bytes a save needs on this storage (the previous checkpoint's size there, or an estimate)."""
-        return space_needed(self.last_bytes, self.parameters, self.layout.share, BYTES_PER_PARAM_ESTIMATE, SPACE_MARGIN)
+        return space_needed(
+            self.last_bytes,
+            self.parameters,
+            self.layout.share,
+            BYTES_PER_PARAM_ESTIMATE,
+            SPACE_MARGIN,
+        )
 
     def snapshot(self, step: int, background: bool = False) -> Snapshot:
         """In memory; a failure is recorded for the agree step, never raised. Collective: one
@@ -306,16 +394,27 @@ class CheckpointManager(SaveSchedule):
         self.writer.reset(self.out / STAGING / tag_for(step), step, background)
         self.consolidation_error = self.adapter_summary = None
         window = self.progress.window
-        totals = dist.all_reduce_sum(window.world_sums())  # before anything that can fail on one rank
-        norm = getattr(self.engine, "get_global_grad_norm", lambda: None)()  # the same on every rank
+        totals = dist.all_reduce_sum(
+            window.world_sums()
+        )  # before anything that can fail on one rank
+        norm = getattr(
+            self.engine, "get_global_grad_norm", lambda: None
+        )()  # the same on every rank
         window.grad_norm = float(norm) if norm is not None else None
         try:
             fault_point("save.snapshot", step)
             snap.rng = {**rng_state(), RANK_WINDOW: window.state_dict()}
             if self.leader:
-                progress = {**self.progress.state_dict(), "window": window.summed(totals).state_dict()}
-                snap.trainer_state = {**progress, **self.run_info, "world_size": dist.world_size(),
-                                      "versions": versions()}
+                progress = {
+                    **self.progress.state_dict(),
+                    "window": window.summed(totals).state_dict(),
+                }
+                snap.trainer_state = {
+                    **progress,
+                    **self.run_info,
+                    "world_size": dist.world_size(),
+                    "versions": versions(),
+                }
         except Exception as e:  # noqa: BLE001 — recorded; the agree step decides for all ranks
             self.writer.fail("the snapshot", e)
         return snap
@@ -323,12 +422,14 @@ class CheckpointManager(SaveSchedule):
     def clear_staging(self, tag: str) -> None:
         """Leaders remove what a crashed save of the same step left in staging, before DeepSpeed's
         collective write. Polled; SaveError on every rank if it failed. Collective."""
+
         def clear():
             fault_point("save.clear_staging", step_of(tag))
             self.storage.remove(f"{STAGING}/{tag}")
 
-        out = dist.gather_outcomes(clear, on=self.leader, step=f"clearing {STAGING}/{tag}",
-                                   deadline_s=dist.io_deadline())
+        out = dist.gather_outcomes(
+            clear, on=self.leader, step=f"clearing {STAGING}/{tag}", deadline_s=dist.io_deadline()
+        )
         if not out.ok:
             raise SaveError(f"save of {tag} failed on {out.describe()}; latest is unchanged")
 
@@ -340,26 +441,39 @@ class CheckpointManager(SaveSchedule):
         try:
             # Collective: every rank must call it (a rank-0-only call hangs under ZeRO-3).
             # --use_peft: the frozen base is not saved (a resume loads it from where it came from).
-            self.engine.save_checkpoint(str(staging_root), tag=tag, save_latest=False,
-                                        **({"exclude_frozen_parameters": True} if self.adapters else {}))
+            self.engine.save_checkpoint(
+                str(staging_root),
+                tag=tag,
+                save_latest=False,
+                **({"exclude_frozen_parameters": True} if self.adapters else {}),
+            )
         except Exception as e:
             # Every write inside is guarded, so this is unexpected, and this rank may have skipped
             # one of DeepSpeed's collectives: agreeing now could hang. Fail the run loudly instead;
             # nothing was committed, so `latest` still names a complete checkpoint.
-            raise RuntimeError(f"DeepSpeed's save_checkpoint raised on rank {dist.rank()}; stopping because "
-                               f"the ranks may be out of step: {type(e).__name__}: {e}") from e
+            raise RuntimeError(
+                f"DeepSpeed's save_checkpoint raised on rank {dist.rank()}; stopping because "
+                f"the ranks may be out of step: {type(e).__name__}: {e}"
+            ) from e
         if consolidated:
             self._write_consolidated(folder)
+
         def own_files() -> dict[str, tuple[int, str]]:
             if snap.rng is not None:  # --async_save: its host copy, written by the writer's thread
                 self.writer.save(snap.rng, str(folder / f"rng_state_{dist.rank()}.pt"))
             if self.leader and self.writer.error is None:
-                return self._write_shared(folder, snap, consolidated and self.consolidation_error is None)
+                return self._write_shared(
+                    folder, snap, consolidated and self.consolidation_error is None
+                )
             return {}
 
         # Rank-local I/O before the agree step's all-gather: polled, so a hung write fails the save.
-        out = dist.gather_outcomes(own_files, step=f"writing {tag}'s RNG and shared files",
-                                   deadline_s=dist.io_deadline(), cancel=self.writer.record.cancelled)
+        out = dist.gather_outcomes(
+            own_files,
+            step=f"writing {tag}'s RNG and shared files",
+            deadline_s=dist.io_deadline(),
+            cancel=self.writer.record.cancelled,
+        )
         if out.own is not None:  # recorded; the agree step decides for all ranks
             self.writer.fail(folder, out.own)
         self.writer.files.update(out.result or {})
@@ -373,21 +487,37 @@ class CheckpointManager(SaveSchedule):
         )
 
         try:
-            if self.adapters:  # the adapters alone, as peft saves them (the base is elsewhere, unchanged)
-                files, self.adapter_summary = save_adapter(self.engine.module, folder, self.consolidated_dtype)
+            if (
+                self.adapters
+            ):  # the adapters alone, as peft saves them (the base is elsewhere, unchanged)
+                files, self.adapter_summary = save_adapter(
+                    self.engine.module, folder, self.consolidated_dtype
+                )
                 self.writer.files.update(files)
             else:
-                self.writer.files.update(save_consolidated(self.engine.module, folder, self.consolidated_dtype,
-                                                           self.ckpt.max_shard_size))
-        except ConsolidationFailed as e:  # every rank is past the gathers: recorded, only safetensors dropped
+                self.writer.files.update(
+                    save_consolidated(
+                        self.engine.module,
+                        folder,
+                        self.consolidated_dtype,
+                        self.ckpt.max_shard_size,
+                    )
+                )
+        except (
+            ConsolidationFailed
+        ) as e:  # every rank is past the gathers: recorded, only safetensors dropped
             self.consolidation_error = str(e)
         except Exception as e:
             # Escaped mid-gather (a transport error): this rank may have left the others inside a
             # collective, so agreeing now could hang. Fail loudly; nothing was committed.
-            raise RuntimeError(f"the consolidated save raised on rank {dist.rank()} mid-gather; stopping because the "
-                               f"ranks may be out of step: {type(e).__name__}: {e}") from e
+            raise RuntimeError(
+                f"the consolidated save raised on rank {dist.rank()} mid-gather; stopping because the "
+                f"ranks may be out of step: {type(e).__name__}: {e}"
+            ) from e
 
-    def _write_shared(self, folder: Path, snap: Snapshot, consolidated: bool) -> dict[str, tuple[int, str]]:
+    def _write_shared(
+        self, folder: Path, snap: Snapshot, consolidated: bool
+    ) -> dict[str, tuple[int, str]]:
         """A leader's files: config, tokenizer, trainer_state.json; hashes only what it wrote here.
         Returns them (never records them itself: a write that hung past its deadline and returns
         later must not touch a later save's list)."""
@@ -395,7 +525,9 @@ class CheckpointManager(SaveSchedule):
         module = self.engine.module
         config = copy.deepcopy(module.config)
         config.use_cache = True  # turned off for training only; inference wants it
-        if consolidated:  # config.json describes the safetensors beside it, whatever the training dtype
+        if (
+            consolidated
+        ):  # config.json describes the safetensors beside it, whatever the training dtype
             config.dtype = self.consolidated_dtype
         config.save_pretrained(folder)
         written = [folder / "config.json"]
@@ -408,11 +540,14 @@ class CheckpointManager(SaveSchedule):
         files = {}
         if self.writer.record.cancelled.is_set():  # given up on (a hung write above): write no more
             raise WriteCancelled(f"{folder}: the save was given up")
-        for path in dict.fromkeys(written):
-            if path.is_file():
-                files[path.name] = hash_file(path)
-                fsync_path(path)
-        files[TRAINER_STATE] = write_json_durably(folder / TRAINER_STATE, snap.trainer_state)
+        staged = f"{STAGING}/{folder.name}"
+        for name in dict.fromkeys(path.name for path in written):
+            if self.storage.is_file(f"{staged}/{name}"):
+                files[name] = self.storage.storage.checksum(f"{staged}/{name}")
+                self.storage.storage.sync(f"{staged}/{name}")
+        files[TRAINER_STATE] = self.storage.write_json(
+            f"{staged}/{TRAINER_STATE}", snap.trainer_state
+        )
         return files
 
     def agree(self, tag: str) -> dict[str, tuple[int, str]]:
@@ -432,14 +567,25 @@ class CheckpointManager(SaveSchedule):
         if consolidation:
             self.consolidation_error = _describe(consolidation)
             files = {n: v for n, v in files.items() if not _is_consolidated(n)}
-            out = dist.gather_outcomes(lambda: self.storage.remove_matching(f"{STAGING}/{tag}", CONSOLIDATED_PATTERNS),
-                                       on=self.leader, step=f"removing {tag}'s partial safetensors",
-                                       deadline_s=dist.io_deadline())
+            out = dist.gather_outcomes(
+                lambda: self.storage.remove_matching(f"{STAGING}/{tag}", CONSOLIDATED_PATTERNS),
+                on=self.leader,
+                step=f"removing {tag}'s partial safetensors",
+                deadline_s=dist.io_deadline(),
+            )
             if not out.ok:  # the files are left but unlisted; the checkpoint is still complete
-                dist.log_main(logging.WARNING, "could not remove partial safetensors files: %s", out.describe())
-            dist.log_main(logging.WARNING, "consolidated weights of %s not written (%s); committing the partitioned "
-                          "checkpoint without them: `finetune export` can rebuild them from it", tag,
-                          self.consolidation_error)
+                dist.log_main(
+                    logging.WARNING,
+                    "could not remove partial safetensors files: %s",
+                    out.describe(),
+                )
+            dist.log_main(
+                logging.WARNING,
+                "consolidated weights of %s not written (%s); committing the partitioned "
+                "checkpoint without them: `finetune export` can rebuild them from it",
+                tag,
+                self.consolidation_error,
+            )
         return files
 
     def _drop_staging(self, tag: str, written: bool = False) -> str:
@@ -463,11 +609,21 @@ class CheckpointManager(SaveSchedule):
                 free = None  # the folder is gone all the same: report what is known
             return freed, free
 
-        out = dist.gather_outcomes(remove, on=self.leader, share=True, step=f"removing {STAGING}/{tag}",
-                                   deadline_s=dist.io_deadline())
+        out = dist.gather_outcomes(
+            remove,
+            on=self.leader,
+            share=True,
+            step=f"removing {STAGING}/{tag}",
+            deadline_s=dist.io_deadline(),
+        )
         if not out.ok:
-            dist.log_main(logging.WARNING, "could not remove %s/%s (%s); it is removed at the next start", STAGING,
-                          tag, out.describe())
+            dist.log_main(
+                logging.WARNING,
+                "could not remove %s/%s (%s); it is removed at the next start",
+                STAGING,
+                tag,
+                out.describe(),
+            )
             return ""
         freed = {r: v for r, v in enumerate(out.results) if v is not None}
         return f"; {space_report(freed, self.space_needed())}" if freed else ""
@@ -478,11 +634,19 @@ class CheckpointManager(SaveSchedule):
         self.next_seq += 1  # consumed even if the commit fails: a save id is never reused
         parent = self.head
         if parent is not None and parent.tag == tag:  # a same-tag re-commit replaces its parent
-            parent = Committed(parent.parent, save_id=parent.parent_save_id) if parent.parent else None
-        identity = {"commit_seq": seq, "save_id": f"{self.run_id}-{seq}",
-                    "parent": parent.tag if parent else None,
-                    "parent_save_id": parent.save_id if parent else None, "consolidated": consolidated}
-        if consolidated and self.adapter_summary is not None:  # what `finetune verify` holds the adapter file to
+            parent = (
+                Committed(parent.parent, save_id=parent.parent_save_id) if parent.parent else None
+            )
+        identity = {
+            "commit_seq": seq,
+            "save_id": f"{self.run_id}-{seq}",
+            "parent": parent.tag if parent else None,
+            "parent_save_id": parent.save_id if parent else None,
+            "consolidated": consolidated,
+        }
+        if (
+            consolidated and self.adapter_summary is not None
+        ):  # what `finetune verify` holds the adapter file to
             identity["adapter"] = self.adapter_summary
         ranks = self.layout.my_group if self.layout.node_local else None
         try:
@@ -493,43 +657,71 @@ class CheckpointManager(SaveSchedule):
         def prepare():
             seams.pause(seams.SLOW_COMMIT)  # a moment for a test to fill the disk
             try:
-                prepare_staged(self.storage, tag, files, dist.world_size(), versions(), ranks, identity)
+                prepare_staged(
+                    self.storage, tag, files, dist.world_size(), versions(), ranks, identity
+                )
             except OSError as e:
-                if e.filename is None and e.errno is not None:  # a failed write names no file: name it
-                    raise OSError(e.errno, e.strerror, str(self.out / STAGING / tag / MANIFEST)) from e
+                if (
+                    e.filename is None and e.errno is not None
+                ):  # a failed write names no file: name it
+                    raise OSError(
+                        e.errno, e.strerror, str(self.out / STAGING / tag / MANIFEST)
+                    ) from e
                 raise
 
-        out = dist.gather_outcomes(prepare, on=self.leader, step=f"writing {tag}'s manifest",
-                                   deadline_s=dist.io_deadline())
+        out = dist.gather_outcomes(
+            prepare, on=self.leader, step=f"writing {tag}'s manifest", deadline_s=dist.io_deadline()
+        )
         if not out.ok:
             freed = self._drop_staging(tag)
-            raise SaveError(f"commit of {tag} failed on {out.describe()}; latest is unchanged{freed}")
+            raise SaveError(
+                f"commit of {tag} failed on {out.describe()}; latest is unchanged{freed}"
+            )
         try:
             self.ensure_lease(f"publishing {tag}", step_of(tag))
         except SaveError as e:
             raise SaveError(f"{e}{self._drop_staging(tag)}") from e
         given_up = threading.Event()
-        out = dist.gather_outcomes(lambda: publish_staged(self.storage, tag, given_up), on=self.leader,
-                                   step=f"publishing {tag}", deadline_s=dist.io_deadline(), cancel=given_up)
+        out = dist.gather_outcomes(
+            lambda: publish_staged(self.storage, tag, given_up),
+            on=self.leader,
+            step=f"publishing {tag}",
+            deadline_s=dist.io_deadline(),
+            cancel=given_up,
+        )
         if given_up.is_set() and not self._in_place(tag, identity["save_id"]):
             # A rename stuck past its deadline may still complete when the filesystem recovers: its
             # staging is left alone (a purge racing the rename could put a half-deleted folder in
             # place). A complete folder that lands later is found by the commit order.
-            raise SaveError(f"commit of {tag} failed on {out.describe()}; its staging is left in place, `latest` "
-                            "is unchanged")
+            raise SaveError(
+                f"commit of {tag} failed on {out.describe()}; its staging is left in place, `latest` "
+                "is unchanged"
+            )
         if not out.ok and not self._in_place(tag, identity["save_id"]):
             # Only a rename or the `latest` write failed, after every node had its files complete.
             self._drop_staging(tag, written=True)  # a no-op where the rename happened
-            raise SaveError(f"commit of {tag} failed on {out.describe()}; `latest` may now differ between "
-                            "nodes (resume takes the newest checkpoint complete on all of them)")
+            raise SaveError(
+                f"commit of {tag} failed on {out.describe()}; `latest` may now differ between "
+                "nodes (resume takes the newest checkpoint complete on all of them)"
+            )
         if not out.ok:
             # Renamed into place everywhere: committed (the commit order, not `latest`, is the truth).
             # Counted in the line from here on, or retention would never delete it.
-            dist.log_main(logging.WARNING, "committed %s, but `latest` was not updated (%s): it names an older "
-                          "complete checkpoint until the next commit; resume follows the commit order", tag,
-                          out.describe())
-        self.head = Committed(tag, seq, identity["save_id"], identity["parent"], identity["parent_save_id"],
-                              sum(size for size, _ in files.values()))
+            dist.log_main(
+                logging.WARNING,
+                "committed %s, but `latest` was not updated (%s): it names an older "
+                "complete checkpoint until the next commit; resume follows the commit order",
+                tag,
+                out.describe(),
+            )
+        self.head = Committed(
+            tag,
+            seq,
+            identity["save_id"],
+            identity["parent"],
+            identity["parent_save_id"],
+            sum(size for size, _ in files.values()),
+        )
         self.line = [t for t in self.line if t != tag] + [tag]
         self.last_bytes = self.sizes[tag] = self.head.total_bytes
 
@@ -537,23 +729,35 @@ class CheckpointManager(SaveSchedule):
         """Right before a commit, a publish, retention or a cleanup: rank 0 re-reads OUT's lease
         (``still_ours``). LeaseLost on every rank if another run holds it; SaveError on every rank
         if it could not be read (nothing is done then either). Polled. Collective."""
+
         def check():
             fault_point("lease.check", step)
             return self.still_ours()
 
-        out = dist.gather_outcomes(check, on=dist.is_main(), share=True, step="checking the output dir's lease",
-                                   deadline_s=dist.io_deadline())
+        out = dist.gather_outcomes(
+            check,
+            on=dist.is_main(),
+            share=True,
+            step="checking the output dir's lease",
+            deadline_s=dist.io_deadline(),
+        )
         if not out.ok:
-            raise SaveError(f"could not check {self.out}'s lease before {before} ({out.describe()}); not {before}")
+            raise SaveError(
+                f"could not check {self.out}'s lease before {before} ({out.describe()}); not {before}"
+            )
         if out.results[0] is False:
             raise LeaseLost(f"another run took over {self.out}'s lease; not {before}")
 
     def _in_place(self, tag: str, save_id: str) -> bool:
         """Whether every storage holds this save under its name: after a failed publish, that only
         ``latest`` failed. Leaders read their manifest; agreed. Collective."""
-        out = dist.gather_outcomes(lambda: (self.storage.read_manifest(tag) or {}).get("save_id") == save_id,
-                                   on=self.leader, share=True, step=f"reading {tag}'s manifest",
-                                   deadline_s=dist.io_deadline())
+        out = dist.gather_outcomes(
+            lambda: (self.storage.read_manifest(tag) or {}).get("save_id") == save_id,
+            on=self.leader,
+            share=True,
+            step=f"reading {tag}'s manifest",
+            deadline_s=dist.io_deadline(),
+        )
         placed = [v for v in out.results if v is not None]
         return out.ok and bool(placed) and all(placed)
 
@@ -573,7 +777,9 @@ class CheckpointManager(SaveSchedule):
             dist.log_main(logging.WARNING, "save_total_limit %d: %s", limit, e)
             return
 
-        moved: list[tuple[str, str]] = []  # (tag, its trash): what this leader renamed, even if a later one failed
+        moved: list[
+            tuple[str, str]
+        ] = []  # (tag, its trash): what this leader renamed, even if a later one failed
 
         def retire():
             fault_point("retention.delete", step_of(self.head.tag))
@@ -583,27 +789,48 @@ class CheckpointManager(SaveSchedule):
                     moved.append((tag, self.storage.retire(tag)))
 
         given_up = threading.Event()
-        out = dist.gather_outcomes(retire, on=self.leader, step="retention", deadline_s=dist.io_deadline(),
-                                   cancel=given_up)
-        if not given_up.is_set():  # a rename given up on may land later: its folder is tidied at the next start
+        out = dist.gather_outcomes(
+            retire, on=self.leader, step="retention", deadline_s=dist.io_deadline(), cancel=given_up
+        )
+        if (
+            not given_up.is_set()
+        ):  # a rename given up on may land later: its folder is tidied at the next start
             for tag, trash in moved:
                 self.deleter.add(trash, self.sizes.pop(tag, 0), tag)
         if out.ok:
             self.line = [t for t in self.line if t not in doomed]
-            dist.log_main(logging.INFO, "save_total_limit %d: deleting %s in the background", limit, ", ".join(doomed))
+            dist.log_main(
+                logging.INFO,
+                "save_total_limit %d: deleting %s in the background",
+                limit,
+                ", ".join(doomed),
+            )
         else:  # kept in the line: retried after the next save
-            dist.log_main(logging.WARNING, "save_total_limit %d: could not delete %s (%s); retrying after the next "
-                          "save", limit, ", ".join(doomed), out.describe())
+            dist.log_main(
+                logging.WARNING,
+                "save_total_limit %d: could not delete %s (%s); retrying after the next save",
+                limit,
+                ", ".join(doomed),
+                out.describe(),
+            )
 
     def finish_deletions(self) -> None:
         """At the end of training: leaders wait for retention's background deletions (polled; one
         that makes no progress is left for the next start to tidy, with a warning). Collective."""
-        out = dist.gather_outcomes(self.deleter.drain, on=self.leader, step="deleting older checkpoints",
-                                   deadline_s=dist.io_deadline())
+        out = dist.gather_outcomes(
+            self.deleter.drain,
+            on=self.leader,
+            step="deleting older checkpoints",
+            deadline_s=dist.io_deadline(),
+        )
         if not out.ok:
             self.deleter.stop()
-            dist.log_main(logging.WARNING, "older checkpoints not deleted completely (%s); what is left under "
-                          ".trash-* is removed at the next start", out.describe())
+            dist.log_main(
+                logging.WARNING,
+                "older checkpoints not deleted completely (%s); what is left under "
+                ".trash-* is removed at the next start",
+                out.describe(),
+            )
 
     # --- load ----------------------------------------------------------------------------------
 
@@ -614,33 +841,52 @@ class CheckpointManager(SaveSchedule):
         if plan is None:
             return False
         start, folder = time.perf_counter(), plan.folder
-        load_dir, tag = (str(folder), plan.universal.name) if plan.universal else (str(folder.parent), folder.name)
+        load_dir, tag = (
+            (str(folder), plan.universal.name)
+            if plan.universal
+            else (str(folder.parent), folder.name)
+        )
         # --use_peft: the rank files hold no frozen base weight, so the module's state is partial (the
         # adapters' own weights come from the optimizer's fp32 partitions, as in full fine-tuning).
-        load_path, _ = self.engine.load_checkpoint(load_dir, tag=tag, load_optimizer_states=True,
-                                                   load_lr_scheduler_states=True,
-                                                   **({"load_module_strict": False} if self.adapters else {}))
+        load_path, _ = self.engine.load_checkpoint(
+            load_dir,
+            tag=tag,
+            load_optimizer_states=True,
+            load_lr_scheduler_states=True,
+            **({"load_module_strict": False} if self.adapters else {}),
+        )
         if load_path is None:
             raise RuntimeError(f"DeepSpeed could not load the checkpoint {folder}")
-        replay_adam_steps(self.engine)  # CPU Adam's running beta powers, as the uninterrupted run has them
+        replay_adam_steps(
+            self.engine
+        )  # CPU Adam's running beta powers, as the uninterrupted run has them
         self.progress.load_state_dict(plan.saved)
         self.sampler.load_state_dict(self.progress.sampler)
         rng_file = folder / f"rng_state_{dist.rank()}.pt"
 
         def load_rng():
             fault_point("resume.load_rng")
-            if not rng_file.exists():
+            if not rng_file.exists():  # (the plan's folder may be outside OUT: a local path)
                 return None
             state = torch.load(rng_file, weights_only=True)
             set_rng_state(state)
             return state
 
-        state = dist.run_agreed(load_rng, step="restoring each rank's RNG", deadline_s=dist.io_deadline())
+        state = dist.run_agreed(
+            load_rng, step="restoring each rank's RNG", deadline_s=dist.io_deadline()
+        )
         if state is None:
-            logger.warning("no RNG state for rank %d in %s (it had %d ranks); this rank keeps its seeded RNG",
-                           dist.rank(), folder.name, plan.saved["world_size"])
-        self.progress.window = restored_window(self.progress.window, (state or {}).get(RANK_WINDOW),
-                                               plan.saved["world_size"] == dist.world_size())
+            logger.warning(
+                "no RNG state for rank %d in %s (it had %d ranks); this rank keeps its seeded RNG",
+                dist.rank(),
+                folder.name,
+                plan.saved["world_size"],
+            )
+        self.progress.window = restored_window(
+            self.progress.window,
+            (state or {}).get(RANK_WINDOW),
+            plan.saved["world_size"] == dist.world_size(),
+        )
         from finetune.metrics import truncate_after
 
         def truncate():
@@ -648,9 +894,19 @@ class CheckpointManager(SaveSchedule):
             truncate_after(self.out / "metrics.jsonl", self.progress.global_step)
 
         # metrics.jsonl is rank 0's, whatever the storage; a crashed run's tail goes.
-        dist.run_agreed(truncate, on=dist.is_main(), step="trimming metrics.jsonl", deadline_s=dist.io_deadline())
-        logger.info("Resumed from %s at step %d (epoch %.2f) in %.2f seconds.", folder, self.progress.global_step,
-                    self.progress.epoch, time.perf_counter() - start)
+        dist.run_agreed(
+            truncate,
+            on=dist.is_main(),
+            step="trimming metrics.jsonl",
+            deadline_s=dist.io_deadline(),
+        )
+        logger.info(
+            "Resumed from %s at step %d (epoch %.2f) in %.2f seconds.",
+            folder,
+            self.progress.global_step,
+            self.progress.epoch,
+            time.perf_counter() - start,
+        )
         return True
 
 
@@ -664,12 +920,15 @@ def restored_window(world: LogWindow, own: dict | None, same_world: bool) -> Log
         return LogWindow.from_state_dict(own)
     if dist.is_main():
         return world
-    return LogWindow(steps=world.steps, skipped_steps=world.skipped_steps, lr=world.lr, grad_norm=world.grad_norm)
+    return LogWindow(
+        steps=world.steps, skipped_steps=world.skipped_steps, lr=world.lr, grad_norm=world.grad_norm
+    )
 
 
 def _is_consolidated(name: str) -> bool:
-    return name in ("model.safetensors", "model.safetensors.index.json", ADAPTER_WEIGHTS) or \
-        (name.startswith("model-") and name.endswith(".safetensors"))
+    return name in ("model.safetensors", "model.safetensors.index.json", ADAPTER_WEIGHTS) or (
+        name.startswith("model-") and name.endswith(".safetensors")
+    )
 
 
 def _describe(bad: dict[int, str]) -> str:

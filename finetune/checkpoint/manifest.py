@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 
-from finetune.checkpoint.storage import step_of
+from finetune.checkpoint.outdir import step_of
 from finetune.io.durable import hash_file
 from finetune.io.faults import fault_point
 
@@ -23,15 +23,31 @@ ALGORITHM = "xxh3_128"
 FORMAT_VERSION = 2  # 2: commit_seq, parent, parent_save_id, save_id
 
 
-def build_manifest(tag: str, files: dict[str, tuple[int, str]], world_size: int, versions: dict,
-                   ranks: list[int] | None = None, identity: dict | None = None) -> dict:
+def build_manifest(
+    tag: str,
+    files: dict[str, tuple[int, str]],
+    world_size: int,
+    versions: dict,
+    ranks: list[int] | None = None,
+    identity: dict | None = None,
+) -> dict:
     """``ranks``: node-local storage holds only these ranks' files (absent = all of them);
     ``identity``: commit_seq, save_id, parent, parent_save_id (policy.py reads them)."""
     # committed_at: for people (`finetune ls`); ordering goes by commit_seq, never by clocks.
-    manifest = {**(identity or {}),"format_version": FORMAT_VERSION, "tag": tag, "world_size": world_size, "algorithm": ALGORITHM,
-                "committed_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-                "versions": versions, "total_bytes": sum(size for size, _ in files.values()),
-                "files": {name: {"size": size, "checksum": digest} for name, (size, digest) in sorted(files.items())}}
+    manifest = {
+        **(identity or {}),
+        "format_version": FORMAT_VERSION,
+        "tag": tag,
+        "world_size": world_size,
+        "algorithm": ALGORITHM,
+        "committed_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "versions": versions,
+        "total_bytes": sum(size for size, _ in files.values()),
+        "files": {
+            name: {"size": size, "checksum": digest}
+            for name, (size, digest) in sorted(files.items())
+        },
+    }
     if ranks is not None:
         manifest["ranks"] = sorted(ranks)
     return manifest
@@ -52,8 +68,11 @@ def read_manifest(folder: str | os.PathLike) -> dict | None:
 
 # --- verification ----------------------------------------------------------------------------
 
-RANK_FILE_PATTERNS = ("zero_pp_rank_{r}_mp_rank_00_model_states.pt", "zero_pp_rank_{r}_mp_rank_00_optim_states.pt",
-                      "rng_state_{r}.pt")
+RANK_FILE_PATTERNS = (
+    "zero_pp_rank_{r}_mp_rank_00_model_states.pt",
+    "zero_pp_rank_{r}_mp_rank_00_optim_states.pt",
+    "rng_state_{r}.pt",
+)
 
 
 @dataclass
@@ -71,12 +90,20 @@ class Report:
 
 
 def looks_like_checkpoint(folder: Path) -> bool:
-    return folder.is_dir() and ((folder / MANIFEST).exists() or any(folder.glob("zero_pp_rank_*_model_states.pt"))
-                                or (folder / "trainer_state.json").exists())
+    return folder.is_dir() and (
+        (folder / MANIFEST).exists()
+        or any(folder.glob("zero_pp_rank_*_model_states.pt"))
+        or (folder / "trainer_state.json").exists()
+    )
 
 
-def verify(folder: str | os.PathLike, *, checksums: bool = True, ranks: list[int] | None = None,
-           shared: bool = True) -> Report:
+def verify(
+    folder: str | os.PathLike,
+    *,
+    checksums: bool = True,
+    ranks: list[int] | None = None,
+    shared: bool = True,
+) -> Report:
     """Check ``folder`` against its manifest: every file present with its size (and checksum),
     one file set per rank of the recorded world size, a readable training state.
 
@@ -99,8 +126,12 @@ def verify(folder: str | os.PathLike, *, checksums: bool = True, ranks: list[int
     for r in stored_ranks(manifest) if ranks is None else ranks:
         for pattern in RANK_FILE_PATTERNS:
             name = pattern.format(r=r)
-            if name not in listed and not (name.startswith("zero") and _bf16_variant(name) in listed):
-                report.problems.append(f"{name}: rank {r} of {world} has no such file in the manifest")
+            if name not in listed and not (
+                name.startswith("zero") and _bf16_variant(name) in listed
+            ):
+                report.problems.append(
+                    f"{name}: rank {r} of {world} has no such file in the manifest"
+                )
     for name in sorted(mine):
         report.problems.extend(check_file(folder / name, name, listed[name], checksums))
         report.files += 1
@@ -117,8 +148,11 @@ def _bf16_variant(name: str) -> str:
 
 def _files_of(listed: dict, ranks: list[int], world: int, shared: bool) -> set[str]:
     """The manifest's files that belong to ``ranks`` (plus the shared ones if ``shared``)."""
-    per_rank = {r: {p.format(r=r) for p in RANK_FILE_PATTERNS} | {_bf16_variant(p.format(r=r)) for p in RANK_FILE_PATTERNS}
-                for r in range(world)}
+    per_rank = {
+        r: {p.format(r=r) for p in RANK_FILE_PATTERNS}
+        | {_bf16_variant(p.format(r=r)) for p in RANK_FILE_PATTERNS}
+        for r in range(world)
+    }
     any_rank = set().union(*per_rank.values()) if per_rank else set()
     wanted = set().union(*(per_rank.get(r, set()) for r in ranks)) if ranks else set()
     return {n for n in listed if n in wanted or (shared and n not in any_rank)}
@@ -131,7 +165,9 @@ def check_file(path: Path, name: str, meta: dict, checksums: bool) -> list[str]:
             return [f"{name}: a directory, not a file"]
         size = path.stat().st_size
         if size != meta["size"]:
-            return [f"{name}: size {size} bytes, manifest says {meta['size']} (truncated or overwritten)"]
+            return [
+                f"{name}: size {size} bytes, manifest says {meta['size']} (truncated or overwritten)"
+            ]
         fault_point("verify.read_file", step_of(path.parent.name))
         if checksums and hash_file(path)[1] != meta["checksum"]:
             return [f"{name}: checksum mismatch (corrupted)"]
@@ -148,5 +184,7 @@ def _check_trainer_state(folder: Path, world: int) -> list[str]:
     except (OSError, ValueError) as e:
         return [f"trainer_state.json: unreadable ({type(e).__name__})"]
     if state.get("world_size") != world:
-        return [f"trainer_state.json: world_size {state.get('world_size')} but the manifest says {world}"]
+        return [
+            f"trainer_state.json: world_size {state.get('world_size')} but the manifest says {world}"
+        ]
     return []

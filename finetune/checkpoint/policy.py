@@ -47,19 +47,36 @@ class Committed:
     world_size: int | None = None  # the ranks that saved it
 
     # The manifest fields this reads (resume shares only these with every rank, not the file list).
-    MANIFEST_KEYS = ("commit_seq", "save_id", "parent", "parent_save_id", "total_bytes", "world_size")
+    MANIFEST_KEYS = (
+        "commit_seq",
+        "save_id",
+        "parent",
+        "parent_save_id",
+        "total_bytes",
+        "world_size",
+    )
 
     @classmethod
-    def from_manifest(cls, tag: str, manifest: dict) -> "Committed":
+    def from_manifest(cls, tag: str, manifest: dict) -> Committed:
         seq = manifest.get("commit_seq")
         world = manifest.get("world_size")
-        return cls(tag, int(seq) if seq is not None else None, manifest.get("save_id"), manifest.get("parent"),
-                   manifest.get("parent_save_id"), int(manifest.get("total_bytes", 0)),
-                   int(world) if world is not None else None)
+        return cls(
+            tag,
+            int(seq) if seq is not None else None,
+            manifest.get("save_id"),
+            manifest.get("parent"),
+            manifest.get("parent_save_id"),
+            int(manifest.get("total_bytes", 0)),
+            int(world) if world is not None else None,
+        )
 
     @property
     def order_key(self) -> tuple:
-        return (self.seq is not None, self.seq if self.seq is not None else -1, step_of(self.tag) or 0)
+        return (
+            self.seq is not None,
+            self.seq if self.seq is not None else -1,
+            step_of(self.tag) or 0,
+        )
 
 
 def newest_first(committed: list[Committed]) -> list[Committed]:
@@ -104,11 +121,12 @@ def newer_than(point: Committed, committed: list[Committed]) -> list[Committed]:
 def select_for_deletion(line: list[str], limit: int, protected: set) -> list[str]:
     """The oldest of ``line`` (oldest first) beyond ``limit``, never a protected one."""
     excess = len(line) - limit
-    return [t for t in line if t not in protected][:max(excess, 0)]
+    return [t for t in line if t not in protected][: max(excess, 0)]
 
 
-def space_needed(previous_bytes: int | None, parameters: int, share: float, bytes_per_param: int,
-                 margin: float) -> int:
+def space_needed(
+    previous_bytes: int | None, parameters: int, share: float, bytes_per_param: int, margin: float
+) -> int:
     """Bytes a save needs on one storage: the previous checkpoint's size there, else an estimate
     for Adam under ZeRO scaled to the storage's share of the ranks (node-local: its node's)."""
     if previous_bytes:

@@ -25,14 +25,14 @@ from finetune.checkpoint.manifest import (
     read_manifest,
     verify,
 )
-from finetune.checkpoint.policy import Committed, newer_than, resume_order
-from finetune.checkpoint.state import TRAINER_STATE
-from finetune.checkpoint.storage import (
-    LocalStorage,
+from finetune.checkpoint.outdir import (
+    OutputDir,
     committed,
     find_checkpoint,
     step_of,
 )
+from finetune.checkpoint.policy import Committed, newer_than, resume_order
+from finetune.checkpoint.state import TRAINER_STATE
 from finetune.checkpoint.universal import UNIVERSAL, to_universal, verify_universal
 from finetune.config import ConfigError, RunConfig
 from finetune.distributed import logger
@@ -48,18 +48,35 @@ class ResumePlan:
     folder: Path
     saved: dict  # trainer_state.json
     universal: Path | None  # set when the world size changed
-    head: Committed | None = None  # the resumed-from checkpoint in OUT's commit order (None: outside OUT)
-    max_seq: int = 0  # the highest commit number seen, set-aside ones included: later commits go above it
+    head: Committed | None = (
+        None  # the resumed-from checkpoint in OUT's commit order (None: outside OUT)
+    )
+    max_seq: int = (
+        0  # the highest commit number seen, set-aside ones included: later commits go above it
+    )
 
 
 class Resumer:
-    def __init__(self, cfg: RunConfig, storage: LocalStorage, node_local: bool = False, leader: bool | None = None,
-                 base: dict | None = None, signalled=lambda: False):
+    def __init__(
+        self,
+        cfg: RunConfig,
+        storage: OutputDir,
+        node_local: bool = False,
+        leader: bool | None = None,
+        base: dict | None = None,
+        signalled=lambda: False,
+    ):
         """``node_local``: each node has its own OUT; ``leader``: this rank does rank 0's part for
         its OUT (rank 0, or each node's first rank; default rank 0); ``base``: with --use_peft, the
         base model's identity (lora.base_identity), the same on every rank; ``signalled``: whether
         this rank got a preemption signal (stops a universal conversion)."""
-        self.cfg, self.storage, self.out, self.base, self.signalled = cfg, storage, storage.root, base, signalled
+        self.cfg, self.storage, self.out, self.base, self.signalled = (
+            cfg,
+            storage,
+            storage.root,
+            base,
+            signalled,
+        )
         self.node_local = node_local
         self.leader = dist.is_main() if leader is None else leader
         self.saved_worlds: dict[str, int | None] = {}  # node-local: each candidate's world size
@@ -76,16 +93,28 @@ class Resumer:
         if folder is None:
             self._set_aside_other_timelines()
             return None
+
         def read_state():
             fault_point("resume.read_state")
             manifest = read_manifest(folder)
             # Only its identity travels to every rank: the file list is O(world size) entries.
-            identity = {k: manifest[k] for k in Committed.MANIFEST_KEYS if k in manifest} if manifest else None
-            return (json.loads((folder / TRAINER_STATE).read_text()), identity,
-                    folder.parent.resolve() == self.out.resolve())
+            identity = (
+                {k: manifest[k] for k in Committed.MANIFEST_KEYS if k in manifest}
+                if manifest
+                else None
+            )
+            return (
+                json.loads((folder / TRAINER_STATE).read_text()),
+                identity,
+                folder.parent.resolve() == self.out.resolve(),
+            )
 
-        saved, manifest, in_out = dist.share_from(0, read_state, step=f"reading {folder.name}'s trainer state",
-                                                  deadline_s=dist.io_deadline())
+        saved, manifest, in_out = dist.share_from(
+            0,
+            read_state,
+            step=f"reading {folder.name}'s trainer state",
+            deadline_s=dist.io_deadline(),
+        )
         self._check_compatible(saved)
         # From facts every rank shares (the saved state, the base's identity): raises alike everywhere.
         check_resumable(folder, saved, self.cfg.model, self.base)
@@ -102,10 +131,16 @@ class Resumer:
             if self.node_local:
                 raise ConfigError(_node_local_world(folder, saved["world_size"]))
             universal = self._universal(folder, manifest or {})
-            dist.log_main(logging.INFO, "Resuming a %d-rank checkpoint on %d ranks: loading DeepSpeed's universal "
-                          "format from %s; the data order continues from global sample %d of epoch %d.",
-                          saved["world_size"], dist.world_size(), universal, saved["sampler"]["consumed"],
-                          saved["sampler"]["epoch"])
+            dist.log_main(
+                logging.INFO,
+                "Resuming a %d-rank checkpoint on %d ranks: loading DeepSpeed's universal "
+                "format from %s; the data order continues from global sample %d of epoch %d.",
+                saved["world_size"],
+                dist.world_size(),
+                universal,
+                saved["sampler"]["consumed"],
+                saved["sampler"]["epoch"],
+            )
         return ResumePlan(folder, saved, universal, head, max_seq)
 
     # --- choosing ------------------------------------------------------------------------------
@@ -122,36 +157,58 @@ class Resumer:
             problems = self._verify_collectively(folder)
             if not problems:
                 if tried:
-                    dist.log_main(logging.WARNING, "resuming from %s, an older checkpoint than %s", folder.name,
-                                  ", ".join(f.name for f, _ in tried))
+                    dist.log_main(
+                        logging.WARNING,
+                        "resuming from %s, an older checkpoint than %s",
+                        folder.name,
+                        ", ".join(f.name for f, _ in tried),
+                    )
                 return folder
             if spec not in ("latest", "auto"):
-                raise ConfigError(f"--resume_from_checkpoint: {folder} does not verify: {'; '.join(problems[:3])}")
-            dist.log_main(logging.WARNING, "not resuming from %s: %s; trying an older checkpoint",
-                          folder.name, "; ".join(problems[:3]))
+                raise ConfigError(
+                    f"--resume_from_checkpoint: {folder} does not verify: {'; '.join(problems[:3])}"
+                )
+            dist.log_main(
+                logging.WARNING,
+                "not resuming from %s: %s; trying an older checkpoint",
+                folder.name,
+                "; ".join(problems[:3]),
+            )
             tried.append((folder, problems))
         if not candidates:
             if spec == "latest":
-                raise ConfigError(f"--resume_from_checkpoint latest: no complete checkpoint in {self.out}")
-            logger.info("--resume_from_checkpoint %s: no checkpoint in %s, starting fresh", spec, self.out)
+                raise ConfigError(
+                    f"--resume_from_checkpoint latest: no complete checkpoint in {self.out}"
+                )
+            logger.info(
+                "--resume_from_checkpoint %s: no checkpoint in %s, starting fresh", spec, self.out
+            )
             return None
         if self.node_local:
             # Failing everywhere usually means ranks now sit on other nodes (or in another order)
             # than when they saved; starting fresh would silently redo the work.
-            hint = ("no checkpoint verifies on every node; were the ranks placed on other nodes than when they were "
-                    "saved? Start the job on the same nodes, in the same order")
+            hint = (
+                "no checkpoint verifies on every node; were the ranks placed on other nodes than when they were "
+                "saved? Start the job on the same nodes, in the same order"
+            )
         else:
             hint = "no checkpoint verifies"
         details = "; ".join(f"{f.name}: {p[0]}" for f, p in tried)
         if spec == "auto" and self.cfg.ckpt.ignore_unverified_checkpoints:
             for folder, _ in tried:
                 self._set_aside([folder.name], "unverified", "does not verify")
-            dist.log_main(logging.WARNING, "--ignore_unverified_checkpoints: %s (%s); set them aside and starting "
-                          "fresh", hint, details)
+            dist.log_main(
+                logging.WARNING,
+                "--ignore_unverified_checkpoints: %s (%s); set them aside and starting fresh",
+                hint,
+                details,
+            )
             return None
-        raise ConfigError(f"--resume_from_checkpoint {spec}: {hint} in {self.out} ({details}); nothing was changed. "
-                          "Pass --ignore_unverified_checkpoints to start fresh anyway (they are set aside under "
-                          ".abandoned, not deleted)")
+        raise ConfigError(
+            f"--resume_from_checkpoint {spec}: {hint} in {self.out} ({details}); nothing was changed. "
+            "Pass --ignore_unverified_checkpoints to start fresh anyway (they are set aside under "
+            ".abandoned, not deleted)"
+        )
 
     def _agreed_candidates(self, spec: str) -> list[Path]:
         """Folders to try, best first, the same on every rank. Collective.
@@ -161,13 +218,20 @@ class Resumer:
         id* (each rank then looks in its own OUT); a PATH: the same folder on every rank.
         """
         if spec not in ("latest", "auto"):
+
             def explicit():
                 path = find_checkpoint(spec)
                 if path is None or not looks_like_checkpoint(path):
                     raise ConfigError(f"--resume_from_checkpoint: no checkpoint at {spec}")
                 return str(path)
 
-            return [Path(dist.share_from(0, explicit, step="finding the checkpoint", deadline_s=dist.io_deadline()))]
+            return [
+                Path(
+                    dist.share_from(
+                        0, explicit, step="finding the checkpoint", deadline_s=dist.io_deadline()
+                    )
+                )
+            ]
 
         def listing():
             fault_point("resume.list")
@@ -175,25 +239,38 @@ class Resumer:
             return resume_order(self.storage.tags(), found), {c.tag: c.save_id for c in found}
 
         if not self.node_local:
-            order, _ = dist.share_from(0, listing, step="listing checkpoints", deadline_s=dist.io_deadline())
+            order, _ = dist.share_from(
+                0, listing, step="listing checkpoints", deadline_s=dist.io_deadline()
+            )
             return [self.out / t for t in order]
 
         def node_listing():
             order, ids = listing()
             return order, ids, {c.tag: c.world_size for c in committed(self.storage)}
 
-        out = dist.gather_outcomes(node_listing, on=self.leader, share=True, step="listing checkpoints",
-                                   deadline_s=dist.io_deadline())
+        out = dist.gather_outcomes(
+            node_listing,
+            on=self.leader,
+            share=True,
+            step="listing checkpoints",
+            deadline_s=dist.io_deadline(),
+        )
         out.raise_any()
         views = [v[:2] for v in out.results if v is not None]
         self.saved_worlds = next(v[2] for v in out.results if v is not None)
-        common = [t for t in views[0][0] if all(t in ids and ids[t] == views[0][1].get(t) for _, ids in views[1:])
-                  and all(t in order for order, _ in views[1:])]
+        common = [
+            t
+            for t in views[0][0]
+            if all(t in ids and ids[t] == views[0][1].get(t) for _, ids in views[1:])
+            and all(t in order for order, _ in views[1:])
+        ]
         if not common and any(order for order, _ in views):
-            raise ConfigError(f"--resume_from_checkpoint {spec}: the nodes hold no checkpoint in common "
-                              f"({', '.join(str(len(o)) for o, _ in views)} per node, compared by save id): were the "
-                              "ranks placed on other nodes than when they were saved? Start the job on the same "
-                              "nodes, in the same order")
+            raise ConfigError(
+                f"--resume_from_checkpoint {spec}: the nodes hold no checkpoint in common "
+                f"({', '.join(str(len(o)) for o, _ in views)} per node, compared by save id): were the "
+                "ranks placed on other nodes than when they were saved? Start the job on the same "
+                "nodes, in the same order"
+            )
         return [self.out / t for t in common]
 
     def _refuse_another_world(self, folder: Path) -> None:
@@ -201,30 +278,48 @@ class Resumer:
         2, nothing touched) naming both, from the manifests the leaders listed (alike everywhere)."""
         saved = self.saved_worlds.get(folder.name)
         if folder.name not in self.saved_worlds:  # an explicit PATH: rank 0's manifest says
-            saved = dist.share_from(0, lambda: (read_manifest(folder) or {}).get("world_size"),
-                                    step=f"reading {folder.name}'s manifest", deadline_s=dist.io_deadline())
+            saved = dist.share_from(
+                0,
+                lambda: (read_manifest(folder) or {}).get("world_size"),
+                step=f"reading {folder.name}'s manifest",
+                deadline_s=dist.io_deadline(),
+            )
         if saved is not None and saved != dist.world_size():
             raise ConfigError(_node_local_world(folder, saved))
 
     def _verify_collectively(self, folder: Path) -> list[str]:
         """Every rank checks a share of the rank files (rank 0 also the shared ones). Collective.
         Any error while checking (EIO, ESTALE, …) is a problem found, reported by every rank."""
+
         def mine():
             fault_point("resume.verify", step_of(folder.name))
             manifest = read_manifest(folder)
             if manifest is None:
-                return [f"{MANIFEST} missing or unreadable (an incomplete save?) on rank {dist.rank()}"]
+                return [
+                    f"{MANIFEST} missing or unreadable (an incomplete save?) on rank {dist.rank()}"
+                ]
             # Node-local: each rank its own files on its node, each leader its node's shared files.
-            ranks = [dist.rank()] if self.node_local else \
-                list(range(dist.rank(), int(manifest.get("world_size", 1)), dist.world_size()))
-            problems = verify(folder, checksums=not self.cfg.ckpt.resume_skip_checksum, ranks=ranks,
-                              shared=self.leader).problems
+            ranks = (
+                [dist.rank()]
+                if self.node_local
+                else list(range(dist.rank(), int(manifest.get("world_size", 1)), dist.world_size()))
+            )
+            problems = verify(
+                folder,
+                checksums=not self.cfg.ckpt.resume_skip_checksum,
+                ranks=ranks,
+                shared=self.leader,
+            ).problems
             # Intact, but would DeepSpeed's unpickling refuse it? Every rank learns before the load.
             return problems or safe_load.refusals(folder, ranks)
 
-        out = dist.gather_outcomes(mine, share=True, step=f"verifying {folder.name}", deadline_s=dist.io_deadline())
+        out = dist.gather_outcomes(
+            mine, share=True, step=f"verifying {folder.name}", deadline_s=dist.io_deadline()
+        )
         problems = [p for rank_problems in out.results if rank_problems for p in rank_problems]
-        return problems + [f"rank {r} could not check it: {e}" for r, e in sorted(out.errors.items())]
+        return problems + [
+            f"rank {r} could not check it: {e}" for r, e in sorted(out.errors.items())
+        ]
 
     # --- the abandoned timeline -------------------------------------------------------------------
 
@@ -233,11 +328,17 @@ class Resumer:
         under .abandoned, kept, never counted by retention), so later saves of the same steps
         neither overwrite them nor count them. Leaders, agreed. Returns the highest commit number
         seen."""
+
         def newer():
             return [(c.tag, c.seq or 0) for c in newer_than(point, committed(self.storage))]
 
-        out = dist.gather_outcomes(newer, on=self.leader, share=True, step="listing newer checkpoints",
-                                   deadline_s=dist.io_deadline())
+        out = dist.gather_outcomes(
+            newer,
+            on=self.leader,
+            share=True,
+            step="listing newer checkpoints",
+            deadline_s=dist.io_deadline(),
+        )
         out.raise_any()
         found = [item for r in out.results if r for item in r]
         tags = sorted({t for t, _ in found})
@@ -251,25 +352,46 @@ class Resumer:
         aside first (kept, not counted). Leaders, agreed."""
         if not self.cfg.ckpt.save_checkpoint:
             return
-        out = dist.gather_outcomes(lambda: [c.tag for c in committed(self.storage)], on=self.leader, share=True,
-                                   step="listing checkpoints", deadline_s=dist.io_deadline())
+        out = dist.gather_outcomes(
+            lambda: [c.tag for c in committed(self.storage)],
+            on=self.leader,
+            share=True,
+            step="listing checkpoints",
+            deadline_s=dist.io_deadline(),
+        )
         out.raise_any()
         tags = sorted({t for r in out.results if r for t in r})
         if tags:
-            self._set_aside(tags, "earlier-run", "this run does not continue it; delete it if it is not wanted")
+            self._set_aside(
+                tags, "earlier-run", "this run does not continue it; delete it if it is not wanted"
+            )
 
     def _set_aside(self, tags: list[str], label: str, why: str) -> None:
         def move():
             fault_point("resume.set_aside")
-            return [(t, self.storage.set_aside(t, f"{label}-{time.strftime('%Y%m%d-%H%M%S')}"))
-                    for t in tags if self.storage.exists(t)]
+            return [
+                (t, self.storage.set_aside(t, f"{label}-{time.strftime('%Y%m%d-%H%M%S')}"))
+                for t in tags
+                if self.storage.exists(t)
+            ]
 
-        out = dist.gather_outcomes(move, on=self.leader, share=True, step="setting checkpoints aside",
-                                   deadline_s=dist.io_deadline())
+        out = dist.gather_outcomes(
+            move,
+            on=self.leader,
+            share=True,
+            step="setting checkpoints aside",
+            deadline_s=dist.io_deadline(),
+        )
         out.raise_any()
         for moved in out.results:
             for tag, where in moved or []:
-                logger.warning("set aside %s (%s): now %s in %s; not deleted, not counted", tag, why, where, self.out)
+                logger.warning(
+                    "set aside %s (%s): now %s in %s; not deleted, not counted",
+                    tag,
+                    why,
+                    where,
+                    self.out,
+                )
 
     # --- another world size ----------------------------------------------------------------------
 
@@ -289,20 +411,33 @@ class Resumer:
                 problems = verify_universal(target, manifest.get("save_id"), checksums, cancel)
                 if not problems:
                     return "reused"
-                logger.warning("not reusing %s: %s; converting again", target, "; ".join(problems[:3]))
+                logger.warning(
+                    "not reusing %s: %s; converting again", target, "; ".join(problems[:3])
+                )
                 shutil.rmtree(target)
             start = time.perf_counter()
             summary = to_universal(folder, target, cancel)
-            logger.info("Converted %s to the universal format in %.1f seconds (%s).", folder.name,
-                        time.perf_counter() - start, summary)
+            logger.info(
+                "Converted %s to the universal format in %.1f seconds (%s).",
+                folder.name,
+                time.perf_counter() - start,
+                summary,
+            )
             return "converted"
 
-        out = dist.gather_outcomes(convert, on=dist.is_main(), step=f"converting {folder.name} for {dist.world_size()} "
-                                   "ranks", stop=self.signalled, cancel=cancel)
+        out = dist.gather_outcomes(
+            convert,
+            on=dist.is_main(),
+            step=f"converting {folder.name} for {dist.world_size()} ranks",
+            stop=self.signalled,
+            cancel=cancel,
+        )
         if not out.ok and (cancel.is_set() or "Interrupted" in out.kinds.values()):
             # Stopped for a signal (or its converter died of one first): exit 75, the pieces kept.
-            raise Preempted(f"preempted while converting {folder.name} to the universal format: "
-                            f"{out.describe()}")
+            raise Preempted(
+                f"preempted while converting {folder.name} to the universal format: "
+                f"{out.describe()}"
+            )
         out.raise_any()  # a conversion that finished despite a signal goes on: the first boundary stops
         return target
 
@@ -311,17 +446,35 @@ class Resumer:
             for key, value in now.items():
                 before = saved.get("args", {}).get(group, {}).get(key, value)
                 if before != value and key not in IGNORED_ON_RESUME:
-                    dist.log_main(logging.WARNING, "resume: --%s is %r now, was %r in the checkpoint", key, value, before)
+                    dist.log_main(
+                        logging.WARNING,
+                        "resume: --%s is %r now, was %r in the checkpoint",
+                        key,
+                        value,
+                        before,
+                    )
 
 
 def _node_local_world(folder: Path, saved: int) -> str:
-    return (f"--resume_from_checkpoint: {folder} was saved by {saved} ranks on node-local storage, this run has "
-            f"{dist.world_size()}; resuming it on another world size needs every node's files in one folder (copy "
-            "them together, then resume from that folder on shared storage); nothing was changed")
+    return (
+        f"--resume_from_checkpoint: {folder} was saved by {saved} ranks on node-local storage, this run has "
+        f"{dist.world_size()}; resuming it on another world size needs every node's files in one folder (copy "
+        "them together, then resume from that folder on shared storage); nothing was changed"
+    )
 
 
-IGNORED_ON_RESUME = {"resume_from_checkpoint", "output_dir", "max_steps", "num_train_epochs", "save_steps",
-                     "save_total_limit", "logging_steps", "eval_steps", "on_save_error", "save_checkpoint",
-                     "resume_skip_checksum", "ddp_timeout", "ignore_unverified_checkpoints"}
-
-
+IGNORED_ON_RESUME = {
+    "resume_from_checkpoint",
+    "output_dir",
+    "max_steps",
+    "num_train_epochs",
+    "save_steps",
+    "save_total_limit",
+    "logging_steps",
+    "eval_steps",
+    "on_save_error",
+    "save_checkpoint",
+    "resume_skip_checksum",
+    "ddp_timeout",
+    "ignore_unverified_checkpoints",
+}

@@ -31,9 +31,18 @@ def rng_state() -> dict:
     py = random.getstate()
     np_state = np.random.get_state()
     state = {
-        "python": {"version": py[0], "state": torch.tensor(py[1], dtype=torch.int64), "gauss": py[2]},
-        "numpy": {"kind": np_state[0], "keys": torch.from_numpy(np_state[1].astype(np.int64)),
-                  "pos": int(np_state[2]), "has_gauss": int(np_state[3]), "cached_gaussian": float(np_state[4])},
+        "python": {
+            "version": py[0],
+            "state": torch.tensor(py[1], dtype=torch.int64),
+            "gauss": py[2],
+        },
+        "numpy": {
+            "kind": np_state[0],
+            "keys": torch.from_numpy(np_state[1].astype(np.int64)),
+            "pos": int(np_state[2]),
+            "has_gauss": int(np_state[3]),
+            "cached_gaussian": float(np_state[4]),
+        },
         "torch": torch.get_rng_state(),
     }
     acc = _device_accelerator()
@@ -46,7 +55,15 @@ def set_rng_state(state: dict) -> None:
     py = state["python"]
     random.setstate((py["version"], tuple(int(x) for x in py["state"].tolist()), py["gauss"]))
     n = state["numpy"]
-    np.random.set_state((n["kind"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["cached_gaussian"]))
+    np.random.set_state(
+        (
+            n["kind"],
+            n["keys"].numpy().astype(np.uint32),
+            n["pos"],
+            n["has_gauss"],
+            n["cached_gaussian"],
+        )
+    )
     torch.set_rng_state(state["torch"])
     acc = _device_accelerator()
     if acc is None:
@@ -61,8 +78,14 @@ def set_rng_state(state: dict) -> None:
         if index < len(saved_all):
             acc.set_rng_state(saved_all[index])
         else:
-            logger.warning("this checkpoint's RNG state has %d GPU generator(s); device %d keeps its seeded one",
-                           len(saved_all), index)
+            logger.warning(
+                "this checkpoint's RNG state has %d GPU generator(s); device %d keeps its seeded one",
+                len(saved_all),
+                index,
+            )
     elif saved is not None:
-        logger.warning("RNG state saved on %s, resuming on %s: the device generator keeps its seed",
-                       saved["type"], acc.device_name())
+        logger.warning(
+            "RNG state saved on %s, resuming on %s: the device generator keeps its seed",
+            saved["type"],
+            acc.device_name(),
+        )

@@ -12,7 +12,7 @@ import logging
 from pathlib import Path
 
 from finetune import distributed as dist
-from finetune.checkpoint.storage import tag_for
+from finetune.checkpoint.outdir import tag_for
 from finetune.distributed import logger
 from finetune.io.faults import fault_point
 
@@ -75,20 +75,29 @@ class SaveSchedule:
         checkpoint or None, the save's error or None). A save in flight is committed first: when
         it is of this step, that is the checkpoint."""
         if not self.ckpt.save_checkpoint:
-            dist.log_main(logging.WARNING, "preempted (%s) at step %d: not saving (no --save_checkpoint)", signals, step)
+            dist.log_main(
+                logging.WARNING,
+                "preempted (%s) at step %d: not saving (no --save_checkpoint)",
+                signals,
+                step,
+            )
             return None, None
         in_flight = self.pending.step if self.pending is not None else None
         self.settle()
         if in_flight == step and self.committed_step == step:
             return self.out / tag_for(step), None
         if self.committed_step == step or step == 0:
-            dist.log_main(logging.WARNING, "preempted (%s) at step %d: nothing new to save", signals, step)
+            dist.log_main(
+                logging.WARNING, "preempted (%s) at step %d: nothing new to save", signals, step
+            )
             return None, None
         try:
             return self.save(step, consolidated=False), None
         except SaveError as e:
             self.on_event("save_failed", step, error=str(e))
-            dist.log_main(logging.ERROR, "preempted (%s) at step %d and the save failed: %s", signals, step, e)
+            dist.log_main(
+                logging.ERROR, "preempted (%s) at step %d and the save failed: %s", signals, step, e
+            )
             return None, str(e)
 
     def at_end(self, step: int) -> int:
@@ -132,9 +141,17 @@ class SaveSchedule:
         except SaveError as e:
             dist.log_main(logging.WARNING, "%s; resume follows the commit order", e)
             return
-        out = dist.gather_outcomes(point_latest, on=self.leader, step=f"pointing `latest` at {tag}",
-                                   deadline_s=dist.io_deadline())
+        out = dist.gather_outcomes(
+            point_latest,
+            on=self.leader,
+            step=f"pointing `latest` at {tag}",
+            deadline_s=dist.io_deadline(),
+        )
         if not out.ok:
-            dist.log_main(logging.WARNING, "could not point `latest` at %s (%s); resume follows the commit order",
-                          tag, out.describe())
+            dist.log_main(
+                logging.WARNING,
+                "could not point `latest` at %s (%s); resume follows the commit order",
+                tag,
+                out.describe(),
+            )
         self.retain()

@@ -15,15 +15,25 @@ from pathlib import Path
 
 import torch
 
-from finetune.checkpoint.storage import step_of
+from finetune.checkpoint.outdir import step_of
 from finetune.io import seams
 from finetune.io.durable import HashingWriter, write_json_durably
 from finetune.io.faults import fault_point
 
-SAFE_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
-               torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
-               torch.bool: "BOOL"}
+SAFE_DTYPES = {
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.float64: "F64",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
 INDEX = "model.safetensors.index.json"
+
 
 class ConsolidationError(RuntimeError):
     """The gathered tensors don't match the plan (order, shape or element count)."""
@@ -55,7 +65,9 @@ class ShardPlan:
         return {INDEX: write_json_durably(folder / INDEX, index)}
 
 
-def plan_shards(entries, dtype: torch.dtype, max_shard_size: str | int, basename: str = "model") -> tuple[ShardPlan, dict]:
+def plan_shards(
+    entries, dtype: torch.dtype, max_shard_size: str | int, basename: str = "model"
+) -> tuple[ShardPlan, dict]:
     """Fill shards in gather order (a new shard when the next tensor would overflow), HF file names
     (``basename``.safetensors, or ``basename``-0000i-of-0000n.safetensors).
 
@@ -66,7 +78,11 @@ def plan_shards(entries, dtype: torch.dtype, max_shard_size: str | int, basename
     """
     from huggingface_hub.serialization._base import parse_size_to_int
 
-    limit = parse_size_to_int(max_shard_size) if isinstance(max_shard_size, str) else int(max_shard_size)
+    limit = (
+        parse_size_to_int(max_shard_size)
+        if isinstance(max_shard_size, str)
+        else int(max_shard_size)
+    )
     meta, shards, size = {}, [[]], 0
     for name, module, attr, _ in entries:
         t = getattr(module, attr)
@@ -84,7 +100,10 @@ def plan_shards(entries, dtype: torch.dtype, max_shard_size: str | int, basename
     if len(shards) == 1:
         files = {f"{basename}.safetensors": shards[0]}
     else:
-        files = {f"{basename}-{i + 1:05d}-of-{len(shards):05d}.safetensors": names for i, names in enumerate(shards)}
+        files = {
+            f"{basename}-{i + 1:05d}-of-{len(shards):05d}.safetensors": names
+            for i, names in enumerate(shards)
+        }
     total = sum(m.numel() * m.element_size() for m in meta.values())
     return ShardPlan(files, {n: f for f, names in files.items() for n in names}, total), meta
 
@@ -98,13 +117,19 @@ def read_header(path: Path) -> dict:
 SAFE_TO_DTYPE = {name: dtype for dtype, name in SAFE_DTYPES.items()}
 
 
-def shard_header(names: list[str], meta: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> bytes:
+def shard_header(
+    names: list[str], meta: dict[str, torch.Tensor], metadata: dict[str, str] | None = None
+) -> bytes:
     header: dict = {"__metadata__": {"format": "pt", **(metadata or {})}}
     offset = 0
     for name in names:
         t = meta[name]
         n = t.numel() * t.element_size()
-        header[name] = {"dtype": SAFE_DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + n]}
+        header[name] = {
+            "dtype": SAFE_DTYPES[t.dtype],
+            "shape": list(t.shape),
+            "data_offsets": [offset, offset + n],
+        }
         offset += n
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)  # safetensors aligns the data section to 8 bytes
@@ -116,7 +141,9 @@ class ShardWriter:
 
     def __init__(self, folder: Path, split, meta, metadata: dict[str, str] | None = None):
         self.folder, self.split, self.meta, self.metadata = folder, split, meta, metadata
-        self.order = [(fname, name) for fname, names in split.filename_to_tensors.items() for name in names]
+        self.order = [
+            (fname, name) for fname, names in split.filename_to_tensors.items() for name in names
+        ]
         self.pos = 0
         self.file = self.writer = None
         self.current: str | None = None
@@ -127,14 +154,17 @@ class ShardWriter:
     def write(self, name: str, tensor: torch.Tensor) -> None:
         if name in self.meta and tuple(tensor.shape) != tuple(self.meta[name].shape):
             raise ConsolidationError(
-                f"{name}: gathered shape {tuple(tensor.shape)}, planned {tuple(self.meta[name].shape)}")
+                f"{name}: gathered shape {tuple(tensor.shape)}, planned {tuple(self.meta[name].shape)}"
+            )
         self.begin(name)
         self.append(tensor)
         self.end(name, tensor.numel())
 
     def begin(self, name: str) -> None:
         if self.pos >= len(self.order):
-            raise ConsolidationError(f"consolidation order broke: got {name} after the last planned tensor")
+            raise ConsolidationError(
+                f"consolidation order broke: got {name} after the last planned tensor"
+            )
         fname, expected = self.order[self.pos]
         if name != expected:
             raise ConsolidationError(f"consolidation order broke: got {name}, planned {expected}")
@@ -144,7 +174,9 @@ class ShardWriter:
             self.file = open(self.folder / fname, "wb")
             self.created.append(self.folder / fname)
             self.writer = HashingWriter(self.file)
-            self.writer.write(shard_header(self.split.filename_to_tensors[fname], self.meta, self.metadata))
+            self.writer.write(
+                shard_header(self.split.filename_to_tensors[fname], self.meta, self.metadata)
+            )
             fault_point("save.consolidated_write", self.step)  # after the open and the header
             if seams.value(seams.SLOW_SAVE):  # a moment for a test to fill the disk mid-shard
                 self.writer.flush()
@@ -154,18 +186,27 @@ class ShardWriter:
     def append(self, piece: torch.Tensor) -> None:
         """The next elements of the current tensor, in flattened order."""
         # To CPU first: a received or gathered piece may be on the GPU, and the cast needs no GPU memory there.
-        data = piece.detach().reshape(-1).cpu().to(self.meta[self.order[self.pos][1]].dtype).contiguous()
+        data = (
+            piece.detach()
+            .reshape(-1)
+            .cpu()
+            .to(self.meta[self.order[self.pos][1]].dtype)
+            .contiguous()
+        )
         raw = data.view(torch.uint8).numpy()
         half = len(raw) // 2
         self.writer.write(raw[:half])
-        fault_point("save.consolidated_append", self.step)  # mid-tensor: half of this piece is written
+        fault_point(
+            "save.consolidated_append", self.step
+        )  # mid-tensor: half of this piece is written
         self.writer.write(raw[half:])
         self.appended += data.numel()
 
     def end(self, name: str, numel: int) -> None:
         if not self.appended == numel == self.meta[name].numel():
             raise ConsolidationError(
-                f"{name}: wrote {self.appended} of {numel} elements, planned {self.meta[name].numel()}")
+                f"{name}: wrote {self.appended} of {numel} elements, planned {self.meta[name].numel()}"
+            )
         self.pos += 1
 
     def _close(self) -> None:
@@ -201,4 +242,3 @@ class ShardWriter:
             raise ConsolidationError(f"wrote {self.pos} of {len(self.order)} planned tensors")
         self.files.update(self.split.write_index(self.folder))
         return self.files
-

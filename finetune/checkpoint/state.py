@@ -31,7 +31,9 @@ class LogWindow:
     data_s: float = 0.0  # time the loop waited for its batches (what the prefetch did not hide)
     skipped_steps: int = 0  # optimizer steps DeepSpeed skipped (non-finite gradients)
     lr: float | None = None  # the learning rate of the window's last step (its row's "lr")
-    grad_norm: float | None = None  # set when saved: the last step's, for a row logged before any new step
+    grad_norm: float | None = (
+        None  # set when saved: the last step's, for a row logged before any new step
+    )
 
     def state_dict(self) -> dict:
         sd = {f.name: getattr(self, f.name) for f in fields(self)}
@@ -39,15 +41,23 @@ class LogWindow:
         return sd
 
     @classmethod
-    def from_state_dict(cls, sd: dict) -> "LogWindow":
+    def from_state_dict(cls, sd: dict) -> LogWindow:
         known = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in sd.items() if k in known})  # an older file lacks newer keys
 
-    def summed(self, totals: list[float]) -> "LogWindow":
+    def summed(self, totals: list[float]) -> LogWindow:
         """This window with the world's ``[loss_sum, micro_batches, tokens]`` (``world_sums``)."""
         loss_sum, micro, tokens = totals
-        return LogWindow(loss_sum=loss_sum, micro_batches=int(micro), tokens=int(tokens), steps=self.steps,
-                         data_s=self.data_s, skipped_steps=self.skipped_steps, lr=self.lr, grad_norm=self.grad_norm)
+        return LogWindow(
+            loss_sum=loss_sum,
+            micro_batches=int(micro),
+            tokens=int(tokens),
+            steps=self.steps,
+            data_s=self.data_s,
+            skipped_steps=self.skipped_steps,
+            lr=self.lr,
+            grad_norm=self.grad_norm,
+        )
 
     def world_sums(self) -> list[float]:
         """What the ranks add up, for ``all_reduce_sum`` (one device sync)."""
@@ -60,13 +70,17 @@ class TrainingState:
     epoch: float = 0.0
     samples_seen: int = 0
     tokens_seen: int = 0
-    skipped_steps: int = 0  # optimizer steps DeepSpeed skipped in this run's line (their batches were consumed)
+    skipped_steps: int = (
+        0  # optimizer steps DeepSpeed skipped in this run's line (their batches were consumed)
+    )
     sampler: dict = field(default_factory=dict)
     window: LogWindow = field(default_factory=LogWindow)
     last_losses: list = field(default_factory=list)
 
     def state_dict(self) -> dict:
-        sd = {f.name: copy.deepcopy(getattr(self, f.name)) for f in fields(self) if f.name != "window"}
+        sd = {
+            f.name: copy.deepcopy(getattr(self, f.name)) for f in fields(self) if f.name != "window"
+        }
         sd["window"] = self.window.state_dict()
         return sd
 
@@ -77,7 +91,7 @@ class TrainingState:
             setattr(self, name, getattr(loaded, name))
 
     @classmethod
-    def from_state_dict(cls, sd: dict) -> "TrainingState":
+    def from_state_dict(cls, sd: dict) -> TrainingState:
         """Also reads a trainer_state.json written before a key existed (it gets the default)."""
         sd = dict(sd)
         sd["window"] = LogWindow.from_state_dict(sd.get("window", {}))

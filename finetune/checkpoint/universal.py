@@ -64,6 +64,7 @@ class Interrupted(RuntimeError):
 
 # --- the parent's side ----------------------------------------------------------------------------
 
+
 def to_universal(folder: Path, target: Path, cancel: threading.Event | None = None) -> str:
     """Convert ``folder`` into ``target`` (staged in ``target.tmp``, renamed into place with a
     manifest.json of its files and the save id it was converted from). Resumes the pieces a
@@ -71,15 +72,31 @@ def to_universal(folder: Path, target: Path, cancel: threading.Event | None = No
     (what it finished is kept). Raises RuntimeError naming DeepSpeed's last line on failure; a rank
     file naming a class off the allow-list raises ``safe_load.UnsafePickle`` first. Returns the
     converter's summary (pieces done now and before)."""
-    for path in sorted(folder.glob("*_states.pt")):  # what it reads: refused here, one line, naming the class
+    for path in sorted(
+        folder.glob("*_states.pt")
+    ):  # what it reads: refused here, one line, naming the class
         safe_load.check_globals(path)
     tmp = target.with_name(f"{target.name}.tmp")
-    cmd = [sys.executable, "-c", _CHILD, str(os.getpid()), __name__, str(folder), str(tmp),
-           (read_manifest(folder) or {}).get("save_id") or ""]
+    cmd = [
+        sys.executable,
+        "-c",
+        _CHILD,
+        str(os.getpid()),
+        __name__,
+        str(folder),
+        str(tmp),
+        (read_manifest(folder) or {}).get("save_id") or "",
+    ]
     with open(os.devnull, "rb") as stdin:
         # A process group of its own: a stop kills it with its workers, all at once.
-        proc = subprocess.Popen(cmd, stdin=stdin, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                start_new_session=True)
+        proc = subprocess.Popen(
+            cmd,
+            stdin=stdin,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
     lines: list[str] = []
 
     def read():
@@ -97,18 +114,24 @@ def to_universal(folder: Path, target: Path, cancel: threading.Event | None = No
             except ProcessLookupError:
                 pass  # finished in the meantime
             proc.wait()
-            raise Interrupted(f"stopped converting {folder.name}; {done_pieces(tmp)} piece(s) done are kept")
+            raise Interrupted(
+                f"stopped converting {folder.name}; {done_pieces(tmp)} piece(s) done are kept"
+            )
         if cancel is None:
             proc.wait()
     reader.join(5)
     if proc.returncode in (-signal.SIGTERM, -signal.SIGUSR1, -signal.SIGINT):
         # A preemption signal in the instant before the child could ignore it: the ranks got it too.
-        raise Interrupted(f"the conversion of {folder.name} was stopped by a signal; "
-                          f"{done_pieces(tmp)} piece(s) done are kept")
+        raise Interrupted(
+            f"the conversion of {folder.name} was stopped by a signal; "
+            f"{done_pieces(tmp)} piece(s) done are kept"
+        )
     if proc.returncode != 0:
         last = [line.strip() for line in lines if line.strip()]
-        raise RuntimeError(f"DeepSpeed's ds_to_universal failed on {folder} (exit {proc.returncode}): "
-                           f"{last[-1] if last else 'no output'}")
+        raise RuntimeError(
+            f"DeepSpeed's ds_to_universal failed on {folder} (exit {proc.returncode}): "
+            f"{last[-1] if last else 'no output'}"
+        )
     # The manifest from what each piece hashed as it finished (nothing is read back here: at 70B that
     # would be ~1 TB on one rank, in a window no preemption waits for); the markers go only after
     # the rename, so an interruption up to there leaves every piece done.
@@ -116,19 +139,23 @@ def to_universal(folder: Path, target: Path, cancel: threading.Event | None = No
     os.replace(tmp, target)
     fsync_path(target.parent)
     shutil.rmtree(target / PIECES, ignore_errors=True)
-    return next((line.strip() for line in reversed(lines) if line.startswith("converted")), "converted")
+    return next(
+        (line.strip() for line in reversed(lines) if line.startswith("converted")), "converted"
+    )
 
 
 # The child ignores the preemption signals and dies with its parent from its first instructions (the
 # parent decides when a preemption stops it, and kills it; a parent killed while the child imports
 # must not leave it converting beside the next run's), then runs main() with every torch.load restricted.
-_CHILD = ("import ctypes, os, signal, sys\n"
-          "for s in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT): signal.signal(s, signal.SIG_IGN)\n"
-          "try:\n    ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG\n"
-          "except (OSError, AttributeError):\n    pass\n"
-          "if os.getppid() != int(sys.argv[1]):\n    os._exit(1)  # the parent died before the line above\n"
-          "from finetune.offline.safe_load import run_module\n"
-          "run_module(sys.argv[2], sys.argv[3:])\n")
+_CHILD = (
+    "import ctypes, os, signal, sys\n"
+    "for s in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT): signal.signal(s, signal.SIG_IGN)\n"
+    "try:\n    ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG\n"
+    "except (OSError, AttributeError):\n    pass\n"
+    "if os.getppid() != int(sys.argv[1]):\n    os._exit(1)  # the parent died before the line above\n"
+    "from finetune.offline.safe_load import run_module\n"
+    "run_module(sys.argv[2], sys.argv[3:])\n"
+)
 
 
 def piece_hashes(tmp: Path) -> dict[str, tuple[int, str]]:
@@ -136,7 +163,12 @@ def piece_hashes(tmp: Path) -> dict[str, tuple[int, str]]:
     found: dict[str, tuple[int, str]] = {}
     for marker in sorted((tmp / PIECES).glob("*")):
         if marker.name != "source.json":
-            found.update({name: tuple(v) for name, v in ((_read_json(marker) or {}).get("files") or {}).items()})
+            found.update(
+                {
+                    name: tuple(v)
+                    for name, v in ((_read_json(marker) or {}).get("files") or {}).items()
+                }
+            )
     return found
 
 
@@ -147,8 +179,9 @@ def done_pieces(tmp: Path) -> int:
         return 0
 
 
-def write_universal_manifest(target: Path, source_save_id: str | None,
-                             known: dict[str, tuple[int, str]] | None = None) -> None:
+def write_universal_manifest(
+    target: Path, source_save_id: str | None, known: dict[str, tuple[int, str]] | None = None
+) -> None:
     """``target``'s manifest.json: every file (but the pieces' markers) with its size and checksum,
     from ``known`` where the file's size still matches, else hashed now."""
     known = known or {}
@@ -157,20 +190,33 @@ def write_universal_manifest(target: Path, source_save_id: str | None,
         rel = str(p.relative_to(target))
         if not p.is_file() or p.name == MANIFEST or rel.startswith(f"{PIECES}/"):
             continue
-        files[rel] = known[rel] if rel in known and known[rel][0] == p.stat().st_size else hash_file(p)
-    write_json_durably(target / MANIFEST, {"source_save_id": source_save_id,
-                                           "files": {n: {"size": s, "checksum": c} for n, (s, c) in files.items()}})
+        files[rel] = (
+            known[rel] if rel in known and known[rel][0] == p.stat().st_size else hash_file(p)
+        )
+    write_json_durably(
+        target / MANIFEST,
+        {
+            "source_save_id": source_save_id,
+            "files": {n: {"size": s, "checksum": c} for n, (s, c) in files.items()},
+        },
+    )
 
 
-def verify_universal(target: Path, source_save_id: str | None, checksums: bool = True,
-                     cancel: threading.Event | None = None) -> list[str]:
+def verify_universal(
+    target: Path,
+    source_save_id: str | None,
+    checksums: bool = True,
+    cancel: threading.Event | None = None,
+) -> list[str]:
     """Problems of a universal conversion against its manifest (empty: reusable). ``cancel``: checked
     between files (a preemption stops a verification of hundreds of GB): Interrupted."""
     manifest = read_manifest(target)
     if manifest is None:
         return [f"{MANIFEST} missing or unreadable (an interrupted or foreign conversion)"]
     if manifest.get("source_save_id") != source_save_id:
-        return [f"converted from save {manifest.get('source_save_id')}, the checkpoint is save {source_save_id}"]
+        return [
+            f"converted from save {manifest.get('source_save_id')}, the checkpoint is save {source_save_id}"
+        ]
     problems = []
     for name, meta in manifest.get("files", {}).items():
         if cancel is not None and cancel.is_set():
@@ -180,6 +226,7 @@ def verify_universal(target: Path, source_save_id: str | None, checksums: bool =
 
 
 # --- the child's side: the pieces -----------------------------------------------------------------
+
 
 class Pieces:
     """``<out>/.pieces``: which pieces of this conversion are done, for which saved checkpoint."""
@@ -231,11 +278,21 @@ def _piece(kind: str, arg) -> float:
     if kind == "extract":
         return job["pieces"].run(
             f"extract-{arg:06d}",
-            lambda: ds.extract_zero_shards_stage3(job["optim_grid"], job["shapes_grid"], dp, str(fragments), (0, arg)),
-            lambda: [fragments / n / "0" / f"{s}.{ds.dp_index_to_str(arg)}" for n in shapes for s in STATES],
-            final=False)
-    return job["pieces"].run(f"merge-{_safe(arg)}", lambda: _merge(ds, fragments, zero, arg, shapes[arg], dp),
-                             lambda: [zero / arg / f"{s}.pt" for s in STATES])
+            lambda: ds.extract_zero_shards_stage3(
+                job["optim_grid"], job["shapes_grid"], dp, str(fragments), (0, arg)
+            ),
+            lambda: [
+                fragments / n / "0" / f"{s}.{ds.dp_index_to_str(arg)}"
+                for n in shapes
+                for s in STATES
+            ],
+            final=False,
+        )
+    return job["pieces"].run(
+        f"merge-{_safe(arg)}",
+        lambda: _merge(ds, fragments, zero, arg, shapes[arg], dp),
+        lambda: [zero / arg / f"{s}.pt" for s in STATES],
+    )
 
 
 def _run_pieces(todo: list[tuple[str, object]], workers: int) -> list[float]:
@@ -247,7 +304,9 @@ def _run_pieces(todo: list[tuple[str, object]], workers: int) -> list[float]:
     from concurrent.futures import ProcessPoolExecutor
 
     # A worker dies with the converter: none may go on writing pieces after a preemption killed it.
-    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork"), initializer=_die_with_parent) as pool:
+    with ProcessPoolExecutor(
+        workers, mp_context=multiprocessing.get_context("fork"), initializer=_die_with_parent
+    ) as pool:
         return list(pool.map(_piece, *zip(*todo)))
 
 
@@ -267,12 +326,24 @@ def convert(folder: Path, out: Path, source: str) -> None:
     model_grid, _, _ = ds._build_zero3_rank_grid(model_files)
     shapes_grid = [ds._parse_model_states_stage3([model_grid[0][0]])]
     shapes = {name: shape for group in shapes_grid[0] for name, shape in group.items()}
-    _JOB.update(ds=ds, pieces=pieces, optim_grid=optim_grid, shapes_grid=shapes_grid, shapes=shapes, dp=dp,
-                fragments=out / "tmp", zero=out / "zero")
+    _JOB.update(
+        ds=ds,
+        pieces=pieces,
+        optim_grid=optim_grid,
+        shapes_grid=shapes_grid,
+        shapes=shapes,
+        dp=dp,
+        fragments=out / "tmp",
+        zero=out / "zero",
+    )
     workers = max(1, min(4, os.cpu_count() or 1))
     # Every rank's fragments before any merge: a merge takes whatever fragments it finds.
-    took = _run_pieces([("extract", r) for r in range(dp) if not pieces.done(f"extract-{r:06d}")], workers)
-    took += _run_pieces([("merge", n) for n in sorted(shapes) if not pieces.done(f"merge-{_safe(n)}")], workers)
+    took = _run_pieces(
+        [("extract", r) for r in range(dp) if not pieces.done(f"extract-{r:06d}")], workers
+    )
+    took += _run_pieces(
+        [("merge", n) for n in sorted(shapes) if not pieces.done(f"merge-{_safe(n)}")], workers
+    )
 
     def finish():
         ds._save_optimizer_state_stage3(argparse.Namespace(output_folder=str(out)), optim_files)
@@ -280,12 +351,23 @@ def convert(folder: Path, out: Path, source: str) -> None:
             shutil.copy2(f, out)
 
     if not pieces.done("finish"):
-        took.append(pieces.run("finish", finish, lambda: [out / "zero" / "optimizer_state.pt",
-                                                          *(out / Path(f).name for f in model_files)]))
+        took.append(
+            pieces.run(
+                "finish",
+                finish,
+                lambda: [
+                    out / "zero" / "optimizer_state.pt",
+                    *(out / Path(f).name for f in model_files),
+                ],
+            )
+        )
     shutil.rmtree(out / "tmp", ignore_errors=True)
     total = dp + len(shapes) + 1
-    print(f"converted {folder.name}: {len(took)} of {total} pieces now, {total - len(took)} done before; the longest "
-          f"{max(took, default=0.0):.1f} s", flush=True)
+    print(
+        f"converted {folder.name}: {len(took)} of {total} pieces now, {total - len(took)} done before; the longest "
+        f"{max(took, default=0.0):.1f} s",
+        flush=True,
+    )
 
 
 def _merge(ds, fragments: Path, zero: Path, name: str, shape, dp: int) -> None:
@@ -297,17 +379,30 @@ def _merge(ds, fragments: Path, zero: Path, name: str, shape, dp: int) -> None:
     ds.merge_zero3_slices(dp, str(zero), str(fragments), name)
     want = ds._shape_numel(shape)
     for state in STATES:
-        got = torch.load(zero / name / f"{state}.pt", map_location="cpu", mmap=True, weights_only=True).numel()
+        got = torch.load(
+            zero / name / f"{state}.pt", map_location="cpu", mmap=True, weights_only=True
+        ).numel()
         if got != want:
-            raise RuntimeError(f"{name}: merged {state} has {got} elements, the parameter {want} (a fragment missing?)")
+            raise RuntimeError(
+                f"{name}: merged {state} has {got} elements, the parameter {want} (a fragment missing?)"
+            )
 
 
 def _can_split(ds, folder: Path) -> bool:
     """DeepSpeed has what the pieces call, and the checkpoint is plain ZeRO-3 data parallel (no
     tensor-parallel grid, no AutoEP expert files)."""
-    needed = ("_filter_zero3_optim_files", "_get_optim_files", "_get_zero3_model_state_files", "_build_zero3_rank_grid",
-              "_parse_model_states_stage3", "extract_zero_shards_stage3", "merge_zero3_slices", "dp_index_to_str",
-              "_save_optimizer_state_stage3", "_shape_numel")
+    needed = (
+        "_filter_zero3_optim_files",
+        "_get_optim_files",
+        "_get_zero3_model_state_files",
+        "_build_zero3_rank_grid",
+        "_parse_model_states_stage3",
+        "extract_zero_shards_stage3",
+        "merge_zero3_slices",
+        "dp_index_to_str",
+        "_save_optimizer_state_stage3",
+        "_shape_numel",
+    )
     if not all(hasattr(ds, n) for n in needed):
         return False
     if any(ds._is_expert_model_state_file(str(f)) for f in folder.glob("*model_states.pt")):
@@ -320,10 +415,21 @@ def _can_split(ds, folder: Path) -> bool:
 def _whole(ds, folder: Path, out: Path) -> None:
     shutil.rmtree(out, ignore_errors=True)
     workers = str(max(1, min(4, os.cpu_count() or 1)))
-    sys.argv = ["ds_to_universal", "--input_folder", str(folder), "--output_folder", str(out),
-                "--num_extract_workers", workers, "--num_merge_workers", workers]
+    sys.argv = [
+        "ds_to_universal",
+        "--input_folder",
+        str(folder),
+        "--output_folder",
+        str(out),
+        "--num_extract_workers",
+        workers,
+        "--num_merge_workers",
+        workers,
+    ]
     ds.main(ds.parse_arguments())
-    (out.parent / "latest_universal").unlink(missing_ok=True)  # DeepSpeed's pointer, beside the checkpoint
+    (out.parent / "latest_universal").unlink(
+        missing_ok=True
+    )  # DeepSpeed's pointer, beside the checkpoint
 
 
 def _safe(name: str) -> str:

@@ -41,7 +41,9 @@ class SaveRecord:
     step: int | None
     error: str | None = None
     files: dict = field(default_factory=dict)  # {path relative to staging: (size, xxh3)}
-    cancelled: threading.Event = field(default_factory=threading.Event)  # set: stop at the next piece
+    cancelled: threading.Event = field(
+        default_factory=threading.Event
+    )  # set: stop at the next piece
     current: HashingWriter | None = None  # the file being written (its size: progress)
 
     def fail(self, path, e: BaseException) -> None:
@@ -64,9 +66,13 @@ class GuardedWriter:
     # plain data and the classes DeepSpeed pickles (a checkpoint is otherwise code: safe_load.py).
     load = staticmethod(safe_load.load)
 
-    def reset(self, staging: Path | None, step: int | None = None, background: bool = False) -> None:
+    def reset(
+        self, staging: Path | None, step: int | None = None, background: bool = False
+    ) -> None:
         self.record = record = SaveRecord(staging, step)
-        self.queue = Queue(lambda state, path: self._write(state, path, record)) if background else None
+        self.queue = (
+            Queue(lambda state, path: self._write(state, path, record)) if background else None
+        )
 
     # This save's record, as the manager reads it (after the writes are done).
     staging = property(lambda self: self.record.staging)
@@ -141,10 +147,18 @@ class GuardedWriter:
         try:
             fault_point("save.write_rank_files", record.step)
             if record.cancelled.is_set():
-                raise WriteCancelled("the save was given up (a lost lease, or a write past its deadline)")
+                raise WriteCancelled(
+                    "the save was given up (a lost lease, or a write past its deadline)"
+                )
             with open(path, "wb") as f:
                 w = record.current = HashingWriter(f, record.cancelled)
-                torch.save(state_dict, w, _use_new_zipfile_serialization=getattr(self.inner, "zipfile_serialization", True))
+                torch.save(
+                    state_dict,
+                    w,
+                    _use_new_zipfile_serialization=getattr(
+                        self.inner, "zipfile_serialization", True
+                    ),
+                )
                 f.flush()
                 fault_point("save.fsync", record.step)
                 os.fsync(f.fileno())
@@ -160,6 +174,7 @@ class GuardedWriter:
         ``save_checkpoint``; had it raised on a full disk, rank 0 would skip that barrier and the
         ranks would fall out of step (seen here as a gloo collective mismatch).
         """
+
         def guarded(path, *args, **kwargs):
             try:
                 fault_point("save.recovery_script", self.step)

@@ -41,6 +41,8 @@ from finetune.data.load import (
 )
 from finetune.distributed import logger
 from finetune.io.durable import fsync_path, hash_file, write_json_durably
+from finetune.io.storage import LocalStorage
+from finetune.sharing import leads_storage
 
 CACHE_FORMAT = 1  # bump when what tokenize/pack produce changes for the same inputs
 SUBDIR = "finetune-tokenized"
@@ -62,22 +64,37 @@ def prepare(cfg: RunConfig, tokenizer):
     start, root = time.perf_counter(), cache_root(cfg)
     # Rank 0 fingerprints (reads the data files once); everyone needs the key.
     key = dist.share_from(0, lambda: fingerprint(cfg, tokenizer))
-    leader = dist.leads_storage(root, "dataset_cache_dir")
+    leader = leads_storage(LocalStorage(root), "dataset_cache_dir")
     report = dist.run_agreed(lambda: ensure(cfg, tokenizer, root, key), on=leader)
     train, evalset, info = dist.run_agreed(lambda: load(root / key))
     reports = [r for r in dist.all_gather_object(report) if r is not None]
     built = [r for r in reports if r["built"]]
-    how = (f"cache miss: tokenized with {built[0]['num_proc']} process(es) in {built[0]['seconds']:.1f} s"
-           if built else "cache hit")
-    dist.log_main(logging.INFO, "dataset %s in %s: %s train / %s eval examples; ready in %.1f s", how, root / key,
-                  f"{len(train):,}", f"{len(evalset):,}" if evalset is not None else 0, time.perf_counter() - start)
+    how = (
+        f"cache miss: tokenized with {built[0]['num_proc']} process(es) in {built[0]['seconds']:.1f} s"
+        if built
+        else "cache hit"
+    )
+    dist.log_main(
+        logging.INFO,
+        "dataset %s in %s: %s train / %s eval examples; ready in %.1f s",
+        how,
+        root / key,
+        f"{len(train):,}",
+        f"{len(evalset):,}" if evalset is not None else 0,
+        time.perf_counter() - start,
+    )
     if info["dropped"]:
-        dist.log_main(logging.WARNING, "dropped %d of %d examples with no trainable tokens after truncation",
-                      info["dropped"], info["raw_rows"])
+        dist.log_main(
+            logging.WARNING,
+            "dropped %d of %d examples with no trainable tokens after truncation",
+            info["dropped"],
+            info["raw_rows"],
+        )
     return train, evalset
 
 
 # --- the key -------------------------------------------------------------------------------
+
 
 def fingerprint(cfg: RunConfig, tokenizer) -> str:
     """The cache key: a hash of everything the tokenized sets depend on."""
@@ -93,12 +110,23 @@ def fingerprint(cfg: RunConfig, tokenizer) -> str:
         "tokenizer": _tokenizer_identity(tokenizer),
         # The chosen format's own flags, whatever they are: the other formats' flags do not matter.
         "data_format": {"name": data_format.name, "flags": data_format.values},
-        "flags": {k: getattr(d, k) for k in ("max_seq_length", "packing", "validation_split_percentage",
-                                             "max_train_samples", "max_eval_samples")},
+        "flags": {
+            k: getattr(d, k)
+            for k in (
+                "max_seq_length",
+                "packing",
+                "validation_split_percentage",
+                "max_train_samples",
+                "max_eval_samples",
+            )
+        },
         # The seed only matters where the eval set is split off the training data.
         "split_seed": None if d.validation_file or cfg.uses_embedded_data else cfg.train.seed,
-        "versions": {"datasets": datasets.__version__, "tokenizers": tokenizers.__version__,
-                     "transformers": transformers.__version__},
+        "versions": {
+            "datasets": datasets.__version__,
+            "tokenizers": tokenizers.__version__,
+            "transformers": transformers.__version__,
+        },
     }
     return xxhash.xxh3_128(json.dumps(inputs, sort_keys=True).encode()).hexdigest()
 
@@ -108,8 +136,11 @@ def _data_identity(cfg: RunConfig) -> dict:
     if d.dataset_name:
         # Hub (or local-folder) datasets: datasets fingerprints what it loaded (revision, files).
         raw = load_splits(d)
-        return {"dataset": d.dataset_name, "config": d.dataset_config_name,
-                "splits": {name: split._fingerprint for name, split in raw.items()}}
+        return {
+            "dataset": d.dataset_name,
+            "config": d.dataset_config_name,
+            "splits": {name: split._fingerprint for name, split in raw.items()},
+        }
     files = dict(EMBEDDED_DATA) if not d.train_file else {"train": d.train_file}
     if d.validation_file:
         files["validation"] = d.validation_file
@@ -130,6 +161,7 @@ def _tokenizer_identity(tokenizer) -> str:
 
 
 # --- building an entry ---------------------------------------------------------------------
+
 
 def ensure(cfg: RunConfig, tokenizer, root: Path, key: str) -> dict:
     """Make ``root/key`` exist (a storage group's leader). Returns what it did, for the log."""
@@ -164,13 +196,23 @@ def _build(cfg: RunConfig, tokenizer, tmp: Path) -> dict:
     work.mkdir(parents=True)
     train_raw, eval_raw = load_raw(d, cfg.train.seed)
     num_proc = workers(d.preprocessing_num_workers, len(train_raw))
-    logger.info("dataset cache: tokenizing %s examples with %d process(es) into %s", f"{len(train_raw):,}",
-                num_proc, tmp.parent)
+    logger.info(
+        "dataset cache: tokenizing %s examples with %d process(es) into %s",
+        f"{len(train_raw):,}",
+        num_proc,
+        tmp.parent,
+    )
     train = tokenize(train_raw, tokenizer, d, max_len, num_proc, str(work / "train.arrow"))
     if len(train) == 0:
         raise ConfigError(nothing_to_learn(d, tokenizer, train_raw, max_len))
-    evalset = tokenize(eval_raw, tokenizer, d, max_len, 1, str(work / "eval.arrow")) if eval_raw is not None else None
-    dropped = len(train_raw) - len(train) + (len(eval_raw) - len(evalset) if eval_raw is not None else 0)
+    evalset = (
+        tokenize(eval_raw, tokenizer, d, max_len, 1, str(work / "eval.arrow"))
+        if eval_raw is not None
+        else None
+    )
+    dropped = (
+        len(train_raw) - len(train) + (len(eval_raw) - len(evalset) if eval_raw is not None else 0)
+    )
     raw_rows = len(train_raw) + (len(eval_raw) if eval_raw is not None else 0)
     if d.packing:
         train = pack(train, max_len, str(work / "train-packed.arrow"))
@@ -181,8 +223,14 @@ def _build(cfg: RunConfig, tokenizer, tmp: Path) -> dict:
         evalset.save_to_disk(str(tmp / "eval"))
     del train, evalset  # they map files in work/
     shutil.rmtree(work)
-    return {"format": CACHE_FORMAT, "num_proc": num_proc, "dropped": dropped, "raw_rows": raw_rows,
-            "has_eval": eval_raw is not None, "built_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    return {
+        "format": CACHE_FORMAT,
+        "num_proc": num_proc,
+        "dropped": dropped,
+        "raw_rows": raw_rows,
+        "has_eval": eval_raw is not None,
+        "built_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
 
 
 def workers(requested: int | None, rows: int) -> int:
@@ -224,6 +272,7 @@ def _fsync_tree(folder: Path) -> None:
 
 # --- reading an entry ----------------------------------------------------------------------
 
+
 def load(entry: Path):
     """(train, eval or None, info) memory-mapped from a published entry."""
     import datasets
@@ -233,8 +282,10 @@ def load(entry: Path):
         train = datasets.load_from_disk(str(entry / "train"))
         evalset = datasets.load_from_disk(str(entry / "eval")) if info["has_eval"] else None
     except (OSError, ValueError) as e:
-        raise ConfigError(f"--dataset_cache_dir: the cached dataset {entry} is unreadable ({e}); "
-                          "delete that folder to rebuild it") from None
+        raise ConfigError(
+            f"--dataset_cache_dir: the cached dataset {entry} is unreadable ({e}); "
+            "delete that folder to rebuild it"
+        ) from None
     return train, evalset, info
 
 
@@ -246,7 +297,11 @@ def _read_info(entry: Path) -> dict:
         except FileNotFoundError:
             time.sleep(0.5)
         except (OSError, ValueError) as e:
-            raise ConfigError(f"--dataset_cache_dir: {entry / INFO} is unreadable ({e}); "
-                              "delete that folder to rebuild it") from None
-    raise ConfigError(f"--dataset_cache_dir: {entry} is missing after it was built; is the folder shared "
-                      "the same way on every node?")
+            raise ConfigError(
+                f"--dataset_cache_dir: {entry / INFO} is unreadable ({e}); "
+                "delete that folder to rebuild it"
+            ) from None
+    raise ConfigError(
+        f"--dataset_cache_dir: {entry} is missing after it was built; is the folder shared "
+        "the same way on every node?"
+    )

@@ -85,6 +85,7 @@ def exclusive_flags() -> list[tuple[set[str], set[str]]]:
 # tokenizer); the ids are the same as one call per row. eos is read once per batch: each
 # attribute read goes through the tokenizer's __getattr__.
 
+
 @register
 class Chat(Format):
     """Chat messages rendered by the tokenizer's chat template; only assistant turns trained on."""
@@ -101,8 +102,10 @@ class Chat(Format):
 
     def check_tokenizer(self, tokenizer) -> None:
         if not getattr(tokenizer, "chat_template", None):
-            raise ConfigError("--messages_column: the tokenizer has no chat template "
-                              "(pass --tokenizer_name with one)")
+            raise ConfigError(
+                "--messages_column: the tokenizer has no chat template "
+                "(pass --tokenizer_name with one)"
+            )
 
     def encode(self, batch: dict[str, list], tokenizer, max_len: int) -> list[dict[str, list[int]]]:
         column = self.values["messages_column"]
@@ -139,6 +142,7 @@ class Text(Format):
 
 # --- encoding one row ------------------------------------------------------------------------
 
+
 def _batch_ids(tokenizer, texts: list, special: bool) -> list[list[int]]:
     return tokenizer([str(t or "") for t in texts], add_special_tokens=special)["input_ids"]
 
@@ -161,8 +165,12 @@ def _text(eos: int | None, ids: list[int], max_len: int) -> dict:
 
 
 def encode_prompt_completion(tokenizer, prompt: Any, completion: Any, max_len: int) -> dict:
-    return _prompt_completion(tokenizer.eos_token_id, _ids(tokenizer, str(prompt or ""), True),
-                              _ids(tokenizer, str(completion or ""), False), max_len)
+    return _prompt_completion(
+        tokenizer.eos_token_id,
+        _ids(tokenizer, str(prompt or ""), True),
+        _ids(tokenizer, str(completion or ""), False),
+        max_len,
+    )
 
 
 def _prompt_completion(eos: int | None, p: list[int], c: list[int], max_len: int) -> dict:
@@ -185,10 +193,13 @@ def _messages(value: Any, column: str) -> list[dict]:
         except ValueError:
             messages = None
     if not isinstance(messages, (list, tuple)) or not all(
-            isinstance(m, dict) and "role" in m and "content" in m for m in messages):
+        isinstance(m, dict) and "role" in m and "content" in m for m in messages
+    ):
         shown = repr(value) if len(repr(value)) <= 80 else repr(value)[:77] + "..."
-        raise ConfigError(f"--messages_column: column '{column}' must hold lists of "
-                          f"{{\"role\", \"content\"}} messages, found {shown}")
+        raise ConfigError(
+            f"--messages_column: column '{column}' must hold lists of "
+            f'{{"role", "content"}} messages, found {shown}'
+        )
     return list(messages)
 
 
@@ -199,6 +210,7 @@ def encode_chat(tokenizer, messages: list[dict], max_len: int) -> dict:
     (with the generation prompt) and the render including it; tokens whose characters start in
     such a span are labelled, the rest are masked.
     """
+
     def render(msgs: list[dict], gen: bool) -> str:
         return tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=gen)
 
@@ -210,6 +222,8 @@ def encode_chat(tokenizer, messages: list[dict], max_len: int) -> dict:
             spans.append((start, len(render(messages[: i + 1], False))))
     enc = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
     ids = enc["input_ids"]
-    labels = [tok if any(s <= off[0] < e for s, e in spans) else IGNORE
-              for tok, off in zip(ids, enc["offset_mapping"])]
+    labels = [
+        tok if any(s <= off[0] < e for s, e in spans) else IGNORE
+        for tok, off in zip(ids, enc["offset_mapping"])
+    ]
     return {"input_ids": ids[:max_len], "labels": labels[:max_len]}

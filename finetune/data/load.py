@@ -22,11 +22,14 @@ from finetune.data.formats import (  # noqa: F401
     encode_text,
 )
 
-EMBEDDED_DATA = {"train": str(RESOURCES_DIR / "data" / "train.jsonl"),
-                 "validation": str(RESOURCES_DIR / "data" / "validation.jsonl")}
+EMBEDDED_DATA = {
+    "train": str(RESOURCES_DIR / "data" / "train.jsonl"),
+    "validation": str(RESOURCES_DIR / "data" / "validation.jsonl"),
+}
 
 
 # --- loading -------------------------------------------------------------------------------
+
 
 def load_raw(args: DataArgs, seed: int):
     """Return (train, eval or None) as `datasets.Dataset`s, with columns checked."""
@@ -35,11 +38,15 @@ def load_raw(args: DataArgs, seed: int):
     datasets.disable_progress_bars()
     raw = load_splits(args)
     if "train" not in raw:
-        raise ConfigError(f"--dataset_name: '{args.dataset_name}' has no 'train' split (has: {', '.join(raw)})")
+        raise ConfigError(
+            f"--dataset_name: '{args.dataset_name}' has no 'train' split (has: {', '.join(raw)})"
+        )
     train = raw["train"]
     evalset = raw.get("validation")
     if evalset is None and args.validation_split_percentage > 0 and len(train) > 1:
-        split = train.train_test_split(test_size=args.validation_split_percentage / 100, seed=seed, shuffle=True)
+        split = train.train_test_split(
+            test_size=args.validation_split_percentage / 100, seed=seed, shuffle=True
+        )
         train, evalset = split["train"], split["test"]
     if args.max_train_samples:
         train = train.select(range(min(args.max_train_samples, len(train))))
@@ -61,7 +68,9 @@ def load_splits(args: DataArgs):
         try:
             return datasets.load_dataset(args.dataset_name, args.dataset_config_name)
         except (FileNotFoundError, ValueError, ConnectionError, OSError) as e:
-            raise ConfigError(f"--dataset_name: cannot load '{args.dataset_name}': {str(e).splitlines()[0]}") from None
+            raise ConfigError(
+                f"--dataset_name: cannot load '{args.dataset_name}': {str(e).splitlines()[0]}"
+            ) from None
     files = EMBEDDED_DATA if not args.train_file else {"train": args.train_file}
     if args.validation_file:
         files["validation"] = args.validation_file
@@ -73,7 +82,9 @@ def load_splits(args: DataArgs):
     try:
         return datasets.load_dataset(fmt, data_files=files)
     except (ValueError, OSError, datasets.exceptions.DatasetGenerationError) as e:
-        raise ConfigError(f"{source_flag(args)}: cannot read {files['train']}: {_root_cause(e)}") from None
+        raise ConfigError(
+            f"{source_flag(args)}: cannot read {files['train']}: {_root_cause(e)}"
+        ) from None
 
 
 def _root_cause(e: BaseException) -> str:
@@ -91,14 +102,19 @@ def _check_columns(args: DataArgs, ds, what: str) -> None:
     fmt = choose(args)
     for flag, col in fmt.columns.items():
         if col not in ds.column_names:
-            raise ConfigError(f"--{flag}: no column '{col}' in the {what} "
-                              f"(available: {', '.join(ds.column_names)})")
+            raise ConfigError(
+                f"--{flag}: no column '{col}' in the {what} "
+                f"(available: {', '.join(ds.column_names)})"
+            )
     fmt.check(ds)
 
 
 # --- tokenization ---------------------------------------------------------------------------
 
-def tokenize(ds, tokenizer, args: DataArgs, max_len: int, num_proc: int = 1, cache_file: str | None = None):
+
+def tokenize(
+    ds, tokenizer, args: DataArgs, max_len: int, num_proc: int = 1, cache_file: str | None = None
+):
     """Map raw rows to {'input_ids', 'labels'} (int32); drop rows left with nothing to learn.
 
     ``cache_file``: where the result is written (with ``num_proc`` > 1, one file per process);
@@ -108,12 +124,24 @@ def tokenize(ds, tokenizer, args: DataArgs, max_len: int, num_proc: int = 1, cac
 
     fmt = choose(args)
     fmt.check_tokenizer(tokenizer)
-    features = datasets.Features({"input_ids": datasets.Sequence(datasets.Value("int32")),
-                                  "labels": datasets.Sequence(datasets.Value("int32"))})
-    out = ds.map(_BatchEncoder(tokenizer, fmt, max_len), batched=True, batch_size=1000, features=features,
-                 remove_columns=ds.column_names, num_proc=num_proc if num_proc > 1 else None,
-                 load_from_cache_file=False, keep_in_memory=cache_file is None, cache_file_name=cache_file,
-                 desc="tokenizing")
+    features = datasets.Features(
+        {
+            "input_ids": datasets.Sequence(datasets.Value("int32")),
+            "labels": datasets.Sequence(datasets.Value("int32")),
+        }
+    )
+    out = ds.map(
+        _BatchEncoder(tokenizer, fmt, max_len),
+        batched=True,
+        batch_size=1000,
+        features=features,
+        remove_columns=ds.column_names,
+        num_proc=num_proc if num_proc > 1 else None,
+        load_from_cache_file=False,
+        keep_in_memory=cache_file is None,
+        cache_file_name=cache_file,
+        desc="tokenizing",
+    )
     return out
 
 
@@ -141,8 +169,10 @@ def nothing_to_learn(args: DataArgs, tokenizer, raw, max_len: int) -> str:
     fmt = choose(args)
     sample = raw.select(range(min(100, len(raw))))[:]
     if _BatchEncoder(tokenizer, fmt, 2**31)(sample)["input_ids"]:
-        return (f"--max_seq_length {max_len}: in every training example the prompt fills the first {max_len} tokens, "
-                f"leaving nothing to learn from ({source_flag(args)}); raise --max_seq_length")
+        return (
+            f"--max_seq_length {max_len}: in every training example the prompt fills the first {max_len} tokens, "
+            f"leaving nothing to learn from ({source_flag(args)}); raise --max_seq_length"
+        )
     return f"{source_flag(args)}: no training example has a token to learn from ({fmt.empty_rows})"
 
 
@@ -166,18 +196,38 @@ def pack(ds, max_len: int, path: str | None = None, chunk_rows: int = 10_000):
     blocks = tokens = 0
     with pa.OSFile(path, "wb") as sink, pa.ipc.new_stream(sink, schema) as writer:
         for table in ds.with_format("arrow").iter(batch_size=chunk_rows):
-            flat = {k: np.concatenate([carry[k], table.column(k).combine_chunks().flatten().to_numpy(zero_copy_only=False)
-                                       .astype(np.int32, copy=False)]) for k in carry}
+            flat = {
+                k: np.concatenate(
+                    [
+                        carry[k],
+                        table.column(k)
+                        .combine_chunks()
+                        .flatten()
+                        .to_numpy(zero_copy_only=False)
+                        .astype(np.int32, copy=False),
+                    ]
+                )
+                for k in carry
+            }
             tokens += len(flat["input_ids"]) - len(carry["input_ids"])
             n = len(flat["input_ids"]) // max_len
             if n:
                 offsets = pa.array(np.arange(0, n * max_len + 1, max_len, dtype=np.int32))
-                writer.write_table(pa.table({k: pa.ListArray.from_arrays(offsets, pa.array(v[:n * max_len]))
-                                             for k, v in flat.items()}, schema=schema))
+                writer.write_table(
+                    pa.table(
+                        {
+                            k: pa.ListArray.from_arrays(offsets, pa.array(v[: n * max_len]))
+                            for k, v in flat.items()
+                        },
+                        schema=schema,
+                    )
+                )
                 blocks += n
-            carry = {k: v[n * max_len:] for k, v in flat.items()}
+            carry = {k: v[n * max_len :] for k, v in flat.items()}
     if blocks == 0:
-        raise ConfigError(f"--packing: the data has {tokens} tokens, fewer than one block of --max_seq_length {max_len}")
+        raise ConfigError(
+            f"--packing: the data has {tokens} tokens, fewer than one block of --max_seq_length {max_len}"
+        )
     return datasets.Dataset.from_file(path)
 
 
@@ -192,5 +242,3 @@ def collate(rows: list[dict], pad_id: int) -> dict[str, torch.Tensor]:
         labels[i, :n] = torch.tensor(r["labels"])
         mask[i, :n] = 1
     return {"input_ids": ids, "labels": labels, "attention_mask": mask}
-
-

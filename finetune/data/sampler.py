@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import errno
 import math
+from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Iterator
 
 import torch
 
@@ -35,7 +35,12 @@ class ResumableSampler:
     """
 
     def __init__(self, num_samples: int, world_size: int, rank: int, seed: int):
-        self.num_samples, self.world_size, self.rank, self.seed = num_samples, world_size, rank, seed
+        self.num_samples, self.world_size, self.rank, self.seed = (
+            num_samples,
+            world_size,
+            rank,
+            seed,
+        )
         self.state = SamplerState()
         # The trimmed order of the current and the next epoch (the prefetch may already be there).
         self._orders: dict[int, torch.Tensor] = {}
@@ -49,7 +54,9 @@ class ResumableSampler:
                 order = order.to(torch.int32)  # half the memory: 40 MB at 10M samples
             # Trim so every rank gets the same count: ranks must run the same number of collectives.
             order = order[: len(order) - len(order) % self.world_size]
-            self._orders = {e: o for e, o in self._orders.items() if e in (epoch - 1, epoch + 1)} | {epoch: order}
+            self._orders = {
+                e: o for e, o in self._orders.items() if e in (epoch - 1, epoch + 1)
+            } | {epoch: order}
         return order
 
     def epoch_order(self, epoch: int) -> list[int]:
@@ -65,7 +72,9 @@ class ResumableSampler:
         end = state.consumed + per_rank * self.world_size
         if end > len(order):
             return state, None
-        return SamplerState(state.epoch, end), order[state.consumed:end][self.rank::self.world_size].tolist()
+        return SamplerState(state.epoch, end), order[state.consumed : end][
+            self.rank :: self.world_size
+        ].tolist()
 
     def take(self, per_rank: int) -> list[int] | None:
         """This rank's next ``per_rank`` indices, advancing the state; None at epoch end."""
@@ -76,13 +85,19 @@ class ResumableSampler:
         self.state = SamplerState(epoch=self.state.epoch + 1, consumed=0)
 
     def state_dict(self) -> dict:
-        return {"epoch": self.state.epoch, "consumed": self.state.consumed, "seed": self.seed,
-                "num_samples": self.num_samples}
+        return {
+            "epoch": self.state.epoch,
+            "consumed": self.state.consumed,
+            "seed": self.seed,
+            "num_samples": self.num_samples,
+        }
 
     def load_state_dict(self, sd: dict) -> None:
         if sd["num_samples"] != self.num_samples or sd["seed"] != self.seed:
-            raise ConfigError(f"--resume_from_checkpoint: the data order differs from the checkpoint's "
-                              f"({self.num_samples} samples, seed {self.seed} vs {sd['num_samples']}, {sd['seed']})")
+            raise ConfigError(
+                f"--resume_from_checkpoint: the data order differs from the checkpoint's "
+                f"({self.num_samples} samples, seed {self.seed} vs {sd['num_samples']}, {sd['seed']})"
+            )
         self.state = SamplerState(epoch=sd["epoch"], consumed=sd["consumed"])
 
 
@@ -95,19 +110,35 @@ class TrainData:
     while preparing is raised by the ``next_step`` (or ``ready``) that would have returned it.
     """
 
-    def __init__(self, dataset, sampler: ResumableSampler, micro_batch: int, grad_accum: int, pad_id: int,
-                 prefetch: bool = True, pin_memory: bool = False):
+    def __init__(
+        self,
+        dataset,
+        sampler: ResumableSampler,
+        micro_batch: int,
+        grad_accum: int,
+        pad_id: int,
+        prefetch: bool = True,
+        pin_memory: bool = False,
+    ):
         self.dataset, self.sampler = dataset, sampler
         self.micro_batch, self.grad_accum, self.pad_id = micro_batch, grad_accum, pad_id
         self.pin_memory = pin_memory
         self.steps_per_epoch = sampler.samples_per_rank() // (micro_batch * grad_accum)
         if self.steps_per_epoch == 0:
-            raise ConfigError(f"--per_device_train_batch_size: {len(dataset)} training examples are fewer than one "
-                              f"step needs ({micro_batch} × {grad_accum} accumulation × {sampler.world_size} ranks)")
+            raise ConfigError(
+                f"--per_device_train_batch_size: {len(dataset)} training examples are fewer than one "
+                f"step needs ({micro_batch} × {grad_accum} accumulation × {sampler.world_size} ranks)"
+            )
         # Pinning allocates through the thread's current CUDA device: make it this rank's, not GPU 0.
-        init = (lambda d=torch.cuda.current_device(): torch.cuda.set_device(d)) if pin_memory else None
-        self._pool = ThreadPoolExecutor(1, "finetune-prefetch", initializer=init) if prefetch else None
-        self._ahead: tuple[SamplerState, Future] | None = None  # (the state it starts from, its result)
+        init = (
+            (lambda d=torch.cuda.current_device(): torch.cuda.set_device(d)) if pin_memory else None
+        )
+        self._pool = (
+            ThreadPoolExecutor(1, "finetune-prefetch", initializer=init) if prefetch else None
+        )
+        self._ahead: tuple[SamplerState, Future] | None = (
+            None  # (the state it starts from, its result)
+        )
 
     def _plan(self, state: SamplerState) -> tuple[SamplerState, list[int]]:
         per_rank = self.micro_batch * self.grad_accum
@@ -119,15 +150,22 @@ class TrainData:
     def _prepare(self, state: SamplerState) -> tuple[SamplerState, list[dict[str, torch.Tensor]]]:
         after, idx = self._plan(state)
         if after.epoch == 0:
-            _injected_failure(self.sampler.rank, after.consumed // (len(idx) * self.sampler.world_size))
+            _injected_failure(
+                self.sampler.rank, after.consumed // (len(idx) * self.sampler.world_size)
+            )
         rows = self._rows(idx)
-        batches = [collate(rows[i:i + self.micro_batch], self.pad_id) for i in range(0, len(rows), self.micro_batch)]
+        batches = [
+            collate(rows[i : i + self.micro_batch], self.pad_id)
+            for i in range(0, len(rows), self.micro_batch)
+        ]
         if self.pin_memory:
             batches = [{k: v.pin_memory() for k, v in b.items()} for b in batches]
         return after, batches
 
     def _rows(self, idx: list[int]) -> list[dict]:
-        getitems = getattr(self.dataset, "__getitems__", None)  # datasets: one Arrow take for all rows
+        getitems = getattr(
+            self.dataset, "__getitems__", None
+        )  # datasets: one Arrow take for all rows
         return getitems(idx) if getitems is not None else [self.dataset[i] for i in idx]
 
     def _submit(self, state: SamplerState) -> None:
@@ -148,7 +186,9 @@ class TrainData:
         state, ahead = self.sampler.state, self._ahead
         self._ahead = None
         # A prefetch from another state (the sampler was reloaded for a resume) is dropped.
-        after, batches = ahead[1].result() if ahead is not None and ahead[0] == state else self._prepare(state)
+        after, batches = (
+            ahead[1].result() if ahead is not None and ahead[0] == state else self._prepare(state)
+        )
         self.sampler.state = after
         self._submit(after)
         return batches
@@ -163,7 +203,9 @@ class TrainData:
         counts applied steps only, so a --num_train_epochs run with skips ends a few steps into
         the next epoch (which simply continues the next epoch's order)."""
         st = self.sampler.state
-        per_epoch = self.steps_per_epoch * self.micro_batch * self.grad_accum * self.sampler.world_size
+        per_epoch = (
+            self.steps_per_epoch * self.micro_batch * self.grad_accum * self.sampler.world_size
+        )
         return st.epoch + min(st.consumed / per_epoch, 1.0)
 
 
@@ -173,8 +215,9 @@ def _injected_failure(rank: int, step: int) -> None:
         raise OSError(errno.EIO, f"injected by {seams.FAIL_BATCH} while preparing a batch")
 
 
-def eval_batches(dataset, batch_size: int, world_size: int, rank: int, pad_id: int,
-                 pin_memory: bool = False) -> Iterator[tuple[dict, bool]]:
+def eval_batches(
+    dataset, batch_size: int, world_size: int, rank: int, pad_id: int, pin_memory: bool = False
+) -> Iterator[tuple[dict, bool]]:
     """This rank's eval batches and whether each is real; pinned with ``pin_memory`` (GPUs), so
     the copy to the device is asynchronous, like the training batches'.
 
@@ -184,7 +227,7 @@ def eval_batches(dataset, batch_size: int, world_size: int, rank: int, pad_id: i
     """
     n_batches = math.ceil(math.ceil(len(dataset) / world_size) / batch_size)
     for b in range(n_batches):
-        idx = list(range(rank, len(dataset), world_size)[b * batch_size:(b + 1) * batch_size])
+        idx = list(range(rank, len(dataset), world_size)[b * batch_size : (b + 1) * batch_size])
         real = bool(idx)
         batch = collate([dataset[i] for i in (idx or [0])], pad_id)
         yield ({k: v.pin_memory() for k, v in batch.items()} if pin_memory else batch), real

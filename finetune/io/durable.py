@@ -60,7 +60,7 @@ class HashingWriter:
             for i in range(0, len(view), _WRITEBACK_EVERY):
                 if self.cancelled is not None and self.cancelled.is_set():
                     raise WriteCancelled("the write was given up")
-                piece = view[i:i + _WRITEBACK_EVERY]
+                piece = view[i : i + _WRITEBACK_EVERY]
                 self.h.update(piece)
                 self.f.write(piece)
                 self.size += len(piece)
@@ -76,7 +76,9 @@ class HashingWriter:
         disk works while we serialise the rest and the closing fsync has little left to do."""
         self.f.flush()
         if _sync_file_range is not None:
-            _sync_file_range(self.f.fileno(), self.kicked, self.size - self.kicked, _SYNC_FILE_RANGE_WRITE)
+            _sync_file_range(
+                self.f.fileno(), self.kicked, self.size - self.kicked, _SYNC_FILE_RANGE_WRITE
+            )
         self.kicked = self.size
 
     def flush(self) -> None:
@@ -106,8 +108,8 @@ def bytes_hashed() -> int:
     return _read_back[0]
 
 
-def write_json_durably(path: str | os.PathLike, obj) -> tuple[int, str]:
-    data = (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode()
+def write_bytes_durably(path: str | os.PathLike, data: bytes) -> tuple[int, str]:
+    """Create or truncate ``path`` with ``data`` and fsync it; (size, xxh3-128) of ``data``."""
     with open(path, "wb") as f:
         f.write(data)
         f.flush()
@@ -117,13 +119,16 @@ def write_json_durably(path: str | os.PathLike, obj) -> tuple[int, str]:
     return len(data), h.hexdigest()
 
 
+def write_json_durably(path: str | os.PathLike, obj) -> tuple[int, str]:
+    return write_bytes_durably(path, (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode())
 
 
-def replace_text(path: Path, text: str) -> None:
+def replace_text(path: str | os.PathLike, text: str | bytes) -> None:
     """Replace ``path`` atomically: temp file, fsync, rename over, fsync the directory."""
+    path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
+    with open(tmp, "wb") as f:
+        f.write(text.encode() if isinstance(text, str) else text)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)

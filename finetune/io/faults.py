@@ -38,8 +38,8 @@ HANG = "hang"  # not in KINDS: the sweep uses it only at sites it polls with a d
 SITES: dict[str, str] = {
     # start-up, before training
     "lease.acquire": "rank 0: taking OUT/.lease (agreed: run_agreed in trainer.run)",
-    "layout.probe": "the ranks that write a marker file to find who shares OUT (agreed: distributed.sharing_groups "
-                    "/ leads_storage)",
+    "layout.probe": "the ranks that write a marker file to find who shares OUT (agreed: sharing.sharing_groups "
+    "/ leads_storage)",
     "layout.tidy": "leader: removing crashed saves' leftovers at start (agreed, then a warning)",
     "manager.history": "leader: listing OUT's committed checkpoints for the commit order (agreed, at start)",
     # save: check → snapshot → write → agree → commit → retain (step)
@@ -49,7 +49,7 @@ SITES: dict[str, str] = {
     "save.makedirs": "the ranks DeepSpeed has create the staging folders (step)",
     "save.host_copy": "every rank, --async_save: copying one of its state dicts into host memory (step)",
     "save.write_rank_files": "every rank: opening and writing one of its checkpoint files (rank files, RNG); on the "
-                             "background thread under --async_save (step)",
+    "background thread under --async_save (step)",
     "save.fsync": "every rank: fsync of a checkpoint file it wrote; on the background thread under --async_save (step)",
     "save.recovery_script": "rank 0: DeepSpeed copying zero_to_fp32.py into the staging root (step)",
     "save.shared_files": "leader: config, tokenizer and trainer_state.json into staging (step)",
@@ -157,8 +157,11 @@ def fault_point(site: str, step: int | None = None) -> None:
 
 def _inject(fault: Fault, step: int | None) -> None:
     where = f"{fault.site} on rank {fault.rank}" + (f" at step {step}" if step is not None else "")
-    print(f"finetune: {seams.FAULT}: injecting {fault.kind} at {where} (t={time.time():.3f})", file=sys.stderr,
-          flush=True)
+    print(
+        f"finetune: {seams.FAULT}: injecting {fault.kind} at {where} (t={time.time():.3f})",
+        file=sys.stderr,
+        flush=True,
+    )
     message = f"injected fault at {where} ({seams.FAULT})"
     if fault.kind == "kill":
         os.kill(os.getpid(), signal.SIGKILL)

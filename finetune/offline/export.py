@@ -37,8 +37,8 @@ import torch
 from finetune.checkpoint.adapter import is_adapter_checkpoint
 from finetune.checkpoint.consolidate import FROM_MASTER, SOURCE_KEY
 from finetune.checkpoint.manifest import read_manifest
+from finetune.checkpoint.outdir import find_checkpoint, step_of
 from finetune.checkpoint.shards import INDEX, plan_shards, read_header, shard_header
-from finetune.checkpoint.storage import find_checkpoint, step_of
 from finetune.checkpoint.universal import UNIVERSAL, to_universal
 from finetune.commands import Parser
 from finetune.config import ConfigError, check_size
@@ -63,9 +63,18 @@ from finetune.offline.zero_files import ZeroCheckpoint, rank_model_files
 
 # --- entry points ------------------------------------------------------------------------------
 
-def export_hf(checkpoint: str | os.PathLike, out: str | os.PathLike, dtype: str | None = None,
-              max_shard_size: str | None = None, exclude_frozen: bool = False, progress: bool = True,
-              verify: bool = True, merge_lora: bool = False, base_model: str | None = None) -> ExportResult:
+
+def export_hf(
+    checkpoint: str | os.PathLike,
+    out: str | os.PathLike,
+    dtype: str | None = None,
+    max_shard_size: str | None = None,
+    exclude_frozen: bool = False,
+    progress: bool = True,
+    verify: bool = True,
+    merge_lora: bool = False,
+    base_model: str | None = None,
+) -> ExportResult:
     """Write a HF model folder at ``out`` from ``checkpoint`` (a checkpoint folder or an output dir).
 
     The weights are rebuilt from the rank files in ``dtype`` (default: the training dtype).
@@ -80,22 +89,29 @@ def export_hf(checkpoint: str | os.PathLike, out: str | os.PathLike, dtype: str 
     folder = resolve_checkpoint(checkpoint)
     lora = is_adapter_checkpoint(folder)
     if (merge_lora or base_model) and not lora:
-        raise ConfigError(f"`--merge_lora`/`--base_model`: {folder} is not a LoRA checkpoint (no adapter_config.json)")
+        raise ConfigError(
+            f"`--merge_lora`/`--base_model`: {folder} is not a LoRA checkpoint (no adapter_config.json)"
+        )
     if lora:
         if exclude_frozen:
-            raise ConfigError("`--exclude_frozen_parameters`: a LoRA checkpoint holds no frozen parameter")
+            raise ConfigError(
+                "`--exclude_frozen_parameters`: a LoRA checkpoint holds no frozen parameter"
+            )
         from finetune.offline.lora_export import (
             export_lora,  # imports peft: only for a LoRA checkpoint
         )
 
-        return export_lora(folder, out, dtype, max_shard_size, merge_lora, base_model, verify, progress)
+        return export_lora(
+            folder, out, dtype, max_shard_size, merge_lora, base_model, verify, progress
+        )
     out = check_out(out)
     verified = [0, 0.0] if verify else None
     if verify:  # what decides copy or rebuild, and what is copied: before any of it is read
         _add(verified, verify_inputs(folder, plain_inputs(folder)))
     config = read_config(folder)
-    copy, want = _copy_or_rebuild(folder, DTYPES[dtype] if dtype else None,
-                                  max_shard_size is None and not exclude_frozen)
+    copy, want = _copy_or_rebuild(
+        folder, DTYPES[dtype] if dtype else None, max_shard_size is None and not exclude_frozen
+    )
     source = None
     if not copy:
         if verify:
@@ -109,8 +125,14 @@ def export_hf(checkpoint: str | os.PathLike, out: str | os.PathLike, dtype: str 
         if copy:
             tensors, size, files = _copy_weights(folder, staging, copy)
         else:
-            tensors, size, files = _write_hf(source, staging, want, max_shard_size or DEFAULT_SHARD_SIZE,
-                                                   exclude_frozen, progress)
+            tensors, size, files = _write_hf(
+                source,
+                staging,
+                want,
+                max_shard_size or DEFAULT_SHARD_SIZE,
+                exclude_frozen,
+                progress,
+            )
         files += copy_model_files(folder, staging, want, config)
         fsync_path(staging)
         fault_point("export.publish", step_of(folder.name))
@@ -119,8 +141,18 @@ def export_hf(checkpoint: str | os.PathLike, out: str | os.PathLike, dtype: str 
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
-    return ExportResult(folder, out, tensors, size, want, sorted(files), time.perf_counter() - start,
-                        peak_rss_bytes(), bool(copy), tuple(verified) if verified else None)
+    return ExportResult(
+        folder,
+        out,
+        tensors,
+        size,
+        want,
+        sorted(files),
+        time.perf_counter() - start,
+        peak_rss_bytes(),
+        bool(copy),
+        tuple(verified) if verified else None,
+    )
 
 
 def _add(total: list, part: tuple[int, float]) -> None:
@@ -128,8 +160,9 @@ def _add(total: list, part: tuple[int, float]) -> None:
     total[1] += part[1]
 
 
-def export_universal(checkpoint: str | os.PathLike, out: str | os.PathLike | None = None,
-                     verify: bool = True) -> tuple[Path, str]:
+def export_universal(
+    checkpoint: str | os.PathLike, out: str | os.PathLike | None = None, verify: bool = True
+) -> tuple[Path, str]:
     """Convert ``checkpoint`` to DeepSpeed's universal format in ``out`` (default: CHECKPOINT/universal);
     ``verify``: DeepSpeed's files are checked against the manifest first. Returns the folder and the
     converter's summary (pieces done now and before, the longest piece)."""
@@ -138,18 +171,30 @@ def export_universal(checkpoint: str | os.PathLike, out: str | os.PathLike | Non
     target = check_out(out if out is not None else folder / UNIVERSAL)
     if verify:  # every rank file ds_to_universal picks up (it globs the folder)
         verify_inputs(folder, sorted(p.name for p in folder.glob("*_states.pt")))
-    summary = to_universal(folder, target)  # resumes what an interrupted export --universal finished
+    summary = to_universal(
+        folder, target
+    )  # resumes what an interrupted export --universal finished
     return target, summary
 
 
 def resolve_checkpoint(path: str | os.PathLike) -> Path:
     """The checkpoint folder ``path`` names (itself, or an output dir's newest); ConfigError if none."""
     folder = find_checkpoint(path)
-    if folder is not None and (folder / "mp_rank_00_model_states.pt").exists() and not rank_model_files(folder):
-        raise ConfigError(f"{folder}: a ZeRO-1/2 checkpoint; export rebuilds ZeRO-3 ones (for this one use "
-                          f"DeepSpeed's zero_to_fp32.py)")
-    if folder is None or not (rank_model_files(folder) or any(WEIGHTS_RE.match(p.name) for p in folder.iterdir())):
-        raise ConfigError(f"{path}: not a checkpoint (no DeepSpeed rank files or safetensors weights)")
+    if (
+        folder is not None
+        and (folder / "mp_rank_00_model_states.pt").exists()
+        and not rank_model_files(folder)
+    ):
+        raise ConfigError(
+            f"{folder}: a ZeRO-1/2 checkpoint; export rebuilds ZeRO-3 ones (for this one use "
+            f"DeepSpeed's zero_to_fp32.py)"
+        )
+    if folder is None or not (
+        rank_model_files(folder) or any(WEIGHTS_RE.match(p.name) for p in folder.iterdir())
+    ):
+        raise ConfigError(
+            f"{path}: not a checkpoint (no DeepSpeed rank files or safetensors weights)"
+        )
     return folder
 
 
@@ -182,7 +227,9 @@ def _stored_weights(folder: Path, files: list[str]) -> tuple[torch.dtype | None,
     header = read_header(folder / files[0])
     metadata = header.pop("__metadata__", None) or {}
     kinds = {v["dtype"] for v in header.values()}
-    return next((SAFE_TO_TORCH[k] for k in kinds if k in SAFE_TO_TORCH), None), metadata.get(SOURCE_KEY)
+    return next((SAFE_TO_TORCH[k] for k in kinds if k in SAFE_TO_TORCH), None), metadata.get(
+        SOURCE_KEY
+    )
 
 
 def exact_copy(stored: torch.dtype | None, training: torch.dtype, weights_from: str | None) -> bool:
@@ -195,7 +242,9 @@ def exact_copy(stored: torch.dtype | None, training: torch.dtype, weights_from: 
     return weights_from == FROM_MASTER or training in (stored, torch.float32)
 
 
-def _copy_or_rebuild(folder: Path, want: torch.dtype | None, as_saved: bool) -> tuple[list[str], torch.dtype]:
+def _copy_or_rebuild(
+    folder: Path, want: torch.dtype | None, as_saved: bool
+) -> tuple[list[str], torch.dtype]:
     """(the consolidated files to copy, or [] to rebuild from the rank files; the dtype to write).
 
     ``want`` defaults to the training dtype, whether or not the run saved consolidated weights;
@@ -203,10 +252,16 @@ def _copy_or_rebuild(folder: Path, want: torch.dtype | None, as_saved: bool) -> 
     (no other sharding, nothing left out). Without rank files they are all there is.
     """
     # What a failed consolidated save left is not listed and not weights to copy: never read.
-    files = [] if (read_manifest(folder) or {}).get("consolidated") is False else _consolidated_files(folder)
+    files = (
+        []
+        if (read_manifest(folder) or {}).get("consolidated") is False
+        else _consolidated_files(folder)
+    )
     stored, weights_from = _stored_weights(folder, files) if files else (None, None)
     training = training_dtype(folder)
-    if not rank_model_files(folder):  # nothing to rebuild from: copied as they are, or an error later
+    if not rank_model_files(
+        folder
+    ):  # nothing to rebuild from: copied as they are, or an error later
         stored = stored or torch.float32
         want = want or stored
         return (files if as_saved and want == stored else []), want
@@ -229,23 +284,43 @@ def _copy_weights(folder: Path, staging: Path, files: list[str]) -> tuple[int, i
 
 # --- writing HF shards from the rank files ------------------------------------------------------
 
-def _write_hf(source: ZeroCheckpoint, staging: Path, dtype: torch.dtype, max_shard_size: str, exclude_frozen: bool,
-             progress: bool) -> tuple[int, int, list[str]]:
+
+def _write_hf(
+    source: ZeroCheckpoint,
+    staging: Path,
+    dtype: torch.dtype,
+    max_shard_size: str,
+    exclude_frozen: bool,
+    progress: bool,
+) -> tuple[int, int, list[str]]:
     from tqdm.auto import tqdm
 
     entries = [e for e in source.entries if not (exclude_frozen and e.kind == "frozen")]
     by_name = {e.name: e for e in entries}
     buffers: dict = {}  # one reused conversion buffer per dtype
-    holders = {e.name: types.SimpleNamespace(t=torch.empty(e.shape, dtype=e.dtype, device="meta")) for e in entries}
-    split, meta = plan_shards([(e.name, holders[e.name], "t", e.kind != "buffer") for e in entries],
-                              dtype, max_shard_size)
-    bar = tqdm(total=split.total_size, unit="B", unit_scale=True, desc="export", disable=not progress,
-               file=sys.stderr, mininterval=0.5 if sys.stderr.isatty() else 30)
+    holders = {
+        e.name: types.SimpleNamespace(t=torch.empty(e.shape, dtype=e.dtype, device="meta"))
+        for e in entries
+    }
+    split, meta = plan_shards(
+        [(e.name, holders[e.name], "t", e.kind != "buffer") for e in entries], dtype, max_shard_size
+    )
+    bar = tqdm(
+        total=split.total_size,
+        unit="B",
+        unit_scale=True,
+        desc="export",
+        disable=not progress,
+        file=sys.stderr,
+        mininterval=0.5 if sys.stderr.isatty() else 30,
+    )
     with bar:
         for fname, names in split.filename_to_tensors.items():
             fault_point("export.write", step_of(source.folder.name))
             with open(staging / fname, "wb") as f:
-                f.write(shard_header(names, meta, {SOURCE_KEY: FROM_MASTER}))  # as a consolidated save records it
+                f.write(
+                    shard_header(names, meta, {SOURCE_KEY: FROM_MASTER})
+                )  # as a consolidated save records it
                 for name in names:
                     bar.update(write_tensor(source, f, by_name[name], meta[name], buffers))
                 f.flush()
@@ -256,47 +331,107 @@ def _write_hf(source: ZeroCheckpoint, staging: Path, dtype: torch.dtype, max_sha
 
 # --- the command ---------------------------------------------------------------------------------
 
+
 def main(argv: list[str]) -> int:
     """``finetune export CKPT OUT``: exit 0 written, 1 failed while writing, 2 bad input."""
-    p = Parser(prog="finetune export", description="Turn a checkpoint into a HuggingFace model folder (safetensors, "
-                "config, tokenizer), rebuilt from the rank files in one plain process with bounded memory; "
-                "or, with --universal, into DeepSpeed's universal format. Exit 2 on bad input.")
-    p.add_argument("checkpoint", metavar="CKPT", help="A checkpoint folder, or an output dir (its newest committed checkpoint is exported).")
-    p.add_argument("out", metavar="OUT", nargs="?", help="The folder to create (must not exist, or be empty). "
-                   "With --universal, default CHECKPOINT/universal.")
-    p.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default=None,
-                   help="Weights dtype (default: the training dtype in trainer_state.json, else fp32).")
-    p.add_argument("--max_shard_size", default=None, help="Largest safetensors shard (default: 5GB).")
-    p.add_argument("--exclude_frozen_parameters", action="store_true", help="Leave out parameters that were frozen.")
-    p.add_argument("--universal", action="store_true", help="Write DeepSpeed's universal checkpoint format instead "
-                   "(what resume on another world size loads).")
-    p.add_argument("--merge_lora", action="store_true", help="A LoRA checkpoint (--use_peft): write the base model with "
-                   "the adapters merged into its weights, a model folder that loads without peft (default: the "
-                   "adapter folder, adapter_model.safetensors + adapter_config.json, for PeftModel.from_pretrained).")
-    p.add_argument("--base_model", metavar="PATH_OR_HUB_ID", default=None, help="With --merge_lora: the base model's "
-                   "folder or hub id, if not where the run loaded it from (its weights must be the same: checked "
-                   "against the fingerprint the checkpoint recorded).")
-    p.add_argument("--no_verify", action="store_true", help="Don't check the files read against the checkpoint's "
-                   "manifest.json first (sizes and checksums); needed for a checkpoint without one. The rank files "
-                   "are unpickled with weights_only=True either way.")
+    p = Parser(
+        prog="finetune export",
+        description="Turn a checkpoint into a HuggingFace model folder (safetensors, "
+        "config, tokenizer), rebuilt from the rank files in one plain process with bounded memory; "
+        "or, with --universal, into DeepSpeed's universal format. Exit 2 on bad input.",
+    )
+    p.add_argument(
+        "checkpoint",
+        metavar="CKPT",
+        help="A checkpoint folder, or an output dir (its newest committed checkpoint is exported).",
+    )
+    p.add_argument(
+        "out",
+        metavar="OUT",
+        nargs="?",
+        help="The folder to create (must not exist, or be empty). "
+        "With --universal, default CHECKPOINT/universal.",
+    )
+    p.add_argument(
+        "--dtype",
+        choices=("bf16", "fp16", "fp32"),
+        default=None,
+        help="Weights dtype (default: the training dtype in trainer_state.json, else fp32).",
+    )
+    p.add_argument(
+        "--max_shard_size", default=None, help="Largest safetensors shard (default: 5GB)."
+    )
+    p.add_argument(
+        "--exclude_frozen_parameters",
+        action="store_true",
+        help="Leave out parameters that were frozen.",
+    )
+    p.add_argument(
+        "--universal",
+        action="store_true",
+        help="Write DeepSpeed's universal checkpoint format instead "
+        "(what resume on another world size loads).",
+    )
+    p.add_argument(
+        "--merge_lora",
+        action="store_true",
+        help="A LoRA checkpoint (--use_peft): write the base model with "
+        "the adapters merged into its weights, a model folder that loads without peft (default: the "
+        "adapter folder, adapter_model.safetensors + adapter_config.json, for PeftModel.from_pretrained).",
+    )
+    p.add_argument(
+        "--base_model",
+        metavar="PATH_OR_HUB_ID",
+        default=None,
+        help="With --merge_lora: the base model's "
+        "folder or hub id, if not where the run loaded it from (its weights must be the same: checked "
+        "against the fingerprint the checkpoint recorded).",
+    )
+    p.add_argument(
+        "--no_verify",
+        action="store_true",
+        help="Don't check the files read against the checkpoint's "
+        "manifest.json first (sizes and checksums); needed for a checkpoint without one. The rank files "
+        "are unpickled with weights_only=True either way.",
+    )
     ns = p.parse_args(argv)
     if ns.universal:
-        if ns.dtype or ns.max_shard_size or ns.exclude_frozen_parameters or ns.merge_lora or ns.base_model:
-            raise ConfigError("`--universal` takes no `--dtype`, `--max_shard_size`, `--exclude_frozen_parameters`, "
-                              "`--merge_lora` or `--base_model`")
+        if (
+            ns.dtype
+            or ns.max_shard_size
+            or ns.exclude_frozen_parameters
+            or ns.merge_lora
+            or ns.base_model
+        ):
+            raise ConfigError(
+                "`--universal` takes no `--dtype`, `--max_shard_size`, `--exclude_frozen_parameters`, "
+                "`--merge_lora` or `--base_model`"
+            )
         start = time.perf_counter()
         target, summary = export_universal(ns.checkpoint, ns.out, verify=not ns.no_verify)
-        print(f"Converted {ns.checkpoint} to DeepSpeed's universal format in {target} "
-              f"({time.perf_counter() - start:.1f} s; {summary.removeprefix('converted ')})")
+        print(
+            f"Converted {ns.checkpoint} to DeepSpeed's universal format in {target} "
+            f"({time.perf_counter() - start:.1f} s; {summary.removeprefix('converted ')})"
+        )
         return 0
     if ns.out is None:
         p.error("the following arguments are required: OUT")
     if ns.max_shard_size is not None:
         check_size(ns.max_shard_size)
     try:
-        result = export_hf(ns.checkpoint, ns.out, ns.dtype, ns.max_shard_size, ns.exclude_frozen_parameters,
-                           verify=not ns.no_verify, merge_lora=ns.merge_lora, base_model=ns.base_model)
-    except OSError as e:  # a full disk, an I/O error: the staging folder is gone, OUT was never created
+        result = export_hf(
+            ns.checkpoint,
+            ns.out,
+            ns.dtype,
+            ns.max_shard_size,
+            ns.exclude_frozen_parameters,
+            verify=not ns.no_verify,
+            merge_lora=ns.merge_lora,
+            base_model=ns.base_model,
+        )
+    except (
+        OSError
+    ) as e:  # a full disk, an I/O error: the staging folder is gone, OUT was never created
         print(f"finetune: error: export failed, {ns.out} was not written: {e}", file=sys.stderr)
         return 1
     print(result.summary())

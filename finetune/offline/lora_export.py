@@ -34,8 +34,8 @@ from finetune.checkpoint.adapter import (
     expected_tensors,
 )
 from finetune.checkpoint.consolidate import FROM_MASTER, SOURCE_KEY
+from finetune.checkpoint.outdir import step_of
 from finetune.checkpoint.shards import INDEX, SAFE_TO_DTYPE, plan_shards, shard_header
-from finetune.checkpoint.storage import step_of
 from finetune.config import ConfigError
 from finetune.io.durable import fsync_path
 from finetune.io.faults import fault_point
@@ -63,13 +63,23 @@ from finetune.offline.model_files import (
 from finetune.offline.zero_files import CHUNK_BYTES, ZeroCheckpoint
 
 
-def export_lora(folder: Path, out: str | os.PathLike, dtype: str | None, max_shard_size: str | None, merge: bool,
-                base_model: str | None, verify: bool, progress: bool) -> ExportResult:
+def export_lora(
+    folder: Path,
+    out: str | os.PathLike,
+    dtype: str | None,
+    max_shard_size: str | None,
+    merge: bool,
+    base_model: str | None,
+    verify: bool,
+    progress: bool,
+) -> ExportResult:
     """The adapter folder of LoRA checkpoint ``folder`` at ``out`` (or, ``merge``, the merged model)."""
     start = time.perf_counter()
     out = check_out(out)
     if not merge and (max_shard_size or base_model):
-        raise ConfigError("`--max_shard_size` and `--base_model` go with `--merge_lora` (an adapter is one file)")
+        raise ConfigError(
+            "`--max_shard_size` and `--base_model` go with `--merge_lora` (an adapter is one file)"
+        )
     verified = None
     if verify:  # every file read below, before any of it is read (what export.py checks, and the rank files)
         models, optims = ZeroCheckpoint.check_files(folder)
@@ -84,15 +94,29 @@ def export_lora(folder: Path, out: str | os.PathLike, dtype: str | None, max_sha
     staging.mkdir(parents=True)
     try:
         if merge:
-            tensors, size, files = _write_merged(base_dir, source, adapters, _read_adapter_config(folder), staging,
-                                                 want, max_shard_size or DEFAULT_SHARD_SIZE, progress)
+            tensors, size, files = _write_merged(
+                base_dir,
+                source,
+                adapters,
+                _read_adapter_config(folder),
+                staging,
+                want,
+                max_shard_size or DEFAULT_SHARD_SIZE,
+                progress,
+            )
             files += copy_model_files(folder, staging, want, read_config(folder))
             files = [f for f in files if f != ADAPTER_CONFIG]
-            (staging / ADAPTER_CONFIG).unlink(missing_ok=True)  # a plain model: nothing for peft to find
+            (staging / ADAPTER_CONFIG).unlink(
+                missing_ok=True
+            )  # a plain model: nothing for peft to find
         else:
             tensors, size, files = _write_adapter(source, adapters, staging, want)
             for p in model_files(folder):
-                if p.name not in ("config.json", "generation_config.json", ADAPTER_CONFIG):  # the base's, or written
+                if p.name not in (
+                    "config.json",
+                    "generation_config.json",
+                    ADAPTER_CONFIG,
+                ):  # the base's, or written
                     shutil.copyfile(p, staging / p.name)
                     files.append(p.name)
         fsync_path(staging)
@@ -102,16 +126,33 @@ def export_lora(folder: Path, out: str | os.PathLike, dtype: str | None, max_sha
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
-    how = f"merged the adapters into {base_dir}" if merge else "the LoRA adapters, rebuilt from the rank files"
-    return ExportResult(folder, out, tensors, size, want, sorted(files), time.perf_counter() - start, peak_rss_bytes(),
-                        False, verified, how=how)
+    how = (
+        f"merged the adapters into {base_dir}"
+        if merge
+        else "the LoRA adapters, rebuilt from the rank files"
+    )
+    return ExportResult(
+        folder,
+        out,
+        tensors,
+        size,
+        want,
+        sorted(files),
+        time.perf_counter() - start,
+        peak_rss_bytes(),
+        False,
+        verified,
+        how=how,
+    )
 
 
 def _trainer_state(folder: Path) -> dict:
     try:
         return json.loads((folder / "trainer_state.json").read_text())
     except (OSError, ValueError) as e:
-        raise ConfigError(f"{folder / 'trainer_state.json'}: unreadable ({type(e).__name__})") from e
+        raise ConfigError(
+            f"{folder / 'trainer_state.json'}: unreadable ({type(e).__name__})"
+        ) from e
 
 
 def _read_adapter_config(folder: Path) -> dict:
@@ -126,24 +167,34 @@ def _adapter_entries(folder: Path, source: ZeroCheckpoint) -> dict[str, object]:
     try:
         expected = expected_tensors(folder)
     except Exception as e:  # noqa: BLE001 — a damaged or foreign adapter_config.json
-        raise ConfigError(f"{folder / ADAPTER_CONFIG}: can't tell which tensors the adapters have "
-                          f"({type(e).__name__}: {' '.join(str(e).split())[:200]})") from e
+        raise ConfigError(
+            f"{folder / ADAPTER_CONFIG}: can't tell which tensors the adapters have "
+            f"({type(e).__name__}: {' '.join(str(e).split())[:200]})"
+        ) from e
     trainable = {e.name: e for e in source.entries if e.kind == "trainable"}
     missing = sorted(set(expected) - set(trainable))
     if missing or not expected:
-        raise ConfigError(f"{folder}: the rank files lack {len(missing)} of the {len(expected)} adapter tensors "
-                          f"(e.g. {missing[0] if missing else 'all'}); not exporting an incomplete adapter")
+        raise ConfigError(
+            f"{folder}: the rank files lack {len(missing)} of the {len(expected)} adapter tensors "
+            f"(e.g. {missing[0] if missing else 'all'}); not exporting an incomplete adapter"
+        )
     for name, (_, shape) in expected.items():
         if tuple(trainable[name].shape) != tuple(shape):
-            raise ConfigError(f"{folder}: {name} has shape {tuple(trainable[name].shape)} in the rank files, the "
-                              f"adapters' is {tuple(shape)}")
+            raise ConfigError(
+                f"{folder}: {name} has shape {tuple(trainable[name].shape)} in the rank files, the "
+                f"adapters' is {tuple(shape)}"
+            )
     return {key: trainable[name] for name, (key, _) in expected.items()}
 
 
 def _write_adapter(source: ZeroCheckpoint, adapters: dict, staging: Path, dtype: torch.dtype):
-    holders = {k: types.SimpleNamespace(t=torch.empty(e.shape, dtype=torch.float32, device="meta"))
-               for k, e in adapters.items()}
-    split, meta = plan_shards([(k, holders[k], "t", True) for k in adapters], dtype, 1 << 62, "adapter_model")
+    holders = {
+        k: types.SimpleNamespace(t=torch.empty(e.shape, dtype=torch.float32, device="meta"))
+        for k, e in adapters.items()
+    }
+    split, meta = plan_shards(
+        [(k, holders[k], "t", True) for k in adapters], dtype, 1 << 62, "adapter_model"
+    )
     fault_point("export.write", step_of(source.folder.name))
     buffers: dict = {}
     with open(staging / ADAPTER_WEIGHTS, "wb") as f:
@@ -158,27 +209,38 @@ def _write_adapter(source: ZeroCheckpoint, adapters: dict, staging: Path, dtype:
 
 # --- merging into the base ------------------------------------------------------------------------
 
+
 def _base_folder(folder: Path, state: dict, override: str | None) -> Path:
     """Where the base model's safetensors are: ``--base_model``, else where the run loaded it; checked
     against the fingerprint the checkpoint recorded."""
     recorded = state.get(BASE_KEY)
     if not recorded:
-        raise ConfigError(f"{folder}: trainer_state.json records no base model (not a LoRA checkpoint of finetune's)")
+        raise ConfigError(
+            f"{folder}: trainer_state.json records no base model (not a LoRA checkpoint of finetune's)"
+        )
     if recorded.get("kind") != "pretrained":
-        raise ConfigError(f"--merge_lora: {folder}'s base was {describe_base(recorded)}, weights that were never saved; "
-                          "export the adapters without --merge_lora")
+        raise ConfigError(
+            f"--merge_lora: {folder}'s base was {describe_base(recorded)}, weights that were never saved; "
+            "export the adapters without --merge_lora"
+        )
     name = override or recorded["source"]
     base_dir, revision = weights_folder(name)
     if base_dir is None:
         flag = "--base_model" if override else "the recorded base model"
-        raise ConfigError(f"{flag}: {name} is neither a folder nor a hub id with a cached copy; download it, or "
-                          f"give its folder with --base_model")
+        raise ConfigError(
+            f"{flag}: {name} is neither a folder nor a hub id with a cached copy; download it, or "
+            f"give its folder with --base_model"
+        )
     if not any(base_dir.glob("*.safetensors")):
-        raise ConfigError(f"{base_dir}: no safetensors weights (--merge_lora streams the base's safetensors shards)")
+        raise ConfigError(
+            f"{base_dir}: no safetensors weights (--merge_lora streams the base's safetensors shards)"
+        )
     now = {"source": name, "revision": revision, "fingerprint": fingerprint(base_dir)}
     if not same_base(recorded, now):
-        raise ConfigError(f"--merge_lora: {folder}'s adapters were trained on {describe_base(recorded)}, {base_dir} holds "
-                          f"{describe_base(now)}: another base model; give the base they were trained on with --base_model")
+        raise ConfigError(
+            f"--merge_lora: {folder}'s adapters were trained on {describe_base(recorded)}, {base_dir} holds "
+            f"{describe_base(now)}: another base model; give the base they were trained on with --base_model"
+        )
     return base_dir
 
 
@@ -210,7 +272,9 @@ class _Delta:
 
     def rows(self, lo: int, hi: int) -> torch.Tensor:
         """Rows [lo, hi) of the delta to add to the base weight, in fp32."""
-        if self.transposed:  # W is (in, out) (Conv1D) or (vocab, dim) (embedding): delta = (B @ A).T
+        if (
+            self.transposed
+        ):  # W is (in, out) (Conv1D) or (vocab, dim) (embedding): delta = (B @ A).T
             return (self.b @ self.a[:, lo:hi]).T * self.scaling
         return (self.b[lo:hi] @ self.a) * self.scaling
 
@@ -225,21 +289,30 @@ def _plan_merge(base_dir: Path, adapters: dict, config: dict):
         with safe_open(base_dir / fname, framework="pt") as f:
             for key in f.keys():
                 sl = f.get_slice(key)
-                order.append((fname, key, torch.Size(sl.get_shape()), _dtype_of(sl.get_dtype(), key, fname)))
+                order.append(
+                    (fname, key, torch.Size(sl.get_shape()), _dtype_of(sl.get_dtype(), key, fname))
+                )
     keys = {key for _, key, _, _ in order}
     r, alpha = config["r"], config["lora_alpha"]
     if config.get("rank_pattern") or config.get("alpha_pattern") or config.get("use_dora"):
-        raise ConfigError("--merge_lora: per-module ranks, alphas or DoRA are not supported by this merge")
+        raise ConfigError(
+            "--merge_lora: per-module ranks, alphas or DoRA are not supported by this merge"
+        )
     scaling = alpha / (math.sqrt(r) if config.get("use_rslora") else r)
     plan: dict[str, tuple] = {}
     prefix = "base_model.model."
     for key in adapters:
-        rest = key.removeprefix(prefix)  # peft's keys: X.lora_A.weight, X.lora_embedding_A, or X.weight
+        rest = key.removeprefix(
+            prefix
+        )  # peft's keys: X.lora_A.weight, X.lora_embedding_A, or X.weight
         if ".lora_B." in rest or rest.endswith(".lora_embedding_B"):
             continue  # taken with its A
         if ".lora_A." in rest:
-            module, b_key, transposed = rest.split(".lora_A.")[0], key.replace(".lora_A.", ".lora_B."), \
-                bool(config.get("fan_in_fan_out"))
+            module, b_key, transposed = (
+                rest.split(".lora_A.")[0],
+                key.replace(".lora_A.", ".lora_B."),
+                bool(config.get("fan_in_fan_out")),
+            )
         elif rest.endswith(".lora_embedding_A"):
             module, b_key, transposed = rest.removesuffix(".lora_embedding_A"), key[:-1] + "B", True
         else:  # modules_to_save: the trained copy replaces the base tensor
@@ -258,12 +331,18 @@ def _match(name: str, keys: set[str]) -> str:
     shorter = name.split(".", 1)[1] if "." in name else name
     if shorter in keys:
         return shorter
-    raise ConfigError(f"--merge_lora: the adapters change {name}, which the base model's files don't hold")
+    raise ConfigError(
+        f"--merge_lora: the adapters change {name}, which the base model's files don't hold"
+    )
 
 
 def _dtype_of(name: str, key: str, fname: str) -> torch.dtype:
-    if name not in SAFE_TO_DTYPE:  # fp8, packed quantized weights: merging into them is not this export's
-        raise ConfigError(f"--merge_lora: {fname}'s {key} is {name}, which this merge can't write (a quantized base?)")
+    if (
+        name not in SAFE_TO_DTYPE
+    ):  # fp8, packed quantized weights: merging into them is not this export's
+        raise ConfigError(
+            f"--merge_lora: {fname}'s {key} is {name}, which this merge can't write (a quantized base?)"
+        )
     return SAFE_TO_DTYPE[name]
 
 
@@ -271,17 +350,37 @@ def _read_whole(source: ZeroCheckpoint, entry) -> torch.Tensor:
     return torch.cat([p.to(torch.float32) for p in source.pieces(entry)]).reshape(entry.shape)
 
 
-def _write_merged(base_dir: Path, source: ZeroCheckpoint, adapters: dict, config: dict, staging: Path,
-                  dtype: torch.dtype, max_shard_size: str, progress: bool):
+def _write_merged(
+    base_dir: Path,
+    source: ZeroCheckpoint,
+    adapters: dict,
+    config: dict,
+    staging: Path,
+    dtype: torch.dtype,
+    max_shard_size: str,
+    progress: bool,
+):
     from safetensors import safe_open
     from tqdm.auto import tqdm
 
     plan, order = _plan_merge(base_dir, adapters, config)
-    holders = {key: types.SimpleNamespace(t=torch.empty(shape, dtype=dt, device="meta")) for _, key, shape, dt in order}
-    split, meta = plan_shards([(key, holders[key], "t", True) for _, key, _, _ in order], dtype, max_shard_size)
+    holders = {
+        key: types.SimpleNamespace(t=torch.empty(shape, dtype=dt, device="meta"))
+        for _, key, shape, dt in order
+    }
+    split, meta = plan_shards(
+        [(key, holders[key], "t", True) for _, key, _, _ in order], dtype, max_shard_size
+    )
     where = {key: fname for fname, key, _, _ in order}
-    bar = tqdm(total=split.total_size, unit="B", unit_scale=True, desc="merge", disable=not progress, file=sys.stderr,
-               mininterval=0.5 if sys.stderr.isatty() else 30)
+    bar = tqdm(
+        total=split.total_size,
+        unit="B",
+        unit_scale=True,
+        desc="merge",
+        disable=not progress,
+        file=sys.stderr,
+        mininterval=0.5 if sys.stderr.isatty() else 30,
+    )
     handles: dict[str, object] = {}
     try:
         with bar:
@@ -292,8 +391,17 @@ def _write_merged(base_dir: Path, source: ZeroCheckpoint, adapters: dict, config
                     for key in names:
                         if where[key] not in handles:
                             handles[where[key]] = safe_open(base_dir / where[key], framework="pt")
-                        bar.update(_write_merged_tensor(f, handles[where[key]], key, meta[key], plan.get(key),
-                                                        source, adapters))
+                        bar.update(
+                            _write_merged_tensor(
+                                f,
+                                handles[where[key]],
+                                key,
+                                meta[key],
+                                plan.get(key),
+                                source,
+                                adapters,
+                            )
+                        )
                     f.flush()
                     os.fsync(f.fileno())
     finally:
@@ -302,22 +410,37 @@ def _write_merged(base_dir: Path, source: ZeroCheckpoint, adapters: dict, config
     return len(order), split.total_size, files
 
 
-def _write_merged_tensor(f, handle, key: str, out: torch.Tensor, how: tuple | None, source, adapters) -> int:
+def _write_merged_tensor(
+    f, handle, key: str, out: torch.Tensor, how: tuple | None, source, adapters
+) -> int:
     """One output tensor: the base's rows, plus the delta's (or the trained copy), cast and appended."""
-    if how is not None and how[0] == "replace":  # streamed from the rank files, like any exported tensor
+    if (
+        how is not None and how[0] == "replace"
+    ):  # streamed from the rank files, like any exported tensor
         entry = adapters[how[1]]
         if tuple(entry.shape) != tuple(out.shape):
-            raise ConfigError(f"--merge_lora: {key} is {tuple(out.shape)} in the base, {tuple(entry.shape)} in the "
-                              "checkpoint's modules_to_save")
+            raise ConfigError(
+                f"--merge_lora: {key} is {tuple(out.shape)} in the base, {tuple(entry.shape)} in the "
+                "checkpoint's modules_to_save"
+            )
         return write_tensor(source, f, entry, out, {})
     delta = None
     if how is not None:
         _, a_key, b_key, scaling, transposed = how
-        delta = _Delta(_read_whole(source, adapters[a_key]), _read_whole(source, adapters[b_key]), scaling, transposed)
+        delta = _Delta(
+            _read_whole(source, adapters[a_key]),
+            _read_whole(source, adapters[b_key]),
+            scaling,
+            transposed,
+        )
         shape = delta.shape
-        if shape != tuple(out.shape):  # a wrong transpose (fan_in_fan_out) or a base other than the adapters'
-            raise ConfigError(f"--merge_lora: the adapters' delta for {key} is {shape}, the base's weight "
-                              f"{tuple(out.shape)}")
+        if shape != tuple(
+            out.shape
+        ):  # a wrong transpose (fan_in_fan_out) or a base other than the adapters'
+            raise ConfigError(
+                f"--merge_lora: the adapters' delta for {key} is {shape}, the base's weight "
+                f"{tuple(out.shape)}"
+            )
     sl = handle.get_slice(key)
     rows = out.shape[0] if out.dim() else 1
     row_bytes = max(1, out[0].numel() * 4) if out.dim() else 4
@@ -331,5 +454,7 @@ def _write_merged_tensor(f, handle, key: str, out: torch.Tensor, how: tuple | No
         f.write(data.view(torch.uint8).numpy() if data.numel() else b"")
         written += data.numel() * data.element_size()
     if written != out.numel() * out.element_size():
-        raise RuntimeError(f"{key}: merged {written} bytes, its shape needs {out.numel() * out.element_size()}")
+        raise RuntimeError(
+            f"{key}: merged {written} bytes, its shape needs {out.numel() * out.element_size()}"
+        )
     return written

@@ -20,8 +20,8 @@ from pathlib import Path
 import torch
 
 from finetune.checkpoint.manifest import MANIFEST, check_file, read_manifest
+from finetune.checkpoint.outdir import LATEST
 from finetune.checkpoint.shards import INDEX
-from finetune.checkpoint.storage import LATEST
 from finetune.config import ConfigError
 from finetune.modeling import DTYPES
 from finetune.offline.zero_files import CHUNK_BYTES, ZeroCheckpoint
@@ -57,17 +57,28 @@ class ExportResult:
     seconds: float
     peak_rss: int  # bytes, this process's high-water mark
     copied: bool  # consolidated weights copied rather than rebuilt
-    verified: tuple[int, float] | None = None  # (bytes, seconds) checked against the manifest; None: not
-    how: str | None = None  # what was written, when not the model's weights (a LoRA checkpoint's export)
+    verified: tuple[int, float] | None = (
+        None  # (bytes, seconds) checked against the manifest; None: not
+    )
+    how: str | None = (
+        None  # what was written, when not the model's weights (a LoRA checkpoint's export)
+    )
 
     def summary(self) -> str:
-        how = self.how or ("copied the consolidated weights" if self.copied else "rebuilt from the rank files")
+        how = self.how or (
+            "copied the consolidated weights" if self.copied else "rebuilt from the rank files"
+        )
         shards = sum(1 for f in self.files if f.endswith(".safetensors"))
-        checked = (f"{self.verified[0] / 1e6:.1f} MB verified in {self.verified[1]:.2f} s" if self.verified
-                   else "unverified: --no_verify")
-        return (f"Exported {self.folder} to {self.out} ({how}): {self.tensors} tensors, {self.bytes / 1e6:.1f} MB "
-                f"{HF_DTYPE_NAMES[self.dtype]} in {shards} shard(s), {self.seconds:.2f} s, {checked}, "
-                f"peak RSS {self.peak_rss / 1e6:.0f} MB")
+        checked = (
+            f"{self.verified[0] / 1e6:.1f} MB verified in {self.verified[1]:.2f} s"
+            if self.verified
+            else "unverified: --no_verify"
+        )
+        return (
+            f"Exported {self.folder} to {self.out} ({how}): {self.tensors} tensors, {self.bytes / 1e6:.1f} MB "
+            f"{HF_DTYPE_NAMES[self.dtype]} in {shards} shard(s), {self.seconds:.2f} s, {checked}, "
+            f"peak RSS {self.peak_rss / 1e6:.0f} MB"
+        )
 
 
 def peak_rss_bytes() -> int:
@@ -82,21 +93,33 @@ def verify_inputs(folder: Path, names: list[str]) -> tuple[int, float]:
     start = time.perf_counter()
     manifest = read_manifest(folder)
     if manifest is None:
-        raise ConfigError(f"{folder}: no readable {MANIFEST} to verify it against (not saved by finetune, or "
-                          f"an incomplete save); pass --no_verify to export it unverified")
+        raise ConfigError(
+            f"{folder}: no readable {MANIFEST} to verify it against (not saved by finetune, or "
+            f"an incomplete save); pass --no_verify to export it unverified"
+        )
     listed = manifest.get("files") if isinstance(manifest.get("files"), dict) else {}
     problems, checked = [], 0
     for name in dict.fromkeys(names):
         meta = listed.get(name)
-        if not (isinstance(meta, dict) and isinstance(meta.get("size"), int) and "checksum" in meta):
-            problems.append(f"{name}: not in {MANIFEST}" if meta is None else f"{name}: unreadable {MANIFEST} entry")
+        if not (
+            isinstance(meta, dict) and isinstance(meta.get("size"), int) and "checksum" in meta
+        ):
+            problems.append(
+                f"{name}: not in {MANIFEST}"
+                if meta is None
+                else f"{name}: unreadable {MANIFEST} entry"
+            )
             continue
         problems += check_file(folder / name, name, meta, checksums=True)
         checked += meta["size"]
     if problems:
-        shown = "; ".join(problems[:5]) + (f"; and {len(problems) - 5} more" if len(problems) > 5 else "")
-        raise ConfigError(f"{folder}: does not verify against its {MANIFEST} ({shown}); nothing was read. "
-                          f"Pass --no_verify to export it anyway")
+        shown = "; ".join(problems[:5]) + (
+            f"; and {len(problems) - 5} more" if len(problems) > 5 else ""
+        )
+        raise ConfigError(
+            f"{folder}: does not verify against its {MANIFEST} ({shown}); nothing was read. "
+            f"Pass --no_verify to export it anyway"
+        )
     return checked, time.perf_counter() - start
 
 
@@ -116,7 +139,9 @@ def plain_inputs(folder: Path) -> list[str]:
     listed = {n for n in manifest.get("files") or {} if is_model_file(n)}
     names += sorted({p.name for p in model_files(folder)} | listed)
     if manifest.get("consolidated") is not False:
-        names += sorted(p.name for p in folder.iterdir() if WEIGHTS_RE.match(p.name) or p.name == INDEX)
+        names += sorted(
+            p.name for p in folder.iterdir() if WEIGHTS_RE.match(p.name) or p.name == INDEX
+        )
     return names
 
 
@@ -136,8 +161,13 @@ def model_files(folder: Path) -> list[Path]:
 
 
 def is_model_file(name: str) -> bool:
-    return not (name in INTERNAL_NAMES or INTERNAL_RE.search(name) or WEIGHTS_RE.match(name) or name == INDEX
-                or "/" in name)
+    return not (
+        name in INTERNAL_NAMES
+        or INTERNAL_RE.search(name)
+        or WEIGHTS_RE.match(name)
+        or name == INDEX
+        or "/" in name
+    )
 
 
 def read_config(folder: Path) -> dict:
@@ -175,7 +205,7 @@ def write_tensor(source: ZeroCheckpoint, f, entry, out: torch.Tensor, buffers: d
     for piece in source.pieces(entry):
         data = piece
         if piece.dtype != out.dtype:  # converted into one reused buffer: no allocation per chunk
-            data = _buffer(buffers, out.dtype, piece.numel())[:piece.numel()]
+            data = _buffer(buffers, out.dtype, piece.numel())[: piece.numel()]
             data.copy_(piece)
         f.write(data.view(torch.uint8).numpy() if data.numel() else b"")
         written += data.numel() * data.element_size()

@@ -77,8 +77,10 @@ class Placeholder:
         self.state = state
 
 
-_PLACEHOLDERS = {name: type(name.rsplit(".", 1)[1], (Placeholder,), {"__module__": name.rsplit(".", 1)[0]})
-                 for name in DEEPSPEED_GLOBALS}
+_PLACEHOLDERS = {
+    name: type(name.rsplit(".", 1)[1], (Placeholder,), {"__module__": name.rsplit(".", 1)[0]})
+    for name in DEEPSPEED_GLOBALS
+}
 
 
 def allowed_globals(inert: bool = False) -> list[tuple[type, str]]:
@@ -105,14 +107,21 @@ def load(path: str | os.PathLike, map_location=None, *, mmap: bool = False, iner
 
 
 def _refusal(path, what: str) -> UnsafePickle:
-    return UnsafePickle(path, f"refused to unpickle {what}: not on the allow-list of what DeepSpeed pickles "
-                        "into a checkpoint (finetune/offline/safe_load.py); loading it could run code")
+    return UnsafePickle(
+        path,
+        f"refused to unpickle {what}: not on the allow-list of what DeepSpeed pickles "
+        "into a checkpoint (finetune/offline/safe_load.py); loading it could run code",
+    )
 
 
 def refused(message: str) -> str:
     """The global torch's restricted unpickler refused, from its error message."""
-    for pattern in (r"GLOBAL (\S+) was not an allowed global", r"unsupported GLOBAL (\S+) whose module",
-                    r"unrecognized function (.+?)(?: which belongs|$)", r"but got (<class [^>]+>)"):
+    for pattern in (
+        r"GLOBAL (\S+) was not an allowed global",
+        r"unsupported GLOBAL (\S+) whose module",
+        r"unrecognized function (.+?)(?: which belongs|$)",
+        r"but got (<class [^>]+>)",
+    ):
         m = re.search(pattern, message, re.MULTILINE)
         if m:
             return m.group(1)
@@ -126,15 +135,27 @@ def check_globals(path: str | os.PathLike) -> None:
     of DeepSpeed's is about to load, so the refusal is ours, one line, naming the class."""
     try:
         found = torch.serialization.get_unsafe_globals_in_checkpoint(Path(path))
-    except (RuntimeError, ValueError, OSError, EOFError, zipfile.BadZipFile, pickle.UnpicklingError) as e:
-        raise UnsafePickle(path, f"not a torch file that can be read safely ({type(e).__name__}: {e})") from e
+    except (
+        RuntimeError,
+        ValueError,
+        OSError,
+        EOFError,
+        zipfile.BadZipFile,
+        pickle.UnpicklingError,
+    ) as e:
+        raise UnsafePickle(
+            path, f"not a torch file that can be read safely ({type(e).__name__}: {e})"
+        ) from e
     unsafe = sorted(g for g in found if g not in DEEPSPEED_GLOBALS)
     if unsafe:
         raise _refusal(path, ", ".join(unsafe))
 
 
-RANK_FILES = ("zero_pp_rank_{r}_mp_rank_00_model_states.pt", "zero_pp_rank_{r}_mp_rank_00_optim_states.pt",
-              "bf16_zero_pp_rank_{r}_mp_rank_00_optim_states.pt")
+RANK_FILES = (
+    "zero_pp_rank_{r}_mp_rank_00_model_states.pt",
+    "zero_pp_rank_{r}_mp_rank_00_optim_states.pt",
+    "bf16_zero_pp_rank_{r}_mp_rank_00_optim_states.pt",
+)
 
 
 def refusals(folder: str | os.PathLike, ranks: list[int]) -> list[str]:
@@ -156,7 +177,10 @@ def refusals(folder: str | os.PathLike, ranks: list[int]) -> list[str]:
 
 # --- DeepSpeed's own tools, run with every torch.load restricted --------------------------------
 
-def _restricted_torch_load(f, map_location=None, pickle_module=None, *, weights_only=None, mmap=None, **kwargs):
+
+def _restricted_torch_load(
+    f, map_location=None, pickle_module=None, *, weights_only=None, mmap=None, **kwargs
+):
     """``torch.load`` as DeepSpeed's tools call it, whatever ``weights_only`` they ask for."""
     return load(f, map_location, mmap=bool(mmap))
 
@@ -169,7 +193,9 @@ def run_module(module: str, argv: list[str]) -> None:
     import runpy
     import sys
 
-    multiprocessing.set_start_method("fork", force=True)  # a spawned worker would import torch.load afresh
+    multiprocessing.set_start_method(
+        "fork", force=True
+    )  # a spawned worker would import torch.load afresh
     torch.load = _restricted_torch_load
     sys.argv = [module, *argv]
     runpy.run_module(module, run_name="__main__", alter_sys=True)

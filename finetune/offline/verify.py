@@ -22,8 +22,8 @@ from pathlib import Path
 from finetune.checkpoint.adapter import verify_adapter
 from finetune.checkpoint.manifest import read_manifest, stored_ranks
 from finetune.checkpoint.manifest import verify as check_checkpoint
+from finetune.checkpoint.outdir import LATEST, OutputDir, committed, find_checkpoint
 from finetune.checkpoint.policy import newest_first
-from finetune.checkpoint.storage import LATEST, LocalStorage, committed, find_checkpoint
 from finetune.commands import Parser
 from finetune.config import ConfigError
 
@@ -32,13 +32,20 @@ METRICS = "metrics.jsonl"
 
 def notes(out: Path) -> list[str]:
     """One line per finding in output dir ``out``; [] when there is nothing to say."""
-    storage = LocalStorage(out)
+    storage = OutputDir(out)
     found = committed(storage)
     names = {c.tag for c in found}
-    lines = [f"{t}: no readable manifest.json, so not a committed checkpoint (damage, or a save or copy that "
-             "never finished); resume ignores it" for t in storage.tags() if t not in names]
+    lines = [
+        f"{t}: no readable manifest.json, so not a committed checkpoint (damage, or a save or copy that "
+        "never finished); resume ignores it"
+        for t in storage.tags()
+        if t not in names
+    ]
     lines += _latest(out, newest_first(found)[0].tag if found else None, names)
-    lines += [f"{rel}: left by a crashed save; removed when the next run starts" for rel in storage.leftovers()]
+    lines += [
+        f"{rel}: left by a crashed save; removed when the next run starts"
+        for rel in storage.leftovers()
+    ]
     lines += _metrics(out / METRICS)
     return lines
 
@@ -49,16 +56,22 @@ def _latest(out: Path, newest: str | None, names: set[str]) -> list[str]:
         return []
     why = "resume goes by the commit order, not by it, and rewrites it at the next save"
     if not path.is_file():
-        return [f"{LATEST}: not a file; remove it (a save replaces `latest` and cannot replace this)"]
+        return [
+            f"{LATEST}: not a file; remove it (a save replaces `latest` and cannot replace this)"
+        ]
     try:
         tag = path.read_text().strip()
     except (OSError, ValueError) as e:
         return [f"{LATEST}: unreadable ({type(e).__name__}); {why}"]
     if tag not in names:
-        return [f"{LATEST}: names {tag or 'nothing'}, which is not a committed checkpoint here; {why}"]
+        return [
+            f"{LATEST}: names {tag or 'nothing'}, which is not a committed checkpoint here; {why}"
+        ]
     if tag != newest:
-        return [f"{LATEST}: names {tag}, but the newest committed checkpoint is {newest} (a crash between a "
-                f"commit and its update); {why}"]
+        return [
+            f"{LATEST}: names {tag}, but the newest committed checkpoint is {newest} (a crash between a "
+            f"commit and its update); {why}"
+        ]
     return []
 
 
@@ -66,7 +79,9 @@ def _metrics(path: Path) -> list[str]:
     if not path.exists():
         return []
     if not path.is_file():
-        return [f"{METRICS}: not a file; remove it (a run cannot log to it, and a resume fails reading it)"]
+        return [
+            f"{METRICS}: not a file; remove it (a run cannot log to it, and a resume fails reading it)"
+        ]
     try:
         text = path.read_text(errors="replace")
     except OSError as e:
@@ -75,7 +90,9 @@ def _metrics(path: Path) -> list[str]:
     if not torn:
         return []
     shown = ", ".join(map(str, torn[:5])) + (", …" if len(torn) > 5 else "")
-    return [f"{METRICS}: {len(torn)} torn line(s) (line {shown}; a crash mid-append); dropped at the next resume"]
+    return [
+        f"{METRICS}: {len(torn)} torn line(s) (line {shown}; a crash mid-append); dropped at the next resume"
+    ]
 
 
 def _is_row(line: str) -> bool:
@@ -89,26 +106,38 @@ def main(argv: list[str]) -> int:
     """``finetune verify CKPT|OUT``: exit 0 intact, 1 damaged, 2 not a checkpoint."""
     from finetune.offline.safe_load import refusals  # imports torch: only here
 
-    p = Parser(prog="finetune verify", description="Check a checkpoint against its manifest.json. "
-                "Exit 0 intact, 1 damaged (names the files), 2 not a checkpoint.")
-    p.add_argument("checkpoint", help="A checkpoint folder, or an output dir (its newest committed checkpoint is "
-                   "checked, and the rest of the dir is looked over: uncommitted folders, `latest`, leftovers of "
-                   "crashed saves, torn metrics lines; reported as notes).")
+    p = Parser(
+        prog="finetune verify",
+        description="Check a checkpoint against its manifest.json. "
+        "Exit 0 intact, 1 damaged (names the files), 2 not a checkpoint.",
+    )
+    p.add_argument(
+        "checkpoint",
+        help="A checkpoint folder, or an output dir (its newest committed checkpoint is "
+        "checked, and the rest of the dir is looked over: uncommitted folders, `latest`, leftovers of "
+        "crashed saves, torn metrics lines; reported as notes).",
+    )
     p.add_argument("--quick", action="store_true", help="Check file sizes only, not checksums.")
     ns = p.parse_args(argv)
     folder = find_checkpoint(ns.checkpoint)
     report = check_checkpoint(folder, checksums=not ns.quick) if folder else None
     if report is None or not report.is_checkpoint:
-        raise ConfigError(f"{ns.checkpoint}: not a checkpoint (no manifest.json or DeepSpeed files)")
-    if report.ok and not ns.quick:  # intact; would resume and export unpickle it? (reads the pickles' opcodes)
+        raise ConfigError(
+            f"{ns.checkpoint}: not a checkpoint (no manifest.json or DeepSpeed files)"
+        )
+    if (
+        report.ok and not ns.quick
+    ):  # intact; would resume and export unpickle it? (reads the pickles' opcodes)
         report.problems += refusals(folder, stored_ranks(read_manifest(folder) or {}))
     if report.ok:  # a LoRA checkpoint: are its adapters all there? (headers and shapes only)
         report.problems += verify_adapter(folder, read_manifest(folder))
     what = "sizes" if ns.quick else "sizes and checksums"
     if report.ok:
         rate = report.bytes_checked / 1e9 / max(report.seconds, 1e-9)
-        print(f"OK {folder}: {report.files} files, {report.bytes_checked / 1e6:.1f} MB, {what} match "
-              f"({report.seconds:.2f} s, {rate:.2f} GB/s)")
+        print(
+            f"OK {folder}: {report.files} files, {report.bytes_checked / 1e6:.1f} MB, {what} match "
+            f"({report.seconds:.2f} s, {rate:.2f} GB/s)"
+        )
     else:
         print(f"DAMAGED {folder}: {len(report.problems)} problem(s)")
         for problem in report.problems:

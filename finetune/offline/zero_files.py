@@ -47,7 +47,7 @@ from pathlib import Path
 import torch
 
 from finetune.checkpoint.manifest import RANK_FILE_PATTERNS, read_manifest
-from finetune.checkpoint.storage import step_of
+from finetune.checkpoint.outdir import step_of
 from finetune.config import ConfigError
 from finetune.io.faults import fault_point
 from finetune.offline import safe_load
@@ -70,6 +70,7 @@ def rank_model_files(folder: Path) -> dict[int, Path]:
 
 # --- reading the rank files ---------------------------------------------------------------------
 
+
 def _load(path: Path) -> dict:
     try:
         fault_point("export.read_rank_file", step_of(path.parent.name))
@@ -87,7 +88,9 @@ class _Pager:
 
     def __init__(self, path: Path, sample: torch.Tensor | None):
         found = sample is not None and sample.numel() > 0 and self._libc() is not None
-        self.span = _mapping_of(sample.data_ptr(), path) if found else None  # [start, end) of the file's mapping
+        self.span = (
+            _mapping_of(sample.data_ptr(), path) if found else None
+        )  # [start, end) of the file's mapping
         self.enabled = self.span is not None
 
     @classmethod
@@ -131,7 +134,7 @@ def _chunks(flat: torch.Tensor, pager: _Pager) -> Iterator[torch.Tensor]:
     """Slices of a 1-D tensor of at most CHUNK_BYTES; each one's pages are released once consumed."""
     step = max(1, CHUNK_BYTES // max(flat.element_size(), 1))
     for i in range(0, flat.numel(), step):
-        piece = flat[i:i + step]
+        piece = flat[i : i + step]
         yield piece
         pager.release(piece)
 
@@ -163,7 +166,7 @@ class _Flat:
         for g, lo, hi in zip(self.groups, self.starts, self.starts[1:]):
             if hi <= start or lo >= end:
                 continue
-            yield from _chunks(g[max(start, lo) - lo:min(end, hi) - lo], self.pager)
+            yield from _chunks(g[max(start, lo) - lo : min(end, hi) - lo], self.pager)
 
 
 class ZeroCheckpoint:
@@ -177,9 +180,13 @@ class ZeroCheckpoint:
         optims = [_load(p) for p in optim_paths]
         for path, state in zip(optim_paths, optims):
             self._check_optim(path, state)
-        self.flats = [_Flat(s["optimizer_state_dict"]["fp32_flat_groups"], _Pager(p, _first(s)))
-                      for p, s in zip(optim_paths, optims)]
-        self.model_pagers = [_Pager(p, _first_fragment(m)) for p, m in zip(model_paths, self.models)]
+        self.flats = [
+            _Flat(s["optimizer_state_dict"]["fp32_flat_groups"], _Pager(p, _first(s)))
+            for p, s in zip(optim_paths, optims)
+        ]
+        self.model_pagers = [
+            _Pager(p, _first_fragment(m)) for p, m in zip(model_paths, self.models)
+        ]
         self.entries = self._entries()
 
     @staticmethod
@@ -187,15 +194,22 @@ class ZeroCheckpoint:
         """Every rank's model and optimizer states file, for the world size the checkpoint records."""
         found = rank_model_files(folder)
         if not found:
-            raise ConfigError(f"{folder}: not a partitioned checkpoint (no {MODEL_FILE.format(r=0)})")
+            raise ConfigError(
+                f"{folder}: not a partitioned checkpoint (no {MODEL_FILE.format(r=0)})"
+            )
         world = _declared_world(folder) or max(found) + 1
         models, optims = [], []
         for r in range(world):
             model = folder / MODEL_FILE.format(r=r)
-            optim = next((folder / n.format(r=r) for n in OPTIM_FILES if (folder / n.format(r=r)).exists()), None)
+            optim = next(
+                (folder / n.format(r=r) for n in OPTIM_FILES if (folder / n.format(r=r)).exists()),
+                None,
+            )
             if not model.exists() or optim is None:
                 missing = model if not model.exists() else folder / OPTIM_FILES[0].format(r=r)
-                raise ConfigError(f"{missing}: missing (rank {r} of {world}); the checkpoint is incomplete")
+                raise ConfigError(
+                    f"{missing}: missing (rank {r} of {world}); the checkpoint is incomplete"
+                )
             models.append(model)
             optims.append(optim)
         return models, optims
@@ -204,13 +218,19 @@ class ZeroCheckpoint:
         osd = state.get("optimizer_state_dict") if isinstance(state, dict) else None
         if not isinstance(osd, dict) or "fp32_flat_groups" not in osd:
             stage = _stage(osd.get("zero_stage")) if isinstance(osd, dict) else None
-            raise ConfigError(f"{path}: no ZeRO-3 fp32 weights in it (ZeRO stage {stage}); "
-                              f"export reads ZeRO-3 checkpoints, use DeepSpeed's zero_to_fp32.py for others")
+            raise ConfigError(
+                f"{path}: no ZeRO-3 fp32 weights in it (ZeRO stage {stage}); "
+                f"export reads ZeRO-3 checkpoints, use DeepSpeed's zero_to_fp32.py for others"
+            )
         count = osd.get("partition_count")
         count = max(count) if isinstance(count, (list, tuple)) else count
         if count != self.world:
-            raise ConfigError(f"{path}: written by {count} ranks, but the folder has {self.world} ranks' files")
-        osd.pop("optimizer_state_dict", None)  # Adam's moments: never needed (and never read: mapped)
+            raise ConfigError(
+                f"{path}: written by {count} ranks, but the folder has {self.world} ranks' files"
+            )
+        osd.pop(
+            "optimizer_state_dict", None
+        )  # Adam's moments: never needed (and never read: mapped)
 
     def _entries(self) -> list[_Entry]:
         """Every tensor to write, in the model's state-dict order; tied aliases left out."""
@@ -223,8 +243,10 @@ class ZeroCheckpoint:
                 offset += math.ceil(torch.Size(shape).numel() / self.world)
         for r, flat in enumerate(self.flats):
             if flat.numel != offset:
-                raise ConfigError(f"{self.folder}: rank {r}'s fp32 groups hold {flat.numel} elements, "
-                                  f"its parameters need {offset}")
+                raise ConfigError(
+                    f"{self.folder}: rank {r}'s fp32 groups hold {flat.numel} elements, "
+                    f"its parameters need {offset}"
+                )
         frozen = meta.get("frozen_param_fragments") or {}
         for name, shape in (meta.get("frozen_param_shapes") or {}).items():
             if name not in frozen:
@@ -252,8 +274,10 @@ class ZeroCheckpoint:
             else:
                 fragment = self.models[r]["frozen_param_fragments"][e.name].reshape(-1)
                 if fragment.numel() < n:
-                    raise RuntimeError(f"{e.name}: rank {r}'s frozen fragment has {fragment.numel()} elements, "
-                                       f"expected {part}")
+                    raise RuntimeError(
+                        f"{e.name}: rank {r}'s frozen fragment has {fragment.numel()} elements, "
+                        f"expected {part}"
+                    )
                 yield from _chunks(fragment[:n], self.model_pagers[r])
 
 
@@ -263,7 +287,10 @@ def _first(state: dict) -> torch.Tensor | None:
 
 
 def _first_fragment(state: dict) -> torch.Tensor | None:
-    tensors = [*(state.get("frozen_param_fragments") or {}).values(), *(state.get("module") or {}).values()]
+    tensors = [
+        *(state.get("frozen_param_fragments") or {}).values(),
+        *(state.get("module") or {}).values(),
+    ]
     return next((t for t in tensors if isinstance(t, torch.Tensor) and t.numel()), None)
 
 

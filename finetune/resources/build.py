@@ -69,17 +69,29 @@ CHAT_TEMPLATE = (
 )
 
 NAMES = {
-    "mia": "she", "tom": "he", "sam": "he", "lily": "she", "ben": "he",
-    "anna": "she", "max": "he", "zoe": "she", "leo": "he", "emma": "she",
+    "mia": "she",
+    "tom": "he",
+    "sam": "he",
+    "lily": "she",
+    "ben": "he",
+    "anna": "she",
+    "max": "he",
+    "zoe": "she",
+    "leo": "he",
+    "emma": "she",
 }
 COLORS = ["red", "blue", "green", "yellow", "white", "black"]
 THINGS = ["apples", "balls", "books", "cups", "hats", "stars", "pens", "cakes"]
 PLACES = ["park", "shop", "school", "garden", "kitchen", "library", "house"]
 ANIMALS = {
-    "cat": ("sleep", "sleeps", "house"), "dog": ("run", "runs", "park"),
-    "bird": ("sing", "sings", "tree"), "fish": ("swim", "swims", "pond"),
-    "frog": ("jump", "jumps", "pond"), "duck": ("swim", "swims", "lake"),
-    "horse": ("run", "runs", "field"), "cow": ("eat", "eats", "field"),
+    "cat": ("sleep", "sleeps", "house"),
+    "dog": ("run", "runs", "park"),
+    "bird": ("sing", "sings", "tree"),
+    "fish": ("swim", "swims", "pond"),
+    "frog": ("jump", "jumps", "pond"),
+    "duck": ("swim", "swims", "lake"),
+    "horse": ("run", "runs", "field"),
+    "cow": ("eat", "eats", "field"),
 }
 ADJECTIVES = ["small", "big", "happy", "old", "young", "fast", "slow"]
 
@@ -89,31 +101,35 @@ def _give(rng: random.Random) -> str:
     n = rng.randint(2, 9)
     k = rng.randint(1, n - 1)
     color, thing = rng.choice(COLORS), rng.choice(THINGS)
-    return (f"{a} has {n} {color} {thing}. {NAMES[a]} gives {k} to {b}. "
-            f"now {a} has {n - k} {color} {thing}.")
+    return (
+        f"{a} has {n} {color} {thing}. {NAMES[a]} gives {k} to {b}. "
+        f"now {a} has {n - k} {color} {thing}."
+    )
 
 
 def _get(rng: random.Random) -> str:
     a, b = rng.sample(sorted(NAMES), 2)
     n, k = rng.randint(1, 9), rng.randint(1, 9)
     thing = rng.choice(THINGS)
-    return (f"{a} has {n} {thing}. {b} gives {a} {k} more. "
-            f"now {a} has {n + k} {thing}.")
+    return f"{a} has {n} {thing}. {b} gives {a} {k} more. now {a} has {n + k} {thing}."
 
 
 def _move(rng: random.Random) -> str:
     a = rng.choice(sorted(NAMES))
     p1, p2 = rng.sample(PLACES, 2)
-    return (f"{a} is in the {p1}. then {NAMES[a]} walks to the {p2}. "
-            f"where is {a}? {a} is in the {p2}.")
+    return (
+        f"{a} is in the {p1}. then {NAMES[a]} walks to the {p2}. where is {a}? {a} is in the {p2}."
+    )
 
 
 def _animal(rng: random.Random) -> str:
     animal = rng.choice(sorted(ANIMALS))
     verb, verbs, home = ANIMALS[animal]
     adj = rng.choice(ADJECTIVES)
-    return (f"the {animal} is {adj}. the {animal} likes to {verb}. "
-            f"every day the {adj} {animal} {verbs} in the {home}.")
+    return (
+        f"the {animal} is {adj}. the {animal} likes to {verb}. "
+        f"every day the {adj} {animal} {verbs} in the {home}."
+    )
 
 
 def _count(rng: random.Random) -> str:
@@ -127,8 +143,10 @@ def _count(rng: random.Random) -> str:
 def _likes(rng: random.Random) -> str:
     a = rng.choice(sorted(NAMES))
     color, thing = rng.choice(COLORS), rng.choice(THINGS)[:-1]
-    return (f"{a} likes {color}. {NAMES[a]} has a {color} {thing}. "
-            f"{NAMES[a]} says: i like my {color} {thing}.")
+    return (
+        f"{a} likes {color}. {NAMES[a]} has a {color} {thing}. "
+        f"{NAMES[a]} says: i like my {color} {thing}."
+    )
 
 
 TEMPLATES = [_give, _get, _move, _animal, _count, _likes]

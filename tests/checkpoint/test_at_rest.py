@@ -16,24 +16,41 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import Running, child_env, launcher_cmd
 
 from finetune.checkpoint.manifest import read_manifest
 from finetune.io.durable import hash_file
 from finetune.offline import safe_load
 
+from conftest import Running, child_env, launcher_cmd
+
 pytestmark = pytest.mark.distributed
 
 WORLD = 2
 RUN_TIMEOUT = 300  # seconds of wall clock for one run; --ddp_timeout bounds each collective wait
-TRAIN = ("--save_steps", "1", "--save_checkpoint", "--logging_steps", "1", "--max_eval_samples", "16",
-         "--ddp_timeout", "60")
+TRAIN = (
+    "--save_steps",
+    "1",
+    "--save_checkpoint",
+    "--logging_steps",
+    "1",
+    "--max_eval_samples",
+    "16",
+    "--ddp_timeout",
+    "60",
+)
 RANK_FILE = "zero_pp_rank_{r}_mp_rank_00_{kind}_states.pt"
 
 
 def train(out: Path, *extra: str, max_steps: int = 2):
     """The CLI on 2 ranks into ``out``; (exit code, output). Never hangs past RUN_TIMEOUT."""
-    cmd = launcher_cmd("deepspeed", WORLD) + [*TRAIN, "--max_steps", str(max_steps), "--output_dir", str(out), *extra]
+    cmd = launcher_cmd("deepspeed", WORLD) + [
+        *TRAIN,
+        "--max_steps",
+        str(max_steps),
+        "--output_dir",
+        str(out),
+        *extra,
+    ]
     r = Running(cmd, out.parent, child_env()).finish(RUN_TIMEOUT)
     return r.returncode, r.output
 
@@ -55,8 +72,13 @@ def out(base, tmp_path) -> Path:
 
 
 def verify(path: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "finetune", "verify", str(path)], capture_output=True, text=True,
-                          env=child_env(), timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "finetune", "verify", str(path)],
+        capture_output=True,
+        text=True,
+        env=child_env(),
+        timeout=120,
+    )
 
 
 def resume(out: Path) -> str:
@@ -71,7 +93,9 @@ def resumed_from(out: Path, base: Path) -> int:
     """The step a finished resume continued from: 2 if global_step2 is still the base run's own
     (same save id), else 1 (the damaged global_step2 was set aside and saved again from step 1)."""
     mine = read_manifest(out / "global_step2")
-    assert mine and read_manifest(out / "global_step3"), "the resumed run did not commit its checkpoints"
+    assert mine and read_manifest(out / "global_step3"), (
+        "the resumed run did not commit its checkpoints"
+    )
     if mine["save_id"] == read_manifest(base / "global_step2")["save_id"]:
         return 2
     assert mine["parent"] == "global_step1"
@@ -85,10 +109,15 @@ def train_rows(out: Path) -> list[dict]:
 
 
 def set_aside(out: Path) -> list[str]:
-    return sorted(p.name.split("-")[0] for p in (out / ".abandoned").iterdir()) if (out / ".abandoned").exists() else []
+    return (
+        sorted(p.name.split("-")[0] for p in (out / ".abandoned").iterdir())
+        if (out / ".abandoned").exists()
+        else []
+    )
 
 
 # --- damage inside the newest checkpoint: verify names it, auto falls back to global_step1 -------------
+
 
 def truncate(path: Path) -> None:
     path.write_bytes(path.read_bytes()[:-100])
@@ -118,9 +147,14 @@ DAMAGE = {  # name: (file of global_step2, what is done to it, what verify says 
 def test_damaged_newest_checkpoint(base, out, case):
     name, damage, says = DAMAGE[case]
     damage(out / "global_step2" / name)
-    for target in (out, out / "global_step2"):  # the output dir checks its newest committed checkpoint
+    for target in (
+        out,
+        out / "global_step2",
+    ):  # the output dir checks its newest committed checkpoint
         r = verify(target)
-        assert r.returncode == 1 and f"DAMAGED {out / 'global_step2'}" in r.stdout, r.stdout + r.stderr
+        assert r.returncode == 1 and f"DAMAGED {out / 'global_step2'}" in r.stdout, (
+            r.stdout + r.stderr
+        )
         assert f"{name}: {says}" in r.stdout, r.stdout
     assert verify(out / "global_step1").returncode == 0
 
@@ -150,10 +184,13 @@ def test_every_checkpoint_damaged_exits_2_and_changes_nothing(out):
     before = {p.name: read_manifest(p) for p in out.iterdir() if p.is_dir()}
     code, output = train(out, "--resume_from_checkpoint", "auto", max_steps=3)
     assert code == 2 and "global_step1" in output and "global_step2" in output, output[-4000:]
-    assert {p.name: read_manifest(p) for p in out.iterdir() if p.is_dir()} == before  # nothing moved or saved
+    assert {
+        p.name: read_manifest(p) for p in out.iterdir() if p.is_dir()
+    } == before  # nothing moved or saved
 
 
 # --- the output dir around the checkpoints: verify notes it, auto repairs it -----------------------
+
 
 def test_latest_naming_a_missing_tag(base, out):
     (out / "latest").write_text("global_step9\n")
@@ -169,7 +206,9 @@ def test_stale_staging_folder(base, out):
     staged.mkdir(parents=True)
     (staged / RANK_FILE.format(r=0, kind="model")).write_bytes(b"half a save")
     r = verify(out)
-    assert r.returncode == 0 and "note: .staging/global_step3: left by a crashed save" in r.stdout, r.stdout
+    assert (
+        r.returncode == 0 and "note: .staging/global_step3: left by a crashed save" in r.stdout
+    ), r.stdout
     resume(out)
     assert resumed_from(out, base) == 2
     assert not (out / ".staging").exists() and verify(out / "global_step3").returncode == 0
@@ -207,7 +246,9 @@ def plant(out: Path, marker: Path, reseal: bool) -> None:
     folder = out / "global_step2"
     for r in range(WORLD):
         path = folder / RANK_FILE.format(r=r, kind="model")
-        subprocess.run([sys.executable, "-c", PAYLOAD, str(path), str(marker)], check=True, env=child_env())
+        subprocess.run(
+            [sys.executable, "-c", PAYLOAD, str(path), str(marker)], check=True, env=child_env()
+        )
     if reseal:
         manifest = read_manifest(folder)
         for name in manifest["files"]:
@@ -220,14 +261,18 @@ def test_resume_unpickles_only_after_verification(base, out, tmp_path):
     marker = tmp_path / "code-ran"
     plant(out, marker, reseal=False)
     r = verify(out)
-    assert r.returncode == 1 and f"{RANK_FILE.format(r=0, kind='model')}: size" in r.stdout, r.stdout
+    assert r.returncode == 1 and f"{RANK_FILE.format(r=0, kind='model')}: size" in r.stdout, (
+        r.stdout
+    )
     resume(out)  # skipped as damaged: never loaded
     assert resumed_from(out, base) == 1 and not marker.exists()
 
 
 def test_resume_never_runs_code_from_a_checkpoint_that_verifies(base, out, tmp_path):
     marker = tmp_path / "code-ran"
-    plant(out, marker, reseal=True)  # sizes and checksums match: only the classes it names give it away
+    plant(
+        out, marker, reseal=True
+    )  # sizes and checksums match: only the classes it names give it away
     r = verify(out)
     assert r.returncode == 1 and "refused to unpickle shutil.copyfile" in r.stdout, r.stdout
     code, output = train(out, "--resume_from_checkpoint", str(out / "global_step2"), max_steps=3)

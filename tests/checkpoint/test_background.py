@@ -19,11 +19,22 @@ def _saved(obj) -> bytes:
 
 def _state():
     flat = torch.arange(12, dtype=torch.float32)
-    flat.ds_id = "0_24"  # DeepSpeed tags its fp32 flat groups; the attribute is pickled with the tensor
+    flat.ds_id = (
+        "0_24"  # DeepSpeed tags its fp32 flat groups; the attribute is pickled with the tensor
+    )
     weight = torch.nn.Parameter(torch.randn(3, 2))
-    return {"flat": flat, "views": [flat[:4], flat[4:].view(2, 4)], "param": weight,
-            "optimizer": {"param_groups": [{"lr": 0.1, "params": [0]}], "state": {0: {"step": torch.tensor(3.0)}}},
-            "shape": torch.Size([3, 2]), "half": torch.ones(5, dtype=torch.bfloat16), "note": "x"}
+    return {
+        "flat": flat,
+        "views": [flat[:4], flat[4:].view(2, 4)],
+        "param": weight,
+        "optimizer": {
+            "param_groups": [{"lr": 0.1, "params": [0]}],
+            "state": {0: {"step": torch.tensor(3.0)}},
+        },
+        "shape": torch.Size([3, 2]),
+        "half": torch.ones(5, dtype=torch.bfloat16),
+        "note": "x",
+    }
 
 
 def test_the_copy_serialises_to_the_same_bytes_as_the_original():
@@ -37,7 +48,11 @@ def test_the_copy_serialises_to_the_same_bytes_as_the_original():
 def test_views_still_share_one_storage_and_types_are_kept():
     copied, _ = host_copy(_state())
     flat, (head, tail) = copied["flat"], copied["views"]
-    assert head.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr() == tail.untyped_storage().data_ptr()
+    assert (
+        head.untyped_storage().data_ptr()
+        == flat.untyped_storage().data_ptr()
+        == tail.untyped_storage().data_ptr()
+    )
     assert tail.storage_offset() == 4 and tail.shape == (2, 4)
     assert isinstance(copied["param"], torch.nn.Parameter) and copied["param"].requires_grad
     assert isinstance(copied["shape"], torch.Size)

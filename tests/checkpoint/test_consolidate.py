@@ -14,7 +14,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import free_port
 from safetensors.torch import load_file
 
 from finetune.checkpoint import consolidate, shards
@@ -34,6 +33,8 @@ from finetune.checkpoint.consolidate import (
 from finetune.checkpoint.shards import INDEX, ShardWriter, plan_shards
 from finetune.io import seams
 
+from conftest import free_port
+
 
 def tiny(model_type: str, tied: bool):
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -42,8 +43,14 @@ def tiny(model_type: str, tied: bool):
     if model_type == "gpt2":
         kw.update(n_embd=32, n_layer=2, n_head=2, n_positions=64)
     else:
-        kw.update(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-                  num_key_value_heads=1, max_position_embeddings=64)
+        kw.update(
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            max_position_embeddings=64,
+        )
     torch.manual_seed(0)
     return AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **kw))
 
@@ -53,8 +60,11 @@ def test_round_trip_matches_save_pretrained_keys_and_values(tmp_path, model_type
     from transformers import AutoModelForCausalLM
 
     model = tiny(model_type, tied)
-    model.model.layers[0].mlp.up_proj.weight.requires_grad_(False) if model_type != "gpt2" else \
-        model.transformer.h[0].mlp.c_fc.weight.requires_grad_(False)  # a frozen parameter comes out too
+    model.model.layers[0].mlp.up_proj.weight.requires_grad_(
+        False
+    ) if model_type != "gpt2" else model.transformer.h[0].mlp.c_fc.weight.requires_grad_(
+        False
+    )  # a frozen parameter comes out too
     files = save_consolidated(model, tmp_path, torch.float32, "8KB")
     model.config.save_pretrained(tmp_path)
     index = json.loads((tmp_path / INDEX).read_text())
@@ -104,12 +114,15 @@ def test_write_error_surfaces_as_oserror_after_the_last_module(tmp_path):
     assert isinstance(e.value.__cause__, IsADirectoryError)
 
 
-@pytest.mark.parametrize("site", ["save.consolidated_write", "save.consolidated_append", "save.consolidated_close"])
+@pytest.mark.parametrize(
+    "site", ["save.consolidated_write", "save.consolidated_append", "save.consolidated_close"]
+)
 @pytest.mark.parametrize("kind", ["eio", "enospc", "error"])
-def test_a_failure_inside_a_shard_is_held_and_leaves_no_partial_shard(tmp_path, monkeypatch, site, kind):
+def test_a_failure_inside_a_shard_is_held_and_leaves_no_partial_shard(
+    tmp_path, monkeypatch, site, kind
+):
     """After the open, mid-tensor, at the close: always ConsolidationFailed (the caller commits the
     partitioned checkpoint without safetensors), never a bare OSError, and no shard left behind."""
-    
 
     monkeypatch.setenv(seams.FAULT, f"{site}:0:{kind}")
     monkeypatch.delenv("RANK", raising=False)
@@ -131,7 +144,10 @@ def test_a_disk_that_fills_mid_tensor_fails_the_consolidation_not_the_job(tmp_pa
 
     mnt = tmp_path / "mnt"
     mnt.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=48k", "tmpfs", str(mnt)]).returncode != 0:
+    if (
+        subprocess.run(["mount", "-t", "tmpfs", "-o", "size=48k", "tmpfs", str(mnt)]).returncode
+        != 0
+    ):
         pytest.skip("cannot mount a tmpfs")
     try:
         model = tiny("llama", False)
@@ -146,26 +162,43 @@ def test_a_disk_that_fills_mid_tensor_fails_the_consolidation_not_the_job(tmp_pa
 
 # --- placement, windows, checks -------------------------------------------------------------------
 
-@pytest.mark.parametrize("backend,accelerator,expected", [
-    ("nccl", torch.device("cuda", 1), torch.device("cuda", 1)),  # an offloaded (CPU) partition goes to the GPU
-    ("gloo", torch.device("cuda", 0), torch.device("cpu")),  # a GPU partition comes back to CPU for gloo
-    ("gloo", torch.device("cpu"), torch.device("cpu")),
-    ("ccl", torch.device("cpu"), torch.device("cpu")),  # DeepSpeed's CPU accelerator
-    ("cpu:gloo,cuda:nccl", torch.device("cuda", 0), torch.device("cuda", 0)),
-    ("NCCL", torch.device("cuda", 0), torch.device("cuda", 0)),
-])
+
+@pytest.mark.parametrize(
+    "backend,accelerator,expected",
+    [
+        (
+            "nccl",
+            torch.device("cuda", 1),
+            torch.device("cuda", 1),
+        ),  # an offloaded (CPU) partition goes to the GPU
+        (
+            "gloo",
+            torch.device("cuda", 0),
+            torch.device("cpu"),
+        ),  # a GPU partition comes back to CPU for gloo
+        ("gloo", torch.device("cpu"), torch.device("cpu")),
+        ("ccl", torch.device("cpu"), torch.device("cpu")),  # DeepSpeed's CPU accelerator
+        ("cpu:gloo,cuda:nccl", torch.device("cuda", 0), torch.device("cuda", 0)),
+        ("NCCL", torch.device("cuda", 0), torch.device("cuda", 0)),
+    ],
+)
 def test_p2p_device_follows_the_backend_not_the_tensor(backend, accelerator, expected):
     assert comm_device(backend, accelerator) == expected
 
 
-@pytest.mark.parametrize("partition_bytes,peers,budget,window", [
-    (1 << 20, 15, 8 << 20, 8),  # eight 1 MB partitions fill the 8 MB budget
-    (16 << 20, 15, 8 << 20, 1),  # one partition over the budget: still one rank at a time
-    (1 << 10, 3, 8 << 20, 3),  # never more ranks than there are
-    (0, 3, 8 << 20, 3),
-    (1 << 20, 0, 8 << 20, 0),  # a single rank receives nothing
-])
-def test_receive_window_stays_within_the_budget_or_one_partition(partition_bytes, peers, budget, window):
+@pytest.mark.parametrize(
+    "partition_bytes,peers,budget,window",
+    [
+        (1 << 20, 15, 8 << 20, 8),  # eight 1 MB partitions fill the 8 MB budget
+        (16 << 20, 15, 8 << 20, 1),  # one partition over the budget: still one rank at a time
+        (1 << 10, 3, 8 << 20, 3),  # never more ranks than there are
+        (0, 3, 8 << 20, 3),
+        (1 << 20, 0, 8 << 20, 0),  # a single rank receives nothing
+    ],
+)
+def test_receive_window_stays_within_the_budget_or_one_partition(
+    partition_bytes, peers, budget, window
+):
     got = recv_window(partition_bytes, peers, budget)
     assert got == window
     assert got * partition_bytes <= max(budget, partition_bytes)
@@ -181,7 +214,9 @@ class _Z3Optimizer:
         return p.fake_master_partition if p.requires_grad else None
 
 
-def _z3_param(dtype: torch.dtype, trainable: bool = True, optimizer: _Z3Optimizer | None = _Z3Optimizer()):
+def _z3_param(
+    dtype: torch.dtype, trainable: bool = True, optimizer: _Z3Optimizer | None = _Z3Optimizer()
+):
     p = torch.nn.Parameter(torch.empty(0, dtype=dtype), requires_grad=trainable)
     p.ds_id = 0
     if optimizer is not None:
@@ -192,23 +227,32 @@ def _z3_param(dtype: torch.dtype, trainable: bool = True, optimizer: _Z3Optimize
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 
 
-@pytest.mark.parametrize("module,requested,expected", [
-    (BF16, FP32, True),  # an upcast of the module weights would lack the bits the master has
-    (BF16, FP16, True),  # and a cast to fp16 would round twice
-    (BF16, BF16, False),  # the module weights are the master cast to bf16 already
-    (FP16, FP32, True),
-    (FP32, BF16, False),  # fp32 module weights are the master
-    (FP32, FP32, False),
-])
-def test_master_weights_are_read_when_the_module_weights_would_not_cast_exactly(module, requested, expected):
+@pytest.mark.parametrize(
+    "module,requested,expected",
+    [
+        (BF16, FP32, True),  # an upcast of the module weights would lack the bits the master has
+        (BF16, FP16, True),  # and a cast to fp16 would round twice
+        (BF16, BF16, False),  # the module weights are the master cast to bf16 already
+        (FP16, FP32, True),
+        (FP32, BF16, False),  # fp32 module weights are the master
+        (FP32, FP32, False),
+    ],
+)
+def test_master_weights_are_read_when_the_module_weights_would_not_cast_exactly(
+    module, requested, expected
+):
     assert reads_master(_z3_param(module), requested) is expected
 
 
 def test_no_master_for_frozen_parameters_or_without_an_optimizer():
     assert not reads_master(_z3_param(BF16, trainable=False), FP32)
     assert not reads_master(_z3_param(BF16, optimizer=None), FP32)
-    assert not reads_master(_z3_param(BF16, optimizer=_Z3Optimizer(master=BF16)), FP32)  # bf16 masters: the module weights
-    assert not reads_master(torch.nn.Parameter(torch.zeros(2, dtype=BF16)), FP32)  # not a ZeRO-3 parameter
+    assert not reads_master(
+        _z3_param(BF16, optimizer=_Z3Optimizer(master=BF16)), FP32
+    )  # bf16 masters: the module weights
+    assert not reads_master(
+        torch.nn.Parameter(torch.zeros(2, dtype=BF16)), FP32
+    )  # not a ZeRO-3 parameter
     assert weights_source([_z3_param(BF16), _z3_param(BF16, trainable=False)]) == FROM_MASTER
     assert weights_source([_z3_param(BF16), _z3_param(BF16, optimizer=None)]) == FROM_MODULE
     assert weights_source(torch.nn.Linear(2, 2).parameters()) == FROM_MODULE
@@ -218,13 +262,18 @@ def test_a_partition_unlike_the_plan_is_named():
     p = torch.nn.Parameter(torch.empty(0))
     p.ds_tensor = torch.zeros(3)
     spec = torch.empty(4, device="meta")  # every rank's partition, as the parameter's metadata says
-    with pytest.raises(ConsolidationError, match=r"^w: this rank's partition has 3 torch.float32 elements, planned 4"):
+    with pytest.raises(
+        ConsolidationError,
+        match=r"^w: this rank's partition has 3 torch.float32 elements, planned 4",
+    ):
         consolidate._local_partition(p, "w", spec, master=False)
 
 
 def test_plan_rejects_a_dtype_safetensors_cannot_hold_naming_the_tensor():
     model = torch.nn.Linear(2, 2)
-    model.register_buffer("phase", torch.zeros(2, dtype=torch.complex64))  # kept as is: not floating
+    model.register_buffer(
+        "phase", torch.zeros(2, dtype=torch.complex64)
+    )  # kept as is: not floating
     with pytest.raises(ValueError, match=r"phase as torch\.complex64"):
         plan_shards(tensor_entries(model), torch.float32, "1GB")
     with pytest.raises(ValueError, match=r"weight as torch\.float8_e4m3fn"):
@@ -248,7 +297,9 @@ def test_writer_mismatches_raise_a_named_error_even_under_python_O(tmp_path):
         writer.finish()
     assert not issubclass(ConsolidationError, AssertionError)
     tree = ast.parse(inspect.getsource(consolidate))
-    assert not [n.lineno for n in ast.walk(tree) if isinstance(n, ast.Assert)], "asserts vanish under python -O"
+    assert not [n.lineno for n in ast.walk(tree) if isinstance(n, ast.Assert)], (
+        "asserts vanish under python -O"
+    )
 
 
 def test_writer_counts_streamed_elements(tmp_path):
@@ -262,7 +313,11 @@ def test_writer_counts_streamed_elements(tmp_path):
 # --- the streamed path between processes ----------------------------------------------------------
 
 WORLD = 3
-FULL = {"a": torch.arange(10.0).reshape(2, 5), "b": torch.arange(100.0, 107.0), "c": torch.arange(3.0)}
+FULL = {
+    "a": torch.arange(10.0).reshape(2, 5),
+    "b": torch.arange(100.0, 107.0),
+    "c": torch.arange(3.0),
+}
 SMALL = torch.tensor([7.0, 8.0])  # under the threshold: written whole, not streamed
 # 12 bytes: a, b and c are streamed; a's and b's partitions (16 and 12 bytes) come one rank per
 # window, c's (4 bytes) both peers in one window.
@@ -287,7 +342,11 @@ def _fake_zero3_model(rank: int) -> torch.nn.Module:
         n = -(-full.numel() // WORLD)
         flat = torch.cat([full.reshape(-1), torch.zeros(n * WORLD - full.numel())])
         p = torch.nn.Parameter(torch.empty(0))
-        p.ds_shape, p.ds_numel, p.ds_tensor = full.shape, full.numel(), flat[rank * n:(rank + 1) * n].clone()
+        p.ds_shape, p.ds_numel, p.ds_tensor = (
+            full.shape,
+            full.numel(),
+            flat[rank * n : (rank + 1) * n].clone(),
+        )
         setattr(model, name, p)
     model.small = torch.nn.Parameter(SMALL.clone())
     return model
@@ -301,7 +360,9 @@ DTYPES = {"fp32": FP32, "fp16": FP16, "bf16": BF16}
 
 def _partition(full: torch.Tensor, rank: int) -> torch.Tensor:
     n = -(-full.numel() // WORLD)
-    return torch.cat([full.reshape(-1), full.new_zeros(n * WORLD - full.numel())])[rank * n:(rank + 1) * n].clone()
+    return torch.cat([full.reshape(-1), full.new_zeros(n * WORLD - full.numel())])[
+        rank * n : (rank + 1) * n
+    ].clone()
 
 
 def _fake_bf16_model(rank: int) -> torch.nn.Module:
@@ -334,8 +395,13 @@ def _save(rank: int, folder: str, scenario: str) -> dict:
 def _rank_main(rank: int, port: int, folder: str, scenario: str) -> None:
     # "masters": every parameter streamed (nothing here can be all-gathered like a real ZeRO-3 one)
     os.environ["FINETUNE_STREAM_BYTES"] = "1" if scenario == "masters" else STREAM
-    torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                                         world_size=WORLD, timeout=timedelta(seconds=60))
+    torch.distributed.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=WORLD,
+        timeout=timedelta(seconds=60),
+    )
     try:
         outcome = _save(rank, folder, scenario)
     except Exception as e:  # noqa: BLE001 — reported to the test
@@ -354,7 +420,9 @@ def _rank_main(rank: int, port: int, folder: str, scenario: str) -> None:
 def _run_ranks(folder: Path, scenario: str) -> list[dict]:
     ctx = multiprocessing.get_context("spawn")
     port = free_port()
-    procs = [ctx.Process(target=_rank_main, args=(r, port, str(folder), scenario)) for r in range(WORLD)]
+    procs = [
+        ctx.Process(target=_rank_main, args=(r, port, str(folder), scenario)) for r in range(WORLD)
+    ]
     for p in procs:
         p.start()
     for p in procs:
@@ -367,7 +435,11 @@ def _run_ranks(folder: Path, scenario: str) -> list[dict]:
 
 def test_streamed_partitions_arrive_in_rank_order_over_batched_p2p(tmp_path):
     outcomes = _run_ranks(tmp_path, "ok")
-    assert outcomes == [{"files": ["model.safetensors"], "in_step": True}] + [{"files": [], "in_step": True}] * 2
+    assert (
+        outcomes
+        == [{"files": ["model.safetensors"], "in_step": True}]
+        + [{"files": [], "in_step": True}] * 2
+    )
     written = load_file(tmp_path / "model.safetensors")
     assert set(written) == {*FULL, "small"}
     assert all(torch.equal(written[name], full) for name, full in FULL.items())
@@ -379,9 +451,15 @@ def test_errors_on_any_rank_are_raised_after_the_last_gather(tmp_path):
     once every rank is done: the all-reduce after the save completes on all three."""
     outcomes = _run_ranks(tmp_path, "fail")
     assert outcomes == [
-        {"error": "ConsolidationFailed: RuntimeError: CUDA out of memory (simulated)", "in_step": True},
+        {
+            "error": "ConsolidationFailed: RuntimeError: CUDA out of memory (simulated)",
+            "in_step": True,
+        },
         {"files": [], "in_step": True},
-        {"error": "ConsolidationFailed: RuntimeError: out of memory staging the partition (simulated)", "in_step": True},
+        {
+            "error": "ConsolidationFailed: RuntimeError: out of memory staging the partition (simulated)",
+            "in_step": True,
+        },
     ]
 
 
@@ -392,13 +470,20 @@ def test_bf16_weights_come_from_the_fp32_masters_in_a_wider_or_other_dtype(tmp_p
     from safetensors import safe_open
 
     outcomes = _run_ranks(tmp_path, "masters")
-    assert [o.get("error") for o in outcomes] == [None] * WORLD and all(o["in_step"] for o in outcomes)
+    assert [o.get("error") for o in outcomes] == [None] * WORLD and all(
+        o["in_step"] for o in outcomes
+    )
     for name, dtype in DTYPES.items():
         written = load_file(tmp_path / name / "model.safetensors")
         assert set(written) == {*MASTERS, "frozen"}
         for key, master in MASTERS.items():
-            assert written[key].dtype == dtype and torch.equal(written[key], master.to(dtype)), (name, key)
+            assert written[key].dtype == dtype and torch.equal(written[key], master.to(dtype)), (
+                name,
+                key,
+            )
         assert torch.equal(written["frozen"], FROZEN.to(dtype))
         with safe_open(tmp_path / name / "model.safetensors", "pt") as f:
             assert f.metadata() == {"format": "pt", SOURCE_KEY: FROM_MASTER}
-    assert not torch.equal(MASTERS["a"].to(BF16).float(), MASTERS["a"])  # what the module weights would have given
+    assert not torch.equal(
+        MASTERS["a"].to(BF16).float(), MASTERS["a"]
+    )  # what the module weights would have given

@@ -64,8 +64,13 @@ def spawn():
     procs = []
 
     def start(script: str, *args: str) -> subprocess.Popen:
-        proc = subprocess.Popen([sys.executable, "-c", script, *args], cwd=REPO, stdin=subprocess.PIPE,
-                                stdout=subprocess.PIPE, text=True)
+        proc = subprocess.Popen(
+            [sys.executable, "-c", script, *args],
+            cwd=REPO,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
         procs.append(proc)
         return proc
 
@@ -106,7 +111,12 @@ def test_acquire_writes_the_lease_and_release_removes_it(tmp_path):
     lease = acquire(out, "run-1")
     info = holder(out)
     assert info == lease.info
-    assert (info["run_id"], info["pid"], info["host"], info["beat"]) == ("run-1", os.getpid(), socket.gethostname(), 0)
+    assert (info["run_id"], info["pid"], info["host"], info["beat"]) == (
+        "run-1",
+        os.getpid(),
+        socket.gethostname(),
+        0,
+    )
     assert {"pid_start", "started", "slurm_job_id"} <= info.keys()
     assert files(out) == [LEASE]
     lease.release()
@@ -171,7 +181,9 @@ def test_a_holder_on_another_machine_that_releases_while_watched_lets_us_in(tmp_
     write_lease(out, **ELSEWHERE)
     threading.Timer(0.1, (out / LEASE).unlink).start()
     lease, took = timed_acquire(out, "next", observe_s=5.0)
-    assert took < 3.0 and holder(out)["run_id"] == "next"  # as soon as it is gone, not after observe_s
+    assert (
+        took < 3.0 and holder(out)["run_id"] == "next"
+    )  # as soon as it is gone, not after observe_s
     lease.release()
 
 
@@ -218,8 +230,16 @@ def test_two_runs_in_one_slurm_allocation_are_still_refused(tmp_path, monkeypatc
     lease.release()
 
 
-@pytest.mark.parametrize("content", [b"", b'{"run_id": "x", "ho', b"\x00\xff", b"[1, 2]",
-                                     b'{"run_id": "x", "host": "h", "pid": 0, "beat": 0}'])
+@pytest.mark.parametrize(
+    "content",
+    [
+        b"",
+        b'{"run_id": "x", "ho',
+        b"\x00\xff",
+        b"[1, 2]",
+        b'{"run_id": "x", "host": "h", "pid": 0, "beat": 0}',
+    ],
+)
 def test_an_unreadable_lease_is_taken_over(tmp_path, content, caplog):
     out = tmp_path / "out"
     out.mkdir()
@@ -259,7 +279,9 @@ def test_racing_threads_exactly_one_wins(tmp_path, stale):
 
 def test_racing_processes_exactly_one_wins(tmp_path, spawn):
     out, go = tmp_path / "out", tmp_path / "go"
-    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
+    )
     write_lease(out, pid=int(dead.stdout), pid_start=None)  # a predecessor that has exited
     procs = [spawn(RACE, str(out), str(go), f"racer{i}") for i in range(4)]
     for p in procs:
@@ -295,14 +317,19 @@ def test_a_live_taker_that_never_finishes_is_named(tmp_path):
     out = tmp_path / "out"
     dead = write_lease(out, pid=os.getpid(), pid_start=-1)
     key = lease_mod.hashlib.sha256(lease_mod._encode(dead)).hexdigest()[:16]
-    stuck = holder_mod.identity("stuck-taker", 30.0)  # this live process, as if stopped mid-takeover
+    stuck = holder_mod.identity(
+        "stuck-taker", 30.0
+    )  # this live process, as if stopped mid-takeover
     (out / f"{lease_mod.TAKING}.{key}.1").write_bytes(lease_mod._encode(stuck))
     with pytest.raises(LeaseHeld, match="run id stuck-taker"):
         acquire(out, "next", observe_s=0.2)
 
 
-@pytest.mark.parametrize("theirs", [dict(run_id="theirs", **ELSEWHERE), dict(run_id="mine", pid=1)],
-                         ids=["another run", "same run id, another process"])
+@pytest.mark.parametrize(
+    "theirs",
+    [dict(run_id="theirs", **ELSEWHERE), dict(run_id="mine", pid=1)],
+    ids=["another run", "same run id, another process"],
+)
 def test_release_leaves_someone_elses_lease(tmp_path, theirs):
     out = tmp_path / "out"
     lease = acquire(out, "mine")

@@ -10,14 +10,14 @@ import torch
 
 from finetune.checkpoint.commit import commit_staged
 from finetune.checkpoint.manifest import MANIFEST, read_manifest
-from finetune.checkpoint.storage import STAGING, LocalStorage
+from finetune.checkpoint.outdir import STAGING, OutputDir
 from finetune.checkpoint.writer import GuardedWriter
 from finetune.io import seams
 from finetune.io.durable import hash_file
 
 
-class FakeStorage(LocalStorage):
-    """LocalStorage on a temp dir that can crash at a chosen operation."""
+class FakeStorage(OutputDir):
+    """OutputDir on a temp dir that can crash at a chosen operation."""
 
     def __init__(self, root, crash_at: str | None = None):
         super().__init__(root)
@@ -36,19 +36,23 @@ class FakeStorage(LocalStorage):
         super().write_latest(tag)
 
 
-def stage(storage: LocalStorage, tag: str, payload: bytes = b"weights") -> dict:
+def stage(storage: OutputDir, tag: str, payload: bytes = b"weights") -> dict:
     folder = storage.root / STAGING / tag
     folder.mkdir(parents=True)
     (folder / "zero_pp_rank_0_mp_rank_00_model_states.pt").write_bytes(payload)
-    return {"zero_pp_rank_0_mp_rank_00_model_states.pt": hash_file(folder / "zero_pp_rank_0_mp_rank_00_model_states.pt")}
+    return {
+        "zero_pp_rank_0_mp_rank_00_model_states.pt": hash_file(
+            folder / "zero_pp_rank_0_mp_rank_00_model_states.pt"
+        )
+    }
 
 
-def complete(storage: LocalStorage, tag: str) -> bool:
+def complete(storage: OutputDir, tag: str) -> bool:
     return read_manifest(storage.root / tag) is not None
 
 
 def test_commit_makes_a_complete_folder_and_moves_latest(tmp_path):
-    s = LocalStorage(tmp_path)
+    s = OutputDir(tmp_path)
     commit_staged(s, "global_step2", stage(s, "global_step2"), 2, {"torch": "x"})
     assert s.read_latest() == "global_step2" and complete(s, "global_step2")
     manifest = read_manifest(tmp_path / "global_step2")
@@ -71,10 +75,12 @@ def test_crash_during_commit_leaves_latest_on_a_complete_checkpoint(tmp_path, cr
 
 
 def test_recommitting_an_existing_step_swaps_the_folder_without_a_gap(tmp_path):
-    s = LocalStorage(tmp_path)
+    s = OutputDir(tmp_path)
     commit_staged(s, "global_step4", stage(s, "global_step4", b"old timeline"), 1, {})
     commit_staged(s, "global_step4", stage(s, "global_step4", b"new timeline!"), 1, {})
-    assert (tmp_path / "global_step4" / "zero_pp_rank_0_mp_rank_00_model_states.pt").read_bytes() == b"new timeline!"
+    assert (
+        tmp_path / "global_step4" / "zero_pp_rank_0_mp_rank_00_model_states.pt"
+    ).read_bytes() == b"new timeline!"
     assert s.read_latest() == "global_step4"
     assert not (tmp_path / STAGING).exists()
 
@@ -82,7 +88,7 @@ def test_recommitting_an_existing_step_swaps_the_folder_without_a_gap(tmp_path):
 def test_tags_sort_by_step_not_by_name_or_mtime(tmp_path):
     for name in ["global_step10", "global_step9", "global_step100", "notes", "global_stepX"]:
         (tmp_path / name).mkdir()
-    assert LocalStorage(tmp_path).tags() == ["global_step9", "global_step10", "global_step100"]
+    assert OutputDir(tmp_path).tags() == ["global_step9", "global_step10", "global_step100"]
 
 
 class _Inner:
@@ -120,13 +126,14 @@ def test_guarded_writer_reports_a_directory_in_the_way(tmp_path):
 
 
 def test_manifest_json_is_plain_json(tmp_path):
-    s = LocalStorage(tmp_path)
+    s = OutputDir(tmp_path)
     commit_staged(s, "global_step1", stage(s, "global_step1"), 1, {"deepspeed": "0"})
     data = json.loads((tmp_path / "global_step1" / MANIFEST).read_text())
     assert data["algorithm"] == "xxh3_128" and data["total_bytes"] == len(b"weights")
 
 
 # --- the manager and the resume planner in one process (world size 1, a fake engine) -----------
+
 
 class FakeEngine:
     """What the manager needs of DeepSpeed's engine: save_checkpoint through checkpoint_engine."""
@@ -138,7 +145,9 @@ class FakeEngine:
         folder = f"{save_dir}/{tag}"
         self.checkpoint_engine.makedirs(folder, exist_ok=True)
         for kind in ("model", "optim"):
-            self.checkpoint_engine.save({"x": torch.ones(64)}, f"{folder}/zero_pp_rank_0_mp_rank_00_{kind}_states.pt")
+            self.checkpoint_engine.save(
+                {"x": torch.ones(64)}, f"{folder}/zero_pp_rank_0_mp_rank_00_{kind}_states.pt"
+            )
 
 
 class FakeTokenizer:
@@ -146,7 +155,10 @@ class FakeTokenizer:
         path = f"{folder}/tokenizer.json"
         with open(path, "w") as f:
             f.write("{}")
-        return (path, f"{folder}/special_tokens_map.json")  # transformers lists files it may not write
+        return (
+            path,
+            f"{folder}/special_tokens_map.json",
+        )  # transformers lists files it may not write
 
 
 class FakeSampler:
@@ -165,7 +177,9 @@ def tiny_module():
 def _fake_engines_model_is_not_checked(monkeypatch):
     """The fake engine saves a tiny GPT-2 while the flags name the embedded model: a resume's
     architecture check (tested in test_modeling) would rightly refuse every checkpoint here."""
-    monkeypatch.setattr("finetune.checkpoint.resume.check_checkpoint_model", lambda folder, args: None)
+    monkeypatch.setattr(
+        "finetune.checkpoint.resume.check_checkpoint_model", lambda folder, args: None
+    )
 
 
 def make_cfg(out, **flags):
@@ -180,12 +194,22 @@ def make_manager(cfg, module, run_id="run1", **kw):
     from finetune.checkpoint.resume import Resumer
     from finetune.checkpoint.state import TrainingState
 
-    storage = LocalStorage(cfg.ckpt.output_dir)
+    storage = OutputDir(cfg.ckpt.output_dir)
     plan = Resumer(cfg, storage).plan_resume()
     progress = TrainingState()
-    manager = CheckpointManager(storage, cfg.ckpt, Layout([[0]], False), engine=FakeEngine(module), progress=progress,
-                                sampler=FakeSampler(), tokenizer=FakeTokenizer(), run_info={"args": {}},
-                                run_id=run_id, plan=plan, **kw)
+    manager = CheckpointManager(
+        storage,
+        cfg.ckpt,
+        Layout([[0]], False),
+        engine=FakeEngine(module),
+        progress=progress,
+        sampler=FakeSampler(),
+        tokenizer=FakeTokenizer(),
+        run_info={"args": {}},
+        run_id=run_id,
+        plan=plan,
+        **kw,
+    )
     return manager, progress, plan
 
 
@@ -195,7 +219,9 @@ def run_saves(manager, progress, steps):
         manager.save(step)
 
 
-def test_a_save_lists_exactly_the_files_written_and_rank0_reads_back_only_its_own(tmp_path, tiny_module):
+def test_a_save_lists_exactly_the_files_written_and_rank0_reads_back_only_its_own(
+    tmp_path, tiny_module
+):
     from finetune.io.durable import bytes_hashed
 
     m, progress, _ = make_manager(make_cfg(tmp_path), tiny_module)
@@ -204,34 +230,47 @@ def test_a_save_lists_exactly_the_files_written_and_rank0_reads_back_only_its_ow
     folder = tmp_path / "global_step2"
     listed = set(read_manifest(folder)["files"])
     assert listed == {p.name for p in folder.iterdir()} - {MANIFEST}
-    shared = sum((folder / n).stat().st_size for n in ("config.json", "generation_config.json", "tokenizer.json"))
-    assert bytes_hashed() - before == shared  # the rank files were hashed as written, never read back
+    shared = sum(
+        (folder / n).stat().st_size
+        for n in ("config.json", "generation_config.json", "tokenizer.json")
+    )
+    assert (
+        bytes_hashed() - before == shared
+    )  # the rank files were hashed as written, never read back
 
 
-def test_retention_keeps_the_resume_point_and_abandoned_commits_are_set_aside(tmp_path, tiny_module):
+def test_retention_keeps_the_resume_point_and_abandoned_commits_are_set_aside(
+    tmp_path, tiny_module
+):
     cfg = make_cfg(tmp_path, save_total_limit=2)
     m, progress, _ = make_manager(cfg, tiny_module)
     run_saves(m, progress, [2, 4, 6, 8])
-    assert LocalStorage(tmp_path).tags() == ["global_step6", "global_step8"]
+    assert OutputDir(tmp_path).tags() == ["global_step6", "global_step8"]
     # Resume explicitly from step 6: step 8 belongs to the timeline this run abandons.
-    cfg = make_cfg(tmp_path, save_total_limit=2, resume_from_checkpoint=str(tmp_path / "global_step6"))
+    cfg = make_cfg(
+        tmp_path, save_total_limit=2, resume_from_checkpoint=str(tmp_path / "global_step6")
+    )
     m, progress, plan = make_manager(cfg, tiny_module, run_id="run2")
     assert plan.folder == tmp_path / "global_step6"
     assert [p.name.split("-")[0] for p in (tmp_path / ".abandoned").iterdir()] == ["global_step8"]
     run_saves(m, progress, [7])
     # Old rule (count every folder by step) would have deleted step 6, the resume point, and kept 8.
-    assert LocalStorage(tmp_path).tags() == ["global_step6", "global_step7"]
+    assert OutputDir(tmp_path).tags() == ["global_step6", "global_step7"]
     seven = read_manifest(tmp_path / "global_step7")
     assert (seven["parent"], seven["commit_seq"]) == ("global_step6", 5)
     run_saves(m, progress, [9])
-    assert LocalStorage(tmp_path).tags() == ["global_step7", "global_step9"]
+    assert OutputDir(tmp_path).tags() == ["global_step7", "global_step9"]
 
 
 def test_auto_resume_takes_the_newest_commit_even_when_latest_is_stale(tmp_path, tiny_module):
     m, progress, _ = make_manager(make_cfg(tmp_path), tiny_module)
     run_saves(m, progress, [2, 4])
-    (tmp_path / "latest").write_text("global_step2\n")  # crash between the rename and the `latest` write
-    _, _, plan = make_manager(make_cfg(tmp_path, resume_from_checkpoint="auto"), tiny_module, run_id="run2")
+    (tmp_path / "latest").write_text(
+        "global_step2\n"
+    )  # crash between the rename and the `latest` write
+    _, _, plan = make_manager(
+        make_cfg(tmp_path, resume_from_checkpoint="auto"), tiny_module, run_id="run2"
+    )
     assert plan.folder.name == "global_step4"
 
 
@@ -246,12 +285,17 @@ def test_auto_refuses_to_start_fresh_over_checkpoints_that_do_not_verify(tmp_pat
     with pytest.raises(ConfigError) as e:
         make_manager(make_cfg(tmp_path, resume_from_checkpoint="auto"), tiny_module)
     message = str(e.value)
-    assert "global_step4: zero_pp_rank_0_mp_rank_00_optim_states.pt: size" in message and "global_step2:" in message
+    assert (
+        "global_step4: zero_pp_rank_0_mp_rank_00_optim_states.pt: size" in message
+        and "global_step2:" in message
+    )
     assert "--ignore_unverified_checkpoints" in message
-    assert LocalStorage(tmp_path).tags() == ["global_step2", "global_step4"]  # nothing touched
-    _, _, plan = make_manager(make_cfg(tmp_path, resume_from_checkpoint="auto", ignore_unverified_checkpoints=True),
-                              tiny_module)
-    assert plan is None and LocalStorage(tmp_path).tags() == []
+    assert OutputDir(tmp_path).tags() == ["global_step2", "global_step4"]  # nothing touched
+    _, _, plan = make_manager(
+        make_cfg(tmp_path, resume_from_checkpoint="auto", ignore_unverified_checkpoints=True),
+        tiny_module,
+    )
+    assert plan is None and OutputDir(tmp_path).tags() == []
     assert len(list((tmp_path / ".abandoned").iterdir())) == 2  # set aside, not deleted
 
 
@@ -266,12 +310,17 @@ def test_consolidation_failure_drops_only_the_safetensors(tmp_path, tiny_module,
     m, progress, _ = make_manager(make_cfg(tmp_path, save_consolidated=True), tiny_module)
     run_saves(m, progress, [2])
     manifest = read_manifest(tmp_path / "global_step2")
-    assert manifest["consolidated"] is False and "zero_pp_rank_0_mp_rank_00_optim_states.pt" in manifest["files"]
+    assert (
+        manifest["consolidated"] is False
+        and "zero_pp_rank_0_mp_rank_00_optim_states.pt" in manifest["files"]
+    )
     assert not (tmp_path / "global_step2" / "model.safetensors").exists()
     assert "CUDA out of memory" in m.consolidation_error
 
 
-def test_an_error_escaping_mid_gather_stops_the_run_instead_of_agreeing(tmp_path, tiny_module, monkeypatch):
+def test_an_error_escaping_mid_gather_stops_the_run_instead_of_agreeing(
+    tmp_path, tiny_module, monkeypatch
+):
     import finetune.checkpoint.consolidate as consolidate
 
     def transport_error(model, folder, dtype, max_shard_size):
@@ -279,9 +328,11 @@ def test_an_error_escaping_mid_gather_stops_the_run_instead_of_agreeing(tmp_path
 
     monkeypatch.setattr(consolidate, "save_consolidated", transport_error)
     m, progress, _ = make_manager(make_cfg(tmp_path, save_consolidated=True), tiny_module)
-    with pytest.raises(RuntimeError, match="mid-gather; stopping because the ranks may be out of step"):
+    with pytest.raises(
+        RuntimeError, match="mid-gather; stopping because the ranks may be out of step"
+    ):
         run_saves(m, progress, [2])
-    assert LocalStorage(tmp_path).tags() == []
+    assert OutputDir(tmp_path).tags() == []
 
 
 @pytest.mark.parametrize("failure", ["full", "statfs error"])
@@ -292,13 +343,17 @@ def test_space_check_failures_are_agreed_save_errors(tmp_path, tiny_module, monk
     if failure == "full":
         monkeypatch.setattr(m.storage, "free_bytes", lambda: 0)
     else:
-        monkeypatch.setattr(m.storage, "free_bytes", lambda: (_ for _ in ()).throw(OSError(errno.ESTALE, "stale")))
+        monkeypatch.setattr(
+            m.storage, "free_bytes", lambda: (_ for _ in ()).throw(OSError(errno.ESTALE, "stale"))
+        )
     with pytest.raises(SaveError, match="not enough free space"):
         run_saves(m, progress, [2])
-    assert LocalStorage(tmp_path).tags() == [] and not (tmp_path / STAGING).exists()
+    assert OutputDir(tmp_path).tags() == [] and not (tmp_path / STAGING).exists()
 
 
-def test_a_rank_local_snapshot_failure_is_a_save_error_and_leaves_no_staging(tmp_path, tiny_module, monkeypatch):
+def test_a_rank_local_snapshot_failure_is_a_save_error_and_leaves_no_staging(
+    tmp_path, tiny_module, monkeypatch
+):
     import finetune.checkpoint.manager as manager
     from finetune.checkpoint.manager import SaveError
 
@@ -306,24 +361,33 @@ def test_a_rank_local_snapshot_failure_is_a_save_error_and_leaves_no_staging(tmp
     m, progress, _ = make_manager(make_cfg(tmp_path), tiny_module)
     with pytest.raises(SaveError, match="ZeroDivisionError"):
         run_saves(m, progress, [2])
-    assert LocalStorage(tmp_path).tags() == [] and not (tmp_path / STAGING).exists()
+    assert OutputDir(tmp_path).tags() == [] and not (tmp_path / STAGING).exists()
 
 
-def test_node_local_candidates_need_the_same_save_id_on_every_node(tmp_path, tiny_module, monkeypatch):
+def test_node_local_candidates_need_the_same_save_id_on_every_node(
+    tmp_path, tiny_module, monkeypatch
+):
     """Stubbed dist: a second node's leader reports the same tags, one of them from another save."""
     from finetune import distributed as dist
     from finetune.checkpoint.resume import Resumer
 
     m, progress, _ = make_manager(make_cfg(tmp_path), tiny_module)
     run_saves(m, progress, [2, 4])
-    other_node = (["global_step4", "global_step2"], {"global_step4": "another-save", "global_step2": "run1-1"})
+    other_node = (
+        ["global_step4", "global_step2"],
+        {"global_step4": "another-save", "global_step2": "run1-1"},
+    )
 
     def two_leaders(fn, on=True, share=False, **kw):
         return dist.Outcomes(result=fn(), results=[fn(), other_node])
 
     monkeypatch.setattr(dist, "gather_outcomes", two_leaders)
-    resumer = Resumer(make_cfg(tmp_path, resume_from_checkpoint="auto"), LocalStorage(tmp_path), node_local=True,
-                      leader=True)
+    resumer = Resumer(
+        make_cfg(tmp_path, resume_from_checkpoint="auto"),
+        OutputDir(tmp_path),
+        node_local=True,
+        leader=True,
+    )
     assert [p.name for p in resumer._agreed_candidates("auto")] == ["global_step2"]
 
 
@@ -331,7 +395,9 @@ def test_torn_metrics_line_is_dropped_on_resume(tmp_path):
     from finetune.metrics import read_metrics, truncate_after
 
     path = tmp_path / "metrics.jsonl"
-    path.write_text('{"step": 1, "loss": 2.0}\n{"step": 2, "loss": 1.5}\n{"step": 3, "loss": 1.')  # crash mid-append
+    path.write_text(
+        '{"step": 1, "loss": 2.0}\n{"step": 2, "loss": 1.5}\n{"step": 3, "loss": 1.'
+    )  # crash mid-append
     assert [r["step"] for r in read_metrics(str(tmp_path))] == [1, 2]
     truncate_after(path, 2)
     assert path.read_text() == '{"step": 1, "loss": 2.0}\n{"step": 2, "loss": 1.5}\n'
@@ -344,11 +410,14 @@ def test_a_universal_conversion_is_reused_only_if_it_verifies(tmp_path):
     (target / "zero" / "w").mkdir(parents=True)
     (target / "zero" / "w" / "fp32.pt").write_bytes(b"a" * 100)
     (target / "mp_rank_00_model_states.pt").write_bytes(b"b" * 10)
-    assert verify_universal(target, "s-1") == ["manifest.json missing or unreadable (an interrupted or foreign "
-                                               "conversion)"]
+    assert verify_universal(target, "s-1") == [
+        "manifest.json missing or unreadable (an interrupted or foreign conversion)"
+    ]
     write_universal_manifest(target, "s-1")
     assert verify_universal(target, "s-1") == []
-    assert "converted from save s-1" in verify_universal(target, "s-2")[0]  # the checkpoint was re-committed
+    assert (
+        "converted from save s-1" in verify_universal(target, "s-2")[0]
+    )  # the checkpoint was re-committed
     (target / "zero" / "w" / "fp32.pt").write_bytes(b"a" * 99 + b"X")
     assert verify_universal(target, "s-1") == ["zero/w/fp32.pt: checksum mismatch (corrupted)"]
     assert verify_universal(target, "s-1", checksums=False) == []
@@ -363,11 +432,21 @@ def test_a_second_run_into_a_live_runs_output_dir_exits_2_naming_it(tmp_path):
     from finetune.checkpoint.lease import acquire
 
     with acquire(tmp_path, "live-run-1"):
-        r = subprocess.run([sys.executable, "-m", "finetune", "--max_steps", "1", "--output_dir", str(tmp_path)],
-                           capture_output=True, text=True, timeout=300)
+        r = subprocess.run(
+            [sys.executable, "-m", "finetune", "--max_steps", "1", "--output_dir", str(tmp_path)],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
     assert r.returncode == 2, r.stderr[-2000:]
-    assert "live-run-1" in r.stderr and str(os.getpid()) in r.stderr and socket.gethostname() in r.stderr
-    assert not (tmp_path / "metrics.jsonl").exists() and not (tmp_path / "exit_status.json").exists()
+    assert (
+        "live-run-1" in r.stderr
+        and str(os.getpid()) in r.stderr
+        and socket.gethostname() in r.stderr
+    )
+    assert (
+        not (tmp_path / "metrics.jsonl").exists() and not (tmp_path / "exit_status.json").exists()
+    )
 
 
 def test_node_local_commit_waits_for_every_leaders_manifest(tmp_path, tiny_module, monkeypatch):
@@ -384,14 +463,16 @@ def test_node_local_commit_waits_for_every_leaders_manifest(tmp_path, tiny_modul
     def other_leader_fails_to_prepare(fn, on=True, **kw):
         out = real(fn, on, **kw)
         calls.append(fn.__qualname__)
-        if "commit" in fn.__qualname__ and sum("commit" in c for c in calls) == 1:  # phase 1: manifests
+        if (
+            "commit" in fn.__qualname__ and sum("commit" in c for c in calls) == 1
+        ):  # phase 1: manifests
             out.errors[1], out.kinds[1] = "OSError: [Errno 28] No space left on device", "OSError"
         return out
 
     monkeypatch.setattr(dist, "gather_outcomes", other_leader_fails_to_prepare)
     with pytest.raises(SaveError, match="commit of global_step4 failed on rank 1"):
         run_saves(m, progress, [4])
-    assert LocalStorage(tmp_path).tags() == ["global_step2"]
+    assert OutputDir(tmp_path).tags() == ["global_step2"]
     assert (tmp_path / "latest").read_text().strip() == "global_step2"
     assert not (tmp_path / STAGING).exists()
 
@@ -407,14 +488,14 @@ def test_resaving_the_committed_step_at_the_end_is_skipped(tmp_path, tiny_module
 
 
 def test_a_same_tag_recommit_keeps_the_line_intact(tmp_path, tiny_module):
+    from finetune.checkpoint.outdir import committed
     from finetune.checkpoint.policy import line_of
-    from finetune.checkpoint.storage import committed
 
     m, progress, _ = make_manager(make_cfg(tmp_path), tiny_module)
     run_saves(m, progress, [2, 4, 4])
     again = read_manifest(tmp_path / "global_step4")
     assert again["parent"] == "global_step2" and again["commit_seq"] == 3
-    found = committed(LocalStorage(tmp_path))
+    found = committed(OutputDir(tmp_path))
     head = next(c for c in found if c.tag == "global_step4")
     assert [c.tag for c in line_of(head, found)] == ["global_step2", "global_step4"]
 
@@ -422,22 +503,33 @@ def test_a_same_tag_recommit_keeps_the_line_intact(tmp_path, tiny_module):
 def test_a_failed_publish_consumes_its_commit_number(tmp_path, tiny_module, monkeypatch):
     m, progress, _ = make_manager(make_cfg(tmp_path, on_save_error="continue"), tiny_module)
     real = m.storage.write_latest
-    monkeypatch.setattr(m.storage, "write_latest", lambda tag: (_ for _ in ()).throw(OSError(errno.EIO, "eio")))
-    run_saves(m, progress, [2])  # renamed into place, `latest` not written: committed, with a warning
+    monkeypatch.setattr(
+        m.storage, "write_latest", lambda tag: (_ for _ in ()).throw(OSError(errno.EIO, "eio"))
+    )
+    run_saves(
+        m, progress, [2]
+    )  # renamed into place, `latest` not written: committed, with a warning
     assert not (tmp_path / "latest").exists()
     monkeypatch.setattr(m.storage, "write_latest", real)
     run_saves(m, progress, [4])
     ids = {t: read_manifest(tmp_path / t)["save_id"] for t in ("global_step2", "global_step4")}
-    assert ids == {"global_step2": "run1-1", "global_step4": "run1-2"}  # never two checkpoints with one id
+    assert ids == {
+        "global_step2": "run1-1",
+        "global_step4": "run1-2",
+    }  # never two checkpoints with one id
 
 
-def test_a_fresh_run_sets_aside_an_earlier_runs_checkpoints_instead_of_overwriting(tmp_path, tiny_module):
+def test_a_fresh_run_sets_aside_an_earlier_runs_checkpoints_instead_of_overwriting(
+    tmp_path, tiny_module
+):
     m, progress, _ = make_manager(make_cfg(tmp_path), tiny_module)
     run_saves(m, progress, [2, 4])
     m, progress, plan = make_manager(make_cfg(tmp_path), tiny_module, run_id="run2")
-    assert plan is None and LocalStorage(tmp_path).tags() == []
-    assert sorted(p.name.split("-")[0] for p in (tmp_path / ".abandoned").iterdir()) == ["global_step2",
-                                                                                          "global_step4"]
+    assert plan is None and OutputDir(tmp_path).tags() == []
+    assert sorted(p.name.split("-")[0] for p in (tmp_path / ".abandoned").iterdir()) == [
+        "global_step2",
+        "global_step4",
+    ]
 
 
 def test_a_run_that_lost_its_lease_does_not_commit_and_touches_nothing(tmp_path, tiny_module):
@@ -447,7 +539,7 @@ def test_a_run_that_lost_its_lease_does_not_commit_and_touches_nothing(tmp_path,
     with pytest.raises(LeaseLost, match="another run took over"):
         run_saves(m, progress, [2])
     # Checked before the save clears or writes anything: the output dir is the other run's now.
-    assert LocalStorage(tmp_path).tags() == [] and not (tmp_path / STAGING).exists()
+    assert OutputDir(tmp_path).tags() == [] and not (tmp_path / STAGING).exists()
     assert not (tmp_path / "latest").exists()
 
 
@@ -474,7 +566,7 @@ def test_the_lease_is_checked_again_right_before_the_publish(tmp_path, tiny_modu
     run_saves(m, progress, [2])
     with pytest.raises(LeaseLost):
         run_saves(m, progress, [4])
-    assert LocalStorage(tmp_path).tags() == ["global_step2"] and staged.is_file()
+    assert OutputDir(tmp_path).tags() == ["global_step2"] and staged.is_file()
     assert (tmp_path / "latest").read_text().strip() == "global_step2"
 
 
@@ -483,13 +575,15 @@ def test_the_lease_is_checked_again_right_before_retention(tmp_path, tiny_module
     from finetune.checkpoint.lease import LeaseLost
 
     lease = Lease(lambda: (tmp_path / "global_step6").is_dir())
-    m, progress, _ = make_manager(make_cfg(tmp_path, save_total_limit=1), tiny_module, still_ours=lease)
+    m, progress, _ = make_manager(
+        make_cfg(tmp_path, save_total_limit=1), tiny_module, still_ours=lease
+    )
     run_saves(m, progress, [2, 4])
-    assert LocalStorage(tmp_path).tags() == ["global_step4"]
+    assert OutputDir(tmp_path).tags() == ["global_step4"]
     with pytest.raises(LeaseLost):
         run_saves(m, progress, [6])
     m.deleter.wait(10)
-    assert LocalStorage(tmp_path).tags() == ["global_step4", "global_step6"]
+    assert OutputDir(tmp_path).tags() == ["global_step4", "global_step6"]
 
 
 def test_a_lease_refusal_is_a_config_error_on_every_rank():
@@ -500,7 +594,9 @@ def test_a_lease_refusal_is_a_config_error_on_every_rank():
         raise LeaseHeld(__import__("pathlib").Path("/out"), {"run_id": "x", "host": "h", "pid": 1})
 
     out = dist.gather_outcomes(refuse)
-    assert out.kinds == {0: "ConfigError"}  # the other ranks raise ConfigError too: exit 2, one line
+    assert out.kinds == {
+        0: "ConfigError"
+    }  # the other ranks raise ConfigError too: exit 2, one line
 
 
 def test_housekeeping_restores_a_checkpoint_a_crashed_swap_left_in_staging(tmp_path, tiny_module):
@@ -508,15 +604,21 @@ def test_housekeeping_restores_a_checkpoint_a_crashed_swap_left_in_staging(tmp_p
     run_saves(m, progress, [2, 4])
     staging = tmp_path / STAGING
     staging.mkdir()
-    (tmp_path / "global_step4").rename(staging / "global_step4.replaced")  # killed between the two renames
+    (tmp_path / "global_step4").rename(
+        staging / "global_step4.replaced"
+    )  # killed between the two renames
     (tmp_path / "global_step2").rename(staging / "global_step2")  # prepared, never published
-    LocalStorage(tmp_path).housekeeping()
-    assert LocalStorage(tmp_path).tags() == ["global_step4"] and read_manifest(tmp_path / "global_step4")
+    OutputDir(tmp_path).housekeeping()
+    assert OutputDir(tmp_path).tags() == ["global_step4"] and read_manifest(
+        tmp_path / "global_step4"
+    )
     assert [p.name.split("-")[0] for p in (tmp_path / ".abandoned").iterdir()] == ["global_step2"]
     assert not staging.exists()
 
 
-def test_resume_planning_shares_the_manifests_identity_not_its_file_list(tmp_path, tiny_module, monkeypatch):
+def test_resume_planning_shares_the_manifests_identity_not_its_file_list(
+    tmp_path, tiny_module, monkeypatch
+):
     """The manifest lists every rank's files: sent to every rank it would cost each rank O(world
     size) bytes at every resume. Only the commit identity travels."""
     from finetune import distributed as dist
@@ -532,12 +634,16 @@ def test_resume_planning_shares_the_manifests_identity_not_its_file_list(tmp_pat
         return shared[-1]
 
     monkeypatch.setattr(dist, "share_from", recording)
-    plan = Resumer(make_cfg(tmp_path, resume_from_checkpoint="latest"), LocalStorage(tmp_path)).plan_resume()
+    plan = Resumer(
+        make_cfg(tmp_path, resume_from_checkpoint="latest"), OutputDir(tmp_path)
+    ).plan_resume()
     assert plan.head.save_id and plan.head.seq == 1 and plan.head.total_bytes > 0
     assert shared and not any("files" in repr(value) for value in shared), shared
 
 
-def test_with_adapters_the_space_a_first_save_needs_is_estimated_from_the_trainable_parameters(tmp_path, tiny_module):
+def test_with_adapters_the_space_a_first_save_needs_is_estimated_from_the_trainable_parameters(
+    tmp_path, tiny_module
+):
     """A LoRA run on a 70B base saves a few MB: asking for 16 B x 70B free would refuse every save."""
     import copy
 
@@ -554,6 +660,7 @@ def test_with_adapters_the_space_a_first_save_needs_is_estimated_from_the_traina
 
 # --- the review's defects (issue 22): deadlines, a failed background save, retention off the path --
 
+
 @pytest.fixture
 def short_deadline(monkeypatch):
     """--ddp_timeout 1: every storage step of a save may go 1 s without progress."""
@@ -562,10 +669,16 @@ def short_deadline(monkeypatch):
     monkeypatch.setattr(dist, "_timeout_s", 1)
 
 
-@pytest.mark.parametrize("site,says", [("commit.manifest", "writing global_step4's manifest"),
-                                       ("save.check_space", "checking free space for global_step4")])
-def test_a_storage_step_that_hangs_fails_the_save_after_its_deadline(tmp_path, tiny_module, monkeypatch,
-                                                                     short_deadline, site, says):
+@pytest.mark.parametrize(
+    "site,says",
+    [
+        ("commit.manifest", "writing global_step4's manifest"),
+        ("save.check_space", "checking free space for global_step4"),
+    ],
+)
+def test_a_storage_step_that_hangs_fails_the_save_after_its_deadline(
+    tmp_path, tiny_module, monkeypatch, short_deadline, site, says
+):
     """A manifest write (or a statfs) stuck on a dead mount used to sit inside one collective (or
     be polled for ever): now the save fails on every rank after the deadline, naming rank and step,
     `latest` untouched, and the next save goes ahead."""
@@ -582,20 +695,23 @@ def test_a_storage_step_that_hangs_fails_the_save_after_its_deadline(tmp_path, t
     assert time.monotonic() - started < 10
     assert (tmp_path / "latest").read_text().strip() == "global_step2"
     run_saves(m, progress, [6])
-    assert LocalStorage(tmp_path).tags() == ["global_step2", "global_step6"]
+    assert OutputDir(tmp_path).tags() == ["global_step2", "global_step6"]
 
 
-def test_retention_that_hangs_is_given_up_with_a_warning(tmp_path, tiny_module, monkeypatch, short_deadline, caplog):
+def test_retention_that_hangs_is_given_up_with_a_warning(
+    tmp_path, tiny_module, monkeypatch, short_deadline, caplog
+):
     monkeypatch.setenv(seams.FAULT, "retention.delete:0:4:hang")
     m, progress, _ = make_manager(make_cfg(tmp_path, save_total_limit=1), tiny_module)
     run_saves(m, progress, [2, 4])  # committed; the deletion of step 2 gave up
     assert "could not delete global_step2" in caplog.text and "made no progress" in caplog.text
     run_saves(m, progress, [6])  # retried after the next save
-    assert m.deleter.wait(10) and LocalStorage(tmp_path).tags() == ["global_step6"]
+    assert m.deleter.wait(10) and OutputDir(tmp_path).tags() == ["global_step6"]
 
 
-def test_a_failed_background_save_is_reported_under_its_step_and_the_due_save_still_runs(tmp_path, tiny_module,
-                                                                                         monkeypatch):
+def test_a_failed_background_save_is_reported_under_its_step_and_the_due_save_still_runs(
+    tmp_path, tiny_module, monkeypatch
+):
     """--async_save --save_steps 1 with a write fault at step 2: step 3's save used to be cancelled
     by step 2's failure (reported under step 3); commits were 1, 4, 5."""
     monkeypatch.setenv(seams.FAULT, "save.write_rank_files:0:2")
@@ -609,11 +725,12 @@ def test_a_failed_background_save_is_reported_under_its_step_and_the_due_save_st
     assert m.at_end(6) == 0
     assert [e for e in events if e[0] == "save_failed"] == [("save_failed", 2)]
     assert [s for kind, s in events if kind == "checkpoint"] == [1, 3, 4, 5, 6]
-    assert LocalStorage(tmp_path).tags() == [f"global_step{s}" for s in (1, 3, 4, 5, 6)]
+    assert OutputDir(tmp_path).tags() == [f"global_step{s}" for s in (1, 3, 4, 5, 6)]
 
 
-def test_retention_deletes_in_the_background_and_the_space_check_waits_for_what_it_frees(tmp_path, tiny_module,
-                                                                                         monkeypatch):
+def test_retention_deletes_in_the_background_and_the_space_check_waits_for_what_it_frees(
+    tmp_path, tiny_module, monkeypatch
+):
     """The save path only renames the old checkpoint out of the tag namespace; its files go on a
     thread (on Lustre, thousands of unlinks). A save that needs the space being freed waits for it."""
     import threading
@@ -621,20 +738,27 @@ def test_retention_deletes_in_the_background_and_the_space_check_waits_for_what_
     m, progress, _ = make_manager(make_cfg(tmp_path, save_total_limit=1), tiny_module)
     release = threading.Event()
     purge = m.storage.purge
-    monkeypatch.setattr(m.storage, "purge", lambda rel, *a, **kw: (release.wait(10), purge(rel, *a, **kw))[1])
+    monkeypatch.setattr(
+        m.storage, "purge", lambda rel, *a, **kw: (release.wait(10), purge(rel, *a, **kw))[1]
+    )
     run_saves(m, progress, [2, 4])  # returns with step 2's files still on disk
     trash = list(tmp_path.glob(".trash-global_step2-*"))
-    assert LocalStorage(tmp_path).tags() == ["global_step4"] and trash and m.deleter.pending_bytes > 0
+    assert (
+        OutputDir(tmp_path).tags() == ["global_step4"] and trash and m.deleter.pending_bytes > 0
+    )
     need = m.space_needed()
     # Not enough free until the deletion is done; enough with what it will free.
-    monkeypatch.setattr(m.storage, "free_bytes", lambda: need // 2 if m.deleter.pending_bytes else 10 * need)
+    monkeypatch.setattr(
+        m.storage, "free_bytes", lambda: need // 2 if m.deleter.pending_bytes else 10 * need
+    )
     threading.Timer(0.3, release.set).start()
     run_saves(m, progress, [6])
-    assert not any(p.exists() for p in trash) and LocalStorage(tmp_path).tags() == ["global_step6"]
+    assert not any(p.exists() for p in trash) and OutputDir(tmp_path).tags() == ["global_step6"]
 
 
-def test_a_publish_given_up_at_its_deadline_leaves_its_staging_and_latest_alone(tmp_path, tiny_module, monkeypatch,
-                                                                                 short_deadline):
+def test_a_publish_given_up_at_its_deadline_leaves_its_staging_and_latest_alone(
+    tmp_path, tiny_module, monkeypatch, short_deadline
+):
     """A rename stuck on a hung mount may still complete when the filesystem recovers: purging its
     staging meanwhile could put a half-deleted folder in place, and the late rename must not move
     `latest`. The save fails on every rank, the staged folder (with its manifest) is left."""
@@ -664,4 +788,8 @@ def test_a_write_that_returns_after_its_save_was_given_up_touches_only_that_save
     w.save({"x": torch.ones(4)}, str(tmp_path / "b" / "next.pt"))
     given_up.write(*late)  # the old thread wakes now
     assert w.error is None and set(w.files) == {"next.pt"}
-    assert first.error is not None and "WriteCancelled" in first.error and not (tmp_path / "a" / "late.pt").exists()
+    assert (
+        first.error is not None
+        and "WriteCancelled" in first.error
+        and not (tmp_path / "a" / "late.pt").exists()
+    )

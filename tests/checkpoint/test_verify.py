@@ -13,7 +13,7 @@ import torch
 
 from finetune.checkpoint.commit import commit_staged
 from finetune.checkpoint.manifest import verify
-from finetune.checkpoint.storage import STAGING, LocalStorage
+from finetune.checkpoint.outdir import STAGING, OutputDir
 from finetune.io.durable import hash_file
 
 WORLD = 2
@@ -22,15 +22,20 @@ WORLD = 2
 @pytest.fixture
 def ckpt(tmp_path):
     """A committed 2-rank checkpoint folder with every file a real one has (small contents)."""
-    s = LocalStorage(tmp_path / "out")
+    s = OutputDir(tmp_path / "out")
     staged = s.root / STAGING / "global_step4"
     staged.mkdir(parents=True)
     names = ["config.json", "tokenizer.json"]
     for r in range(WORLD):
-        names += [f"zero_pp_rank_{r}_mp_rank_00_model_states.pt", f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt",
-                  f"rng_state_{r}.pt"]
+        names += [
+            f"zero_pp_rank_{r}_mp_rank_00_model_states.pt",
+            f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt",
+            f"rng_state_{r}.pt",
+        ]
     for i, name in enumerate(names):
-        if name.endswith(".pt"):  # torch files, as DeepSpeed's are: verify also reads their pickles' opcodes
+        if name.endswith(
+            ".pt"
+        ):  # torch files, as DeepSpeed's are: verify also reads their pickles' opcodes
             torch.save({"step": 4, "data": torch.arange(64 * (i + 1))}, staged / name)
         else:
             (staged / name).write_bytes(bytes(range(256)) * (i + 1))
@@ -41,7 +46,11 @@ def ckpt(tmp_path):
 
 
 def cli(*args):
-    return subprocess.run([sys.executable, "-m", "finetune", "verify", *map(str, args)], capture_output=True, text=True)
+    return subprocess.run(
+        [sys.executable, "-m", "finetune", "verify", *map(str, args)],
+        capture_output=True,
+        text=True,
+    )
 
 
 def test_intact_checkpoint_verifies(ckpt):
@@ -66,7 +75,10 @@ def test_flipped_byte_is_caught_by_checksum_not_by_quick(ckpt):
     data[100] ^= 0x01
     path.write_bytes(bytes(data))
     r = cli(ckpt)
-    assert r.returncode == 1 and "zero_pp_rank_0_mp_rank_00_model_states.pt: checksum mismatch" in r.stdout
+    assert (
+        r.returncode == 1
+        and "zero_pp_rank_0_mp_rank_00_model_states.pt: checksum mismatch" in r.stdout
+    )
     assert cli(ckpt, "--quick").returncode == 0
 
 
@@ -105,10 +117,14 @@ def test_a_directory_where_a_file_should_be_is_damage_not_a_crash(ckpt):
     (ckpt / "trainer_state.json").mkdir()
     r = cli(ckpt)
     assert r.returncode == 1 and not r.stderr.strip(), r.stderr
-    assert "zero_pp_rank_1_mp_rank_00_optim_states.pt: " in r.stdout and "trainer_state.json: " in r.stdout
+    assert (
+        "zero_pp_rank_1_mp_rank_00_optim_states.pt: " in r.stdout
+        and "trainer_state.json: " in r.stdout
+    )
 
 
 # --- an output dir: its newest committed checkpoint, and notes on the rest ---------------------------
+
 
 def notes_of(out) -> list[str]:
     r = cli(out)
@@ -128,8 +144,14 @@ def test_uncommitted_folder_is_noted(ckpt):
     assert notes.startswith("global_step8: no readable manifest.json")
 
 
-@pytest.mark.parametrize("latest,says", [("global_step9", "names global_step9, which is not a committed"),
-                                         ("", "names nothing"), (None, "not a file")])
+@pytest.mark.parametrize(
+    "latest,says",
+    [
+        ("global_step9", "names global_step9, which is not a committed"),
+        ("", "names nothing"),
+        (None, "not a file"),
+    ],
+)
 def test_stale_latest_is_noted(ckpt, latest, says):
     path = ckpt.parent / "latest"
     path.unlink()
@@ -142,7 +164,7 @@ def test_stale_latest_is_noted(ckpt, latest, says):
 
 
 def test_latest_behind_the_commit_order_is_noted(ckpt):
-    s = LocalStorage(ckpt.parent)
+    s = OutputDir(ckpt.parent)
     staged = s.root / STAGING / "global_step6"
     shutil.copytree(ckpt, staged)
     (staged / "manifest.json").unlink()
@@ -187,8 +209,12 @@ def test_a_directory_where_a_listed_file_should_be_is_named_as_such(tmp_path):
     from finetune.checkpoint.manifest import check_file
 
     (tmp_path / "zero_pp_rank_0_mp_rank_00_optim_states.pt").mkdir()
-    problems = check_file(tmp_path / "zero_pp_rank_0_mp_rank_00_optim_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt",
-                          {"size": 10, "checksum": "x"}, checksums=True)
+    problems = check_file(
+        tmp_path / "zero_pp_rank_0_mp_rank_00_optim_states.pt",
+        "zero_pp_rank_0_mp_rank_00_optim_states.pt",
+        {"size": 10, "checksum": "x"},
+        checksums=True,
+    )
     assert problems == ["zero_pp_rank_0_mp_rank_00_optim_states.pt: a directory, not a file"]
 
 

@@ -17,12 +17,12 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from conftest import Running, child_env, free_port
-
 from finetune.checkpoint.manifest import MANIFEST, read_manifest
-from finetune.checkpoint.storage import ABANDONED, LATEST, TRASH, step_of, tag_for
+from finetune.checkpoint.outdir import ABANDONED, LATEST, TRASH, step_of, tag_for
 from finetune.io import seams
 from finetune.io.faults import HANG, KINDS
+
+from conftest import Running, child_env, free_port
 
 HERE = Path(__file__).resolve().parent
 DDP_TIMEOUT = 20  # every run's --ddp_timeout: a rank stuck in a collective fails after this long
@@ -32,9 +32,27 @@ MAX_STEPS = 3
 KILLED = -9  # a rank's exit code when SIGKILL ended it
 
 # Tiny and quick: the embedded model, a few short sequences, a save every step, retention at step 3.
-TRAIN = ("--save_checkpoint", "--save_steps", "1", "--save_total_limit", "2", "--logging_steps", "1",
-         "--max_train_samples", "64", "--max_eval_samples", "8", "--per_device_train_batch_size", "4",
-         "--max_seq_length", "32", "--ddp_timeout", str(DDP_TIMEOUT), "--resume_from_checkpoint", "auto")
+TRAIN = (
+    "--save_checkpoint",
+    "--save_steps",
+    "1",
+    "--save_total_limit",
+    "2",
+    "--logging_steps",
+    "1",
+    "--max_train_samples",
+    "64",
+    "--max_eval_samples",
+    "8",
+    "--per_device_train_batch_size",
+    "4",
+    "--max_seq_length",
+    "32",
+    "--ddp_timeout",
+    str(DDP_TIMEOUT),
+    "--resume_from_checkpoint",
+    "auto",
+)
 
 
 def train_args(max_steps: int = MAX_STEPS, *extra: str) -> tuple[str, ...]:
@@ -42,6 +60,7 @@ def train_args(max_steps: int = MAX_STEPS, *extra: str) -> tuple[str, ...]:
 
 
 # --- launching ---------------------------------------------------------------------------------
+
 
 @dataclass
 class Ranks:
@@ -54,7 +73,9 @@ class Ranks:
 
     def fired(self, site: str = "") -> list[float]:
         """Wall-clock times at which an injected fault (at ``site``, or any) fired: faults.py announces each."""
-        pattern = rf"{seams.FAULT}: injecting \w+ at {re.escape(site) if site else ''}.*\(t=([0-9.]+)\)"
+        pattern = (
+            rf"{seams.FAULT}: injecting \w+ at {re.escape(site) if site else ''}.*\(t=([0-9.]+)\)"
+        )
         return [float(t) for t in re.findall(pattern, self.output)]
 
     def exited_by(self) -> float | None:
@@ -67,8 +88,17 @@ class RankRun:
     def __init__(self, tmp: Path, nprocs: int, args: tuple, out: Path, env: dict | None = None):
         tmp.mkdir(parents=True, exist_ok=True)
         self.report = tmp / f"ranks-{free_port()}.json"
-        cmd = [sys.executable, str(HERE / "spawn_ranks.py"), str(nprocs), str(self.report), str(free_port()), "--",
-               *args, "--output_dir", str(out)]
+        cmd = [
+            sys.executable,
+            str(HERE / "spawn_ranks.py"),
+            str(nprocs),
+            str(self.report),
+            str(free_port()),
+            "--",
+            *args,
+            "--output_dir",
+            str(out),
+        ]
         self.running = Running(cmd, tmp, child_env(env), out)
         self.out = out
 
@@ -77,7 +107,11 @@ class RankRun:
 
     def finish(self, timeout: float = RUN_TIMEOUT) -> Ranks:
         result = self.running.finish(timeout)
-        report = json.loads(self.report.read_text()) if self.report.exists() else {"codes": [], "ended": []}
+        report = (
+            json.loads(self.report.read_text())
+            if self.report.exists()
+            else {"codes": [], "ended": []}
+        )
         return Ranks(report["codes"], report["ended"], result.output, self.out)
 
     def kill(self) -> None:
@@ -89,6 +123,7 @@ def run_ranks(tmp: Path, nprocs: int, args: tuple, out: Path, env: dict | None =
 
 
 # --- invariants --------------------------------------------------------------------------------
+
 
 def verify_code(folder: Path) -> tuple[int, str]:
     """`finetune verify FOLDER`'s exit code and output, run in this process (the CLI's own code
@@ -113,7 +148,9 @@ def output_dir_problems(out: Path) -> list[str]:
         tag = latest.read_text().strip()
         code, text = verify_code(out / tag) if (out / tag).is_dir() else (None, "no such folder")
         if code != 0:
-            problems.append(f"latest names {tag!r}, which does not verify ({code}): {text.strip()[-500:]}")
+            problems.append(
+                f"latest names {tag!r}, which does not verify ({code}): {text.strip()[-500:]}"
+            )
     for manifest in sorted(out.rglob(MANIFEST)):
         folder = manifest.parent
         if _being_deleted(folder.relative_to(out)):
@@ -122,15 +159,21 @@ def output_dir_problems(out: Path) -> list[str]:
             source = read_manifest(folder.parent) or {}
             found = verify_universal(folder, source.get("save_id"))
             if found:
-                problems.append(f"{folder.relative_to(out)}: the conversion does not verify: {found[:3]}")
+                problems.append(
+                    f"{folder.relative_to(out)}: the conversion does not verify: {found[:3]}"
+                )
             continue
         code, text = verify_code(folder)
         if code != 0:
-            problems.append(f"{folder.relative_to(out)} has a manifest but does not verify ({code}): "
-                            f"{text.strip()[-500:]}")
+            problems.append(
+                f"{folder.relative_to(out)} has a manifest but does not verify ({code}): "
+                f"{text.strip()[-500:]}"
+            )
     for folder in out.glob("global_step*"):
         if step_of(folder.name) is not None and not (folder / MANIFEST).is_file():
-            problems.append(f"{folder.name}: a checkpoint's name without a manifest (an incomplete folder in place)")
+            problems.append(
+                f"{folder.name}: a checkpoint's name without a manifest (an incomplete folder in place)"
+            )
     return problems
 
 
@@ -138,16 +181,22 @@ def _being_deleted(rel: Path) -> bool:
     """Out of the tag namespace on purpose: a retention's trash, the old folder of a same-tag swap, a
     checkpoint set aside because it did not verify. A crash may leave them half-deleted; the next
     start removes the first two (storage.py)."""
-    return rel.parts[0].startswith(TRASH) or any(p.endswith(".replaced") for p in rel.parts) or \
-        (rel.parts[0] == ABANDONED and "-unverified-" in rel.parts[1])
+    return (
+        rel.parts[0].startswith(TRASH)
+        or any(p.endswith(".replaced") for p in rel.parts)
+        or (rel.parts[0] == ABANDONED and "-unverified-" in rel.parts[1])
+    )
 
 
-def assert_resumes_to_the_end(tmp: Path, nprocs: int, out: Path, max_steps: int = MAX_STEPS,
-                              extra: tuple = ()) -> Ranks:
+def assert_resumes_to_the_end(
+    tmp: Path, nprocs: int, out: Path, max_steps: int = MAX_STEPS, extra: tuple = ()
+) -> Ranks:
     """`--resume_from_checkpoint auto` to the last step: every rank exits 0, the final checkpoint is
     `latest` and verifies, and the output dir keeps its invariants."""
     r = run_ranks(tmp, nprocs, train_args(max_steps, *extra), out)
-    assert r.codes == [0] * nprocs, f"the resume after the fault exited {r.codes}\n{r.output[-6000:]}"
+    assert r.codes == [0] * nprocs, (
+        f"the resume after the fault exited {r.codes}\n{r.output[-6000:]}"
+    )
     final = tag_for(max_steps)
     assert (out / LATEST).read_text().strip() == final, (out / LATEST).read_text()
     problems = output_dir_problems(out)
@@ -213,19 +262,37 @@ EXPECTED: dict[str, Site] = {
     "save.fsync": Site(FRESH, EVERY, 2, _codes(0), SAVE_FAILED),
     "save.recovery_script": Site(FRESH, LEADER, 2, _codes(0), SAVE_FAILED),
     "save.shared_files": Site(FRESH, LEADER, 2, _codes(0), SAVE_FAILED),
-    "save.drop_staging": Site(FRESH, LEADER, 2, _codes(0), r"could not remove .staging/global_step{step}",
-                              before="save.write_rank_files:1:{step}"),
+    "save.drop_staging": Site(
+        FRESH,
+        LEADER,
+        2,
+        _codes(0),
+        r"could not remove .staging/global_step{step}",
+        before="save.write_rank_files:1:{step}",
+    ),
     # The consolidated weights alone fail: the partitioned checkpoint commits without them (docs/CHECKPOINTS.md).
-    "save.consolidated_gather": Site(FRESH, EVERY, 2, _codes(0), NO_CONSOLIDATED, flags=CONSOLIDATED),
-    "save.consolidated_write": Site(FRESH, LEADER, 2, _codes(0), NO_CONSOLIDATED, flags=CONSOLIDATED),
-    "save.consolidated_append": Site(FRESH, LEADER, 2, _codes(0), NO_CONSOLIDATED, flags=CONSOLIDATED),
-    "save.consolidated_close": Site(FRESH, LEADER, 2, _codes(0), NO_CONSOLIDATED, flags=CONSOLIDATED),
+    "save.consolidated_gather": Site(
+        FRESH, EVERY, 2, _codes(0), NO_CONSOLIDATED, flags=CONSOLIDATED
+    ),
+    "save.consolidated_write": Site(
+        FRESH, LEADER, 2, _codes(0), NO_CONSOLIDATED, flags=CONSOLIDATED
+    ),
+    "save.consolidated_append": Site(
+        FRESH, LEADER, 2, _codes(0), NO_CONSOLIDATED, flags=CONSOLIDATED
+    ),
+    "save.consolidated_close": Site(
+        FRESH, LEADER, 2, _codes(0), NO_CONSOLIDATED, flags=CONSOLIDATED
+    ),
     # The lease cannot be re-read before the save: it fails (nothing is written or published).
-    "lease.check": Site(FRESH, LEADER, 2, _codes(0), r"could not check .*'s lease before saving global_step{step}"),
+    "lease.check": Site(
+        FRESH, LEADER, 2, _codes(0), r"could not check .*'s lease before saving global_step{step}"
+    ),
     "commit.manifest": Site(FRESH, LEADER, 2, _codes(0), SAVE_FAILED),
     "commit.rename": Site(FRESH, LEADER, 2, _codes(0), SAVE_FAILED),
     # Renamed into place: committed (resume follows the commit order), `latest` stale until the next commit.
-    "commit.latest": Site(FRESH, LEADER, 2, _codes(0), "committed global_step{step}, but `latest` was not updated"),
+    "commit.latest": Site(
+        FRESH, LEADER, 2, _codes(0), "committed global_step{step}, but `latest` was not updated"
+    ),
     "retention.delete": Site(FRESH, LEADER, 3, _codes(0), "could not delete"),
     "resume.list": Site(RESUME, LEADER, None, _codes(1)),
     "resume.verify": Site(RESUME, EVERY, 2, _codes(0), "not resuming from global_step{step}"),
@@ -234,11 +301,15 @@ EXPECTED: dict[str, Site] = {
     "resume.set_aside": Site(RESUME, LEADER, None, _codes(1), before="resume.verify:1:2"),
     "resume.universal": Site(RESHAPE, LEADER, None, _codes(1)),
     # In the converter (a child of rank 0): the rank reports its failure (the pieces done are kept).
-    "resume.universal_piece": Site(RESHAPE, LEADER, None, _codes(1), "ds_to_universal failed", child=True),
+    "resume.universal_piece": Site(
+        RESHAPE, LEADER, None, _codes(1), "ds_to_universal failed", child=True
+    ),
     "resume.load_rng": Site(RESUME, EVERY, None, _codes(1)),
     "resume.truncate_metrics": Site(RESUME, LEADER, None, _codes(1)),
     # Resumed at its last step: nothing to save, `latest` (and retention) brought up to date.
-    "resume.finish_commit": Site(RESUME, LEADER, 2, _codes(0), "could not point `latest` at global_step{step}", steps=2),
+    "resume.finish_commit": Site(
+        RESUME, LEADER, 2, _codes(0), "could not point `latest` at global_step{step}", steps=2
+    ),
 }
 
 
@@ -250,7 +321,11 @@ EXPORT: dict[str, dict[str, int]] = {
     "export.write": {"eio": 1, "enospc": 1, "error": 1, "kill": KILLED},
     "export.publish": {"eio": 1, "enospc": 1, "error": 1, "kill": KILLED},
 }
-EXPORT_SAMPLE = {"export.read_rank_file": "error", "export.write": "enospc", "export.publish": "kill"}
+EXPORT_SAMPLE = {
+    "export.read_rank_file": "error",
+    "export.write": "enospc",
+    "export.publish": "kill",
+}
 
 
 @dataclass(frozen=True)
@@ -269,14 +344,22 @@ class Fault:
     @property
     def spec(self) -> str:
         site = EXPECTED[self.site]
-        own = ":".join([self.site, str(self.rank)] + ([str(self.at)] if self.at is not None else []) + [self.kind])
+        own = ":".join(
+            [self.site, str(self.rank)]
+            + ([str(self.at)] if self.at is not None else [])
+            + [self.kind]
+        )
         return f"{site.before.format(step=self.at)},{own}" if site.before else own
 
     def says(self) -> str | None:
         site = EXPECTED[self.site]
         if self.kind == HANG:
             return "made no progress for"
-        return site.says.format(step=self.at, rank=self.rank) if site.says and self.kind != "kill" else None
+        return (
+            site.says.format(step=self.at, rank=self.rank)
+            if site.says and self.kind != "kill"
+            else None
+        )
 
 
 @dataclass(frozen=True)
@@ -300,29 +383,45 @@ class Case:
 
     @property
     def flags(self) -> tuple:
-        return tuple(dict.fromkeys([flag for f in self.faults for flag in EXPECTED[f.site].flags] + list(self.extra)))
+        return tuple(
+            dict.fromkeys(
+                [flag for f in self.faults for flag in EXPECTED[f.site].flags] + list(self.extra)
+            )
+        )
 
     @property
     def id(self) -> str:
         if self.name:
             return self.name
         f = self.faults[0]
-        return f"{f.site}-rank{f.rank}-{f.kind}" + (f"-{self.nprocs}ranks" if self.nprocs != 2 else "") + \
-            ("-async" if self.extra == ASYNC else "")
+        return (
+            f"{f.site}-rank{f.rank}-{f.kind}"
+            + (f"-{self.nprocs}ranks" if self.nprocs != 2 else "")
+            + ("-async" if self.extra == ASYNC else "")
+        )
 
     def codes(self) -> list[int]:
-        kill = next((f for f in self.faults if f.kind == "kill" and not EXPECTED[f.site].child), None)
+        kill = next(
+            (f for f in self.faults if f.kind == "kill" and not EXPECTED[f.site].child), None
+        )
         if kill is not None:
             return [KILLED if r == kill.rank else 1 for r in range(self.nprocs)]
         # A hang is given up after the step's deadline and then agreed like an I/O error there.
         kinds = [("eio" if f.kind in (HANG, "kill") else f.kind) for f in self.faults]
-        worst = max((EXPECTED[f.site].codes[k] for f, k in zip(self.faults, kinds)), key=lambda c: (c != 0, c))
+        worst = max(
+            (EXPECTED[f.site].codes[k] for f, k in zip(self.faults, kinds)),
+            key=lambda c: (c != 0, c),
+        )
         return [worst] * self.nprocs
 
 
 def single(site: str, rank: int, kind: str, nprocs: int | None = None, extra: tuple = ()) -> Case:
-    return Case((Fault(site, rank, kind),), nprocs or (1 if EXPECTED[site].scenario == RESHAPE else 2),
-                EXPECTED[site].steps, extra=extra)
+    return Case(
+        (Fault(site, rank, kind),),
+        nprocs or (1 if EXPECTED[site].scenario == RESHAPE else 2),
+        EXPECTED[site].steps,
+        extra=extra,
+    )
 
 
 # Under --async_save these run on the writer thread; their failure surfaces at a later boundary.
@@ -336,32 +435,66 @@ def _ranks(site: Site) -> list[int]:
 
 # Polled with a deadline (--ddp_timeout): a syscall that never returns there (a dead mount) fails on
 # every rank within the deadline, with the site's documented outcome for an I/O error.
-HANG_SITES = ("layout.tidy", "manager.history", "save.check_space", "save.clear_staging", "lease.check",
-              "commit.manifest", "commit.rename", "commit.latest", "retention.delete", "resume.list", "resume.verify",
-              "verify.read_file", "resume.read_state", "resume.load_rng", "resume.truncate_metrics",
-              "resume.finish_commit", "save.shared_files")
+HANG_SITES = (
+    "layout.tidy",
+    "manager.history",
+    "save.check_space",
+    "save.clear_staging",
+    "lease.check",
+    "commit.manifest",
+    "commit.rename",
+    "commit.latest",
+    "retention.delete",
+    "resume.list",
+    "resume.verify",
+    "verify.read_file",
+    "resume.read_state",
+    "resume.load_rng",
+    "resume.truncate_metrics",
+    "resume.finish_commit",
+    "save.shared_files",
+)
 HANG_SAMPLE = ("commit.manifest",)
 
 # At 4 ranks: a failure and a kill on a rank that is neither the first nor the second.
-FOUR_RANKS = [single("save.write_rank_files", 3, "eio", 4), single("save.fsync", 2, "kill", 4),
-              single("save.snapshot", 3, "error", 4)]
+FOUR_RANKS = [
+    single("save.write_rank_files", 3, "eio", 4),
+    single("save.fsync", 2, "kill", 4),
+    single("save.snapshot", 3, "error", 4),
+]
 
 
 def long_cases() -> list[Case]:
     """Every site × the ranks that reach it (rank 0 and rank 1) × every kind, one launch each;
     a few at 4 ranks; and the sample's 4-rank bundle."""
-    return [single(name, rank, kind) for name, site in EXPECTED.items() for rank in _ranks(site)
-            for kind in KINDS] + [single(name, rank, kind, extra=ASYNC) for name in WRITER_THREAD
-                                  for rank in (0, 1) for kind in KINDS] + \
-        [single(name, rank, HANG) for name in HANG_SITES for rank in _ranks(EXPECTED[name])] + FOUR_RANKS + [BUNDLE]
+    return (
+        [
+            single(name, rank, kind)
+            for name, site in EXPECTED.items()
+            for rank in _ranks(site)
+            for kind in KINDS
+        ]
+        + [
+            single(name, rank, kind, extra=ASYNC)
+            for name in WRITER_THREAD
+            for rank in (0, 1)
+            for kind in KINDS
+        ]
+        + [single(name, rank, HANG) for name in HANG_SITES for rank in _ranks(EXPECTED[name])]
+        + FOUR_RANKS
+        + [BUNDLE]
+    )
 
 
 def _bundle() -> Case:
     """The sample's one launch for every site where a failure is agreed and a fresh run goes on:
     4 ranks, each site failing at a step of its own, the ranks and kinds taken in turn."""
     # --async_save would change every other site's save: its own site is sampled alone.
-    goes_on = [n for n, s in EXPECTED.items() if s.scenario == FRESH and set(s.codes.values()) == {0}
-               and ASYNC[0] not in s.flags]
+    goes_on = [
+        n
+        for n, s in EXPECTED.items()
+        if s.scenario == FRESH and set(s.codes.values()) == {0} and ASYNC[0] not in s.flags
+    ]
     kinds, faults, step = ("eio", "enospc", "error"), [], 0
     for i, name in enumerate(goes_on):
         site = EXPECTED[name]
@@ -388,15 +521,19 @@ def sampled_cases() -> list[Case]:
             continue
         cases.append(single(name, 1 if site.reached_by == EVERY else 0, KINDS[i % len(KINDS)]))
         i += 1
-    return cases + [single("save.fsync", 1, "kill")] + [single(name, 0, HANG) for name in HANG_SAMPLE]
+    return (
+        cases + [single("save.fsync", 1, "kill")] + [single(name, 0, HANG) for name in HANG_SAMPLE]
+    )
 
 
 def _committed_state(out: Path) -> dict:
     """What a resume reads: manifests, `latest`, and whether a lease or staging was left behind
     (the same for an output dir that does not exist and one that holds none of these)."""
-    return {"manifests": {str(m.relative_to(out)): m.read_bytes() for m in sorted(out.rglob(MANIFEST))},
-            "latest": (out / LATEST).read_text() if (out / LATEST).exists() else None,
-            "left": sorted(p.name for p in out.glob(".*"))}
+    return {
+        "manifests": {str(m.relative_to(out)): m.read_bytes() for m in sorted(out.rglob(MANIFEST))},
+        "latest": (out / LATEST).read_text() if (out / LATEST).exists() else None,
+        "left": sorted(p.name for p in out.glob(".*")),
+    }
 
 
 def run_case(case: Case, tmp: Path, seed_out: Path | None, resume: str = "always") -> dict:
@@ -408,7 +545,9 @@ def run_case(case: Case, tmp: Path, seed_out: Path | None, resume: str = "always
     if case.scenario in (RESUME, RESHAPE):
         shutil.copytree(seed_out, out)
     before = _committed_state(out)
-    first = run_ranks(tmp, case.nprocs, train_args(case.steps, *case.flags), out, env={seams.FAULT: case.spec})
+    first = run_ranks(
+        tmp, case.nprocs, train_args(case.steps, *case.flags), out, env={seams.FAULT: case.spec}
+    )
     where = f"{seams.FAULT}={case.spec}"
     log = first.output[-8000:]
     fired = []
@@ -417,10 +556,16 @@ def run_case(case: Case, tmp: Path, seed_out: Path | None, resume: str = "always
         assert times, f"{where}: {fault.site} was never reached\n{log}"
         fired += times
         pattern = fault.says()
-        assert pattern is None or re.search(pattern, first.output), f"{where}: no line says /{pattern}/\n{log}"
-    assert first.codes == case.codes(), f"{where}: exit codes {first.codes}, documented {case.codes()}\n{log}"
+        assert pattern is None or re.search(pattern, first.output), (
+            f"{where}: no line says /{pattern}/\n{log}"
+        )
+    assert first.codes == case.codes(), (
+        f"{where}: exit codes {first.codes}, documented {case.codes()}\n{log}"
+    )
     to_exit = first.exited_by() - min(fired)
-    assert to_exit <= BOUND_S, f"{where}: the last rank exited {to_exit:.1f} s after the fault (bound {BOUND_S} s)"
+    assert to_exit <= BOUND_S, (
+        f"{where}: the last rank exited {to_exit:.1f} s after the fault (bound {BOUND_S} s)"
+    )
     problems = output_dir_problems(out)
     assert not problems, f"{where}: {problems}\n{log}"
     if resume == "always" or _committed_state(out) != before:

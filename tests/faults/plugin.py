@@ -49,17 +49,24 @@ def pytest_runtest_logreport(report):
 def summary(records: list[dict]) -> dict:
     groups: dict[str, dict] = {}
     for rec in records:
-        g = groups.setdefault(rec["group"], {"cases": 0, "failures": 0, "max_time_to_exit_s": 0.0, "wall_s": 0.0})
+        g = groups.setdefault(
+            rec["group"], {"cases": 0, "failures": 0, "max_time_to_exit_s": 0.0, "wall_s": 0.0}
+        )
         g["cases"] += 1
         g["failures"] += rec.get("outcome") != "passed"
         g["max_time_to_exit_s"] = max(g["max_time_to_exit_s"], rec.get("time_to_exit_s") or 0.0)
         g["wall_s"] = round(g["wall_s"] + rec.get("wall_s", 0.0), 1)
-    total = {"cases": sum(g["cases"] for g in groups.values()),
-             "failures": sum(g["failures"] for g in groups.values()),
-             "max_time_to_exit_s": max((g["max_time_to_exit_s"] for g in groups.values()), default=0.0),
-             "wall_s": round(sum(g["wall_s"] for g in groups.values()), 1)}
-    return {"groups": groups, "total": total,
-            "failed": [rec["case"] for rec in records if rec.get("outcome") != "passed"]}
+    total = {
+        "cases": sum(g["cases"] for g in groups.values()),
+        "failures": sum(g["failures"] for g in groups.values()),
+        "max_time_to_exit_s": max((g["max_time_to_exit_s"] for g in groups.values()), default=0.0),
+        "wall_s": round(sum(g["wall_s"] for g in groups.values()), 1),
+    }
+    return {
+        "groups": groups,
+        "total": total,
+        "failed": [rec["case"] for rec in records if rec.get("outcome") != "passed"],
+    }
 
 
 def pytest_terminal_summary(terminalreporter):
@@ -71,10 +78,14 @@ def pytest_terminal_summary(terminalreporter):
     tr.section("fault sweep")
     rows = [*table["groups"].items(), ("total", table["total"])]
     width = max(len(name) for name, _ in rows)
-    tr.write_line(f"{'group':<{width}} {'cases':>6} {'failures':>9} {'max time to exit (s)':>21} {'wall (s)':>9}")
+    tr.write_line(
+        f"{'group':<{width}} {'cases':>6} {'failures':>9} {'max time to exit (s)':>21} {'wall (s)':>9}"
+    )
     for name, g in rows:
-        tr.write_line(f"{name:<{width}} {g['cases']:>6} {g['failures']:>9} {g['max_time_to_exit_s']:>21.1f} "
-                      f"{g['wall_s']:>9.1f}")
+        tr.write_line(
+            f"{name:<{width}} {g['cases']:>6} {g['failures']:>9} {g['max_time_to_exit_s']:>21.1f} "
+            f"{g['wall_s']:>9.1f}"
+        )
     for case in table["failed"]:
         tr.write_line(f"FAILED {case}")
     path = os.environ.get(SUMMARY_ENV)

@@ -25,8 +25,14 @@ def main(argv: list[str]) -> int:
     started = time.time()
     procs = []
     for r in range(nprocs):
-        env = dict(os.environ, RANK=str(r), WORLD_SIZE=str(nprocs), LOCAL_RANK=str(r), MASTER_ADDR="127.0.0.1",
-                   MASTER_PORT=port)
+        env = dict(
+            os.environ,
+            RANK=str(r),
+            WORLD_SIZE=str(nprocs),
+            LOCAL_RANK=str(r),
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=port,
+        )
         procs.append(subprocess.Popen([sys.executable, "-m", "finetune", *args], env=env))
     codes: list[int | None] = [None] * nprocs
     ended: list[float | None] = [None] * nprocs
@@ -36,7 +42,9 @@ def main(argv: list[str]) -> int:
                 codes[r], ended[r] = p.returncode, time.time()
         time.sleep(0.02)
     with open(report + ".tmp", "w") as f:
-        json.dump({"pids": [p.pid for p in procs], "codes": codes, "ended": ended, "started": started}, f)
+        json.dump(
+            {"pids": [p.pid for p in procs], "codes": codes, "ended": ended, "started": started}, f
+        )
     os.replace(report + ".tmp", report)
     failed = next((c for c in codes if c), 0)
     return 128 - failed if failed < 0 else failed

@@ -32,6 +32,12 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
+
+from finetune.checkpoint.manager import SPACE_MARGIN
+from finetune.checkpoint.manifest import MANIFEST, read_manifest
+from finetune.checkpoint.outdir import LATEST, STAGING, tag_for
+from finetune.io import seams
+
 from harness import (
     BOUND_S,
     RUN_TIMEOUT,
@@ -42,21 +48,21 @@ from harness import (
     train_args,
 )
 
-from finetune.checkpoint.manager import SPACE_MARGIN
-from finetune.checkpoint.manifest import MANIFEST, read_manifest
-from finetune.checkpoint.storage import LATEST, STAGING, tag_for
-from finetune.io import seams
-
 pytestmark = [pytest.mark.distributed, pytest.mark.faults]
 
 PAGE = 4096  # tmpfs allocates whole pages
-SLOW_S = "0.5"  # FINETUNE_SLOW_SAVE / FINETUNE_SLOW_COMMIT: the filler's window, many times its polling
+SLOW_S = (
+    "0.5"  # FINETUNE_SLOW_SAVE / FINETUNE_SLOW_COMMIT: the filler's window, many times its polling
+)
 SCRIPTS = ("zero_to_fp32.py", "zero_to_torch.py")
 MODEL_STATES = "zero_pp_rank_{rank}_mp_rank_00_model_states.pt"  # each rank's first file of a save
-FREED = re.compile(r"removing its staging freed ([\d.]+) MB; ([\d.]+) MB free now, a save needs ~([\d.]+) MB")
+FREED = re.compile(
+    r"removing its staging freed ([\d.]+) MB; ([\d.]+) MB free now, a save needs ~([\d.]+) MB"
+)
 
 
 # --- a small tmpfs and a filler ------------------------------------------------------------------
+
 
 def _allocated(path: Path) -> int:
     return path.stat().st_blocks * 512
@@ -73,11 +79,15 @@ def checkpoint_bytes(tmp_path_factory) -> dict:
         r = run_ranks(tmp, 2, train_args(1), mnt / "out")
         assert r.codes == [0, 0], r.output[-6000:]
         folder = mnt / "out" / tag_for(1)
-        return {"total": read_manifest(folder)["total_bytes"],
-                "allocated": sum(_allocated(p) for p in folder.iterdir()),
-                "model_states": {p.name: p.stat().st_size for p in folder.glob(MODEL_STATES.format(rank="*"))},
-                "scripts": sum(_allocated(mnt / "out" / s) for s in SCRIPTS),
-                "script_sizes": {s: (mnt / "out" / s).stat().st_size for s in SCRIPTS}}
+        return {
+            "total": read_manifest(folder)["total_bytes"],
+            "allocated": sum(_allocated(p) for p in folder.iterdir()),
+            "model_states": {
+                p.name: p.stat().st_size for p in folder.glob(MODEL_STATES.format(rank="*"))
+            },
+            "scripts": sum(_allocated(mnt / "out" / s) for s in SCRIPTS),
+            "script_sizes": {s: (mnt / "out" / s).stat().st_size for s in SCRIPTS},
+        }
 
 
 def roomy_size(ckpt: dict) -> int:
@@ -90,15 +100,20 @@ def roomy_size(ckpt: dict) -> int:
 @contextmanager
 def tmpfs(mnt: Path, size: int):
     mnt.mkdir(parents=True, exist_ok=True)
-    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size // 1024}k", "tmpfs", str(mnt)],
-                          capture_output=True, text=True)
+    proc = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size // 1024}k", "tmpfs", str(mnt)],
+        capture_output=True,
+        text=True,
+    )
     if proc.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs at {mnt}: {proc.stderr.strip() or proc.returncode}")
     try:
         yield mnt
     finally:
         if subprocess.run(["umount", str(mnt)], capture_output=True).returncode != 0:
-            subprocess.run(["umount", "-l", str(mnt)], capture_output=True)  # still busy: detach now
+            subprocess.run(
+                ["umount", "-l", str(mnt)], capture_output=True
+            )  # still busy: detach now
 
 
 def free_bytes(path: Path) -> int:
@@ -153,9 +168,13 @@ def first_files_written(out: Path, step: int, ckpt: dict):
 
     def ready() -> bool:
         try:
-            return all((folder / name).stat().st_size >= 0.9 * size for name, size in ckpt["model_states"].items())
+            return all(
+                (folder / name).stat().st_size >= 0.9 * size
+                for name, size in ckpt["model_states"].items()
+            )
         except OSError:
             return False
+
     return ready
 
 
@@ -170,10 +189,12 @@ def staged_completely(out: Path, step: int):
             return True
         except (OSError, ValueError):
             return False  # not there, or still being written
+
     return ready
 
 
 # --- one case ---------------------------------------------------------------------------------------
+
 
 def run_full(tmp: Path, mnt: Path, steps: int, ready_for, env: dict, flags: tuple = ()):
     """A run into ``mnt/out`` with a filler armed; its outcome and the filler."""
@@ -191,14 +212,18 @@ def run_full(tmp: Path, mnt: Path, steps: int, ready_for, env: dict, flags: tupl
     return r, filler
 
 
-def check_outcome(r, filler, out: Path, codes: list[int], failed: str, committed: list[str], ckpt: dict) -> dict:
+def check_outcome(
+    r, filler, out: Path, codes: list[int], failed: str, committed: list[str], ckpt: dict
+) -> dict:
     """The invariants every case shares; the figures for the summary."""
     log = r.output[-8000:]
     assert filler.filled_at is not None, f"the filler never ran (its moment never came)\n{log}"
     assert filler.free_after < PAGE, f"{filler.free_after} bytes still free after filling"
     assert r.codes == codes, f"exit codes {r.codes}, documented {codes}\n{log}"
     to_exit = r.exited_by() - filler.filled_at
-    assert 0 < to_exit <= BOUND_S, f"the last rank exited {to_exit:.1f} s after the disk filled (bound {BOUND_S} s)"
+    assert 0 < to_exit <= BOUND_S, (
+        f"the last rank exited {to_exit:.1f} s after the disk filled (bound {BOUND_S} s)"
+    )
     line = next((l for l in r.output.splitlines() if re.search(failed, l)), None)
     assert line, f"no line says /{failed}/\n{log}"
     assert "No space left on device" in line, line
@@ -209,17 +234,27 @@ def check_outcome(r, filler, out: Path, codes: list[int], failed: str, committed
     # The disk was full when the staging went: what is free now is what its removal freed.
     assert abs(free_now - freed) <= 3 * PAGE + 0.01e6, line
     assert abs(need - ckpt["total"] * SPACE_MARGIN) <= 0.02 * need, line
-    assert not (out / STAGING).exists() or not any((out / STAGING).iterdir()), sorted((out / STAGING).iterdir())
-    assert sorted(p.name for p in out.glob("global_step*")) == committed, sorted(out.glob("global_step*"))
+    assert not (out / STAGING).exists() or not any((out / STAGING).iterdir()), sorted(
+        (out / STAGING).iterdir()
+    )
+    assert sorted(p.name for p in out.glob("global_step*")) == committed, sorted(
+        out.glob("global_step*")
+    )
     assert (out / LATEST).read_text().strip() == committed[-1]
     for tag in committed:
         assert (out / tag / MANIFEST).is_file()
     problems = output_dir_problems(out)
     assert not problems, f"{problems}\n{log}"
-    for script, size in ckpt["script_sizes"].items():  # never replaced by a copy a full disk truncated
+    for script, size in ckpt[
+        "script_sizes"
+    ].items():  # never replaced by a copy a full disk truncated
         assert (out / script).stat().st_size == size, (script, (out / script).stat().st_size, size)
-    return {"time_to_exit_s": round(to_exit, 2), "freed_mb": round(freed / 1e6, 3),
-            "free_now_mb": round(free_now / 1e6, 3), "need_mb": round(need / 1e6, 3)}
+    return {
+        "time_to_exit_s": round(to_exit, 2),
+        "freed_mb": round(freed / 1e6, 3),
+        "free_now_mb": round(free_now / 1e6, 3),
+        "need_mb": round(need / 1e6, 3),
+    }
 
 
 def resume_after_freeing(tmp: Path, filler: Filler, out: Path) -> None:
@@ -229,21 +264,31 @@ def resume_after_freeing(tmp: Path, filler: Filler, out: Path) -> None:
 
 # --- the cases --------------------------------------------------------------------------------------
 
+
 def _policies(sampled: str):
     """--on_save_error values: ``sampled`` in `make test`, the other in `make faults`."""
-    return pytest.mark.parametrize("policy", [pytest.param(p, marks=[] if p == sampled else [pytest.mark.faults_long])
-                                              for p in ("continue", "abort")])
+    return pytest.mark.parametrize(
+        "policy",
+        [
+            pytest.param(p, marks=[] if p == sampled else [pytest.mark.faults_long])
+            for p in ("continue", "abort")
+        ],
+    )
 
 
 def check_branch(r, out: Path, policy: str, phase: str) -> None:
     """The --on_save_error branch every rank took after step 2's save failed (all exit 1 either way:
     under continue the disk stays full, so the check refuses the final save up front)."""
     said = {"continue": "training on", "abort": "stopping"}[policy]
-    assert re.search(rf"{said}: {phase} of global_step2 failed on rank .*\(--on_save_error {policy}\)", r.output)
+    assert re.search(
+        rf"{said}: {phase} of global_step2 failed on rank .*\(--on_save_error {policy}\)", r.output
+    )
     rows = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
     assert max(row["step"] for row in rows if "loss" in row) == (3 if policy == "continue" else 2)
-    refused = re.search(r"final save failed: not saving global_step3: not enough free space .*MB free, need ~",
-                        r.output)
+    refused = re.search(
+        r"final save failed: not saving global_step3: not enough free space .*MB free, need ~",
+        r.output,
+    )
     assert bool(refused) == (policy == "continue"), r.output[-6000:]
 
 
@@ -255,12 +300,27 @@ def test_periodic_save_write_runs_out_of_space(tmp_path, checkpoint_bytes, fault
     stays committed and `latest`."""
     fault_record["tmpfs_bytes"] = roomy_size(checkpoint_bytes)
     with tmpfs(tmp_path / "mnt", fault_record["tmpfs_bytes"]) as mnt:
-        r, filler = run_full(tmp_path, mnt, 3, lambda out: first_files_written(out, 2, checkpoint_bytes),
-                             {seams.SLOW_SAVE: SLOW_S}, ("--on_save_error", policy))
+        r, filler = run_full(
+            tmp_path,
+            mnt,
+            3,
+            lambda out: first_files_written(out, 2, checkpoint_bytes),
+            {seams.SLOW_SAVE: SLOW_S},
+            ("--on_save_error", policy),
+        )
         try:
             out = mnt / "out"
-            fault_record.update(check_outcome(r, filler, out, [1, 1], r"save of global_step2 failed on rank",
-                                              ["global_step1"], checkpoint_bytes))
+            fault_record.update(
+                check_outcome(
+                    r,
+                    filler,
+                    out,
+                    [1, 1],
+                    r"save of global_step2 failed on rank",
+                    ["global_step1"],
+                    checkpoint_bytes,
+                )
+            )
             check_branch(r, out, policy, "save")
             resume_after_freeing(tmp_path, filler, out)
         finally:
@@ -275,16 +335,34 @@ def test_commit_runs_out_of_space(tmp_path, checkpoint_bytes, fault_record, poli
     removing the staging frees a whole checkpoint."""
     fault_record["tmpfs_bytes"] = roomy_size(checkpoint_bytes)
     with tmpfs(tmp_path / "mnt", fault_record["tmpfs_bytes"]) as mnt:
-        r, filler = run_full(tmp_path, mnt, 3, lambda out: staged_completely(out, 2), {seams.SLOW_COMMIT: SLOW_S},
-                             ("--on_save_error", policy))
+        r, filler = run_full(
+            tmp_path,
+            mnt,
+            3,
+            lambda out: staged_completely(out, 2),
+            {seams.SLOW_COMMIT: SLOW_S},
+            ("--on_save_error", policy),
+        )
         try:
             out = mnt / "out"
-            fault_record.update(check_outcome(r, filler, out, [1, 1], r"commit of global_step2 failed on rank 0",
-                                              ["global_step1"], checkpoint_bytes))
+            fault_record.update(
+                check_outcome(
+                    r,
+                    filler,
+                    out,
+                    [1, 1],
+                    r"commit of global_step2 failed on rank 0",
+                    ["global_step1"],
+                    checkpoint_bytes,
+                )
+            )
             check_branch(r, out, policy, "commit")
             # The staged folder held the whole checkpoint but its manifest, and DeepSpeed's scripts.
             whole = checkpoint_bytes["allocated"] - PAGE + checkpoint_bytes["scripts"]
-            assert abs(fault_record["freed_mb"] * 1e6 - whole) <= 2 * PAGE + 0.01e6, (fault_record, whole)
+            assert abs(fault_record["freed_mb"] * 1e6 - whole) <= 2 * PAGE + 0.01e6, (
+                fault_record,
+                whole,
+            )
             resume_after_freeing(tmp_path, filler, out)
         finally:
             filler.remove()
@@ -296,12 +374,27 @@ def test_final_save_write_runs_out_of_space(tmp_path, checkpoint_bytes, fault_re
     1; steps 1 and 2 stay committed, `latest` names step 2."""
     fault_record["tmpfs_bytes"] = roomy_size(checkpoint_bytes)
     with tmpfs(tmp_path / "mnt", fault_record["tmpfs_bytes"]) as mnt:
-        r, filler = run_full(tmp_path, mnt, 3, lambda out: first_files_written(out, 3, checkpoint_bytes),
-                             {seams.SLOW_SAVE: SLOW_S})
+        r, filler = run_full(
+            tmp_path,
+            mnt,
+            3,
+            lambda out: first_files_written(out, 3, checkpoint_bytes),
+            {seams.SLOW_SAVE: SLOW_S},
+        )
         try:
             out = mnt / "out"
-            fault_record.update(check_outcome(r, filler, out, [1, 1], r"final save failed: save of global_step3 failed "
-                                              r"on rank", ["global_step1", "global_step2"], checkpoint_bytes))
+            fault_record.update(
+                check_outcome(
+                    r,
+                    filler,
+                    out,
+                    [1, 1],
+                    r"final save failed: save of global_step3 failed "
+                    r"on rank",
+                    ["global_step1", "global_step2"],
+                    checkpoint_bytes,
+                )
+            )
             resume_after_freeing(tmp_path, filler, out)
         finally:
             filler.remove()
@@ -317,41 +410,63 @@ def shard_begun(out: Path, step: int):
             return shard.stat().st_size > 0
         except OSError:
             return False
+
     return ready
 
 
-SHARED_RESERVE = 256 << 10  # room for the RNG, config, tokenizer and state files, not for the safetensors
+SHARED_RESERVE = (
+    256 << 10
+)  # room for the RNG, config, tokenizer and state files, not for the safetensors
 
 
 @pytest.mark.timeout(3 * RUN_TIMEOUT)
-def test_consolidated_write_runs_out_of_space_and_the_partitioned_checkpoint_commits(tmp_path, checkpoint_bytes,
-                                                                                      fault_record):
+def test_consolidated_write_runs_out_of_space_and_the_partitioned_checkpoint_commits(
+    tmp_path, checkpoint_bytes, fault_record
+):
     """The disk fills in the middle of step 2's safetensors (--save_consolidated). The writer's
     cleanup used to flush the buffered bytes again and raise a plain OSError on rank 0 alone: rank 0
     exited 1, the others waited in the agreement, the step's partitioned checkpoint was lost. Now:
     one warning, step 2 committed partitioned (`consolidated: false`, verifies), training goes on
     (the disk freed meanwhile), exit 0."""
-    fault_record["tmpfs_bytes"] = roomy_size(checkpoint_bytes) + (8 << 20)  # and step 3's safetensors
+    fault_record["tmpfs_bytes"] = roomy_size(checkpoint_bytes) + (
+        8 << 20
+    )  # and step 3's safetensors
     with tmpfs(tmp_path / "mnt", fault_record["tmpfs_bytes"]) as mnt:
         out = mnt / "out"
         filler = Filler(mnt, shard_begun(out, 2), reserve=SHARED_RESERVE)
         committed = out / tag_for(2) / MANIFEST
-        freer = threading.Thread(target=lambda: (wait_for(committed.is_file), filler.remove()), daemon=True)
+        freer = threading.Thread(
+            target=lambda: (wait_for(committed.is_file), filler.remove()), daemon=True
+        )
         filler.start()
         freer.start()
         try:
-            r = run_ranks(tmp_path, 2, train_args(3, "--save_consolidated"), out, env={seams.SLOW_SAVE: SLOW_S})
+            r = run_ranks(
+                tmp_path,
+                2,
+                train_args(3, "--save_consolidated"),
+                out,
+                env={seams.SLOW_SAVE: SLOW_S},
+            )
         finally:
             filler.remove()
         log = r.output[-8000:]
         assert filler.filled_at is not None and filler.free_after <= SHARED_RESERVE + PAGE, log
         assert r.codes == [0, 0], f"exit codes {r.codes}\n{log}"
-        said = [line for line in r.output.splitlines() if "consolidated weights of global_step2 not written" in line]
+        said = [
+            line
+            for line in r.output.splitlines()
+            if "consolidated weights of global_step2 not written" in line
+        ]
         assert len(said) == 1 and "No space left on device" in said[0], said or log
         assert "Traceback" not in r.output, log
         manifest = read_manifest(out / tag_for(2))
-        assert manifest["consolidated"] is False and not list((out / tag_for(2)).glob("*.safetensors*"))
-        assert read_manifest(out / tag_for(3))["consolidated"] is True  # the next save, with room again
+        assert manifest["consolidated"] is False and not list(
+            (out / tag_for(2)).glob("*.safetensors*")
+        )
+        assert (
+            read_manifest(out / tag_for(3))["consolidated"] is True
+        )  # the next save, with room again
         assert (out / LATEST).read_text().strip() == tag_for(3)
         problems = output_dir_problems(out)
         assert not problems, f"{problems}\n{log}"
@@ -366,20 +481,35 @@ def wait_for(predicate, timeout: float = RUN_TIMEOUT) -> None:
 
 @pytest.mark.faults_long
 @pytest.mark.timeout(3 * RUN_TIMEOUT)
-def test_a_save_that_would_not_fit_is_refused_before_writing(tmp_path, checkpoint_bytes, fault_record):
+def test_a_save_that_would_not_fit_is_refused_before_writing(
+    tmp_path, checkpoint_bytes, fault_record
+):
     """No filler: a tmpfs with room for two checkpoints and half of a third. The final save is
     refused by the free-space check before anything is written (every rank exits 1, no staging);
     once the tmpfs is grown (remount), `auto` resumes from step 2 and finishes."""
-    small = -(-(2 * checkpoint_bytes["allocated"] + checkpoint_bytes["total"] // 2 + 2 * checkpoint_bytes["scripts"]
-                + (1 << 20)) // PAGE) * PAGE
+    small = (
+        -(
+            -(
+                2 * checkpoint_bytes["allocated"]
+                + checkpoint_bytes["total"] // 2
+                + 2 * checkpoint_bytes["scripts"]
+                + (1 << 20)
+            )
+            // PAGE
+        )
+        * PAGE
+    )
     fault_record["tmpfs_bytes"] = small
     with tmpfs(tmp_path / "mnt", small) as mnt:
         out = mnt / "out"
         r = run_ranks(tmp_path, 2, train_args(3), out)
         log = r.output[-8000:]
         assert r.codes == [1, 1], f"exit codes {r.codes}\n{log}"
-        m = re.search(r"final save failed: not saving global_step3: not enough free space in \S+ \(rank 0: ([\d.]+) MB "
-                      r"free, need ~([\d.]+) MB\)", r.output)
+        m = re.search(
+            r"final save failed: not saving global_step3: not enough free space in \S+ \(rank 0: ([\d.]+) MB "
+            r"free, need ~([\d.]+) MB\)",
+            r.output,
+        )
         assert m, log
         free, need = (float(g) * 1e6 for g in m.groups())
         assert free < need and abs(need - checkpoint_bytes["total"] * SPACE_MARGIN) <= 0.02 * need
@@ -388,7 +518,10 @@ def test_a_save_that_would_not_fit_is_refused_before_writing(tmp_path, checkpoin
         assert (out / LATEST).read_text().strip() == "global_step2"
         assert not output_dir_problems(out)
         fault_record.update({"free_mb": round(free / 1e6, 3), "need_mb": round(need / 1e6, 3)})
-        grown = subprocess.run(["mount", "-o", f"remount,size={roomy_size(checkpoint_bytes) // 1024}k", str(mnt)],
-                               capture_output=True, text=True)
+        grown = subprocess.run(
+            ["mount", "-o", f"remount,size={roomy_size(checkpoint_bytes) // 1024}k", str(mnt)],
+            capture_output=True,
+            text=True,
+        )
         assert grown.returncode == 0, grown.stderr
         assert_resumes_to_the_end(tmp_path, 2, out)

@@ -14,6 +14,7 @@ import signal
 import time
 
 import pytest
+
 from conftest import last_logged_step, wait_until
 from harness import (
     BOUND_S,
@@ -30,14 +31,18 @@ pytestmark = [pytest.mark.distributed, pytest.mark.faults]
 KILL_TRIALS = int(os.environ.get("FINETUNE_KILL_TRIALS", "50"))  # of each kind, in `make faults`
 SAMPLED_TRIALS = {"job": 2, "rank": 3}  # in `make test`: 5 trials
 STEPS = 8
-STARTUP_SHARE = 0.2  # of the trials kill during start-up (lease, tidy, resume planning, model build)
+STARTUP_SHARE = (
+    0.2  # of the trials kill during start-up (lease, tidy, resume planning, model build)
+)
 STARTUP_S = 12.0  # ... at a moment drawn over this many seconds after the launch
 FIRST_STEP_S = 0.3  # a step and its save here, until a second step is logged to measure it
 
 
 def _seeds(kind: str):
-    return [pytest.param(s, marks=[] if s < SAMPLED_TRIALS[kind] else [pytest.mark.faults_long])
-            for s in range(KILL_TRIALS)]
+    return [
+        pytest.param(s, marks=[] if s < SAMPLED_TRIALS[kind] else [pytest.mark.faults_long])
+        for s in range(KILL_TRIALS)
+    ]
 
 
 class Trial:
@@ -52,25 +57,34 @@ class Trial:
         rng = random.Random(f"{seed}-{'rank' if one_rank else 'job'}")
         self.seed, self.one_rank = seed, one_rank
         self.consolidated = seed % 2 == 1
-        self.background = seed % 4 >= 2  # --async_save: kills land while the writer thread writes, too
+        self.background = (
+            seed % 4 >= 2
+        )  # --async_save: kills land while the writer thread writes, too
         self.during_startup = rng.random() < STARTUP_SHARE
         self.delay = rng.uniform(0, STARTUP_S)
         self.step, self.fraction = rng.randint(1, STEPS), rng.random()
         self.victim = rng.choice([0, 1])
 
     def extra(self) -> tuple:
-        return (("--save_consolidated",) if self.consolidated else ()) + (("--async_save",) if self.background else ())
+        return (("--save_consolidated",) if self.consolidated else ()) + (
+            ("--async_save",) if self.background else ()
+        )
 
     def flags(self) -> tuple:
         return train_args(STEPS, *self.extra())
 
     def __str__(self) -> str:
-        when = (f"{self.delay:.2f} s after the launch" if self.during_startup else
-                f"{self.fraction:.2f} of a step after step {self.step} was logged")
+        when = (
+            f"{self.delay:.2f} s after the launch"
+            if self.during_startup
+            else f"{self.fraction:.2f} of a step after step {self.step} was logged"
+        )
         who = f"rank {self.victim}" if self.one_rank else "the whole job"
-        return (f"kill trial seed {self.seed}: SIGKILL to {who} {when}, "
-                f"{'with' if self.consolidated else 'without'} --save_consolidated"
-                f"{', --async_save' if self.background else ''}")
+        return (
+            f"kill trial seed {self.seed}: SIGKILL to {who} {when}, "
+            f"{'with' if self.consolidated else 'without'} --save_consolidated"
+            f"{', --async_save' if self.background else ''}"
+        )
 
     def moment(self, out) -> dict:
         """Where the run was when the kill came: the last logged step, a save in flight."""
@@ -85,10 +99,18 @@ class Trial:
             time.sleep(self.delay)
             return
         ended = run.running.proc.poll
-        wait_until(lambda: last_logged_step(run.out) >= 1 or ended() is not None, RUN_TIMEOUT, "the first step")
+        wait_until(
+            lambda: last_logged_step(run.out) >= 1 or ended() is not None,
+            RUN_TIMEOUT,
+            "the first step",
+        )
         first = time.monotonic()
-        wait_until(lambda: last_logged_step(run.out) >= self.step or ended() is not None, RUN_TIMEOUT,
-                   f"step {self.step}", interval=0.005)
+        wait_until(
+            lambda: last_logged_step(run.out) >= self.step or ended() is not None,
+            RUN_TIMEOUT,
+            f"step {self.step}",
+            interval=0.005,
+        )
         per_step = (time.monotonic() - first) / (self.step - 1) if self.step > 1 else FIRST_STEP_S
         time.sleep(self.fraction * per_step)
 
@@ -119,7 +141,9 @@ def test_kill_whole_job(seed, tmp_path, fault_record):
 def test_kill_one_rank(seed, tmp_path, fault_record):
     trial, out = Trial(seed, one_rank=True), tmp_path / "out"
     run = RankRun(tmp_path, 2, trial.flags(), out)
-    pids = wait_until(lambda: run.rank_pids() if len(run.rank_pids()) == 2 else None, RUN_TIMEOUT, "both ranks")
+    pids = wait_until(
+        lambda: run.rank_pids() if len(run.rank_pids()) == 2 else None, RUN_TIMEOUT, "both ranks"
+    )
     trial.wait(run)
     fault_record.update(trial.moment(out))
     killed_at = time.time()
@@ -135,8 +159,12 @@ def test_kill_one_rank(seed, tmp_path, fault_record):
     assert result.codes[trial.victim] in (KILLED, 0), f"{trial}: the victim exited {result.codes}"
     # Killed before it finished: the survivor fails (1); killed after the end, both finished (0).
     allowed = (0, 1) if result.codes[trial.victim] == KILLED else (0,)
-    assert result.codes[survivor] in allowed, f"the survivor exited {result.codes[survivor]}: {context}"
-    assert to_exit <= BOUND_S, f"the survivor exited {to_exit:.1f} s after the kill (bound {BOUND_S} s): {context}"
+    assert result.codes[survivor] in allowed, (
+        f"the survivor exited {result.codes[survivor]}: {context}"
+    )
+    assert to_exit <= BOUND_S, (
+        f"the survivor exited {to_exit:.1f} s after the kill (bound {BOUND_S} s): {context}"
+    )
     problems = output_dir_problems(out)
     assert not problems, f"{problems}: {context}"
     _resume(trial, tmp_path, out)

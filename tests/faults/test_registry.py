@@ -8,15 +8,6 @@ import re
 from pathlib import Path
 
 import pytest
-from harness import (
-    EXPECTED,
-    EXPORT,
-    EXPORT_SAMPLE,
-    HANG_SAMPLE,
-    HANG_SITES,
-    long_cases,
-    sampled_cases,
-)
 
 from finetune.io import faults, seams
 from finetune.io.faults import (
@@ -27,6 +18,16 @@ from finetune.io.faults import (
     InjectedFault,
     fault_point,
     parse,
+)
+
+from harness import (
+    EXPECTED,
+    EXPORT,
+    EXPORT_SAMPLE,
+    HANG_SAMPLE,
+    HANG_SITES,
+    long_cases,
+    sampled_cases,
 )
 
 PACKAGE = Path(faults.__file__).resolve().parents[1]
@@ -48,7 +49,9 @@ def _sites_in_code() -> dict[str, list[str]]:
 
 def test_every_site_in_the_code_is_registered_and_every_registered_site_is_in_the_code():
     in_code = _sites_in_code()
-    assert sorted(set(in_code) - set(SITES)) == [], "fault_point() names a site missing from faults.SITES"
+    assert sorted(set(in_code) - set(SITES)) == [], (
+        "fault_point() names a site missing from faults.SITES"
+    )
     assert sorted(set(SITES) - set(in_code)) == [], "faults.SITES lists a site no code calls"
 
 
@@ -56,7 +59,9 @@ def test_the_sweep_knows_every_site():
     """A new site cannot be forgotten: the sweep has its documented outcome, the long form runs it
     on every rank that reaches it in every kind, and the sample covers it."""
     assert set(EXPECTED) | set(EXPORT) == set(SITES) and not set(EXPECTED) & set(EXPORT)
-    assert all(set(codes) == set(KINDS) for codes in EXPORT.values()) and set(EXPORT_SAMPLE) == set(EXPORT)
+    assert all(set(codes) == set(KINDS) for codes in EXPORT.values()) and set(EXPORT_SAMPLE) == set(
+        EXPORT
+    )
     sampled = [f for case in sampled_cases() for f in case.faults]
     assert {f.site for f in sampled} == set(EXPECTED)
     assert {f.kind for f in sampled} == {*KINDS, HANG}
@@ -64,9 +69,15 @@ def test_the_sweep_knows_every_site():
     assert {f.rank for f in sampled} >= {0, 1}
     assert any(case.nprocs == 4 for case in sampled_cases())
     assert set(sampled_cases()) <= set(long_cases())
-    singles = [case.faults[-1] for case in long_cases() if case.nprocs == 2 or EXPECTED[case.faults[-1].site].scenario == "reshape"]
+    singles = [
+        case.faults[-1]
+        for case in long_cases()
+        if case.nprocs == 2 or EXPECTED[case.faults[-1].site].scenario == "reshape"
+    ]
     for name, site in EXPECTED.items():
-        assert {f.rank for f in singles if f.site == name} == ({0} if site.reached_by == "leader" else {0, 1}), name
+        assert {f.rank for f in singles if f.site == name} == (
+            {0} if site.reached_by == "leader" else {0, 1}
+        ), name
         hang = {HANG} if name in HANG_SITES else set()  # the sites polled with a deadline
         assert {f.kind for f in singles if f.site == name} == set(KINDS) | hang, name
 
@@ -76,24 +87,33 @@ def test_reliability_md_lists_every_site():
     assert [name for name in SITES if f"| `{name}` |" not in doc] == []
 
 
-@pytest.mark.parametrize("spec,expected", [
-    ("save.fsync:1", [("save.fsync", 1, None, "eio")]),
-    ("save.fsync:1:4", [("save.fsync", 1, 4, "eio")]),
-    ("save.fsync:0:kill", [("save.fsync", 0, None, "kill")]),
-    ("save.fsync:0:3:enospc, commit.rename:0:error", [("save.fsync", 0, 3, "enospc"), ("commit.rename", 0, None, "error")]),
-    ("", []),
-])
+@pytest.mark.parametrize(
+    "spec,expected",
+    [
+        ("save.fsync:1", [("save.fsync", 1, None, "eio")]),
+        ("save.fsync:1:4", [("save.fsync", 1, 4, "eio")]),
+        ("save.fsync:0:kill", [("save.fsync", 0, None, "kill")]),
+        (
+            "save.fsync:0:3:enospc, commit.rename:0:error",
+            [("save.fsync", 0, 3, "enospc"), ("commit.rename", 0, None, "error")],
+        ),
+        ("", []),
+    ],
+)
 def test_parse(spec, expected):
     assert [(f.site, f.rank, f.step, f.kind) for f in parse(spec)] == expected
 
 
-@pytest.mark.parametrize("spec,why", [
-    ("save.fsinc:1", "no fault site 'save.fsinc'"),
-    ("save.fsync", "expected <site>:<rank>"),
-    ("save.fsync:one", "invalid literal"),
-    ("save.fsync:1:2:boom", "no fault kind 'boom'"),
-    ("save.fsync:1:2:eio:extra", "expected <site>:<rank>"),
-])
+@pytest.mark.parametrize(
+    "spec,why",
+    [
+        ("save.fsinc:1", "no fault site 'save.fsinc'"),
+        ("save.fsync", "expected <site>:<rank>"),
+        ("save.fsync:one", "invalid literal"),
+        ("save.fsync:1:2:boom", "no fault kind 'boom'"),
+        ("save.fsync:1:2:eio:extra", "expected <site>:<rank>"),
+    ],
+)
 def test_a_malformed_spec_names_the_variable(spec, why):
     with pytest.raises(FaultSpecError, match=seams.FAULT) as e:
         parse(spec)
@@ -108,7 +128,10 @@ def test_fault_point_fires_only_for_its_site_rank_and_step(monkeypatch, capsys):
     with pytest.raises(OSError) as e:
         fault_point("save.fsync", 4)
     assert e.value.errno == errno.EIO and "save.fsync on rank 1 at step 4" in str(e.value)
-    assert "FINETUNE_FAULT: injecting eio at save.fsync on rank 1 at step 4 (t=" in capsys.readouterr().err
+    assert (
+        "FINETUNE_FAULT: injecting eio at save.fsync on rank 1 at step 4 (t="
+        in capsys.readouterr().err
+    )
     monkeypatch.setenv("RANK", "0")
     fault_point("save.fsync", 4)
 

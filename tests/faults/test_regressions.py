@@ -7,6 +7,10 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "checkpoint"))
+from finetune.checkpoint.manifest import read_manifest  # noqa: E402
+from finetune.checkpoint.outdir import OutputDir  # noqa: E402
+from finetune.io import seams  # noqa: E402
+
 from test_manager import (  # noqa: E402
     _fake_engines_model_is_not_checked,
     make_cfg,
@@ -15,15 +19,15 @@ from test_manager import (  # noqa: E402
     tiny_module,
 )
 
-from finetune.checkpoint.manifest import read_manifest  # noqa: E402
-from finetune.checkpoint.storage import LocalStorage  # noqa: E402
-from finetune.io import seams  # noqa: E402
+FIXTURES = (
+    tiny_module,
+    _fake_engines_model_is_not_checked,
+)  # test_manager's, found by pytest under these names
 
-FIXTURES = (tiny_module, _fake_engines_model_is_not_checked)  # test_manager's, found by pytest under these names
 
-
-def test_a_commit_whose_latest_write_fails_is_committed_and_counted_by_retention(tmp_path, tiny_module, monkeypatch,
-                                                                                  caplog):
+def test_a_commit_whose_latest_write_fails_is_committed_and_counted_by_retention(
+    tmp_path, tiny_module, monkeypatch, caplog
+):
     """`latest` failing after the rename (sweep: commit.latest): the checkpoint is in place with its
     manifest, so resume takes it (commit order). It used to be reported as a failed save and left
     out of the run's line: retention never deleted it, and the next save's parent skipped it."""
@@ -31,9 +35,14 @@ def test_a_commit_whose_latest_write_fails_is_committed_and_counted_by_retention
     m, progress, _ = make_manager(make_cfg(tmp_path, save_total_limit=2), tiny_module)
     run_saves(m, progress, [2, 4])  # no SaveError: the save of step 4 is committed
     assert "committed global_step4, but `latest` was not updated" in caplog.text
-    assert (tmp_path / "latest").read_text().strip() == "global_step2"  # stale, still a complete checkpoint
+    assert (
+        tmp_path / "latest"
+    ).read_text().strip() == "global_step2"  # stale, still a complete checkpoint
     run_saves(m, progress, [6, 8])
-    assert LocalStorage(tmp_path).tags() == ["global_step6", "global_step8"]  # was [4, 6, 8]: a limit of 2 kept 3
+    assert OutputDir(tmp_path).tags() == [
+        "global_step6",
+        "global_step8",
+    ]  # was [4, 6, 8]: a limit of 2 kept 3
     assert read_manifest(tmp_path / "global_step6")["parent"] == "global_step4"
     assert (tmp_path / "latest").read_text().strip() == "global_step8"
 
@@ -48,7 +57,10 @@ def test_a_rename_that_fails_is_still_a_failed_save(tmp_path, tiny_module, monke
     run_saves(m, progress, [2])
     with pytest.raises(SaveError, match="commit of global_step4 failed"):
         run_saves(m, progress, [4])
-    assert LocalStorage(tmp_path).tags() == ["global_step2"] and not (tmp_path / ".staging" / "global_step4").exists()
+    assert (
+        OutputDir(tmp_path).tags() == ["global_step2"]
+        and not (tmp_path / ".staging" / "global_step4").exists()
+    )
     run_saves(m, progress, [6])
     assert read_manifest(tmp_path / "global_step6")["parent"] == "global_step2"
 
@@ -71,33 +83,39 @@ def test_makedirs_records_any_failure_instead_of_raising(tmp_path, monkeypatch):
     assert w.error is not None and "InjectedFault" in w.error
 
 
-def test_a_run_resumed_at_its_last_step_finishes_the_commit_a_crash_cut_short(tmp_path, tiny_module):
+def test_a_run_resumed_at_its_last_step_finishes_the_commit_a_crash_cut_short(
+    tmp_path, tiny_module
+):
     """kill -9 of the whole job between the final checkpoint's rename and its `latest` write (kill
     trial, seed 48): the resume takes that checkpoint (commit order) and has nothing to save, so
     `latest` named the older checkpoint for good and --save_total_limit stayed exceeded."""
     m, progress, _ = make_manager(make_cfg(tmp_path), tiny_module)
     run_saves(m, progress, [2, 4, 6])
-    (tmp_path / "latest").write_text("global_step4\n")  # the crash: renamed, `latest` and retention not done
+    (tmp_path / "latest").write_text(
+        "global_step4\n"
+    )  # the crash: renamed, `latest` and retention not done
     cfg = make_cfg(tmp_path, save_total_limit=2, resume_from_checkpoint="auto")
     m, progress, plan = make_manager(cfg, tiny_module, run_id="run2")
     assert plan.folder.name == "global_step6"
     assert m.at_end(6) == 0
     assert (tmp_path / "latest").read_text().strip() == "global_step6"
-    assert LocalStorage(tmp_path).tags() == ["global_step4", "global_step6"]
+    assert OutputDir(tmp_path).tags() == ["global_step4", "global_step6"]
 
 
 def test_a_save_never_replaces_a_folder_finetune_did_not_commit(tmp_path, caplog):
     """A folder under a checkpoint's name without a manifest (a plain DeepSpeed save, a copy by
     hand) was deleted by the same-tag swap of a save of that step; it is now set aside, intact."""
-    from test_manager import stage
-
     from finetune.checkpoint.commit import commit_staged
+
+    from test_manager import stage
 
     (tmp_path / "global_step4").mkdir()
     (tmp_path / "global_step4" / "mp_rank_00_model_states.pt").write_bytes(b"someone else's")
-    s = LocalStorage(tmp_path)
+    s = OutputDir(tmp_path)
     commit_staged(s, "global_step4", stage(s, "global_step4", b"ours"), 1, {})
-    assert (tmp_path / "global_step4" / "zero_pp_rank_0_mp_rank_00_model_states.pt").read_bytes() == b"ours"
+    assert (
+        tmp_path / "global_step4" / "zero_pp_rank_0_mp_rank_00_model_states.pt"
+    ).read_bytes() == b"ours"
     [kept] = (tmp_path / ".abandoned").iterdir()
     assert kept.name.startswith("global_step4-no-manifest")
     assert (kept / "mp_rank_00_model_states.pt").read_bytes() == b"someone else's"

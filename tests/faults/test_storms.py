@@ -19,6 +19,11 @@ import time
 from dataclasses import dataclass
 
 import pytest
+
+from finetune.checkpoint.outdir import LATEST, STAGING, step_of
+from finetune.metrics import read_metrics
+from finetune.preemption import EXIT_PREEMPTED
+
 from conftest import last_logged_step, wait_until
 from harness import (
     BOUND_S,
@@ -28,10 +33,6 @@ from harness import (
     output_dir_problems,
     train_args,
 )
-
-from finetune.checkpoint.storage import LATEST, STAGING, step_of
-from finetune.metrics import read_metrics
-from finetune.preemption import EXIT_PREEMPTED
 
 pytestmark = [pytest.mark.distributed, pytest.mark.faults]
 
@@ -56,13 +57,18 @@ class Trial:
         self.delay = rng.uniform(0.5, 8.0)  # start-up storms: seconds after both ranks exist
 
     def __str__(self) -> str:
-        return (f"storm {self.storm} seed {self.seed}: {self.sig.name} to rank {self.victim}, "
-                f"step {self.step}, fraction {self.fraction:.2f}, delay {self.delay:.2f} s")
+        return (
+            f"storm {self.storm} seed {self.seed}: {self.sig.name} to rank {self.victim}, "
+            f"step {self.step}, fraction {self.fraction:.2f}, delay {self.delay:.2f} s"
+        )
 
 
 def _staged(out, step: int) -> bool:
     try:
-        return any(step_of(p.name) is not None and step_of(p.name) >= step for p in (out / STAGING).iterdir())
+        return any(
+            step_of(p.name) is not None and step_of(p.name) >= step
+            for p in (out / STAGING).iterdir()
+        )
     except OSError:
         return False
 
@@ -94,15 +100,23 @@ def _storm(trial: Trial, run: RankRun, pids: dict) -> tuple[int, bool, float]:
         pause = 0.5 + trial.fraction if trial.storm == "during_commit" else trial.fraction * 0.5
         step = trial.step
         while True:
-            wait_until(lambda: _staged(out, step) or ended() is not None, RUN_TIMEOUT, f"the save of step {step}",
-                       interval=0.005)
+            wait_until(
+                lambda: _staged(out, step) or ended() is not None,
+                RUN_TIMEOUT,
+                f"the save of step {step}",
+                interval=0.005,
+            )
             time.sleep(pause)
             if _staged(out, step) or ended() is not None:
                 break
             step = max(step + 1, last_logged_step(out))
     else:  # "ranks_at_once": mid-training, any moment of a step
-        wait_until(lambda: last_logged_step(out) >= trial.step or ended() is not None, RUN_TIMEOUT,
-                   f"step {trial.step}", interval=0.005)
+        wait_until(
+            lambda: last_logged_step(out) >= trial.step or ended() is not None,
+            RUN_TIMEOUT,
+            f"step {trial.step}",
+            interval=0.005,
+        )
         time.sleep(trial.fraction * 0.3)
     in_flight, saving, sent = max(last_logged_step(out), 0), _staged(out, 1), time.time()
     if trial.storm == "ranks_at_once":
@@ -123,23 +137,37 @@ def _env(storm: str) -> dict:
 
 def _preempted_run(trial: Trial, tmp_path, out, env: dict | None = None) -> dict:
     """One launch with the storm; asserts the documented outcome; returns the summary's figures."""
-    run = RankRun(tmp_path, 2, train_args(STEPS), out, env=_env(trial.storm) if env is None else env)
-    pids = wait_until(lambda: run.rank_pids() if len(run.rank_pids()) == 2 else None, RUN_TIMEOUT, "both ranks")
+    run = RankRun(
+        tmp_path, 2, train_args(STEPS), out, env=_env(trial.storm) if env is None else env
+    )
+    pids = wait_until(
+        lambda: run.rank_pids() if len(run.rank_pids()) == 2 else None, RUN_TIMEOUT, "both ranks"
+    )
     in_flight, saving, signalled = _storm(trial, run, pids)
     result = run.finish(RUN_TIMEOUT)
     context = f"{trial}\n{result.output[-6000:]}"
-    if result.codes == [0, 0]:  # the run ended before the signal came (a late start-up draw): still a trial
+    if result.codes == [
+        0,
+        0,
+    ]:  # the run ended before the signal came (a late start-up draw): still a trial
         assert in_flight >= STEPS - 1 or trial.storm.startswith("startup"), context
         return {"trial": str(trial), "ended_first": True, "time_to_exit_s": 0.0}
     assert result.codes == [EXIT_PREEMPTED] * 2, f"exit codes {result.codes}: {context}"
     to_exit = max(result.ended) - signalled
-    assert to_exit <= BOUND_S, f"exited {to_exit:.1f} s after the signal (bound {BOUND_S} s): {context}"
+    assert to_exit <= BOUND_S, (
+        f"exited {to_exit:.1f} s after the signal (bound {BOUND_S} s): {context}"
+    )
     status = _status(out)
-    assert status["exit_code"] == EXIT_PREEMPTED and status["reason"] == "preempted", (status, context)
+    assert status["exit_code"] == EXIT_PREEMPTED and status["reason"] == "preempted", (
+        status,
+        context,
+    )
     latest = (out / LATEST).read_text().strip() if (out / LATEST).exists() else None
     assert status.get("checkpoint") == latest, (status, latest, context)
     step = step_of(latest) if latest else 0
-    assert step >= in_flight, f"committed step {step}, but step {in_flight} was done at the signal: {context}"
+    assert step >= in_flight, (
+        f"committed step {step}, but step {in_flight} was done at the signal: {context}"
+    )
     if trial.storm in ("during_save", "during_commit", "twice"):
         assert saving, f"no save was staged when the signal was sent: {context}"
     if trial.storm == "ranks_at_once":
@@ -148,24 +176,52 @@ def _preempted_run(trial: Trial, tmp_path, out, env: dict | None = None) -> dict
         assert "received again: already stopping" in result.output, context
     problems = output_dir_problems(out)
     assert not problems, f"{problems}: {context}"
-    return {"trial": str(trial), "in_flight": in_flight, "saving": saving, "committed": step, "time_to_exit_s": round(to_exit, 2)}
+    return {
+        "trial": str(trial),
+        "in_flight": in_flight,
+        "saving": saving,
+        "committed": step,
+        "time_to_exit_s": round(to_exit, 2),
+    }
 
 
-STORMS = ["during_save", "during_commit", "twice", "ranks_at_once", "startup", "startup_after_preemption"]
-SAMPLED = {"during_save", "during_commit", "twice", "ranks_at_once", "startup"}  # `make test`: seed 0 each
+STORMS = [
+    "during_save",
+    "during_commit",
+    "twice",
+    "ranks_at_once",
+    "startup",
+    "startup_after_preemption",
+]
+SAMPLED = {
+    "during_save",
+    "during_commit",
+    "twice",
+    "ranks_at_once",
+    "startup",
+}  # `make test`: seed 0 each
 
 
 def _params():
-    return [pytest.param(storm, seed, marks=[] if seed == 0 and storm in SAMPLED else [pytest.mark.faults_long],
-                         id=f"{storm}-{seed}")
-            for storm in STORMS for seed in range(STORM_TRIALS)]
+    return [
+        pytest.param(
+            storm,
+            seed,
+            marks=[] if seed == 0 and storm in SAMPLED else [pytest.mark.faults_long],
+            id=f"{storm}-{seed}",
+        )
+        for storm in STORMS
+        for seed in range(STORM_TRIALS)
+    ]
 
 
 @pytest.mark.timeout(4 * RUN_TIMEOUT)
 @pytest.mark.parametrize("storm,seed", _params())
 def test_storm(storm, seed, tmp_path, fault_record):
     trial, out = Trial(storm, seed), tmp_path / "out"
-    if storm == "startup_after_preemption":  # preempted once mid-training, then again while resuming
+    if (
+        storm == "startup_after_preemption"
+    ):  # preempted once mid-training, then again while resuming
         # Slowed saves (seconds a step), so the signal always lands before the last step: a signal
         # during the last step ends the run normally (test_signal_during_the_last_step_...), and
         # at ~0.1 s a step it did so in 2 of 8 seeds.
@@ -178,20 +234,32 @@ def test_storm(storm, seed, tmp_path, fault_record):
         raise AssertionError(f"{trial}: {e}") from None
 
 
-def test_signal_during_the_last_step_skips_the_final_eval_and_commits_the_final_checkpoint(tmp_path):
+def test_signal_during_the_last_step_skips_the_final_eval_and_commits_the_final_checkpoint(
+    tmp_path,
+):
     """A SIGTERM after the last step's boundary (here: while the save of step STEPS-1 is staged)
     ends the run normally, exit 0, with the final checkpoint committed, and without the final eval:
     under SLURM's grace time that eval could outlast the SIGKILL and lose the final save."""
     out = tmp_path / "out"
     run = RankRun(tmp_path, 2, train_args(STEPS), out, env=SLOW_SAVE)
-    pids = wait_until(lambda: run.rank_pids() if len(run.rank_pids()) == 2 else None, RUN_TIMEOUT, "both ranks")
-    wait_until(lambda: _staged(out, STEPS - 1) or run.running.proc.poll() is not None, RUN_TIMEOUT,
-               f"the save of step {STEPS - 1}", interval=0.005)
-    assert last_logged_step(out) == STEPS - 1, "the signal must come after the last boundary but one"
+    pids = wait_until(
+        lambda: run.rank_pids() if len(run.rank_pids()) == 2 else None, RUN_TIMEOUT, "both ranks"
+    )
+    wait_until(
+        lambda: _staged(out, STEPS - 1) or run.running.proc.poll() is not None,
+        RUN_TIMEOUT,
+        f"the save of step {STEPS - 1}",
+        interval=0.005,
+    )
+    assert last_logged_step(out) == STEPS - 1, (
+        "the signal must come after the last boundary but one"
+    )
     _send(pids, 1, TERM)
     result = run.finish(RUN_TIMEOUT)
     assert result.codes == [0, 0], f"exit codes {result.codes}:\n{result.output[-6000:]}"
-    assert "SIGTERM received" in result.output and "final evaluation skipped" in result.output, result.output[-6000:]
+    assert "SIGTERM received" in result.output and "final evaluation skipped" in result.output, (
+        result.output[-6000:]
+    )
     assert _status(out)["exit_code"] == 0
     assert (out / LATEST).read_text().strip() == f"global_step{STEPS}"
     assert not output_dir_problems(out)

@@ -16,6 +16,10 @@ import time
 
 import pytest
 from faults.plugin import LONG_ENV
+
+from finetune.io import seams
+from finetune.io.faults import KINDS
+
 from harness import (
     BOUND_S,
     EXPORT,
@@ -27,9 +31,6 @@ from harness import (
     sampled_cases,
     train_args,
 )
-
-from finetune.io import seams
-from finetune.io.faults import KINDS
 
 pytestmark = [pytest.mark.distributed, pytest.mark.faults]
 
@@ -46,7 +47,9 @@ def resume_seed(tmp_path_factory):
 
 
 def _param(case):
-    return pytest.param(case, id=case.id, marks=[] if case in SAMPLED else [pytest.mark.faults_long])
+    return pytest.param(
+        case, id=case.id, marks=[] if case in SAMPLED else [pytest.mark.faults_long]
+    )
 
 
 @pytest.mark.timeout(3 * RUN_TIMEOUT)
@@ -57,27 +60,49 @@ def test_site(case, tmp_path, request, fault_record):
     fault_record.update(run_case(case, tmp_path, seed, resume="always" if long else "if_changed"))
 
 
-@pytest.mark.parametrize("kind", [pytest.param(k, marks=[] if k == "eio" else [pytest.mark.faults_long]) for k in KINDS])
+@pytest.mark.parametrize(
+    "kind", [pytest.param(k, marks=[] if k == "eio" else [pytest.mark.faults_long]) for k in KINDS]
+)
 def test_verify_command_reports_a_file_it_cannot_read(kind, request, fault_record):
     """`finetune verify` (one process): a read that fails is damage (exit 1), never a pass."""
     folder = request.getfixturevalue("resume_seed") / "global_step2"
     env = {**os.environ, seams.FAULT: f"verify.read_file:0:{kind}"}
-    proc = subprocess.run([sys.executable, "-m", "finetune", "verify", str(folder)], capture_output=True, text=True,
-                          env=env, timeout=BOUND_S)
+    proc = subprocess.run(
+        [sys.executable, "-m", "finetune", "verify", str(folder)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=BOUND_S,
+    )
     assert proc.returncode == (-9 if kind == "kill" else 1), proc.stdout + proc.stderr
     if kind in ("eio", "enospc"):
         assert "DAMAGED" in proc.stdout and "unreadable (OSError" in proc.stdout, proc.stdout
-    clean = subprocess.run([sys.executable, "-m", "finetune", "verify", str(folder)], capture_output=True, text=True)
+    clean = subprocess.run(
+        [sys.executable, "-m", "finetune", "verify", str(folder)], capture_output=True, text=True
+    )
     assert clean.returncode == 0, clean.stdout + clean.stderr
 
 
 def _export(folder, out, env=None):
-    return subprocess.run([sys.executable, "-m", "finetune", "export", str(folder), str(out)], capture_output=True,
-                          text=True, env={**os.environ, **(env or {})}, timeout=BOUND_S)
+    return subprocess.run(
+        [sys.executable, "-m", "finetune", "export", str(folder), str(out)],
+        capture_output=True,
+        text=True,
+        env={**os.environ, **(env or {})},
+        timeout=BOUND_S,
+    )
 
 
-@pytest.mark.parametrize("site,kind", [pytest.param(site, kind, marks=[] if EXPORT_SAMPLE[site] == kind else
-                                                    [pytest.mark.faults_long]) for site in EXPORT for kind in KINDS])
+@pytest.mark.parametrize(
+    "site,kind",
+    [
+        pytest.param(
+            site, kind, marks=[] if EXPORT_SAMPLE[site] == kind else [pytest.mark.faults_long]
+        )
+        for site in EXPORT
+        for kind in KINDS
+    ],
+)
 def test_export_site(site, kind, request, tmp_path, fault_record):
     """`finetune export` failing at each of its sites: the documented exit code, one line for an I/O
     error, OUT never created, and a rerun that removes the staging a kill left and exports."""
@@ -92,7 +117,9 @@ def test_export_site(site, kind, request, tmp_path, fault_record):
     if kind in ("eio", "enospc"):
         last = proc.stderr.strip().splitlines()[-1]
         assert last.startswith("finetune: error:") and "Traceback" not in proc.stderr, log
-    assert not out.exists(), f"{site} {kind}: {out} was created: {sorted(p.name for p in out.iterdir())}"
+    assert not out.exists(), (
+        f"{site} {kind}: {out} was created: {sorted(p.name for p in out.iterdir())}"
+    )
     clean = _export(folder, out)
     assert clean.returncode == 0, clean.stdout + clean.stderr
     assert (out / "config.json").is_file() and list(out.glob("*.safetensors"))

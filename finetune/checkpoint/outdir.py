@@ -1,5 +1,6 @@
-"""The filesystem behind one interface: every file operation of the checkpoint manager and the
-resume planner goes through ``LocalStorage`` (tests give the policy a fake that fails on cue).
+"""The output dir as the checkpoint code sees it (``OutputDir``): checkpoint folders, ``latest``,
+staging, trash and what crashes leave, every operation through a ``Storage`` (io/storage.py), so
+the policy is tested on an in-memory storage that fails on cue (tests/checkpoint/memory_storage.py).
 
 Names under OUT that are not checkpoints, all of them out of the tag namespace:
   .staging/<tag>          a save in progress (``<tag>.replaced``: the old folder of a same-tag swap)
@@ -12,17 +13,20 @@ Everything but ``.abandoned`` is a crashed save's leftover once no run holds OUT
 
 from __future__ import annotations
 
-import ctypes
+import fnmatch
+import json
 import logging
 import os
-import shutil
+import posixpath
 import threading
 import uuid
 from pathlib import Path
 
+import xxhash
+
 from finetune.checkpoint.policy import TAG_RE, Committed, resume_order, step_of, tag_for  # noqa: F401
-from finetune.io.durable import fsync_path, replace_text
 from finetune.io.progress import progress
+from finetune.io.storage import LocalStorage, Storage
 
 LATEST = "latest"
 STAGING = ".staging"
@@ -34,45 +38,55 @@ UNIVERSAL_TMP = "universal.tmp"  # an interrupted universal conversion's pieces 
 logger = logging.getLogger("finetune")
 
 
-class LocalStorage:
-    def __init__(self, root: str | os.PathLike):
-        self.root = Path(root)
+class OutputDir:
+    """OUT as the checkpoint code sees it: checkpoint folders, ``latest``, staging, trash, what a
+    crash leaves; every operation through a ``Storage`` (``io/storage.py``).
+
+    Built from a Storage, or from a local folder (a ``LocalStorage`` of it).
+    """
+
+    def __init__(self, root: str | os.PathLike | Storage):
+        self.storage: Storage = root if isinstance(root, Storage) else LocalStorage(root)
+        local = self.storage.local_path()
+        # The local folder DeepSpeed and transformers write in, and messages name.
+        self.root = Path(local) if local is not None else Path(self.storage.describe())
 
     def tags(self) -> list[str]:
         """Checkpoint folder names under root, oldest step first (by step, never by mtime)."""
-        if not self.root.is_dir():
-            return []
-        found = [p.name for p in self.root.iterdir() if p.is_dir() and step_of(p.name) is not None]
+        found = [e.name for e in self.storage.list() if e.is_dir and step_of(e.name) is not None]
         return sorted(found, key=step_of)
 
     def exists(self, rel: str) -> bool:
-        return (self.root / rel).exists()
+        return self.storage.stat(rel) is not None
+
+    def is_file(self, rel: str) -> bool:
+        st = self.storage.stat(rel)
+        return st is not None and not st.is_dir
 
     def read_latest(self) -> str | None:
         try:
-            tag = (self.root / LATEST).read_text().strip()
+            data = self.storage.read_bytes(LATEST)
         except OSError:
             return None
+        tag = data.decode(errors="replace").strip() if data is not None else ""
         return tag or None
 
     def write_latest(self, tag: str) -> None:
-        replace_text(self.root / LATEST, tag + "\n")
+        self.storage.replace_bytes(LATEST, f"{tag}\n".encode())
 
     def rename(self, src: str, dst: str) -> None:
-        os.rename(self.root / src, self.root / dst)
-        fsync_path(self.root)
+        self.storage.rename(src, dst)
 
     def replace_dir(self, src: str, dst: str) -> None:
-        """Put folder ``src`` at ``dst``. If ``dst`` exists, swap atomically where the OS can
+        """Put folder ``src`` at ``dst``. If ``dst`` exists, swap atomically where the storage can
         (so ``dst`` is always a complete folder), then delete the old one now at ``src``."""
         if not self.exists(dst):
             self.rename(src, dst)
             return
-        if not _exchange(self.root / src, self.root / dst):
+        if not self.storage.exchange(src, dst):
             self.rename(dst, f"{src}.replaced")  # fallback: a short window without ``dst``
             self.rename(src, dst)
             src = f"{src}.replaced"
-        fsync_path(self.root)
         self.remove(src)
 
     def remove(self, rel: str) -> int:
@@ -80,16 +94,15 @@ class LocalStorage:
         midway never leaves a half-deleted folder under a checkpoint's name), then removed. A
         failure to remove is logged: the trash is tidied at the next start. Returns the bytes of
         disk space it freed (allocated blocks, what ``du`` counts)."""
-        path = self.root / rel
-        if not path.exists():
+        if not self.exists(rel):
             return 0
         return self.purge(self.retire(rel) if not rel.startswith(f"{STAGING}/") else rel)
 
     def retire(self, rel: str) -> str:
         """Rename a folder under a tag name out of the tag namespace (``.trash-<tag>-<nonce>``), the
         one atomic step of a deletion; its path relative to root. Raises: the caller keeps the tag."""
-        trash = f"{TRASH}{Path(rel).name}-{uuid.uuid4().hex[:8]}"
-        os.rename(self.root / rel, self.root / trash)
+        trash = f"{TRASH}{posixpath.basename(rel)}-{uuid.uuid4().hex[:8]}"
+        self.rename(rel, trash)
         return trash
 
     def purge(self, rel: str, stop: threading.Event | None = None, on_file=None) -> int:
@@ -98,65 +111,88 @@ class LocalStorage:
         so a polled step's deadline counts from the last file removed). Failures are logged: what
         is left is tidied at the next start."""
         on_file = on_file or progress
-
-        root = self.root / rel
+        st = self.storage.stat(rel)
+        if st is None:
+            return 0
         freed, failures = 0, []
-        if not root.is_dir() or root.is_symlink():
-            freed = _tree_usage(root)
-            try:
-                root.unlink(missing_ok=True)
-            except OSError as e:
-                failures.append(f"{root}: {e}")
-                freed = 0
+        if not st.is_dir:
+            failures += self._remove_one(rel)
+            freed = 0 if failures else st.allocated
         else:
-            for parent, dirs, files in os.walk(root, topdown=False):
+            for parent, dirs, files in self.storage.walk(rel):
                 for name in files:
                     if stop is not None and stop.is_set():
                         return freed
-                    path = os.path.join(parent, name)
-                    size = _tree_usage(Path(path))
-                    try:
-                        os.unlink(path)
-                        freed += size
-                    except OSError as e:
-                        failures.append(f"{path}: {e}")
+                    path = posixpath.join(parent, name)
+                    size = self.usage(path)
+                    failed = self._remove_one(path)
+                    freed += 0 if failed else size
+                    failures += failed
                     on_file()
                 for name in dirs:
-                    try:
-                        os.rmdir(os.path.join(parent, name))
-                    except OSError as e:
-                        failures.append(f"{os.path.join(parent, name)}: {e}")
-            try:
-                os.rmdir(root)
-            except OSError as e:
-                failures.append(f"{root}: {e}")
+                    failures += self._remove_one(posixpath.join(parent, name))
+            failures += self._remove_one(rel)
         if failures:
-            logger.warning("could not delete %s completely (%d error(s), first: %s); it is retried at the next "
-                           "start", rel, len(failures), failures[0])
+            logger.warning(
+                "could not delete %s completely (%d error(s), first: %s); it is retried at the next "
+                "start",
+                rel,
+                len(failures),
+                failures[0],
+            )
         return freed
+
+    def _remove_one(self, rel: str) -> list[str]:
+        try:
+            self.storage.remove(rel)
+        except OSError as e:
+            return [f"{self.storage.describe(rel)}: {e}"]
+        return []
+
+    def usage(self, rel: str, allocated: bool = True) -> int:
+        """Disk space a file or folder takes (``allocated``: blocks, as ``du``; else the files'
+        sizes); 0 for what is gone."""
+        st = self.storage.stat(rel)
+        if st is None:
+            return 0
+        if not st.is_dir:
+            return st.allocated if allocated else st.size
+        total = 0
+        for parent, _, files in self.storage.walk(rel):
+            for name in files:
+                one = self.storage.stat(posixpath.join(parent, name))
+                if one is not None:
+                    total += one.allocated if allocated else one.size
+        return total
 
     def remove_matching(self, rel: str, patterns: tuple[str, ...]) -> list[str]:
         """Delete the files of folder ``rel`` that match any glob of ``patterns``; their names."""
         removed = []
         for pattern in patterns:
-            for path in (self.root / rel).glob(pattern):
-                path.unlink()
-                removed.append(path.name)
+            for entry in self.storage.list(rel):
+                if not entry.is_dir and fnmatch.fnmatchcase(entry.name, pattern):
+                    self.storage.remove(f"{rel}/{entry.name}")
+                    removed.append(entry.name)
         return removed
 
-    def read_manifest(self, tag: str) -> dict | None:
-        import json
+    def write_json(self, rel: str, obj) -> tuple[int, str]:
+        """A JSON file written durably (sorted keys, indented); its (size, xxh3-128)."""
+        data = (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode()
+        self.storage.write_bytes(rel, data)
+        return len(data), xxhash.xxh3_128_hexdigest(data)
 
+    def read_manifest(self, tag: str) -> dict | None:
         try:
-            return json.loads((self.root / tag / MANIFEST).read_text())
+            data = self.storage.read_bytes(f"{tag}/{MANIFEST}")
+            return json.loads(data) if data is not None else None
         except (OSError, ValueError):
             return None
 
     def set_aside(self, tag: str, label: str) -> str:
         """Move a checkpoint out of the tag namespace into ``.abandoned`` (kept, not counted);
         returns where it went, relative to root."""
-        (self.root / ABANDONED).mkdir(exist_ok=True)
-        dst = f"{ABANDONED}/{Path(tag).name}-{label}"
+        self.storage.makedirs(ABANDONED)
+        dst = f"{ABANDONED}/{posixpath.basename(tag)}-{label}"
         if self.exists(dst):
             dst = f"{dst}-{uuid.uuid4().hex[:6]}"
         self.rename(tag, dst)
@@ -164,14 +200,20 @@ class LocalStorage:
 
     def leftovers(self) -> list[str]:
         """What crashed saves leave behind (relative paths): staging, trash, temp files."""
-        if not self.root.is_dir():
-            return []
-        found = [f"{STAGING}/{p.name}" for p in _children(self.root / STAGING)]
-        found += [p.name for p in _children(self.root) if p.name.startswith((TRASH, ".storage-probe-"))
-                  or p.name in (f".{LATEST}.tmp", "metrics.jsonl.tmp", ".exit_status.json.tmp")]
+        found = [f"{STAGING}/{e.name}" for e in self.storage.list(STAGING)]
+        found += [
+            e.name
+            for e in self.storage.list()
+            if e.name.startswith((TRASH, ".storage-probe-"))
+            or e.name in (f".{LATEST}.tmp", "metrics.jsonl.tmp", ".exit_status.json.tmp")
+        ]
         # <tag>/universal.tmp is kept: an interrupted conversion's finished pieces (universal.py).
-        found += [f"{t}/{p.name}" for t in self.tags() for p in _children(self.root / t)
-                  if p.name.endswith(".tmp") and p.name != UNIVERSAL_TMP]
+        found += [
+            f"{t}/{e.name}"
+            for t in self.tags()
+            for e in self.storage.list(t)
+            if e.name.endswith(".tmp") and e.name != UNIVERSAL_TMP
+        ]
         return sorted(found)
 
     def housekeeping(self) -> list[tuple[str, int]]:
@@ -180,12 +222,11 @@ class LocalStorage:
         removed = []
         self._rescue_committed()
         for rel in self.leftovers():
-            size = _tree_bytes(self.root / rel)
+            size = self.usage(rel, allocated=False)
             self.purge(rel)  # file by file: each one is progress for the start-up step's deadline
             removed.append((rel, size))
-        staging = self.root / STAGING
-        if staging.is_dir() and not any(staging.iterdir()):
-            staging.rmdir()
+        if self.exists(STAGING) and not self.storage.list(STAGING):
+            self.storage.remove(STAGING)
         return removed
 
     def _rescue_committed(self) -> None:
@@ -193,19 +234,25 @@ class LocalStorage:
         folder of a same-tag swap (``<tag>.replaced``) goes back under its name when the new one
         never arrived; a staged folder with its manifest (committed on this storage, then the
         rename never happened, perhaps not on every node) is set aside under ``.abandoned``."""
-        for path in _children(self.root / STAGING):
-            if not (path / MANIFEST).is_file():
+        for entry in self.storage.list(STAGING):
+            manifest = self.storage.stat(f"{STAGING}/{entry.name}/{MANIFEST}")
+            if manifest is None or manifest.is_dir:
                 continue
-            if path.name.endswith(".replaced"):
-                tag = path.name.removesuffix(".replaced")
+            if entry.name.endswith(".replaced"):
+                tag = entry.name.removesuffix(".replaced")
                 if step_of(tag) is not None and not self.exists(tag):
-                    self.rename(f"{STAGING}/{path.name}", tag)
+                    self.rename(f"{STAGING}/{entry.name}", tag)
                     logger.warning("restored %s: a crash interrupted a same-tag swap", tag)
                     continue
-            if step_of(path.name) is not None:
-                where = self.set_aside(f"{STAGING}/{path.name}", "staged")
-                logger.warning("set aside %s/%s, complete but never published (a crash during its commit): now %s",
-                               STAGING, path.name, where)
+            if step_of(entry.name) is not None:
+                where = self.set_aside(f"{STAGING}/{entry.name}", "staged")
+                logger.warning(
+                    "set aside %s/%s, complete but never published (a crash during its commit): "
+                    "now %s",
+                    STAGING,
+                    entry.name,
+                    where,
+                )
 
     def finish_staging(self, saved: bool = True) -> int:
         """Tidy ``.staging`` after a save: DeepSpeed copies its recovery scripts (zero_to_fp32.py,
@@ -213,82 +260,27 @@ class LocalStorage:
         where DeepSpeed users expect them, beside the checkpoints. After a failed one (``saved``
         false) they may be truncated (a full disk): deleted, never moved over the good ones. The
         folder itself goes when empty. Returns the bytes freed (deleted scripts)."""
-        staging, freed = self.root / STAGING, 0
+        freed = 0
         try:
-            for script in staging.glob("zero_to_*.py"):
+            for entry in self.storage.list(STAGING):
+                if entry.is_dir or not fnmatch.fnmatchcase(entry.name, "zero_to_*.py"):
+                    continue
                 if saved:
-                    os.replace(script, self.root / script.name)
+                    self.rename(f"{STAGING}/{entry.name}", entry.name)  # over the older copy
                 else:
-                    size = _tree_usage(script)
-                    script.unlink()
+                    size = self.usage(f"{STAGING}/{entry.name}")
+                    self.storage.remove(f"{STAGING}/{entry.name}")
                     freed += size
-            staging.rmdir()
+            self.storage.remove(STAGING)
         except OSError:
-            pass  # not empty, already gone, or a script that would not move: tidied at the next start
+            pass  # not empty, or a script that would not move: tidied at the next start
         return freed
 
     def free_bytes(self) -> int:
-        path = self.root
-        while not path.exists():
-            path = path.parent
-        return shutil.disk_usage(path).free
+        return self.storage.free_bytes()
 
 
-def _exchange(a: Path, b: Path) -> bool:
-    """Atomically swap two paths with Linux renameat2(RENAME_EXCHANGE); False where unsupported."""
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        renameat2 = libc.renameat2
-    except (OSError, AttributeError):
-        return False
-    at_fdcwd, rename_exchange = -100, 2
-    return renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0
-
-
-def _children(folder: Path) -> list[Path]:
-    try:
-        return list(folder.iterdir())
-    except OSError:
-        return []
-
-
-def _tree_usage(path: Path) -> int:
-    """Disk space a file or folder takes (allocated blocks, as ``du``; sizes where the filesystem
-    reports no blocks); 0 for what is gone."""
-    def usage(p: str) -> int:
-        st = os.lstat(p)
-        blocks = getattr(st, "st_blocks", None)
-        return blocks * 512 if blocks is not None else st.st_size
-
-    try:
-        if not path.is_dir() or path.is_symlink():
-            return usage(str(path))
-    except OSError:
-        return 0
-    total = 0
-    for parent, _, files in os.walk(path):
-        for name in files:
-            try:
-                total += usage(os.path.join(parent, name))
-            except OSError:
-                pass
-    return total
-
-
-def _tree_bytes(path: Path) -> int:
-    if path.is_file() or path.is_symlink():
-        return path.lstat().st_size
-    total = 0
-    for parent, _, files in os.walk(path):
-        for name in files:
-            try:
-                total += os.lstat(os.path.join(parent, name)).st_size
-            except OSError:
-                pass
-    return total
-
-
-def committed(storage: LocalStorage):
+def committed(storage: OutputDir) -> list[Committed]:
     """Every checkpoint of ``storage`` whose manifest reads, with its place in the commit order."""
     out = []
     for tag in storage.tags():
@@ -309,21 +301,20 @@ def find_checkpoint(path: str | os.PathLike) -> Path | None:
         return None
     if step_of(p.name) is not None or (p / MANIFEST).exists():
         return p
-    storage = LocalStorage(p)
+    storage = OutputDir(p)
     order = resume_order(storage.tags(), committed(storage))
     return p / order[0] if order else p
 
 
-
 class Deleter:
     """Retention's deletions, off the critical path: a leader's thread removes folders already
-    renamed out of the tag namespace (``LocalStorage.retire``), one at a time, while training goes
+    renamed out of the tag namespace (``OutputDir.retire``), one at a time, while training goes
     on. ``pending_bytes``: what the queued deletions will free (the next free-space check counts
     on it); ``wait`` blocks until they are done; ``stop`` ends them at the next file (a run that
     lost its output dir's lease touches nothing more). A crash leaves ``.trash-*`` folders, which
     the next start removes."""
 
-    def __init__(self, storage: LocalStorage):
+    def __init__(self, storage: OutputDir):
         self.storage = storage
         self.queue: list[tuple[str, int, str]] = []  # (trash path, bytes it holds, tag it was)
         self.lock = threading.Lock()
@@ -343,7 +334,9 @@ class Deleter:
             self.queue.append((trash, nbytes, tag))
             self.idle.clear()
             if self.thread is None:  # (a thread that ran out of work cleared it, under this lock)
-                self.thread = threading.Thread(target=self._run, name="finetune-retention", daemon=True)
+                self.thread = threading.Thread(
+                    target=self._run, name="finetune-retention", daemon=True
+                )
                 self.thread.start()
 
     def _run(self) -> None:
@@ -357,8 +350,12 @@ class Deleter:
             try:
                 freed = self.storage.purge(trash, self.stopped, on_file=self._deleted_one)
             except Exception as e:  # noqa: BLE001 — a thread of its own: logged, tidied at the next start
-                logger.warning("could not delete %s (%s: %s); it is retried at the next start", trash,
-                               type(e).__name__, e)
+                logger.warning(
+                    "could not delete %s (%s: %s); it is retried at the next start",
+                    trash,
+                    type(e).__name__,
+                    e,
+                )
                 freed = 0
             with self.lock:
                 self.queue.pop(0)
