@@ -51,14 +51,25 @@ def summarize(r: dict) -> dict:
     for x in r["e2e"]:
         e2e.setdefault(x["mode"], []).append(x["seconds"])
     none = med(e2e["none"])
-    s = {"first_async_stall_s": r.get("first_async_stall_s"), "stall_async_s": med(a), "stall_deepspeed_sync_s": med(ds), "stall_finetune_sync_s": med(ours_sync),
-         "stall_ratio": med(a) / med(ds), "stall_ratios_each": [x / y for x, y in zip(a, ds)],
-         "e2e_s": {k: med(v) for k, v in e2e.items()},
-         "e2e_overhead_sync": (med(e2e["sync"]) - none) / none, "e2e_overhead_async": (med(e2e["async"]) - none) / none}
+    s = {
+        "first_async_stall_s": r.get("first_async_stall_s"),
+        "stall_async_s": med(a),
+        "stall_deepspeed_sync_s": med(ds),
+        "stall_finetune_sync_s": med(ours_sync),
+        "stall_ratio": med(a) / med(ds),
+        "stall_ratios_each": [x / y for x, y in zip(a, ds)],
+        "e2e_s": {k: med(v) for k, v in e2e.items()},
+        "e2e_overhead_sync": (med(e2e["sync"]) - none) / none,
+        "e2e_overhead_async": (med(e2e["async"]) - none) / none,
+    }
     if r["inflight_steps_s"] and r["idle_steps_s"]:
-        s.update(step_inflight_s=med(r["inflight_steps_s"]), step_idle_s=med(r["idle_steps_s"]),
-                 step_ratio=med(r["inflight_steps_s"]) / med(r["idle_steps_s"]),
-                 steps_inflight=len(r["inflight_steps_s"]), steps_idle=len(r["idle_steps_s"]))
+        s.update(
+            step_inflight_s=med(r["inflight_steps_s"]),
+            step_idle_s=med(r["idle_steps_s"]),
+            step_ratio=med(r["inflight_steps_s"]) / med(r["idle_steps_s"]),
+            steps_inflight=len(r["inflight_steps_s"]),
+            steps_idle=len(r["idle_steps_s"]),
+        )
     return s
 
 
@@ -69,8 +80,12 @@ def main() -> None:
     ap.add_argument("--e2e_steps", type=int, default=40)
     ap.add_argument("--every", type=int, default=10)
     ap.add_argument("--e2e_repeats", type=int, default=2)
-    ap.add_argument("--dir", default=None, help="where checkpoints are written (default: a temp dir)")
-    ap.add_argument("--model_json", default=None, help="JSON object of config keys replacing the 134M Llama's")
+    ap.add_argument(
+        "--dir", default=None, help="where checkpoints are written (default: a temp dir)"
+    )
+    ap.add_argument(
+        "--model_json", default=None, help="JSON object of config keys replacing the 134M Llama's"
+    )
     ap.add_argument("--timeout", type=float, default=1800)
     ap.add_argument("--out", default=str(REPO / "bench" / "results" / "async_save.json"))
     a = ap.parse_args()
@@ -81,14 +96,40 @@ def main() -> None:
     work = Path(a.dir or tempfile.mkdtemp(prefix="finetune-bench-async-"))
     work.mkdir(parents=True, exist_ok=True)
     cfg_dir, ds_path = write_inputs(work, json.loads(a.model_json) if a.model_json else None)
-    env = dict(os.environ, OMP_NUM_THREADS="1", PATH=f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}")
+    env = dict(
+        os.environ,
+        OMP_NUM_THREADS="1",
+        PATH=f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}",
+    )
     env.setdefault("TORCH_EXTENSIONS_DIR", str(Path(sys.prefix) / "torch_extensions"))
-    cmd = [str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", "2", "--master_port", str(free_port()),
-           str(REPO / "bench" / "async_save_worker.py"), "--config_dir", str(cfg_dir), "--ds_config", str(ds_path),
-           "--out", str(work / "out"), "--repeats", str(a.repeats), "--bg_saves", str(a.bg_saves),
-           "--e2e_steps", str(a.e2e_steps), "--every", str(a.every), "--e2e_repeats", str(a.e2e_repeats)]
+    cmd = [
+        str(Path(sys.executable).parent / "deepspeed"),
+        "--num_gpus",
+        "2",
+        "--master_port",
+        str(free_port()),
+        str(REPO / "bench" / "async_save_worker.py"),
+        "--config_dir",
+        str(cfg_dir),
+        "--ds_config",
+        str(ds_path),
+        "--out",
+        str(work / "out"),
+        "--repeats",
+        str(a.repeats),
+        "--bg_saves",
+        str(a.bg_saves),
+        "--e2e_steps",
+        str(a.e2e_steps),
+        "--every",
+        str(a.every),
+        "--e2e_repeats",
+        str(a.e2e_repeats),
+    ]
     start = time.time()
-    proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=a.timeout)
+    proc = subprocess.run(
+        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=a.timeout
+    )
     for line in proc.stdout.splitlines():
         if line.startswith(("stall ", "background save ", "e2e ")) or "] stall " in line:
             print(line.split("] ")[-1] if "] " in line else line, flush=True)
@@ -96,20 +137,34 @@ def main() -> None:
     if proc.returncode != 0 or not lines:
         sys.stdout.write(proc.stdout[-6000:])
         sys.exit(f"worker failed with exit code {proc.returncode}")
-    r = json.loads(lines[-1][len("RESULT "):])
+    r = json.loads(lines[-1][len("RESULT ") :])
     shutil.rmtree(work / "out", ignore_errors=True)
     r["summary"] = s = summarize(r)
-    print(f"model: {r['params']:,} parameters, {r['model_bytes_fp32'] / 1e6:.0f} MB fp32, {r['world_size']} ranks; "
-          f"checkpoint {r['stall'][0]['checkpoint_bytes'] / 1e6:.0f} MB")
-    print(f"(a) stall: async {s['stall_async_s']:.3f}s vs DeepSpeed sync {s['stall_deepspeed_sync_s']:.3f}s "
-          f"(finetune sync {s['stall_finetune_sync_s']:.3f}s): ratio {s['stall_ratio']:.3f} (goal <= 0.1)")
+    print(
+        f"model: {r['params']:,} parameters, {r['model_bytes_fp32'] / 1e6:.0f} MB fp32, {r['world_size']} ranks; "
+        f"checkpoint {r['stall'][0]['checkpoint_bytes'] / 1e6:.0f} MB"
+    )
+    print(
+        f"(a) stall: async {s['stall_async_s']:.3f}s vs DeepSpeed sync {s['stall_deepspeed_sync_s']:.3f}s "
+        f"(finetune sync {s['stall_finetune_sync_s']:.3f}s): ratio {s['stall_ratio']:.3f} (goal <= 0.1)"
+    )
     if "step_ratio" in s:
-        print(f"(b) step time, write in flight {s['step_inflight_s']:.3f}s ({s['steps_inflight']} steps) vs none "
-              f"{s['step_idle_s']:.3f}s ({s['steps_idle']}): {s['step_ratio']:.3f} (goal <= 1.15)")
-    print(f"(c) {a.e2e_steps} steps, a save every {a.every}: " + ", ".join(f"{k} {v:.2f}s" for k, v in s["e2e_s"].items())
-          + f"; overhead sync {100 * s['e2e_overhead_sync']:.1f}%, async {100 * s['e2e_overhead_async']:.1f}% (goal <= 3.5%)")
-    r.update(machine=machine(), date=time.strftime("%Y-%m-%dT%H:%M:%S%z"), wall_s=time.time() - start,
-             directory=str(work), command=" ".join(sys.argv))
+        print(
+            f"(b) step time, write in flight {s['step_inflight_s']:.3f}s ({s['steps_inflight']} steps) vs none "
+            f"{s['step_idle_s']:.3f}s ({s['steps_idle']}): {s['step_ratio']:.3f} (goal <= 1.15)"
+        )
+    print(
+        f"(c) {a.e2e_steps} steps, a save every {a.every}: "
+        + ", ".join(f"{k} {v:.2f}s" for k, v in s["e2e_s"].items())
+        + f"; overhead sync {100 * s['e2e_overhead_sync']:.1f}%, async {100 * s['e2e_overhead_async']:.1f}% (goal <= 3.5%)"
+    )
+    r.update(
+        machine=machine(),
+        date=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        wall_s=time.time() - start,
+        directory=str(work),
+        command=" ".join(sys.argv),
+    )
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(r, indent=2))
     print(f"wrote {a.out}")

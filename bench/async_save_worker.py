@@ -65,9 +65,18 @@ def main() -> None:
     ap.add_argument("--ds_config", required=True)
     ap.add_argument("--out", required=True)
     ap.add_argument("--repeats", type=int, default=3, help="(a): stall measurements")
-    ap.add_argument("--bg_saves", type=int, default=3, help="(b): background saves to train through")
-    ap.add_argument("--min_idle_steps", type=int, default=3, help="(b): at least this many steps with no save")
-    ap.add_argument("--max_inflight_steps", type=int, default=200, help="(b): give up waiting for a write after this")
+    ap.add_argument(
+        "--bg_saves", type=int, default=3, help="(b): background saves to train through"
+    )
+    ap.add_argument(
+        "--min_idle_steps", type=int, default=3, help="(b): at least this many steps with no save"
+    )
+    ap.add_argument(
+        "--max_inflight_steps",
+        type=int,
+        default=200,
+        help="(b): give up waiting for a write after this",
+    )
     ap.add_argument("--e2e_steps", type=int, default=40, help="(c): N")
     ap.add_argument("--every", type=int, default=10, help="(c): save every k steps")
     ap.add_argument("--e2e_repeats", type=int, default=2, help="(c): rounds of (none, sync, async)")
@@ -81,10 +90,30 @@ def main() -> None:
         sys.exit(3)
     out = Path(a.out)
     tokenizer = str(Path(__file__).resolve().parents[1] / "finetune" / "resources" / "tokenizer")
-    cfg = parse_train_args(["--config_name", a.config_dir, "--tokenizer_name", tokenizer, "--deepspeed_config", a.ds_config,
-                            "--output_dir", str(out), "--max_steps", "100000", "--per_device_train_batch_size",
-                            str(a.batch_size), "--max_seq_length", str(a.seq_len), "--validation_split_percentage", "0",
-                            "--save_checkpoint", "--async_save", "--save_total_limit", "1"])
+    cfg = parse_train_args(
+        [
+            "--config_name",
+            a.config_dir,
+            "--tokenizer_name",
+            tokenizer,
+            "--deepspeed_config",
+            a.ds_config,
+            "--output_dir",
+            str(out),
+            "--max_steps",
+            "100000",
+            "--per_device_train_batch_size",
+            str(a.batch_size),
+            "--max_seq_length",
+            str(a.seq_len),
+            "--validation_split_percentage",
+            "0",
+            "--save_checkpoint",
+            "--async_save",
+            "--save_total_limit",
+            "1",
+        ]
+    )
     dist.init(cfg.train.ddp_timeout)
     trainer = Trainer.build(cfg)
     engine, manager, state = trainer.engine, trainer.checkpoints, trainer.state
@@ -119,7 +148,11 @@ def main() -> None:
         settle()
         engine.checkpoint_engine = manager.writer.inner  # DeepSpeed's own writer for the comparison
         try:
-            t_ds = timed(lambda: engine.save_checkpoint(str(ds_dir), tag=f"global_step{step}", save_latest=False))
+            t_ds = timed(
+                lambda: engine.save_checkpoint(
+                    str(ds_dir), tag=f"global_step{step}", save_latest=False
+                )
+            )
         finally:
             engine.checkpoint_engine = manager.writer
         ds_bytes = folder_bytes(ds_dir / f"global_step{step}") if dist.is_main() else 0
@@ -129,12 +162,24 @@ def main() -> None:
         train_step()
         settle()
         t_sync = timed(lambda: manager.save(state.global_step))
-        stall.append({"step": step, "async_stall_s": t_async, "async_rest_s": t_rest, "deepspeed_sync_s": t_ds,
-                      "finetune_sync_s": t_sync, "checkpoint_bytes": ckpt_bytes, "deepspeed_bytes": ds_bytes,
-                      "snapshot_bytes_rank0": snapshot_bytes})
+        stall.append(
+            {
+                "step": step,
+                "async_stall_s": t_async,
+                "async_rest_s": t_rest,
+                "deepspeed_sync_s": t_ds,
+                "finetune_sync_s": t_sync,
+                "checkpoint_bytes": ckpt_bytes,
+                "deepspeed_bytes": ds_bytes,
+                "snapshot_bytes_rank0": snapshot_bytes,
+            }
+        )
         if dist.is_main():
-            print(f"stall {i}: async {t_async:.3f}s (+{t_rest:.3f}s to finish), DeepSpeed sync {t_ds:.3f}s, "
-                  f"finetune sync {t_sync:.3f}s", flush=True)
+            print(
+                f"stall {i}: async {t_async:.3f}s (+{t_rest:.3f}s to finish), DeepSpeed sync {t_ds:.3f}s, "
+                f"finetune sync {t_sync:.3f}s",
+                flush=True,
+            )
 
     # (b) step time with a write in flight vs none
     def step_time() -> float:
@@ -158,10 +203,20 @@ def main() -> None:
         quiet = [step_time() for _ in range(max(len(these), a.min_idle_steps))]
         inflight += these
         idle += quiet
-        per_save.append({"stall_s": stall_s, "inflight_steps_s": these, "idle_steps_s": quiet, "gave_up": gave_up})
+        per_save.append(
+            {
+                "stall_s": stall_s,
+                "inflight_steps_s": these,
+                "idle_steps_s": quiet,
+                "gave_up": gave_up,
+            }
+        )
         if dist.is_main():
-            print(f"background save {i}: {len(these)} steps in flight, median {statistics.median(these) if these else 0:.3f}s; "
-                  f"idle median {statistics.median(quiet):.3f}s", flush=True)
+            print(
+                f"background save {i}: {len(these)} steps in flight, median {statistics.median(these) if these else 0:.3f}s; "
+                f"idle median {statistics.median(quiet):.3f}s",
+                flush=True,
+            )
 
     # (c) end to end
     def e2e(mode: str) -> float:
@@ -178,6 +233,7 @@ def main() -> None:
                         manager.poll()
             if mode == "async":
                 manager.wait()
+
         return timed(loop)
 
     order = []
@@ -191,11 +247,24 @@ def main() -> None:
             print(f"e2e {mode}: {e2e_runs[-1]['seconds']:.2f}s", flush=True)
 
     if dist.is_main():
-        print("RESULT " + json.dumps({
-            "params": params, "model_bytes_fp32": params * 4, "world_size": dist.world_size(),
-            "settings": {k: v for k, v in vars(a).items() if k not in ("local_rank",)},
-            "first_async_stall_s": first_stall, "stall": stall, "background": per_save, "inflight_steps_s": inflight, "idle_steps_s": idle,
-            "e2e": e2e_runs}), flush=True)
+        print(
+            "RESULT "
+            + json.dumps(
+                {
+                    "params": params,
+                    "model_bytes_fp32": params * 4,
+                    "world_size": dist.world_size(),
+                    "settings": {k: v for k, v in vars(a).items() if k not in ("local_rank",)},
+                    "first_async_stall_s": first_stall,
+                    "stall": stall,
+                    "background": per_save,
+                    "inflight_steps_s": inflight,
+                    "idle_steps_s": idle,
+                    "e2e": e2e_runs,
+                }
+            ),
+            flush=True,
+        )
     trainer.data.close()
     dist.barrier()
     dist.shutdown()

@@ -29,9 +29,20 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-MODEL = dict(model_type="llama", hidden_size=768, intermediate_size=2048, num_hidden_layers=12,
-             num_attention_heads=12, num_key_value_heads=12, vocab_size=32000, max_position_embeddings=512,
-             tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=3)
+MODEL = dict(
+    model_type="llama",
+    hidden_size=768,
+    intermediate_size=2048,
+    num_hidden_layers=12,
+    num_attention_heads=12,
+    num_key_value_heads=12,
+    vocab_size=32000,
+    max_position_embeddings=512,
+    tie_word_embeddings=False,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=3,
+)
 
 
 def free_port() -> int:
@@ -48,34 +59,63 @@ def write_inputs(work: Path, overrides: dict | None = None) -> tuple[Path, Path]
     kw = {**MODEL, **(overrides or {})}
     AutoConfig.for_model(kw.pop("model_type"), **kw).save_pretrained(cfg_dir)
     ds = json.loads((REPO / "configs" / "ds_zero3.json").read_text())
-    ds["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] = True  # for save_16bit_model
+    ds["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] = (
+        True  # for save_16bit_model
+    )
     ds_path = work / "ds.json"
     ds_path.write_text(json.dumps(ds))
     return cfg_dir, ds_path
 
 
 def machine() -> dict:
-    cpu = next((l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name")), "?")
-    mem = next((int(l.split()[1]) * 1024 for l in open("/proc/meminfo") if l.startswith("MemTotal")), 0)
+    cpu = next(
+        (l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name")),
+        "?",
+    )
+    mem = next(
+        (int(l.split()[1]) * 1024 for l in open("/proc/meminfo") if l.startswith("MemTotal")), 0
+    )
     return {"cpus": os.cpu_count(), "cpu": cpu, "ram_bytes": mem, "kernel": platform.release()}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--dir", default=None, help="where checkpoints are written (default: a temp dir)")
-    ap.add_argument("--model_json", default=None,
-                    help="JSON object of config keys replacing the 134M Llama's (e.g. a tiny model for a smoke run)")
+    ap.add_argument(
+        "--dir", default=None, help="where checkpoints are written (default: a temp dir)"
+    )
+    ap.add_argument(
+        "--model_json",
+        default=None,
+        help="JSON object of config keys replacing the 134M Llama's (e.g. a tiny model for a smoke run)",
+    )
     ap.add_argument("--out", default=str(REPO / "bench" / "results" / "checkpoint_save.json"))
     a = ap.parse_args()
     work = Path(a.dir or tempfile.mkdtemp(prefix="finetune-bench-ckpt-"))
     work.mkdir(parents=True, exist_ok=True)
     cfg_dir, ds_path = write_inputs(work, json.loads(a.model_json) if a.model_json else None)
-    env = dict(os.environ, OMP_NUM_THREADS="1", PATH=f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}")
+    env = dict(
+        os.environ,
+        OMP_NUM_THREADS="1",
+        PATH=f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}",
+    )
     env.setdefault("TORCH_EXTENSIONS_DIR", str(Path(sys.prefix) / "torch_extensions"))
-    cmd = [str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", "2", "--master_port", str(free_port()),
-           str(REPO / "bench" / "checkpoint_save_worker.py"), "--config_dir", str(cfg_dir), "--ds_config", str(ds_path),
-           "--out", str(work / "out"), "--repeats", str(a.repeats)]
+    cmd = [
+        str(Path(sys.executable).parent / "deepspeed"),
+        "--num_gpus",
+        "2",
+        "--master_port",
+        str(free_port()),
+        str(REPO / "bench" / "checkpoint_save_worker.py"),
+        "--config_dir",
+        str(cfg_dir),
+        "--ds_config",
+        str(ds_path),
+        "--out",
+        str(work / "out"),
+        "--repeats",
+        str(a.repeats),
+    ]
     start = time.time()
     proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     for line in proc.stdout.splitlines():
@@ -85,11 +125,16 @@ def main() -> None:
     if proc.returncode != 0 or not lines:
         sys.stdout.write(proc.stdout[-5000:])
         sys.exit(f"worker failed with exit code {proc.returncode}")
-    r = json.loads(lines[-1][len("RESULT "):])
+    r = json.loads(lines[-1][len("RESULT ") :])
     shutil.rmtree(work / "out", ignore_errors=True)
     report(r)
-    r.update(machine=machine(), date=time.strftime("%Y-%m-%dT%H:%M:%S%z"), wall_s=time.time() - start,
-             directory=str(work), command=" ".join(sys.argv))
+    r.update(
+        machine=machine(),
+        date=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        wall_s=time.time() - start,
+        directory=str(work),
+        command=" ".join(sys.argv),
+    )
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(r, indent=2))
     print(f"wrote {a.out}")
@@ -101,18 +146,32 @@ def report(r: dict) -> None:
     raw = [s["raw_bytes"] / s["raw_s"] for s in saves]
     ds = [s["deepspeed_bytes"] / s["deepspeed_s"] for s in saves]
     ratio = [o / w for o, w in zip(ours, raw)]
-    print(f"model: {r['params']:,} parameters, {r['model_bytes_fp32'] / 1e6:.0f} MB fp32, {r['world_size']} ranks")
+    print(
+        f"model: {r['params']:,} parameters, {r['model_bytes_fp32'] / 1e6:.0f} MB fp32, {r['world_size']} ranks"
+    )
     print(f"{'save':<28}{'MB':>8}{'MB/s (each repeat)':>34}{'median':>10}")
-    for name, rates, key in (("finetune partitioned", ours, "ours_bytes"), ("raw write + fdatasync", raw, "raw_bytes"),
-                             ("DeepSpeed save_checkpoint", ds, "deepspeed_bytes")):
+    for name, rates, key in (
+        ("finetune partitioned", ours, "ours_bytes"),
+        ("raw write + fdatasync", raw, "raw_bytes"),
+        ("DeepSpeed save_checkpoint", ds, "deepspeed_bytes"),
+    ):
         each = " ".join(f"{x / 1e6:7.0f}" for x in rates)
-        print(f"{name:<28}{saves[0][key] / 1e6:8.0f}{each:>34}{statistics.median(rates) / 1e6:10.0f}")
-    print(f"finetune / raw bandwidth: {' '.join(f'{x:.2f}' for x in ratio)} (median {statistics.median(ratio):.2f}, goal >= 0.8)")
+        print(
+            f"{name:<28}{saves[0][key] / 1e6:8.0f}{each:>34}{statistics.median(rates) / 1e6:10.0f}"
+        )
+    print(
+        f"finetune / raw bandwidth: {' '.join(f'{x:.2f}' for x in ratio)} (median {statistics.median(ratio):.2f}, goal >= 0.8)"
+    )
     mb = r["model_bytes_fp32"]
-    for name, key in (("finetune consolidated", "consolidated"), ("DeepSpeed save_16bit_model", "save_16bit_model")):
+    for name, key in (
+        ("finetune consolidated", "consolidated"),
+        ("DeepSpeed save_16bit_model", "save_16bit_model"),
+    ):
         c = r[key]
-        print(f"{name:<28} {c['seconds']:6.2f} s, rank-0 peak RSS +{c['rss_increase'] / 1e6:7.1f} MB "
-              f"= {c['rss_increase'] / mb:.2f} x model bytes")
+        print(
+            f"{name:<28} {c['seconds']:6.2f} s, rank-0 peak RSS +{c['rss_increase'] / 1e6:7.1f} MB "
+            f"= {c['rss_increase'] / mb:.2f} x model bytes"
+        )
 
 
 if __name__ == "__main__":

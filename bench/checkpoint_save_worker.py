@@ -49,7 +49,12 @@ class PeakRSS:
     """Samples this process's RSS in a thread; ``peak - base`` is the increase during the block."""
 
     def __init__(self, interval: float = 0.002):
-        self.proc, self.interval, self.peak, self._stop = psutil.Process(), interval, 0, threading.Event()
+        self.proc, self.interval, self.peak, self._stop = (
+            psutil.Process(),
+            interval,
+            0,
+            threading.Event(),
+        )
 
     def __enter__(self):
         trim_heap()
@@ -108,10 +113,28 @@ def worker_args() -> argparse.ArgumentParser:
 def one_step_config(a: argparse.Namespace, *extra: str):
     """finetune's config for the model in ``a.config_dir``: one step, tiny batches, saving into ``a.out``."""
     tokenizer = str(Path(__file__).resolve().parents[1] / "finetune" / "resources" / "tokenizer")
-    return parse_train_args(["--config_name", a.config_dir, "--tokenizer_name", tokenizer, "--deepspeed_config",
-                             a.ds_config, "--output_dir", a.out, "--max_steps", "1", "--per_device_train_batch_size",
-                             "1", "--max_seq_length", "32", "--validation_split_percentage", "0", "--save_checkpoint",
-                             *extra])
+    return parse_train_args(
+        [
+            "--config_name",
+            a.config_dir,
+            "--tokenizer_name",
+            tokenizer,
+            "--deepspeed_config",
+            a.ds_config,
+            "--output_dir",
+            a.out,
+            "--max_steps",
+            "1",
+            "--per_device_train_batch_size",
+            "1",
+            "--max_seq_length",
+            "32",
+            "--validation_split_percentage",
+            "0",
+            "--save_checkpoint",
+            *extra,
+        ]
+    )
 
 
 def main() -> None:
@@ -129,8 +152,13 @@ def main() -> None:
         trainer.state.global_step = 100 + i
         t_ours = timed(lambda: manager.save(trainer.state.global_step))
         ours_dir = out / f"global_step{100 + i}"
-        my_bytes = sum(p.stat().st_size for p in ours_dir.iterdir() if p.name.endswith(f"rank_{dist.rank()}_mp_rank_00_optim_states.pt")
-                       or p.name.endswith(f"rank_{dist.rank()}_mp_rank_00_model_states.pt") or p.name == f"rng_state_{dist.rank()}.pt")
+        my_bytes = sum(
+            p.stat().st_size
+            for p in ours_dir.iterdir()
+            if p.name.endswith(f"rank_{dist.rank()}_mp_rank_00_optim_states.pt")
+            or p.name.endswith(f"rank_{dist.rank()}_mp_rank_00_model_states.pt")
+            or p.name == f"rng_state_{dist.rank()}.pt"
+        )
         total = folder_bytes(ours_dir) if dist.is_main() else 0
         raw_path = out / f"raw_{i}_rank{dist.rank()}.bin"
         t_raw = timed(lambda: raw_write(raw_path, my_bytes))
@@ -146,8 +174,16 @@ def main() -> None:
             shutil.rmtree(ds_dir, ignore_errors=True)
             shutil.rmtree(ours_dir, ignore_errors=True)
         dist.barrier()
-        rows.append({"ours_s": t_ours, "ours_bytes": total, "raw_s": t_raw, "raw_bytes": raw_total,
-                     "deepspeed_s": t_ds, "deepspeed_bytes": ds_total})
+        rows.append(
+            {
+                "ours_s": t_ours,
+                "ours_bytes": total,
+                "raw_s": t_raw,
+                "raw_bytes": raw_total,
+                "deepspeed_s": t_ds,
+                "deepspeed_bytes": ds_total,
+            }
+        )
     cons_dir = out / "consolidated"
     if dist.is_main():
         cons_dir.mkdir(parents=True, exist_ok=True)
@@ -158,12 +194,28 @@ def main() -> None:
         t_16 = timed(lambda: engine.save_16bit_model(str(out / "save16"), "model.safetensors"))
     if dist.is_main():
         model_bytes = params * 4
-        print("RESULT " + json.dumps({
-            "params": params, "model_bytes_fp32": model_bytes, "world_size": dist.world_size(), "saves": rows,
-            "consolidated": {"seconds": t_cons, "rss_increase": ours_rss.peak - ours_rss.base,
-                             "bytes": folder_bytes(cons_dir)},
-            "save_16bit_model": {"seconds": t_16, "rss_increase": ds_rss.peak - ds_rss.base,
-                                 "bytes": folder_bytes(out / "save16")}}), flush=True)
+        print(
+            "RESULT "
+            + json.dumps(
+                {
+                    "params": params,
+                    "model_bytes_fp32": model_bytes,
+                    "world_size": dist.world_size(),
+                    "saves": rows,
+                    "consolidated": {
+                        "seconds": t_cons,
+                        "rss_increase": ours_rss.peak - ours_rss.base,
+                        "bytes": folder_bytes(cons_dir),
+                    },
+                    "save_16bit_model": {
+                        "seconds": t_16,
+                        "rss_increase": ds_rss.peak - ds_rss.base,
+                        "bytes": folder_bytes(out / "save16"),
+                    },
+                }
+            ),
+            flush=True,
+        )
     dist.barrier()
     dist.shutdown()
 

@@ -48,9 +48,20 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 PY = sys.executable
-MODEL = dict(model_type="llama", vocab_size=32000, hidden_size=768, intermediate_size=2048, num_hidden_layers=12,
-             num_attention_heads=12, num_key_value_heads=12, max_position_embeddings=512, tie_word_embeddings=False,
-             bos_token_id=1, eos_token_id=2, pad_token_id=3)
+MODEL = dict(
+    model_type="llama",
+    vocab_size=32000,
+    hidden_size=768,
+    intermediate_size=2048,
+    num_hidden_layers=12,
+    num_attention_heads=12,
+    num_key_value_heads=12,
+    max_position_embeddings=512,
+    tie_word_embeddings=False,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=3,
+)
 
 
 def free_port() -> int:
@@ -60,8 +71,13 @@ def free_port() -> int:
 
 
 def env() -> dict:
-    e = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1",
-             PATH=f"{Path(PY).parent}:{os.environ.get('PATH', '')}")
+    e = dict(
+        os.environ,
+        OMP_NUM_THREADS="1",
+        TOKENIZERS_PARALLELISM="false",
+        HF_HUB_OFFLINE="1",
+        PATH=f"{Path(PY).parent}:{os.environ.get('PATH', '')}",
+    )
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         e.pop(k, None)
     return e
@@ -76,10 +92,30 @@ def ensure_checkpoint(work: Path, overrides: dict | None = None) -> Path:
     kw = {**MODEL, **(overrides or {})}
     AutoConfig.for_model(kw.pop("model_type"), **kw).save_pretrained(work / "model")
     shutil.rmtree(run, ignore_errors=True)
-    cmd = [str(Path(PY).parent / "deepspeed"), "--num_gpus", "2", "--master_port", str(free_port()), "--module",
-           "finetune", "--config_name", str(work / "model"), "--tokenizer_name", str(REPO / "finetune/resources/tokenizer"),
-           "--max_steps", "1", "--save_checkpoint", "--output_dir", str(run), "--per_device_train_batch_size", "1",
-           "--max_seq_length", "32", "--max_eval_samples", "8"]
+    cmd = [
+        str(Path(PY).parent / "deepspeed"),
+        "--num_gpus",
+        "2",
+        "--master_port",
+        str(free_port()),
+        "--module",
+        "finetune",
+        "--config_name",
+        str(work / "model"),
+        "--tokenizer_name",
+        str(REPO / "finetune/resources/tokenizer"),
+        "--max_steps",
+        "1",
+        "--save_checkpoint",
+        "--output_dir",
+        str(run),
+        "--per_device_train_batch_size",
+        "1",
+        "--max_seq_length",
+        "32",
+        "--max_eval_samples",
+        "8",
+    ]
     print("creating the checkpoint (one 2-rank step):", " ".join(cmd), flush=True)
     with open(work / "create.log", "w") as log:
         subprocess.run(cmd, cwd=work, env=env(), stdout=log, stderr=subprocess.STDOUT, check=True)
@@ -108,13 +144,19 @@ def measure(cmd: list[str]) -> dict:
     import tempfile
 
     with tempfile.NamedTemporaryFile(suffix=".json") as res:
-        proc = subprocess.run([PY, "-c", _RUSAGE_WRAPPER, res.name, *cmd], env=env(), stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT)
+        proc = subprocess.run(
+            [PY, "-c", _RUSAGE_WRAPPER, res.name, *cmd],
+            env=env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+        )
         out = proc.stdout
         try:
             code, maxrss_kib, wall = json.loads(Path(res.name).read_text())
         except ValueError:
-            raise RuntimeError(f"{cmd}: no result from the wrapper ({proc.returncode}):\n{out.decode()[-3000:]}") from None
+            raise RuntimeError(
+                f"{cmd}: no result from the wrapper ({proc.returncode}):\n{out.decode()[-3000:]}"
+            ) from None
     if code != 0:
         raise RuntimeError(f"{cmd} failed ({code}):\n{out.decode()[-3000:]}")
     return {"wall_s": wall, "peak_rss_bytes": maxrss_kib * 1024, "output_tail": out.decode()[-400:]}
@@ -122,14 +164,33 @@ def measure(cmd: list[str]) -> dict:
 
 OUTS = {"finetune export": "out_finetune", "zero_to_fp32.py": "out_zero_to_fp32"}
 # What each tool has imported before it reads the checkpoint: its own RSS floor.
-IMPORTS = {"finetune export": "import finetune.cli, finetune.offline.export",
-           "zero_to_fp32.py": "import torch, numpy, tqdm, deepspeed.utils, deepspeed.checkpoint.constants"}
+IMPORTS = {
+    "finetune export": "import finetune.cli, finetune.offline.export",
+    "zero_to_fp32.py": "import torch, numpy, tqdm, deepspeed.utils, deepspeed.checkpoint.constants",
+}
 
 
 def command(name: str, run: Path, out: Path) -> list[str]:
     if name == "finetune export":
-        return [PY, "-m", "finetune", "export", str(run / "global_step1"), str(out), "--dtype", "fp32"]
-    return [PY, str(run / "zero_to_fp32.py"), str(run), str(out), "--tag", "global_step1", "--safe_serialization"]
+        return [
+            PY,
+            "-m",
+            "finetune",
+            "export",
+            str(run / "global_step1"),
+            str(out),
+            "--dtype",
+            "fp32",
+        ]
+    return [
+        PY,
+        str(run / "zero_to_fp32.py"),
+        str(run),
+        str(out),
+        "--tag",
+        "global_step1",
+        "--safe_serialization",
+    ]
 
 
 def same_weights(a: Path, b: Path) -> bool:
@@ -158,27 +219,50 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--workdir", default="/tmp/finetune_bench_export")
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--floor_repeats", type=int, default=2, help="runs of each import-only floor process (min taken)")
-    p.add_argument("--model_json", default=None,
-                   help="JSON object of config keys replacing the 134M Llama's (when the checkpoint is created)")
+    p.add_argument(
+        "--floor_repeats",
+        type=int,
+        default=2,
+        help="runs of each import-only floor process (min taken)",
+    )
+    p.add_argument(
+        "--model_json",
+        default=None,
+        help="JSON object of config keys replacing the 134M Llama's (when the checkpoint is created)",
+    )
     p.add_argument("--out", default=str(REPO / "bench/results/export.json"))
     args = p.parse_args()
     work = Path(args.workdir)
     work.mkdir(parents=True, exist_ok=True)
     run = ensure_checkpoint(work, json.loads(args.model_json) if args.model_json else None)
     config = json.loads((run / "global_step1" / "config.json").read_text())
-    floor = min(measure([PY, "-c", "import torch"])["peak_rss_bytes"] for _ in range(args.floor_repeats))
-    own_floors = {name: min(measure([PY, "-c", imports])["peak_rss_bytes"] for _ in range(args.floor_repeats))
-                  for name, imports in IMPORTS.items()}
+    floor = min(
+        measure([PY, "-c", "import torch"])["peak_rss_bytes"] for _ in range(args.floor_repeats)
+    )
+    own_floors = {
+        name: min(measure([PY, "-c", imports])["peak_rss_bytes"] for _ in range(args.floor_repeats))
+        for name, imports in IMPORTS.items()
+    }
     samples: dict[str, list[dict]] = {name: [] for name in OUTS}
     for i in range(args.repeats):
         for name, sub in OUTS.items():
             shutil.rmtree(work / sub, ignore_errors=True)
             samples[name].append(measure(command(name, run, work / sub)))
-            print(f"round {i + 1} {name}: {samples[name][-1]['wall_s']:.2f} s, "
-                  f"peak RSS {samples[name][-1]['peak_rss_bytes'] / 1e6:.0f} MB", flush=True)
+            print(
+                f"round {i + 1} {name}: {samples[name][-1]['wall_s']:.2f} s, "
+                f"peak RSS {samples[name][-1]['peak_rss_bytes'] / 1e6:.0f} MB",
+                flush=True,
+            )
     ours, theirs = (work / sub for sub in OUTS.values())
-    report(samples, floor, _weight_bytes(ours), same_weights(ours, theirs), config, args.out, own_floors)
+    report(
+        samples,
+        floor,
+        _weight_bytes(ours),
+        same_weights(ours, theirs),
+        config,
+        args.out,
+        own_floors,
+    )
     for sub in OUTS.values():
         shutil.rmtree(work / sub, ignore_errors=True)
 
@@ -198,31 +282,72 @@ def _weight_bytes(folder: Path) -> int:
     return total
 
 
-def report(samples: dict, floor: int, fp32_bytes: int, identical: bool, config: dict, path: str,
-           own_floors: dict | None = None) -> None:
+def report(
+    samples: dict,
+    floor: int,
+    fp32_bytes: int,
+    identical: bool,
+    config: dict,
+    path: str,
+    own_floors: dict | None = None,
+) -> None:
     rows = {}
-    print(f"\nfp32 weights: {fp32_bytes / 1e6:.1f} MB; python+torch floor: {floor / 1e6:.0f} MB; "
-          f"outputs identical: {identical}")
-    print(f"{'tool':<18}{'wall s (median)':>16}{'peak RSS MB':>13}{'/ weights':>11}{'peak-floor MB':>15}{'/ weights':>11}")
+    print(
+        f"\nfp32 weights: {fp32_bytes / 1e6:.1f} MB; python+torch floor: {floor / 1e6:.0f} MB; "
+        f"outputs identical: {identical}"
+    )
+    print(
+        f"{'tool':<18}{'wall s (median)':>16}{'peak RSS MB':>13}{'/ weights':>11}{'peak-floor MB':>15}{'/ weights':>11}"
+    )
     for name, runs in samples.items():
         wall = statistics.median(r["wall_s"] for r in runs)
         peak = max(r["peak_rss_bytes"] for r in runs)
-        rows[name] = {"wall_s_median": wall, "wall_s": [r["wall_s"] for r in runs], "peak_rss_bytes": peak,
-                      "peak_rss_bytes_each": [r["peak_rss_bytes"] for r in runs],
-                      "peak_rss_over_weights": peak / fp32_bytes, "peak_minus_floor_bytes": peak - floor,
-                      "peak_minus_floor_over_weights": (peak - floor) / fp32_bytes}
+        rows[name] = {
+            "wall_s_median": wall,
+            "wall_s": [r["wall_s"] for r in runs],
+            "peak_rss_bytes": peak,
+            "peak_rss_bytes_each": [r["peak_rss_bytes"] for r in runs],
+            "peak_rss_over_weights": peak / fp32_bytes,
+            "peak_minus_floor_bytes": peak - floor,
+            "peak_minus_floor_over_weights": (peak - floor) / fp32_bytes,
+        }
         if own_floors:
             own = own_floors[name]
-            rows[name].update(own_floor_rss_bytes=own, peak_minus_own_floor_bytes=peak - own,
-                              peak_minus_own_floor_over_weights=(peak - own) / fp32_bytes)
-        print(f"{name:<18}{wall:>16.2f}{peak / 1e6:>13.0f}{peak / fp32_bytes:>11.2f}{(peak - floor) / 1e6:>15.0f}"
-              f"{(peak - floor) / fp32_bytes:>11.2f}")
-    result = {"benchmark": "export", "fp32_weight_bytes": fp32_bytes, "torch_floor_rss_bytes": floor,
-              "outputs_identical": identical, "world_size": 2, "tools": rows,
-              "model": {k: config.get(k) for k in ("model_type", "hidden_size", "num_hidden_layers", "vocab_size",
-                                                   "intermediate_size", "tie_word_embeddings")},
-              "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()},
-              "versions": _versions(), "when": time.strftime("%Y-%m-%dT%H:%M:%S")}
+            rows[name].update(
+                own_floor_rss_bytes=own,
+                peak_minus_own_floor_bytes=peak - own,
+                peak_minus_own_floor_over_weights=(peak - own) / fp32_bytes,
+            )
+        print(
+            f"{name:<18}{wall:>16.2f}{peak / 1e6:>13.0f}{peak / fp32_bytes:>11.2f}{(peak - floor) / 1e6:>15.0f}"
+            f"{(peak - floor) / fp32_bytes:>11.2f}"
+        )
+    result = {
+        "benchmark": "export",
+        "fp32_weight_bytes": fp32_bytes,
+        "torch_floor_rss_bytes": floor,
+        "outputs_identical": identical,
+        "world_size": 2,
+        "tools": rows,
+        "model": {
+            k: config.get(k)
+            for k in (
+                "model_type",
+                "hidden_size",
+                "num_hidden_layers",
+                "vocab_size",
+                "intermediate_size",
+                "tie_word_embeddings",
+            )
+        },
+        "machine": {
+            "cpus": os.cpu_count(),
+            "platform": platform.platform(),
+            "python": platform.python_version(),
+        },
+        "versions": _versions(),
+        "when": time.strftime("%Y-%m-%dT%H:%M:%S"),
+    }
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     Path(path).write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {path}")

@@ -48,12 +48,26 @@ def main() -> None:
     ds_config = json.loads((REPO / "configs/ds_zero3.json").read_text())
     ds_config.pop("train_batch_size", None)  # HF's "auto" would use world size 1 on CPU
     targs = TrainingArguments(
-        output_dir=args.output_dir, deepspeed=ds_config, per_device_train_batch_size=8, learning_rate=1e-3,
-        warmup_steps=10, max_steps=args.max_steps, logging_steps=1, eval_strategy="no", save_strategy="steps",
-        save_steps=args.max_steps, report_to="none", seed=42, bf16=False, fp16=False, dataloader_drop_last=True)
+        output_dir=args.output_dir,
+        deepspeed=ds_config,
+        per_device_train_batch_size=8,
+        learning_rate=1e-3,
+        warmup_steps=10,
+        max_steps=args.max_steps,
+        logging_steps=1,
+        eval_strategy="no",
+        save_strategy="steps",
+        save_steps=args.max_steps,
+        report_to="none",
+        seed=42,
+        bf16=False,
+        fp16=False,
+        dataloader_drop_last=True,
+    )
     tokenizer = AutoTokenizer.from_pretrained(REPO / "finetune/resources/tokenizer")
-    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(REPO / "finetune/resources/model"),
-                                             dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(
+        AutoConfig.from_pretrained(REPO / "finetune/resources/model"), dtype=torch.float32
+    )
     eos, max_len = tokenizer.eos_token_id, args.max_seq_length
 
     def encode(batch):
@@ -68,15 +82,22 @@ def main() -> None:
 
     with targs.main_process_first(desc="tokenizing"):
         raw = datasets.load_dataset("json", data_files={"train": args.train_file})["train"]
-        train = raw.map(encode, batched=True, num_proc=os.cpu_count(), remove_columns=raw.column_names)
+        train = raw.map(
+            encode, batched=True, num_proc=os.cpu_count(), remove_columns=raw.column_names
+        )
 
     class Stamp(TrainerCallback):
         def on_step_end(self, a, state, control, **kw):
             if state.is_world_process_zero and not Path(args.stamp).exists():
                 Path(args.stamp).write_text(repr(time.time()))
 
-    trainer = Trainer(model=model, args=targs, train_dataset=train, callbacks=[Stamp()],
-                      data_collator=DataCollatorForSeq2Seq(tokenizer, padding=True, label_pad_token_id=-100))
+    trainer = Trainer(
+        model=model,
+        args=targs,
+        train_dataset=train,
+        callbacks=[Stamp()],
+        data_collator=DataCollatorForSeq2Seq(tokenizer, padding=True, label_pad_token_id=-100),
+    )
     trainer.train(resume_from_checkpoint=True if args.resume else None)
     # Skip interpreter teardown: with DeepSpeed's and gloo's threads alive it sometimes aborts
     # ("terminate called without an active exception") after the checkpoint is written.

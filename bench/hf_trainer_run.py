@@ -61,12 +61,27 @@ def main() -> None:
 
     # Before the model: a live HfDeepSpeedConfig makes from_config build it under zero.Init.
     targs = TrainingArguments(
-        output_dir=args.output_dir, deepspeed=args.ds_config,
-        per_device_train_batch_size=args.per_device_train_batch_size, gradient_accumulation_steps=1,
-        learning_rate=args.learning_rate, warmup_steps=args.warmup_steps, lr_scheduler_type="linear",
-        weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8, max_grad_norm=1.0,
-        max_steps=args.max_steps, logging_steps=args.logging_steps, eval_strategy="no", save_strategy="no",
-        report_to="none", seed=args.seed, bf16=False, fp16=False, dataloader_num_workers=0,
+        output_dir=args.output_dir,
+        deepspeed=args.ds_config,
+        per_device_train_batch_size=args.per_device_train_batch_size,
+        gradient_accumulation_steps=1,
+        learning_rate=args.learning_rate,
+        warmup_steps=args.warmup_steps,
+        lr_scheduler_type="linear",
+        weight_decay=0.0,
+        adam_beta1=0.9,
+        adam_beta2=0.999,
+        adam_epsilon=1e-8,
+        max_grad_norm=1.0,
+        max_steps=args.max_steps,
+        logging_steps=args.logging_steps,
+        eval_strategy="no",
+        save_strategy="no",
+        report_to="none",
+        seed=args.seed,
+        bf16=False,
+        fp16=False,
+        dataloader_num_workers=0,
         dataloader_drop_last=True,  # finetune's sampler also drops the tail of an epoch
     )
     set_seed(args.seed)
@@ -85,7 +100,9 @@ def main() -> None:
             ids = ids + [eos]
         return {"input_ids": ids[: args.max_seq_length]}
 
-    train = raw.map(encode, remove_columns=raw.column_names, load_from_cache_file=False, keep_in_memory=True)
+    train = raw.map(
+        encode, remove_columns=raw.column_names, load_from_cache_file=False, keep_in_memory=True
+    )
     collator = DataCollatorForLanguageModeling(tokenizer, mlm=False)
 
     class CountingTrainer(Trainer):
@@ -110,8 +127,9 @@ def main() -> None:
             self.tokens.append(CountingTrainer.tokens)
 
     rec = Recorder()
-    trainer = CountingTrainer(model=model, args=targs, train_dataset=train, data_collator=collator,
-                              callbacks=[rec])
+    trainer = CountingTrainer(
+        model=model, args=targs, train_dataset=train, data_collator=collator, callbacks=[rec]
+    )
     t_ready = time.perf_counter()
     trainer.train()
     t_end = time.perf_counter()
@@ -120,12 +138,17 @@ def main() -> None:
     n_params = sum(getattr(p, "ds_numel", p.numel()) for p in trainer.model.parameters())
     out = {
         "rank": rank,
-        "hf_view": {"args.world_size": targs.world_size, "args.process_index": targs.process_index,
-                    "parallel_mode": str(targs.parallel_mode),
-                    "accelerator.num_processes": trainer.accelerator.num_processes,
-                    "distributed_type": str(trainer.accelerator.distributed_type),
-                    "accelerate_backend": getattr(trainer.accelerator.state, "backend", None)},
-        "world_size": torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1,
+        "hf_view": {
+            "args.world_size": targs.world_size,
+            "args.process_index": targs.process_index,
+            "parallel_mode": str(targs.parallel_mode),
+            "accelerator.num_processes": trainer.accelerator.num_processes,
+            "distributed_type": str(trainer.accelerator.distributed_type),
+            "accelerate_backend": getattr(trainer.accelerator.state, "backend", None),
+        },
+        "world_size": torch.distributed.get_world_size()
+        if torch.distributed.is_initialized()
+        else 1,
         "backend": torch.distributed.get_backend() if torch.distributed.is_initialized() else None,
         "torch_num_threads": torch.get_num_threads(),
         "omp_num_threads_env": os.environ.get("OMP_NUM_THREADS"),
@@ -133,8 +156,11 @@ def main() -> None:
         "train_examples": len(train),
         "ds_train_batch_size": trainer.deepspeed.train_batch_size() if trainer.deepspeed else None,
         "ds_zero_stage": trainer.deepspeed.zero_optimization_stage() if trainer.deepspeed else None,
-        "optimizer": type(trainer.optimizer.optimizer if hasattr(trainer.optimizer, "optimizer")
-                          else trainer.optimizer).__name__,
+        "optimizer": type(
+            trainer.optimizer.optimizer
+            if hasattr(trainer.optimizer, "optimizer")
+            else trainer.optimizer
+        ).__name__,
         "log_history": trainer.state.log_history,
         "startup_s": t_ready - t_start,
         "train_call_s": t_end - t_ready,

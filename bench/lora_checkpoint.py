@@ -27,33 +27,58 @@ from checkpoint_save import REPO, free_port, machine, write_inputs
 
 
 def run(work: Path, cfg_dir: Path, ds_path: Path, repeats: int, lora: bool) -> dict:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PATH=f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}",
-               PYTHONPATH=str(REPO / "bench"))
+    env = dict(
+        os.environ,
+        OMP_NUM_THREADS="1",
+        PATH=f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}",
+        PYTHONPATH=str(REPO / "bench"),
+    )
     env.setdefault("TORCH_EXTENSIONS_DIR", str(Path(sys.prefix) / "torch_extensions"))
     out = work / ("lora" if lora else "full")
-    cmd = [str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", "2", "--master_port", str(free_port()),
-           str(REPO / "bench" / "lora_checkpoint_worker.py"), "--config_dir", str(cfg_dir), "--ds_config",
-           str(ds_path), "--out", str(out), "--repeats", str(repeats), *(["--lora"] if lora else [])]
+    cmd = [
+        str(Path(sys.executable).parent / "deepspeed"),
+        "--num_gpus",
+        "2",
+        "--master_port",
+        str(free_port()),
+        str(REPO / "bench" / "lora_checkpoint_worker.py"),
+        "--config_dir",
+        str(cfg_dir),
+        "--ds_config",
+        str(ds_path),
+        "--out",
+        str(out),
+        "--repeats",
+        str(repeats),
+        *(["--lora"] if lora else []),
+    ]
     proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     shutil.rmtree(out, ignore_errors=True)
     if proc.returncode != 0 or not lines:
         sys.stdout.write(proc.stdout[-5000:])
         sys.exit(f"worker ({'lora' if lora else 'full'}) failed with exit code {proc.returncode}")
-    return json.loads(lines[-1][len("RESULT "):])
+    return json.loads(lines[-1][len("RESULT ") :])
 
 
 def summary(r: dict) -> dict:
-    return {"checkpoint_bytes": statistics.median(s["bytes"] for s in r["saves"]),
-            "save_s": statistics.median(s["seconds"] for s in r["saves"]),
-            "consolidated_bytes": r["consolidated"]["bytes"], "consolidated_s": r["consolidated"]["seconds"]}
+    return {
+        "checkpoint_bytes": statistics.median(s["bytes"] for s in r["saves"]),
+        "save_s": statistics.median(s["seconds"] for s in r["saves"]),
+        "consolidated_bytes": r["consolidated"]["bytes"],
+        "consolidated_s": r["consolidated"]["seconds"],
+    }
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--dir", default=None, help="where checkpoints are written (default: a temp dir)")
-    ap.add_argument("--model_json", default=None, help="JSON object of config keys replacing the 134M Llama's")
+    ap.add_argument(
+        "--dir", default=None, help="where checkpoints are written (default: a temp dir)"
+    )
+    ap.add_argument(
+        "--model_json", default=None, help="JSON object of config keys replacing the 134M Llama's"
+    )
     ap.add_argument("--out", default=str(REPO / "bench" / "results" / "lora_checkpoint.json"))
     a = ap.parse_args()
     work = Path(a.dir or tempfile.mkdtemp(prefix="finetune-bench-lora-"))
@@ -62,18 +87,30 @@ def main() -> None:
     start = time.time()
     full, lora = (run(work, cfg_dir, ds_path, a.repeats, flag) for flag in (False, True))
     f, l = summary(full), summary(lora)
-    print(f"model: {full['params']:,} parameters; LoRA trains {lora['trainable']:,} "
-          f"({100 * lora['trainable'] / full['params']:.2f}%); {full['world_size']} ranks, {a.repeats} saves each")
+    print(
+        f"model: {full['params']:,} parameters; LoRA trains {lora['trainable']:,} "
+        f"({100 * lora['trainable'] / full['params']:.2f}%); {full['world_size']} ranks, {a.repeats} saves each"
+    )
     print(f"{'':<34}{'full':>14}{'LoRA':>14}{'LoRA / full':>14}")
-    for key, label, scale, unit in (("checkpoint_bytes", "partitioned checkpoint", 1e6, "MB"),
-                                    ("save_s", "partitioned save (median)", 1, "s"),
-                                    ("consolidated_bytes", "consolidated weights", 1e6, "MB"),
-                                    ("consolidated_s", "consolidated save", 1, "s")):
-        print(f"{label + ' (' + unit + ')':<34}{f[key] / scale:>14.3f}{l[key] / scale:>14.3f}{l[key] / f[key]:>14.4f}")
-    result = {"full": full, "lora": lora, "summary": {"full": f, "lora": l,
-                                                     "ratio": {k: l[k] / f[k] for k in f}},
-              "machine": machine(), "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "wall_s": time.time() - start,
-              "directory": str(work), "command": " ".join(sys.argv)}
+    for key, label, scale, unit in (
+        ("checkpoint_bytes", "partitioned checkpoint", 1e6, "MB"),
+        ("save_s", "partitioned save (median)", 1, "s"),
+        ("consolidated_bytes", "consolidated weights", 1e6, "MB"),
+        ("consolidated_s", "consolidated save", 1, "s"),
+    ):
+        print(
+            f"{label + ' (' + unit + ')':<34}{f[key] / scale:>14.3f}{l[key] / scale:>14.3f}{l[key] / f[key]:>14.4f}"
+        )
+    result = {
+        "full": full,
+        "lora": lora,
+        "summary": {"full": f, "lora": l, "ratio": {k: l[k] / f[k] for k in f}},
+        "machine": machine(),
+        "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "wall_s": time.time() - start,
+        "directory": str(work),
+        "command": " ".join(sys.argv),
+    }
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(result, indent=2))
     print(f"wrote {a.out}")

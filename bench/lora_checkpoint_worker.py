@@ -47,7 +47,11 @@ def main() -> None:
         step = 100 + i
         seconds = timed(lambda: manager.save(step))
         folder = out / f"global_step{step}"
-        size = json.loads((folder / "manifest.json").read_text())["total_bytes"] if dist.is_main() else 0
+        size = (
+            json.loads((folder / "manifest.json").read_text())["total_bytes"]
+            if dist.is_main()
+            else 0
+        )
         dist.barrier()
         if dist.is_main():
             shutil.rmtree(folder, ignore_errors=True)
@@ -62,10 +66,20 @@ def main() -> None:
         t_cons = timed(lambda: save_consolidated(engine.module, cons, torch.float32, "5GB"))
     if dist.is_main():
         params = sum(getattr(p, "ds_numel", p.numel()) for p in engine.module.parameters())
-        print("RESULT " + json.dumps({
-            "lora": a.lora, "params": params, "trainable": trainable_parameters(engine.module),
-            "world_size": dist.world_size(), "saves": saves,
-            "consolidated": {"seconds": t_cons, "bytes": folder_bytes(cons)}}), flush=True)
+        print(
+            "RESULT "
+            + json.dumps(
+                {
+                    "lora": a.lora,
+                    "params": params,
+                    "trainable": trainable_parameters(engine.module),
+                    "world_size": dist.world_size(),
+                    "saves": saves,
+                    "consolidated": {"seconds": t_cons, "bytes": folder_bytes(cons)},
+                }
+            ),
+            flush=True,
+        )
     dist.barrier()
     dist.shutdown()
 

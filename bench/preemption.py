@@ -65,11 +65,32 @@ def rank_pid(launcher_pid: int, rank: int) -> int:
 
 def latency_once(work: Path) -> dict:
     out = work / "out"
-    cmd = [str(BIN / "deepspeed"), "--num_gpus", "2", "--master_port", str(free_port()), "--module", "finetune",
-           "--max_steps", "100000", "--logging_steps", "1", "--eval_steps", "1000000", "--save_checkpoint",
-           "--output_dir", str(out)]
-    proc = subprocess.Popen(cmd, cwd=work, env=env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True)
+    cmd = [
+        str(BIN / "deepspeed"),
+        "--num_gpus",
+        "2",
+        "--master_port",
+        str(free_port()),
+        "--module",
+        "finetune",
+        "--max_steps",
+        "100000",
+        "--logging_steps",
+        "1",
+        "--eval_steps",
+        "1000000",
+        "--save_checkpoint",
+        "--output_dir",
+        str(out),
+    ]
+    proc = subprocess.Popen(
+        cmd,
+        cwd=work,
+        env=env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     while last_step(out) < 20:
         time.sleep(0.05)
     before = last_step(out)
@@ -84,16 +105,28 @@ def latency_once(work: Path) -> dict:
     exited = time.perf_counter() - t0
     tag = (out / "latest").read_text().strip()
     step = int(tag.removeprefix("global_step"))
-    return {"exit_code": proc.returncode, "signal_to_commit_s": round(committed or exited, 3),
-            "signal_to_exit_s": round(exited, 3), "last_step_logged_before_signal": before,
-            "checkpoint_step": step, "steps_lost": max(before - step, 0)}
+    return {
+        "exit_code": proc.returncode,
+        "signal_to_commit_s": round(committed or exited, 3),
+        "signal_to_exit_s": round(exited, 3),
+        "last_step_logged_before_signal": before,
+        "checkpoint_step": step,
+        "steps_lost": max(before - step, 0),
+    }
 
 
 def check_cost() -> float:
     with tempfile.TemporaryDirectory() as d:
         script = Path(d) / "check.py"
         script.write_text(CHECK)
-        cmd = [str(BIN / "torchrun"), "--nproc_per_node", "2", "--master_port", str(free_port()), str(script)]
+        cmd = [
+            str(BIN / "torchrun"),
+            "--nproc_per_node",
+            "2",
+            "--master_port",
+            str(free_port()),
+            str(script),
+        ]
         proc = subprocess.run(cmd, env=env(), capture_output=True, text=True, timeout=300, cwd=d)
         line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("PER_CALL_US"))
         return float(line.split()[1])
@@ -110,10 +143,13 @@ def main() -> None:
             runs.append(latency_once(Path(d)))
             print(f"run {i + 1}: {runs[-1]}", flush=True)
     cost = [check_cost() for _ in range(args.repeats)]
-    result = {"runs": runs, "median_signal_to_commit_s": statistics.median(r["signal_to_commit_s"] for r in runs),
-              "median_signal_to_exit_s": statistics.median(r["signal_to_exit_s"] for r in runs),
-              "max_steps_lost": max(r["steps_lost"] for r in runs),
-              "check_per_step_us": [round(c, 1) for c in cost]}
+    result = {
+        "runs": runs,
+        "median_signal_to_commit_s": statistics.median(r["signal_to_commit_s"] for r in runs),
+        "median_signal_to_exit_s": statistics.median(r["signal_to_exit_s"] for r in runs),
+        "max_steps_lost": max(r["steps_lost"] for r in runs),
+        "check_per_step_us": [round(c, 1) for c in cost],
+    }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps({k: v for k, v in result.items() if k != "runs"}, indent=2))

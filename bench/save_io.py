@@ -41,34 +41,80 @@ def free_port() -> int:
 
 def run(src: Path, world: int, saves: int, work: Path, extra: list[str] = ()) -> dict:
     out, probe = work / f"out-{world}", work / f"probe-{world}"
-    env = {**os.environ, "PYTHONPATH": f"{REPO / 'bench'}:{src}", "SAVE_IO_PROBE_DIR": str(probe),
-           "PATH": f"{BIN}:{os.environ['PATH']}"}
-    cmd = [str(BIN / "deepspeed"), "--num_gpus", str(world), "--master_port", str(free_port()), "--module",
-           "save_io_probe", "--max_steps", str(saves), "--save_checkpoint", "--save_steps", "1", "--logging_steps",
-           "1", "--eval_steps", "100000", "--per_device_train_batch_size", "2", "--output_dir", str(out), *extra]
+    env = {
+        **os.environ,
+        "PYTHONPATH": f"{REPO / 'bench'}:{src}",
+        "SAVE_IO_PROBE_DIR": str(probe),
+        "PATH": f"{BIN}:{os.environ['PATH']}",
+    }
+    cmd = [
+        str(BIN / "deepspeed"),
+        "--num_gpus",
+        str(world),
+        "--master_port",
+        str(free_port()),
+        "--module",
+        "save_io_probe",
+        "--max_steps",
+        str(saves),
+        "--save_checkpoint",
+        "--save_steps",
+        "1",
+        "--logging_steps",
+        "1",
+        "--eval_steps",
+        "100000",
+        "--per_device_train_batch_size",
+        "2",
+        "--output_dir",
+        str(out),
+        *extra,
+    ]
     proc = subprocess.run(cmd, cwd=src, env=env, capture_output=True, text=True, timeout=1800)
     if proc.returncode != 0:
         sys.exit(f"run failed ({world} ranks, {src}):\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}")
     manifest = json.loads((out / f"global_step{saves}" / "manifest.json").read_text())
     files = manifest["files"]
     total = sum(m["size"] for m in files.values())
-    shared = sum(m["size"] for n, m in files.items() if RANK_FILE not in n and not n.startswith("rng_state_"))
+    shared = sum(
+        m["size"] for n, m in files.items() if RANK_FILE not in n and not n.startswith("rng_state_")
+    )
     ranks = []
     for r in range(world):
         rows = [json.loads(line) for line in (probe / f"rank{r}.jsonl").read_text().splitlines()]
-        own = sum(m["size"] for n, m in files.items()
-                  if n.startswith(f"{RANK_FILE}{r}_") or n.startswith(f"bf16_{RANK_FILE}{r}_") or n == f"rng_state_{r}.pt")
-        ranks.append({"rank": r, "wrote_mb": round((own + (shared if r == 0 else 0)) / 1e6, 3),
-                      "read_mb": round(statistics.median(x["rchar"] for x in rows) / 1e6, 3),
-                      "wchar_mb": round(statistics.median(x.get("wchar", 0) for x in rows) / 1e6, 3),
-                      "seconds": round(statistics.median(x["seconds"] for x in rows), 4), "saves": len(rows)})
-    return {"world": world, "checkpoint_mb": round(total / 1e6, 3), "shared_mb": round(shared / 1e6, 3),
-            "ranks": ranks}
+        own = sum(
+            m["size"]
+            for n, m in files.items()
+            if n.startswith(f"{RANK_FILE}{r}_")
+            or n.startswith(f"bf16_{RANK_FILE}{r}_")
+            or n == f"rng_state_{r}.pt"
+        )
+        ranks.append(
+            {
+                "rank": r,
+                "wrote_mb": round((own + (shared if r == 0 else 0)) / 1e6, 3),
+                "read_mb": round(statistics.median(x["rchar"] for x in rows) / 1e6, 3),
+                "wchar_mb": round(statistics.median(x.get("wchar", 0) for x in rows) / 1e6, 3),
+                "seconds": round(statistics.median(x["seconds"] for x in rows), 4),
+                "saves": len(rows),
+            }
+        )
+    return {
+        "world": world,
+        "checkpoint_mb": round(total / 1e6, 3),
+        "shared_mb": round(shared / 1e6, 3),
+        "ranks": ranks,
+    }
 
 
 def worktree(ref: str, work: Path) -> Path:
     path = work / f"src-{ref.replace('/', '_')}"
-    subprocess.run(["git", "worktree", "add", "--detach", str(path), ref], cwd=REPO, check=True, capture_output=True)
+    subprocess.run(
+        ["git", "worktree", "add", "--detach", str(path), ref],
+        cwd=REPO,
+        check=True,
+        capture_output=True,
+    )
     return path
 
 
@@ -77,15 +123,27 @@ def main() -> None:
     ap.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
     ap.add_argument("--saves", type=int, default=4)
     ap.add_argument("--before", help="a git ref to measure too (e.g. the commit before issue 9)")
-    ap.add_argument("--config_name", default=None, help="a model config folder (default: the embedded model)")
+    ap.add_argument(
+        "--config_name", default=None, help="a model config folder (default: the embedded model)"
+    )
     ap.add_argument("--extra", default="", help="more finetune flags for every run (one string)")
     ap.add_argument("--out", default=str(REPO / "bench" / "results" / "save_io.json"))
     args = ap.parse_args()
     extra = shlex.split(args.extra)
     if args.config_name:
-        extra = ["--config_name", str(Path(args.config_name).resolve()), "--tokenizer_name",
-                 str(REPO / "finetune" / "resources" / "tokenizer"), *extra]
-    results: dict = {"saves": args.saves, "config_name": args.config_name, "extra": extra, "runs": {}}
+        extra = [
+            "--config_name",
+            str(Path(args.config_name).resolve()),
+            "--tokenizer_name",
+            str(REPO / "finetune" / "resources" / "tokenizer"),
+            *extra,
+        ]
+    results: dict = {
+        "saves": args.saves,
+        "config_name": args.config_name,
+        "extra": extra,
+        "runs": {},
+    }
     with tempfile.TemporaryDirectory(prefix="finetune-save-io-") as tmp:
         work = Path(tmp)
         sources = {"after": REPO}
@@ -93,16 +151,24 @@ def main() -> None:
             sources = {"before": worktree(args.before, work), **sources}
         try:
             for label, src in sources.items():
-                results["runs"][label] = [run(src, w, args.saves, work / label, extra) for w in args.worlds]
+                results["runs"][label] = [
+                    run(src, w, args.saves, work / label, extra) for w in args.worlds
+                ]
         finally:
             if args.before:
-                subprocess.run(["git", "worktree", "remove", "--force", str(sources["before"])], cwd=REPO)
-    print(f"{'code':>6} {'world':>5} {'ckpt MB':>8} {'rank':>4} {'wrote MB':>9} {'read MB':>8} {'save s':>7}")
+                subprocess.run(
+                    ["git", "worktree", "remove", "--force", str(sources["before"])], cwd=REPO
+                )
+    print(
+        f"{'code':>6} {'world':>5} {'ckpt MB':>8} {'rank':>4} {'wrote MB':>9} {'read MB':>8} {'save s':>7}"
+    )
     for label, runs in results["runs"].items():
         for res in runs:
             for r in res["ranks"]:
-                print(f"{label:>6} {res['world']:>5} {res['checkpoint_mb']:>8.2f} {r['rank']:>4} {r['wrote_mb']:>9.3f} "
-                      f"{r['read_mb']:>8.3f} {r['seconds']:>7.3f}")
+                print(
+                    f"{label:>6} {res['world']:>5} {res['checkpoint_mb']:>8.2f} {r['rank']:>4} {r['wrote_mb']:>9.3f} "
+                    f"{r['read_mb']:>8.3f} {r['seconds']:>7.3f}"
+                )
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(results, indent=2) + "\n")
     print(f"wrote {args.out}")

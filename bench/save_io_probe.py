@@ -33,9 +33,13 @@ def _install() -> None:
         finally:
             seconds, after = time.perf_counter() - start, _io()
             rank = int(os.environ.get("RANK", "0"))
-            record = {"rank": rank, "seconds": seconds, "rchar": after["rchar"] - before["rchar"],
-                      "read_bytes": after["read_bytes"] - before["read_bytes"],
-                      "wchar": after["wchar"] - before["wchar"]}
+            record = {
+                "rank": rank,
+                "seconds": seconds,
+                "rchar": after["rchar"] - before["rchar"],
+                "read_bytes": after["read_bytes"] - before["read_bytes"],
+                "wchar": after["wchar"] - before["wchar"],
+            }
             out = Path(os.environ["SAVE_IO_PROBE_DIR"])
             out.mkdir(parents=True, exist_ok=True)
             with open(out / f"rank{rank}.jsonl", "a") as f:

@@ -29,18 +29,35 @@ from checkpoint_save import REPO, free_port, write_inputs  # noqa: E402
 
 
 def run(world: int, cfg_dir: Path, ds_path: Path, work: Path, timeout: float) -> dict:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PATH=f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}")
+    env = dict(
+        os.environ,
+        OMP_NUM_THREADS="1",
+        PATH=f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}",
+    )
     env.setdefault("TORCH_EXTENSIONS_DIR", str(Path(sys.prefix) / "torch_extensions"))
-    cmd = [str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", str(world), "--master_port", str(free_port()),
-           str(REPO / "bench" / "state_memory_worker.py"), "--config_dir", str(cfg_dir), "--ds_config", str(ds_path),
-           "--out", str(work / f"out-{world}")]
+    cmd = [
+        str(Path(sys.executable).parent / "deepspeed"),
+        "--num_gpus",
+        str(world),
+        "--master_port",
+        str(free_port()),
+        str(REPO / "bench" / "state_memory_worker.py"),
+        "--config_dir",
+        str(cfg_dir),
+        "--ds_config",
+        str(ds_path),
+        "--out",
+        str(work / f"out-{world}"),
+    ]
     start = time.perf_counter()
-    proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout)
+    proc = subprocess.run(
+        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout
+    )
     lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
     if proc.returncode != 0 or not lines:
         sys.stdout.write(proc.stdout[-5000:])
         sys.exit(f"worker ({world} ranks) failed with exit code {proc.returncode}")
-    r = json.loads(lines[-1][len("RESULT "):])
+    r = json.loads(lines[-1][len("RESULT ") :])
     r["wall_s"] = time.perf_counter() - start
     r["max_rank_total_bytes"] = max(x["total_bytes"] for x in r["ranks"])
     return r
@@ -49,7 +66,9 @@ def run(world: int, cfg_dir: Path, ds_path: Path, work: Path, timeout: float) ->
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--worlds", type=int, nargs="+", default=[1, 2])
-    ap.add_argument("--model_json", default=None, help="JSON object of config keys replacing the 134M Llama's")
+    ap.add_argument(
+        "--model_json", default=None, help="JSON object of config keys replacing the 134M Llama's"
+    )
     ap.add_argument("--work", default=None, help="scratch folder (default: a temporary one)")
     ap.add_argument("--timeout", type=float, default=1200)
     ap.add_argument("--out", default=str(REPO / "bench" / "results" / "state_memory.json"))
@@ -60,18 +79,30 @@ def main() -> None:
     runs = [run(w, cfg_dir, ds_path, work, a.timeout) for w in a.worlds]
     first, last = runs[0], runs[-1]
     ratio = last["max_rank_total_bytes"] / first["max_rank_total_bytes"]
-    print(f"{'world':>5} {'rank':>4} {'params MB':>10} {'master MB':>10} {'optim MB':>10} {'grads MB':>10} "
-          f"{'total MB':>10} {'RSS MB':>8}")
+    print(
+        f"{'world':>5} {'rank':>4} {'params MB':>10} {'master MB':>10} {'optim MB':>10} {'grads MB':>10} "
+        f"{'total MB':>10} {'RSS MB':>8}"
+    )
     for r in runs:
         for x in r["ranks"]:
             c = x["by_category"]
-            print(f"{r['world_size']:>5} {x['rank']:>4} {c.get('params', 0) / 1e6:>10.1f} {c.get('master', 0) / 1e6:>10.1f} "
-                  f"{c.get('optimizer', 0) / 1e6:>10.1f} {c.get('grads', 0) / 1e6:>10.1f} {x['total_bytes'] / 1e6:>10.1f} "
-                  f"{x['rss_bytes'] / 1e6:>8.0f}")
-    print(f"busiest rank at {last['world_size']} / at {first['world_size']} ranks: {ratio:.3f} (goal <= 0.6 for 2 vs 1)")
-    result = {"benchmark": "state_memory", "worlds": a.worlds, "runs": runs, "ratio": ratio,
-              "params": first["ranks"][0]["params_numel"], "model_overrides": a.model_json,
-              "date": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+            print(
+                f"{r['world_size']:>5} {x['rank']:>4} {c.get('params', 0) / 1e6:>10.1f} {c.get('master', 0) / 1e6:>10.1f} "
+                f"{c.get('optimizer', 0) / 1e6:>10.1f} {c.get('grads', 0) / 1e6:>10.1f} {x['total_bytes'] / 1e6:>10.1f} "
+                f"{x['rss_bytes'] / 1e6:>8.0f}"
+            )
+    print(
+        f"busiest rank at {last['world_size']} / at {first['world_size']} ranks: {ratio:.3f} (goal <= 0.6 for 2 vs 1)"
+    )
+    result = {
+        "benchmark": "state_memory",
+        "worlds": a.worlds,
+        "runs": runs,
+        "ratio": ratio,
+        "params": first["ranks"][0]["params_numel"],
+        "model_overrides": a.model_json,
+        "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(result, indent=2))
     print(f"wrote {a.out}")

@@ -42,7 +42,9 @@ class Storages:
     def add(self, category: str, t, nbytes: int | None = None) -> None:
         if not isinstance(t, torch.Tensor) or t.numel() == 0:
             return
-        self.by_category[category] = self.by_category.get(category, 0) + (nbytes if nbytes is not None else t.numel() * t.element_size())
+        self.by_category[category] = self.by_category.get(category, 0) + (
+            nbytes if nbytes is not None else t.numel() * t.element_size()
+        )
         s = t.untyped_storage()
         self.seen[s.data_ptr()] = max(self.seen.get(s.data_ptr(), 0), s.nbytes())
 
@@ -65,14 +67,20 @@ def measure(engine) -> dict:
     for t in getattr(opt, "fp32_partitioned_groups_flat", []):
         acc.add("master", t)
     inner = getattr(opt, "optimizer", None)
-    for state in (inner.state.values() if inner is not None else []):
+    for state in inner.state.values() if inner is not None else []:
         for v in state.values():
             acc.add("optimizer", v)
     acc.add("grads", getattr(opt, "grad_partitions_flat_buffer", None))
-    return {"rank": dist.rank(), "world_size": dist.world_size(), "params_numel": numel,
-            "optimizer_class": type(opt).__name__, "inner_optimizer_class": type(inner).__name__,
-            "by_category": acc.by_category, "total_bytes": acc.total,
-            "rss_bytes": psutil.Process().memory_info().rss}
+    return {
+        "rank": dist.rank(),
+        "world_size": dist.world_size(),
+        "params_numel": numel,
+        "optimizer_class": type(opt).__name__,
+        "inner_optimizer_class": type(inner).__name__,
+        "by_category": acc.by_category,
+        "total_bytes": acc.total,
+        "rss_bytes": psutil.Process().memory_info().rss,
+    }
 
 
 def main() -> None:
@@ -83,9 +91,26 @@ def main() -> None:
     ap.add_argument("--local_rank", type=int, default=None)
     a = ap.parse_args()
     tokenizer = str(Path(__file__).resolve().parents[1] / "finetune" / "resources" / "tokenizer")
-    cfg = parse_train_args(["--config_name", a.config_dir, "--tokenizer_name", tokenizer, "--deepspeed_config", a.ds_config,
-                            "--output_dir", a.out, "--max_steps", "1", "--per_device_train_batch_size", "1",
-                            "--max_seq_length", "32", "--validation_split_percentage", "0"])
+    cfg = parse_train_args(
+        [
+            "--config_name",
+            a.config_dir,
+            "--tokenizer_name",
+            tokenizer,
+            "--deepspeed_config",
+            a.ds_config,
+            "--output_dir",
+            a.out,
+            "--max_steps",
+            "1",
+            "--per_device_train_batch_size",
+            "1",
+            "--max_seq_length",
+            "32",
+            "--validation_split_percentage",
+            "0",
+        ]
+    )
     dist.init(cfg.train.ddp_timeout)
     trainer = Trainer.build(cfg)
     trainer._train_step()

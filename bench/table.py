@@ -50,7 +50,9 @@ def _cell(text) -> str:
 
 def rows(result: dict) -> list[tuple[str, dict]]:
     out = []
-    for key in sorted((k for k in result if k[:1] == "P" and k[1:].isdigit()), key=lambda k: int(k[1:])):
+    for key in sorted(
+        (k for k in result if k[:1] == "P" and k[1:].isdigit()), key=lambda k: int(k[1:])
+    ):
         out.append((key, result[key]))
         for sub, e in (result[key].get("sub") or {}).items():
             out.append((sub, e))
@@ -58,17 +60,23 @@ def rows(result: dict) -> list[tuple[str, dict]]:
 
 
 def table(result: dict) -> str:
-    lines = ["| measure | what | ours | baseline | baseline is | ratio | goal | met |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| measure | what | ours | baseline | baseline is | ratio | goal | met |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for key, e in rows(result):
         if "error" in e:
-            lines.append(f"| {key} | {_cell(e.get('what', ''))} | – | – | – | – | {goal(e.get('goal', ''))} | "
-                         f"{'not run' if e.get('skipped') else 'error'}: {_cell(e['error'].splitlines()[0][:160])} |")
+            lines.append(
+                f"| {key} | {_cell(e.get('what', ''))} | – | – | – | – | {goal(e.get('goal', ''))} | "
+                f"{'not run' if e.get('skipped') else 'error'}: {_cell(e['error'].splitlines()[0][:160])} |"
+            )
             continue
         met = "yes" if e["met"] else ("no" if e["met"] is not None else "–")
         unit = e.get("unit", "")
-        lines.append(f"| {key} | {_cell(e['what'])} | {num(e['ours'])} {_cell(unit)} | {num(e['baseline'])} | "
-                     f"{_cell(e['baseline_name'])} | **{num(e['ratio'])}** | {goal(e['goal'])} | {met} |")
+        lines.append(
+            f"| {key} | {_cell(e['what'])} | {num(e['ours'])} {_cell(unit)} | {num(e['baseline'])} | "
+            f"{_cell(e['baseline_name'])} | **{num(e['ratio'])}** | {goal(e['goal'])} | {met} |"
+        )
     return "\n".join(lines)
 
 
@@ -76,23 +84,35 @@ def header(result: dict, short: bool = False) -> str:
     m, v = result["machine"], result["versions"]
     disk = m.get("bench_dir_disk", {})
     where = f"{disk.get('fstype', '?')} on {disk.get('device', '?')}" + (
-        "" if disk.get("rotational") is None else (", rotational" if disk["rotational"] else ", non-rotational"))
-    commit = (v.get("finetune_commit") or "?")[:10] + (" + uncommitted changes" if v.get("finetune_dirty") else "")
+        ""
+        if disk.get("rotational") is None
+        else (", rotational" if disk["rotational"] else ", non-rotational")
+    )
+    commit = (v.get("finetune_commit") or "?")[:10] + (
+        " + uncommitted changes" if v.get("finetune_dirty") else ""
+    )
     total = result.get("total_wall_s")
-    machine = (f"{m['cores']} × {m['cpu_model']}, {m['ram_gib']} GiB RAM, {m['accelerator']}"
-               + (f", {m['virtualization']} guest" if m.get("virtualization") and m["virtualization"] != "none" else ""))
+    machine = f"{m['cores']} × {m['cpu_model']}, {m['ram_gib']} GiB RAM, {m['accelerator']}" + (
+        f", {m['virtualization']} guest"
+        if m.get("virtualization") and m["virtualization"] != "none"
+        else ""
+    )
     if short:
-        return (f"`make bench`, {result['date'][:10]}, finetune {commit}: {machine}; bench dir on {where}; "
-                f"page cache warm; {num(total / 60) if total else '?'} min in all.")
-    lines = [f"- **Run:** {result['date']} (`{result.get('command', 'bench/run_all.py')}`, mode {result.get('mode')}), "
-             f"{num(total / 60) if total else '?'} min in all",
-             f"- **Machine:** {machine}; load average {m.get('loadavg_at_start')} at the start, "
-             f"{m.get('loadavg_at_end')} at the end",
-             f"- **Bench directory:** `{disk.get('path')}`, {where}"
-             + (f", {disk['size_gb']} GB" if "size_gb" in disk else ""),
-             f"- **Versions:** finetune {commit}, Python {v.get('python')}, torch {v.get('torch')}, "
-             f"deepspeed {v.get('deepspeed')}, transformers {v.get('transformers')}, datasets {v.get('datasets')}",
-             f"- **Page cache:** {result.get('page_cache', 'warm')}"]
+        return (
+            f"`make bench`, {result['date'][:10]}, finetune {commit}: {machine}; bench dir on {where}; "
+            f"page cache warm; {num(total / 60) if total else '?'} min in all."
+        )
+    lines = [
+        f"- **Run:** {result['date']} (`{result.get('command', 'bench/run_all.py')}`, mode {result.get('mode')}), "
+        f"{num(total / 60) if total else '?'} min in all",
+        f"- **Machine:** {machine}; load average {m.get('loadavg_at_start')} at the start, "
+        f"{m.get('loadavg_at_end')} at the end",
+        f"- **Bench directory:** `{disk.get('path')}`, {where}"
+        + (f", {disk['size_gb']} GB" if "size_gb" in disk else ""),
+        f"- **Versions:** finetune {commit}, Python {v.get('python')}, torch {v.get('torch')}, "
+        f"deepspeed {v.get('deepspeed')}, transformers {v.get('transformers')}, datasets {v.get('datasets')}",
+        f"- **Page cache:** {result.get('page_cache', 'warm')}",
+    ]
     return "\n".join(lines)
 
 
@@ -124,8 +144,12 @@ def update_docs(result: dict, paths=DOCS, write: bool = True) -> list[Path]:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("json", nargs="?", default=str(REPO / "bench" / "results" / "latest.json"))
-    ap.add_argument("--print", action="store_true", help="print the block instead of writing the files")
-    ap.add_argument("--check", action="store_true", help="exit 1 if the files are not up to date with the JSON")
+    ap.add_argument(
+        "--print", action="store_true", help="print the block instead of writing the files"
+    )
+    ap.add_argument(
+        "--check", action="store_true", help="exit 1 if the files are not up to date with the JSON"
+    )
     a = ap.parse_args()
     result = json.loads(Path(a.json).read_text())
     if a.print:

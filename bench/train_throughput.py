@@ -104,29 +104,50 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--per_device_train_batch_size", type=int, default=16)
     p.add_argument("--max_seq_length", type=int, default=128)
     p.add_argument("--learning_rate", type=float, default=1e-3)
-    p.add_argument("--lr_warmup_steps", type=int, default=10, help="learning-rate warmup (both tools)")
+    p.add_argument(
+        "--lr_warmup_steps", type=int, default=10, help="learning-rate warmup (both tools)"
+    )
     p.add_argument("--hidden_size", type=int, default=256)
     p.add_argument("--num_layers", type=int, default=4)
     p.add_argument("--num_gpus", type=int, default=2, help="ranks per launch")
-    p.add_argument("--rounds", type=int, default=2,
-                   help="launches per tool; order alternates finetune,HF,HF,finetune,...")
-    p.add_argument("--threads_per_rank", type=int, default=max(1, (os.cpu_count() or 2) // 2),
-                   help="exported as OMP_NUM_THREADS to both launches; 0 = inherit")
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=2,
+        help="launches per tool; order alternates finetune,HF,HF,finetune,...",
+    )
+    p.add_argument(
+        "--threads_per_rank",
+        type=int,
+        default=max(1, (os.cpu_count() or 2) // 2),
+        help="exported as OMP_NUM_THREADS to both launches; 0 = inherit",
+    )
     p.add_argument("--timeout", type=int, default=900, help="seconds per launch")
-    p.add_argument("--quiet_threshold", type=float, default=0.05,
-                   help="a launch is 'contended' when other processes used more than this share of all cores")
-    p.add_argument("--wait_quiet", type=float, default=0,
-                   help="before each launch wait up to this many seconds for other processes to go idle")
+    p.add_argument(
+        "--quiet_threshold",
+        type=float,
+        default=0.05,
+        help="a launch is 'contended' when other processes used more than this share of all cores",
+    )
+    p.add_argument(
+        "--wait_quiet",
+        type=float,
+        default=0,
+        help="before each launch wait up to this many seconds for other processes to go idle",
+    )
     p.add_argument("--out", default=str(REPO / "bench" / "results" / "train_throughput.json"))
     a = p.parse_args(argv)
     if a.warmup % a.logging_steps or a.steps % a.logging_steps:
-        p.error("--warmup and --steps must be multiples of --logging_steps (finetune logs per window)")
+        p.error(
+            "--warmup and --steps must be multiples of --logging_steps (finetune logs per window)"
+        )
     if not 0 <= a.warmup < a.steps:
         p.error("need 0 <= --warmup < --steps")
     return a
 
 
 # --- environment description ---------------------------------------------------------------
+
 
 def machine() -> dict:
     cpu = ""
@@ -144,17 +165,31 @@ def machine() -> dict:
                 mem_gib = round(int(line.split()[1]) / 2**20, 1)
     except OSError:
         pass
-    return {"hostname": socket.gethostname(), "nproc": os.cpu_count(),
-            "cpus_usable": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
-            "cpu_model": cpu or platform.processor(), "ram_gib": mem_gib, "platform": platform.platform(),
-            "python": platform.python_version(), "accelerator": "none (CPU, gloo)"}
+    return {
+        "hostname": socket.gethostname(),
+        "nproc": os.cpu_count(),
+        "cpus_usable": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+        "cpu_model": cpu or platform.processor(),
+        "ram_gib": mem_gib,
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "accelerator": "none (CPU, gloo)",
+    }
 
 
 def versions() -> dict:
     from importlib.metadata import PackageNotFoundError, version
 
     out = {}
-    for name in ("finetune", "torch", "deepspeed", "transformers", "accelerate", "datasets", "tokenizers"):
+    for name in (
+        "finetune",
+        "torch",
+        "deepspeed",
+        "transformers",
+        "accelerate",
+        "datasets",
+        "tokenizers",
+    ):
         try:
             out[name] = version(name)
         except PackageNotFoundError:
@@ -165,11 +200,17 @@ def versions() -> dict:
 def git_state() -> dict:
     def run(*cmd):
         try:
-            return subprocess.run(["git", *cmd], cwd=REPO, capture_output=True, text=True, timeout=10).stdout.strip()
+            return subprocess.run(
+                ["git", *cmd], cwd=REPO, capture_output=True, text=True, timeout=10
+            ).stdout.strip()
         except (OSError, subprocess.SubprocessError):
             return None
+
     status = run("status", "--porcelain")
-    return {"commit": run("rev-parse", "HEAD"), "dirty": bool(status) if status is not None else None}
+    return {
+        "commit": run("rev-parse", "HEAD"),
+        "dirty": bool(status) if status is not None else None,
+    }
 
 
 def deepspeed_launcher() -> str:
@@ -188,13 +229,20 @@ def free_port() -> int:
 
 # --- inputs --------------------------------------------------------------------------------
 
+
 def write_inputs(a: argparse.Namespace, tmp: Path) -> dict:
     cfg = json.loads(MODEL_CONFIG.read_text())
     head_dim = cfg.get("head_dim", 32)
     kv_ratio = cfg["num_attention_heads"] // cfg["num_key_value_heads"]
     heads = max(1, a.hidden_size // head_dim)
-    cfg.update(hidden_size=a.hidden_size, intermediate_size=3 * a.hidden_size, num_hidden_layers=a.num_layers,
-               num_attention_heads=heads, num_key_value_heads=max(1, heads // kv_ratio), head_dim=head_dim)
+    cfg.update(
+        hidden_size=a.hidden_size,
+        intermediate_size=3 * a.hidden_size,
+        num_hidden_layers=a.num_layers,
+        num_attention_heads=heads,
+        num_key_value_heads=max(1, heads // kv_ratio),
+        head_dim=head_dim,
+    )
     model_dir = tmp / "model"
     model_dir.mkdir()
     (model_dir / "config.json").write_text(json.dumps(cfg, indent=2))
@@ -202,36 +250,96 @@ def write_inputs(a: argparse.Namespace, tmp: Path) -> dict:
     (tmp / "ds_finetune.json").write_text(json.dumps(ds, indent=2))
     ds_hf = {k: v for k, v in ds.items() if k != "train_batch_size"}
     (tmp / "ds_hf.json").write_text(json.dumps(ds_hf, indent=2))
-    return {"model_config": cfg, "ds_finetune": ds, "ds_hf": ds_hf, "model_dir": str(model_dir),
-            "ds_finetune_path": str(tmp / "ds_finetune.json"), "ds_hf_path": str(tmp / "ds_hf.json")}
+    return {
+        "model_config": cfg,
+        "ds_finetune": ds,
+        "ds_hf": ds_hf,
+        "model_dir": str(model_dir),
+        "ds_finetune_path": str(tmp / "ds_finetune.json"),
+        "ds_hf_path": str(tmp / "ds_hf.json"),
+    }
 
 
 def common_flags(a: argparse.Namespace) -> list[str]:
-    return ["--max_seq_length", str(a.max_seq_length),
-            "--per_device_train_batch_size", str(a.per_device_train_batch_size),
-            "--learning_rate", str(a.learning_rate), "--warmup_steps", str(a.lr_warmup_steps),
-            "--max_steps", str(a.steps), "--logging_steps", str(a.logging_steps), "--seed", "42"]
+    return [
+        "--max_seq_length",
+        str(a.max_seq_length),
+        "--per_device_train_batch_size",
+        str(a.per_device_train_batch_size),
+        "--learning_rate",
+        str(a.learning_rate),
+        "--warmup_steps",
+        str(a.lr_warmup_steps),
+        "--max_steps",
+        str(a.steps),
+        "--logging_steps",
+        str(a.logging_steps),
+        "--seed",
+        "42",
+    ]
 
 
 def finetune_cmd(a, inputs: dict, out_dir: Path) -> list[str]:
-    return [deepspeed_launcher(), "--num_gpus", str(a.num_gpus), "--master_port", str(free_port()),
-            "--module", "finetune",
-            "--config_name", inputs["model_dir"], "--tokenizer_name", str(TOKENIZER_DIR),
-            "--train_file", str(TRAIN_FILE), "--validation_split_percentage", "0",
-            "--deepspeed_config", inputs["ds_finetune_path"], "--output_dir", str(out_dir),
-            "--gradient_accumulation_steps", "1", "--weight_decay", "0.0", "--max_grad_norm", "1.0",
-            "--lr_scheduler_type", "linear", "--precision", "fp32", *common_flags(a)]
+    return [
+        deepspeed_launcher(),
+        "--num_gpus",
+        str(a.num_gpus),
+        "--master_port",
+        str(free_port()),
+        "--module",
+        "finetune",
+        "--config_name",
+        inputs["model_dir"],
+        "--tokenizer_name",
+        str(TOKENIZER_DIR),
+        "--train_file",
+        str(TRAIN_FILE),
+        "--validation_split_percentage",
+        "0",
+        "--deepspeed_config",
+        inputs["ds_finetune_path"],
+        "--output_dir",
+        str(out_dir),
+        "--gradient_accumulation_steps",
+        "1",
+        "--weight_decay",
+        "0.0",
+        "--max_grad_norm",
+        "1.0",
+        "--lr_scheduler_type",
+        "linear",
+        "--precision",
+        "fp32",
+        *common_flags(a),
+    ]
 
 
 def hf_cmd(a, inputs: dict, out_dir: Path) -> list[str]:
-    return [deepspeed_launcher(), "--num_gpus", str(a.num_gpus), "--master_port", str(free_port()),
-            str(HF_SCRIPT),
-            "--config_dir", inputs["model_dir"], "--tokenizer_dir", str(TOKENIZER_DIR),
-            "--train_file", str(TRAIN_FILE), "--ds_config", inputs["ds_hf_path"],
-            "--output_dir", str(out_dir / "trainer_out"), "--result", str(out_dir / "hf"), *common_flags(a)]
+    return [
+        deepspeed_launcher(),
+        "--num_gpus",
+        str(a.num_gpus),
+        "--master_port",
+        str(free_port()),
+        str(HF_SCRIPT),
+        "--config_dir",
+        inputs["model_dir"],
+        "--tokenizer_dir",
+        str(TOKENIZER_DIR),
+        "--train_file",
+        str(TRAIN_FILE),
+        "--ds_config",
+        inputs["ds_hf_path"],
+        "--output_dir",
+        str(out_dir / "trainer_out"),
+        "--result",
+        str(out_dir / "hf"),
+        *common_flags(a),
+    ]
 
 
 # --- running and measuring -----------------------------------------------------------------
+
 
 def cpu_busy_s() -> float | None:
     """Busy CPU seconds of the whole machine so far (all cores), from /proc/stat."""
@@ -271,7 +379,9 @@ def launch(cmd: list[str], cwd: Path, env: dict, log: Path, timeout: int) -> dic
         f.write("$ " + " ".join(cmd) + "\n")
         f.flush()
         try:
-            proc = subprocess.run(cmd, cwd=cwd, env=env, stdout=f, stderr=subprocess.STDOUT, timeout=timeout)
+            proc = subprocess.run(
+                cmd, cwd=cwd, env=env, stdout=f, stderr=subprocess.STDOUT, timeout=timeout
+            )
             rc = proc.returncode
         except subprocess.TimeoutExpired:
             rc = "timeout"
@@ -280,13 +390,25 @@ def launch(cmd: list[str], cwd: Path, env: dict, log: Path, timeout: int) -> dic
     foreign = None if busy0 is None or busy1 is None else round((busy1 - busy0) - (own1 - own0), 2)
     if rc != 0:
         tail = "".join(log.read_text(errors="replace").splitlines(keepends=True)[-40:])
-        sys.exit(f"bench: launch failed (rc={rc}): {' '.join(cmd)}\n--- last lines of {log} ---\n{tail}")
-    return {"cmd": cmd, "wall_s": round(wall, 2), "own_cpu_s": round(own1 - own0, 2), "foreign_cpu_s": foreign,
-            "loadavg_before": load_before, "loadavg_after": os.getloadavg()}
+        sys.exit(
+            f"bench: launch failed (rc={rc}): {' '.join(cmd)}\n--- last lines of {log} ---\n{tail}"
+        )
+    return {
+        "cmd": cmd,
+        "wall_s": round(wall, 2),
+        "own_cpu_s": round(own1 - own0, 2),
+        "foreign_cpu_s": foreign,
+        "loadavg_before": load_before,
+        "loadavg_after": os.getloadavg(),
+    }
 
 
 def measure_finetune(out_dir: Path, a) -> dict:
-    rows = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    rows = [
+        json.loads(line)
+        for line in (out_dir / "metrics.jsonl").read_text().splitlines()
+        if line.strip()
+    ]
     train_rows = [r for r in rows if "tokens_per_s" in r]
     if any("eval_loss" in r for r in rows):
         sys.exit("bench: finetune evaluated during the run; expected no eval set")
@@ -297,12 +419,20 @@ def measure_finetune(out_dir: Path, a) -> dict:
         prev = r["tokens_seen"]
     timed = [w for w in windows if w["step"] > a.warmup]
     if not timed or timed[-1]["step"] != a.steps:
-        sys.exit(f"bench: finetune metrics do not reach step {a.steps}: {[w['step'] for w in windows]}")
+        sys.exit(
+            f"bench: finetune metrics do not reach step {a.steps}: {[w['step'] for w in windows]}"
+        )
     tokens = sum(w["tokens"] for w in timed)
     seconds = sum(w["seconds"] for w in timed)
-    return {"steps_timed": a.steps - a.warmup, "tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds,
-            "windows": windows, "metrics_rows": train_rows,
-            "tokens_cum_by_step": {r["step"]: r["tokens_seen"] for r in train_rows}}
+    return {
+        "steps_timed": a.steps - a.warmup,
+        "tokens": tokens,
+        "seconds": seconds,
+        "tokens_per_s": tokens / seconds,
+        "windows": windows,
+        "metrics_rows": train_rows,
+        "tokens_cum_by_step": {r["step"]: r["tokens_seen"] for r in train_rows},
+    }
 
 
 def measure_hf(out_dir: Path, a) -> dict:
@@ -312,7 +442,9 @@ def measure_hf(out_dir: Path, a) -> dict:
     r0 = next(r for r in ranks if r["rank"] == 0)
     steps = r0["steps"]
     if steps[-1] != a.steps or steps != list(range(1, a.steps + 1)):
-        sys.exit(f"bench: HF Trainer recorded steps {steps[:3]}..{steps[-3:]}, expected 1..{a.steps}")
+        sys.exit(
+            f"bench: HF Trainer recorded steps {steps[:3]}..{steps[-3:]}, expected 1..{a.steps}"
+        )
     tok_cum = [sum(r["tokens_cum"][i] for r in ranks) for i in range(len(steps))]
     t = r0["times"]
     w = a.warmup
@@ -320,14 +452,41 @@ def measure_hf(out_dir: Path, a) -> dict:
     tok_w = tok_cum[w - 1] if w else 0
     tokens = tok_cum[-1] - tok_w
     seconds = t[-1] - t_w
-    per_step = [{"step": s, "tokens": tok_cum[i] - (tok_cum[i - 1] if i else 0),
-                 "seconds": t[i] - (t[i - 1] if i else r0["t_train_begin"])} for i, s in enumerate(steps)]
-    meta = {k: r0[k] for k in ("hf_view", "world_size", "backend", "torch_num_threads", "omp_num_threads_env", "parameters",
-                               "train_examples", "ds_train_batch_size", "ds_zero_stage", "optimizer",
-                               "startup_s", "train_call_s")}
-    return {"steps_timed": a.steps - w, "tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds,
-            "per_step": per_step, "meta": meta, "log_history": r0["log_history"],
-            "tokens_cum_by_step": {s: tok_cum[i] for i, s in enumerate(steps)}}
+    per_step = [
+        {
+            "step": s,
+            "tokens": tok_cum[i] - (tok_cum[i - 1] if i else 0),
+            "seconds": t[i] - (t[i - 1] if i else r0["t_train_begin"]),
+        }
+        for i, s in enumerate(steps)
+    ]
+    meta = {
+        k: r0[k]
+        for k in (
+            "hf_view",
+            "world_size",
+            "backend",
+            "torch_num_threads",
+            "omp_num_threads_env",
+            "parameters",
+            "train_examples",
+            "ds_train_batch_size",
+            "ds_zero_stage",
+            "optimizer",
+            "startup_s",
+            "train_call_s",
+        )
+    }
+    return {
+        "steps_timed": a.steps - w,
+        "tokens": tokens,
+        "seconds": seconds,
+        "tokens_per_s": tokens / seconds,
+        "per_step": per_step,
+        "meta": meta,
+        "log_history": r0["log_history"],
+        "tokens_cum_by_step": {s: tok_cum[i] for i, s in enumerate(steps)},
+    }
 
 
 def finetune_meta(log: Path) -> dict:
@@ -363,24 +522,37 @@ def main(argv=None) -> int:
             run_dir = tmp / f"{i}_{tool}"
             run_dir.mkdir()
             log = logs_dir / f"{i}_{tool}.log"
-            cmd = finetune_cmd(a, inputs, run_dir / "out") if tool == "finetune" else hf_cmd(a, inputs, run_dir)
+            cmd = (
+                finetune_cmd(a, inputs, run_dir / "out")
+                if tool == "finetune"
+                else hf_cmd(a, inputs, run_dir)
+            )
             waited = wait_quiet(a.wait_quiet, a.quiet_threshold) if a.wait_quiet else 0.0
             print(f"[bench] launch {i + 1}/{len(order)}: {tool} (log: {log})", flush=True)
             info = launch(cmd, tmp, env, log, a.timeout)
             info["waited_for_quiet_s"] = waited
-            share = None if info["foreign_cpu_s"] is None else info["foreign_cpu_s"] / (info["wall_s"] * (os.cpu_count() or 1))
+            share = (
+                None
+                if info["foreign_cpu_s"] is None
+                else info["foreign_cpu_s"] / (info["wall_s"] * (os.cpu_count() or 1))
+            )
             info["foreign_cpu_share"] = None if share is None else round(share, 3)
             info["contended"] = share is not None and share > a.quiet_threshold
             if tool == "finetune":
                 m = measure_finetune(run_dir / "out", a)
                 m["meta"] = finetune_meta(log)
-                shutil.copy(run_dir / "out" / "metrics.jsonl", logs_dir / f"{i}_{tool}_metrics.jsonl")
+                shutil.copy(
+                    run_dir / "out" / "metrics.jsonl", logs_dir / f"{i}_{tool}_metrics.jsonl"
+                )
             else:
                 m = measure_hf(run_dir, a)
             m.update(tool=tool, launch=i, **info)
-            print(f"[bench]   {tool}: {m['tokens_per_s']:.1f} tokens/s over steps {a.warmup + 1}..{a.steps} "
-                  f"({m['tokens']} tokens in {m['seconds']:.2f}s; launch wall {info['wall_s']:.1f}s, "
-                  f"foreign CPU {info['foreign_cpu_s']}s)", flush=True)
+            print(
+                f"[bench]   {tool}: {m['tokens_per_s']:.1f} tokens/s over steps {a.warmup + 1}..{a.steps} "
+                f"({m['tokens']} tokens in {m['seconds']:.2f}s; launch wall {info['wall_s']:.1f}s, "
+                f"foreign CPU {info['foreign_cpu_s']}s)",
+                flush=True,
+            )
             launches.append(m)
 
     def summarize(pick) -> dict:
@@ -392,10 +564,18 @@ def main(argv=None) -> int:
             tokens, seconds = sum(m["tokens"] for m in ms), sum(m["seconds"] for m in ms)
             rates = [m["tokens_per_s"] for m in ms]
             steps = sum(m["steps_timed"] for m in ms)
-            out[tool] = {"launches": [m["launch"] + 1 for m in ms], "steps_timed": steps, "tokens": tokens,
-                         "seconds": seconds, "tokens_per_s": tokens / seconds, "tokens_per_s_per_launch": rates,
-                         "min": min(rates), "max": max(rates), "mean_tokens_per_step": tokens / steps,
-                         "foreign_cpu_s_per_launch": [m["foreign_cpu_s"] for m in ms]}
+            out[tool] = {
+                "launches": [m["launch"] + 1 for m in ms],
+                "steps_timed": steps,
+                "tokens": tokens,
+                "seconds": seconds,
+                "tokens_per_s": tokens / seconds,
+                "tokens_per_s_per_launch": rates,
+                "min": min(rates),
+                "max": max(rates),
+                "mean_tokens_per_step": tokens / steps,
+                "foreign_cpu_s_per_launch": [m["foreign_cpu_s"] for m in ms],
+            }
         return out
 
     summary = summarize(lambda m: True)
@@ -404,45 +584,77 @@ def main(argv=None) -> int:
     ratio_quiet = quiet["finetune"]["tokens_per_s"] / quiet["hf"]["tokens_per_s"] if quiet else None
 
     result = {
-        "benchmark": "train_throughput", "date_utc": started.isoformat(timespec="seconds"),
+        "benchmark": "train_throughput",
+        "date_utc": started.isoformat(timespec="seconds"),
         "command": " ".join([Path(sys.executable).name, *sys.argv]) if argv is None else argv,
-        "machine": machine(), "versions": versions(), "git": git_state(),
-        "settings": {**vars(a), "omp_num_threads": env.get("OMP_NUM_THREADS"), "order": order,
-                     "tokenizer": str(TOKENIZER_DIR.relative_to(REPO)), "train_file": str(TRAIN_FILE.relative_to(REPO)),
-                     "precision": "fp32", "gradient_accumulation_steps": 1, "zero_stage": 3},
-        "model_config": inputs["model_config"], "ds_config_finetune": inputs["ds_finetune"],
+        "machine": machine(),
+        "versions": versions(),
+        "git": git_state(),
+        "settings": {
+            **vars(a),
+            "omp_num_threads": env.get("OMP_NUM_THREADS"),
+            "order": order,
+            "tokenizer": str(TOKENIZER_DIR.relative_to(REPO)),
+            "train_file": str(TRAIN_FILE.relative_to(REPO)),
+            "precision": "fp32",
+            "gradient_accumulation_steps": 1,
+            "zero_stage": 3,
+        },
+        "model_config": inputs["model_config"],
+        "ds_config_finetune": inputs["ds_finetune"],
         "ds_config_hf": inputs["ds_hf"],
-        "measure": (f"non-pad tokens (attention_mask.sum(), all ranks) trained in optimizer steps "
-                    f"{a.warmup + 1}..{a.steps} / rank-0 wall time from end of step {a.warmup} to end of step {a.steps}"),
-        "summary": summary, "ratio_finetune_over_hf": ratio,
-        "summary_quiet_launches": quiet, "ratio_finetune_over_hf_quiet_launches": ratio_quiet,
+        "measure": (
+            f"non-pad tokens (attention_mask.sum(), all ranks) trained in optimizer steps "
+            f"{a.warmup + 1}..{a.steps} / rank-0 wall time from end of step {a.warmup} to end of step {a.steps}"
+        ),
+        "summary": summary,
+        "ratio_finetune_over_hf": ratio,
+        "summary_quiet_launches": quiet,
+        "ratio_finetune_over_hf_quiet_launches": ratio_quiet,
         "launches": launches,
         "logs_dir": str(logs_dir),
     }
     out_path.write_text(json.dumps(result, indent=1, default=str))
 
     print()
-    print(f"Training throughput, {a.num_gpus} ranks, ZeRO-3, fp32, {inputs['model_config']['num_hidden_layers']} layers "
-          f"x {inputs['model_config']['hidden_size']}, batch {a.per_device_train_batch_size}/rank, "
-          f"OMP_NUM_THREADS={env.get('OMP_NUM_THREADS', 'unset')}")
+    print(
+        f"Training throughput, {a.num_gpus} ranks, ZeRO-3, fp32, {inputs['model_config']['num_hidden_layers']} layers "
+        f"x {inputs['model_config']['hidden_size']}, batch {a.per_device_train_batch_size}/rank, "
+        f"OMP_NUM_THREADS={env.get('OMP_NUM_THREADS', 'unset')}"
+    )
     names = {"finetune": "finetune", "hf": "HF Trainer"}
-    print(f"{'launch':>6}  {'tool':<10} {'steps timed':>11} {'tokens':>7} {'seconds':>8} {'tokens/s':>9}  other load")
+    print(
+        f"{'launch':>6}  {'tool':<10} {'steps timed':>11} {'tokens':>7} {'seconds':>8} {'tokens/s':>9}  other load"
+    )
     for m in launches:
-        load = "n/a" if m["foreign_cpu_share"] is None else \
-            f"{100 * m['foreign_cpu_share']:.0f}% of CPU" + (" (contended)" if m["contended"] else "")
-        print(f"{m['launch'] + 1:>6}  {names[m['tool']]:<10} {m['steps_timed']:>11} {m['tokens']:>7} {m['seconds']:>8.2f} "
-              f"{m['tokens_per_s']:>9.1f}  {load}")
-    for label, summ, r in (("all launches", summary, ratio), ("quiet launches", quiet, ratio_quiet)):
+        load = (
+            "n/a"
+            if m["foreign_cpu_share"] is None
+            else f"{100 * m['foreign_cpu_share']:.0f}% of CPU"
+            + (" (contended)" if m["contended"] else "")
+        )
+        print(
+            f"{m['launch'] + 1:>6}  {names[m['tool']]:<10} {m['steps_timed']:>11} {m['tokens']:>7} {m['seconds']:>8.2f} "
+            f"{m['tokens_per_s']:>9.1f}  {load}"
+        )
+    for label, summ, r in (
+        ("all launches", summary, ratio),
+        ("quiet launches", quiet, ratio_quiet),
+    ):
         if not summ:
             print(f"{label}: none for one of the tools")
             continue
         print(f"{label}:")
         for tool, sm in summ.items():
-            print(f"{'':>6}  {names[tool]:<10} {sm['steps_timed']:>11} {sm['tokens']:>7} {sm['seconds']:>8.2f} "
-                  f"{sm['tokens_per_s']:>9.1f}  launches {','.join(map(str, sm['launches']))}")
+            print(
+                f"{'':>6}  {names[tool]:<10} {sm['steps_timed']:>11} {sm['tokens']:>7} {sm['seconds']:>8.2f} "
+                f"{sm['tokens_per_s']:>9.1f}  launches {','.join(map(str, sm['launches']))}"
+            )
         print(f"        ratio finetune/HF (tokens/s): {r:.3f}")
     if any(m["contended"] for m in launches):
-        print("warning: other processes used the CPU during some launches; their numbers are skewed")
+        print(
+            "warning: other processes used the CPU during some launches; their numbers are skewed"
+        )
     print(f"wrote {out_path}")
     return 0
 

@@ -54,7 +54,9 @@ def timed(cmd: list[str]) -> tuple[float, str]:
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env())
     wall = time.perf_counter() - start
     if proc.returncode != 0:
-        raise SystemExit(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-2000:]}{proc.stderr[-2000:]}")
+        raise SystemExit(
+            f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-2000:]}{proc.stderr[-2000:]}"
+        )
     return wall, proc.stdout + proc.stderr
 
 
@@ -64,8 +66,19 @@ def ours(ckpt: Path, out: Path) -> list[str]:
 
 def theirs(ckpt: Path, out: Path) -> list[str]:
     workers = str(max(1, min(4, os.cpu_count() or 1)))
-    return [PY, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", str(ckpt), "--output_folder", str(out),
-            "--num_extract_workers", workers, "--num_merge_workers", workers]
+    return [
+        PY,
+        "-m",
+        "deepspeed.checkpoint.ds_to_universal",
+        "--input_folder",
+        str(ckpt),
+        "--output_folder",
+        str(out),
+        "--num_extract_workers",
+        workers,
+        "--num_merge_workers",
+        workers,
+    ]
 
 
 def interrupted(ckpt: Path, out: Path) -> dict:
@@ -74,11 +87,18 @@ def interrupted(ckpt: Path, out: Path) -> dict:
 
     pieces = out.with_name(out.name + ".tmp") / PIECES
     drop_caches()
-    proc = subprocess.Popen(ours(ckpt, out), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env(),
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        ours(ckpt, out),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env=env(),
+        start_new_session=True,
+    )
     total = None
     while proc.poll() is None:
-        done = len([p for p in pieces.iterdir() if p.name != "source.json"]) if pieces.is_dir() else 0
+        done = (
+            len([p for p in pieces.iterdir() if p.name != "source.json"]) if pieces.is_dir() else 0
+        )
         total = total or _piece_count(ckpt)
         if done >= total // 2:
             os.killpg(proc.pid, signal.SIGKILL)
@@ -100,7 +120,7 @@ def _piece_count(ckpt: Path) -> int:
 
 def _summary(log: str) -> str:
     line = next((line for line in log.splitlines() if "Converted" in line), "")
-    return line[line.find("(") + 1:line.rfind(")")] if "(" in line else line
+    return line[line.find("(") + 1 : line.rfind(")")] if "(" in line else line
 
 
 def main() -> None:
@@ -118,7 +138,9 @@ def main() -> None:
             shutil.rmtree(scratch, ignore_errors=True)
             scratch.mkdir(parents=True)
             wall, log = timed(make(ckpt, scratch / "u"))
-            runs[name].append({"wall_s": round(wall, 2), "summary": _summary(log) if name == "ours" else ""})
+            runs[name].append(
+                {"wall_s": round(wall, 2), "summary": _summary(log) if name == "ours" else ""}
+            )
             print(f"round {i + 1}: {name} {wall:.1f} s {runs[name][-1]['summary']}", flush=True)
         shutil.rmtree(scratch, ignore_errors=True)
         scratch.mkdir(parents=True)
@@ -127,9 +149,14 @@ def main() -> None:
     shutil.rmtree(scratch, ignore_errors=True)
     med = {k: statistics.median(r["wall_s"] for r in runs[k]) for k in ("ours", "theirs")}
     med["resumed"] = statistics.median(r["rerun_s"] for r in runs["resumed"])
-    result = {"rank_files_gb": round(gb, 3), "median_s": med, "s_per_gb": {k: round(v / gb, 1) for k, v in med.items()},
-              "ratio_ours_over_theirs": round(med["ours"] / med["theirs"], 3), "runs": runs,
-              "cold_cache": os.access("/proc/sys/vm/drop_caches", os.W_OK)}
+    result = {
+        "rank_files_gb": round(gb, 3),
+        "median_s": med,
+        "s_per_gb": {k: round(v / gb, 1) for k, v in med.items()},
+        "ratio_ours_over_theirs": round(med["ours"] / med["theirs"], 3),
+        "runs": runs,
+        "cold_cache": os.access("/proc/sys/vm/drop_caches", os.W_OK),
+    }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     print(f"\nrank files: {gb:.2f} GB; medians of {args.repeats}:")

@@ -62,8 +62,18 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 from finetune.checkpoint.writer import GuardedWriter  # noqa: E402
 
-VARIANTS = ("none", "thread", "thread_reused", "process", "process_fresh", "none_1t", "thread_1t", "process_1t",
-            "thread_nice", "process_nice")
+VARIANTS = (
+    "none",
+    "thread",
+    "thread_reused",
+    "process",
+    "process_fresh",
+    "none_1t",
+    "thread_1t",
+    "process_1t",
+    "thread_nice",
+    "process_nice",
+)
 DEFAULT_VARIANTS = VARIANTS[:8]  # the _nice ones on request: their writes take many times longer
 NICE = 10
 MB = 1 << 20
@@ -85,9 +95,22 @@ def make_snapshot(nbytes: int) -> dict:
             "partition_count": 1,
             "fp32_flat_groups": [master],
             "optimizer_state_dict": {
-                "state": {0: {"step": torch.tensor(10.0), "exp_avg": master * 0.1, "exp_avg_sq": master.square()}},
-                "param_groups": [{"lr": 1e-4, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0,
-                                  "params": [0]}],
+                "state": {
+                    0: {
+                        "step": torch.tensor(10.0),
+                        "exp_avg": master * 0.1,
+                        "exp_avg_sq": master.square(),
+                    }
+                },
+                "param_groups": [
+                    {
+                        "lr": 1e-4,
+                        "betas": (0.9, 0.999),
+                        "eps": 1e-8,
+                        "weight_decay": 0.0,
+                        "params": [0],
+                    }
+                ],
             },
         },
         "ds_config": {"train_batch_size": 8},
@@ -150,7 +173,9 @@ class TimedWriter(GuardedWriter):
 
 
 def _child_write(state, path: str, nice: int, out: list) -> None:
-    if nice:  # this thread only (Linux): it ends with the write, so the child's own niceness is unchanged
+    if (
+        nice
+    ):  # this thread only (Linux): it ends with the write, so the child's own niceness is unchanged
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
     t0, c0 = time.monotonic(), time.thread_time()
     w = GuardedWriter(object())
@@ -254,17 +279,26 @@ def make_trainer(kind: str, smoke: bool):
     torch.manual_seed(0)
     if kind == "llama":
         from transformers import LlamaConfig, LlamaForCausalLM
+
         if smoke:
             h, layers, bs, seq, vocab = 64, 1, 2, 32, 512
         else:
             h, layers, bs, seq, vocab = 256, 4, 4, 128, 2048  # ~100 ms a step on 2 idle cores
-        cfg = LlamaConfig(vocab_size=vocab, hidden_size=h, intermediate_size=4 * h, num_hidden_layers=layers,
-                          num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=seq)
+        cfg = LlamaConfig(
+            vocab_size=vocab,
+            hidden_size=h,
+            intermediate_size=4 * h,
+            num_hidden_layers=layers,
+            num_attention_heads=4,
+            num_key_value_heads=4,
+            max_position_embeddings=seq,
+        )
         model = LlamaForCausalLM(cfg)
         x = torch.randint(0, vocab, (bs, seq))
 
         def loss():
             return model(input_ids=x, labels=x).loss
+
         desc = f"llama h={h} layers={layers} batch={bs}x{seq} vocab={vocab}"
     else:
         h, layers, bs = (128, 2, 16) if smoke else (1024, 4, 256)
@@ -276,6 +310,7 @@ def make_trainer(kind: str, smoke: bool):
 
         def loss():
             return torch.nn.functional.mse_loss(model(x), y)
+
         desc = f"mlp h={h} layers={layers} batch={bs}"
     opt = torch.optim.Adam(model.parameters(), lr=1e-4)
     nparams = sum(p.numel() for p in model.parameters())
@@ -293,7 +328,9 @@ def make_trainer(kind: str, smoke: bool):
 # ---------------------------------------------------------------------------------------------
 
 
-def run_variant(variant, step, snapshot, pw, kept, work: Path, rep: int, a, default_threads: int) -> dict:
+def run_variant(
+    variant, step, snapshot, pw, kept, work: Path, rep: int, a, default_threads: int
+) -> dict:
     pre = [step() for _ in range(a.pre)]
     rec = {"variant": variant, "repeat": rep, "pre_s": pre}
     if variant.startswith("none"):
@@ -315,7 +352,7 @@ def run_variant(variant, step, snapshot, pw, kept, work: Path, rep: int, a, defa
                 dst.copy_(src)
             w.queue.add(kept[0], path, sum(t.numel() * t.element_size() for t in tensors(kept[0])))
         else:
-            w.save(snapshot, path)      # host_copy on this thread
+            w.save(snapshot, path)  # host_copy on this thread
         stall = time.monotonic() - t_issue
         w.start()
         done = w.done
@@ -349,14 +386,22 @@ def run_variant(variant, step, snapshot, pw, kept, work: Path, rep: int, a, defa
     else:
         size, digest, t0, t1, cpu = pw.result()
     os.unlink(path)
-    rec.update(steps_s=steps, stall_s=stall, write_s=t1 - t_issue, write_only_s=t1 - t0, writer_cpu_s=cpu,
-               bytes=size, digest=digest)
+    rec.update(
+        steps_s=steps,
+        stall_s=stall,
+        write_s=t1 - t_issue,
+        write_only_s=t1 - t0,
+        writer_cpu_s=cpu,
+        bytes=size,
+        digest=digest,
+    )
     return rec
 
 
 def summarize(records: list[dict], variants: list[str]) -> dict:
     med = statistics.median
     by = {v: [r for r in records if r["variant"] == v] for v in variants}
+
     def pooled(v):
         steps = [s for r in by.get(v, []) for s in r["steps_s"]]
         return med(steps) if steps else None
@@ -367,9 +412,13 @@ def summarize(records: list[dict], variants: list[str]) -> dict:
         if not rs:
             continue
         steps = [s for r in rs for s in r["steps_s"]]
-        e = {"step_ms": med(steps) * 1e3, "step_ms_each_repeat": [med(r["steps_s"]) * 1e3 for r in rs],
-             "pre_step_ms": med([s for r in rs for s in r["pre_s"]]) * 1e3,
-             "steps_measured": len(steps), "repeats": len(rs)}
+        e = {
+            "step_ms": med(steps) * 1e3,
+            "step_ms_each_repeat": [med(r["steps_s"]) * 1e3 for r in rs],
+            "pre_step_ms": med([s for r in rs for s in r["pre_s"]]) * 1e3,
+            "steps_measured": len(steps),
+            "repeats": len(rs),
+        }
         if none_med:
             e["slowdown_vs_none"] = med(steps) / none_med
         e["slowdown_vs_own_pre"] = med([med(r["steps_s"]) / med(r["pre_s"]) for r in rs])
@@ -402,25 +451,45 @@ def summarize(records: list[dict], variants: list[str]) -> dict:
 
 
 def machine() -> dict:
-    cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "?")
-    return {"cores": os.cpu_count(), "cpu": cpu, "kernel": platform.release(), "python": platform.python_version(),
-            "torch": torch.__version__}
+    cpu = next(
+        (
+            ln.split(":", 1)[1].strip()
+            for ln in open("/proc/cpuinfo")
+            if ln.startswith("model name")
+        ),
+        "?",
+    )
+    return {
+        "cores": os.cpu_count(),
+        "cpu": cpu,
+        "kernel": platform.release(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+    }
 
 
 def print_table(summary: dict) -> None:
-    hdr = (f"{'variant':<14}{'step ms':>9}{'vs none':>9}{'vs none_1t':>11}{'stall s':>9}{'write s':>9}"
-           f"{'cpu s':>7}{'lost s':>8}{'steps':>7}")
+    hdr = (
+        f"{'variant':<14}{'step ms':>9}{'vs none':>9}{'vs none_1t':>11}{'stall s':>9}{'write s':>9}"
+        f"{'cpu s':>7}{'lost s':>8}{'steps':>7}"
+    )
     print(hdr)
     print("-" * len(hdr))
     for v, e in summary.items():
+
         def f(key, fmt):
             width = int(fmt.split(".")[0])
             return format(e[key], fmt) if key in e else "-".rjust(width)
-        print(f"{v:<14}{f('step_ms', '9.1f')}{f('slowdown_vs_none', '9.3f')}{f('slowdown_vs_none_1t', '11.3f')}"
-              f"{f('stall_s', '9.3f')}{f('write_s', '9.2f')}{f('writer_cpu_s', '7.2f')}"
-              f"{f('lost_vs_same_threads_none_s', '8.2f')}{e['steps_measured']:>7}")
-    print("step ms: median of the steps overlapping the write, pooled over repeats; lost s: stall + sum of "
-          "(step - median step of none, or of none_1t for _1t rows) over them, median over repeats")
+
+        print(
+            f"{v:<14}{f('step_ms', '9.1f')}{f('slowdown_vs_none', '9.3f')}{f('slowdown_vs_none_1t', '11.3f')}"
+            f"{f('stall_s', '9.3f')}{f('write_s', '9.2f')}{f('writer_cpu_s', '7.2f')}"
+            f"{f('lost_vs_same_threads_none_s', '8.2f')}{e['steps_measured']:>7}"
+        )
+    print(
+        "step ms: median of the steps overlapping the write, pooled over repeats; lost s: stall + sum of "
+        "(step - median step of none, or of none_1t for _1t rows) over them, median over repeats"
+    )
 
 
 def main() -> None:
@@ -428,12 +497,16 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--snapshot_mb", type=float, default=300)
     ap.add_argument("--model", choices=("llama", "mlp"), default="llama")
-    ap.add_argument("--variants", default=",".join(DEFAULT_VARIANTS), help=f"any of {','.join(VARIANTS)}")
+    ap.add_argument(
+        "--variants", default=",".join(DEFAULT_VARIANTS), help=f"any of {','.join(VARIANTS)}"
+    )
     ap.add_argument("--pre", type=int, default=3, help="steps before each save (a local baseline)")
     ap.add_argument("--none_steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--max_write_s", type=float, default=120)
-    ap.add_argument("--dir", default=None, help="where files are written (default: a temp dir under /tmp)")
+    ap.add_argument(
+        "--dir", default=None, help="where files are written (default: a temp dir under /tmp)"
+    )
     ap.add_argument("--smoke", action="store_true", help="tiny sizes, 1 repeat (< 30 s)")
     ap.add_argument("--out", default=str(REPO / "bench" / "results" / "writer_interference.json"))
     a = ap.parse_args()
@@ -464,10 +537,16 @@ def main() -> None:
             for v in variants:
                 r = run_variant(v, step, snapshot, pw, kept, work, rep, a, default_threads)
                 records.append(r)
-                extra = (f" stall {r['stall_s']:.3f}s write {r['write_s']:.2f}s over {len(r['steps_s'])} steps"
-                         if "stall_s" in r else "")
-                print(f"[{time.time() - started:6.1f}s] repeat {rep} {v:<14} median step "
-                      f"{statistics.median(r['steps_s']) * 1e3:.1f} ms{extra}", flush=True)
+                extra = (
+                    f" stall {r['stall_s']:.3f}s write {r['write_s']:.2f}s over {len(r['steps_s'])} steps"
+                    if "stall_s" in r
+                    else ""
+                )
+                print(
+                    f"[{time.time() - started:6.1f}s] repeat {rep} {v:<14} median step "
+                    f"{statistics.median(r['steps_s']) * 1e3:.1f} ms{extra}",
+                    flush=True,
+                )
     finally:
         if pw is not None:
             pw.close()
@@ -488,18 +567,29 @@ def main() -> None:
         "loadavg_end": os.getloadavg(),
         "model": model_desc,
         "smoke": a.smoke,
-        "process_setup_s": ({"spawn_and_import": pw.spawn_s, "shm_alloc_prefault": pw.shm_alloc_s,
-                             "handoff_to_child": pw.handoff_s} if pw is not None else None),
+        "process_setup_s": (
+            {
+                "spawn_and_import": pw.spawn_s,
+                "shm_alloc_prefault": pw.shm_alloc_s,
+                "handoff_to_child": pw.handoff_s,
+            }
+            if pw is not None
+            else None
+        ),
         "elapsed_s": time.time() - started,
         "records": records,
     }
     print()
-    print(f"model {model_desc}; snapshot {snap_bytes / MB:.0f} MiB; torch threads {default_threads}; "
-          f"cores {os.cpu_count()}; repeats {a.repeats}; load {load_start[0]:.1f} -> {os.getloadavg()[0]:.1f}")
+    print(
+        f"model {model_desc}; snapshot {snap_bytes / MB:.0f} MiB; torch threads {default_threads}; "
+        f"cores {os.cpu_count()}; repeats {a.repeats}; load {load_start[0]:.1f} -> {os.getloadavg()[0]:.1f}"
+    )
     print_table(summary)
     if pw is not None:
-        print(f"process setup (once): spawn+import {pw.spawn_s:.2f}s, shm alloc+prefault {pw.shm_alloc_s:.3f}s, "
-              f"handoff {pw.handoff_s:.3f}s")
+        print(
+            f"process setup (once): spawn+import {pw.spawn_s:.2f}s, shm alloc+prefault {pw.shm_alloc_s:.3f}s, "
+            f"handoff {pw.handoff_s:.3f}s"
+        )
     print(f"same bytes from every writer: {result['same_bytes_every_writer']}")
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -27,8 +27,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from finetune.ops import load_op, use_venv_extensions_dir  # noqa: E402
 
-OPS = {"cpu": ("ShareMemCommBuilder", "FusedAdamBuilder", "CPUAdamBuilder"),
-       "cuda": ("FusedAdamBuilder", "CPUAdamBuilder")}
+OPS = {
+    "cpu": ("ShareMemCommBuilder", "FusedAdamBuilder", "CPUAdamBuilder"),
+    "cuda": ("FusedAdamBuilder", "CPUAdamBuilder"),
+}
 
 
 def build_one(name: str) -> int:
@@ -39,11 +41,18 @@ def build_one(name: str) -> int:
         load_op(name)
     except Exception as e:  # any build failure: reported by name, the other ops still tried
         reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        then = "runs use torch_adam instead" if "Adam" in name else "runs try to build it on first use"
-        print(f"DeepSpeed op {name.removesuffix('Builder')}: NOT built ({type(e).__name__}: {reason}); {then}",
-              flush=True)
+        then = (
+            "runs use torch_adam instead" if "Adam" in name else "runs try to build it on first use"
+        )
+        print(
+            f"DeepSpeed op {name.removesuffix('Builder')}: NOT built ({type(e).__name__}: {reason}); {then}",
+            flush=True,
+        )
         return 1
-    print(f"DeepSpeed op {name.removesuffix('Builder')}: ready in {time.perf_counter() - start:.1f}s", flush=True)
+    print(
+        f"DeepSpeed op {name.removesuffix('Builder')}: ready in {time.perf_counter() - start:.1f}s",
+        flush=True,
+    )
     return 0
 
 

@@ -56,8 +56,12 @@ Bare flags train: `finetune [flags]` or `python -m finetune [flags]`, alone or u
 
 
 # Headings for finetune.config.GROUPS' argument groups ("<name> arguments"); others keep argparse's title.
-TITLES = {"model arguments": "Model", "data arguments": "Data", "train arguments": "Training",
-          "ckpt arguments": "Checkpoints"}
+TITLES = {
+    "model arguments": "Model",
+    "data arguments": "Data",
+    "train arguments": "Training",
+    "ckpt arguments": "Checkpoints",
+}
 
 
 def _cell(text: str) -> str:
@@ -77,7 +81,9 @@ def _help_and_default(action: argparse.Action) -> tuple[str, str]:
     if m:
         text, default = text[: m.start()], m.group(1)
     elif action.default not in (None, argparse.SUPPRESS):
-        default = str(action.default)  # the parser's default (finetune's own parser keeps them in the help)
+        default = str(
+            action.default
+        )  # the parser's default (finetune's own parser keeps them in the help)
     if isinstance(action, (argparse._StoreTrueAction, argparse.BooleanOptionalAction)):
         return text, "on" if default == "True" else "off"
     if action.nargs == 0 or default is None:  # --no_X, --bf16, --version, --help: nothing to show
@@ -96,7 +102,9 @@ def _value(action: argparse.Action) -> str:
 def train_tables(parser: argparse.ArgumentParser) -> str:
     out = []
     for group in parser._action_groups:
-        actions = [a for a in group._group_actions if a.option_strings and a.help != argparse.SUPPRESS]
+        actions = [
+            a for a in group._group_actions if a.option_strings and a.help != argparse.SUPPRESS
+        ]
         if not actions:
             continue
         # argparse's own group ("options", "optional arguments" before Python 3.10): a fixed title.
@@ -112,13 +120,27 @@ def train_tables(parser: argparse.ArgumentParser) -> str:
 
 def subcommand_help(command: str) -> str:
     """What `python -m finetune COMMAND --help` prints, at a fixed width and without colour."""
-    env = {**os.environ, "COLUMNS": COLUMNS, "LINES": "50", "NO_COLOR": "1", "PYTHON_COLORS": "0",
-           "PYTHONPATH": os.pathsep.join(filter(None, (str(REPO), os.environ.get("PYTHONPATH"))))}
+    env = {
+        **os.environ,
+        "COLUMNS": COLUMNS,
+        "LINES": "50",
+        "NO_COLOR": "1",
+        "PYTHON_COLORS": "0",
+        "PYTHONPATH": os.pathsep.join(filter(None, (str(REPO), os.environ.get("PYTHONPATH")))),
+    }
     env.pop("FORCE_COLOR", None)
-    proc = subprocess.run([sys.executable, "-m", "finetune", command, "--help"], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "finetune", command, "--help"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     if proc.returncode != 0:
-        raise RuntimeError(f"`python -m finetune {command} --help` exited {proc.returncode}:\n{proc.stderr}")
+        raise RuntimeError(
+            f"`python -m finetune {command} --help` exited {proc.returncode}:\n{proc.stderr}"
+        )
     return "\n".join(line.rstrip() for line in proc.stdout.strip("\n").splitlines())
 
 
@@ -132,8 +154,14 @@ def render() -> str:
     from finetune.cli import build_train_parser
 
     parser = build_train_parser()
-    parts = [INTRO, "## Training: `finetune [flags]`", "", _cell(parser.description or ""), "",
-             train_tables(parser)]
+    parts = [
+        INTRO,
+        "## Training: `finetune [flags]`",
+        "",
+        _cell(parser.description or ""),
+        "",
+        train_tables(parser),
+    ]
     for command in subcommands():
         parts += [f"## `finetune {command}`", "", "```text", subcommand_help(command), "```", ""]
     return "\n".join(parts).rstrip("\n") + "\n"
@@ -141,13 +169,20 @@ def render() -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--check", action="store_true", help=f"exit 1 if {DOC.relative_to(REPO)} is stale; write nothing")
+    ap.add_argument(
+        "--check",
+        action="store_true",
+        help=f"exit 1 if {DOC.relative_to(REPO)} is stale; write nothing",
+    )
     args = ap.parse_args(argv)
     text = render()
     current = DOC.read_text() if DOC.exists() else None
     if args.check:
         if current != text:
-            print(f"{DOC.relative_to(REPO)} is stale: run `python scripts/gen_flags_doc.py`", file=sys.stderr)
+            print(
+                f"{DOC.relative_to(REPO)} is stale: run `python scripts/gen_flags_doc.py`",
+                file=sys.stderr,
+            )
             return 1
         print(f"{DOC.relative_to(REPO)} is up to date")
         return 0

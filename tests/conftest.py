@@ -24,11 +24,27 @@ TOKENIZER_DIR = REPO / "finetune" / "resources" / "tokenizer"
 
 # Each architecture as small as it goes; all share the embedded tokenizer (vocab 513).
 ARCHS = {
-    "llama": dict(model_type="llama", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=False),
+    "llama": dict(
+        model_type="llama",
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+    ),
     "gpt2": dict(model_type="gpt2", n_embd=64, n_layer=2, n_head=4, n_positions=256),
-    "qwen2": dict(model_type="qwen2", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=True),
+    "qwen2": dict(
+        model_type="qwen2",
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=True,
+    ),
 }
 
 
@@ -44,8 +60,14 @@ def build_tiny_model(arch: str, out: Path) -> Path:
 
     tok = AutoTokenizer.from_pretrained(TOKENIZER_DIR)
     kw = dict(ARCHS[arch])
-    config = AutoConfig.for_model(kw.pop("model_type"), vocab_size=len(tok), bos_token_id=tok.bos_token_id,
-                                  eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, **kw)
+    config = AutoConfig.for_model(
+        kw.pop("model_type"),
+        vocab_size=len(tok),
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+        **kw,
+    )
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config)
     model.save_pretrained(out)
@@ -63,7 +85,9 @@ def no_stale_shm_buffers():
     mapped = set()
     for maps in Path("/proc").glob("[0-9]*/maps"):
         try:
-            mapped.update(line.split()[-1] for line in maps.read_text().splitlines() if "/dev/shm/" in line)
+            mapped.update(
+                line.split()[-1] for line in maps.read_text().splitlines() if "/dev/shm/" in line
+            )
         except OSError:
             continue
     for buf in Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_{os.getuid()}_*"):
@@ -84,7 +108,10 @@ def tiny_models(tmp_path_factory) -> dict[str, Path]:
 def data_files(tmp_path_factory) -> dict[str, Path]:
     """Small files in each format the CLI reads, from the embedded data's sentences."""
     root = tmp_path_factory.mktemp("data")
-    lines = [json.loads(l)["text"] for l in (REPO / "finetune/resources/data/train.jsonl").read_text().splitlines()][:240]
+    lines = [
+        json.loads(l)["text"]
+        for l in (REPO / "finetune/resources/data/train.jsonl").read_text().splitlines()
+    ][:240]
     pairs = [(t.split(". ", 1)[0] + ".", t.split(". ", 1)[1]) for t in lines if ". " in t]
     import csv
 
@@ -99,7 +126,11 @@ def data_files(tmp_path_factory) -> dict[str, Path]:
     with open(root / "text.jsonl", "w") as f:
         for t in lines:
             f.write(json.dumps({"text": t}) + "\n")
-    return {"pc_csv": root / "pc.csv", "chat_jsonl": root / "chat.jsonl", "text_jsonl": root / "text.jsonl"}
+    return {
+        "pc_csv": root / "pc.csv",
+        "chat_jsonl": root / "chat.jsonl",
+        "text_jsonl": root / "text.jsonl",
+    }
 
 
 @dataclass
@@ -123,12 +154,37 @@ class Result:
 def launcher_cmd(launcher: str, nprocs: int) -> list[str]:
     port = str(free_port())
     if launcher == "deepspeed":
-        return [str(BIN / "deepspeed"), "--num_gpus", str(nprocs), "--master_port", port, "--module", "finetune"]
+        return [
+            str(BIN / "deepspeed"),
+            "--num_gpus",
+            str(nprocs),
+            "--master_port",
+            port,
+            "--module",
+            "finetune",
+        ]
     if launcher == "torchrun":
-        return [str(BIN / "torchrun"), "--nproc_per_node", str(nprocs), "--master_port", port, "-m", "finetune"]
+        return [
+            str(BIN / "torchrun"),
+            "--nproc_per_node",
+            str(nprocs),
+            "--master_port",
+            port,
+            "-m",
+            "finetune",
+        ]
     if launcher == "accelerate":
-        return [str(BIN / "accelerate"), "launch", "--multi_gpu", "--num_processes", str(nprocs),
-                "--main_process_port", port, "-m", "finetune"]
+        return [
+            str(BIN / "accelerate"),
+            "launch",
+            "--multi_gpu",
+            "--num_processes",
+            str(nprocs),
+            "--main_process_port",
+            port,
+            "-m",
+            "finetune",
+        ]
     if launcher == "python":
         return [sys.executable, "-m", "finetune"]
     raise ValueError(launcher)
@@ -138,8 +194,16 @@ def child_env(extra: dict | None = None) -> dict:
     env = dict(os.environ)
     # One DeepSpeed op cache per venv (see the Makefile): a shared one thrashes between checkouts.
     env.setdefault("TORCH_EXTENSIONS_DIR", str(Path(sys.prefix) / "torch_extensions"))
-    env.update({"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1",
-                "HF_DATASETS_OFFLINE": "1", "PYTHONUNBUFFERED": "1", "PATH": f"{BIN}:{env.get('PATH', '')}"})
+    env.update(
+        {
+            "OMP_NUM_THREADS": "1",
+            "TOKENIZERS_PARALLELISM": "false",
+            "HF_HUB_OFFLINE": "1",
+            "HF_DATASETS_OFFLINE": "1",
+            "PYTHONUNBUFFERED": "1",
+            "PATH": f"{BIN}:{env.get('PATH', '')}",
+        }
+    )
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(k, None)
     env.update(extra or {})
@@ -158,8 +222,9 @@ class Running:
         cwd.mkdir(parents=True, exist_ok=True)
         self.log = Path(cwd) / f"run-{os.getpid()}-{id(self)}.log"
         with open(self.log, "w") as f:
-            self.proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=f, stderr=subprocess.STDOUT,
-                                         start_new_session=True)
+            self.proc = subprocess.Popen(
+                cmd, cwd=cwd, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True
+            )
 
     def output(self) -> str:
         return self.log.read_text(errors="replace")
@@ -168,7 +233,9 @@ class Running:
         try:
             self.proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
-            raise AssertionError(f"timed out after {timeout}s: {' '.join(self.cmd)}\n{self.output()[-6000:]}") from None
+            raise AssertionError(
+                f"timed out after {timeout}s: {' '.join(self.cmd)}\n{self.output()[-6000:]}"
+            ) from None
         finally:
             self.kill()
         return Result(self.proc.returncode, self.output(), self.out_dir, self.leaked_shm)
@@ -191,8 +258,17 @@ class Running:
                 pass
         if self.proc.poll() is None:
             self.proc.wait()
-        port = next((self.cmd[i + 1] for i, a in enumerate(self.cmd) if a in ("--master_port", "--main_process_port")), None)
-        self.leaked_shm = tuple(Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_{port}_*")) if port else ()
+        port = next(
+            (
+                self.cmd[i + 1]
+                for i, a in enumerate(self.cmd)
+                if a in ("--master_port", "--main_process_port")
+            ),
+            None,
+        )
+        self.leaked_shm = (
+            tuple(Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_{port}_*")) if port else ()
+        )
         for leaked in self.leaked_shm:
             leaked.unlink(missing_ok=True)  # left by a run that crashed or was killed on purpose
 
@@ -236,11 +312,15 @@ def last_logged_step(out: Path) -> int:
 
 def assert_verifies(folder: Path) -> None:
     """`finetune verify FOLDER`, as a user runs it, exits 0."""
-    proc = subprocess.run([sys.executable, "-m", "finetune", "verify", str(folder)], capture_output=True, text=True)
+    proc = subprocess.run(
+        [sys.executable, "-m", "finetune", "verify", str(folder)], capture_output=True, text=True
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
-def finetune_cmd(launcher: str, nprocs: int, args: tuple, out: Path, output_dir_flag: bool = True) -> list[str]:
+def finetune_cmd(
+    launcher: str, nprocs: int, args: tuple, out: Path, output_dir_flag: bool = True
+) -> list[str]:
     cmd = launcher_cmd(launcher, nprocs) + list(args)
     if output_dir_flag and "--output_dir" not in args:
         cmd += ["--output_dir", str(out)]
@@ -251,8 +331,15 @@ def finetune_cmd(launcher: str, nprocs: int, args: tuple, out: Path, output_dir_
 def run_finetune(tmp_path):
     """Run the real CLI through a launcher; returns a Result (never raises on a non-zero exit)."""
 
-    def run(*args: str, launcher: str = "deepspeed", nprocs: int = 2, out_dir: Path | None = None,
-            env: dict | None = None, timeout: int = 600, output_dir_flag: bool = True) -> Result:
+    def run(
+        *args: str,
+        launcher: str = "deepspeed",
+        nprocs: int = 2,
+        out_dir: Path | None = None,
+        env: dict | None = None,
+        timeout: int = 600,
+        output_dir_flag: bool = True,
+    ) -> Result:
         out = out_dir or tmp_path / "out"
         cmd = finetune_cmd(launcher, nprocs, args, out, output_dir_flag)
         return Running(cmd, tmp_path, child_env(env), out).finish(timeout)
@@ -265,10 +352,17 @@ def start_finetune(tmp_path):
     """Start the real CLI through a launcher and return the Running process (for signal tests)."""
     started = []
 
-    def start(*args: str, launcher: str = "deepspeed", nprocs: int = 2, out_dir: Path | None = None,
-              env: dict | None = None) -> Running:
+    def start(
+        *args: str,
+        launcher: str = "deepspeed",
+        nprocs: int = 2,
+        out_dir: Path | None = None,
+        env: dict | None = None,
+    ) -> Running:
         out = out_dir or tmp_path / "out"
-        started.append(Running(finetune_cmd(launcher, nprocs, args, out), tmp_path, child_env(env), out))
+        started.append(
+            Running(finetune_cmd(launcher, nprocs, args, out), tmp_path, child_env(env), out)
+        )
         return started[-1]
 
     yield start
@@ -281,10 +375,18 @@ def checkpoint_files(folder: Path) -> set[str]:
 
 
 def partitioned_file_set(world: int, tokenizer_files: set[str]) -> set[str]:
-    files = {"config.json", "generation_config.json", "manifest.json", "trainer_state.json"} | tokenizer_files
+    files = {
+        "config.json",
+        "generation_config.json",
+        "manifest.json",
+        "trainer_state.json",
+    } | tokenizer_files
     for r in range(world):
-        files |= {f"rng_state_{r}.pt", f"zero_pp_rank_{r}_mp_rank_00_model_states.pt",
-                  f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt"}
+        files |= {
+            f"rng_state_{r}.pt",
+            f"zero_pp_rank_{r}_mp_rank_00_model_states.pt",
+            f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt",
+        }
     return files
 
 

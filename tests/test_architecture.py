@@ -36,13 +36,19 @@ def graph() -> dict[str, dict[str, int]]:
                     up = package.split(".")[: len(package.split(".")) - node.level + 1]
                     base = ".".join(up + ([base] if base else []))
                 # `from pkg import mod` imports the module pkg.mod when there is one
-                names = [f"{base}.{a.name}" if f"{base}.{a.name}" in paths else base for a in node.names]
+                names = [
+                    f"{base}.{a.name}" if f"{base}.{a.name}" in paths else base for a in node.names
+                ]
             else:
                 continue
             for name in names:
                 while name and name not in paths:  # `import finetune.x.y` of a name inside a module
                     name = name.rpartition(".")[0]
-                if name and name != mod and not (name == "finetune" and mod.startswith("finetune.")):
+                if (
+                    name
+                    and name != mod
+                    and not (name == "finetune" and mod.startswith("finetune."))
+                ):
                     out.setdefault(name, node.lineno)
     return edges
 
@@ -85,7 +91,9 @@ def test_no_import_cycle_counting_imports_inside_functions():
     described = [
         " ↔ ".join(group)
         + ": "
-        + "; ".join(f"{a} imports {b} (line {edges[a][b]})" for a in group for b in group if b in edges[a])
+        + "; ".join(
+            f"{a} imports {b} (line {edges[a][b]})" for a in group for b in group if b in edges[a]
+        )
         for group in found
     ]
     assert not found, "import cycles:\n" + "\n".join(described)
@@ -104,8 +112,11 @@ def test_the_leaves_import_nothing_of_finetune():
 
 def test_finetune_io_imports_nothing_above_it():
     edges = graph()
-    low = {mod: sorted(m for m in out if not m.startswith("finetune.io"))
-           for mod, out in edges.items() if mod.startswith("finetune.io")}
+    low = {
+        mod: sorted(m for m in out if not m.startswith("finetune.io"))
+        for mod, out in edges.items()
+        if mod.startswith("finetune.io")
+    }
     assert low == {mod: [] for mod in low}
 
 

@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from conftest import REPO, child_env, run_group
 
 MEASURES = [f"P{i}" for i in range(1, 10)]
@@ -51,7 +52,11 @@ def _digest(path: Path) -> str | None:
 def assert_entry(key: str, e: dict) -> None:
     assert "error" not in e, f"{key}: {e['error']}"
     for field in ("ours", "baseline", "ratio"):
-        assert isinstance(e[field], (int, float)) and not isinstance(e[field], bool), (key, field, e[field])
+        assert isinstance(e[field], (int, float)) and not isinstance(e[field], bool), (
+            key,
+            field,
+            e[field],
+        )
         assert math.isfinite(e[field]), (key, field, e[field])
     assert e["baseline"] != 0
     assert e["ratio"] == pytest.approx(e["ours"] / e["baseline"])
@@ -67,8 +72,16 @@ def smoke(tmp_path_factory) -> dict:
     tmp = tmp_path_factory.mktemp("bench")
     before = {p: _digest(p) for p in [*DOCS, LATEST]}
     out = tmp / "results" / "latest.json"
-    cmd = [sys.executable, str(REPO / "bench" / "run_all.py"), "--smoke", "--quiet", "--out", str(out),
-           "--work", str(tmp / "work")]
+    cmd = [
+        sys.executable,
+        str(REPO / "bench" / "run_all.py"),
+        "--smoke",
+        "--quiet",
+        "--out",
+        str(out),
+        "--work",
+        str(tmp / "work"),
+    ]
     output, code = run_group(cmd, tmp, child_env(), timeout=900)
     assert code == 0, output[-6000:]
     # The smoke run's numbers mean nothing: it must not touch the docs or the real results.
@@ -88,7 +101,9 @@ def test_smoke_run_has_every_measure(smoke):
     for key in MEASURES:
         assert key in smoke, key
         if key == "P2" and not async_api_present():
-            assert "error" in smoke[key]  # until the async API exists; test_async_save_measure skips
+            assert (
+                "error" in smoke[key]
+            )  # until the async API exists; test_async_save_measure skips
             continue
         assert_entry(key, smoke[key])
         for sub in SUBS.get(key, ()):
@@ -103,19 +118,40 @@ def test_smoke_run_has_every_measure(smoke):
 @pytest.mark.timeout(960)
 def test_async_save_measure(smoke):
     if not async_api_present():
-        pytest.skip("the --async_save API (CheckpointManager.poll) is not in finetune yet: P2 is recorded as an error")
+        pytest.skip(
+            "the --async_save API (CheckpointManager.poll) is not in finetune yet: P2 is recorded as an error"
+        )
     assert_entry("P2", smoke["P2"])
     for sub in SUBS["P2"]:
         assert_entry(sub, smoke["P2"]["sub"][sub])
 
 
 def _fake_result() -> dict:
-    e = {"what": "w", "ours": 2.0, "baseline": 4.0, "ratio": 0.5, "unit": "s", "baseline_name": "b", "goal": "<= 0.6",
-         "met": True, "raw": [1]}
-    result = {"date": "2026-01-01T00:00:00+00:00", "mode": "full", "total_wall_s": 1700.0, "page_cache": "warm",
-              "machine": {"cores": 2, "cpu_model": "CPU", "ram_gib": 8.0, "accelerator": "none",
-                          "bench_dir_disk": {"path": "/tmp", "fstype": "ext4", "device": "/dev/x"}},
-              "versions": {"python": "3.11", "finetune_commit": "abc"}}
+    e = {
+        "what": "w",
+        "ours": 2.0,
+        "baseline": 4.0,
+        "ratio": 0.5,
+        "unit": "s",
+        "baseline_name": "b",
+        "goal": "<= 0.6",
+        "met": True,
+        "raw": [1],
+    }
+    result = {
+        "date": "2026-01-01T00:00:00+00:00",
+        "mode": "full",
+        "total_wall_s": 1700.0,
+        "page_cache": "warm",
+        "machine": {
+            "cores": 2,
+            "cpu_model": "CPU",
+            "ram_gib": 8.0,
+            "accelerator": "none",
+            "bench_dir_disk": {"path": "/tmp", "fstype": "ext4", "device": "/dev/x"},
+        },
+        "versions": {"python": "3.11", "finetune_commit": "abc"},
+    }
     for key in MEASURES:
         result[key] = dict(e)
     result["P2"] = {"what": "w", "error": "not run: no async API", "skipped": True}

@@ -9,11 +9,12 @@ import subprocess
 import sys
 
 import pytest
-from conftest import base_ds as _base_ds
-from conftest import write_ds
 
 from finetune.cli import build_train_parser, parse_train_args
 from finetune.config import LEGACY_TIMEOUT_ENV, ConfigError, flag_defaults
+
+from conftest import base_ds as _base_ds
+from conftest import write_ds
 
 
 @pytest.fixture(autouse=True)
@@ -29,6 +30,7 @@ def parse(*argv: str):
 
 
 # --- argv → values ---------------------------------------------------------------------------
+
 
 def test_parser_has_a_flag_for_every_config_field_and_leaves_out_the_ones_not_given():
     parser = build_train_parser()
@@ -48,10 +50,23 @@ def test_every_switch_has_a_no_form_that_wins_over_the_config_file(tmp_path):
 
 def test_flags_reach_the_config_with_their_types(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
-    cfg = parse("--per_device_train_batch_size", "3", "--gradient_accumulation_steps", "5",
-                "--learning_rate", "2e-4", "--num_train_epochs", "1.5", "--packing")
+    cfg = parse(
+        "--per_device_train_batch_size",
+        "3",
+        "--gradient_accumulation_steps",
+        "5",
+        "--learning_rate",
+        "2e-4",
+        "--num_train_epochs",
+        "1.5",
+        "--packing",
+    )
     assert cfg.world_size == 2 and cfg.ds_config["train_batch_size"] == 3 * 5 * 2
-    assert (cfg.train.per_device_train_batch_size, cfg.train.learning_rate, cfg.train.num_train_epochs) == (3, 2e-4, 1.5)
+    assert (
+        cfg.train.per_device_train_batch_size,
+        cfg.train.learning_rate,
+        cfg.train.num_train_epochs,
+    ) == (3, 2e-4, 1.5)
     assert cfg.data.packing is True
 
 
@@ -62,7 +77,9 @@ def test_new_flags_defaults():
 
 
 def test_new_flags_parse():
-    cfg = parse("--ddp_timeout", "60", "--resume_from_checkpoint", "auto", "--ignore_unverified_checkpoints")
+    cfg = parse(
+        "--ddp_timeout", "60", "--resume_from_checkpoint", "auto", "--ignore_unverified_checkpoints"
+    )
     assert cfg.train.ddp_timeout == 60 and isinstance(cfg.train.ddp_timeout, int)
     assert cfg.ckpt.ignore_unverified_checkpoints is True
 
@@ -106,19 +123,27 @@ def test_abbreviated_flags_are_refused(argv, capsys):
     assert argv[0] in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("argv, hint", [
-    (["--learning_rat", "1e-4"], "; did you mean --learning_rate?"),
-    (["--learning_rat=1e-4"], "; did you mean --learning_rate?"),
-    (["--output", "out"], "; did you mean --output_dir?"),
-    (["--learning_rat", "1", "--outptu_dir", "x"], "; did you mean --learning_rate (for --learning_rat), "
-                                                  "--output_dir (for --outptu_dir)?"),
-], ids=["flag_value", "flag_equals", "abbreviation", "two"])
+@pytest.mark.parametrize(
+    "argv, hint",
+    [
+        (["--learning_rat", "1e-4"], "; did you mean --learning_rate?"),
+        (["--learning_rat=1e-4"], "; did you mean --learning_rate?"),
+        (["--output", "out"], "; did you mean --output_dir?"),
+        (
+            ["--learning_rat", "1", "--outptu_dir", "x"],
+            "; did you mean --learning_rate (for --learning_rat), --output_dir (for --outptu_dir)?",
+        ),
+    ],
+    ids=["flag_value", "flag_equals", "abbreviation", "two"],
+)
 def test_unknown_flag_suggests_the_close_one(argv, hint, capsys):
     with pytest.raises(SystemExit) as e:
         parse(*argv)
     assert e.value.code == 2
     last = capsys.readouterr().err.strip().splitlines()[-1]
-    assert last.startswith("finetune: error: unrecognized arguments: ") and last.endswith(hint), last
+    assert last.startswith("finetune: error: unrecognized arguments: ") and last.endswith(hint), (
+        last
+    )
 
 
 def test_unknown_flag_far_from_every_flag_gets_no_suggestion(capsys):
@@ -130,8 +155,11 @@ def test_unknown_flag_far_from_every_flag_gets_no_suggestion(capsys):
 def test_unknown_command_is_named_with_the_close_one():
     from finetune.cli import _command
 
-    with pytest.raises(ConfigError, match=r"unknown command 'exprot' \(did you mean export\?\); commands: env, export, ls, plot, "
-                                          r"train, verify"):
+    with pytest.raises(
+        ConfigError,
+        match=r"unknown command 'exprot' \(did you mean export\?\); commands: env, export, ls, plot, "
+        r"train, verify",
+    ):
         _command(["exprot", "ckpt", "out"])
     argv = ["export", "ckpt", "out"]
     assert _command(argv) == "export" and argv == ["ckpt", "out"]
@@ -139,6 +167,7 @@ def test_unknown_command_is_named_with_the_close_one():
 
 
 # --- the --bf16/--fp16 shorthand ------------------------------------------------------------
+
 
 def test_bf16_and_fp16_together_are_refused(capsys):
     """Not the last one silently winning (then "fp16: this machine can't" named the wrong thing)."""
@@ -174,11 +203,22 @@ def test_precision_flag_is_named_in_the_contradiction(tmp_path):
 
 # --- the CLI as a process ----------------------------------------------------------------
 
+
 def _run_cli(args: list[str], cwd) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK", LEGACY_TIMEOUT_ENV)}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK", LEGACY_TIMEOUT_ENV)
+    }
     env["COLUMNS"] = "200"
-    return subprocess.run([sys.executable, "-m", "finetune", *args], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "finetune", *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 SUBPROCESS_CASES = [
@@ -219,23 +259,41 @@ def test_cli_help_lists_design_flags_with_defaults(tmp_path):
     """.split()
     missing = [f for f in design_flags if not re.search(rf"--{f}\b", text)]
     assert not missing, f"flags missing from --help: {missing}"
-    for default in ("(default: configs/ds_zero3.json)", "(default: 42)", "(default: continue)",
-                    "(default: output)", "(default: linear)", "(default: 5)",
-                    "before the run fails (default 900).", "OUT/.abandoned, not deleted"):
+    for default in (
+        "(default: configs/ds_zero3.json)",
+        "(default: 42)",
+        "(default: continue)",
+        "(default: output)",
+        "(default: linear)",
+        "(default: 5)",
+        "before the run fails (default 900).",
+        "OUT/.abandoned, not deleted",
+    ):
         assert default in text, default
     assert "(default: None)" not in text and "(default: False)" not in text
     assert "--local_rank" not in text  # accepted from the launcher, hidden from users
 
 
-@pytest.mark.parametrize("body,code", [("1 / 0", 1), ("sys.exit('usage: bad')", 1), ("raise KeyboardInterrupt", 130),
-                                       ("return 75", 75)])
+@pytest.mark.parametrize(
+    "body,code",
+    [
+        ("1 / 0", 1),
+        ("sys.exit('usage: bad')", 1),
+        ("raise KeyboardInterrupt", 130),
+        ("return 75", 75),
+    ],
+)
 def test_entry_leaves_without_interpreter_teardown_whatever_main_does(body, code):
     # Teardown can abort a rank with SIGABRT (gloo's threads at finalisation): CI once saw a crashing
     # rank exit -6 where 1 is documented. An atexit handler shows whether teardown ran.
-    script = ("import atexit, sys\nfrom finetune import cli\n"
-              "atexit.register(lambda: print('teardown ran', flush=True))\n"
-              f"def boom():\n    {body}\ncli.main = boom\ncli.entry()\n")
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    script = (
+        "import atexit, sys\nfrom finetune import cli\n"
+        "atexit.register(lambda: print('teardown ran', flush=True))\n"
+        f"def boom():\n    {body}\ncli.main = boom\ncli.entry()\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
+    )
     assert proc.returncode == code, proc.stderr
     assert "teardown ran" not in proc.stdout
     if code == 1:

@@ -6,8 +6,6 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import base_ds as _base_ds
-from conftest import write_ds
 
 from finetune import ds_config
 from finetune.config import (
@@ -33,6 +31,9 @@ from finetune.ds_config import (
 from finetune.resolve import resolve
 from finetune.sources import looks_local
 
+from conftest import base_ds as _base_ds
+from conftest import write_ds
+
 PATH = "ds.json"  # only used in messages
 
 
@@ -56,6 +57,7 @@ def _on_cpu() -> bool:
 
 # --- reconcile -------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("json_value", ["auto", None], ids=["auto", "absent"])
 def test_reconcile_flag_fills_auto_or_absent_and_is_written(json_value):
     cfg = {} if json_value is None else {"optimizer": {"params": {"lr": json_value}}}
@@ -74,16 +76,28 @@ def test_reconcile_fallback_when_no_flag(json_value):
 
 def test_reconcile_write_false_leaves_absent_key_absent_but_fills_auto():
     absent: dict = {"scheduler": {"params": {}}}
-    assert reconcile("warmup_steps", 7, absent, "scheduler.params.warmup_num_steps", 0, PATH, write=False) == 7
+    assert (
+        reconcile(
+            "warmup_steps", 7, absent, "scheduler.params.warmup_num_steps", 0, PATH, write=False
+        )
+        == 7
+    )
     assert "warmup_num_steps" not in absent["scheduler"]["params"]
     auto = {"scheduler": {"params": {"warmup_num_steps": "auto"}}}
-    assert reconcile("warmup_steps", 7, auto, "scheduler.params.warmup_num_steps", 0, PATH, write=False) == 7
+    assert (
+        reconcile(
+            "warmup_steps", 7, auto, "scheduler.params.warmup_num_steps", 0, PATH, write=False
+        )
+        == 7
+    )
     assert auto["scheduler"]["params"]["warmup_num_steps"] == 7
 
 
 def test_reconcile_explicit_json_wins_without_flag():
     cfg = {"train_micro_batch_size_per_gpu": 4}
-    value = reconcile("per_device_train_batch_size", None, cfg, "train_micro_batch_size_per_gpu", 8, PATH)
+    value = reconcile(
+        "per_device_train_batch_size", None, cfg, "train_micro_batch_size_per_gpu", 8, PATH
+    )
     assert value == 4
     assert cfg == {"train_micro_batch_size_per_gpu": 4}
 
@@ -104,28 +118,49 @@ def test_reconcile_contradiction_names_flag_and_key():
 
 # --- finalize_ds_config ------------------------------------------------------------------------
 
+
 def test_finalize_fills_scheduler_autos_without_mutating_input():
-    cfg = {"scheduler": {"type": "WarmupDecayLR",
-                         "params": {"total_num_steps": "auto", "warmup_num_steps": "auto",
-                                    "warmup_max_lr": "auto", "warmup_min_lr": "auto"}}}
+    cfg = {
+        "scheduler": {
+            "type": "WarmupDecayLR",
+            "params": {
+                "total_num_steps": "auto",
+                "warmup_num_steps": "auto",
+                "warmup_max_lr": "auto",
+                "warmup_min_lr": "auto",
+            },
+        }
+    }
     out = finalize_ds_config(cfg, total_steps=100, warmup_steps=10, learning_rate=3e-4)
-    assert out["scheduler"]["params"] == {"total_num_steps": 100, "warmup_num_steps": 10,
-                                          "warmup_max_lr": 3e-4, "warmup_min_lr": 0.0}
+    assert out["scheduler"]["params"] == {
+        "total_num_steps": 100,
+        "warmup_num_steps": 10,
+        "warmup_max_lr": 3e-4,
+        "warmup_min_lr": 0.0,
+    }
     assert cfg["scheduler"]["params"]["total_num_steps"] == "auto"
 
 
 def test_finalize_keeps_explicit_scheduler_values():
-    cfg = {"scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 5, "warmup_max_lr": 1e-3}}}
+    cfg = {
+        "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 5, "warmup_max_lr": 1e-3}}
+    }
     out = finalize_ds_config(cfg, total_steps=100, warmup_steps=10, learning_rate=3e-4)
     assert out["scheduler"]["params"] == {"warmup_num_steps": 5, "warmup_max_lr": 1e-3}
 
 
-@pytest.mark.parametrize("cfg, key", [
-    ({"zero_optimization": {"stage": 3, "stage3_prefetch_bucket_size": "auto"}},
-     "zero_optimization.stage3_prefetch_bucket_size"),
-    ({"train_micro_batch_size_per_gpu": "auto"}, "train_micro_batch_size_per_gpu"),
-    ({"optimizer": {"params": {"betas": ["auto", 0.999]}}}, "optimizer.params.betas"),
-], ids=["nested", "top-level", "inside-list"])
+@pytest.mark.parametrize(
+    "cfg, key",
+    [
+        (
+            {"zero_optimization": {"stage": 3, "stage3_prefetch_bucket_size": "auto"}},
+            "zero_optimization.stage3_prefetch_bucket_size",
+        ),
+        ({"train_micro_batch_size_per_gpu": "auto"}, "train_micro_batch_size_per_gpu"),
+        ({"optimizer": {"params": {"betas": ["auto", 0.999]}}}, "optimizer.params.betas"),
+    ],
+    ids=["nested", "top-level", "inside-list"],
+)
 def test_finalize_leftover_auto_names_key(cfg, key):
     with pytest.raises(ConfigError) as e:
         finalize_ds_config(cfg, total_steps=10, warmup_steps=0, learning_rate=1e-3)
@@ -134,6 +169,7 @@ def test_finalize_leftover_auto_names_key(cfg, key):
 
 
 # --- load_ds_json / resolve_config_path ------------------------------------------------------
+
 
 def test_load_ds_json_reads_object(tmp_path):
     p = tmp_path / "ds.json"
@@ -157,7 +193,9 @@ def test_load_ds_json_malformed_reports_line_and_column(tmp_path):
 def test_load_ds_json_rejects_non_object(tmp_path):
     p = tmp_path / "list.json"
     p.write_text("[1, 2]")
-    with pytest.raises(ConfigError, match=r"--deepspeed_config: .* must hold a JSON object, not list"):
+    with pytest.raises(
+        ConfigError, match=r"--deepspeed_config: .* must hold a JSON object, not list"
+    ):
         load_ds_json(str(p))
 
 
@@ -165,7 +203,11 @@ def test_load_ds_json_missing_file(tmp_path):
     missing = tmp_path / "nope.json"
     with pytest.raises(ConfigError) as e:
         load_ds_json(str(missing))
-    assert "--deepspeed_config" in str(e.value) and "not found" in str(e.value) and str(missing) in str(e.value)
+    assert (
+        "--deepspeed_config" in str(e.value)
+        and "not found" in str(e.value)
+        and str(missing) in str(e.value)
+    )
 
 
 def test_default_config_resolves_from_another_cwd(tmp_path, monkeypatch):
@@ -179,7 +221,10 @@ def test_config_in_cwd_takes_precedence_over_repo_copy(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "configs").mkdir()
     (tmp_path / "configs" / "ds_zero3.json").write_text('{"zero_optimization": {"stage": 1}}')
-    assert resolve_config_path(DEFAULT_DS_CONFIG).resolve() == (tmp_path / "configs" / "ds_zero3.json").resolve()
+    assert (
+        resolve_config_path(DEFAULT_DS_CONFIG).resolve()
+        == (tmp_path / "configs" / "ds_zero3.json").resolve()
+    )
     assert zero_stage(load_ds_json(DEFAULT_DS_CONFIG)) == 1
 
 
@@ -190,6 +235,7 @@ def test_unknown_file_under_configs_is_not_found(tmp_path, monkeypatch):
 
 
 # --- resolve: the values dict ------------------------------------------------------------------
+
 
 def test_resolve_fills_absent_flags_with_defaults_and_leaves_values_alone():
     values = {"max_steps": 3}
@@ -212,6 +258,7 @@ def test_resolve_world_size_defaults_to_the_launchers(monkeypatch):
 
 # --- batch size and world size -------------------------------------------------------------
 
+
 @pytest.mark.parametrize("world", [2, 4])
 def test_train_batch_size_is_micro_times_accum_times_world(world):
     cfg = run(world_size=world, per_device_train_batch_size=3, gradient_accumulation_steps=5)
@@ -231,7 +278,12 @@ def test_batch_size_defaults_when_unset():
 
 def test_explicit_train_batch_size_that_matches_is_accepted(tmp_path):
     ds = write_ds(tmp_path, _base_ds(train_batch_size=16))
-    cfg = run(world_size=2, deepspeed_config=ds, per_device_train_batch_size=4, gradient_accumulation_steps=2)
+    cfg = run(
+        world_size=2,
+        deepspeed_config=ds,
+        per_device_train_batch_size=4,
+        gradient_accumulation_steps=2,
+    )
     assert cfg.ds_config["train_batch_size"] == 16
 
 
@@ -244,13 +296,16 @@ def test_explicit_train_batch_size_mismatch_is_an_error(tmp_path):
 
 
 def test_json_micro_batch_used_when_flag_absent(tmp_path):
-    ds = write_ds(tmp_path, _base_ds(train_micro_batch_size_per_gpu=2, gradient_accumulation_steps=3))
+    ds = write_ds(
+        tmp_path, _base_ds(train_micro_batch_size_per_gpu=2, gradient_accumulation_steps=3)
+    )
     cfg = run(deepspeed_config=ds)
     assert cfg.train.per_device_train_batch_size == 2 and cfg.train.gradient_accumulation_steps == 3
     assert cfg.ds_config["train_batch_size"] == 6
 
 
 # --- optimizer values ------------------------------------------------------------------------
+
 
 def test_learning_rate_flag_fills_auto_lr():
     cfg = run(learning_rate=2e-4)
@@ -275,7 +330,9 @@ def test_json_lr_wins_without_flag_even_over_embedded_preset(tmp_path):
 
 
 def test_json_scheduler_warmup_wins_over_embedded_preset(tmp_path):
-    ds_cfg = _base_ds(scheduler={"type": "WarmupLR", "params": {"warmup_num_steps": 0, "warmup_max_lr": "auto"}})
+    ds_cfg = _base_ds(
+        scheduler={"type": "WarmupLR", "params": {"warmup_num_steps": 0, "warmup_max_lr": "auto"}}
+    )
     cfg = run(deepspeed_config=write_ds(tmp_path, ds_cfg))
     assert cfg.train.warmup_steps == 0
     with pytest.raises(ConfigError, match="--warmup_steps.*scheduler.params.warmup_num_steps"):
@@ -323,6 +380,7 @@ def test_shipped_configs_resolve_every_auto(name):
 
 
 # --- precision ---------------------------------------------------------------------------
+
 
 def test_precision_shorthand_names_the_flag_that_set_it():
     assert precision_shorthand("auto", None) == ("auto", "precision auto")
@@ -383,6 +441,7 @@ def test_auto_precision_follows_the_accelerator(monkeypatch):
 
 # --- embedded preset ------------------------------------------------------------------------
 
+
 def test_no_flags_uses_embedded_preset():
     cfg = run()
     assert cfg.uses_embedded_model and cfg.uses_embedded_data
@@ -395,8 +454,12 @@ def test_no_flags_uses_embedded_preset():
 
 def test_explicit_flags_override_embedded_preset():
     cfg = run(learning_rate=2e-3, max_steps=7, max_seq_length=64, warmup_steps=0)
-    assert (cfg.train.learning_rate, cfg.train.max_steps, cfg.data.max_seq_length, cfg.train.warmup_steps) == \
-        (2e-3, 7, 64, 0)
+    assert (
+        cfg.train.learning_rate,
+        cfg.train.max_steps,
+        cfg.data.max_seq_length,
+        cfg.train.warmup_steps,
+    ) == (2e-3, 7, 64, 0)
 
 
 def test_epochs_flag_replaces_embedded_max_steps():
@@ -416,7 +479,9 @@ def test_train_file_with_embedded_model_trains_by_epochs(tmp_path):
 def test_hub_model_gets_generic_fallbacks(monkeypatch):
     import huggingface_hub.constants
 
-    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)  # an uncached id is downloaded later
+    monkeypatch.setattr(
+        huggingface_hub.constants, "HF_HUB_OFFLINE", False
+    )  # an uncached id is downloaded later
     cfg = run(model_name_or_path="org/some-model")
     assert not cfg.uses_embedded_model
     assert cfg.train.learning_rate == FALLBACKS["learning_rate"] == 5e-5
@@ -424,13 +489,23 @@ def test_hub_model_gets_generic_fallbacks(monkeypatch):
     assert cfg.train.max_steps is None and cfg.train.num_train_epochs == 3.0
 
 
-@pytest.mark.parametrize("name, local", [("gpt2", False), ("org/model", False), ("./model", True),
-                                         ("/abs/model", True), ("~/model", True), ("a/b/c", True)])
+@pytest.mark.parametrize(
+    "name, local",
+    [
+        ("gpt2", False),
+        ("org/model", False),
+        ("./model", True),
+        ("/abs/model", True),
+        ("~/model", True),
+        ("a/b/c", True),
+    ],
+)
 def test_looks_local_tells_hub_ids_from_paths(name, local):
     assert looks_local(name) is local
 
 
 # --- --ddp_timeout and --ignore_unverified_checkpoints ------------------------------------------
+
 
 def test_new_flags_default_to_900_seconds_and_off():
     cfg = run()
@@ -445,7 +520,9 @@ def test_ddp_timeout_flag_is_kept():
 
 def test_ignore_unverified_checkpoints_with_auto():
     cfg = run(ignore_unverified_checkpoints=True, resume_from_checkpoint="auto")
-    assert cfg.ckpt.ignore_unverified_checkpoints is True and cfg.ckpt.resume_from_checkpoint == "auto"
+    assert (
+        cfg.ckpt.ignore_unverified_checkpoints is True and cfg.ckpt.resume_from_checkpoint == "auto"
+    )
 
 
 def test_legacy_timeout_env_is_minutes_and_the_flag_wins(monkeypatch):
@@ -464,6 +541,7 @@ def test_bad_legacy_timeout_env_names_the_variable(minutes, monkeypatch):
 
 # --- bad input: every case a ConfigError naming the flag or file ---------------------------
 
+
 def _setup_bad_input(tmp_path, case: str) -> None:
     if case == "xml":
         (tmp_path / "train.xml").write_text("<rows/>")
@@ -475,7 +553,11 @@ def _setup_bad_input(tmp_path, case: str) -> None:
 
 
 BAD_INPUTS = [
-    ("steps_and_epochs", dict(max_steps=5, num_train_epochs=1.0), ["--max_steps", "--num_train_epochs"]),
+    (
+        "steps_and_epochs",
+        dict(max_steps=5, num_train_epochs=1.0),
+        ["--max_steps", "--num_train_epochs"],
+    ),
     ("micro_batch_0", dict(per_device_train_batch_size=0), ["--per_device_train_batch_size"]),
     ("grad_accum_0", dict(gradient_accumulation_steps=0), ["--gradient_accumulation_steps"]),
     ("max_steps_0", dict(max_steps=0), ["--max_steps"]),
@@ -487,24 +569,49 @@ BAD_INPUTS = [
     ("weight_decay_neg", dict(weight_decay=-0.1), ["--weight_decay", "negative"]),
     ("missing_train_file", dict(train_file="nope.jsonl"), ["--train_file", "nope.jsonl"]),
     ("xml", dict(train_file="train.xml"), ["--train_file", ".xml"]),
-    ("missing_model_dir", dict(model_name_or_path="./nope/model"), ["--model_name_or_path", "./nope/model"]),
+    (
+        "missing_model_dir",
+        dict(model_name_or_path="./nope/model"),
+        ["--model_name_or_path", "./nope/model"],
+    ),
     ("output_file", dict(output_dir="out"), ["--output_dir"]),
-    ("malformed_json", dict(deepspeed_config="bad.json"), ["--deepspeed_config", "bad.json", "line 1"]),
+    (
+        "malformed_json",
+        dict(deepspeed_config="bad.json"),
+        ["--deepspeed_config", "bad.json", "line 1"],
+    ),
     ("missing_ds_json", dict(deepspeed_config="none.json"), ["--deepspeed_config", "none.json"]),
-    ("prompt_without_completion", dict(train_file="train.jsonl", prompt_column="q"),
-     ["--prompt_column", "--completion_column"]),
-    ("dataset_and_train_file", dict(dataset_name="org/data", train_file="train.jsonl"), ["--dataset_name", "--train_file"]),
+    (
+        "prompt_without_completion",
+        dict(train_file="train.jsonl", prompt_column="q"),
+        ["--prompt_column", "--completion_column"],
+    ),
+    (
+        "dataset_and_train_file",
+        dict(dataset_name="org/data", train_file="train.jsonl"),
+        ["--dataset_name", "--train_file"],
+    ),
     ("save_steps_without_save", dict(save_steps=10), ["--save_steps", "--save_checkpoint"]),
-    ("validation_split_100", dict(validation_split_percentage=100), ["--validation_split_percentage"]),
+    (
+        "validation_split_100",
+        dict(validation_split_percentage=100),
+        ["--validation_split_percentage"],
+    ),
     ("max_shard_size_junk", dict(max_shard_size="lots"), ["--max_shard_size", "'lots'"]),
     ("preempt_sigkill", dict(preempt_signals="SIGTERM,SIGKILL"), ["--preempt_signals", "SIGKILL"]),
     ("preempt_unknown", dict(preempt_signals="USR9"), ["--preempt_signals", "USR9"]),
     ("ddp_timeout_5", dict(ddp_timeout=5), ["--ddp_timeout", "at least 10", "got 5"]),
     ("ddp_timeout_0", dict(ddp_timeout=0), ["--ddp_timeout"]),
-    ("ignore_unverified_without_resume", dict(ignore_unverified_checkpoints=True),
-     ["--ignore_unverified_checkpoints", "--resume_from_checkpoint auto"]),
-    ("ignore_unverified_with_latest", dict(ignore_unverified_checkpoints=True, resume_from_checkpoint="latest"),
-     ["--ignore_unverified_checkpoints", "--resume_from_checkpoint auto"]),
+    (
+        "ignore_unverified_without_resume",
+        dict(ignore_unverified_checkpoints=True),
+        ["--ignore_unverified_checkpoints", "--resume_from_checkpoint auto"],
+    ),
+    (
+        "ignore_unverified_with_latest",
+        dict(ignore_unverified_checkpoints=True, resume_from_checkpoint="latest"),
+        ["--ignore_unverified_checkpoints", "--resume_from_checkpoint auto"],
+    ),
 ]
 
 
@@ -520,28 +627,76 @@ def test_bad_input_raises_config_error_naming_the_flag(case, values, names, tmp_
 # --- the DeepSpeed JSON: what it can get wrong, each named with its key --------------------------
 
 DS_BAD = [
-    ("zero_stage_2", {"zero_optimization": {"stage": 2}}, ["zero_optimization.stage: 2", "stage 3"]),
-    ("zero_stage_string", {"zero_optimization": {"stage": "three"}}, ['zero_optimization.stage: "three"']),
-    ("no_zero_section", {"train_micro_batch_size_per_gpu": "auto"}, ["no `zero_optimization.stage`"]),
-    ("micro_batch_string", {"train_micro_batch_size_per_gpu": "eight"},
-     ["`train_micro_batch_size_per_gpu`", "positive integer", '"eight"']),
-    ("micro_batch_fraction", {"train_micro_batch_size_per_gpu": 2.5}, ["`train_micro_batch_size_per_gpu`"]),
-    ("grad_accum_0", {"gradient_accumulation_steps": 0}, ["`gradient_accumulation_steps`", "positive"]),
+    (
+        "zero_stage_2",
+        {"zero_optimization": {"stage": 2}},
+        ["zero_optimization.stage: 2", "stage 3"],
+    ),
+    (
+        "zero_stage_string",
+        {"zero_optimization": {"stage": "three"}},
+        ['zero_optimization.stage: "three"'],
+    ),
+    (
+        "no_zero_section",
+        {"train_micro_batch_size_per_gpu": "auto"},
+        ["no `zero_optimization.stage`"],
+    ),
+    (
+        "micro_batch_string",
+        {"train_micro_batch_size_per_gpu": "eight"},
+        ["`train_micro_batch_size_per_gpu`", "positive integer", '"eight"'],
+    ),
+    (
+        "micro_batch_fraction",
+        {"train_micro_batch_size_per_gpu": 2.5},
+        ["`train_micro_batch_size_per_gpu`"],
+    ),
+    (
+        "grad_accum_0",
+        {"gradient_accumulation_steps": 0},
+        ["`gradient_accumulation_steps`", "positive"],
+    ),
     ("clipping_negative", {"gradient_clipping": -1}, ["`gradient_clipping`", "non-negative"]),
-    ("lr_string", {"optimizer": {"type": "AdamW", "params": {"lr": "fast"}}}, ["`optimizer.params.lr`", '"fast"']),
-    ("betas_scalar", {"optimizer": {"type": "AdamW", "params": {"betas": 0.9}}}, ["`optimizer.params.betas`"]),
+    (
+        "lr_string",
+        {"optimizer": {"type": "AdamW", "params": {"lr": "fast"}}},
+        ["`optimizer.params.lr`", '"fast"'],
+    ),
+    (
+        "betas_scalar",
+        {"optimizer": {"type": "AdamW", "params": {"betas": 0.9}}},
+        ["`optimizer.params.betas`"],
+    ),
     ("optimizer_string", {"optimizer": "adam"}, ["`optimizer`", "object", '"adam"']),
-    ("scheduler_params_list", {"scheduler": {"type": "WarmupLR", "params": []}}, ["`scheduler.params`", "object"]),
+    (
+        "scheduler_params_list",
+        {"scheduler": {"type": "WarmupLR", "params": []}},
+        ["`scheduler.params`", "object"],
+    ),
     ("bf16_enabled_yes", {"bf16": {"enabled": "yes"}}, ["`bf16.enabled`", '"yes"']),
     ("bf16_enabled_1", {"bf16": {"enabled": 1}}, ["`bf16.enabled`"]),
     ("tensorboard_string", {"tensorboard": "on"}, ["`tensorboard`", "object"]),
-    ("zero_auto_nothing_fills", {"zero_optimization": {"stage": 3, "reduce_bucket_size": "auto"}},
-     ['"auto" for zero_optimization.reduce_bucket_size']),
-    ("zero_bool_wrong_type", {"zero_optimization": {"stage": 3, "overlap_comm": "maybe"}},
-     ["`zero_optimization.overlap_comm`", '"maybe"']),
-    ("zero_nested_enum", {"zero_optimization": {"stage": 3, "offload_param": {"device": "gpu"}}},
-     ["`zero_optimization.offload_param.device`", '"gpu"']),
-    ("zero_unknown_key", {"zero_optimization": {"stage": 3, "bogus_key": 1}}, ["`zero_optimization.bogus_key`"]),
+    (
+        "zero_auto_nothing_fills",
+        {"zero_optimization": {"stage": 3, "reduce_bucket_size": "auto"}},
+        ['"auto" for zero_optimization.reduce_bucket_size'],
+    ),
+    (
+        "zero_bool_wrong_type",
+        {"zero_optimization": {"stage": 3, "overlap_comm": "maybe"}},
+        ["`zero_optimization.overlap_comm`", '"maybe"'],
+    ),
+    (
+        "zero_nested_enum",
+        {"zero_optimization": {"stage": 3, "offload_param": {"device": "gpu"}}},
+        ["`zero_optimization.offload_param.device`", '"gpu"'],
+    ),
+    (
+        "zero_unknown_key",
+        {"zero_optimization": {"stage": 3, "bogus_key": 1}},
+        ["`zero_optimization.bogus_key`"],
+    ),
 ]
 
 
@@ -567,13 +722,19 @@ def test_every_shipped_deepspeed_config_passes_deepspeeds_own_parser(name):
 
 
 def test_scheduler_step_counts_may_stay_auto_until_the_run_is_built(tmp_path):
-    sched = {"type": "WarmupDecayLR", "params": {k: "auto" for k in ("total_num_steps", "warmup_num_steps",
-                                                                     "warmup_max_lr", "warmup_min_lr")}}
+    sched = {
+        "type": "WarmupDecayLR",
+        "params": {
+            k: "auto"
+            for k in ("total_num_steps", "warmup_num_steps", "warmup_max_lr", "warmup_min_lr")
+        },
+    }
     cfg = run(deepspeed_config=write_ds(tmp_path, _base_ds(scheduler=sched)))
     assert cfg.ds_config["scheduler"]["params"]["total_num_steps"] == "auto"
 
 
 # --- model sources and resume paths, checked before anything starts ------------------------------
+
 
 def _model_dir(tmp_path, *files: str):
     folder = tmp_path / "model"
@@ -583,10 +744,14 @@ def _model_dir(tmp_path, *files: str):
     return str(folder)
 
 
-@pytest.mark.parametrize("files, names", [
-    ((), ["--model_name_or_path", "no config.json"]),
-    (("config.json",), ["--model_name_or_path", "no weights", "--config_name"]),
-], ids=["no_config", "no_weights"])
+@pytest.mark.parametrize(
+    "files, names",
+    [
+        ((), ["--model_name_or_path", "no config.json"]),
+        (("config.json",), ["--model_name_or_path", "no weights", "--config_name"]),
+    ],
+    ids=["no_config", "no_weights"],
+)
 def test_model_folder_that_cannot_load_is_named(files, names, tmp_path):
     folder = _model_dir(tmp_path, *files)
     with pytest.raises(ConfigError) as e:
@@ -594,9 +759,13 @@ def test_model_folder_that_cannot_load_is_named(files, names, tmp_path):
     assert folder in str(e.value) and all(n in str(e.value) for n in names), str(e.value)
 
 
-@pytest.mark.parametrize("weights", ["model.safetensors", "model-00001-of-00002.safetensors", "pytorch_model.bin"])
+@pytest.mark.parametrize(
+    "weights", ["model.safetensors", "model-00001-of-00002.safetensors", "pytorch_model.bin"]
+)
 def test_model_folder_with_weights_in_any_layout_is_accepted(weights, tmp_path):
-    assert run(model_name_or_path=_model_dir(tmp_path, "config.json", weights)).model.model_name_or_path
+    assert run(
+        model_name_or_path=_model_dir(tmp_path, "config.json", weights)
+    ).model.model_name_or_path
 
 
 def test_config_name_folder_needs_no_weights(tmp_path):
@@ -607,14 +776,18 @@ def test_hub_id_not_cached_while_offline_is_named(monkeypatch):
     import huggingface_hub.constants
 
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
-    with pytest.raises(ConfigError, match=r"--model_name_or_path: nosuch-org/nosuch-model .*offline"):
+    with pytest.raises(
+        ConfigError, match=r"--model_name_or_path: nosuch-org/nosuch-model .*offline"
+    ):
         run(model_name_or_path="nosuch-org/nosuch-model")
     with pytest.raises(ConfigError, match=r"--tokenizer_name: nosuch-org/tok .*offline"):
         run(tokenizer_name="nosuch-org/tok")
 
 
 def test_malformed_hub_id_is_named():
-    with pytest.raises(ConfigError, match=r"--model_name_or_path: bad id! is neither a folder nor a hub id"):
+    with pytest.raises(
+        ConfigError, match=r"--model_name_or_path: bad id! is neither a folder nor a hub id"
+    ):
         run(model_name_or_path="bad id!")
 
 

@@ -11,16 +11,25 @@ import pytest
 
 from finetune import console
 
-DEPRECATED = ("`torch.distributed.all_gather_into_tensor` is deprecated. Please use "
-              "`torch.distributed.all_gather_single` instead.")
-PEFT_READS = ("`is_gradient_checkpointing` is deprecated and will be removed in v6. Use `is_activation_checkpointing` "
-              "instead.")
-ACCELERATOR = "Setting accelerator to CPU. If you have GPU or other accelerator, we were unable to detect it."
+DEPRECATED = (
+    "`torch.distributed.all_gather_into_tensor` is deprecated. Please use "
+    "`torch.distributed.all_gather_single` instead."
+)
+PEFT_READS = (
+    "`is_gradient_checkpointing` is deprecated and will be removed in v6. Use `is_activation_checkpointing` "
+    "instead."
+)
+ACCELERATOR = (
+    "Setting accelerator to CPU. If you have GPU or other accelerator, we were unable to detect it."
+)
 
 
 @pytest.fixture
 def ds_logger(monkeypatch):
-    for var in ("TRANSFORMERS_VERBOSITY", "DATASETS_VERBOSITY"):  # quiet() sets them for child processes
+    for var in (
+        "TRANSFORMERS_VERBOSITY",
+        "DATASETS_VERBOSITY",
+    ):  # quiet() sets them for child processes
         monkeypatch.setenv(var, "warning")
     logger = logging.getLogger("DeepSpeed")
     level, filters = logger.level, list(logger.filters)
@@ -41,16 +50,26 @@ def shown(level: str) -> list[str]:
 
 def test_the_deprecated_collective_and_peft_warnings_are_filtered_and_others_are_not(ds_logger):
     assert shown("warning") == ["`torch.load` with weights_only=False is deprecated"]
-    assert shown("info") == [DEPRECATED, PEFT_READS, "`torch.load` with weights_only=False is deprecated"]
+    assert shown("info") == [
+        DEPRECATED,
+        PEFT_READS,
+        "`torch.load` with weights_only=False is deprecated",
+    ]
 
 
-@pytest.mark.parametrize("rank, level, kept", [("0", "warning", True), ("1", "warning", False), ("1", "info", True)])
-def test_deepspeed_per_process_warning_shows_once_from_rank_0(ds_logger, monkeypatch, rank, level, kept):
+@pytest.mark.parametrize(
+    "rank, level, kept", [("0", "warning", True), ("1", "warning", False), ("1", "info", True)]
+)
+def test_deepspeed_per_process_warning_shows_once_from_rank_0(
+    ds_logger, monkeypatch, rank, level, kept
+):
     monkeypatch.setenv("RANK", rank)
     console.quiet([], level=level)
     record = ds_logger.makeRecord("DeepSpeed", logging.WARNING, __file__, 1, ACCELERATOR, (), None)
     assert ds_logger.filter(record) is kept
-    other = ds_logger.makeRecord("DeepSpeed", logging.WARNING, __file__, 1, "Config parameter x is deprecated", (), None)
+    other = ds_logger.makeRecord(
+        "DeepSpeed", logging.WARNING, __file__, 1, "Config parameter x is deprecated", (), None
+    )
     assert ds_logger.filter(other)  # any other DeepSpeed warning, from any rank
 
 

@@ -41,6 +41,7 @@ def ids(tok, text: str) -> list[int]:
 
 # --- formats ---------------------------------------------------------------------------------
 
+
 def test_encode_text_appends_eos_and_labels_everything(tok):
     out = encode_text(tok, "the cat sat on the mat", max_len=512)
     expected = ids(tok, "the cat sat on the mat") + [EOS]
@@ -96,8 +97,10 @@ def test_encode_chat_labels_only_assistant_turns(tok):
     out = encode_chat(tok, CHAT, max_len=512)
     rendered = tok.apply_chat_template(CHAT, tokenize=False)
     # The template: "<|role|>\n" + content, eos after assistant content, "\n" after every turn.
-    assert rendered == ("<|system|>\nbe brief\n<|user|>\nname a fruit\n<|assistant|>\nan apple</s>\n"
-                        "<|user|>\nand a colour\n<|assistant|>\ngreen</s>\n")
+    assert rendered == (
+        "<|system|>\nbe brief\n<|user|>\nname a fruit\n<|assistant|>\nan apple</s>\n"
+        "<|user|>\nand a colour\n<|assistant|>\ngreen</s>\n"
+    )
     assert out["input_ids"] == ids(tok, rendered)
     assert len(out["labels"]) == len(out["input_ids"])
     runs = _labelled_runs(out["labels"])
@@ -106,9 +109,16 @@ def test_encode_chat_labels_only_assistant_turns(tok):
         text = tok.decode(run)
         # Content and eos are trained on; the turn separator after eos may or may not be.
         assert text in (content + "</s>", content + "</s>\n"), text
-        assert run[:len(ids(tok, content))] == ids(tok, content)
+        assert run[: len(ids(tok, content))] == ids(tok, content)
     labelled = tok.decode([x for x in out["labels"] if x != IGNORE])
-    for masked in ("be brief", "name a fruit", "and a colour", "<|user|>", "<|system|>", "<|assistant|>"):
+    for masked in (
+        "be brief",
+        "name a fruit",
+        "and a colour",
+        "<|user|>",
+        "<|system|>",
+        "<|assistant|>",
+    ):
         assert masked not in labelled
     # Every labelled position holds the same token as the input.
     assert all(lab in (IGNORE, i) for lab, i in zip(out["labels"], out["input_ids"]))
@@ -122,11 +132,17 @@ def test_encode_chat_truncates_ids_and_labels_together(tok):
 
 # --- packing and collation -------------------------------------------------------------------
 
+
 def test_pack_makes_full_blocks_with_aligned_labels():
     import datasets
 
-    rows = [{"input_ids": list(range(100 * r, 100 * r + n)), "labels": [IGNORE] * 2 + list(range(100 * r + 2, 100 * r + n))}
-            for r, n in enumerate([5, 7, 3, 9])]  # 24 tokens
+    rows = [
+        {
+            "input_ids": list(range(100 * r, 100 * r + n)),
+            "labels": [IGNORE] * 2 + list(range(100 * r + 2, 100 * r + n)),
+        }
+        for r, n in enumerate([5, 7, 3, 9])
+    ]  # 24 tokens
     ds = datasets.Dataset.from_list(rows)
     packed = pack(ds, max_len=10)
     assert len(packed) == 2
@@ -146,7 +162,10 @@ def test_pack_with_too_little_data_is_a_config_error():
 
 
 def test_collate_pads_ids_labels_and_mask():
-    batch = collate([{"input_ids": [5, 6, 7], "labels": [IGNORE, 6, 7]}, {"input_ids": [8], "labels": [8]}], pad_id=PAD)
+    batch = collate(
+        [{"input_ids": [5, 6, 7], "labels": [IGNORE, 6, 7]}, {"input_ids": [8], "labels": [8]}],
+        pad_id=PAD,
+    )
     assert batch["input_ids"].tolist() == [[5, 6, 7], [8, PAD, PAD]]
     assert batch["labels"].tolist() == [[IGNORE, 6, 7], [8, IGNORE, IGNORE]]
     assert batch["attention_mask"].tolist() == [[1, 1, 1], [1, 0, 0]]
@@ -154,6 +173,7 @@ def test_collate_pads_ids_labels_and_mask():
 
 
 # --- ResumableSampler ------------------------------------------------------------------------
+
 
 def _ranks(n: int, world: int, seed: int = 0) -> list[ResumableSampler]:
     return [ResumableSampler(n, world, r, seed) for r in range(world)]
@@ -205,7 +225,9 @@ def test_sampler_resume_mid_epoch_matches_uninterrupted():
     for _ in range(2):
         _take_all(straight, per_rank)
         _take_all(interrupted, per_rank)
-    saved = [json.loads(json.dumps(s.state_dict())) for s in interrupted]  # as a checkpoint stores it
+    saved = [
+        json.loads(json.dumps(s.state_dict())) for s in interrupted
+    ]  # as a checkpoint stores it
     resumed = _ranks(n, world)
     for s, sd in zip(resumed, saved):
         s.load_state_dict(sd)
@@ -243,12 +265,17 @@ def test_sampler_refuses_state_from_other_data():
 
 # --- TrainData and eval batches ------------------------------------------------------------
 
+
 def _rows(n: int) -> list[dict]:
-    return [{"input_ids": [10 + i] * (1 + i % 3), "labels": [10 + i] * (1 + i % 3)} for i in range(n)]
+    return [
+        {"input_ids": [10 + i] * (1 + i % 3), "labels": [10 + i] * (1 + i % 3)} for i in range(n)
+    ]
 
 
 def test_train_data_yields_grad_accum_micro_batches_and_rolls_epoch():
-    data = TrainData(_rows(10), ResumableSampler(10, 1, 0, seed=3), micro_batch=2, grad_accum=2, pad_id=PAD)
+    data = TrainData(
+        _rows(10), ResumableSampler(10, 1, 0, seed=3), micro_batch=2, grad_accum=2, pad_id=PAD
+    )
     assert data.steps_per_epoch == 2
     seen = []
     for _ in range(2):
@@ -260,12 +287,16 @@ def test_train_data_yields_grad_accum_micro_batches_and_rolls_epoch():
     step = data.next_step()  # 2 samples left over: not a full step, so the epoch rolls
     assert data.sampler.state.epoch == 1 and data.sampler.state.consumed == 4
     assert data.epoch_float == 1.5
-    assert [int(b["input_ids"][i, 0]) - 10 for b in step for i in range(2)] == data.sampler.epoch_order(1)[:4]
+    assert [
+        int(b["input_ids"][i, 0]) - 10 for b in step for i in range(2)
+    ] == data.sampler.epoch_order(1)[:4]
 
 
 def test_train_data_too_small_for_one_step_is_a_config_error():
     with pytest.raises(ConfigError, match="--per_device_train_batch_size"):
-        TrainData(_rows(3), ResumableSampler(3, 2, 0, seed=0), micro_batch=2, grad_accum=1, pad_id=PAD)
+        TrainData(
+            _rows(3), ResumableSampler(3, 2, 0, seed=0), micro_batch=2, grad_accum=1, pad_id=PAD
+        )
 
 
 @pytest.mark.parametrize("n, world, batch", [(5, 2, 2), (5, 3, 1), (4, 2, 2), (7, 4, 3)])
@@ -273,8 +304,14 @@ def test_eval_batches_same_count_on_every_rank_with_filler_marked(n, world, batc
     rows = _rows(n)
     per_rank = [list(eval_batches(rows, batch, world, r, PAD)) for r in range(world)]
     assert len({len(b) for b in per_rank}) == 1  # every rank runs the same number of forwards
-    real = [int(x) - 10 for batches in per_rank for b, is_real in batches if is_real
-            for x, m in zip(b["input_ids"][:, 0], b["attention_mask"][:, 0]) if m]
+    real = [
+        int(x) - 10
+        for batches in per_rank
+        for b, is_real in batches
+        if is_real
+        for x, m in zip(b["input_ids"][:, 0], b["attention_mask"][:, 0])
+        if m
+    ]
     assert sorted(real) == list(range(n))  # each sample evaluated exactly once
     assert all(b["input_ids"].shape[0] <= batch for batches in per_rank for b, _ in batches)
 
@@ -304,7 +341,9 @@ TEXTS = [f"row number {i}" for i in range(20)]
 def _write(tmp_path, fmt: str):
     path = tmp_path / f"train.{fmt}"
     if fmt == "jsonl":
-        path.write_text("".join(json.dumps({"text": t, "n": i}) + "\n" for i, t in enumerate(TEXTS)))
+        path.write_text(
+            "".join(json.dumps({"text": t, "n": i}) + "\n" for i, t in enumerate(TEXTS))
+        )
     elif fmt == "csv":
         path.write_text("text,n\n" + "".join(f"{t},{i}\n" for i, t in enumerate(TEXTS)))
     elif fmt == "parquet":
@@ -318,13 +357,17 @@ def _write(tmp_path, fmt: str):
 
 @pytest.mark.parametrize("fmt", ["jsonl", "csv", "parquet", "txt"])
 def test_load_raw_reads_each_format(fmt, tmp_path):
-    train, evalset = load_raw(DataArgs(train_file=_write(tmp_path, fmt), validation_split_percentage=0), seed=0)
+    train, evalset = load_raw(
+        DataArgs(train_file=_write(tmp_path, fmt), validation_split_percentage=0), seed=0
+    )
     assert evalset is None
     assert list(train["text"]) == TEXTS
 
 
 def test_load_raw_unknown_column_lists_available(tmp_path):
-    args = DataArgs(train_file=_write(tmp_path, "jsonl"), text_column="body", validation_split_percentage=0)
+    args = DataArgs(
+        train_file=_write(tmp_path, "jsonl"), text_column="body", validation_split_percentage=0
+    )
     with pytest.raises(ConfigError) as e:
         load_raw(args, seed=0)
     msg = str(e.value)
@@ -332,8 +375,12 @@ def test_load_raw_unknown_column_lists_available(tmp_path):
 
 
 def test_load_raw_prompt_columns_checked(tmp_path):
-    args = DataArgs(train_file=_write(tmp_path, "jsonl"), prompt_column="text", completion_column="answer")
-    with pytest.raises(ConfigError, match="--completion_column: no column 'answer'.*available: text, n"):
+    args = DataArgs(
+        train_file=_write(tmp_path, "jsonl"), prompt_column="text", completion_column="answer"
+    )
+    with pytest.raises(
+        ConfigError, match="--completion_column: no column 'answer'.*available: text, n"
+    ):
         load_raw(args, seed=0)
 
 
@@ -347,29 +394,40 @@ def test_load_raw_empty_file_is_a_config_error(fmt, tmp_path):
 
 
 def test_load_raw_validation_split_sizes(tmp_path):
-    train, evalset = load_raw(DataArgs(train_file=_write(tmp_path, "jsonl"), validation_split_percentage=10), seed=0)
+    train, evalset = load_raw(
+        DataArgs(train_file=_write(tmp_path, "jsonl"), validation_split_percentage=10), seed=0
+    )
     assert (len(train), len(evalset)) == (18, 2)
     assert sorted(list(train["text"]) + list(evalset["text"])) == sorted(TEXTS)
-    again, _ = load_raw(DataArgs(train_file=_write(tmp_path, "jsonl"), validation_split_percentage=10), seed=0)
+    again, _ = load_raw(
+        DataArgs(train_file=_write(tmp_path, "jsonl"), validation_split_percentage=10), seed=0
+    )
     assert list(again["text"]) == list(train["text"])  # the split is seeded
 
 
 def test_load_raw_validation_file_is_used_instead_of_a_split(tmp_path):
     val = tmp_path / "val.jsonl"
     val.write_text('{"text": "held out", "n": 0}\n')
-    train, evalset = load_raw(DataArgs(train_file=_write(tmp_path, "jsonl"), validation_file=str(val)), seed=0)
+    train, evalset = load_raw(
+        DataArgs(train_file=_write(tmp_path, "jsonl"), validation_file=str(val)), seed=0
+    )
     assert len(train) == 20 and list(evalset["text"]) == ["held out"]
 
 
 def test_load_raw_max_train_samples(tmp_path):
-    args = DataArgs(train_file=_write(tmp_path, "jsonl"), validation_split_percentage=0, max_train_samples=5)
+    args = DataArgs(
+        train_file=_write(tmp_path, "jsonl"), validation_split_percentage=0, max_train_samples=5
+    )
     train, _ = load_raw(args, seed=0)
     assert list(train["text"]) == TEXTS[:5]
 
 
 # --- per-step cost and equivalence with the original sampler --------------------------------
 
-def _reference_take(n: int, world: int, rank: int, seed: int, epoch: int, consumed: int, per_rank: int):
+
+def _reference_take(
+    n: int, world: int, rank: int, seed: int, epoch: int, consumed: int, per_rank: int
+):
     """The sampler as it was first written (the whole permutation rebuilt at every step): the
     order every existing checkpoint's data position refers to."""
     order = torch.randperm(n, generator=torch.Generator().manual_seed(seed + epoch)).tolist()
@@ -378,14 +436,20 @@ def _reference_take(n: int, world: int, rank: int, seed: int, epoch: int, consum
     return None if end > len(order) else order[consumed:end][rank::world]
 
 
-@pytest.mark.parametrize("n,world,per_rank,seed", [(103, 1, 4, 0), (103, 2, 3, 7), (1000, 4, 8, 42), (17, 3, 1, 5)])
+@pytest.mark.parametrize(
+    "n,world,per_rank,seed", [(103, 1, 4, 0), (103, 2, 3, 7), (1000, 4, 8, 42), (17, 3, 1, 5)]
+)
 def test_sampler_order_and_slices_match_the_original_for_any_state(n, world, per_rank, seed):
     for epoch in (0, 1, 3):
         for consumed in range(0, n, max(1, per_rank * world)):
             for rank in range(world):
                 s = ResumableSampler(n, world, rank, seed)
-                s.load_state_dict({"epoch": epoch, "consumed": consumed, "seed": seed, "num_samples": n})
-                assert s.take(per_rank) == _reference_take(n, world, rank, seed, epoch, consumed, per_rank)
+                s.load_state_dict(
+                    {"epoch": epoch, "consumed": consumed, "seed": seed, "num_samples": n}
+                )
+                assert s.take(per_rank) == _reference_take(
+                    n, world, rank, seed, epoch, consumed, per_rank
+                )
 
 
 def test_sampler_take_is_o_batch_at_10m_samples():
@@ -403,13 +467,23 @@ def test_sampler_take_is_o_batch_at_10m_samples():
 
 # --- prefetch ---------------------------------------------------------------------------------
 
+
 def _same_batches(a, b) -> bool:
     return len(a) == len(b) and all(torch.equal(x[k], y[k]) for x, y in zip(a, b) for k in x)
 
 
 def test_prefetched_steps_equal_unprefetched_ones_across_epochs():
-    plain = TrainData(_rows(23), ResumableSampler(23, 2, 1, seed=4), micro_batch=2, grad_accum=3, pad_id=PAD, prefetch=False)
-    ahead = TrainData(_rows(23), ResumableSampler(23, 2, 1, seed=4), micro_batch=2, grad_accum=3, pad_id=PAD)
+    plain = TrainData(
+        _rows(23),
+        ResumableSampler(23, 2, 1, seed=4),
+        micro_batch=2,
+        grad_accum=3,
+        pad_id=PAD,
+        prefetch=False,
+    )
+    ahead = TrainData(
+        _rows(23), ResumableSampler(23, 2, 1, seed=4), micro_batch=2, grad_accum=3, pad_id=PAD
+    )
     ahead.start()
     for _ in range(9):  # 1 step per epoch: every step rolls the epoch
         assert ahead.ready() is None
@@ -419,7 +493,9 @@ def test_prefetched_steps_equal_unprefetched_ones_across_epochs():
 
 
 def test_prefetch_never_counts_a_step_not_handed_out_and_is_dropped_on_reload():
-    data = TrainData(_rows(40), ResumableSampler(40, 1, 0, seed=2), micro_batch=2, grad_accum=1, pad_id=PAD)
+    data = TrainData(
+        _rows(40), ResumableSampler(40, 1, 0, seed=2), micro_batch=2, grad_accum=1, pad_id=PAD
+    )
     data.next_step()
     data.ready()  # step 2 is prepared now, but not consumed
     assert data.sampler.state_dict()["consumed"] == 2
@@ -427,7 +503,14 @@ def test_prefetch_never_counts_a_step_not_handed_out_and_is_dropped_on_reload():
     data.next_step()
     data.sampler.load_state_dict(saved)  # a resume: the prefetched step 3 must not be used
     again = data.next_step()
-    fresh = TrainData(_rows(40), ResumableSampler(40, 1, 0, seed=2), micro_batch=2, grad_accum=1, pad_id=PAD, prefetch=False)
+    fresh = TrainData(
+        _rows(40),
+        ResumableSampler(40, 1, 0, seed=2),
+        micro_batch=2,
+        grad_accum=1,
+        pad_id=PAD,
+        prefetch=False,
+    )
     fresh.next_step()
     assert _same_batches(again, fresh.next_step())
     data.close()
@@ -442,7 +525,9 @@ class _FailingRows(list):
 
 def test_a_prefetch_failure_is_raised_by_the_step_that_needed_it():
     rows = _FailingRows(_rows(12))
-    data = TrainData(rows, ResumableSampler(12, 1, 0, seed=0), micro_batch=1, grad_accum=1, pad_id=PAD)
+    data = TrainData(
+        rows, ResumableSampler(12, 1, 0, seed=0), micro_batch=1, grad_accum=1, pad_id=PAD
+    )
     order = data.sampler.epoch_order(0)
     data.start()
     for _ in range(order.index(5)):
@@ -456,6 +541,7 @@ def test_a_prefetch_failure_is_raised_by_the_step_that_needed_it():
 
 # --- bad rows named before tokenizing ----------------------------------------------------------
 
+
 def _chat_file(tmp_path, rows: list) -> str:
     path = tmp_path / "chat.jsonl"
     path.write_text("".join(json.dumps({"messages": m}) + "\n" for m in rows))
@@ -465,21 +551,32 @@ def _chat_file(tmp_path, rows: list) -> str:
 SHORT_CHAT = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello there"}]
 
 
-@pytest.mark.parametrize("column, write", [
-    ("text", lambda tmp: _write(tmp, "jsonl")),  # plain strings
-    ("messages", lambda tmp: _chat_file(tmp, [["hi", "hello"]] * 3)),  # a list, not of messages
-], ids=["strings", "list_of_strings"])
+@pytest.mark.parametrize(
+    "column, write",
+    [
+        ("text", lambda tmp: _write(tmp, "jsonl")),  # plain strings
+        ("messages", lambda tmp: _chat_file(tmp, [["hi", "hello"]] * 3)),  # a list, not of messages
+    ],
+    ids=["strings", "list_of_strings"],
+)
 def test_load_raw_chat_column_that_is_not_messages_names_it(column, write, tmp_path):
-    args = DataArgs(train_file=write(tmp_path), messages_column=column, validation_split_percentage=0)
-    with pytest.raises(ConfigError, match=rf"--messages_column: column '{column}' must hold lists of .*role"):
+    args = DataArgs(
+        train_file=write(tmp_path), messages_column=column, validation_split_percentage=0
+    )
+    with pytest.raises(
+        ConfigError, match=rf"--messages_column: column '{column}' must hold lists of .*role"
+    ):
         load_raw(args, seed=0)
 
 
 def test_a_later_row_that_is_not_messages_is_named_while_tokenizing(tok, tmp_path):
     from finetune.data import tokenize
 
-    args = DataArgs(train_file=_chat_file(tmp_path, [SHORT_CHAT, SHORT_CHAT, "not a chat"]), messages_column="messages",
-                    validation_split_percentage=0)
+    args = DataArgs(
+        train_file=_chat_file(tmp_path, [SHORT_CHAT, SHORT_CHAT, "not a chat"]),
+        messages_column="messages",
+        validation_split_percentage=0,
+    )
     train, _ = load_raw(args, seed=0)
     with pytest.raises(ConfigError, match=r"--messages_column: .*'not a chat'"):
         tokenize(train, tok, args, 64)
@@ -499,17 +596,34 @@ def test_nothing_to_learn_names_max_seq_length_when_prompts_fill_it(tok, tmp_pat
     from finetune.data.load import nothing_to_learn
 
     path = tmp_path / "pc.jsonl"
-    path.write_text("".join(json.dumps({"q": "a rather long question about cats", "a": "yes"}) + "\n" for _ in range(3)))
-    args = DataArgs(train_file=str(path), prompt_column="q", completion_column="a", validation_split_percentage=0)
+    path.write_text(
+        "".join(
+            json.dumps({"q": "a rather long question about cats", "a": "yes"}) + "\n"
+            for _ in range(3)
+        )
+    )
+    args = DataArgs(
+        train_file=str(path),
+        prompt_column="q",
+        completion_column="a",
+        validation_split_percentage=0,
+    )
     train, _ = load_raw(args, seed=0)
-    assert nothing_to_learn(args, tok, train, 4).startswith("--max_seq_length 4: in every training example the prompt")
+    assert nothing_to_learn(args, tok, train, 4).startswith(
+        "--max_seq_length 4: in every training example the prompt"
+    )
 
 
 def test_nothing_to_learn_names_the_data_when_no_length_would_help(tok, tmp_path):
     from finetune.data.load import nothing_to_learn
 
-    args = DataArgs(train_file=_chat_file(tmp_path, [SHORT_CHAT[:1]] * 3), messages_column="messages",
-                    validation_split_percentage=0)
+    args = DataArgs(
+        train_file=_chat_file(tmp_path, [SHORT_CHAT[:1]] * 3),
+        messages_column="messages",
+        validation_split_percentage=0,
+    )
     train, _ = load_raw(args, seed=0)
-    assert nothing_to_learn(args, tok, train, 512) == \
-        "--train_file: no training example has a token to learn from (chats with no assistant turn)"
+    assert (
+        nothing_to_learn(args, tok, train, 512)
+        == "--train_file: no training example has a token to learn from (chats with no assistant turn)"
+    )

@@ -10,12 +10,13 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import TOKENIZER_DIR
 
 from finetune.cli import parse_train_args
 from finetune.data import cache
 from finetune.data.load import encode_prompt_completion, load_raw
 from finetune.modeling import load_tokenizer
+
+from conftest import TOKENIZER_DIR
 
 
 def _rows(n: int) -> list[dict]:
@@ -28,9 +29,23 @@ def _write(path: Path, rows: list[dict]) -> Path:
 
 
 def _cfg(tmp_path: Path, data: Path, *extra: str):
-    return parse_train_args(["--train_file", str(data), "--prompt_column", "q", "--completion_column", "a",
-                             "--dataset_cache_dir", str(tmp_path / "cache"), "--output_dir", str(tmp_path / "out"),
-                             "--max_seq_length", "32", *extra])
+    return parse_train_args(
+        [
+            "--train_file",
+            str(data),
+            "--prompt_column",
+            "q",
+            "--completion_column",
+            "a",
+            "--dataset_cache_dir",
+            str(tmp_path / "cache"),
+            "--output_dir",
+            str(tmp_path / "out"),
+            "--max_seq_length",
+            "32",
+            *extra,
+        ]
+    )
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +66,9 @@ def count_tokenize(monkeypatch):
     return calls
 
 
-def test_second_prepare_is_a_hit_and_the_rows_equal_a_fresh_tokenization(tmp_path, tok, count_tokenize):
+def test_second_prepare_is_a_hit_and_the_rows_equal_a_fresh_tokenization(
+    tmp_path, tok, count_tokenize
+):
     data = _write(tmp_path / "d.jsonl", _rows(300))
     cfg = _cfg(tmp_path, data)
     train, evalset = cache.prepare(cfg, tok)
@@ -68,16 +85,28 @@ def test_second_prepare_is_a_hit_and_the_rows_equal_a_fresh_tokenization(tmp_pat
 
 def test_the_cached_set_is_memory_mapped(tmp_path, tok):
     train, _ = cache.prepare(_cfg(tmp_path, _write(tmp_path / "d.jsonl", _rows(50))), tok)
-    assert train.cache_files and all(str(tmp_path / "cache") in f["filename"] for f in train.cache_files)
+    assert train.cache_files and all(
+        str(tmp_path / "cache") in f["filename"] for f in train.cache_files
+    )
 
 
-@pytest.mark.parametrize("extra", [["--max_seq_length", "31"], ["--packing"], ["--completion_column", "b"],
-                                   ["--validation_split_percentage", "10"], ["--max_train_samples", "100"],
-                                   ["--seed", "7"]])
+@pytest.mark.parametrize(
+    "extra",
+    [
+        ["--max_seq_length", "31"],
+        ["--packing"],
+        ["--completion_column", "b"],
+        ["--validation_split_percentage", "10"],
+        ["--max_train_samples", "100"],
+        ["--seed", "7"],
+    ],
+)
 def test_a_changed_flag_is_a_miss(tmp_path, tok, extra):
     data = _write(tmp_path / "d.jsonl", [{**r, "b": r["a"]} for r in _rows(300)])
     # Later flags win in argparse: the base flags followed by the one changed.
-    assert cache.fingerprint(_cfg(tmp_path, data, *extra), tok) != cache.fingerprint(_cfg(tmp_path, data), tok)
+    assert cache.fingerprint(_cfg(tmp_path, data, *extra), tok) != cache.fingerprint(
+        _cfg(tmp_path, data), tok
+    )
 
 
 def test_a_file_rewritten_with_the_same_size_and_mtime_is_a_miss(tmp_path, tok, count_tokenize):
@@ -114,14 +143,25 @@ def test_packing_is_cached_too(tmp_path, tok, count_tokenize):
     train, _ = cache.prepare(cfg, tok)
     assert all(len(r) == 32 for r in train["input_ids"])
     calls = len(count_tokenize)
-    assert cache.prepare(cfg, tok)[0]["input_ids"] == train["input_ids"] and len(count_tokenize) == calls
+    assert (
+        cache.prepare(cfg, tok)[0]["input_ids"] == train["input_ids"]
+        and len(count_tokenize) == calls
+    )
 
 
 def test_bad_input_is_a_config_error_and_leaves_no_entry(tmp_path, tok):
     from finetune.config import ConfigError
 
-    cfg = parse_train_args(["--train_file", str(_write(tmp_path / "d.jsonl", _rows(20))), "--text_column", "nope",
-                            "--dataset_cache_dir", str(tmp_path / "cache")])
+    cfg = parse_train_args(
+        [
+            "--train_file",
+            str(_write(tmp_path / "d.jsonl", _rows(20))),
+            "--text_column",
+            "nope",
+            "--dataset_cache_dir",
+            str(tmp_path / "cache"),
+        ]
+    )
     with pytest.raises(ConfigError, match="--text_column"):
         cache.prepare(cfg, tok)
     assert list((tmp_path / "cache" / cache.SUBDIR).iterdir()) == []
@@ -144,10 +184,22 @@ def _build_then_hang(cfg_argv: list[str], ready: str) -> None:
 
 def test_a_killed_build_leaves_nothing_a_later_run_reads(tmp_path, tok):
     data = _write(tmp_path / "d.jsonl", _rows(200))
-    argv = ["--train_file", str(data), "--prompt_column", "q", "--completion_column", "a",
-            "--dataset_cache_dir", str(tmp_path / "cache"), "--max_seq_length", "32"]
+    argv = [
+        "--train_file",
+        str(data),
+        "--prompt_column",
+        "q",
+        "--completion_column",
+        "a",
+        "--dataset_cache_dir",
+        str(tmp_path / "cache"),
+        "--max_seq_length",
+        "32",
+    ]
     ready = tmp_path / "ready"
-    proc = multiprocessing.get_context("spawn").Process(target=_build_then_hang, args=(argv, str(ready)))
+    proc = multiprocessing.get_context("spawn").Process(
+        target=_build_then_hang, args=(argv, str(ready))
+    )
     proc.start()
     deadline = time.monotonic() + 120
     while not ready.exists():
@@ -156,10 +208,14 @@ def test_a_killed_build_leaves_nothing_a_later_run_reads(tmp_path, tok):
     os.kill(proc.pid, signal.SIGKILL)
     proc.join()
     root = tmp_path / "cache" / cache.SUBDIR
-    assert [p.name.startswith(cache.TMP_PREFIX) for p in root.iterdir()] == [True]  # only the abandoned build
+    assert [p.name.startswith(cache.TMP_PREFIX) for p in root.iterdir()] == [
+        True
+    ]  # only the abandoned build
     train, _ = cache.prepare(parse_train_args(argv), tok)
     assert len(train) > 0 and all(len(r) > 0 for r in train["input_ids"])
-    assert [p.name.startswith(cache.TMP_PREFIX) for p in root.iterdir()] == [False], "abandoned build not removed"
+    assert [p.name.startswith(cache.TMP_PREFIX) for p in root.iterdir()] == [False], (
+        "abandoned build not removed"
+    )
 
 
 def _ensure_in_process(argv: list[str], out: str) -> None:
@@ -171,10 +227,23 @@ def _ensure_in_process(argv: list[str], out: str) -> None:
 
 def test_two_builders_at_once_on_one_cache_publish_one_complete_entry(tmp_path, tok):
     data = _write(tmp_path / "d.jsonl", _rows(3000))
-    argv = ["--train_file", str(data), "--prompt_column", "q", "--completion_column", "a",
-            "--dataset_cache_dir", str(tmp_path / "cache"), "--max_seq_length", "32"]
+    argv = [
+        "--train_file",
+        str(data),
+        "--prompt_column",
+        "q",
+        "--completion_column",
+        "a",
+        "--dataset_cache_dir",
+        str(tmp_path / "cache"),
+        "--max_seq_length",
+        "32",
+    ]
     ctx = multiprocessing.get_context("spawn")
-    procs = [ctx.Process(target=_ensure_in_process, args=(argv, str(tmp_path / f"r{i}.json"))) for i in range(2)]
+    procs = [
+        ctx.Process(target=_ensure_in_process, args=(argv, str(tmp_path / f"r{i}.json")))
+        for i in range(2)
+    ]
     for p in procs:
         p.start()
     for p in procs:
@@ -187,16 +256,33 @@ def test_two_builders_at_once_on_one_cache_publish_one_complete_entry(tmp_path, 
     assert len(train) == len(raw_train)
 
 
-def test_a_dataset_name_is_keyed_by_datasets_fingerprint_of_what_it_loaded(tmp_path, tok, count_tokenize):
+def test_a_dataset_name_is_keyed_by_datasets_fingerprint_of_what_it_loaded(
+    tmp_path, tok, count_tokenize
+):
     """--dataset_name (a hub id; here a local folder, which load_dataset takes the same way)."""
     folder = tmp_path / "ds"
     folder.mkdir()
     _write(folder / "train.jsonl", _rows(200))
-    argv = ["--dataset_name", str(folder), "--prompt_column", "q", "--completion_column", "a",
-            "--dataset_cache_dir", str(tmp_path / "cache"), "--max_seq_length", "32"]
+    argv = [
+        "--dataset_name",
+        str(folder),
+        "--prompt_column",
+        "q",
+        "--completion_column",
+        "a",
+        "--dataset_cache_dir",
+        str(tmp_path / "cache"),
+        "--max_seq_length",
+        "32",
+    ]
     train, _ = cache.prepare(parse_train_args(argv), tok)
     calls = len(count_tokenize)
-    assert cache.prepare(parse_train_args(argv), tok)[0][:] == train[:] and len(count_tokenize) == calls
-    _write(folder / "train.jsonl", _rows(300))  # new data under the same name: datasets' fingerprint moves
+    assert (
+        cache.prepare(parse_train_args(argv), tok)[0][:] == train[:]
+        and len(count_tokenize) == calls
+    )
+    _write(
+        folder / "train.jsonl", _rows(300)
+    )  # new data under the same name: datasets' fingerprint moves
     assert len(cache.prepare(parse_train_args(argv), tok)[0]) == 285 != len(train)
     assert len(count_tokenize) > calls

@@ -52,13 +52,16 @@ def test_agreed_work_on_cpu_needs_no_device(monkeypatch, two_ranks):
 
 # --- deadlines: a step that hangs fails on every rank; a slow one that makes progress does not ----
 
+
 def test_a_step_that_makes_no_progress_fails_on_every_rank_after_its_deadline(two_ranks):
     """A syscall stuck in D-state (a dead mount) never returns: the ranks give up after the
     deadline, every one with the same failure naming the step, instead of polling for ever."""
     import time
 
     started = time.monotonic()
-    out = dist.gather_outcomes(lambda: time.sleep(60), step="writing the manifest", deadline_s=0.5, poll_s=0.05)
+    out = dist.gather_outcomes(
+        lambda: time.sleep(60), step="writing the manifest", deadline_s=0.5, poll_s=0.05
+    )
     assert time.monotonic() - started < 5
     assert out.kinds == {0: "StepTimeout", 1: "StepTimeout"}
     assert "writing the manifest made no progress for 0.5 s" in out.errors[1]
@@ -95,7 +98,9 @@ def test_rank_0_names_the_ranks_it_waits_for_at_most_once_a_minute(two_ranks, mo
     monkeypatch.setattr(dist, "WAIT_LOG_S", 0.2)  # a minute, scaled down
     monkeypatch.setattr(dist, "rank", lambda: 0)
     with caplog.at_level("WARNING", logger="finetune"):
-        out = dist.gather_outcomes(lambda: time.sleep(0.75), step="deleting older checkpoints", poll_s=0.02)
+        out = dist.gather_outcomes(
+            lambda: time.sleep(0.75), step="deleting older checkpoints", poll_s=0.02
+        )
     assert out.ok
     lines = [r.getMessage() for r in caplog.records if "waiting for rank" in r.getMessage()]
     assert 2 <= len(lines) <= 4, lines  # every 0.2 s of 0.75 s, never once per poll (every 0.02 s)
@@ -110,8 +115,16 @@ def test_a_rank_still_busy_when_another_is_given_up_fails_too(monkeypatch):
     monkeypatch.setattr(dist, "world_size", lambda: 2)
     monkeypatch.setattr(dist, "rank", lambda: 1)
     # Rank 0's view: busy and stalled past the deadline; this rank (1) is busy but moving.
-    monkeypatch.setattr(dist, "all_gather_object", lambda obj: [(True, 99.0, 1.0, False), obj] if len(obj) == 4
-                        else [(("StepTimeout", "rank 0 hung"), None), obj])
-    out = dist.gather_outcomes(lambda: time.sleep(0.5) or "late", share=True, step="verifying", deadline_s=0.3,
-                               poll_s=0.02)
+    monkeypatch.setattr(
+        dist,
+        "all_gather_object",
+        lambda obj: (
+            [(True, 99.0, 1.0, False), obj]
+            if len(obj) == 4
+            else [(("StepTimeout", "rank 0 hung"), None), obj]
+        ),
+    )
+    out = dist.gather_outcomes(
+        lambda: time.sleep(0.5) or "late", share=True, step="verifying", deadline_s=0.3, poll_s=0.02
+    )
     assert 1 in out.errors and "given up" in out.errors[1] and out.result is None

@@ -11,10 +11,11 @@ import argparse
 import importlib.util
 import re
 import sys
-from functools import lru_cache
+from functools import cache, lru_cache
 from pathlib import Path
 
 import pytest
+
 from conftest import REPO
 
 DOCS = sorted([REPO / "README.md", *(REPO / "docs").glob("*.md")])
@@ -73,13 +74,15 @@ OTHER_TOOLS: dict[str, str] = {
 
 
 def _load_generator():
-    spec = importlib.util.spec_from_file_location("gen_flags_doc", REPO / "scripts" / "gen_flags_doc.py")
+    spec = importlib.util.spec_from_file_location(
+        "gen_flags_doc", REPO / "scripts" / "gen_flags_doc.py"
+    )
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
 
 
-@lru_cache(maxsize=None)
+@cache
 def generator():
     """The generator, each `--help` subprocess run once per session (render and the tests share them)."""
     module = _load_generator()
@@ -87,7 +90,7 @@ def generator():
     return module
 
 
-@lru_cache(maxsize=None)
+@cache
 def subcommand_helps() -> dict[str, str]:
     gen = generator()
     return {command: gen.subcommand_help(command) for command in gen.subcommands()}
@@ -120,11 +123,13 @@ def _code(text: str) -> list[str]:
 
 # --- (1) docs/FLAGS.md is current -------------------------------------------------------------
 
+
 def test_flags_doc_is_what_the_generator_writes():
     doc = REPO / "docs" / "FLAGS.md"
     assert doc.exists(), "docs/FLAGS.md is missing: run `python scripts/gen_flags_doc.py`"
     assert doc.read_text() == generator().render(), (
-        "docs/FLAGS.md is stale (a flag or its help changed): run `python scripts/gen_flags_doc.py`")
+        "docs/FLAGS.md is stale (a flag or its help changed): run `python scripts/gen_flags_doc.py`"
+    )
 
 
 def test_flags_doc_check_mode_names_the_fix(tmp_path, monkeypatch, capsys):
@@ -151,10 +156,13 @@ def test_flags_doc_has_a_row_for_every_visible_train_flag_and_each_subcommand():
         assert any(f"`{action.option_strings[0]}`" in row for row in rows), action.option_strings
     for command in subcommand_helps():
         assert f"## `finetune {command}`" in text, command
-    assert "/work/" not in text and "/home/" not in text and str(REPO) not in text  # nothing of this machine
+    assert (
+        "/work/" not in text and "/home/" not in text and str(REPO) not in text
+    )  # nothing of this machine
 
 
 # --- (2) every flag the docs mention exists ----------------------------------------------------
+
 
 def test_every_flag_mentioned_in_the_docs_exists():
     known = train_flags() | subcommand_flags() | set(OTHER_TOOLS)
@@ -166,16 +174,20 @@ def test_every_flag_mentioned_in_the_docs_exists():
             for m in FLAG.finditer(line):
                 if m.group(0) not in known:
                     unknown.setdefault(m.group(0), []).append(f"{_rel(doc)}:{n}")
-    assert not unknown, ("flags in the docs that neither finetune (train or a subcommand) nor the allow-list of "
-                         "other tools' flags in tests/test_docs.py knows: "
-                         + "; ".join(f"{flag} ({', '.join(where[:3])})" for flag, where in sorted(unknown.items())))
+    assert not unknown, (
+        "flags in the docs that neither finetune (train or a subcommand) nor the allow-list of "
+        "other tools' flags in tests/test_docs.py knows: "
+        + "; ".join(f"{flag} ({', '.join(where[:3])})" for flag, where in sorted(unknown.items()))
+    )
 
 
 def test_allow_listed_flags_are_mentioned_and_those_of_repo_tools_exist_there():
     text = "\n".join(doc.read_text() for doc in DOCS)
     mentioned = {m.group(0) for m in FLAG.finditer(text)}
     assert not set(OTHER_TOOLS) - mentioned, (
-        "allow-list entries no doc mentions any more: remove them", sorted(set(OTHER_TOOLS) - mentioned))
+        "allow-list entries no doc mentions any more: remove them",
+        sorted(set(OTHER_TOOLS) - mentioned),
+    )
     for flag, tool in OTHER_TOOLS.items():
         path = REPO / tool
         if path.is_file():
@@ -184,6 +196,7 @@ def test_allow_listed_flags_are_mentioned_and_those_of_repo_tools_exist_there():
 
 # --- (3) every `finetune COMMAND` the docs mention exists ----------------------------------------
 
+
 def test_every_subcommand_mentioned_in_the_docs_exists():
     from finetune.cli import COMMANDS
 
@@ -191,20 +204,27 @@ def test_every_subcommand_mentioned_in_the_docs_exists():
     unknown = []
     for doc in DOCS:
         for code in _code(doc.read_text()):
-            unknown += [f"finetune {m.group(1)} ({_rel(doc)})" for m in command.finditer(code)
-                        if m.group(1) not in COMMANDS]
+            unknown += [
+                f"finetune {m.group(1)} ({_rel(doc)})"
+                for m in command.finditer(code)
+                if m.group(1) not in COMMANDS
+            ]
     assert not unknown, f"commands that finetune.cli.COMMANDS does not have: {sorted(set(unknown))}"
 
 
 # --- (4) the README fits on a screen (or two) ----------------------------------------------------
 
+
 def test_readme_is_short():
     lines = len((REPO / "README.md").read_text().splitlines())
-    assert lines <= README_MAX_LINES, (f"README.md has {lines} lines (at most {README_MAX_LINES}): move detail "
-                                       "into docs/ and link to it")
+    assert lines <= README_MAX_LINES, (
+        f"README.md has {lines} lines (at most {README_MAX_LINES}): move detail "
+        "into docs/ and link to it"
+    )
 
 
 # --- (5) relative links resolve ----------------------------------------------------------------
+
 
 def slug(heading: str) -> str:
     """GitHub's anchor for a heading: lower case, punctuation dropped, spaces to hyphens."""
@@ -212,7 +232,7 @@ def slug(heading: str) -> str:
     return re.sub(r"[^\w\- ]", "", text).replace(" ", "-")
 
 
-@lru_cache(maxsize=None)
+@cache
 def anchors(path: Path) -> set[str]:
     text = re.sub(r"^```.*?^```", "", path.read_text(), flags=re.M | re.S)
     seen: dict[str, int] = {}
@@ -237,7 +257,9 @@ def test_relative_links_point_at_files_and_headings_that_exist():
             if not dest.exists():
                 broken.append(f"{_rel(doc)}: {target} (no such file)")
             elif anchor and dest.suffix == ".md" and anchor not in anchors(dest):
-                broken.append(f"{_rel(doc)}: {target} (no heading with that anchor in {_rel(dest)})")
+                broken.append(
+                    f"{_rel(doc)}: {target} (no heading with that anchor in {_rel(dest)})"
+                )
     assert not broken, broken
 
 

@@ -13,7 +13,9 @@ import finetune
 
 
 def finetune_cli(*argv: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "finetune", *argv], capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "finetune", *argv], capture_output=True, text=True, timeout=120
+    )
 
 
 def test_version_prints_the_package_version():

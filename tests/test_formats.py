@@ -26,8 +26,10 @@ def tok():
 @pytest.fixture
 def data(tmp_path) -> Path:
     path = tmp_path / "d.jsonl"
-    rows = [{"text": f"row {i}", "body": f"other {i}", "q": f"q {i}", "a": f"a {i}",
-             "messages": CHAT} for i in range(20)]
+    rows = [
+        {"text": f"row {i}", "body": f"other {i}", "q": f"q {i}", "a": f"a {i}", "messages": CHAT}
+        for i in range(20)
+    ]
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path
 
@@ -39,13 +41,16 @@ def _key(tok, data: Path, *flags: str, data_args: type[DataArgs] | None = None, 
     return cache.fingerprint(cfg, tok)
 
 
-@pytest.mark.parametrize("args, name", [
-    (DataArgs(), "text"),
-    (DataArgs(text_column="body"), "text"),
-    (DataArgs(prompt_column="q", completion_column="a"), "prompt_completion"),
-    (DataArgs(messages_column="messages"), "chat"),
-    (DataArgs(messages_column="messages", prompt_column="q", completion_column="a"), "chat"),
-])
+@pytest.mark.parametrize(
+    "args, name",
+    [
+        (DataArgs(), "text"),
+        (DataArgs(text_column="body"), "text"),
+        (DataArgs(prompt_column="q", completion_column="a"), "prompt_completion"),
+        (DataArgs(messages_column="messages"), "chat"),
+        (DataArgs(messages_column="messages", prompt_column="q", completion_column="a"), "chat"),
+    ],
+)
 def test_choose_picks_the_format_from_the_flags(args, name):
     fmt = formats.choose(args)
     assert (fmt.name, type(fmt)) == (name, formats.FORMATS[name])
@@ -54,23 +59,33 @@ def test_choose_picks_the_format_from_the_flags(args, name):
 
 def test_the_formats_columns_are_named_by_their_flags():
     assert formats.choose(DataArgs(text_column="body")).columns == {"text_column": "body"}
-    assert formats.choose(DataArgs(prompt_column="q", completion_column="a")).columns == \
-        {"prompt_column": "q", "completion_column": "a"}
+    assert formats.choose(DataArgs(prompt_column="q", completion_column="a")).columns == {
+        "prompt_column": "q",
+        "completion_column": "a",
+    }
     assert formats.choose(DataArgs(messages_column="m")).columns == {"messages_column": "m"}
 
 
 def test_a_changed_format_is_a_miss(tok, data):
-    keys = {_key(tok, data), _key(tok, data, "--prompt_column", "q", "--completion_column", "a"),
-            _key(tok, data, "--messages_column", "messages")}
+    keys = {
+        _key(tok, data),
+        _key(tok, data, "--prompt_column", "q", "--completion_column", "a"),
+        _key(tok, data, "--messages_column", "messages"),
+    }
     assert len(keys) == 3
 
 
-@pytest.mark.parametrize("base, changed", [
-    (["--text_column", "text"], ["--text_column", "body"]),
-    (["--prompt_column", "q", "--completion_column", "a"],
-     ["--prompt_column", "text", "--completion_column", "a"]),
-    (["--messages_column", "messages"], ["--messages_column", "text"]),
-])
+@pytest.mark.parametrize(
+    "base, changed",
+    [
+        (["--text_column", "text"], ["--text_column", "body"]),
+        (
+            ["--prompt_column", "q", "--completion_column", "a"],
+            ["--prompt_column", "text", "--completion_column", "a"],
+        ),
+        (["--messages_column", "messages"], ["--messages_column", "text"]),
+    ],
+)
 def test_a_changed_flag_of_the_format_is_a_miss(tok, data, base, changed):
     assert _key(tok, data, *base) != _key(tok, data, *changed)
 
@@ -82,6 +97,7 @@ def test_another_formats_flag_is_not_in_the_key(tok, data):
 
 
 # --- a format added to the registry ----------------------------------------------------------
+
 
 @dataclasses.dataclass(frozen=True)
 class _ShoutArgs(DataArgs):
@@ -117,8 +133,9 @@ def test_a_registered_format_is_keyed_by_its_name_and_its_own_flags(tok, data, s
     text = _key(tok, data, data_args=_ShoutArgs)
     shouted = _key(tok, data, data_args=_ShoutArgs, shout_column="text")
     assert shouted != text, "a new format reused the text format's cache"
-    assert _key(tok, data, data_args=_ShoutArgs, shout_column="body") != shouted, \
+    assert _key(tok, data, data_args=_ShoutArgs, shout_column="body") != shouted, (
         "the new format's flag is not in the key"
+    )
     assert _key(tok, data, data_args=_ShoutArgs, shout_column="text") == shouted
 
 
@@ -129,26 +146,31 @@ def test_a_registered_format_is_tokenized_through_its_encode(tok, tmp_path, shou
     path.write_text("".join(json.dumps({"text": f"row {i}"}) + "\n" for i in range(3)))
     args = _ShoutArgs(train_file=str(path), shout_column="text", validation_split_percentage=0)
     train, _ = load_raw(args, seed=0)
-    assert tokenize(train, tok, args, 32)[:]["input_ids"] == \
-        [formats.encode_text(tok, f"ROW {i}", 32)["input_ids"] for i in range(3)]
+    assert tokenize(train, tok, args, 32)[:]["input_ids"] == [
+        formats.encode_text(tok, f"ROW {i}", 32)["input_ids"] for i in range(3)
+    ]
     with pytest.raises(ConfigError, match="--shout_column: no column 'nope'"):
         load_raw(_ShoutArgs(train_file=str(path), shout_column="nope"), seed=0)
 
 
 # --- config files: a format on the command line replaces the file's ----------------------------
 
+
 def test_the_formats_that_exclude_each_other_are_the_ones_a_flag_picks():
     pairs = [({"messages_column"}, {"prompt_column", "completion_column"})]
     assert formats.exclusive_flags() == pairs
 
 
-@pytest.mark.parametrize("from_file, given, kept", [
-    ({"prompt_column": "q", "completion_column": "a"}, {"messages_column": "m"}, {}),
-    ({"messages_column": "m"}, {"prompt_column": "q", "completion_column": "a"}, {}),
-    # text_column has a default: it picks no format, so the file's chat format stays
-    ({"messages_column": "m"}, {"text_column": "body"}, {"messages_column": "m"}),
-    ({"text_column": "body"}, {"messages_column": "m"}, {"text_column": "body"}),
-])
+@pytest.mark.parametrize(
+    "from_file, given, kept",
+    [
+        ({"prompt_column": "q", "completion_column": "a"}, {"messages_column": "m"}, {}),
+        ({"messages_column": "m"}, {"prompt_column": "q", "completion_column": "a"}, {}),
+        # text_column has a default: it picks no format, so the file's chat format stays
+        ({"messages_column": "m"}, {"text_column": "body"}, {"messages_column": "m"}),
+        ({"text_column": "body"}, {"messages_column": "m"}, {"text_column": "body"}),
+    ],
+)
 def test_a_config_files_format_gives_way_to_the_command_lines(from_file, given, kept):
     assert run_config.overridden(from_file, given) == kept
 

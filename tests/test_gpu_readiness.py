@@ -33,7 +33,10 @@ class FakeCudaNode:
 
     def _forbidden(self, name):
         def call(*args, **kwargs):
-            raise AssertionError(f"torch.cuda.{name} touches the current device (GPU 0 on every rank here)")
+            raise AssertionError(
+                f"torch.cuda.{name} touches the current device (GPU 0 on every rank here)"
+            )
+
         return call
 
     def device_name(self):
@@ -43,7 +46,9 @@ class FakeCudaNode:
         return len(self.capabilities)
 
     def is_bf16_supported(self):
-        raise AssertionError("the accelerator's is_bf16_supported looks at the current device and accepts emulation")
+        raise AssertionError(
+            "the accelerator's is_bf16_supported looks at the current device and accepts emulation"
+        )
 
     def get_device_capability(self, device=None):
         if not isinstance(device, int):
@@ -52,7 +57,9 @@ class FakeCudaNode:
         return self.capabilities[device]
 
 
-@pytest.mark.parametrize("capability, want", [((8, 0), "bf16"), ((9, 0), "bf16"), ((7, 0), "fp32"), ((7, 5), "fp32")])
+@pytest.mark.parametrize(
+    "capability, want", [((8, 0), "bf16"), ((9, 0), "bf16"), ((7, 0), "fp32"), ((7, 5), "fp32")]
+)
 def test_auto_precision_reads_this_ranks_device_only(monkeypatch, capability, want):
     """LOCAL_RANK 3 of a node of 8: only device 3 is asked; V100 (7.0) and T4 (7.5) emulate bf16 → fp32."""
     node = FakeCudaNode(monkeypatch, [(6, 0)] * 3 + [capability] + [(6, 0)] * 4)
@@ -70,6 +77,7 @@ def test_auto_precision_where_each_task_sees_one_gpu(monkeypatch):
 
 
 # --- the Adam op ---------------------------------------------------------------------------
+
 
 def _config(name: str) -> dict:
     return json.loads((CONFIGS_DIR / name).read_text())
@@ -95,13 +103,20 @@ def test_an_adam_op_that_cannot_be_built_becomes_torch_adam(monkeypatch, caplog)
     with caplog.at_level(logging.WARNING, logger="finetune"):
         out = ops.ensure_adam(cfg, load=no_toolkit)
     assert out["optimizer"]["params"]["torch_adam"] is True
-    assert out["optimizer"]["type"] == "AdamW" and "torch_adam" not in cfg["optimizer"]["params"]  # a copy
-    assert "FusedAdam can't be loaded or built here" in caplog.text and "torch.optim.AdamW" in caplog.text
+    assert (
+        out["optimizer"]["type"] == "AdamW" and "torch_adam" not in cfg["optimizer"]["params"]
+    )  # a copy
+    assert (
+        "FusedAdam can't be loaded or built here" in caplog.text
+        and "torch.optim.AdamW" in caplog.text
+    )
     loaded = []
     assert ops.ensure_adam(cfg, load=loaded.append) is cfg and loaded == ["FusedAdamBuilder"]
 
 
-def test_a_checkpoint_trained_with_torch_adam_resumes_with_it_even_where_the_op_loads(monkeypatch, caplog):
+def test_a_checkpoint_trained_with_torch_adam_resumes_with_it_even_where_the_op_loads(
+    monkeypatch, caplog
+):
     """torch's param groups lack the bias_correction FusedAdam / CPU Adam read at their first step."""
     monkeypatch.setenv("WORLD_SIZE", "1")
     loaded = []
@@ -112,16 +127,34 @@ def test_a_checkpoint_trained_with_torch_adam_resumes_with_it_even_where_the_op_
     assert ops.adam_impl(out) == "torch_adam"
     assert ops.adam_impl(_config("ds_zero3.json")) == "FusedAdam"
     assert ops.adam_impl(_config("ds_zero3_offload.json")) == "CPUAdam"
-    assert ops.ensure_adam(_config("ds_zero3.json"), saved="FusedAdam", load=loaded.append)["optimizer"] == \
-        _config("ds_zero3.json")["optimizer"]
+    assert (
+        ops.ensure_adam(_config("ds_zero3.json"), saved="FusedAdam", load=loaded.append)[
+            "optimizer"
+        ]
+        == _config("ds_zero3.json")["optimizer"]
+    )
 
 
-@pytest.mark.parametrize("change, named", [
-    (lambda c: c["zero_optimization"]["offload_optimizer"].update(ratio=0.5), "offload_optimizer.ratio"),
-    (lambda c: c.setdefault("bf16", {}).update(bf16_master_weights_and_grads=True), "bf16.bf16_master_weights_and_grads"),
-    (lambda c: c["optimizer"]["params"].update(bias_correction=False), "bias_correction: false"),
-])
-def test_configs_only_deepspeeds_adam_can_run_fail_instead_of_falling_back(monkeypatch, change, named):
+@pytest.mark.parametrize(
+    "change, named",
+    [
+        (
+            lambda c: c["zero_optimization"]["offload_optimizer"].update(ratio=0.5),
+            "offload_optimizer.ratio",
+        ),
+        (
+            lambda c: c.setdefault("bf16", {}).update(bf16_master_weights_and_grads=True),
+            "bf16.bf16_master_weights_and_grads",
+        ),
+        (
+            lambda c: c["optimizer"]["params"].update(bias_correction=False),
+            "bias_correction: false",
+        ),
+    ],
+)
+def test_configs_only_deepspeeds_adam_can_run_fail_instead_of_falling_back(
+    monkeypatch, change, named
+):
     from finetune.config import ConfigError
 
     monkeypatch.setenv("WORLD_SIZE", "1")
@@ -139,7 +172,11 @@ def test_torch_adam_drops_the_settings_torch_has_no_argument_for():
     cfg = _config("ds_zero3.json")
     cfg["optimizer"]["params"].update(bias_correction=True, set_grad_none=True)
     params = ops.use_torch_adam(cfg)["optimizer"]["params"]
-    assert "bias_correction" not in params and "set_grad_none" not in params and params["torch_adam"] is True
+    assert (
+        "bias_correction" not in params
+        and "set_grad_none" not in params
+        and params["torch_adam"] is True
+    )
 
 
 def test_a_build_lock_an_interrupted_build_left_is_refused_not_waited_for(monkeypatch, tmp_path):
@@ -190,14 +227,31 @@ def test_the_fallback_config_trains_saves_and_resumes_under_offload(run_finetune
     fallback = tmp_path / "fallback.json"
     fallback.write_text(json.dumps(ops.use_torch_adam(_config("ds_zero3_offload.json"))))
     args = ("--save_checkpoint", "--logging_steps", "1")
-    first = run_finetune("--deepspeed_config", str(fallback), *args, "--max_steps", "2", launcher="python", nprocs=1)
+    first = run_finetune(
+        "--deepspeed_config", str(fallback), *args, "--max_steps", "2", launcher="python", nprocs=1
+    )
     assert first.returncode == 0, first.output[-3000:]
-    optim = torch.load(first.out_dir / "global_step2" / "zero_pp_rank_0_mp_rank_00_optim_states.pt", weights_only=False)
+    optim = torch.load(
+        first.out_dir / "global_step2" / "zero_pp_rank_0_mp_rank_00_optim_states.pt",
+        weights_only=False,
+    )
     groups = optim["optimizer_state_dict"]["optimizer_state_dict"]["param_groups"]
     assert all("foreach" in g for g in groups)  # torch's AdamW, not DeepSpeedCPUAdam
-    assert json.loads((first.out_dir / "global_step2" / "trainer_state.json").read_text())["adam"] == "torch_adam"
-    again = run_finetune("--deepspeed_config", str(CONFIGS_DIR / "ds_zero3_offload.json"), *args, "--max_steps", "3",
-                         "--resume_from_checkpoint", "auto", launcher="python", nprocs=1)
+    assert (
+        json.loads((first.out_dir / "global_step2" / "trainer_state.json").read_text())["adam"]
+        == "torch_adam"
+    )
+    again = run_finetune(
+        "--deepspeed_config",
+        str(CONFIGS_DIR / "ds_zero3_offload.json"),
+        *args,
+        "--max_steps",
+        "3",
+        "--resume_from_checkpoint",
+        "auto",
+        launcher="python",
+        nprocs=1,
+    )
     assert again.returncode == 0, again.output[-3000:]
     assert [r["step"] for r in again.train_rows()][-1] == 3
     assert "trained with torch.optim.AdamW" in again.output
@@ -210,7 +264,9 @@ def test_cpu_info_is_asked_once_per_process(monkeypatch):
     from finetune.ops import remember_cpu_info
 
     calls = []
-    monkeypatch.setattr(cpuinfo, "get_cpu_info", lambda: calls.append(1) or {"arch": "X86_64", "flags": ["avx2"]})
+    monkeypatch.setattr(
+        cpuinfo, "get_cpu_info", lambda: calls.append(1) or {"arch": "X86_64", "flags": ["avx2"]}
+    )
     remember_cpu_info()
     remember_cpu_info()  # idempotent: not wrapped twice
     from cpuinfo import get_cpu_info  # as DeepSpeed imports it, at each call

@@ -16,7 +16,19 @@ from finetune import launchers
 from finetune.config import ConfigError
 from finetune.launchers import adopt_launcher_env, expand_nodelist, local_device_index
 
-PREFIXES = ("SLURM_", "OMPI_", "PMI_", "PMIX_", "MV2_", "PALS_", "MPI_LOCAL", "AZUREML_", "AZ_BATCH", "SM_", "DLTS_")
+PREFIXES = (
+    "SLURM_",
+    "OMPI_",
+    "PMI_",
+    "PMIX_",
+    "MV2_",
+    "PALS_",
+    "MPI_LOCAL",
+    "AZUREML_",
+    "AZ_BATCH",
+    "SM_",
+    "DLTS_",
+)
 TORCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
@@ -43,28 +55,60 @@ def torch_env() -> dict:
 
 # --- mpirun ---------------------------------------------------------------------------------
 
-OMPI = dict(OMPI_COMM_WORLD_RANK=5, OMPI_COMM_WORLD_SIZE=16, OMPI_COMM_WORLD_LOCAL_RANK=1, OMPI_COMM_WORLD_LOCAL_SIZE=8)
+OMPI = dict(
+    OMPI_COMM_WORLD_RANK=5,
+    OMPI_COMM_WORLD_SIZE=16,
+    OMPI_COMM_WORLD_LOCAL_RANK=1,
+    OMPI_COMM_WORLD_LOCAL_SIZE=8,
+)
 
 
 def test_openmpi_ranks_get_their_true_rank_and_world_size(monkeypatch):
     setenv(monkeypatch, **OMPI, MASTER_ADDR="node01")
     dist.adopt_launcher_env()  # what cli.main calls first
-    assert torch_env() == {"RANK": "5", "WORLD_SIZE": "16", "LOCAL_RANK": "1", "MASTER_ADDR": "node01"}
+    assert torch_env() == {
+        "RANK": "5",
+        "WORLD_SIZE": "16",
+        "LOCAL_RANK": "1",
+        "MASTER_ADDR": "node01",
+    }
 
 
 def test_mpirun_inside_an_sbatch_job_ignores_the_batch_steps_slurm_variables(monkeypatch):
     # mpirun's ranks inherit the batch step's SLURM_PROCID=0 / SLURM_NTASKS: not theirs.
-    setenv(monkeypatch, **OMPI, MASTER_ADDR="node01", SLURM_PROCID=0, SLURM_NTASKS=16, SLURM_LOCALID=0,
-           SLURM_JOB_NODELIST="node[01-02]", SLURM_JOB_ID=77)
+    setenv(
+        monkeypatch,
+        **OMPI,
+        MASTER_ADDR="node01",
+        SLURM_PROCID=0,
+        SLURM_NTASKS=16,
+        SLURM_LOCALID=0,
+        SLURM_JOB_NODELIST="node[01-02]",
+        SLURM_JOB_ID=77,
+    )
     adopt_launcher_env()
-    assert (os.environ["RANK"], os.environ["WORLD_SIZE"], os.environ["LOCAL_RANK"]) == ("5", "16", "1")
+    assert (os.environ["RANK"], os.environ["WORLD_SIZE"], os.environ["LOCAL_RANK"]) == (
+        "5",
+        "16",
+        "1",
+    )
 
 
-@pytest.mark.parametrize("env, expected", [
-    (dict(MV2_COMM_WORLD_RANK=3, MV2_COMM_WORLD_SIZE=4, MV2_COMM_WORLD_LOCAL_RANK=1), ("3", "4", "1")),
-    (dict(PMI_RANK=6, PMI_SIZE=8, MPI_LOCALRANKID=2), ("6", "8", "2")),  # Hydra: MPICH, Intel MPI
-    (dict(PMI_RANK=6, PMI_SIZE=8, PALS_LOCAL_RANKID=2), ("6", "8", "2")),  # Cray PALS
-], ids=["mvapich", "hydra", "pals"])
+@pytest.mark.parametrize(
+    "env, expected",
+    [
+        (
+            dict(MV2_COMM_WORLD_RANK=3, MV2_COMM_WORLD_SIZE=4, MV2_COMM_WORLD_LOCAL_RANK=1),
+            ("3", "4", "1"),
+        ),
+        (
+            dict(PMI_RANK=6, PMI_SIZE=8, MPI_LOCALRANKID=2),
+            ("6", "8", "2"),
+        ),  # Hydra: MPICH, Intel MPI
+        (dict(PMI_RANK=6, PMI_SIZE=8, PALS_LOCAL_RANKID=2), ("6", "8", "2")),  # Cray PALS
+    ],
+    ids=["mvapich", "hydra", "pals"],
+)
 def test_other_mpi_launchers(monkeypatch, env, expected):
     setenv(monkeypatch, **env, MASTER_ADDR="node01")
     adopt_launcher_env()
@@ -73,23 +117,45 @@ def test_other_mpi_launchers(monkeypatch, env, expected):
 
 def test_an_explicit_rank_wins_over_mpirun_and_srun_variables(monkeypatch):
     # torchrun (or DeepSpeed's pdsh/mpich/impi launchers) started from mpirun or srun sets its own.
-    mine = {"RANK": "2", "WORLD_SIZE": "4", "LOCAL_RANK": "2", "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29400"}
-    setenv(monkeypatch, **mine, **OMPI, SLURM_PROCID=0, SLURM_NTASKS=1, SLURM_STEP_NODELIST="node[01-04]")
+    mine = {
+        "RANK": "2",
+        "WORLD_SIZE": "4",
+        "LOCAL_RANK": "2",
+        "MASTER_ADDR": "10.0.0.1",
+        "MASTER_PORT": "29400",
+    }
+    setenv(
+        monkeypatch,
+        **mine,
+        **OMPI,
+        SLURM_PROCID=0,
+        SLURM_NTASKS=1,
+        SLURM_STEP_NODELIST="node[01-04]",
+    )
     dist.adopt_launcher_env()
     assert torch_env() == mine
 
 
-@pytest.mark.parametrize("env, names", [
-    (dict(OMPI_COMM_WORLD_RANK=1), "OMPI_COMM_WORLD_SIZE"),
-    (dict(OMPI_COMM_WORLD_RANK=1, OMPI_COMM_WORLD_SIZE=4), "OMPI_COMM_WORLD_LOCAL_RANK"),
-    (dict(MV2_COMM_WORLD_RANK=1, MV2_COMM_WORLD_LOCAL_RANK=1), "MV2_COMM_WORLD_SIZE"),
-    (dict(PMI_RANK=1, PMI_SIZE=4), "PMI_RANK"),  # neither a launcher's local rank nor srun's variables
-    (dict(PMIX_RANK=3), "PMIX_RANK"),
-    (dict(RANK=1), "WORLD_SIZE"),
-    (dict(WORLD_SIZE=4), "RANK"),
-    (dict(RANK=4, WORLD_SIZE=4), "not a world"),
-    (dict(OMPI_COMM_WORLD_RANK="x", OMPI_COMM_WORLD_SIZE=4, OMPI_COMM_WORLD_LOCAL_RANK=0), "not an integer"),
-])
+@pytest.mark.parametrize(
+    "env, names",
+    [
+        (dict(OMPI_COMM_WORLD_RANK=1), "OMPI_COMM_WORLD_SIZE"),
+        (dict(OMPI_COMM_WORLD_RANK=1, OMPI_COMM_WORLD_SIZE=4), "OMPI_COMM_WORLD_LOCAL_RANK"),
+        (dict(MV2_COMM_WORLD_RANK=1, MV2_COMM_WORLD_LOCAL_RANK=1), "MV2_COMM_WORLD_SIZE"),
+        (
+            dict(PMI_RANK=1, PMI_SIZE=4),
+            "PMI_RANK",
+        ),  # neither a launcher's local rank nor srun's variables
+        (dict(PMIX_RANK=3), "PMIX_RANK"),
+        (dict(RANK=1), "WORLD_SIZE"),
+        (dict(WORLD_SIZE=4), "RANK"),
+        (dict(RANK=4, WORLD_SIZE=4), "not a world"),
+        (
+            dict(OMPI_COMM_WORLD_RANK="x", OMPI_COMM_WORLD_SIZE=4, OMPI_COMM_WORLD_LOCAL_RANK=0),
+            "not an integer",
+        ),
+    ],
+)
 def test_a_partial_launcher_environment_is_an_error_not_a_one_rank_world(monkeypatch, env, names):
     setenv(monkeypatch, **env, MASTER_ADDR="node01")
     before = dict(os.environ)
@@ -108,7 +174,11 @@ def test_mpirun_without_master_addr_leaves_it_to_deepspeeds_mpi_discovery_when_i
     monkeypatch.setattr(launchers, "_mpi4py_available", lambda: True)
     setenv(monkeypatch, **OMPI)
     adopt_launcher_env()
-    assert (os.environ["RANK"], os.environ["WORLD_SIZE"], "MASTER_ADDR" in os.environ) == ("5", "16", False)
+    assert (os.environ["RANK"], os.environ["WORLD_SIZE"], "MASTER_ADDR" in os.environ) == (
+        "5",
+        "16",
+        False,
+    )
     assert launchers.deepspeed_discovers_master()
 
 
@@ -119,7 +189,9 @@ def test_azureml_mpi_discovery_needs_no_mpi4py(monkeypatch):
 
 
 def test_a_one_rank_mpirun_needs_no_master_addr(monkeypatch):
-    setenv(monkeypatch, OMPI_COMM_WORLD_RANK=0, OMPI_COMM_WORLD_SIZE=1, OMPI_COMM_WORLD_LOCAL_RANK=0)
+    setenv(
+        monkeypatch, OMPI_COMM_WORLD_RANK=0, OMPI_COMM_WORLD_SIZE=1, OMPI_COMM_WORLD_LOCAL_RANK=0
+    )
     adopt_launcher_env()
     assert torch_env() == {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"}
     assert not launchers.deepspeed_discovers_master()
@@ -133,16 +205,27 @@ SRUN = dict(SLURM_PROCID=3, SLURM_NTASKS=8, SLURM_LOCALID=3, SLURM_JOB_ID=1234, 
 def test_bare_srun_with_a_bracketed_nodelist_uses_its_first_host(monkeypatch):
     setenv(monkeypatch, **SRUN, SLURM_STEP_NODELIST="node[01-04]", SLURM_JOB_NODELIST="node[00-04]")
     dist.adopt_launcher_env()
-    assert torch_env() == {"RANK": "3", "WORLD_SIZE": "8", "LOCAL_RANK": "3", "MASTER_ADDR": "node01",
-                           "MASTER_PORT": str(29500 + 1234 % 1000)}
+    assert torch_env() == {
+        "RANK": "3",
+        "WORLD_SIZE": "8",
+        "LOCAL_RANK": "3",
+        "MASTER_ADDR": "node01",
+        "MASTER_PORT": str(29500 + 1234 % 1000),
+    }
 
 
-@pytest.mark.parametrize("env, master", [
-    (dict(SLURM_JOB_NODELIST="gpu-a[1,3-5],gpu-b7"), "gpu-a1"),
-    (dict(SLURM_STEP_NODELIST="n[001-002]-ib"), "n001-ib"),
-    (dict(SLURM_STEP_NODELIST="node07"), "node07"),
-    (dict(SLURM_STEP_NODELIST="node[01-04]", MASTER_ADDR="10.1.1.1"), "10.1.1.1"),  # the sbatch scripts' export
-])
+@pytest.mark.parametrize(
+    "env, master",
+    [
+        (dict(SLURM_JOB_NODELIST="gpu-a[1,3-5],gpu-b7"), "gpu-a1"),
+        (dict(SLURM_STEP_NODELIST="n[001-002]-ib"), "n001-ib"),
+        (dict(SLURM_STEP_NODELIST="node07"), "node07"),
+        (
+            dict(SLURM_STEP_NODELIST="node[01-04]", MASTER_ADDR="10.1.1.1"),
+            "10.1.1.1",
+        ),  # the sbatch scripts' export
+    ],
+)
 def test_srun_master_addr(monkeypatch, env, master):
     setenv(monkeypatch, **SRUN, **env)
     adopt_launcher_env()
@@ -153,7 +236,11 @@ def test_srun_with_pmi2_is_srun(monkeypatch):
     # srun --mpi=pmi2 adds PMI_RANK / PMI_SIZE and no local rank (Slurm's mpi_pmi2.c)
     setenv(monkeypatch, **SRUN, PMI_RANK=3, PMI_SIZE=8, SLURM_STEP_NODELIST="node[01-04]")
     adopt_launcher_env()
-    assert (os.environ["RANK"], os.environ["LOCAL_RANK"], os.environ["MASTER_ADDR"]) == ("3", "3", "node01")
+    assert (os.environ["RANK"], os.environ["LOCAL_RANK"], os.environ["MASTER_ADDR"]) == (
+        "3",
+        "3",
+        "node01",
+    )
 
 
 def test_srun_without_a_nodelist_or_master_addr_fails_fast(monkeypatch):
@@ -162,7 +249,9 @@ def test_srun_without_a_nodelist_or_master_addr_fails_fast(monkeypatch):
         adopt_launcher_env()
 
 
-def test_an_unreadable_nodelist_names_its_variable_and_is_not_replaced_by_the_local_host(monkeypatch):
+def test_an_unreadable_nodelist_names_its_variable_and_is_not_replaced_by_the_local_host(
+    monkeypatch,
+):
     setenv(monkeypatch, **SRUN, SLURM_STEP_NODELIST="node[01-04")
     with pytest.raises(ConfigError, match=r"SLURM_STEP_NODELIST.*export MASTER_ADDR"):
         adopt_launcher_env()
@@ -194,8 +283,20 @@ def test_expand_nodelist(nodelist, hosts):
     assert expand_nodelist(nodelist) == hosts
 
 
-@pytest.mark.parametrize("nodelist", ["node[01-04", "node01-04]", "a[3-1]", "a[]", "a[x-y]", "a[[1-2]]",
-                                      "a[1 -2]", "a[1-2]]", "a[-1]"])
+@pytest.mark.parametrize(
+    "nodelist",
+    [
+        "node[01-04",
+        "node01-04]",
+        "a[3-1]",
+        "a[]",
+        "a[x-y]",
+        "a[[1-2]]",
+        "a[1 -2]",
+        "a[1-2]]",
+        "a[-1]",
+    ],
+)
 def test_expand_nodelist_refuses_what_it_cannot_read(nodelist):
     with pytest.raises(ConfigError, match="SLURM_JOB_NODELIST="):
         expand_nodelist(nodelist, "SLURM_JOB_NODELIST")
@@ -204,14 +305,25 @@ def test_expand_nodelist_refuses_what_it_cannot_read(nodelist):
 def test_expand_nodelist_agrees_with_scontrol(tmp_path):
     if not shutil.which("scontrol"):
         pytest.skip("scontrol not installed")
-    conf = tmp_path / "slurm.conf"  # `scontrol show hostnames` needs a configuration, not a controller
-    conf.write_text("ClusterName=t\nSlurmctldHost=localhost\nNodeName=localhost CPUs=1\nPartitionName=p Nodes=localhost\n")
+    conf = (
+        tmp_path / "slurm.conf"
+    )  # `scontrol show hostnames` needs a configuration, not a controller
+    conf.write_text(
+        "ClusterName=t\nSlurmctldHost=localhost\nNodeName=localhost CPUs=1\nPartitionName=p Nodes=localhost\n"
+    )
     env = {**os.environ, "SLURM_CONF": str(conf)}
     for nodelist, hosts in NODELISTS:
-        if not nodelist.strip() or "]-" in nodelist:  # Slurm 22.05 has no text after a group; we accept it
+        if (
+            not nodelist.strip() or "]-" in nodelist
+        ):  # Slurm 22.05 has no text after a group; we accept it
             continue
-        proc = subprocess.run(["scontrol", "show", "hostnames", nodelist], env=env, capture_output=True,
-                              text=True, timeout=30)
+        proc = subprocess.run(
+            ["scontrol", "show", "hostnames", nodelist],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
         if proc.returncode != 0:
             pytest.skip(f"scontrol does not work here: {proc.stderr.strip()}")
         assert proc.stdout.split() == hosts, nodelist
@@ -219,14 +331,19 @@ def test_expand_nodelist_agrees_with_scontrol(tmp_path):
 
 # --- the device a rank drives ---------------------------------------------------------------
 
-@pytest.mark.parametrize("local, count, device", [(3, 1, 0), (3, 8, 3), (3, 2, 1), (0, 1, 0), (5, 0, 5)])
+
+@pytest.mark.parametrize(
+    "local, count, device", [(3, 1, 0), (3, 8, 3), (3, 2, 1), (0, 1, 0), (5, 0, 5)]
+)
 def test_local_device_index(monkeypatch, local, count, device):
     monkeypatch.setenv("LOCAL_RANK", str(local))
     assert local_device_index(count) == device
 
 
 def test_local_device_index_before_adoption_reads_the_launchers_variables(monkeypatch):
-    setenv(monkeypatch, **SRUN, SLURM_STEP_NODELIST="node[01-04]")  # srun --gpus-per-task=1: one GPU each
+    setenv(
+        monkeypatch, **SRUN, SLURM_STEP_NODELIST="node[01-04]"
+    )  # srun --gpus-per-task=1: one GPU each
     assert dist.local_device_index(1) == 0 and dist.local_device_index(8) == 3
     assert "LOCAL_RANK" not in os.environ
 
@@ -255,8 +372,12 @@ def fake_deepspeed(monkeypatch):
 
     def init_distributed(timeout, distributed_port=29500, **_):
         seen.update(env=torch_env(), port=distributed_port)
-        if "MASTER_ADDR" not in os.environ:  # as DeepSpeed's mpi_discovery: LOCAL_RANK counted by host name
-            os.environ.update(MASTER_ADDR="10.9.9.9", MASTER_PORT=str(distributed_port), LOCAL_RANK="7")
+        if (
+            "MASTER_ADDR" not in os.environ
+        ):  # as DeepSpeed's mpi_discovery: LOCAL_RANK counted by host name
+            os.environ.update(
+                MASTER_ADDR="10.9.9.9", MASTER_PORT=str(distributed_port), LOCAL_RANK="7"
+            )
 
     monkeypatch.setattr(deepspeed, "init_distributed", init_distributed)
     monkeypatch.setattr(deepspeed.accelerator, "get_accelerator", lambda: acc)
@@ -270,8 +391,13 @@ def test_init_under_mpirun_starts_the_true_world(monkeypatch, fake_deepspeed):
     seen, acc = fake_deepspeed
     setenv(monkeypatch, **OMPI, MASTER_ADDR="node01")
     dist.init(60)
-    assert seen["env"] == {"RANK": "5", "WORLD_SIZE": "16", "LOCAL_RANK": "1", "MASTER_ADDR": "node01",
-                           "MASTER_PORT": "29500"}
+    assert seen["env"] == {
+        "RANK": "5",
+        "WORLD_SIZE": "16",
+        "LOCAL_RANK": "1",
+        "MASTER_ADDR": "node01",
+        "MASTER_PORT": "29500",
+    }
     assert acc.devices == [1]
 
 
@@ -280,11 +406,15 @@ def test_init_with_one_gpu_per_task_drives_device_0(monkeypatch, fake_deepspeed)
     acc.count = 1  # srun --gpus-per-task=1: SLURM_LOCALID 3 sees one GPU
     setenv(monkeypatch, **SRUN, SLURM_STEP_NODELIST="node[01-04]")
     dist.init(60)
-    assert acc.devices == [0] and seen["env"]["LOCAL_RANK"] == "0" and os.environ["LOCAL_RANK"] == "0"
+    assert (
+        acc.devices == [0] and seen["env"]["LOCAL_RANK"] == "0" and os.environ["LOCAL_RANK"] == "0"
+    )
     assert seen["env"]["MASTER_ADDR"] == "node01"
 
 
-def test_init_finds_master_addr_over_mpi_before_deepspeed_could_recount_local_rank(monkeypatch, fake_deepspeed):
+def test_init_finds_master_addr_over_mpi_before_deepspeed_could_recount_local_rank(
+    monkeypatch, fake_deepspeed
+):
     """mpirun without MASTER_ADDR, mpi4py installed: rank 0's address is broadcast before
     init_distributed, so DeepSpeed's own discovery (which rewrites LOCAL_RANK by host name and binds
     the communicator to that device) never runs."""
@@ -293,7 +423,11 @@ def test_init_finds_master_addr_over_mpi_before_deepspeed_could_recount_local_ra
     monkeypatch.setattr(launchers, "master_from_mpi", lambda: "10.1.1.1")
     setenv(monkeypatch, **OMPI, MASTER_PORT=29611)
     dist.init(60)
-    assert seen["env"]["MASTER_ADDR"] == "10.1.1.1" and seen["env"]["LOCAL_RANK"] == "1" and seen["port"] == 29611
+    assert (
+        seen["env"]["MASTER_ADDR"] == "10.1.1.1"
+        and seen["env"]["LOCAL_RANK"] == "1"
+        and seen["port"] == 29611
+    )
     assert os.environ["LOCAL_RANK"] == "1" and acc.devices == [1]
 
 
@@ -307,7 +441,9 @@ def test_init_leaves_master_addr_to_deepspeeds_azureml_patch(monkeypatch, fake_d
 
 def test_init_refuses_a_device_deepspeed_would_reject_under_openmpi(monkeypatch, fake_deepspeed):
     seen, acc = fake_deepspeed
-    acc.count = 1  # a per-rank CUDA_VISIBLE_DEVICES: device 0, but DeepSpeed asserts LOCAL_RANK == OMPI's 1
+    acc.count = (
+        1  # a per-rank CUDA_VISIBLE_DEVICES: device 0, but DeepSpeed asserts LOCAL_RANK == OMPI's 1
+    )
     setenv(monkeypatch, **OMPI, MASTER_ADDR="node01")
     with pytest.raises(ConfigError, match="OMPI_COMM_WORLD_LOCAL_RANK=1"):
         dist.init(60)
@@ -325,8 +461,12 @@ def test_init_refuses_a_partial_environment(monkeypatch, fake_deepspeed):
 def test_init_under_plain_python_is_one_rank(fake_deepspeed):
     seen, acc = fake_deepspeed
     dist.init(60)
-    assert {k: seen["env"][k] for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")} == \
-        {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1"}
+    assert {k: seen["env"][k] for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")} == {
+        "RANK": "0",
+        "WORLD_SIZE": "1",
+        "LOCAL_RANK": "0",
+        "MASTER_ADDR": "127.0.0.1",
+    }
     assert acc.devices == [0]
 
 
@@ -351,19 +491,48 @@ def test_a_real_openmpi_world(tmp_path):
     from conftest import child_env, free_port
 
     env = {k: v for k, v in child_env().items() if not k.startswith(PREFIXES)}
-    env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")  # containers run as root
-    proc = subprocess.run(["mpirun", "--oversubscribe", "-np", "2", "-x", "MASTER_ADDR=127.0.0.1",
-                           "-x", f"MASTER_PORT={free_port()}", sys.executable, "-c", MPI_CHECK],
-                          env=env, cwd=tmp_path, capture_output=True, text=True, timeout=240)
-    worlds = sorted(line.split()[1:] for line in proc.stdout.splitlines() if line.startswith("world "))
-    assert proc.returncode == 0 and worlds == [["0", "2", "2", "0"], ["1", "2", "2", "1"]], proc.stdout + proc.stderr
+    env.update(
+        OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1"
+    )  # containers run as root
+    proc = subprocess.run(
+        [
+            "mpirun",
+            "--oversubscribe",
+            "-np",
+            "2",
+            "-x",
+            "MASTER_ADDR=127.0.0.1",
+            "-x",
+            f"MASTER_PORT={free_port()}",
+            sys.executable,
+            "-c",
+            MPI_CHECK,
+        ],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    worlds = sorted(
+        line.split()[1:] for line in proc.stdout.splitlines() if line.startswith("world ")
+    )
+    assert proc.returncode == 0 and worlds == [["0", "2", "2", "0"], ["1", "2", "2", "1"]], (
+        proc.stdout + proc.stderr
+    )
 
 
 @pytest.mark.parametrize("step", [None, "4294967291"])
 def test_python_started_in_the_batch_step_of_a_multi_task_job_fails_fast(monkeypatch, step):
     """`python -m finetune` in an `sbatch -n 8` script (no srun): the batch step's SLURM_PROCID=0 and
     SLURM_NTASKS=8 would make it rank 0 of 8, waiting for peers that never start."""
-    batch = dict(SLURM_PROCID=0, SLURM_NTASKS=8, SLURM_LOCALID=0, SLURM_JOB_ID=1234, SLURM_JOB_NODELIST="node[01-02]")
+    batch = dict(
+        SLURM_PROCID=0,
+        SLURM_NTASKS=8,
+        SLURM_LOCALID=0,
+        SLURM_JOB_ID=1234,
+        SLURM_JOB_NODELIST="node[01-02]",
+    )
     setenv(monkeypatch, **batch, **({"SLURM_STEP_ID": step} if step else {}))
     with pytest.raises(ConfigError, match="batch step .*srun python -m finetune"):
         adopt_launcher_env()
@@ -371,6 +540,13 @@ def test_python_started_in_the_batch_step_of_a_multi_task_job_fails_fast(monkeyp
 
 
 def test_a_one_task_batch_step_is_one_process(monkeypatch):
-    setenv(monkeypatch, SLURM_PROCID=0, SLURM_NTASKS=1, SLURM_LOCALID=0, SLURM_JOB_ID=1234, SLURM_JOB_NODELIST="node01")
+    setenv(
+        monkeypatch,
+        SLURM_PROCID=0,
+        SLURM_NTASKS=1,
+        SLURM_LOCALID=0,
+        SLURM_JOB_ID=1234,
+        SLURM_JOB_NODELIST="node01",
+    )
     adopt_launcher_env()
     assert torch_env()["RANK"] == "0" and torch_env()["WORLD_SIZE"] == "1"

@@ -17,20 +17,32 @@ def _config_dir(root, name: str, model_type: str, **kw) -> str:
     return str(folder)
 
 
-LLAMA = dict(vocab_size=513, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4)
+LLAMA = dict(
+    vocab_size=513,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+)
 GPT2 = dict(vocab_size=513, n_embd=64, n_layer=2, n_head=4)
 
 
 def test_the_same_model_resumes(tmp_path):
     ckpt = _config_dir(tmp_path, "ckpt", "llama", **LLAMA)
-    check_checkpoint_model(ckpt, ModelArgs(model_name_or_path=_config_dir(tmp_path, "model", "llama", **LLAMA)))
+    check_checkpoint_model(
+        ckpt, ModelArgs(model_name_or_path=_config_dir(tmp_path, "model", "llama", **LLAMA))
+    )
 
 
-@pytest.mark.parametrize("model_type, kw, differ", [
-    ("gpt2", GPT2, "model_type llama vs gpt2"),
-    ("llama", {**LLAMA, "vocab_size": 1024}, "vocab_size 513 vs 1024"),
-    ("llama", {**LLAMA, "num_hidden_layers": 3}, "num_hidden_layers 2 vs 3"),
-], ids=["architecture", "vocabulary", "depth"])
+@pytest.mark.parametrize(
+    "model_type, kw, differ",
+    [
+        ("gpt2", GPT2, "model_type llama vs gpt2"),
+        ("llama", {**LLAMA, "vocab_size": 1024}, "vocab_size 513 vs 1024"),
+        ("llama", {**LLAMA, "num_hidden_layers": 3}, "num_hidden_layers 2 vs 3"),
+    ],
+    ids=["architecture", "vocabulary", "depth"],
+)
 def test_another_model_is_named_before_deepspeed_loads_it(model_type, kw, differ, tmp_path):
     """Else: a traceback from DeepSpeed's load_checkpoint (missing keys, size mismatch), exit 1."""
     ckpt = _config_dir(tmp_path, "ckpt", "llama", **LLAMA)
@@ -38,12 +50,16 @@ def test_another_model_is_named_before_deepspeed_loads_it(model_type, kw, differ
     with pytest.raises(ConfigError) as e:
         check_checkpoint_model(ckpt, ModelArgs(model_name_or_path=model))
     message = str(e.value)
-    assert message.startswith(f"--resume_from_checkpoint: {ckpt} holds another model than --model_name_or_path {model}")
+    assert message.startswith(
+        f"--resume_from_checkpoint: {ckpt} holds another model than --model_name_or_path {model}"
+    )
     assert differ in message, message
 
 
 def test_the_embedded_model_is_named_when_no_model_flag_was_given(tmp_path):
     ckpt = _config_dir(tmp_path, "ckpt", "llama", **LLAMA)
-    with pytest.raises(ConfigError, match=r"--model_name_or_path \(not given: the embedded model\)"):
+    with pytest.raises(
+        ConfigError, match=r"--model_name_or_path \(not given: the embedded model\)"
+    ):
         check_checkpoint_model(ckpt, ModelArgs())
     check_checkpoint_model(str(EMBEDDED_MODEL_DIR), ModelArgs())

@@ -19,17 +19,31 @@ mpimg = pytest.importorskip("matplotlib.image", reason="matplotlib is not instal
 np = pytest.importorskip("numpy")
 
 REPO = Path(__file__).resolve().parents[1]
-BLUE, ORANGE, RED = (0x1F, 0x77, 0xB4), (0xFF, 0x7F, 0x0E), (0xD6, 0x27, 0x28)  # tab:blue/orange/red
+BLUE, ORANGE, RED = (
+    (0x1F, 0x77, 0xB4),
+    (0xFF, 0x7F, 0x0E),
+    (0xD6, 0x27, 0x28),
+)  # tab:blue/orange/red
 
 
 def train_row(step: int, loss: float) -> dict:
-    return {"step": step, "epoch": step / 100, "loss": loss, "lr": 1e-3 * min(1.0, step / 50), "grad_norm": 1.0,
-            "tokens_per_s": 9000.0 + 500 * (step % 7), "data_ms": 0.05, "samples_seen": 16 * step,
-            "tokens_seen": 600 * step, "skipped_steps": 0, "loss_scale": None}
+    return {
+        "step": step,
+        "epoch": step / 100,
+        "loss": loss,
+        "lr": 1e-3 * min(1.0, step / 50),
+        "grad_norm": 1.0,
+        "tokens_per_s": 9000.0 + 500 * (step % 7),
+        "data_ms": 0.05,
+        "samples_seen": 16 * step,
+        "tokens_seen": 600 * step,
+        "skipped_steps": 0,
+        "loss_scale": None,
+    }
 
 
 def eval_row(step: int, loss: float) -> dict:
-    return {"step": step, "eval_loss": loss, "eval_perplexity": 2.718 ** loss, "eval_tokens": 7818}
+    return {"step": step, "eval_loss": loss, "eval_perplexity": 2.718**loss, "eval_tokens": 7818}
 
 
 def write_run(out: Path, rows: int = 150, events: bool = True) -> Path:
@@ -39,23 +53,35 @@ def write_run(out: Path, rows: int = 150, events: bool = True) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     last = 2 * rows
     lines = [eval_row(0, 6.3)]
-    lines += [train_row(s, 6.0 * 0.99 ** s + 1.0 + 0.1 * (s % 3)) for s in range(2, 121, 2)]
-    lines += [train_row(s, 6.0 * 0.99 ** s + 1.0) for s in range(102, last + 1, 2)]  # after the resume
-    lines += [eval_row(s, 6.0 * 0.99 ** s + 1.1) for s in range(50, last + 1, 50)]
+    lines += [train_row(s, 6.0 * 0.99**s + 1.0 + 0.1 * (s % 3)) for s in range(2, 121, 2)]
+    lines += [
+        train_row(s, 6.0 * 0.99**s + 1.0) for s in range(102, last + 1, 2)
+    ]  # after the resume
+    lines += [eval_row(s, 6.0 * 0.99**s + 1.1) for s in range(50, last + 1, 50)]
     text = "".join(json.dumps(r) + "\n" for r in lines) + '{"step": 9999, "loss": 1.'  # torn
     (out / "metrics.jsonl").write_text(text)
     if events:
-        ev = [{"event": "start", "step": 0, "run_name": "synthetic", "world_size": 2},
-              {"event": "checkpoint", "step": 100, "tag": "global_step100", "consolidated": False},
-              {"event": "preempted", "step": 120, "signal": "SIGTERM"},
-              {"event": "resume", "step": 100, "from": "global_step100"},
-              {"event": "save_failed", "step": 150, "error": "disk full"},
-              {"event": "checkpoint", "tag": "global_step200", "consolidated": True},  # step from its tag
-              {"event": "teleported", "step": 5}]
+        ev = [
+            {"event": "start", "step": 0, "run_name": "synthetic", "world_size": 2},
+            {"event": "checkpoint", "step": 100, "tag": "global_step100", "consolidated": False},
+            {"event": "preempted", "step": 120, "signal": "SIGTERM"},
+            {"event": "resume", "step": 100, "from": "global_step100"},
+            {"event": "save_failed", "step": 150, "error": "disk full"},
+            {
+                "event": "checkpoint",
+                "tag": "global_step200",
+                "consolidated": True,
+            },  # step from its tag
+            {"event": "teleported", "step": 5},
+        ]
         stamped = [{"time": "2025-01-01T00:00:00+00:00", "run_id": "r1", **e} for e in ev]
-        (out / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in stamped) + "not json\n")
+        (out / "events.jsonl").write_text(
+            "".join(json.dumps(e) + "\n" for e in stamped) + "not json\n"
+        )
     (out / f"global_step{last}").mkdir()
-    (out / f"global_step{last}" / "manifest.json").write_text(json.dumps({"tag": f"global_step{last}", "files": {}}))
+    (out / f"global_step{last}" / "manifest.json").write_text(
+        json.dumps({"tag": f"global_step{last}", "files": {}})
+    )
     (out / "global_step7").mkdir()  # no manifest: not committed
     return out
 
@@ -74,13 +100,21 @@ def assert_plot(path: Path) -> np.ndarray:
 
 # --- reading -----------------------------------------------------------------------------------
 
+
 def test_load_run_keeps_the_last_row_per_step_and_unions_checkpoints(tmp_path):
     run = plot.load_run(write_run(tmp_path / "out"))
     steps = [r["step"] for r in run.train]
     assert steps == sorted(set(steps)) and steps[0] == 2 and steps[-1] == 300 and len(steps) == 150
-    assert run.train[steps.index(110)]["loss"] == pytest.approx(6.0 * 0.99 ** 110 + 1.0)  # the resumed row
+    assert run.train[steps.index(110)]["loss"] == pytest.approx(
+        6.0 * 0.99**110 + 1.0
+    )  # the resumed row
     assert [r["step"] for r in run.evals] == [0, 50, 100, 150, 200, 250, 300]
-    assert run.marks == {"checkpoint": [100, 200, 300], "resume": [100], "preempted": [120], "save_failed": [150]}
+    assert run.marks == {
+        "checkpoint": [100, 200, 300],
+        "resume": [100],
+        "preempted": [120],
+        "save_failed": [150],
+    }
     assert run.run_name == "synthetic" and run.name == "out"
 
 
@@ -107,6 +141,7 @@ def test_ema_is_bias_corrected_and_follows_a_constant():
 
 # --- the image ---------------------------------------------------------------------------------
 
+
 def test_render_draws_a_readable_png_atomically(tmp_path):
     out = write_run(tmp_path / "out")
     path = plot.render(out)
@@ -119,7 +154,12 @@ def test_render_draws_a_readable_png_atomically(tmp_path):
 
 
 def test_render_copes_with_eval_rows_only_and_bad_values(tmp_path):
-    rows = [eval_row(0, 6.0), {"step": 5, "loss": float("nan")}, {"step": "x", "loss": 1.0}, {"step": 6, "loss": "a"}]
+    rows = [
+        eval_row(0, 6.0),
+        {"step": 5, "loss": float("nan")},
+        {"step": "x", "loss": 1.0},
+        {"step": 6, "loss": "a"},
+    ]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     assert_plot(plot.render(tmp_path, tmp_path / "deep" / "er" / "x.png"))
 
@@ -136,16 +176,22 @@ def test_the_demo_run_renders(tmp_path):
 
 # --- `finetune plot` ---------------------------------------------------------------------------
 
+
 def test_main_writes_the_file_and_says_what_it_drew(tmp_path, capsys):
     out = write_run(tmp_path / "out")
     assert plot.main([str(out), "-o", str(tmp_path / "x.png")]) == 0
-    assert capsys.readouterr().out.strip() == f"Wrote {tmp_path / 'x.png'} (150 train rows, 7 eval rows, 3 checkpoints)"
+    assert (
+        capsys.readouterr().out.strip()
+        == f"Wrote {tmp_path / 'x.png'} (150 train rows, 7 eval rows, 3 checkpoints)"
+    )
     assert_plot(tmp_path / "x.png")
 
 
 def test_main_reports_an_unwritable_destination_with_exit_1(tmp_path, capsys):
     (tmp_path / "file").write_text("")
-    assert plot.main([str(write_run(tmp_path / "out")), "-o", str(tmp_path / "file" / "x.png")]) == 1
+    assert (
+        plot.main([str(write_run(tmp_path / "out")), "-o", str(tmp_path / "file" / "x.png")]) == 1
+    )
     assert "was not written" in capsys.readouterr().err
 
 
@@ -155,17 +201,28 @@ def test_cli_plot_subcommand(tmp_path):
     if "plot" not in COMMANDS:
         pytest.skip("not wired yet")
     out = write_run(tmp_path / "out")
-    done = subprocess.run([sys.executable, "-m", "finetune", "plot", str(out), "-o", str(tmp_path / "x.png")],
-                          capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-m", "finetune", "plot", str(out), "-o", str(tmp_path / "x.png")],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=120,
+    )
     assert done.returncode == 0, done.stderr
     assert "Wrote" in done.stdout and "150 train rows" in done.stdout
     assert_plot(tmp_path / "x.png")
-    missing = subprocess.run([sys.executable, "-m", "finetune", "plot", str(tmp_path / "nothing")],
-                             capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    missing = subprocess.run(
+        [sys.executable, "-m", "finetune", "plot", str(tmp_path / "nothing")],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=120,
+    )
     assert missing.returncode == 2 and len(missing.stderr.strip().splitlines()) == 1
 
 
 # --- Plotter -----------------------------------------------------------------------------------
+
 
 @pytest.fixture
 def warnings(monkeypatch):
@@ -255,5 +312,7 @@ def test_long_runs_are_thinned_for_drawing_after_smoothing_on_every_row():
     smooth = ema(values, 50)
     x, raw, drawn = _thin(steps, values, smooth)
     assert len(x) == len(raw) == len(drawn) <= MAX_POINTS
-    assert x[0] == 1 and drawn[-1] == smooth[::4][-1]  # the smoothed values are the full series' own
+    assert (
+        x[0] == 1 and drawn[-1] == smooth[::4][-1]
+    )  # the smoothed values are the full series' own
     assert _thin(steps[:10], values[:10]) == (steps[:10], values[:10])

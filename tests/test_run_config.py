@@ -32,10 +32,17 @@ def config_file(tmp_path: Path, text: str, name: str = "run.yaml") -> str:
 
 
 def test_file_values_reach_the_config_and_flags_override_them(tmp_path):
-    path = config_file(tmp_path, "learning_rate: 2.0e-4\nmax_steps: 7\nsave_checkpoint: true\n"
-                       "output_dir: from_file\nlr_scheduler_type: cosine\n")
+    path = config_file(
+        tmp_path,
+        "learning_rate: 2.0e-4\nmax_steps: 7\nsave_checkpoint: true\n"
+        "output_dir: from_file\nlr_scheduler_type: cosine\n",
+    )
     cfg = parse_train_args(["--config", path, "--max_steps", "9"])
-    assert (cfg.train.learning_rate, cfg.train.max_steps, cfg.ckpt.save_checkpoint) == (2e-4, 9, True)
+    assert (cfg.train.learning_rate, cfg.train.max_steps, cfg.ckpt.save_checkpoint) == (
+        2e-4,
+        9,
+        True,
+    )
     assert (cfg.ckpt.output_dir, cfg.train.lr_scheduler_type) == ("from_file", "cosine")
 
 
@@ -62,21 +69,33 @@ def test_yaml_exponent_without_a_dot_is_still_a_number(tmp_path):
     assert cfg.train.learning_rate == 1e-5
 
 
-@pytest.mark.parametrize("text, message", [
-    ("learning_rat: 1.0e-4\n", r"unknown key `learning_rat`; did you mean `learning_rate`\?"),
-    ("bf16: true\n", r"unknown key `bf16` \(use precision: bf16\)"),
-    ("frobnicate: 1\n", r"unknown key `frobnicate` \(keys are the training flags' names, without --\)"),
-    ("--max_steps: 3\n", r"unknown key `--max_steps`; did you mean `max_steps`\?"),
-    ("max_steps: ten\n", r"`max_steps` must be an integer, got 'ten' \(a string\)"),
-    ("max_steps: 2.5\n", r"`max_steps` must be an integer, got 2.5 \(a number\)"),
-    ("learning_rate: fast\n", r"`learning_rate` must be a number, got 'fast' \(a string\)"),
-    ("packing: yes please\n", r"`packing` must be true or false, got 'yes please' \(a string\)"),
-    ("packing: null\n", r"`packing` must be true or false, got null"),
-    ("text_column: [a, b]\n", r"`text_column` must be a string, got \['a', 'b'\] \(a list\)"),
-    ("lr_scheduler_type: wsd\n", r"`lr_scheduler_type` must be one of linear, cosine, constant, constant_with_warmup, got 'wsd'"),
-    ("- max_steps\n", r"must hold a mapping of flag names to values, got list"),
-    ("max_steps: [\n", r"not valid YAML: while parsing"),
-])
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("learning_rat: 1.0e-4\n", r"unknown key `learning_rat`; did you mean `learning_rate`\?"),
+        ("bf16: true\n", r"unknown key `bf16` \(use precision: bf16\)"),
+        (
+            "frobnicate: 1\n",
+            r"unknown key `frobnicate` \(keys are the training flags' names, without --\)",
+        ),
+        ("--max_steps: 3\n", r"unknown key `--max_steps`; did you mean `max_steps`\?"),
+        ("max_steps: ten\n", r"`max_steps` must be an integer, got 'ten' \(a string\)"),
+        ("max_steps: 2.5\n", r"`max_steps` must be an integer, got 2.5 \(a number\)"),
+        ("learning_rate: fast\n", r"`learning_rate` must be a number, got 'fast' \(a string\)"),
+        (
+            "packing: yes please\n",
+            r"`packing` must be true or false, got 'yes please' \(a string\)",
+        ),
+        ("packing: null\n", r"`packing` must be true or false, got null"),
+        ("text_column: [a, b]\n", r"`text_column` must be a string, got \['a', 'b'\] \(a list\)"),
+        (
+            "lr_scheduler_type: wsd\n",
+            r"`lr_scheduler_type` must be one of linear, cosine, constant, constant_with_warmup, got 'wsd'",
+        ),
+        ("- max_steps\n", r"must hold a mapping of flag names to values, got list"),
+        ("max_steps: [\n", r"not valid YAML: while parsing"),
+    ],
+)
 def test_bad_files_name_the_key_and_what_was_expected(tmp_path, text, message):
     path = config_file(tmp_path, text)
     with pytest.raises(ConfigError, match=r"--config \S*run.yaml: " + message):
@@ -86,23 +105,44 @@ def test_bad_files_name_the_key_and_what_was_expected(tmp_path, text, message):
 def test_missing_or_foreign_files_are_named(tmp_path):
     with pytest.raises(ConfigError, match="--config: file not found: nope.yaml"):
         parse_train_args(["--config", "nope.yaml"])
-    with pytest.raises(ConfigError, match=r"--config .*run.toml: must be a .yaml, .yml or .json file"):
+    with pytest.raises(
+        ConfigError, match=r"--config .*run.toml: must be a .yaml, .yml or .json file"
+    ):
         parse_train_args(["--config", config_file(tmp_path, "x = 1", "run.toml")])
 
 
 def test_unknown_key_exits_2_with_one_line_before_any_work(tmp_path):
     path = config_file(tmp_path, "save_steps: 5\nmax_step: 3\n")
-    r = subprocess.run([sys.executable, "-m", "finetune", "--config", path, "--output_dir", "out"],
-                       capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [sys.executable, "-m", "finetune", "--config", path, "--output_dir", "out"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 2, r.stderr
-    assert r.stderr.strip().splitlines() == [f"finetune: error: --config {path}: unknown key `max_step`; "
-                                             "did you mean `max_steps`?"]
+    assert r.stderr.strip().splitlines() == [
+        f"finetune: error: --config {path}: unknown key `max_step`; did you mean `max_steps`?"
+    ]
     assert not (tmp_path / "out").exists()
 
 
 def test_written_run_config_resolves_to_the_same_configuration(tmp_path):
-    cfg = parse_train_args(["--max_steps", "5", "--learning_rate", "3e-4", "--save_checkpoint", "--no_plot",
-                            "--output_dir", str(tmp_path / "out"), "--report_to", "csv", "--save_total_limit", "2"])
+    cfg = parse_train_args(
+        [
+            "--max_steps",
+            "5",
+            "--learning_rate",
+            "3e-4",
+            "--save_checkpoint",
+            "--no_plot",
+            "--output_dir",
+            str(tmp_path / "out"),
+            "--report_to",
+            "csv",
+            "--save_total_limit",
+            "2",
+        ]
+    )
     (tmp_path / "out").mkdir()
     path = run_config.write(cfg, cfg.ckpt.output_dir, "test")
     text = path.read_text()
@@ -120,5 +160,10 @@ def test_examples_are_valid_config_files(example):
 
 
 def test_the_examples_promised_in_the_docs_exist():
-    assert {p.name for p in EXAMPLES} >= {"llama-1b-sft.yaml", "chat-sft.yaml", "7b-offload.yaml", "slurm.yaml",
-                                               "llama-8b-lora.yaml"}
+    assert {p.name for p in EXAMPLES} >= {
+        "llama-1b-sft.yaml",
+        "chat-sft.yaml",
+        "7b-offload.yaml",
+        "slurm.yaml",
+        "llama-8b-lora.yaml",
+    }

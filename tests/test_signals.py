@@ -19,7 +19,9 @@ print("received", p.received, flush=True)
 
 
 def _run(signals: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", SCRIPT, signals], capture_output=True, text=True, timeout=60)
+    return subprocess.run(
+        [sys.executable, "-c", SCRIPT, signals], capture_output=True, text=True, timeout=60
+    )
 
 
 def test_a_signal_during_start_up_becomes_a_preemption_request():
@@ -37,8 +39,12 @@ def test_a_start_up_signal_that_is_not_a_preemption_signal_keeps_its_default_act
 
 def test_other_commands_do_not_swallow_sigterm(tmp_path):
     # `python -m finetune verify` installs the early handlers too, then gives them back.
-    code = ("import os, signal, sys; from finetune.preemption import catch_early; catch_early(); "
-            "from finetune.cli import main; sys.argv = ['finetune', 'verify', sys.argv[1]]; "
-            "os.kill(os.getpid(), signal.SIGTERM); main()")
-    proc = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, timeout=120)
+    code = (
+        "import os, signal, sys; from finetune.preemption import catch_early; catch_early(); "
+        "from finetune.cli import main; sys.argv = ['finetune', 'verify', sys.argv[1]]; "
+        "os.kill(os.getpid(), signal.SIGTERM); main()"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, timeout=120
+    )
     assert proc.returncode == -signal.SIGTERM, proc.stderr

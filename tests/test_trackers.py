@@ -18,12 +18,22 @@ from finetune.config import ConfigError
 from finetune.metrics import EVENTS, MetricsWriter, read_metrics, truncate_after
 from finetune.resolve import resolve
 
-TRAIN = [{"step": s, "epoch": 0.1 * s, "loss": 3.0 / s, "lr": 1e-3, "grad_norm": None, "tokens_per_s": 100.0 + s}
-         for s in (1, 2, 3)]
+TRAIN = [
+    {
+        "step": s,
+        "epoch": 0.1 * s,
+        "loss": 3.0 / s,
+        "lr": 1e-3,
+        "grad_norm": None,
+        "tokens_per_s": 100.0 + s,
+    }
+    for s in (1, 2, 3)
+]
 EVAL = {"step": 0, "eval_loss": 4.5, "eval_perplexity": 90.0, "eval_tokens": 77}
 
 
 # --- reading what wandb wrote offline ------------------------------------------------------------
+
 
 def wandb_records(run_dir: Path) -> list:
     """The records of an offline run's run-<id>.wandb: wandb's LevelDB-log framing (a 7-byte file
@@ -38,8 +48,8 @@ def wandb_records(run_dir: Path) -> list:
         if block - pos % block < 7:  # a block's tail too short for a chunk header is padding
             pos += block - pos % block
             continue
-        _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
-        chunk, pos = data[pos + 7:pos + 7 + length], pos + 7 + length
+        _, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
+        chunk, pos = data[pos + 7 : pos + 7 + length], pos + 7 + length
         if kind in (1, 2):
             parts = chunk
         elif kind in (3, 4):
@@ -59,11 +69,19 @@ def read_wandb_run(run_dir: Path) -> dict:
         kind = record.WhichOneof("record_type")
         if kind == "run":
             run = record.run
-            out.update(id=run.run_id, name=run.display_name, project=run.project,
-                       config={u.key: json.loads(u.value_json) for u in run.config.update})
+            out.update(
+                id=run.run_id,
+                name=run.display_name,
+                project=run.project,
+                config={u.key: json.loads(u.value_json) for u in run.config.update},
+            )
         elif kind == "history":
-            out["history"].append({"/".join(i.nested_key) or i.key: json.loads(i.value_json)
-                                   for i in record.history.item})
+            out["history"].append(
+                {
+                    "/".join(i.nested_key) or i.key: json.loads(i.value_json)
+                    for i in record.history.item
+                }
+            )
         elif kind == "exit":
             out["exit_code"] = record.exit.exit_code
     return out
@@ -93,6 +111,7 @@ def run_config(out: Path, report_to: str, **flags):
 
 # --- wandb -----------------------------------------------------------------------------------------
 
+
 def test_wandb_offline_run_has_name_config_history_and_events(tmp_path, wandb_offline):
     out = tmp_path / "out"
     out.mkdir()
@@ -114,7 +133,10 @@ def test_wandb_offline_run_has_name_config_history_and_events(tmp_path, wandb_of
     assert (run["id"], run["name"], run["project"]) == ("run1abc", "my-run", "finetune")
     assert (out / trackers.WANDB_ID_FILE).read_text().strip() == "run1abc"
     assert {"model", "data", "train", "ckpt", "world_size", "deepspeed"} <= set(run["config"])
-    assert run["config"]["train"]["learning_rate"] == 1e-3 and run["config"]["train"]["report_to"] == "wandb"
+    assert (
+        run["config"]["train"]["learning_rate"] == 1e-3
+        and run["config"]["train"]["report_to"] == "wandb"
+    )
     history = run["history"]
     assert history_at(history, "train/loss") == {1: 3.0, 2: 1.5, 3: 1.0}
     assert history_at(history, "eval/loss") == {0: 4.5}
@@ -138,7 +160,9 @@ def test_wandb_resumed_run_continues_the_same_wandb_run(tmp_path, wandb_offline)
         # wandb names an offline run's folder by its start second and id: two launches of one id
         # within a second would share it (a real resume is never that quick).
         time.sleep(1.05 - time.time() % 1)
-        metrics = MetricsWriter(str(out), run_id=run_id, trackers=trackers.open_trackers(cfg, run_id, resumed))
+        metrics = MetricsWriter(
+            str(out), run_id=run_id, trackers=trackers.open_trackers(cfg, run_id, resumed)
+        )
         for s in steps:
             metrics.write({"step": s, "loss": 1.0 / s})
         metrics.event("checkpoint", steps[0], tag=f"global_step{steps[0]}")  # committed later
@@ -155,7 +179,9 @@ def test_wandb_resumed_run_continues_the_same_wandb_run(tmp_path, wandb_offline)
     fresh = launch("third3", False, [1])
     assert first["id"] == again["id"] == "first1" and fresh["id"] == "third3"
     assert history_at(again["history"], "train/loss") == {2: 0.5, 3: 1.0 / 3}
-    assert history_at(again["history"], "events/checkpoint") == {3: 2}  # x = the newest step; value = its step
+    assert history_at(again["history"], "events/checkpoint") == {
+        3: 2
+    }  # x = the newest step; value = its step
     assert again["exit_code"] == 75
     assert len(offline_runs(out)) == 3  # wandb offline: one folder per launch (`wandb sync` each)
     assert (out / trackers.WANDB_ID_FILE).read_text().strip() == "third3"
@@ -165,10 +191,14 @@ def test_wandb_not_logged_in_is_bad_input(tmp_path, wandb_offline, monkeypatch):
     import wandb
 
     def refuse(**kwargs):
-        raise wandb.errors.UsageError("api_key not configured (no-tty). call wandb.login(key=[your_api_key])")
+        raise wandb.errors.UsageError(
+            "api_key not configured (no-tty). call wandb.login(key=[your_api_key])"
+        )
 
     monkeypatch.setattr(wandb, "init", refuse)
-    with pytest.raises(ConfigError, match=r"`--report_to wandb`: api_key not configured .*WANDB_MODE=offline"):
+    with pytest.raises(
+        ConfigError, match=r"`--report_to wandb`: api_key not configured .*WANDB_MODE=offline"
+    ):
         trackers.open_trackers(run_config(tmp_path, "wandb"), "r", resumed=False)
     assert not (tmp_path / trackers.WANDB_ID_FILE).exists()
 
@@ -179,6 +209,7 @@ def test_no_trackers_without_report_to(tmp_path):
 
 
 # --- DeepSpeed's monitor: TensorBoard, csv -------------------------------------------------------
+
 
 @pytest.fixture
 def ds_rank0(monkeypatch):
@@ -211,9 +242,16 @@ def tensorboard_scalars(folder: Path) -> dict[str, dict[int, float]]:
 def test_tensorboard_and_csv_through_deepspeeds_monitor(tmp_path, ds_rank0):
     out = tmp_path / "out"
     cfg = run_config(out, "tensorboard,csv")
-    assert cfg.ds_config["tensorboard"] == {"enabled": True, "output_path": str(out / "tensorboard"),
-                                            "job_name": "finetune"}
-    assert cfg.ds_config["csv_monitor"] == {"enabled": True, "output_path": str(out / "csv"), "job_name": "finetune"}
+    assert cfg.ds_config["tensorboard"] == {
+        "enabled": True,
+        "output_path": str(out / "tensorboard"),
+        "job_name": "finetune",
+    }
+    assert cfg.ds_config["csv_monitor"] == {
+        "enabled": True,
+        "output_path": str(out / "csv"),
+        "job_name": "finetune",
+    }
     monitor = monitor_for(cfg)
     metrics = MetricsWriter(str(out), monitor, run_id="r1")
     assert [t.name for t in metrics.trackers] == ["tensorboard+csv"]
@@ -225,7 +263,12 @@ def test_tensorboard_and_csv_through_deepspeeds_monitor(tmp_path, ds_rank0):
     metrics.close(0)
 
     folder = out / "csv" / "finetune"
-    assert csv_rows(folder / "train_loss.csv") == [["step", "loss"], ["1", "3.0"], ["2", "1.5"], ["3", "1.0"]]
+    assert csv_rows(folder / "train_loss.csv") == [
+        ["step", "loss"],
+        ["1", "3.0"],
+        ["2", "1.5"],
+        ["3", "1.0"],
+    ]
     assert csv_rows(folder / "eval_loss.csv") == [["step", "loss"], ["0", "4.5"]]
     assert csv_rows(folder / "events_checkpoint.csv") == [["step", "checkpoint"], ["3", "3.0"]]
     assert csv_rows(folder / "Train_Samples_lr.csv") == [["step", "lr"], ["16", "0.001"]]
@@ -243,11 +286,17 @@ def test_csv_of_a_resumed_run_has_one_header(tmp_path, ds_rank0):
         for s in steps:
             metrics.write({"step": s, "loss": float(s)})
         metrics.close(0)
-    assert csv_rows(tmp_path / "csv" / "finetune" / "train_loss.csv") == \
-        [["step", "loss"], ["1", "1.0"], ["2", "2.0"], ["2", "2.0"], ["3", "3.0"]]
+    assert csv_rows(tmp_path / "csv" / "finetune" / "train_loss.csv") == [
+        ["step", "loss"],
+        ["1", "1.0"],
+        ["2", "2.0"],
+        ["2", "2.0"],
+        ["3", "3.0"],
+    ]
 
 
 # --- failures never raise ------------------------------------------------------------------------
+
 
 class Broken:
     name = "broken"
@@ -275,7 +324,9 @@ def test_tracker_failures_are_logged_not_raised(tmp_path, ds_rank0, caplog):
     with caplog.at_level(logging.WARNING, logger="finetune"):
         for row in TRAIN:
             metrics.write(row)
-        monitor.write_events([("Train/Samples/lr", 1e-3, 16)])  # the engine's own write, guarded too
+        monitor.write_events(
+            [("Train/Samples/lr", 1e-3, 16)]
+        )  # the engine's own write, guarded too
         metrics.event("checkpoint", 3, tag="global_step3")
         metrics.close(1)
         metrics.close(1)  # once
@@ -283,11 +334,16 @@ def test_tracker_failures_are_logged_not_raised(tmp_path, ds_rank0, caplog):
     assert [e["event"] for e in read_events(tmp_path)] == ["checkpoint"]
     assert broken.calls == 5  # 3 rows, 1 event, 1 close
     warned = [r.getMessage() for r in caplog.records]
-    assert sum("broken: write failed (RuntimeError: service gone)" in m for m in warned) == 1  # the first only
-    assert any(m.startswith("csv: writing scalars failed (NotADirectoryError") for m in warned), warned
+    assert (
+        sum("broken: write failed (RuntimeError: service gone)" in m for m in warned) == 1
+    )  # the first only
+    assert any(m.startswith("csv: writing scalars failed (NotADirectoryError") for m in warned), (
+        warned
+    )
 
 
 # --- events.jsonl --------------------------------------------------------------------------------
+
 
 def read_events(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / EVENTS).read_text().splitlines()]
@@ -306,8 +362,13 @@ def test_events_jsonl_is_appended_and_never_truncated(tmp_path):
     second.event("end", 8, exit_code=0)
     events = read_events(tmp_path)
     assert [(e["event"], e["step"], e["run_id"]) for e in events] == [
-        ("start", 0, "run-a"), ("checkpoint", 5, "run-a"), ("preempted", 7, "run-a"), ("resume", 5, "run-b"),
-        ("save_failed", 6, "run-b"), ("end", 8, "run-b")]
+        ("start", 0, "run-a"),
+        ("checkpoint", 5, "run-a"),
+        ("preempted", 7, "run-a"),
+        ("resume", 5, "run-b"),
+        ("save_failed", 6, "run-b"),
+        ("end", 8, "run-b"),
+    ]
     assert events[0]["world_size"] == 2 and events[0]["run_name"] == "x"
     assert events[1]["tag"] == "global_step5" and events[1]["consolidated"] is True
     assert events[3]["from"] == "global_step5" and "from_" not in events[3]
@@ -339,10 +400,20 @@ def test_unwritable_events_file_warns(tmp_path, caplog):
 
 # --- names, and the flag's checks ----------------------------------------------------------------
 
+
 def test_scalar_names():
-    assert trackers.scalars({"step": 4, "loss": 2.0, "lr": 1e-4, "grad_norm": None, "loss_scale": float("inf"),
-                             "eval_loss": 3.0, "note": "x", "flag": True}) == \
-        {"train/loss": 2.0, "train/lr": 1e-4, "eval/loss": 3.0}
+    assert trackers.scalars(
+        {
+            "step": 4,
+            "loss": 2.0,
+            "lr": 1e-4,
+            "grad_norm": None,
+            "loss_scale": float("inf"),
+            "eval_loss": 3.0,
+            "note": "x",
+            "flag": True,
+        }
+    ) == {"train/loss": 2.0, "train/lr": 1e-4, "eval/loss": 3.0}
 
 
 def test_check_available(monkeypatch):
@@ -350,26 +421,44 @@ def test_check_available(monkeypatch):
 
     real = importlib.util.find_spec
     missing = ("wandb", "tensorboard")
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name in missing else real(name, *a))
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name in missing else real(name, *a)
+    )
     assert trackers.check_available(()) is None and trackers.check_available(("csv",)) is None
-    assert trackers.check_available(("csv", "tensorboard")) == \
-        "`--report_to tensorboard`: the tensorboard package is not installed (pip install tensorboard)"
-    assert "`--report_to wandb`: the wandb package is not installed" in trackers.check_available(("wandb",))
+    assert (
+        trackers.check_available(("csv", "tensorboard"))
+        == "`--report_to tensorboard`: the tensorboard package is not installed (pip install tensorboard)"
+    )
+    assert "`--report_to wandb`: the wandb package is not installed" in trackers.check_available(
+        ("wandb",)
+    )
 
 
 def test_report_to_flag_checks(tmp_path, monkeypatch):
     import importlib.util
 
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "tensorboard" else real(name, *a))
-    with pytest.raises(ConfigError, match="`--report_to tensorboard`: the tensorboard package is not installed"):
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *a: None if name == "tensorboard" else real(name, *a),
+    )
+    with pytest.raises(
+        ConfigError, match="`--report_to tensorboard`: the tensorboard package is not installed"
+    ):
         run_config(tmp_path, "csv,tensorboard")
     ds = tmp_path / "ds.json"
-    ds.write_text(json.dumps({"zero_optimization": {"stage": 3}, "wandb": {"enabled": True, "project": "p"}}))
+    ds.write_text(
+        json.dumps({"zero_optimization": {"stage": 3}, "wandb": {"enabled": True, "project": "p"}})
+    )
     if importlib.util.find_spec("wandb") is not None:
-        with pytest.raises(ConfigError, match=r"`--report_to wandb` and `wandb.enabled: true` in .*ds.json"):
+        with pytest.raises(
+            ConfigError, match=r"`--report_to wandb` and `wandb.enabled: true` in .*ds.json"
+        ):
             run_config(tmp_path, "wandb", deepspeed_config=str(ds))
-    assert run_config(tmp_path, "csv", deepspeed_config=str(ds)).ds_config["wandb"]["enabled"] is True  # theirs
+    assert (
+        run_config(tmp_path, "csv", deepspeed_config=str(ds)).ds_config["wandb"]["enabled"] is True
+    )  # theirs
     ds.write_text(json.dumps({"zero_optimization": {"stage": 3}, "csv_monitor": "on"}))
     with pytest.raises(ConfigError, match="`csv_monitor` in .* must be an object"):
         run_config(tmp_path, "csv", deepspeed_config=str(ds))

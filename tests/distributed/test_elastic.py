@@ -30,21 +30,44 @@ def test_resume_on_another_world_size(run_finetune, tmp_path, saved_world, resum
     one that times out."""
     launcher = {1: "python", 2: "deepspeed"}
     slow = resumed_world > 1
-    ref = run_finetune(*COMMON, *PER_WORLD[saved_world], "--save_checkpoint", "--save_steps", "3",
-                       launcher=launcher[saved_world], nprocs=saved_world, out_dir=tmp_path / "ref", timeout=TIMEOUT)
+    ref = run_finetune(
+        *COMMON,
+        *PER_WORLD[saved_world],
+        "--save_checkpoint",
+        "--save_steps",
+        "3",
+        launcher=launcher[saved_world],
+        nprocs=saved_world,
+        out_dir=tmp_path / "ref",
+        timeout=TIMEOUT,
+    )
     _ok(ref)
     ckpt = tmp_path / "ref" / "global_step3"
-    resumed = run_finetune(*COMMON, *PER_WORLD[resumed_world], "--resume_from_checkpoint", str(ckpt),
-                           *(["--ddp_timeout", str(DDP_TIMEOUT)] if slow else []),
-                           launcher=launcher[resumed_world], nprocs=resumed_world, out_dir=tmp_path / "new",
-                           env={"FINETUNE_SLOW_UNIVERSAL": "1"} if slow else None, timeout=TIMEOUT)
+    resumed = run_finetune(
+        *COMMON,
+        *PER_WORLD[resumed_world],
+        "--resume_from_checkpoint",
+        str(ckpt),
+        *(["--ddp_timeout", str(DDP_TIMEOUT)] if slow else []),
+        launcher=launcher[resumed_world],
+        nprocs=resumed_world,
+        out_dir=tmp_path / "new",
+        env={"FINETUNE_SLOW_UNIVERSAL": "1"} if slow else None,
+        timeout=TIMEOUT,
+    )
     _ok(resumed)
     assert f"Resuming a {saved_world}-rank checkpoint on {resumed_world} ranks" in resumed.output
     if slow:
-        took = float(re.search(r"to the universal format in ([\d.]+) seconds", resumed.output).group(1))
+        took = float(
+            re.search(r"to the universal format in ([\d.]+) seconds", resumed.output).group(1)
+        )
         assert took > DDP_TIMEOUT, took
-    assert (ckpt / "universal" / "zero").is_dir()  # cached beside the checkpoint for the next resume
-    manifest = json.loads((ckpt / "universal" / "manifest.json").read_text())  # verified before any reuse
+    assert (
+        ckpt / "universal" / "zero"
+    ).is_dir()  # cached beside the checkpoint for the next resume
+    manifest = json.loads(
+        (ckpt / "universal" / "manifest.json").read_text()
+    )  # verified before any reuse
     assert manifest["source_save_id"] == json.loads((ckpt / "manifest.json").read_text())["save_id"]
     assert any(name.startswith("zero/") for name in manifest["files"])
     want = {r["step"]: r for r in ref.train_rows()}
@@ -53,15 +76,18 @@ def test_resume_on_another_world_size(run_finetune, tmp_path, saved_world, resum
     first = got[0]  # steps 3 (before the checkpoint, on the other world size) and 4
     assert abs(first["loss"] - want[4]["loss"]) <= 0.01 * want[4]["loss"], (first, want[4])
     assert first["lr"] == pytest.approx(want[4]["lr"])  # the LR schedule continued
-    assert first["samples_seen"] == want[4]["samples_seen"]  # the data position mapped, nothing skipped
+    assert (
+        first["samples_seen"] == want[4]["samples_seen"]
+    )  # the data position mapped, nothing skipped
     # The window saved mid-way is the world's, counted once whatever the world size now.
     assert [r["tokens_seen"] for r in got] == [want[s]["tokens_seen"] for s in (4, 6)]
     state = json.loads((ckpt / "trainer_state.json").read_text())
     assert state["world_size"] == saved_world
 
 
-def test_a_preemption_during_the_conversion_exits_75_and_the_next_start_finishes_it(run_finetune, start_finetune,
-                                                                                    tmp_path):
+def test_a_preemption_during_the_conversion_exits_75_and_the_next_start_finishes_it(
+    run_finetune, start_finetune, tmp_path
+):
     """A whole-job SIGTERM while a 2-rank checkpoint is converted for 1 rank: the converter (a child)
     used to die with the job and the run exit 1 (no requeue), and the next start deleted what it had
     converted, so frequent preemptions meant it never finished. Now: exit 75, the pieces converted are
@@ -69,28 +95,45 @@ def test_a_preemption_during_the_conversion_exits_75_and_the_next_start_finishes
     import os
     import signal
 
-    from conftest import wait_until
-
     from finetune.checkpoint.universal import PIECES
     from finetune.preemption import EXIT_PREEMPTED
 
-    ref = run_finetune(*COMMON, *PER_WORLD[2], "--save_checkpoint", "--save_steps", "3", launcher="deepspeed",
-                       nprocs=2, out_dir=tmp_path / "ref", timeout=TIMEOUT)
+    from conftest import wait_until
+
+    ref = run_finetune(
+        *COMMON,
+        *PER_WORLD[2],
+        "--save_checkpoint",
+        "--save_steps",
+        "3",
+        launcher="deepspeed",
+        nprocs=2,
+        out_dir=tmp_path / "ref",
+        timeout=TIMEOUT,
+    )
     _ok(ref)
     ckpt = tmp_path / "ref" / "global_step3"
     pieces = ckpt / "universal.tmp" / PIECES
-    markers = lambda: [p for p in pieces.iterdir() if p.name != "source.json"] if pieces.is_dir() else []  # noqa: E731
+    markers = lambda: (
+        [p for p in pieces.iterdir() if p.name != "source.json"] if pieces.is_dir() else []
+    )  # noqa: E731
     resume = (*COMMON, *PER_WORLD[1], "--resume_from_checkpoint", str(ckpt))
-    run = start_finetune(*resume, launcher="python", nprocs=1, out_dir=tmp_path / "new", env={seams.SLOW_SAVE: "1"})
+    run = start_finetune(
+        *resume, launcher="python", nprocs=1, out_dir=tmp_path / "new", env={seams.SLOW_SAVE: "1"}
+    )
     wait_until(lambda: len(markers()) >= 2, TIMEOUT, "two pieces of the conversion")
-    os.killpg(run.proc.pid, signal.SIGTERM)  # the whole job, the converter included (as SLURM's scancel)
+    os.killpg(
+        run.proc.pid, signal.SIGTERM
+    )  # the whole job, the converter included (as SLURM's scancel)
     stopped = run.finish(TIMEOUT)
     assert stopped.returncode == EXIT_PREEMPTED, stopped.output[-4000:]
     status = json.loads((tmp_path / "new" / "exit_status.json").read_text())
     assert (status["exit_code"], status["reason"]) == (EXIT_PREEMPTED, "preempted")
     kept = len(markers())
     assert kept >= 2 and not (ckpt / "universal").exists()
-    again = run_finetune(*resume, launcher="python", nprocs=1, out_dir=tmp_path / "new", timeout=TIMEOUT)
+    again = run_finetune(
+        *resume, launcher="python", nprocs=1, out_dir=tmp_path / "new", timeout=TIMEOUT
+    )
     _ok(again)
     assert f"{kept} done before" in again.output  # only the rest was converted
     assert [r["step"] for r in again.train_rows()] == [4, 6]

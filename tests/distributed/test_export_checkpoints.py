@@ -8,9 +8,10 @@ import subprocess
 import sys
 
 import pytest
-from conftest import BIN, child_env, free_port, launcher_cmd, run_group
 
 from finetune.io import seams
+
+from conftest import BIN, child_env, free_port, launcher_cmd, run_group
 
 pytestmark = pytest.mark.distributed
 
@@ -24,9 +25,18 @@ def runs(tiny_models, tmp_path_factory):
     out = {}
     for arch in ("llama", "qwen2"):  # llama: untied head; qwen2: tied embeddings
         root = tmp_path_factory.mktemp(f"export_{arch}")
-        cmd = launcher_cmd("deepspeed", 2) + ["--model_name_or_path", str(tiny_models[arch]), "--max_steps", "2",
-                                              "--save_checkpoint", "--save_consolidated", "--learning_rate", "1e-2",
-                                              "--output_dir", str(root / "out")]
+        cmd = launcher_cmd("deepspeed", 2) + [
+            "--model_name_or_path",
+            str(tiny_models[arch]),
+            "--max_steps",
+            "2",
+            "--save_checkpoint",
+            "--save_consolidated",
+            "--learning_rate",
+            "1e-2",
+            "--output_dir",
+            str(root / "out"),
+        ]
         output, code = run_group(cmd, cwd=root, env=child_env(), timeout=TIMEOUT)
         assert code == 0, output[-4000:]
         out[arch] = root / "out"
@@ -43,9 +53,16 @@ def partitioned_only(folder, dest):
 
 
 def export(*args) -> subprocess.CompletedProcess:
-    env = child_env()  # no RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT: nothing to init a process group from
-    return subprocess.run([sys.executable, "-m", "finetune", "export", *map(str, args)], env=env,
-                          capture_output=True, text=True, timeout=TIMEOUT)
+    env = (
+        child_env()
+    )  # no RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT: nothing to init a process group from
+    return subprocess.run(
+        [sys.executable, "-m", "finetune", "export", *map(str, args)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+    )
 
 
 def logits(folder):
@@ -53,7 +70,9 @@ def logits(folder):
     from transformers import AutoModelForCausalLM
 
     model, info = AutoModelForCausalLM.from_pretrained(folder, output_loading_info=True)
-    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
+    assert (
+        not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
+    ), info
     x = torch.randint(0, 500, (2, 24), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         return model, model.eval()(x).logits
@@ -68,10 +87,15 @@ def test_rebuilt_weights_equal_the_consolidated_ones(runs, tmp_path, arch):
     r = export(partitioned_only(folder, tmp_path / "part"), tmp_path / "hf")
     assert r.returncode == 0, r.stderr[-4000:]
     assert "rebuilt from the rank files" in r.stdout and "peak RSS" in r.stdout
-    model_files = {p.name for p in folder.iterdir()} - set(WEIGHTS) - {"manifest.json", "trainer_state.json"}
+    model_files = (
+        {p.name for p in folder.iterdir()} - set(WEIGHTS) - {"manifest.json", "trainer_state.json"}
+    )
     model_files = {n for n in model_files if not n.endswith(".pt")}
     assert {p.name for p in (tmp_path / "hf").iterdir()} == model_files | {"model.safetensors"}
-    ours, gathered = load_file(tmp_path / "hf" / "model.safetensors"), load_file(folder / "model.safetensors")
+    ours, gathered = (
+        load_file(tmp_path / "hf" / "model.safetensors"),
+        load_file(folder / "model.safetensors"),
+    )
     assert set(ours) == set(gathered) and all(torch.equal(ours[k], gathered[k]) for k in ours)
     exported, got = logits(tmp_path / "hf")
     _, want = logits(folder)
@@ -85,7 +109,9 @@ def test_output_dir_bf16_in_shards(runs, tmp_path):
     import torch
     from safetensors.torch import load_file
 
-    r = export(runs["llama"], tmp_path / "hf", "--dtype", "bf16", "--max_shard_size", "40KB")  # its newest committed checkpoint
+    r = export(
+        runs["llama"], tmp_path / "hf", "--dtype", "bf16", "--max_shard_size", "40KB"
+    )  # its newest committed checkpoint
     assert r.returncode == 0, r.stderr[-4000:]
     index = json.loads((tmp_path / "hf" / "model.safetensors.index.json").read_text())
     shards = sorted(set(index["weight_map"].values()))
@@ -93,7 +119,10 @@ def test_output_dir_bf16_in_shards(runs, tmp_path):
     ours = {k: v for s in shards for k, v in load_file(tmp_path / "hf" / s).items()}
     gathered = load_file(runs["llama"] / "global_step2" / "model.safetensors")
     assert set(ours) == set(gathered)
-    assert all(v.dtype == torch.bfloat16 and torch.equal(v, gathered[k].to(torch.bfloat16)) for k, v in ours.items())
+    assert all(
+        v.dtype == torch.bfloat16 and torch.equal(v, gathered[k].to(torch.bfloat16))
+        for k, v in ours.items()
+    )
     _, got = logits(tmp_path / "hf")
     assert got.dtype == torch.bfloat16
 
@@ -102,7 +131,9 @@ def test_consolidated_checkpoint_is_copied(runs, tmp_path):
     folder = runs["qwen2"] / "global_step2"
     r = export(folder, tmp_path / "hf")
     assert r.returncode == 0 and "copied the consolidated weights" in r.stdout, r.stderr[-4000:]
-    assert (tmp_path / "hf" / "model.safetensors").read_bytes() == (folder / "model.safetensors").read_bytes()
+    assert (tmp_path / "hf" / "model.safetensors").read_bytes() == (
+        folder / "model.safetensors"
+    ).read_bytes()
 
 
 def test_universal(runs, tmp_path):
@@ -113,7 +144,9 @@ def test_universal(runs, tmp_path):
     from finetune.checkpoint.universal import verify_universal
 
     source = json.loads((part / "manifest.json").read_text()).get("save_id")
-    assert verify_universal(part / "universal", source) == []  # a resume on another world size reuses it
+    assert (
+        verify_universal(part / "universal", source) == []
+    )  # a resume on another world size reuses it
     again = export(part, "--universal")  # already converted: refused, named, untouched
     assert again.returncode == 2 and str(part / "universal") in again.stderr
 
@@ -150,28 +183,51 @@ def test_frozen_parameter(tiny_models, tmp_path):
 
     script = tmp_path / "train_frozen.py"
     script.write_text(FROZEN_SCRIPT)
-    cmd = [str(BIN / "torchrun"), "--nproc_per_node", "2", "--master_port", str(free_port()), str(script),
-           str(tiny_models["llama"]), str(tmp_path / "ds")]
+    cmd = [
+        str(BIN / "torchrun"),
+        "--nproc_per_node",
+        "2",
+        "--master_port",
+        str(free_port()),
+        str(script),
+        str(tiny_models["llama"]),
+        str(tmp_path / "ds"),
+    ]
     output, code = run_group(cmd, cwd=tmp_path, env=child_env(), timeout=TIMEOUT)
     assert code == 0, output[-4000:]
-    meta = torch.load(tmp_path / "ds" / "global_step1" / "zero_pp_rank_0_mp_rank_00_model_states.pt",
-                      weights_only=False)
-    assert list(meta["frozen_param_shapes"]) == ["model.layers.0.mlp.up_proj.weight"]  # a real frozen parameter
+    meta = torch.load(
+        tmp_path / "ds" / "global_step1" / "zero_pp_rank_0_mp_rank_00_model_states.pt",
+        weights_only=False,
+    )
+    assert list(meta["frozen_param_shapes"]) == [
+        "model.layers.0.mlp.up_proj.weight"
+    ]  # a real frozen parameter
     reference = torch.load(tmp_path / "ds" / "reference.pt")
     original = load_file(tiny_models["llama"] / "model.safetensors")
 
-    r = export(tmp_path / "ds" / "global_step1", tmp_path / "hf", "--no_verify")  # DeepSpeed's own: no manifest
+    r = export(
+        tmp_path / "ds" / "global_step1", tmp_path / "hf", "--no_verify"
+    )  # DeepSpeed's own: no manifest
     assert r.returncode == 0, r.stderr[-4000:]
     ours = load_file(tmp_path / "hf" / "model.safetensors")
     assert set(ours) == set(reference)
     assert all(torch.equal(ours[k], reference[k]) for k in reference)
     frozen = "model.layers.0.mlp.up_proj.weight"
     assert torch.equal(ours[frozen], original[frozen])  # untouched by training
-    assert not torch.equal(ours["model.layers.0.mlp.down_proj.weight"], original["model.layers.0.mlp.down_proj.weight"])
+    assert not torch.equal(
+        ours["model.layers.0.mlp.down_proj.weight"], original["model.layers.0.mlp.down_proj.weight"]
+    )
 
-    r = export(tmp_path / "ds" / "global_step1", tmp_path / "hf_trainable", "--exclude_frozen_parameters", "--no_verify")
+    r = export(
+        tmp_path / "ds" / "global_step1",
+        tmp_path / "hf_trainable",
+        "--exclude_frozen_parameters",
+        "--no_verify",
+    )
     assert r.returncode == 0, r.stderr[-4000:]
-    assert set(load_file(tmp_path / "hf_trainable" / "model.safetensors")) == set(reference) - {frozen}
+    assert set(load_file(tmp_path / "hf_trainable" / "model.safetensors")) == set(reference) - {
+        frozen
+    }
 
 
 def _same(a, b) -> bool:
@@ -188,7 +244,9 @@ def _same(a, b) -> bool:
     return a == b
 
 
-def test_an_interrupted_conversion_keeps_its_pieces_and_ends_equal_to_deepspeeds(runs, tmp_path, monkeypatch):
+def test_an_interrupted_conversion_keeps_its_pieces_and_ends_equal_to_deepspeeds(
+    runs, tmp_path, monkeypatch
+):
     """A preemption stops the universal conversion after a few pieces: they are kept (marked done in
     universal.tmp/.pieces), the next attempt skips them, and the result is DeepSpeed's own
     ds_to_universal output, tensor for tensor."""
@@ -200,7 +258,9 @@ def test_an_interrupted_conversion_keeps_its_pieces_and_ends_equal_to_deepspeeds
 
     part = partitioned_only(runs["llama"] / "global_step2", tmp_path / "part")
     target, pieces = part / "universal", part / "universal.tmp" / PIECES
-    markers = lambda: [p for p in pieces.iterdir() if p.name != "source.json"] if pieces.is_dir() else []  # noqa: E731
+    markers = lambda: (
+        [p for p in pieces.iterdir() if p.name != "source.json"] if pieces.is_dir() else []
+    )  # noqa: E731
     cancel = threading.Event()
 
     def preempt_after_three_pieces():
@@ -219,12 +279,35 @@ def test_an_interrupted_conversion_keeps_its_pieces_and_ends_equal_to_deepspeeds
     ran, total = (int(w) for w in summary.split(": ")[1].split(" pieces")[0].split(" of "))
     assert total - ran == kept, summary  # the kept pieces were not done again
     ref = tmp_path / "ref"
-    proc = subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", str(part),
-                           "--output_folder", str(ref), "--num_extract_workers", "1", "--num_merge_workers", "1"],
-                          capture_output=True, text=True, env=child_env(), timeout=TIMEOUT)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "deepspeed.checkpoint.ds_to_universal",
+            "--input_folder",
+            str(part),
+            "--output_folder",
+            str(ref),
+            "--num_extract_workers",
+            "1",
+            "--num_merge_workers",
+            "1",
+        ],
+        capture_output=True,
+        text=True,
+        env=child_env(),
+        timeout=TIMEOUT,
+    )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     want = sorted(str(p.relative_to(ref)) for p in ref.rglob("*") if p.is_file())
-    got = sorted(str(p.relative_to(target)) for p in target.rglob("*") if p.is_file() and p.name != "manifest.json")
+    got = sorted(
+        str(p.relative_to(target))
+        for p in target.rglob("*")
+        if p.is_file() and p.name != "manifest.json"
+    )
     assert got == want
     for name in want:
-        assert _same(torch.load(target / name, weights_only=False), torch.load(ref / name, weights_only=False)), name
+        assert _same(
+            torch.load(target / name, weights_only=False),
+            torch.load(ref / name, weights_only=False),
+        ), name

@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import pytest
+
 from conftest import (
     REPO,
     Running,
@@ -31,12 +32,33 @@ def _env() -> dict:
 @pytest.mark.parametrize("launcher", ["deepspeed", "torchrun"])
 def test_sigterm_to_launch_sh_commits_and_exits_75(tmp_path, launcher):
     out = tmp_path / "out"
-    run = Running([LAUNCH, "--launcher", launcher, "--nproc", "2", "--master_port", str(free_port()),
-                   "--max_steps", "3000", "--logging_steps", "1", "--eval_steps", "100000", "--save_checkpoint",
-                   # Steps of ~0.2 s: longer than launch.sh takes to find the ranks (a pgrep/ps walk), so
-                   # "the step in flight" below means the step the signal arrived in.
-                   "--per_device_train_batch_size", "32",
-                   "--output_dir", str(out)], tmp_path, _env(), out)
+    run = Running(
+        [
+            LAUNCH,
+            "--launcher",
+            launcher,
+            "--nproc",
+            "2",
+            "--master_port",
+            str(free_port()),
+            "--max_steps",
+            "3000",
+            "--logging_steps",
+            "1",
+            "--eval_steps",
+            "100000",
+            "--save_checkpoint",
+            # Steps of ~0.2 s: longer than launch.sh takes to find the ranks (a pgrep/ps walk), so
+            # "the step in flight" below means the step the signal arrived in.
+            "--per_device_train_batch_size",
+            "32",
+            "--output_dir",
+            str(out),
+        ],
+        tmp_path,
+        _env(),
+        out,
+    )
     wait_until(lambda: last_logged_step(out) >= 3, TIMEOUT, "three logged steps")
     before = last_logged_step(out)
     os.kill(run.proc.pid, signal.SIGTERM)  # the script only, as `kill <pid>` or a scheduler would
@@ -51,10 +73,17 @@ def test_sigterm_to_launch_sh_commits_and_exits_75(tmp_path, launcher):
 
 
 def test_launch_sh_rejects_bad_options_before_starting(tmp_path):
-    for args, message in ((["--launcher", "mpirun"], "--launcher must be deepspeed or torchrun"),
-                          (["--nproc", "0"], "--nproc must be a positive integer"),
-                          (["--hostfile", "nope"], "--hostfile: file not found: nope")):
-        proc = subprocess.run([LAUNCH, *args, "--output_dir", "out"], cwd=tmp_path, env=_env(),
-                              capture_output=True, text=True)
+    for args, message in (
+        (["--launcher", "mpirun"], "--launcher must be deepspeed or torchrun"),
+        (["--nproc", "0"], "--nproc must be a positive integer"),
+        (["--hostfile", "nope"], "--hostfile: file not found: nope"),
+    ):
+        proc = subprocess.run(
+            [LAUNCH, *args, "--output_dir", "out"],
+            cwd=tmp_path,
+            env=_env(),
+            capture_output=True,
+            text=True,
+        )
         assert proc.returncode == 2 and message in proc.stderr, proc.stderr
         assert not (tmp_path / "out").exists()

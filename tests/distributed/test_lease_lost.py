@@ -8,12 +8,13 @@ import os
 import re
 
 import pytest
-from conftest import last_logged_step, wait_until
 
 from finetune.checkpoint.holder import identity
 from finetune.checkpoint.lease import LEASE
 from finetune.exit_status import EXIT_LEASE_LOST, EXIT_STATUS
 from finetune.io import seams
+
+from conftest import last_logged_step, wait_until
 
 pytestmark = pytest.mark.distributed
 
@@ -32,11 +33,29 @@ def test_a_run_that_lost_its_lease_stops_with_exit_3_and_touches_nothing(start_f
     Here another run (this test process, alive) takes the lease over mid-run, with its own
     exit_status.json: the run must stop at the next boundary, exit 3 on every rank, and leave the
     lease, exit_status.json and the checkpoints as the new holder has them."""
-    run = start_finetune("--max_steps", "2000", "--logging_steps", "1", "--eval_steps", "100000", "--save_checkpoint",
-                         "--save_steps", "5", "--max_train_samples", "64", env={seams.LEASE_RENEW_S: "0.2"})
+    run = start_finetune(
+        "--max_steps",
+        "2000",
+        "--logging_steps",
+        "1",
+        "--eval_steps",
+        "100000",
+        "--save_checkpoint",
+        "--save_steps",
+        "5",
+        "--max_train_samples",
+        "64",
+        env={seams.LEASE_RENEW_S: "0.2"},
+    )
     out = run.out_dir
-    wait_until(lambda: (out / "latest").exists() and last_logged_step(out) >= 7, TIMEOUT, "a checkpoint and step 7")
-    newcomer = identity("newcomer", 30.0)  # this process: alive, so the run must not take the lease back
+    wait_until(
+        lambda: (out / "latest").exists() and last_logged_step(out) >= 7,
+        TIMEOUT,
+        "a checkpoint and step 7",
+    )
+    newcomer = identity(
+        "newcomer", 30.0
+    )  # this process: alive, so the run must not take the lease back
     lease = (json.dumps(newcomer, indent=2) + "\n").encode()
     status = json.dumps({"exit_code": None, "reason": "running", "run_id": "newcomer"}).encode()
     _write(out / EXIT_STATUS, status)

@@ -7,18 +7,29 @@ import os
 import signal
 
 import pytest
-from conftest import assert_verifies, last_logged_step, wait_until
 
 from finetune.preemption import EXIT_PREEMPTED
+
+from conftest import assert_verifies, last_logged_step, wait_until
 
 pytestmark = pytest.mark.distributed
 
 TIMEOUT = 300
 # Many steps so the run is still training when the signal comes; logging every step shows progress.
-LONG = ["--max_steps", "3000", "--logging_steps", "1", "--save_checkpoint", "--eval_steps", "100000"]
+LONG = [
+    "--max_steps",
+    "3000",
+    "--logging_steps",
+    "1",
+    "--save_checkpoint",
+    "--eval_steps",
+    "100000",
+]
 
 
-def _assert_preempted_and_committed(result, steps_before_signal: int, launcher_code: int = EXIT_PREEMPTED):
+def _assert_preempted_and_committed(
+    result, steps_before_signal: int, launcher_code: int = EXIT_PREEMPTED
+):
     assert result.returncode == launcher_code, result.output[-4000:]
     out = result.out_dir
     status = json.loads((out / "exit_status.json").read_text())
@@ -34,14 +45,20 @@ def _assert_preempted_and_committed(result, steps_before_signal: int, launcher_c
     return step
 
 
-def test_sigusr1_to_one_rank_under_deepspeed_saves_once_and_resumes(start_finetune, run_finetune, tmp_path):
+def test_sigusr1_to_one_rank_under_deepspeed_saves_once_and_resumes(
+    start_finetune, run_finetune, tmp_path
+):
     """One rank signalled (twice: again while saving): all ranks commit one step, then resume to the end."""
-    run = start_finetune(*LONG, env={"FINETUNE_SLOW_SAVE": "1"})  # each file takes ≥ 1 s: a save lasts ≥ 4 s
+    run = start_finetune(
+        *LONG, env={"FINETUNE_SLOW_SAVE": "1"}
+    )  # each file takes ≥ 1 s: a save lasts ≥ 4 s
     wait_until(lambda: last_logged_step(run.out_dir) >= 3, TIMEOUT, "three logged steps")
     ranks = run.rank_pids()
     assert sorted(ranks) == [0, 1], ranks
     before = last_logged_step(run.out_dir)
-    os.kill(ranks[1], signal.SIGUSR1)  # rank 1 only: rank 0 learns it through the step-boundary all-reduce
+    os.kill(
+        ranks[1], signal.SIGUSR1
+    )  # rank 1 only: rank 0 learns it through the step-boundary all-reduce
     wait_until(lambda: (run.out_dir / ".staging").exists(), 60, "the save to start", interval=0.005)
     for pid in ranks.values():  # a second signal in the middle of the save must not break it
         os.kill(pid, signal.SIGTERM)
@@ -51,8 +68,16 @@ def test_sigusr1_to_one_rank_under_deepspeed_saves_once_and_resumes(start_finetu
     assert "preempted (SIGUSR1 on rank 1)" in result.output
     assert result.output.count("Finished saving the checkpoint") == 1
 
-    resumed = run_finetune("--max_steps", str(step + 3), "--logging_steps", "1", "--save_checkpoint",
-                           "--resume_from_checkpoint", "auto", timeout=TIMEOUT)
+    resumed = run_finetune(
+        "--max_steps",
+        str(step + 3),
+        "--logging_steps",
+        "1",
+        "--save_checkpoint",
+        "--resume_from_checkpoint",
+        "auto",
+        timeout=TIMEOUT,
+    )
     assert resumed.returncode == 0, resumed.output[-4000:]
     rows = [r for r in resumed.metrics() if "loss" in r]
     assert [r["step"] for r in rows][-3:] == [step + 1, step + 2, step + 3]
@@ -66,7 +91,9 @@ def test_sigterm_to_torchrun_saves_and_exit_status_says_preempted(start_finetune
     before = last_logged_step(run.out_dir)
     os.kill(run.proc.pid, signal.SIGTERM)
     result = run.finish(TIMEOUT)
-    _assert_preempted_and_committed(result, before, launcher_code=1)  # torchrun's code; the file has ours
+    _assert_preempted_and_committed(
+        result, before, launcher_code=1
+    )  # torchrun's code; the file has ours
     assert json.loads((run.out_dir / "exit_status.json").read_text())["run_id"] == "torchrun-test"
 
 

@@ -26,9 +26,20 @@ def events_of(out) -> list[dict]:
 
 def test_report_to_tensorboard_wandb_csv_then_resume(run_finetune, tmp_path):
     pytest.importorskip("wandb", reason="wandb is not installed (pip install -e .[test])")
-    pytest.importorskip("tensorboard", reason="tensorboard is not installed (pip install -e .[test])")
-    flags = ("--logging_steps", "1", "--save_checkpoint", "--save_steps", "2", "--run_name", "two-ranks",
-             "--report_to", "tensorboard,wandb,csv")
+    pytest.importorskip(
+        "tensorboard", reason="tensorboard is not installed (pip install -e .[test])"
+    )
+    flags = (
+        "--logging_steps",
+        "1",
+        "--save_checkpoint",
+        "--save_steps",
+        "2",
+        "--run_name",
+        "two-ranks",
+        "--report_to",
+        "tensorboard,wandb,csv",
+    )
     r = run_finetune("--max_steps", "4", *flags, env=WANDB_ENV)
     assert r.returncode == 0, r.output[-4000:]
     out = r.out_dir
@@ -40,7 +51,10 @@ def test_report_to_tensorboard_wandb_csv_then_resume(run_finetune, tmp_path):
     assert not (tmp_path / "wandb").exists()  # no rank fell back to the working directory
     run = read_wandb_run(run_dir)
     assert run["name"] == "two-ranks" and run["exit_code"] == 0
-    assert run["config"]["world_size"] == 2 and run["config"]["train"]["report_to"] == "tensorboard,wandb,csv"
+    assert (
+        run["config"]["world_size"] == 2
+        and run["config"]["train"]["report_to"] == "tensorboard,wandb,csv"
+    )
     assert history_at(run["history"], "train/loss") == pytest.approx(losses)
     assert sorted(history_at(run["history"], "eval/loss")) == [0, 4]
     assert history_at(run["history"], "events/checkpoint") == {2: 2, 4: 4}
@@ -49,13 +63,22 @@ def test_report_to_tensorboard_wandb_csv_then_resume(run_finetune, tmp_path):
     (event_file,) = (out / "tensorboard").rglob("events.out.tfevents*")
     assert tensorboard_scalars(event_file.parent)["train/loss"] == pytest.approx(losses)
     loss_csv = out / "csv" / "finetune" / "train_loss.csv"
-    assert csv_rows(loss_csv) == [["step", "loss"]] + [[str(s), str(losses[s])] for s in (1, 2, 3, 4)]
-    assert csv_rows(out / "csv" / "finetune" / "events_checkpoint.csv")[1:] == [["2", "2.0"], ["4", "4.0"]]
+    assert csv_rows(loss_csv) == [["step", "loss"]] + [
+        [str(s), str(losses[s])] for s in (1, 2, 3, 4)
+    ]
+    assert csv_rows(out / "csv" / "finetune" / "events_checkpoint.csv")[1:] == [
+        ["2", "2.0"],
+        ["4", "4.0"],
+    ]
 
     # events.jsonl: written once, not once per rank.
     events = events_of(out)
-    assert [(e["event"], e["step"]) for e in events] == [("start", 0), ("checkpoint", 2), ("checkpoint", 4),
-                                                          ("end", 4)]
+    assert [(e["event"], e["step"]) for e in events] == [
+        ("start", 0),
+        ("checkpoint", 2),
+        ("checkpoint", 4),
+        ("end", 4),
+    ]
     assert events[0]["world_size"] == 2 and events[0]["run_name"] == "two-ranks"
     assert [e["tag"] for e in events[1:3]] == ["global_step2", "global_step4"]
     assert events[-1]["exit_code"] == 0 and len({e["run_id"] for e in events}) == 1
@@ -67,7 +90,12 @@ def test_report_to_tensorboard_wandb_csv_then_resume(run_finetune, tmp_path):
     assert len(runs) == 2 and {read_wandb_run(p)["id"] for p in runs} == {run["id"]}
     resumed = read_wandb_run(next(p for p in runs if p != run_dir))
     assert sorted(history_at(resumed["history"], "train/loss")) == [5, 6]
-    later = events_of(out)[len(events):]
-    assert [(e["event"], e["step"]) for e in later] == [("start", 4), ("resume", 4), ("checkpoint", 6), ("end", 6)]
+    later = events_of(out)[len(events) :]
+    assert [(e["event"], e["step"]) for e in later] == [
+        ("start", 4),
+        ("resume", 4),
+        ("checkpoint", 6),
+        ("end", 6),
+    ]
     assert later[1]["from"] == "global_step4" and later[0]["run_id"] != events[0]["run_id"]
     assert [row[0] for row in csv_rows(loss_csv)] == ["step", "1", "2", "3", "4", "5", "6"]

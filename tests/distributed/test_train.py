@@ -6,6 +6,7 @@ import json
 import math
 
 import pytest
+
 from conftest import EMBEDDED_TOKENIZER_FILES, checkpoint_files, partitioned_file_set
 
 pytestmark = pytest.mark.distributed
@@ -36,19 +37,33 @@ def test_embedded_default_learns_and_saves(run_finetune):
     assert r.leaked_shm == (), r.leaked_shm
 
 
-@pytest.mark.parametrize("arch,data,flags", [
-    ("llama", "pc_csv", ["--prompt_column", "question", "--completion_column", "answer"]),
-    ("gpt2", "chat_jsonl", ["--messages_column", "messages", "--tokenizer_name", "{tok}"]),
-    ("qwen2", "text_jsonl", ["--packing", "--max_seq_length", "64"]),
-])
+@pytest.mark.parametrize(
+    "arch,data,flags",
+    [
+        ("llama", "pc_csv", ["--prompt_column", "question", "--completion_column", "answer"]),
+        ("gpt2", "chat_jsonl", ["--messages_column", "messages", "--tokenizer_name", "{tok}"]),
+        ("qwen2", "text_jsonl", ["--packing", "--max_seq_length", "64"]),
+    ],
+)
 def test_local_model_architectures(run_finetune, tiny_models, data_files, arch, data, flags):
     """The issue's command on a local model dir and each data format; checkpoint has the model's files."""
     from conftest import TOKENIZER_DIR
 
     flags = [f.replace("{tok}", str(TOKENIZER_DIR)) for f in flags]
-    r = run_finetune("--model_name_or_path", str(tiny_models[arch]), "--train_file", str(data_files[data]),
-                     *flags, "--max_steps", "4", "--logging_steps", "1", "--per_device_train_batch_size", "4",
-                     "--save_checkpoint")
+    r = run_finetune(
+        "--model_name_or_path",
+        str(tiny_models[arch]),
+        "--train_file",
+        str(data_files[data]),
+        *flags,
+        "--max_steps",
+        "4",
+        "--logging_steps",
+        "1",
+        "--per_device_train_batch_size",
+        "4",
+        "--save_checkpoint",
+    )
     _assert_ok(r)
     rows = r.train_rows()
     assert [x["step"] for x in rows] == [1, 2, 3, 4]
@@ -61,15 +76,30 @@ def test_local_model_architectures(run_finetune, tiny_models, data_files, arch, 
 
 def test_offload_config(run_finetune):
     """ZeRO-3 with parameters and optimizer offloaded to CPU trains and saves."""
-    r = run_finetune("--deepspeed_config", "configs/ds_zero3_offload.json", "--max_steps", "3",
-                     "--logging_steps", "1", "--save_checkpoint")
+    r = run_finetune(
+        "--deepspeed_config",
+        "configs/ds_zero3_offload.json",
+        "--max_steps",
+        "3",
+        "--logging_steps",
+        "1",
+        "--save_checkpoint",
+    )
     _assert_ok(r)
     assert [x["step"] for x in r.train_rows()] == [1, 2, 3]
     assert (r.out_dir / "latest").read_text().strip() == "global_step3"
 
 
 def test_torchrun_with_tensorboard(run_finetune):
-    r = run_finetune("--max_steps", "3", "--logging_steps", "1", "--report_to", "tensorboard", launcher="torchrun")
+    r = run_finetune(
+        "--max_steps",
+        "3",
+        "--logging_steps",
+        "1",
+        "--report_to",
+        "tensorboard",
+        launcher="torchrun",
+    )
     _assert_ok(r)
     assert [x["step"] for x in r.train_rows()] == [1, 2, 3]
     events = list((r.out_dir / "tensorboard").rglob("events.out.tfevents*"))
@@ -83,9 +113,13 @@ def test_accelerate_launch(run_finetune):
 
 
 def test_single_process(run_finetune):
-    r = run_finetune("--max_steps", "3", "--logging_steps", "1", "--save_checkpoint", launcher="python", nprocs=1)
+    r = run_finetune(
+        "--max_steps", "3", "--logging_steps", "1", "--save_checkpoint", launcher="python", nprocs=1
+    )
     _assert_ok(r)
-    assert checkpoint_files(r.out_dir / "global_step3") == partitioned_file_set(1, EMBEDDED_TOKENIZER_FILES)
+    assert checkpoint_files(r.out_dir / "global_step3") == partitioned_file_set(
+        1, EMBEDDED_TOKENIZER_FILES
+    )
 
 
 def test_bad_input_under_launcher_exits_2_once(run_finetune, data_files):

@@ -21,11 +21,12 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import pytest
+
 from conftest import child_env
 
 pytestmark = pytest.mark.e2e
@@ -33,7 +34,9 @@ pytestmark = pytest.mark.e2e
 CASE_TIMEOUT = 120  # a hang is a failure, not a slow pass
 MAX_SECONDS = 60  # bad input is found before the heavy work: most cases take 1-8 s
 ERROR_LINE = re.compile(r"^finetune(?: \w+)?: error: ")
-ENGINE_BUILT = re.compile(r"\] model: [\d,]+ parameters")  # the trainer's line right after deepspeed.initialize
+ENGINE_BUILT = re.compile(
+    r"\] model: [\d,]+ parameters"
+)  # the trainer's line right after deepspeed.initialize
 RANK_FILE = "zero_pp_rank_0_mp_rank_00_optim_states.pt"
 
 
@@ -48,9 +51,11 @@ class Case:
 
 # --- setups: each writes what its case needs under the case's folder -------------------------
 
+
 def _write(name: str, text: str) -> Callable[[Path, dict], None]:
     def setup(tmp: Path, ctx: dict) -> None:
         (tmp / name).write_text(text)
+
     return setup
 
 
@@ -65,9 +70,11 @@ def _zero3(**extra) -> dict:
 
 def _model_copy(without: str) -> Callable[[Path, dict], None]:
     """{tmp}/model: the tiny llama without one of its files."""
+
     def setup(tmp: Path, ctx: dict) -> None:
         shutil.copytree(ctx["llama"], tmp / "model")
         (tmp / "model" / without).unlink()
+
     return setup
 
 
@@ -114,128 +121,362 @@ def _header_only_csv(tmp: Path, ctx: dict) -> None:
 
 CASES = [
     # the model
-    Case("model_path_missing", ("--model_name_or_path", "{tmp}/no/such/model"),
-         ("--model_name_or_path", "{tmp}/no/such/model")),
-    Case("hub_id_while_offline", ("--model_name_or_path", "nosuch-org/nosuch-model"),
-         ("--model_name_or_path", "nosuch-org/nosuch-model", "offline")),
-    Case("model_folder_without_weights", ("--model_name_or_path", "{tmp}/model"),
-         ("--model_name_or_path", "{tmp}/model", "no weights", "--config_name"), _model_copy("model.safetensors")),
-    Case("model_folder_without_config", ("--model_name_or_path", "{tmp}/model"),
-         ("--model_name_or_path", "{tmp}/model", "config.json"), _model_copy("config.json")),
-    Case("model_path_is_a_file", ("--model_name_or_path", "{tmp}/ds.json"),
-         ("--model_name_or_path", "{tmp}/ds.json"), _ds(_zero3())),
-    Case("tokenizer_without_chat_template",
-         ("--model_name_or_path", "{tmp}/model", "--train_file", "{chat}", "--messages_column", "messages"),
-         ("--messages_column", "chat template"), _model_copy("chat_template.jinja")),
+    Case(
+        "model_path_missing",
+        ("--model_name_or_path", "{tmp}/no/such/model"),
+        ("--model_name_or_path", "{tmp}/no/such/model"),
+    ),
+    Case(
+        "hub_id_while_offline",
+        ("--model_name_or_path", "nosuch-org/nosuch-model"),
+        ("--model_name_or_path", "nosuch-org/nosuch-model", "offline"),
+    ),
+    Case(
+        "model_folder_without_weights",
+        ("--model_name_or_path", "{tmp}/model"),
+        ("--model_name_or_path", "{tmp}/model", "no weights", "--config_name"),
+        _model_copy("model.safetensors"),
+    ),
+    Case(
+        "model_folder_without_config",
+        ("--model_name_or_path", "{tmp}/model"),
+        ("--model_name_or_path", "{tmp}/model", "config.json"),
+        _model_copy("config.json"),
+    ),
+    Case(
+        "model_path_is_a_file",
+        ("--model_name_or_path", "{tmp}/ds.json"),
+        ("--model_name_or_path", "{tmp}/ds.json"),
+        _ds(_zero3()),
+    ),
+    Case(
+        "tokenizer_without_chat_template",
+        (
+            "--model_name_or_path",
+            "{tmp}/model",
+            "--train_file",
+            "{chat}",
+            "--messages_column",
+            "messages",
+        ),
+        ("--messages_column", "chat template"),
+        _model_copy("chat_template.jinja"),
+    ),
     # the DeepSpeed JSON
-    Case("ds_missing", ("--deepspeed_config", "{tmp}/nope.json"), ("--deepspeed_config", "{tmp}/nope.json")),
-    Case("ds_malformed", ("--deepspeed_config", "{tmp}/ds.json"), ("--deepspeed_config", "{tmp}/ds.json", "line 3 column"),
-         _write("ds.json", '{\n  "zero_optimization": {"stage": 3},\n  "fp16": {enabled: true}\n}\n')),
-    Case("ds_not_an_object", ("--deepspeed_config", "{tmp}/ds.json"), ("--deepspeed_config", "{tmp}/ds.json", "object"),
-         _write("ds.json", "[3]")),
-    Case("ds_micro_batch_not_a_number", ("--deepspeed_config", "{tmp}/ds.json"),
-         ("--deepspeed_config", "`train_micro_batch_size_per_gpu`", "{tmp}/ds.json", '"eight"'),
-         _ds(_zero3(train_micro_batch_size_per_gpu="eight"))),
-    Case("ds_grad_accum_zero", ("--deepspeed_config", "{tmp}/ds.json"), ("`gradient_accumulation_steps`", "positive"),
-         _ds(_zero3(gradient_accumulation_steps=0))),
-    Case("ds_section_not_an_object", ("--deepspeed_config", "{tmp}/ds.json"), ("`optimizer`", "{tmp}/ds.json", "object"),
-         _ds(_zero3(optimizer="adam"))),
-    Case("ds_betas_not_a_pair", ("--deepspeed_config", "{tmp}/ds.json"), ("`optimizer.params.betas`", "{tmp}/ds.json"),
-         _ds(_zero3(optimizer={"type": "AdamW", "params": {"betas": 0.9}}))),
-    Case("ds_zero_value_wrong_type", ("--deepspeed_config", "{tmp}/ds.json"),
-         ("`zero_optimization.overlap_comm`", "{tmp}/ds.json", '"maybe"'),
-         _ds({"zero_optimization": {"stage": 3, "overlap_comm": "maybe"}})),
-    Case("ds_precision_enabled_not_a_bool", ("--deepspeed_config", "{tmp}/ds.json"), ("`bf16.enabled`", '"yes"'),
-         _ds(_zero3(bf16={"enabled": "yes"}))),
-    Case("ds_nvme_optimizer_with_checkpoints", ("--deepspeed_config", "{tmp}/ds.json", "--save_checkpoint"),
-         ("`zero_optimization.offload_optimizer.device: nvme`", "{tmp}/ds.json", "--save_checkpoint", "Adam's moments"),
-         _ds({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": "/tmp"}}})),
-    Case("ds_zero_stage_2", ("--deepspeed_config", "{tmp}/ds.json"),
-         ("--deepspeed_config", "{tmp}/ds.json", "zero_optimization.stage: 2", "stage 3"),
-         _ds({"zero_optimization": {"stage": 2}})),
-    Case("ds_without_zero", ("--deepspeed_config", "{tmp}/ds.json"), ("{tmp}/ds.json", "zero_optimization.stage"),
-         _ds({"train_micro_batch_size_per_gpu": "auto"})),
-    Case("ds_auto_nothing_fills", ("--deepspeed_config", "{tmp}/ds.json"),
-         ("--deepspeed_config", "zero_optimization.reduce_bucket_size", '"auto"'),
-         _ds({"zero_optimization": {"stage": 3, "reduce_bucket_size": "auto"}})),
-    Case("ds_contradicts_flag", ("--deepspeed_config", "{tmp}/ds.json", "--per_device_train_batch_size", "2"),
-         ("--per_device_train_batch_size 2", "train_micro_batch_size_per_gpu", "{tmp}/ds.json"),
-         _ds(_zero3(train_micro_batch_size_per_gpu=4))),
+    Case(
+        "ds_missing",
+        ("--deepspeed_config", "{tmp}/nope.json"),
+        ("--deepspeed_config", "{tmp}/nope.json"),
+    ),
+    Case(
+        "ds_malformed",
+        ("--deepspeed_config", "{tmp}/ds.json"),
+        ("--deepspeed_config", "{tmp}/ds.json", "line 3 column"),
+        _write(
+            "ds.json", '{\n  "zero_optimization": {"stage": 3},\n  "fp16": {enabled: true}\n}\n'
+        ),
+    ),
+    Case(
+        "ds_not_an_object",
+        ("--deepspeed_config", "{tmp}/ds.json"),
+        ("--deepspeed_config", "{tmp}/ds.json", "object"),
+        _write("ds.json", "[3]"),
+    ),
+    Case(
+        "ds_micro_batch_not_a_number",
+        ("--deepspeed_config", "{tmp}/ds.json"),
+        ("--deepspeed_config", "`train_micro_batch_size_per_gpu`", "{tmp}/ds.json", '"eight"'),
+        _ds(_zero3(train_micro_batch_size_per_gpu="eight")),
+    ),
+    Case(
+        "ds_grad_accum_zero",
+        ("--deepspeed_config", "{tmp}/ds.json"),
+        ("`gradient_accumulation_steps`", "positive"),
+        _ds(_zero3(gradient_accumulation_steps=0)),
+    ),
+    Case(
+        "ds_section_not_an_object",
+        ("--deepspeed_config", "{tmp}/ds.json"),
+        ("`optimizer`", "{tmp}/ds.json", "object"),
+        _ds(_zero3(optimizer="adam")),
+    ),
+    Case(
+        "ds_betas_not_a_pair",
+        ("--deepspeed_config", "{tmp}/ds.json"),
+        ("`optimizer.params.betas`", "{tmp}/ds.json"),
+        _ds(_zero3(optimizer={"type": "AdamW", "params": {"betas": 0.9}})),
+    ),
+    Case(
+        "ds_zero_value_wrong_type",
+        ("--deepspeed_config", "{tmp}/ds.json"),
+        ("`zero_optimization.overlap_comm`", "{tmp}/ds.json", '"maybe"'),
+        _ds({"zero_optimization": {"stage": 3, "overlap_comm": "maybe"}}),
+    ),
+    Case(
+        "ds_precision_enabled_not_a_bool",
+        ("--deepspeed_config", "{tmp}/ds.json"),
+        ("`bf16.enabled`", '"yes"'),
+        _ds(_zero3(bf16={"enabled": "yes"})),
+    ),
+    Case(
+        "ds_nvme_optimizer_with_checkpoints",
+        ("--deepspeed_config", "{tmp}/ds.json", "--save_checkpoint"),
+        (
+            "`zero_optimization.offload_optimizer.device: nvme`",
+            "{tmp}/ds.json",
+            "--save_checkpoint",
+            "Adam's moments",
+        ),
+        _ds(
+            {
+                "zero_optimization": {
+                    "stage": 3,
+                    "offload_optimizer": {"device": "nvme", "nvme_path": "/tmp"},
+                }
+            }
+        ),
+    ),
+    Case(
+        "ds_zero_stage_2",
+        ("--deepspeed_config", "{tmp}/ds.json"),
+        ("--deepspeed_config", "{tmp}/ds.json", "zero_optimization.stage: 2", "stage 3"),
+        _ds({"zero_optimization": {"stage": 2}}),
+    ),
+    Case(
+        "ds_without_zero",
+        ("--deepspeed_config", "{tmp}/ds.json"),
+        ("{tmp}/ds.json", "zero_optimization.stage"),
+        _ds({"train_micro_batch_size_per_gpu": "auto"}),
+    ),
+    Case(
+        "ds_auto_nothing_fills",
+        ("--deepspeed_config", "{tmp}/ds.json"),
+        ("--deepspeed_config", "zero_optimization.reduce_bucket_size", '"auto"'),
+        _ds({"zero_optimization": {"stage": 3, "reduce_bucket_size": "auto"}}),
+    ),
+    Case(
+        "ds_contradicts_flag",
+        ("--deepspeed_config", "{tmp}/ds.json", "--per_device_train_batch_size", "2"),
+        ("--per_device_train_batch_size 2", "train_micro_batch_size_per_gpu", "{tmp}/ds.json"),
+        _ds(_zero3(train_micro_batch_size_per_gpu=4)),
+    ),
     # the data
-    Case("train_file_missing", ("--train_file", "{tmp}/nope.jsonl"), ("--train_file", "{tmp}/nope.jsonl")),
-    Case("train_file_unknown_type", ("--train_file", "{tmp}/rows.xml"), ("--train_file", ".xml"),
-         _write("rows.xml", "<rows/>")),
-    Case("unknown_text_column", ("--train_file", "{text}", "--text_column", "body"),
-         ("--text_column", "'body'", "available: text")),
-    Case("unknown_prompt_column", ("--train_file", "{pc}", "--prompt_column", "q", "--completion_column", "answer"),
-         ("--prompt_column", "'q'", "available: question, answer")),
-    Case("empty_train_file", ("--train_file", "{tmp}/empty.jsonl"), ("--train_file", "{tmp}/empty.jsonl", "empty"),
-         _write("empty.jsonl", "")),
-    Case("csv_with_no_rows", ("--train_file", "{tmp}/header.csv"), ("--train_file", "{tmp}/header.csv"),
-         _header_only_csv),
-    Case("every_prompt_longer_than_max_seq_length",
-         ("--train_file", "{pc}", "--prompt_column", "question", "--completion_column", "answer", "--max_seq_length", "4"),
-         ("--max_seq_length 4",)),
-    Case("chat_column_not_messages", ("--train_file", "{text}", "--messages_column", "text"),
-         ("--messages_column", "'text'", "role")),
-    Case("dataset_while_offline", ("--dataset_name", "nosuch-org/nosuch-data"),
-         ("--dataset_name", "nosuch-org/nosuch-data")),
+    Case(
+        "train_file_missing",
+        ("--train_file", "{tmp}/nope.jsonl"),
+        ("--train_file", "{tmp}/nope.jsonl"),
+    ),
+    Case(
+        "train_file_unknown_type",
+        ("--train_file", "{tmp}/rows.xml"),
+        ("--train_file", ".xml"),
+        _write("rows.xml", "<rows/>"),
+    ),
+    Case(
+        "unknown_text_column",
+        ("--train_file", "{text}", "--text_column", "body"),
+        ("--text_column", "'body'", "available: text"),
+    ),
+    Case(
+        "unknown_prompt_column",
+        ("--train_file", "{pc}", "--prompt_column", "q", "--completion_column", "answer"),
+        ("--prompt_column", "'q'", "available: question, answer"),
+    ),
+    Case(
+        "empty_train_file",
+        ("--train_file", "{tmp}/empty.jsonl"),
+        ("--train_file", "{tmp}/empty.jsonl", "empty"),
+        _write("empty.jsonl", ""),
+    ),
+    Case(
+        "csv_with_no_rows",
+        ("--train_file", "{tmp}/header.csv"),
+        ("--train_file", "{tmp}/header.csv"),
+        _header_only_csv,
+    ),
+    Case(
+        "every_prompt_longer_than_max_seq_length",
+        (
+            "--train_file",
+            "{pc}",
+            "--prompt_column",
+            "question",
+            "--completion_column",
+            "answer",
+            "--max_seq_length",
+            "4",
+        ),
+        ("--max_seq_length 4",),
+    ),
+    Case(
+        "chat_column_not_messages",
+        ("--train_file", "{text}", "--messages_column", "text"),
+        ("--messages_column", "'text'", "role"),
+    ),
+    Case(
+        "dataset_while_offline",
+        ("--dataset_name", "nosuch-org/nosuch-data"),
+        ("--dataset_name", "nosuch-org/nosuch-data"),
+    ),
     # found after the run started (data read): an existing --output_dir is left as it was
-    Case("late_error_keeps_existing_output_dir", ("--train_file", "{text}", "--text_column", "body"),
-         ("--text_column",), _non_empty_out),
-    Case("late_error_keeps_previous_exit_status", ("--train_file", "{text}", "--text_column", "body"),
-         ("--text_column",), _previous_run_out),
+    Case(
+        "late_error_keeps_existing_output_dir",
+        ("--train_file", "{text}", "--text_column", "body"),
+        ("--text_column",),
+        _non_empty_out,
+    ),
+    Case(
+        "late_error_keeps_previous_exit_status",
+        ("--train_file", "{text}", "--text_column", "body"),
+        ("--text_column",),
+        _previous_run_out,
+    ),
     # numbers
-    Case("batch_size_0", ("--per_device_train_batch_size", "0"), ("--per_device_train_batch_size",)),
-    Case("grad_accum_negative", ("--gradient_accumulation_steps", "-2"), ("--gradient_accumulation_steps",)),
+    Case(
+        "batch_size_0", ("--per_device_train_batch_size", "0"), ("--per_device_train_batch_size",)
+    ),
+    Case(
+        "grad_accum_negative",
+        ("--gradient_accumulation_steps", "-2"),
+        ("--gradient_accumulation_steps",),
+    ),
     Case("max_steps_0", ("--max_steps", "0"), ("--max_steps",)),
     Case("epochs_0", ("--num_train_epochs", "0"), ("--num_train_epochs",)),
     Case("save_steps_0", ("--save_checkpoint", "--save_steps", "0"), ("--save_steps",)),
-    Case("save_total_limit_0", ("--save_checkpoint", "--save_total_limit", "0"), ("--save_total_limit",)),
-    Case("shard_size_0", ("--save_checkpoint", "--save_consolidated", "--max_shard_size", "0"), ("--max_shard_size",)),
-    Case("async_save_without_save_checkpoint", ("--async_save",), ("--async_save", "--save_checkpoint")),
+    Case(
+        "save_total_limit_0",
+        ("--save_checkpoint", "--save_total_limit", "0"),
+        ("--save_total_limit",),
+    ),
+    Case(
+        "shard_size_0",
+        ("--save_checkpoint", "--save_consolidated", "--max_shard_size", "0"),
+        ("--max_shard_size",),
+    ),
+    Case(
+        "async_save_without_save_checkpoint",
+        ("--async_save",),
+        ("--async_save", "--save_checkpoint"),
+    ),
     Case("ddp_timeout_0", ("--ddp_timeout", "0"), ("--ddp_timeout",)),
     Case("lora_flag_without_use_peft", ("--lora_r", "8"), ("--lora_r", "--use_peft")),
     Case("lora_r_0", ("--use_peft", "--lora_r", "0"), ("--lora_r",)),
-    Case("lora_target_not_in_model", ("--model_name_or_path", "{llama}", "--use_peft", "--lora_target_modules", "qq_proj"),
-         ("--lora_target_modules", "qq_proj")),
+    Case(
+        "lora_target_not_in_model",
+        ("--model_name_or_path", "{llama}", "--use_peft", "--lora_target_modules", "qq_proj"),
+        ("--lora_target_modules", "qq_proj"),
+    ),
     Case("max_seq_length_1", ("--max_seq_length", "1"), ("--max_seq_length",)),
     Case("learning_rate_not_a_number", ("--learning_rate", "fast"), ("--learning_rate", "'fast'")),
     # paths, resume
-    Case("output_dir_is_a_file", ("--output_dir", "{out}"), ("--output_dir", "{out}"), _write("out", "a file")),
-    Case("latest_is_a_directory", ("--output_dir", "{out}"), ("--output_dir", "{out}/latest"), _latest_dir),
-    Case("resume_from_missing_folder", ("--resume_from_checkpoint", "{tmp}/nothing"),
-         ("--resume_from_checkpoint", "{tmp}/nothing")),
-    Case("resume_from_not_a_checkpoint", ("--resume_from_checkpoint", "{tmp}/folder"),
-         ("--resume_from_checkpoint", "{tmp}/folder", "not a checkpoint"), _not_a_checkpoint),
-    Case("resume_latest_with_nothing_saved", ("--resume_from_checkpoint", "latest"),
-         ("--resume_from_checkpoint latest", "{out}")),
-    Case("resume_other_architecture", ("--model_name_or_path", "{gpt2}", "--resume_from_checkpoint", "{ckpt}"),
-         ("--resume_from_checkpoint", "{ckpt}", "--model_name_or_path", "model_type llama vs gpt2")),
-    Case("resume_other_vocabulary", ("--model_name_or_path", "{tmp}/model", "--resume_from_checkpoint", "{ckpt}"),
-         ("--resume_from_checkpoint", "{ckpt}", "vocab_size 513 vs 1024"), _other_vocab_model),
-    Case("resume_full_checkpoint_with_use_peft", ("--model_name_or_path", "{llama}", "--use_peft",
-                                                  "--resume_from_checkpoint", "{ckpt}"),
-         ("--use_peft", "{ckpt}", "full fine-tuning")),
+    Case(
+        "output_dir_is_a_file",
+        ("--output_dir", "{out}"),
+        ("--output_dir", "{out}"),
+        _write("out", "a file"),
+    ),
+    Case(
+        "latest_is_a_directory",
+        ("--output_dir", "{out}"),
+        ("--output_dir", "{out}/latest"),
+        _latest_dir,
+    ),
+    Case(
+        "resume_from_missing_folder",
+        ("--resume_from_checkpoint", "{tmp}/nothing"),
+        ("--resume_from_checkpoint", "{tmp}/nothing"),
+    ),
+    Case(
+        "resume_from_not_a_checkpoint",
+        ("--resume_from_checkpoint", "{tmp}/folder"),
+        ("--resume_from_checkpoint", "{tmp}/folder", "not a checkpoint"),
+        _not_a_checkpoint,
+    ),
+    Case(
+        "resume_latest_with_nothing_saved",
+        ("--resume_from_checkpoint", "latest"),
+        ("--resume_from_checkpoint latest", "{out}"),
+    ),
+    Case(
+        "resume_other_architecture",
+        ("--model_name_or_path", "{gpt2}", "--resume_from_checkpoint", "{ckpt}"),
+        ("--resume_from_checkpoint", "{ckpt}", "--model_name_or_path", "model_type llama vs gpt2"),
+    ),
+    Case(
+        "resume_other_vocabulary",
+        ("--model_name_or_path", "{tmp}/model", "--resume_from_checkpoint", "{ckpt}"),
+        ("--resume_from_checkpoint", "{ckpt}", "vocab_size 513 vs 1024"),
+        _other_vocab_model,
+    ),
+    Case(
+        "resume_full_checkpoint_with_use_peft",
+        ("--model_name_or_path", "{llama}", "--use_peft", "--resume_from_checkpoint", "{ckpt}"),
+        ("--use_peft", "{ckpt}", "full fine-tuning"),
+    ),
     # contradictory flags
-    Case("steps_and_epochs", ("--max_steps", "3", "--num_train_epochs", "1"), ("--max_steps", "--num_train_epochs")),
+    Case(
+        "steps_and_epochs",
+        ("--max_steps", "3", "--num_train_epochs", "1"),
+        ("--max_steps", "--num_train_epochs"),
+    ),
     Case("bf16_and_fp16", ("--bf16", "--fp16"), ("--fp16", "--bf16")),
-    Case("bf16_and_precision_fp32", ("--bf16", "--precision", "fp32"), ("--bf16", "--precision fp32")),
-    Case("messages_and_prompt_columns",
-         ("--train_file", "{pc}", "--messages_column", "m", "--prompt_column", "question", "--completion_column", "answer"),
-         ("--messages_column", "--prompt_column")),
+    Case(
+        "bf16_and_precision_fp32", ("--bf16", "--precision", "fp32"), ("--bf16", "--precision fp32")
+    ),
+    Case(
+        "messages_and_prompt_columns",
+        (
+            "--train_file",
+            "{pc}",
+            "--messages_column",
+            "m",
+            "--prompt_column",
+            "question",
+            "--completion_column",
+            "answer",
+        ),
+        ("--messages_column", "--prompt_column"),
+    ),
     # the command line itself
-    Case("unknown_command", ("exprot", "{tmp}/ckpt", "{out}"), ("'exprot'", "did you mean export?")),
-    Case("unknown_flag_close_match", ("--learning_rat", "1e-4"), ("--learning_rat", "did you mean --learning_rate?")),
+    Case(
+        "unknown_command", ("exprot", "{tmp}/ckpt", "{out}"), ("'exprot'", "did you mean export?")
+    ),
+    Case(
+        "unknown_flag_close_match",
+        ("--learning_rat", "1e-4"),
+        ("--learning_rat", "did you mean --learning_rate?"),
+    ),
     Case("abbreviated_flag", ("--output", "{out}"), ("--output", "did you mean --output_dir?")),
     # export and verify
-    Case("export_into_non_empty_dir", ("export", "{ckpt}", "{out}"), ("{out}", "not an empty directory"), _non_empty_out),
-    Case("export_of_damaged_checkpoint", ("export", "{ckpt}", "{out}"), (RANK_FILE, "{ckpt}"), _damage_rank_file),
-    Case("export_of_not_a_checkpoint", ("export", "{tmp}/folder", "{out}"), ("{tmp}/folder", "not a checkpoint"),
-         _not_a_checkpoint),
-    Case("merge_lora_of_a_full_checkpoint", ("export", "{ckpt}", "{out}", "--merge_lora"),
-         ("--merge_lora", "{ckpt}", "not a LoRA checkpoint")),
-    Case("verify_not_a_checkpoint", ("verify", "{tmp}/folder"), ("{tmp}/folder", "not a checkpoint"), _not_a_checkpoint),
+    Case(
+        "export_into_non_empty_dir",
+        ("export", "{ckpt}", "{out}"),
+        ("{out}", "not an empty directory"),
+        _non_empty_out,
+    ),
+    Case(
+        "export_of_damaged_checkpoint",
+        ("export", "{ckpt}", "{out}"),
+        (RANK_FILE, "{ckpt}"),
+        _damage_rank_file,
+    ),
+    Case(
+        "export_of_not_a_checkpoint",
+        ("export", "{tmp}/folder", "{out}"),
+        ("{tmp}/folder", "not a checkpoint"),
+        _not_a_checkpoint,
+    ),
+    Case(
+        "merge_lora_of_a_full_checkpoint",
+        ("export", "{ckpt}", "{out}", "--merge_lora"),
+        ("--merge_lora", "{ckpt}", "not a LoRA checkpoint"),
+    ),
+    Case(
+        "verify_not_a_checkpoint",
+        ("verify", "{tmp}/folder"),
+        ("{tmp}/folder", "not a checkpoint"),
+        _not_a_checkpoint,
+    ),
 ]
 SUBCOMMANDS = ("export", "verify", "exprot")
 
@@ -244,10 +485,29 @@ SUBCOMMANDS = ("export", "verify", "exprot")
 def trained_checkpoint(tiny_models, tmp_path_factory) -> Path:
     """A 1-step, 1-process checkpoint of the tiny llama (copied by each case that uses it)."""
     root = tmp_path_factory.mktemp("bad_inputs_ckpt")
-    cmd = [sys.executable, "-m", "finetune", "--model_name_or_path", str(tiny_models["llama"]), "--max_steps", "1",
-           "--save_checkpoint", "--output_dir", str(root / "run"), "--max_train_samples", "16",
-           "--max_eval_samples", "4", "--max_seq_length", "32", "--per_device_train_batch_size", "2"]
-    proc = subprocess.run(cmd, cwd=root, env=child_env(), capture_output=True, text=True, timeout=300)
+    cmd = [
+        sys.executable,
+        "-m",
+        "finetune",
+        "--model_name_or_path",
+        str(tiny_models["llama"]),
+        "--max_steps",
+        "1",
+        "--save_checkpoint",
+        "--output_dir",
+        str(root / "run"),
+        "--max_train_samples",
+        "16",
+        "--max_eval_samples",
+        "4",
+        "--max_seq_length",
+        "32",
+        "--per_device_train_batch_size",
+        "2",
+    ]
+    proc = subprocess.run(
+        cmd, cwd=root, env=child_env(), capture_output=True, text=True, timeout=300
+    )
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     return root / "run" / "global_step1"
 
@@ -258,19 +518,36 @@ def _snapshot(path: Path):
         return None
     if path.is_file():
         return path.read_bytes()
-    return {str(p.relative_to(path)): p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file()}
+    return {
+        str(p.relative_to(path)): p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file()
+    }
 
 
 def _params(cases: list[Case]) -> list:
     """One pytest param per case; a known bug is an xfail(strict), so its fix turns the case red."""
-    return [pytest.param(c, id=c.id, marks=[pytest.mark.xfail(reason=c.known_bug, strict=True)] if c.known_bug else [])
-            for c in cases]
+    return [
+        pytest.param(
+            c,
+            id=c.id,
+            marks=[pytest.mark.xfail(reason=c.known_bug, strict=True)] if c.known_bug else [],
+        )
+        for c in cases
+    ]
 
 
 @pytest.mark.parametrize("case", _params(CASES))
-def test_bad_input_exits_2_naming_it_before_any_work(case: Case, tmp_path, tiny_models, data_files, request):
-    ctx = {"tmp": tmp_path, "out": tmp_path / "out", "llama": tiny_models["llama"], "gpt2": tiny_models["gpt2"],
-           "text": data_files["text_jsonl"], "chat": data_files["chat_jsonl"], "pc": data_files["pc_csv"]}
+def test_bad_input_exits_2_naming_it_before_any_work(
+    case: Case, tmp_path, tiny_models, data_files, request
+):
+    ctx = {
+        "tmp": tmp_path,
+        "out": tmp_path / "out",
+        "llama": tiny_models["llama"],
+        "gpt2": tiny_models["gpt2"],
+        "text": data_files["text_jsonl"],
+        "chat": data_files["chat_jsonl"],
+        "pc": data_files["pc_csv"],
+    }
     if any("{ckpt}" in a for a in case.argv):
         ctx["ckpt"] = tmp_path / "ckpt" / "global_step1"
         shutil.copytree(request.getfixturevalue("trained_checkpoint"), ctx["ckpt"])
@@ -285,8 +562,14 @@ def test_bad_input_exits_2_naming_it_before_any_work(case: Case, tmp_path, tiny_
     before = _snapshot(ctx["out"])
 
     start = time.monotonic()
-    proc = subprocess.run([sys.executable, "-m", "finetune", *argv], cwd=tmp_path, env=child_env(),
-                          capture_output=True, text=True, timeout=CASE_TIMEOUT)
+    proc = subprocess.run(
+        [sys.executable, "-m", "finetune", *argv],
+        cwd=tmp_path,
+        env=child_env(),
+        capture_output=True,
+        text=True,
+        timeout=CASE_TIMEOUT,
+    )
     seconds = time.monotonic() - start
     request.node.user_properties.append(("seconds", round(seconds, 2)))
 
@@ -296,7 +579,9 @@ def test_bad_input_exits_2_naming_it_before_any_work(case: Case, tmp_path, tiny_
     assert "Traceback" not in output, where
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert lines and ERROR_LINE.match(lines[-1]), f"last line is not the error{where}"
-    assert sum(bool(ERROR_LINE.match(line)) for line in lines) == 1, f"the error is printed more than once{where}"
+    assert sum(bool(ERROR_LINE.match(line)) for line in lines) == 1, (
+        f"the error is printed more than once{where}"
+    )
     for name in case.names:
         name = name.format(**ctx)
         assert name in lines[-1], f"{name!r} not named in {lines[-1]!r}"

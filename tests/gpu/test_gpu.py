@@ -25,14 +25,20 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import BIN, assert_verifies, build_tiny_model, write_ds
 
 from finetune.config import CONFIGS_DIR as CONFIGS
 
+from conftest import BIN, assert_verifies, build_tiny_model, write_ds
+
 torch = pytest.importorskip("torch")
 
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (torch.cuda.is_available() is False)")]
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(
+        not torch.cuda.is_available(),
+        reason="needs a CUDA GPU (torch.cuda.is_available() is False)",
+    ),
+]
 
 STEPS = 8
 
@@ -53,20 +59,48 @@ def dropout_model(tmp_path_factory):
 
 
 def _train(run_finetune, model, out, *flags, steps=STEPS, env=None):
-    return _ok(run_finetune("--model_name_or_path", str(model), "--max_steps", str(steps), "--logging_steps", "1",
-                            "--per_device_train_batch_size", "4", "--save_checkpoint", *flags,
-                            nprocs=1, out_dir=out, timeout=900, env=env))
+    return _ok(
+        run_finetune(
+            "--model_name_or_path",
+            str(model),
+            "--max_steps",
+            str(steps),
+            "--logging_steps",
+            "1",
+            "--per_device_train_batch_size",
+            "4",
+            "--save_checkpoint",
+            *flags,
+            nprocs=1,
+            out_dir=out,
+            timeout=900,
+            env=env,
+        )
+    )
 
 
 def test_bf16_train_save_resume_export(run_finetune, dropout_model, tmp_path):
     whole = _train(run_finetune, dropout_model, tmp_path / "whole", "--precision", "bf16")
     _train(run_finetune, dropout_model, tmp_path / "split", "--precision", "bf16", steps=STEPS // 2)
-    resumed = _train(run_finetune, dropout_model, tmp_path / "split", "--precision", "bf16",
-                     "--resume_from_checkpoint", "auto", "--save_consolidated", "--consolidated_dtype", "fp32")
+    resumed = _train(
+        run_finetune,
+        dropout_model,
+        tmp_path / "split",
+        "--precision",
+        "bf16",
+        "--resume_from_checkpoint",
+        "auto",
+        "--save_consolidated",
+        "--consolidated_dtype",
+        "fp32",
+    )
     losses = {r["step"]: r["loss"] for r in whole.train_rows()}
     after = {r["step"]: r["loss"] for r in resumed.train_rows()}
     assert sorted(after) == list(range(STEPS // 2 + 1, STEPS + 1))
-    for step, loss in after.items():  # same batches, same dropout masks: same losses up to kernel order
+    for (
+        step,
+        loss,
+    ) in after.items():  # same batches, same dropout masks: same losses up to kernel order
         assert math.isclose(loss, losses[step], rel_tol=2e-3), (step, loss, losses[step])
     folder = tmp_path / "split" / f"global_step{STEPS}"
     assert_verifies(folder)
@@ -76,13 +110,19 @@ def test_bf16_train_save_resume_export(run_finetune, dropout_model, tmp_path):
     assert state["dtype"] == "bf16"
 
     export = tmp_path / "export"
-    proc = subprocess.run([sys.executable, "-m", "finetune", "export", str(folder), str(export), "--dtype", "fp32"],
-                          capture_output=True, text=True)
+    proc = subprocess.run(
+        [sys.executable, "-m", "finetune", "export", str(folder), str(export), "--dtype", "fp32"],
+        capture_output=True,
+        text=True,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    consolidated, exported = load_file(folder / "model.safetensors"), load_file(export / "model.safetensors")
+    consolidated, exported = (
+        load_file(folder / "model.safetensors"),
+        load_file(export / "model.safetensors"),
+    )
     assert consolidated.keys() == exported.keys()
     assert all(torch.equal(consolidated[k], exported[k]) for k in consolidated)
     assert json.loads((folder / "config.json").read_text())["dtype"] == "float32"
@@ -94,8 +134,17 @@ def test_bf16_train_save_resume_export(run_finetune, dropout_model, tmp_path):
 
 def test_offload_with_consolidated_save(run_finetune, dropout_model, tmp_path):
     out = tmp_path / "out"
-    r = _train(run_finetune, dropout_model, out, "--precision", "bf16", "--deepspeed_config",
-               str(CONFIGS / "ds_zero3_offload.json"), "--save_consolidated", steps=3)
+    r = _train(
+        run_finetune,
+        dropout_model,
+        out,
+        "--precision",
+        "bf16",
+        "--deepspeed_config",
+        str(CONFIGS / "ds_zero3_offload.json"),
+        "--save_consolidated",
+        steps=3,
+    )
     folder = out / "global_step3"
     assert_verifies(folder)
     assert (folder / "model.safetensors").exists() and (folder / "config.json").exists()
@@ -105,15 +154,22 @@ def test_offload_with_consolidated_save(run_finetune, dropout_model, tmp_path):
 def test_fp16_overflow_steps_are_not_counted(run_finetune, dropout_model, tmp_path):
     """A loss scale of 2^32 overflows fp16 gradients: DeepSpeed skips those steps and halves the scale."""
     ds = json.loads((CONFIGS / "ds_zero3.json").read_text())
-    ds["fp16"] = {"enabled": True, "initial_scale_power": 32, "loss_scale_window": 1000, "hysteresis": 1}
+    ds["fp16"] = {
+        "enabled": True,
+        "initial_scale_power": 32,
+        "loss_scale_window": 1000,
+        "hysteresis": 1,
+    }
     ds.pop("bf16", None)
     out = tmp_path / "out"
-    r = _train(run_finetune, dropout_model, out, "--deepspeed_config", write_ds(tmp_path, ds), steps=4)
+    r = _train(
+        run_finetune, dropout_model, out, "--deepspeed_config", write_ds(tmp_path, ds), steps=4
+    )
     rows = r.train_rows()
     assert [row["step"] for row in rows] == [1, 2, 3, 4]  # applied steps, each once
     skipped = sum(row["skipped_steps"] for row in rows)
     assert skipped >= 1, rows
-    assert all(row["loss_scale"] is not None and row["loss_scale"] < 2 ** 32 for row in rows)
+    assert all(row["loss_scale"] is not None and row["loss_scale"] < 2**32 for row in rows)
     state = json.loads((out / "global_step4" / "trainer_state.json").read_text())
     assert state["global_step"] == 4 and state["skipped_steps"] == skipped
 
@@ -126,14 +182,22 @@ def test_auto_precision_follows_compute_capability(run_finetune, dropout_model, 
     assert state["dtype"] == ("bf16" if major >= 8 else "fp32"), r.output[-2000:]
 
 
-def test_without_a_cuda_toolkit_fused_adam_becomes_torch_adam(run_finetune, dropout_model, tmp_path):
+def test_without_a_cuda_toolkit_fused_adam_becomes_torch_adam(
+    run_finetune, dropout_model, tmp_path
+):
     """No nvcc (a CUDA_HOME without one) and nothing prebuilt: torch_adam, one log line, recorded."""
-    env = {"CUDA_HOME": str(tmp_path / "no-cuda-toolkit"), "TORCH_EXTENSIONS_DIR": str(tmp_path / "extensions"),
-           "PATH": f"{BIN}:/usr/bin:/bin"}
+    env = {
+        "CUDA_HOME": str(tmp_path / "no-cuda-toolkit"),
+        "TORCH_EXTENSIONS_DIR": str(tmp_path / "extensions"),
+        "PATH": f"{BIN}:/usr/bin:/bin",
+    }
     out = tmp_path / "out"
     r = _train(run_finetune, dropout_model, out, "--precision", "bf16", steps=2, env=env)
     assert "FusedAdam can't be loaded or built here" in r.output and "torch.optim.AdamW" in r.output
-    assert json.loads((out / "global_step2" / "trainer_state.json").read_text())["adam"] == "torch_adam"
+    assert (
+        json.loads((out / "global_step2" / "trainer_state.json").read_text())["adam"]
+        == "torch_adam"
+    )
 
 
 def test_fused_adam_where_it_can_be_had(run_finetune, dropout_model, tmp_path):
@@ -141,9 +205,17 @@ def test_fused_adam_where_it_can_be_had(run_finetune, dropout_model, tmp_path):
     from torch.utils.cpp_extension import CUDA_HOME
 
     if CUDA_HOME is None or not (Path(CUDA_HOME) / "bin" / "nvcc").exists():
-        if not list(Path(os.environ.get("TORCH_EXTENSIONS_DIR", Path(sys.prefix) / "torch_extensions")).glob("fused_adam*/*.so")):
-            pytest.skip("no CUDA toolkit (nvcc) and no prebuilt FusedAdam: see test_without_a_cuda_toolkit_…")
+        if not list(
+            Path(
+                os.environ.get("TORCH_EXTENSIONS_DIR", Path(sys.prefix) / "torch_extensions")
+            ).glob("fused_adam*/*.so")
+        ):
+            pytest.skip(
+                "no CUDA toolkit (nvcc) and no prebuilt FusedAdam: see test_without_a_cuda_toolkit_…"
+            )
     out = tmp_path / "out"
     r = _train(run_finetune, dropout_model, out, "--precision", "bf16", steps=2)
     assert "FusedAdam can't be loaded" not in r.output
-    assert json.loads((out / "global_step2" / "trainer_state.json").read_text())["adam"] == "FusedAdam"
+    assert (
+        json.loads((out / "global_step2" / "trainer_state.json").read_text())["adam"] == "FusedAdam"
+    )

@@ -19,7 +19,17 @@ import subprocess
 import time
 from pathlib import Path
 
-DAEMONS = ("munged", "slurmctld", "slurmd", "sbatch", "scontrol", "squeue", "scancel", "sinfo", "srun")
+DAEMONS = (
+    "munged",
+    "slurmctld",
+    "slurmd",
+    "sbatch",
+    "scontrol",
+    "squeue",
+    "scancel",
+    "sinfo",
+    "srun",
+)
 
 
 class Unavailable(RuntimeError):
@@ -57,10 +67,14 @@ class SlurmCluster:
 
     # --- lifecycle -------------------------------------------------------------------------
 
-    def start(self) -> "SlurmCluster":
-        missing = [d for d in DAEMONS if not (shutil.which(d) or shutil.which(d, path="/usr/sbin:/sbin"))]
+    def start(self) -> SlurmCluster:
+        missing = [
+            d for d in DAEMONS if not (shutil.which(d) or shutil.which(d, path="/usr/sbin:/sbin"))
+        ]
         if missing:
-            raise Unavailable(f"{', '.join(missing)} not installed (apt-get install slurm-wlm munge)")
+            raise Unavailable(
+                f"{', '.join(missing)} not installed (apt-get install slurm-wlm munge)"
+            )
         if os.geteuid() != 0:
             raise Unavailable("slurmd must run as root to start jobs")
         self._start_munge()
@@ -68,8 +82,14 @@ class SlurmCluster:
         for daemon, extra in (("slurmctld", ["-i"]), ("slurmd", ["-N", self.node])):
             log = open(self.root / f"{daemon}.out", "w")
             exe = shutil.which(daemon) or shutil.which(daemon, path="/usr/sbin:/sbin")
-            self.procs.append(subprocess.Popen([exe, "-D", "-f", str(self.conf), *extra], stdout=log,
-                                               stderr=subprocess.STDOUT, env=self.env()))
+            self.procs.append(
+                subprocess.Popen(
+                    [exe, "-D", "-f", str(self.conf), *extra],
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    env=self.env(),
+                )
+            )
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
             state = self.run("sinfo", "-h", "-N", "-o", "%T", check=False).stdout.strip()
@@ -78,14 +98,19 @@ class SlurmCluster:
             if any(p.poll() is not None for p in self.procs):
                 break
             time.sleep(0.5)
-        logs = "\n".join((self.root / f).read_text()[-1500:] for f in ("slurmctld.log", "slurmd.log")
-                         if (self.root / f).exists())
+        logs = "\n".join(
+            (self.root / f).read_text()[-1500:]
+            for f in ("slurmctld.log", "slurmd.log")
+            if (self.root / f).exists()
+        )
         self.stop()
         raise Unavailable(f"the node did not become idle within 60 s (state {state!r}):\n{logs}")
 
     def stop(self) -> None:
         if self.conf.exists():
-            self.run("scancel", "--full", "--signal=KILL", "--state=RUNNING", "-u", "root", check=False)
+            self.run(
+                "scancel", "--full", "--signal=KILL", "--state=RUNNING", "-u", "root", check=False
+            )
         for p in self.procs:
             p.terminate()
         for p in self.procs:
@@ -102,19 +127,28 @@ class SlurmCluster:
         if not key.exists():
             subprocess.run(["mungekey", "--create"], check=True, capture_output=True)
         Path("/run/munge").mkdir(parents=True, exist_ok=True)
-        proc = subprocess.run([shutil.which("munged", path="/usr/sbin:/sbin") or "munged", "--force"],
-                              capture_output=True, text=True)
+        proc = subprocess.run(
+            [shutil.which("munged", path="/usr/sbin:/sbin") or "munged", "--force"],
+            capture_output=True,
+            text=True,
+        )
         if proc.returncode != 0:
             raise Unavailable(f"munged did not start: {proc.stderr.strip()}")
         for _ in range(50):
-            if subprocess.run("munge -n | unmunge", shell=True, capture_output=True).returncode == 0:
+            if (
+                subprocess.run("munge -n | unmunge", shell=True, capture_output=True).returncode
+                == 0
+            ):
                 return
             time.sleep(0.1)
         raise Unavailable("munged started but does not answer")
 
     def _write_conf(self) -> None:
-        detected = subprocess.run([shutil.which("slurmd", path="/usr/sbin:/sbin") or "slurmd", "-C"],
-                                  capture_output=True, text=True).stdout.splitlines()[0]
+        detected = subprocess.run(
+            [shutil.which("slurmd", path="/usr/sbin:/sbin") or "slurmd", "-C"],
+            capture_output=True,
+            text=True,
+        ).stdout.splitlines()[0]
         # What slurmd detects (a configured count above it would drain the node), under our name.
         node_line = re.sub(r"^NodeName=\S+", f"NodeName={self.node} NodeAddr=127.0.0.1", detected)
         node_line = re.sub(r"RealMemory=\d+", "RealMemory=1000", node_line)
@@ -166,11 +200,21 @@ PartitionName=high Nodes={self.node} MaxTime=INFINITE State=UP PriorityTier=10 P
     def env(self, base: dict | None = None) -> dict:
         return {**(base if base is not None else os.environ), "SLURM_CONF": str(self.conf)}
 
-    def run(self, *cmd: str, check: bool = True, env: dict | None = None, timeout: float = 60,
-            cwd: Path | None = None) -> subprocess.CompletedProcess:
-        proc = subprocess.run(list(cmd), capture_output=True, text=True, env=self.env(env), timeout=timeout, cwd=cwd)
+    def run(
+        self,
+        *cmd: str,
+        check: bool = True,
+        env: dict | None = None,
+        timeout: float = 60,
+        cwd: Path | None = None,
+    ) -> subprocess.CompletedProcess:
+        proc = subprocess.run(
+            list(cmd), capture_output=True, text=True, env=self.env(env), timeout=timeout, cwd=cwd
+        )
         if check and proc.returncode != 0:
-            raise AssertionError(f"{' '.join(cmd)} exited {proc.returncode}: {proc.stderr}{proc.stdout}")
+            raise AssertionError(
+                f"{' '.join(cmd)} exited {proc.returncode}: {proc.stderr}{proc.stdout}"
+            )
         return proc
 
     def job(self, job_id: str) -> dict[str, str]:
@@ -187,4 +231,3 @@ PartitionName=high Nodes={self.node} MaxTime=INFINITE State=UP PriorityTier=10 P
                 return info
             time.sleep(1)
         raise AssertionError(f"job {job_id} not in {states} after {timeout}s: {info}")
-

@@ -17,10 +17,11 @@ import sys
 import time
 
 import pytest
-from conftest import REPO, assert_verifies, child_env, last_logged_step, wait_until
-from slurm_cluster import running_cluster
 
 from finetune.metrics import read_metrics
+
+from conftest import REPO, assert_verifies, child_env, last_logged_step, wait_until
+from slurm_cluster import running_cluster
 
 pytestmark = pytest.mark.distributed
 
@@ -43,7 +44,9 @@ def _signal(slurm, how: str, job: str, cwd) -> str | None:
     elif how == "full":
         slurm.run("scancel", "--full", "--signal=TERM", job)
     else:  # a job in the high-priority partition needs a core the low-priority job holds
-        proc = slurm.run("sbatch", "-p", "high", "-n1", "-o", "/dev/null", "--wrap", "sleep 1", cwd=cwd)
+        proc = slurm.run(
+            "sbatch", "-p", "high", "-n1", "-o", "/dev/null", "--wrap", "sleep 1", cwd=cwd
+        )
         return re.search(r"Submitted batch job (\d+)", proc.stdout).group(1)
     return None
 
@@ -51,14 +54,28 @@ def _signal(slurm, how: str, job: str, cwd) -> str | None:
 @pytest.mark.faults
 @pytest.mark.parametrize("attempt", ATTEMPTS)
 @pytest.mark.parametrize("how", ["scancel", "full", "preempt"])
-def test_whole_job_sigterm_saves_the_step_in_flight_and_the_job_resumes(slurm, tmp_path, how, attempt,
-                                                                         fault_record):
+def test_whole_job_sigterm_saves_the_step_in_flight_and_the_job_resumes(
+    slurm, tmp_path, how, attempt, fault_record
+):
     out = tmp_path / "out"
     partition = ["-p", "low"] if how == "preempt" else []
     total = PREEMPT_STEPS if how == "preempt" else TOTAL_STEPS
-    proc = slurm.run("sbatch", "-n2", *partition, str(SCRIPT), "--max_steps", str(total), "--logging_steps", "1",
-                     "--eval_steps", "100000", "--output_dir", str(out),
-                     env={**child_env(), "PYTHON": sys.executable}, cwd=tmp_path)
+    proc = slurm.run(
+        "sbatch",
+        "-n2",
+        *partition,
+        str(SCRIPT),
+        "--max_steps",
+        str(total),
+        "--logging_steps",
+        "1",
+        "--eval_steps",
+        "100000",
+        "--output_dir",
+        str(out),
+        env={**child_env(), "PYTHON": sys.executable},
+        cwd=tmp_path,
+    )
     job = re.search(r"Submitted batch job (\d+)", proc.stdout).group(1)
     log = tmp_path / f"finetune-{job}.out"
     try:
@@ -67,8 +84,12 @@ def test_whole_job_sigterm_saves_the_step_in_flight_and_the_job_resumes(slurm, t
         signalled = time.time()
         high = _signal(slurm, how, job, tmp_path)
         if high:  # preemption starts at the scheduler's next pass, not at the submission
-            wait_until(lambda: log.exists() and "SIGTERM received" in log.read_text(), TIMEOUT,
-                       "the preemption's SIGTERM", interval=0.1)
+            wait_until(
+                lambda: log.exists() and "SIGTERM received" in log.read_text(),
+                TIMEOUT,
+                "the preemption's SIGTERM",
+                interval=0.1,
+            )
             waited = time.time() - signalled
             before, signalled = last_logged_step(out) - 1, time.time()  # the log may lag a step
             fault_record.update(preemption_after_s=round(waited, 1))
@@ -83,15 +104,24 @@ def test_whole_job_sigterm_saves_the_step_in_flight_and_the_job_resumes(slurm, t
         st = wait_until(status, TIMEOUT, "exit_status.json of the signalled run", interval=0.1)
         exited = time.time()
         assert st["exit_code"] == 75, st
-        assert exited - signalled < slurm.kill_wait, "saved and exited before SLURM's SIGKILL could come"
+        assert exited - signalled < slurm.kill_wait, (
+            "saved and exited before SLURM's SIGKILL could come"
+        )
         step = int(st["checkpoint"].removeprefix("global_step"))
-        assert before <= step <= before + 2, (before, st)  # the first step boundary after the signal
+        assert before <= step <= before + 2, (
+            before,
+            st,
+        )  # the first step boundary after the signal
         committed = (out / "latest").stat().st_mtime
         assert_verifies(out / st["checkpoint"])
-        fault_record.update(time_to_exit_s=round(exited - signalled, 1),
-                            time_to_checkpoint_s=round(committed - signalled, 1))
-        print(f"{how} attempt {attempt}: SIGTERM at step {before}, committed global_step{step} "
-              f"{committed - signalled:.1f} s and exit_status {exited - signalled:.1f} s after the signal")
+        fault_record.update(
+            time_to_exit_s=round(exited - signalled, 1),
+            time_to_checkpoint_s=round(committed - signalled, 1),
+        )
+        print(
+            f"{how} attempt {attempt}: SIGTERM at step {before}, committed global_step{step} "
+            f"{committed - signalled:.1f} s and exit_status {exited - signalled:.1f} s after the signal"
+        )
 
         # Requeued once (by the script; SLURM's own preemption requeue does not come on top of it),
         # resumed from exactly that checkpoint, finished.
@@ -99,7 +129,9 @@ def test_whole_job_sigterm_saves_the_step_in_flight_and_the_job_resumes(slurm, t
         text = log.read_text()
         assert info["JobState"] == "COMPLETED" and info["Restarts"] == "1", (info, text[-4000:])
         assert text.count("requeueing job") == 1
-        assert f"global_step{step} at step {step}" in text  # "Resumed from …/global_stepN at step N"
+        assert (
+            f"global_step{step} at step {step}" in text
+        )  # "Resumed from …/global_stepN at step N"
         assert (out / "latest").read_text().strip() == f"global_step{total}"
         steps = [r["step"] for r in read_metrics(str(out)) if "loss" in r]
         assert sorted(set(steps)) == list(range(1, total + 1))
