@@ -1,4 +1,5 @@
-"""--async_save benchmark (P2): one 2-rank run on the ~134M-parameter Llama of bench/checkpoint_save.py.
+"""--async_save benchmark (P2): one 2-rank run on the ~134M-parameter Llama of \
+bench/checkpoint_save.py.
 
 (a) training stall per checkpoint: ``CheckpointManager.save(step, background=True)`` (snapshot into
     host memory, write on a thread) / DeepSpeed's synchronous ``engine.save_checkpoint`` of the same
@@ -8,7 +9,8 @@
     and async (goal for async <= 3.5%).
 
     .venv/bin/python bench/async_save.py [--repeats 3] [--e2e_steps 40 --every 10 --e2e_repeats 2]
-                                         [--dir DIR] [--model_json '{...}'] [--out bench/results/async_save.json]
+                                         [--dir DIR] [--model_json '{...}']
+                                         [--out bench/results/async_save.json]
 
 bench/async_save_worker.py's docstring says exactly what each number times. Exits 3 without
 running anything when this finetune has no background save API yet.
@@ -37,7 +39,10 @@ def api_missing() -> str | None:
     """Cheap check (no imports) that finetune has the background save API."""
     src = MANAGER.read_text()
     if "def poll" not in src or "background" not in src:
-        return f"the --async_save API (CheckpointManager.save(background=True), poll, wait) is not in {MANAGER.relative_to(REPO)} yet"
+        return (
+            "the --async_save API (CheckpointManager.save(background=True), poll, wait) "
+            f"is not in {MANAGER.relative_to(REPO)} yet"
+        )
     return None
 
 
@@ -133,7 +138,7 @@ def main() -> None:
     for line in proc.stdout.splitlines():
         if line.startswith(("stall ", "background save ", "e2e ")) or "] stall " in line:
             print(line.split("] ")[-1] if "] " in line else line, flush=True)
-    lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     if proc.returncode != 0 or not lines:
         sys.stdout.write(proc.stdout[-6000:])
         sys.exit(f"worker failed with exit code {proc.returncode}")
@@ -141,22 +146,27 @@ def main() -> None:
     shutil.rmtree(work / "out", ignore_errors=True)
     r["summary"] = s = summarize(r)
     print(
-        f"model: {r['params']:,} parameters, {r['model_bytes_fp32'] / 1e6:.0f} MB fp32, {r['world_size']} ranks; "
+        f"model: {r['params']:,} parameters, {r['model_bytes_fp32'] / 1e6:.0f} MB fp32, "
+        f"{r['world_size']} ranks; "
         f"checkpoint {r['stall'][0]['checkpoint_bytes'] / 1e6:.0f} MB"
     )
     print(
-        f"(a) stall: async {s['stall_async_s']:.3f}s vs DeepSpeed sync {s['stall_deepspeed_sync_s']:.3f}s "
-        f"(finetune sync {s['stall_finetune_sync_s']:.3f}s): ratio {s['stall_ratio']:.3f} (goal <= 0.1)"
+        f"(a) stall: async {s['stall_async_s']:.3f}s "
+        f"vs DeepSpeed sync {s['stall_deepspeed_sync_s']:.3f}s "
+        f"(finetune sync {s['stall_finetune_sync_s']:.3f}s): "
+        f"ratio {s['stall_ratio']:.3f} (goal <= 0.1)"
     )
     if "step_ratio" in s:
         print(
-            f"(b) step time, write in flight {s['step_inflight_s']:.3f}s ({s['steps_inflight']} steps) vs none "
+            f"(b) step time, write in flight {s['step_inflight_s']:.3f}s "
+            f"({s['steps_inflight']} steps) vs none "
             f"{s['step_idle_s']:.3f}s ({s['steps_idle']}): {s['step_ratio']:.3f} (goal <= 1.15)"
         )
     print(
         f"(c) {a.e2e_steps} steps, a save every {a.every}: "
         + ", ".join(f"{k} {v:.2f}s" for k, v in s["e2e_s"].items())
-        + f"; overhead sync {100 * s['e2e_overhead_sync']:.1f}%, async {100 * s['e2e_overhead_async']:.1f}% (goal <= 3.5%)"
+        + f"; overhead sync {100 * s['e2e_overhead_sync']:.1f}%, "
+        f"async {100 * s['e2e_overhead_async']:.1f}% (goal <= 3.5%)"
     )
     r.update(
         machine=machine(),

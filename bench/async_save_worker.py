@@ -3,11 +3,12 @@
 Builds the model through finetune itself (``Trainer.build`` with ``--save_checkpoint --async_save``:
 zero.Init, our DeepSpeed config), trains one step, then measures with its ``CheckpointManager``:
 
-(a) stall, ``--repeats`` times, interleaved: the wall time of ``manager.save(step, background=True)``
-    (returns once every rank holds its snapshot in host memory; the write goes on in a thread), then
-    (untimed for the stall) ``manager.wait()`` to commit it; against the same state saved by
-    ``engine.save_checkpoint`` with DeepSpeed's own checkpoint engine (synchronous, no fsync, no
-    commit). finetune's synchronous ``manager.save(step)`` is timed alongside.
+(a) stall, ``--repeats`` times, interleaved: the wall time of
+    ``manager.save(step, background=True)`` (returns once every rank holds its snapshot in host
+    memory; the write goes on in a thread), then (untimed for the stall) ``manager.wait()`` to
+    commit it; against the same state saved by ``engine.save_checkpoint`` with DeepSpeed's own
+    checkpoint engine (synchronous, no fsync, no commit). finetune's synchronous
+    ``manager.save(step)`` is timed alongside.
 (b) step time while a background write is in flight vs while none is: ``--bg_saves`` times, start a
     background save, then train steps (``_train_step`` + ``manager.poll()`` at each boundary, as the
     trainer does) until the poll commits it; then as many steps (at least ``--min_idle_steps``) with
@@ -46,9 +47,15 @@ from finetune.trainer import Trainer
 def async_api_missing() -> str | None:
     """Why this finetune has no background save API (None when it has one)."""
     if not hasattr(CheckpointManager, "poll") or not hasattr(CheckpointManager, "wait"):
-        return "CheckpointManager has no poll()/wait() (the --async_save API is not in this finetune yet)"
+        return (
+            "CheckpointManager has no poll()/wait() "
+            "(the --async_save API is not in this finetune yet)"
+        )
     if "background" not in inspect.signature(CheckpointManager.save).parameters:
-        return "CheckpointManager.save has no background= parameter (the --async_save API is not in this finetune yet)"
+        return (
+            "CheckpointManager.save has no background= parameter "
+            "(the --async_save API is not in this finetune yet)"
+        )
     return None
 
 
@@ -140,7 +147,7 @@ def main() -> None:
         train_step()
         step = state.global_step
         settle()
-        t_async = timed(lambda: manager.save(step, background=True))
+        t_async = timed(lambda step=step: manager.save(step, background=True))
         snapshot_bytes = manager.writer.snapshot_bytes
         t_rest = timed(manager.wait)
         ckpt_bytes = folder_bytes(out / f"global_step{step}") if dist.is_main() else 0
@@ -149,7 +156,7 @@ def main() -> None:
         engine.checkpoint_engine = manager.writer.inner  # DeepSpeed's own writer for the comparison
         try:
             t_ds = timed(
-                lambda: engine.save_checkpoint(
+                lambda ds_dir=ds_dir, step=step: engine.save_checkpoint(
                     str(ds_dir), tag=f"global_step{step}", save_latest=False
                 )
             )
@@ -176,7 +183,8 @@ def main() -> None:
         )
         if dist.is_main():
             print(
-                f"stall {i}: async {t_async:.3f}s (+{t_rest:.3f}s to finish), DeepSpeed sync {t_ds:.3f}s, "
+                f"stall {i}: async {t_async:.3f}s (+{t_rest:.3f}s to finish), "
+                f"DeepSpeed sync {t_ds:.3f}s, "
                 f"finetune sync {t_sync:.3f}s",
                 flush=True,
             )
@@ -213,7 +221,8 @@ def main() -> None:
         )
         if dist.is_main():
             print(
-                f"background save {i}: {len(these)} steps in flight, median {statistics.median(these) if these else 0:.3f}s; "
+                f"background save {i}: {len(these)} steps in flight, "
+                f"median {statistics.median(these) if these else 0:.3f}s; "
                 f"idle median {statistics.median(quiet):.3f}s",
                 flush=True,
             )

@@ -59,9 +59,8 @@ def write_inputs(work: Path, overrides: dict | None = None) -> tuple[Path, Path]
     kw = {**MODEL, **(overrides or {})}
     AutoConfig.for_model(kw.pop("model_type"), **kw).save_pretrained(cfg_dir)
     ds = json.loads((REPO / "configs" / "ds_zero3.json").read_text())
-    ds["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] = (
-        True  # for save_16bit_model
-    )
+    # for save_16bit_model
+    ds["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] = True
     ds_path = work / "ds.json"
     ds_path.write_text(json.dumps(ds))
     return cfg_dir, ds_path
@@ -69,11 +68,15 @@ def write_inputs(work: Path, overrides: dict | None = None) -> tuple[Path, Path]
 
 def machine() -> dict:
     cpu = next(
-        (l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name")),
+        (
+            ln.split(":", 1)[1].strip()
+            for ln in open("/proc/cpuinfo")
+            if ln.startswith("model name")
+        ),
         "?",
     )
     mem = next(
-        (int(l.split()[1]) * 1024 for l in open("/proc/meminfo") if l.startswith("MemTotal")), 0
+        (int(ln.split()[1]) * 1024 for ln in open("/proc/meminfo") if ln.startswith("MemTotal")), 0
     )
     return {"cpus": os.cpu_count(), "cpu": cpu, "ram_bytes": mem, "kernel": platform.release()}
 
@@ -87,7 +90,10 @@ def main() -> None:
     ap.add_argument(
         "--model_json",
         default=None,
-        help="JSON object of config keys replacing the 134M Llama's (e.g. a tiny model for a smoke run)",
+        help=(
+            "JSON object of config keys replacing the 134M Llama's "
+            "(e.g. a tiny model for a smoke run)"
+        ),
     )
     ap.add_argument("--out", default=str(REPO / "bench" / "results" / "checkpoint_save.json"))
     a = ap.parse_args()
@@ -121,7 +127,7 @@ def main() -> None:
     for line in proc.stdout.splitlines():
         if "Finished saving" in line:
             print(line.split("] ")[-1])
-    lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     if proc.returncode != 0 or not lines:
         sys.stdout.write(proc.stdout[-5000:])
         sys.exit(f"worker failed with exit code {proc.returncode}")
@@ -147,7 +153,8 @@ def report(r: dict) -> None:
     ds = [s["deepspeed_bytes"] / s["deepspeed_s"] for s in saves]
     ratio = [o / w for o, w in zip(ours, raw)]
     print(
-        f"model: {r['params']:,} parameters, {r['model_bytes_fp32'] / 1e6:.0f} MB fp32, {r['world_size']} ranks"
+        f"model: {r['params']:,} parameters, {r['model_bytes_fp32'] / 1e6:.0f} MB fp32, "
+        f"{r['world_size']} ranks"
     )
     print(f"{'save':<28}{'MB':>8}{'MB/s (each repeat)':>34}{'median':>10}")
     for name, rates, key in (
@@ -160,7 +167,8 @@ def report(r: dict) -> None:
             f"{name:<28}{saves[0][key] / 1e6:8.0f}{each:>34}{statistics.median(rates) / 1e6:10.0f}"
         )
     print(
-        f"finetune / raw bandwidth: {' '.join(f'{x:.2f}' for x in ratio)} (median {statistics.median(ratio):.2f}, goal >= 0.8)"
+        f"finetune / raw bandwidth: {' '.join(f'{x:.2f}' for x in ratio)} "
+        f"(median {statistics.median(ratio):.2f}, goal >= 0.8)"
     )
     mb = r["model_bytes_fp32"]
     for name, key in (

@@ -111,7 +111,8 @@ def worker_args() -> argparse.ArgumentParser:
 
 
 def one_step_config(a: argparse.Namespace, *extra: str):
-    """finetune's config for the model in ``a.config_dir``: one step, tiny batches, saving into ``a.out``."""
+    """finetune's config for the model in ``a.config_dir``: one step, tiny batches, saving into
+    ``a.out``."""
     tokenizer = str(Path(__file__).resolve().parents[1] / "finetune" / "resources" / "tokenizer")
     return parse_train_args(
         [
@@ -161,13 +162,17 @@ def main() -> None:
         )
         total = folder_bytes(ours_dir) if dist.is_main() else 0
         raw_path = out / f"raw_{i}_rank{dist.rank()}.bin"
-        t_raw = timed(lambda: raw_write(raw_path, my_bytes))
+        t_raw = timed(lambda raw_path=raw_path, my_bytes=my_bytes: raw_write(raw_path, my_bytes))
         raw_total = dist.all_reduce_sum([my_bytes])[0]
         raw_path.unlink()
         ds_dir = out / "ds_plain"
         inner = manager.writer.inner
         engine.checkpoint_engine = inner  # DeepSpeed's own writer for the comparison
-        t_ds = timed(lambda: engine.save_checkpoint(str(ds_dir), tag=f"global_step{100 + i}"))
+        t_ds = timed(
+            lambda ds_dir=ds_dir, i=i: engine.save_checkpoint(
+                str(ds_dir), tag=f"global_step{100 + i}"
+            )
+        )
         engine.checkpoint_engine = manager.writer
         ds_total = folder_bytes(ds_dir / f"global_step{100 + i}") if dist.is_main() else 0
         if dist.is_main():

@@ -3,7 +3,8 @@ per-rank memory at 1M rows vs 2k rows, finetune vs HF Trainer + datasets' cache.
 
     .venv/bin/python bench/data_path.py [--rows 1000000] [--repeats 3] [--first_repeats_1m 1]
         [--steps 40] [--skip_hf] [--finetune_src DIR] [--out bench/results/data_path.json]
-        [--small_rows 2000] [--sets 1m 2k embedded] [--hf_sets 1m 2k] [--first_repeats N] [--skip_microbench]
+        [--small_rows 2000] [--sets 1m 2k embedded] [--hf_sets 1m 2k] [--first_repeats N]
+        [--skip_microbench]
 
 Data: a deterministic prompt/completion JSONL written by this script (rows built from the embedded
 data's sentences, ~110 tokens per row with the embedded tokenizer): ``--rows`` rows, and its first
@@ -147,7 +148,8 @@ def rank_memory(pid: int) -> list[dict]:
 def launch(
     cmd: list[str], env: dict, log: Path, first_step, timeout: float = 1800, cwd: Path = REPO
 ) -> dict:
-    """Run ``cmd``; ``first_step()`` → wall time of the first step or None. Returns timings and memory."""
+    """Run ``cmd``; ``first_step()`` → wall time of the first step or None. Returns timings and
+    memory."""
     start = time.time()
     with open(log, "w") as f:
         proc = subprocess.Popen(

@@ -1,4 +1,5 @@
-"""Offline export: ``finetune export`` vs DeepSpeed's ``zero_to_fp32.py``, wall time and peak memory.
+"""Offline export: ``finetune export`` vs DeepSpeed's ``zero_to_fp32.py``, wall time and peak \
+memory.
 
     .venv/bin/python bench/export.py [--workdir /tmp/finetune_bench_export] [--repeats 3]
                                      [--model_json '{...}'] [--out bench/results/export.json]
@@ -228,7 +229,9 @@ def main() -> None:
     p.add_argument(
         "--model_json",
         default=None,
-        help="JSON object of config keys replacing the 134M Llama's (when the checkpoint is created)",
+        help=(
+            "JSON object of config keys replacing the 134M Llama's (when the checkpoint is created)"
+        ),
     )
     p.add_argument("--out", default=str(REPO / "bench/results/export.json"))
     args = p.parse_args()
@@ -297,7 +300,8 @@ def report(
         f"outputs identical: {identical}"
     )
     print(
-        f"{'tool':<18}{'wall s (median)':>16}{'peak RSS MB':>13}{'/ weights':>11}{'peak-floor MB':>15}{'/ weights':>11}"
+        f"{'tool':<18}{'wall s (median)':>16}{'peak RSS MB':>13}{'/ weights':>11}"
+        f"{'peak-floor MB':>15}{'/ weights':>11}"
     )
     for name, runs in samples.items():
         wall = statistics.median(r["wall_s"] for r in runs)
@@ -319,8 +323,8 @@ def report(
                 peak_minus_own_floor_over_weights=(peak - own) / fp32_bytes,
             )
         print(
-            f"{name:<18}{wall:>16.2f}{peak / 1e6:>13.0f}{peak / fp32_bytes:>11.2f}{(peak - floor) / 1e6:>15.0f}"
-            f"{(peak - floor) / fp32_bytes:>11.2f}"
+            f"{name:<18}{wall:>16.2f}{peak / 1e6:>13.0f}{peak / fp32_bytes:>11.2f}"
+            f"{(peak - floor) / 1e6:>15.0f}{(peak - floor) / fp32_bytes:>11.2f}"
         )
     result = {
         "benchmark": "export",

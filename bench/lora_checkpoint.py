@@ -86,10 +86,11 @@ def main() -> None:
     cfg_dir, ds_path = write_inputs(work, json.loads(a.model_json) if a.model_json else None)
     start = time.time()
     full, lora = (run(work, cfg_dir, ds_path, a.repeats, flag) for flag in (False, True))
-    f, l = summary(full), summary(lora)
+    fsum, lsum = summary(full), summary(lora)
     print(
         f"model: {full['params']:,} parameters; LoRA trains {lora['trainable']:,} "
-        f"({100 * lora['trainable'] / full['params']:.2f}%); {full['world_size']} ranks, {a.repeats} saves each"
+        f"({100 * lora['trainable'] / full['params']:.2f}%); {full['world_size']} ranks, "
+        f"{a.repeats} saves each"
     )
     print(f"{'':<34}{'full':>14}{'LoRA':>14}{'LoRA / full':>14}")
     for key, label, scale, unit in (
@@ -99,12 +100,13 @@ def main() -> None:
         ("consolidated_s", "consolidated save", 1, "s"),
     ):
         print(
-            f"{label + ' (' + unit + ')':<34}{f[key] / scale:>14.3f}{l[key] / scale:>14.3f}{l[key] / f[key]:>14.4f}"
+            f"{label + ' (' + unit + ')':<34}{fsum[key] / scale:>14.3f}{lsum[key] / scale:>14.3f}"
+            f"{lsum[key] / fsum[key]:>14.4f}"
         )
     result = {
         "full": full,
         "lora": lora,
-        "summary": {"full": f, "lora": l, "ratio": {k: l[k] / f[k] for k in f}},
+        "summary": {"full": fsum, "lora": lsum, "ratio": {k: lsum[k] / fsum[k] for k in fsum}},
         "machine": machine(),
         "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "wall_s": time.time() - start,

@@ -45,7 +45,7 @@ def main() -> None:
     saves = []
     for i in range(a.repeats):
         step = 100 + i
-        seconds = timed(lambda: manager.save(step))
+        seconds = timed(lambda step=step: manager.save(step))
         folder = out / f"global_step{step}"
         size = (
             json.loads((folder / "manifest.json").read_text())["total_bytes"]

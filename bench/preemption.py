@@ -1,12 +1,14 @@
-"""Preemption: how long from a signal to a committed checkpoint and exit, and what the per-step check costs.
+"""Preemption: how long from a signal to a committed checkpoint and exit, and what the per-step \
+check costs.
 
     .venv/bin/python bench/preemption.py [--repeats 3] [--out bench/results/preemption.json]
 
 1. Latency: the embedded default on 2 ranks through the DeepSpeed launcher with
-   ``--max_steps 100000 --save_checkpoint --logging_steps 1``; once 20 steps are logged, SIGTERM goes to
-   rank 1 only. Measured from the signal: until ``OUT/latest`` names the new checkpoint (commit), and
-   until the launcher exits (with 75). Steps lost = last step logged before the signal − the
-   checkpoint's step (negative or zero: nothing lost; the step in flight is finished and saved).
+   ``--max_steps 100000 --save_checkpoint --logging_steps 1``; once 20 steps are logged, SIGTERM
+   goes to rank 1 only. Measured from the signal: until ``OUT/latest`` names the new checkpoint
+   (commit), and until the launcher exits (with 75). Steps lost = last step logged before the
+   signal − the checkpoint's step (negative or zero: nothing lost; the step in flight is finished
+   and saved).
 2. Cost: the step-boundary check is one all-reduce of two float64 (a signal arrived, the next batch
    failed: ``Trainer._boundary``); a 2-rank torchrun job times 2000 of them after 200 warm-up calls,
    on the gloo CPU backend used here.

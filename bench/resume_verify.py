@@ -1,6 +1,8 @@
-"""Verify throughput and resume time-to-first-step (issue 4), on bench/export.py's ~134M 2-rank checkpoint.
+"""Verify throughput and resume time-to-first-step (issue 4), on bench/export.py's ~134M 2-rank \
+checkpoint.
 
-* verify: `finetune verify CKPT` (sizes + xxh3 checksums of every file) → GB/s; `--quick` alongside.
+* verify: `finetune verify CKPT` (sizes + xxh3 checksums of every file) → GB/s; `--quick`
+  alongside.
 * resume: wall time from launching `deepspeed --num_gpus 2 --module finetune …` to the first train
   row in metrics.jsonl, for a fresh start and for `--resume_from_checkpoint CKPT` (which verifies
   with checksums, then loads model, optimizer, scheduler, RNG and data position). Same flags
@@ -28,9 +30,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from export import PY, REPO, ensure_checkpoint, env, free_port  # noqa: E402
 
-WORK = Path(
-    "/tmp/finetune_bench_export"
-)  # bench/export.py's default --workdir; --workdir replaces it
+# bench/export.py's default --workdir; --workdir replaces it
+WORK = Path("/tmp/finetune_bench_export")
 
 
 def verify_rate(ckpt: Path, quick: bool) -> dict:
@@ -41,7 +42,8 @@ def verify_rate(ckpt: Path, quick: bool) -> dict:
     if out.returncode != 0:
         sys.exit(f"verify failed: {out.stdout}{out.stderr}")
     manifest = json.loads((ckpt / "manifest.json").read_text())
-    # "OK …: N files, X MB, … (S s, R GB/s)": S is the checking itself, without interpreter start-up.
+    # "OK …: N files, X MB, … (S s, R GB/s)": S is the checking itself, without interpreter
+    # start-up.
     inner = float(out.stdout.rsplit("(", 1)[1].split(" s,")[0])
     return {
         "bytes": manifest["total_bytes"],
@@ -121,9 +123,8 @@ def main() -> None:
     verify = [verify_rate(ckpt, quick=False) for _ in range(a.repeats)]
     quick = verify_rate(ckpt, quick=True)
     for _ in range(a.warmup_launches):
-        time_to_first_step(
-            run, WORK / "fresh", None
-        )  # warm-up, untimed: DeepSpeed may (re)build its ops
+        # warm-up, untimed: DeepSpeed may (re)build its ops
+        time_to_first_step(run, WORK / "fresh", None)
     fresh, resumed = [], []
     for _ in range(a.repeats):
         fresh.append(time_to_first_step(run, WORK / "fresh", None))
@@ -132,7 +133,8 @@ def main() -> None:
     print(f"checkpoint {ckpt}: {verify[0]['bytes'] / 1e9:.2f} GB")
     print(
         "verify (checksums): " + " ".join(f"{v['gb_per_s']:.2f}" for v in verify) + " GB/s "
-        f"(median {statistics.median(v['gb_per_s'] for v in verify):.2f}); --quick: {quick['check_s']:.3f} s"
+        f"(median {statistics.median(v['gb_per_s'] for v in verify):.2f}); "
+        f"--quick: {quick['check_s']:.3f} s"
     )
     print(
         "time to first step, fresh:   "

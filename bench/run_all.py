@@ -1,9 +1,12 @@
-"""The benchmark suite in one command: P1…P9, written to bench/results/latest.json and rendered into
-docs/BENCHMARKS.md and README.md (``make bench`` runs exactly this).
+"""The benchmark suite in one command: P1…P9, written to bench/results/latest.json and rendered
+into docs/BENCHMARKS.md and README.md (``make bench`` runs exactly this).
 
-    .venv/bin/python bench/run_all.py [--out bench/results/latest.json] [--work DIR] [--no_docs] [--keep_work]
-    .venv/bin/python bench/run_all.py --only P3 P9      # some measures: bench/results/partial.json, docs untouched
-    .venv/bin/python bench/run_all.py --smoke --out /tmp/x/latest.json     # every measure, tiny, ~2.5 min on 2 cores
+    .venv/bin/python bench/run_all.py [--out bench/results/latest.json] [--work DIR] [--no_docs]
+        [--keep_work]
+    # some measures: bench/results/partial.json, docs untouched
+    .venv/bin/python bench/run_all.py --only P3 P9
+    # every measure, tiny, ~2.5 min on 2 cores
+    .venv/bin/python bench/run_all.py --smoke --out /tmp/x/latest.json
 
 Each measure runs one of the standalone scripts under bench/ (each keeps working on its own, with
 its own defaults) with sizes chosen so that the whole suite takes about 30 minutes on a 2-core
@@ -69,10 +72,8 @@ FULL = {
     "P2": {"repeats": 3, "bg_saves": 3, "e2e_steps": 10, "every": 5, "e2e_repeats": 2},
     "P3": {"repeats": 3},
     "P5": {"repeats": 3, "floor_repeats": 2},
-    "P6": {
-        "repeats": 2,
-        "warmup_launches": 0,
-    },  # P5's launch that creates the checkpoint comes just before
+    # P5's launch that creates the checkpoint comes just before
+    "P6": {"repeats": 2, "warmup_launches": 0},
     "P7": {},
     "P8": {"saves": 3, "model": "134m", "worlds": [2, 4]},
     "P9": {
@@ -103,16 +104,31 @@ SMOKE = {
 TIMEOUT_S = {"full": 1500, "smoke": 240}
 
 WHAT = {
-    "P1": "training tokens/s, finetune vs HF Trainer + DeepSpeed, same model/data/ZeRO-3 config, 2 ranks",
-    "P2": "training stall per checkpoint with --async_save vs DeepSpeed's synchronous save_checkpoint of the same state",
+    "P1": (
+        "training tokens/s, finetune vs HF Trainer + DeepSpeed, same model/data/ZeRO-3 config, "
+        "2 ranks"
+    ),
+    "P2": (
+        "training stall per checkpoint with --async_save vs DeepSpeed's synchronous "
+        "save_checkpoint of the same state"
+    ),
     "P2b": "step time while a background checkpoint write is in flight vs while none is",
-    "P2c": "wall time of N steps saving every k steps with --async_save vs no saves (overhead = ratio - 1)",
-    "P3": "partitioned save bandwidth (sync, fsync'd, committed) vs raw write + fdatasync of the same bytes, same directory",
+    "P2c": (
+        "wall time of N steps saving every k steps with --async_save vs no saves "
+        "(overhead = ratio - 1)"
+    ),
+    "P3": (
+        "partitioned save bandwidth (sync, fsync'd, committed) vs raw write + fdatasync of the "
+        "same bytes, same directory"
+    ),
     "P4": "rank-0 peak RSS increase during the consolidated save / fp32 model bytes",
     "P5": "offline export: peak RSS over the process's own post-import floor / fp32 model bytes",
     "P5b": "offline export wall time, finetune export vs zero_to_fp32.py",
     "P6": "time to first step: resume from a checkpoint vs fresh start",
-    "P7": "per-rank bytes of params + grads + optimizer state (ZeRO-3), busiest rank at 2 ranks vs 1 rank",
+    "P7": (
+        "per-rank bytes of params + grads + optimizer state (ZeRO-3), busiest rank at 2 ranks "
+        "vs 1 rank"
+    ),
     "P8": "busiest rank's bytes written + read during a partitioned save, 4 ranks vs 2 ranks",
     "P9": "restart (resume) time to first step, 1M rows vs 2k rows",
 }
@@ -183,17 +199,17 @@ def disk_of(path: Path) -> dict:
 def machine(work: Path) -> dict:
     cpu = next(
         (
-            l.split(":", 1)[1].strip()
-            for l in _read("/proc/cpuinfo").splitlines()
-            if l.startswith("model name")
+            ln.split(":", 1)[1].strip()
+            for ln in _read("/proc/cpuinfo").splitlines()
+            if ln.startswith("model name")
         ),
         platform.processor(),
     )
     mem = next(
         (
-            int(l.split()[1]) * 1024
-            for l in _read("/proc/meminfo").splitlines()
-            if l.startswith("MemTotal")
+            int(ln.split()[1]) * 1024
+            for ln in _read("/proc/meminfo").splitlines()
+            if ln.startswith("MemTotal")
         ),
         0,
     )
@@ -251,7 +267,7 @@ def versions() -> dict:
     out["finetune_commit"] = git("rev-parse", "HEAD")
     out["finetune_dirty"] = bool(status) if status is not None else None
     if status:
-        out["finetune_changed_files"] = [l[3:] for l in status.splitlines()]
+        out["finetune_changed_files"] = [ln[3:] for ln in status.splitlines()]
     return out
 
 
@@ -267,7 +283,8 @@ class Runner:
         self.logs = results / "run_all_logs"
         self.logs.mkdir(parents=True, exist_ok=True)
         # With scripts running side by side (--jobs > 1), a buffer that appeared during one script
-        # may be another's, just created: stale buffers are then removed once, by sweep(), at the end.
+        # may be another's, just created: stale buffers are then removed once, by sweep(), at the
+        # end.
         self.concurrent = concurrent
         self.shm_at_start = set(_shm_buffers())
         self.live: set[subprocess.Popen] = set()
@@ -477,12 +494,16 @@ def p1(ctx) -> dict:
         ratio_quiet_launches=quiet,
         note=(
             "tokens/s = total tokens / total timed seconds of each tool's launches (order ABBA…); "
-            "other_load_pct = CPU the rest of the machine used during a launch (share of all cores); "
+            "other_load_pct = CPU the rest of the machine used during a launch "
+            "(share of all cores); "
             "launches over 5% are contended; ratio_quiet_launches uses only the others"
         ),
         settings={
             **s,
-            "model": f"{r['model_config']['num_hidden_layers']} layers x {r['model_config']['hidden_size']}",
+            "model": (
+                f"{r['model_config']['num_hidden_layers']} layers x "
+                f"{r['model_config']['hidden_size']}"
+            ),
             "per_device_train_batch_size": r["settings"]["per_device_train_batch_size"],
             "ranks": 2,
         },
@@ -512,7 +533,7 @@ def p2(ctx) -> dict:
     code, text = ctx.run("P2", "async_save.py", args, ok_codes=(0, 3))
     if code == 3:
         reason = next(
-            (l.split("async_save: ", 1)[1] for l in text.splitlines() if "async_save: " in l),
+            (ln.split("async_save: ", 1)[1] for ln in text.splitlines() if "async_save: " in ln),
             "the --async_save API is not in finetune yet",
         )
         raise Unavailable(reason)
@@ -685,7 +706,10 @@ def p5(ctx) -> dict:
             "whole_process_peak_over_weights": theirs["peak_rss_over_weights"],
         },
         outputs_identical=r["outputs_identical"],
-        note="own floor = peak RSS of a process importing what the tool imports before it reads the checkpoint",
+        note=(
+            "own floor = peak RSS of a process importing what the tool imports before it reads "
+            "the checkpoint"
+        ),
         settings=settings,
     )
     e["sub"] = {
@@ -738,7 +762,10 @@ def p6(ctx) -> dict:
         },
         verify_gb_s=med([v["gb_per_s"] for v in r["verify"]]),
         checkpoint_gb=round(r["verify"][0]["bytes"] / 1e9, 3),
-        note="launch of deepspeed (2 ranks) to the first train row in metrics.jsonl; resume verifies checksums then loads",
+        note=(
+            "launch of deepspeed (2 ranks) to the first train row in metrics.jsonl; "
+            "resume verifies checksums then loads"
+        ),
         settings={**s, **ctx.model_settings, "ranks": 2},
     )
 
@@ -774,7 +801,8 @@ def p7(ctx) -> dict:
         raw,
         params=r["params"],
         note=(
-            "ds_tensor of every parameter (+ full data of persistent small ones), fp32 master partitions, "
+            "ds_tensor of every parameter (+ full data of persistent small ones), "
+            "fp32 master partitions, "
             "Adam state, gradient partitions; each storage counted once; after one step"
         ),
         settings={**ctx.model_settings, "worlds": [1, 2]},
@@ -817,8 +845,10 @@ def p8(ctx) -> dict:
         raw,
         busiest_rank={str(big_w): top_big["rank"], str(small_w): top_small["rank"]},
         checkpoint_mb={str(w): x["checkpoint_mb"] for w, x in by_world.items()},
-        note="written = the rank's files in the manifest (+ shared files on rank 0); read = /proc/self/io rchar "
-        "(files and collectives' sockets); medians over the saves",
+        note=(
+            "written = the rank's files in the manifest (+ shared files on rank 0); "
+            "read = /proc/self/io rchar (files and collectives' sockets); medians over the saves"
+        ),
         settings={
             **s,
             "model": "~134M Llama (bench/checkpoint_save.py)"
@@ -884,7 +914,10 @@ def p9(ctx) -> dict:
         hf["restart_ratio_large_over_small"] = hf["large_restart_s"] / hf["small_restart_s"]
     if "large_restart_s" in hf:
         hf["ours_over_hf_large_restart"] = big["ttfs_restart_s"] / hf["large_restart_s"]
-    note = "time from launching deepspeed (2 ranks, embedded model) to the first train row; restart = --resume_from_checkpoint auto with a warm datasets cache"
+    note = (
+        "time from launching deepspeed (2 ranks, embedded model) to the first train row; "
+        "restart = --resume_from_checkpoint auto with a warm datasets cache"
+    )
     if s["rows"] < 1_000_000:
         note += f"; {s['rows']:,} rows, not 1M (smaller to fit the time budget)"
     e = entry(
@@ -908,7 +941,8 @@ def p9(ctx) -> dict:
 
 
 class Unavailable(Exception):
-    """The measure cannot run in this checkout (recorded as its error, not a failure of the suite)."""
+    """The measure cannot run in this checkout (recorded as its error, not a failure of the
+    suite)."""
 
 
 class Ctx:
@@ -939,7 +973,8 @@ MEASURES = [
 ]
 
 # --smoke --jobs N: the measures as N lanes side by side, the longest (in a smoke run on 2 cores)
-# first. A chain runs in order in one lane: P6 resumes from the checkpoint P5 creates in work/export.
+# first. A chain runs in order in one lane: P6 resumes from the checkpoint P5 creates in
+# work/export.
 SMOKE_CHAINS = [("P9",), ("P5", "P6"), ("P1",), ("P7",), ("P8",), ("P3",), ("P2",)]
 SMOKE_JOBS = 2
 
@@ -990,7 +1025,8 @@ def main(argv=None) -> int:
     ).resolve()
     if a.smoke and out == DEFAULT_OUT.resolve():
         ap.error(
-            "--smoke writes numbers that mean nothing: give it --out outside bench/results/latest.json"
+            "--smoke writes numbers that mean nothing: "
+            "give it --out outside bench/results/latest.json"
         )
     out.parent.mkdir(parents=True, exist_ok=True)
     work = Path(a.work).resolve() if a.work else Path(tempfile.mkdtemp(prefix="finetune-bench-"))
@@ -1015,8 +1051,8 @@ def main(argv=None) -> int:
         "versions": versions(),
         "reads_cold": False,
         "page_cache": (
-            "warm: caches are never dropped; checkpoints, datasets and exports are read back from the "
-            "page cache where they were just written or read (cold-disk reads would be slower)"
+            "warm: caches are never dropped; checkpoints, datasets and exports are read back from "
+            "the page cache where they were just written or read (cold-disk reads would be slower)"
         ),
         "command": " ".join(
             [Path(PY).name, *(sys.argv if argv is None else ["bench/run_all.py", *argv])]
@@ -1051,7 +1087,8 @@ def main(argv=None) -> int:
 
 
 def run_measure(ctx: Ctx, key: str, fn) -> dict:
-    """One measure's entries (P3 gives P3 and P4), each with its wall time; a failure is recorded."""
+    """One measure's entries (P3 gives P3 and P4), each with its wall time; a failure is
+    recorded."""
     print(f"=== {key} ===", flush=True)
     measures: dict = {}
     m0 = time.monotonic()

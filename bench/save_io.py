@@ -1,6 +1,8 @@
-"""Per-rank save work at 2 and 4 ranks (issue 9): does any rank's save cost grow with the world size?
+"""Per-rank save work at 2 and 4 ranks (issue 9): does any rank's save cost grow with the world \
+size?
 
-    .venv/bin/python bench/save_io.py [--worlds 2 4] [--saves 4] [--before REF] [--out bench/results/save_io.json]
+    .venv/bin/python bench/save_io.py [--worlds 2 4] [--saves 4] [--before REF]
+                                      [--out bench/results/save_io.json]
                                       [--config_name DIR] [--extra "--max_seq_length 32 ..."]
 
 For each world size, one run of the embedded model through the DeepSpeed launcher saving a
@@ -160,14 +162,15 @@ def main() -> None:
                     ["git", "worktree", "remove", "--force", str(sources["before"])], cwd=REPO
                 )
     print(
-        f"{'code':>6} {'world':>5} {'ckpt MB':>8} {'rank':>4} {'wrote MB':>9} {'read MB':>8} {'save s':>7}"
+        f"{'code':>6} {'world':>5} {'ckpt MB':>8} {'rank':>4} {'wrote MB':>9} {'read MB':>8} "
+        f"{'save s':>7}"
     )
     for label, runs in results["runs"].items():
         for res in runs:
             for r in res["ranks"]:
                 print(
-                    f"{label:>6} {res['world']:>5} {res['checkpoint_mb']:>8.2f} {r['rank']:>4} {r['wrote_mb']:>9.3f} "
-                    f"{r['read_mb']:>8.3f} {r['seconds']:>7.3f}"
+                    f"{label:>6} {res['world']:>5} {res['checkpoint_mb']:>8.2f} {r['rank']:>4} "
+                    f"{r['wrote_mb']:>9.3f} {r['read_mb']:>8.3f} {r['seconds']:>7.3f}"
                 )
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(results, indent=2) + "\n")

@@ -1,4 +1,5 @@
-"""``python -m save_io_probe ARGS`` = ``python -m finetune ARGS`` with each rank's save I/O recorded.
+"""``python -m save_io_probe ARGS`` = ``python -m finetune ARGS`` with each rank's save I/O
+recorded.
 
 Wraps ``CheckpointManager.save`` (present in every version of finetune, so a before/after
 comparison measures both the same way) and appends one JSON line per save to

@@ -1,6 +1,8 @@
-"""Per-rank training-state memory under ZeRO-3 at 2 ranks vs 1 rank (P7): does it shrink with the world size?
+"""Per-rank training-state memory under ZeRO-3 at 2 ranks vs 1 rank (P7): does it shrink with \
+the world size?
 
-    .venv/bin/python bench/state_memory.py [--worlds 1 2] [--model_json '{...}'] [--out bench/results/state_memory.json]
+    .venv/bin/python bench/state_memory.py [--worlds 1 2] [--model_json '{...}']
+                                           [--out bench/results/state_memory.json]
 
 For each world size, one run of ``bench/state_memory_worker.py`` under ``deepspeed --num_gpus N``:
 the ~134M-parameter Llama of bench/checkpoint_save.py (hidden 768, 12 layers, vocab 32000, untied
@@ -53,7 +55,7 @@ def run(world: int, cfg_dir: Path, ds_path: Path, work: Path, timeout: float) ->
     proc = subprocess.run(
         cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout
     )
-    lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     if proc.returncode != 0 or not lines:
         sys.stdout.write(proc.stdout[-5000:])
         sys.exit(f"worker ({world} ranks) failed with exit code {proc.returncode}")
@@ -80,19 +82,21 @@ def main() -> None:
     first, last = runs[0], runs[-1]
     ratio = last["max_rank_total_bytes"] / first["max_rank_total_bytes"]
     print(
-        f"{'world':>5} {'rank':>4} {'params MB':>10} {'master MB':>10} {'optim MB':>10} {'grads MB':>10} "
-        f"{'total MB':>10} {'RSS MB':>8}"
+        f"{'world':>5} {'rank':>4} {'params MB':>10} {'master MB':>10} {'optim MB':>10} "
+        f"{'grads MB':>10} {'total MB':>10} {'RSS MB':>8}"
     )
     for r in runs:
         for x in r["ranks"]:
             c = x["by_category"]
             print(
-                f"{r['world_size']:>5} {x['rank']:>4} {c.get('params', 0) / 1e6:>10.1f} {c.get('master', 0) / 1e6:>10.1f} "
-                f"{c.get('optimizer', 0) / 1e6:>10.1f} {c.get('grads', 0) / 1e6:>10.1f} {x['total_bytes'] / 1e6:>10.1f} "
+                f"{r['world_size']:>5} {x['rank']:>4} {c.get('params', 0) / 1e6:>10.1f} "
+                f"{c.get('master', 0) / 1e6:>10.1f} {c.get('optimizer', 0) / 1e6:>10.1f} "
+                f"{c.get('grads', 0) / 1e6:>10.1f} {x['total_bytes'] / 1e6:>10.1f} "
                 f"{x['rss_bytes'] / 1e6:>8.0f}"
             )
     print(
-        f"busiest rank at {last['world_size']} / at {first['world_size']} ranks: {ratio:.3f} (goal <= 0.6 for 2 vs 1)"
+        f"busiest rank at {last['world_size']} / at {first['world_size']} ranks: {ratio:.3f} "
+        "(goal <= 0.6 for 2 vs 1)"
     )
     result = {
         "benchmark": "state_memory",

@@ -1,11 +1,12 @@
-"""Render bench/results/latest.json (bench/run_all.py) as markdown, into docs/BENCHMARKS.md and README.md.
+"""Render bench/results/latest.json (bench/run_all.py) as markdown, into docs/BENCHMARKS.md and \
+README.md.
 
     .venv/bin/python bench/table.py [bench/results/latest.json] [--print] [--check]
 
 Rewrites what lies between ``<!-- bench:begin -->`` and ``<!-- bench:end -->`` in both files (the
-markers must be there): machine, versions and date lines, then one row per measure (and sub-measure):
-measure, what, ours, baseline, baseline name, ratio, goal, met. ``--print`` prints the block
-instead of writing; ``--check`` exits 1 when the files do not hold what the JSON renders to.
+markers must be there): machine, versions and date lines, then one row per measure (and
+sub-measure): measure, what, ours, baseline, baseline name, ratio, goal, met. ``--print`` prints the
+block instead of writing; ``--check`` exits 1 when the files do not hold what the JSON renders to.
 bench/run_all.py calls ``update_docs`` at the end of a full run.
 """
 
@@ -67,15 +68,17 @@ def table(result: dict) -> str:
     for key, e in rows(result):
         if "error" in e:
             lines.append(
-                f"| {key} | {_cell(e.get('what', ''))} | – | – | – | – | {goal(e.get('goal', ''))} | "
-                f"{'not run' if e.get('skipped') else 'error'}: {_cell(e['error'].splitlines()[0][:160])} |"
+                f"| {key} | {_cell(e.get('what', ''))} | – | – | – | – | "
+                f"{goal(e.get('goal', ''))} | {'not run' if e.get('skipped') else 'error'}: "
+                f"{_cell(e['error'].splitlines()[0][:160])} |"
             )
             continue
         met = "yes" if e["met"] else ("no" if e["met"] is not None else "–")
         unit = e.get("unit", "")
         lines.append(
-            f"| {key} | {_cell(e['what'])} | {num(e['ours'])} {_cell(unit)} | {num(e['baseline'])} | "
-            f"{_cell(e['baseline_name'])} | **{num(e['ratio'])}** | {goal(e['goal'])} | {met} |"
+            f"| {key} | {_cell(e['what'])} | {num(e['ours'])} {_cell(unit)} | "
+            f"{num(e['baseline'])} | {_cell(e['baseline_name'])} | **{num(e['ratio'])}** | "
+            f"{goal(e['goal'])} | {met} |"
         )
     return "\n".join(lines)
 
@@ -99,18 +102,21 @@ def header(result: dict, short: bool = False) -> str:
     )
     if short:
         return (
-            f"`make bench`, {result['date'][:10]}, finetune {commit}: {machine}; bench dir on {where}; "
+            f"`make bench`, {result['date'][:10]}, finetune {commit}: {machine}; "
+            f"bench dir on {where}; "
             f"page cache warm; {num(total / 60) if total else '?'} min in all."
         )
     lines = [
-        f"- **Run:** {result['date']} (`{result.get('command', 'bench/run_all.py')}`, mode {result.get('mode')}), "
+        f"- **Run:** {result['date']} (`{result.get('command', 'bench/run_all.py')}`, "
+        f"mode {result.get('mode')}), "
         f"{num(total / 60) if total else '?'} min in all",
         f"- **Machine:** {machine}; load average {m.get('loadavg_at_start')} at the start, "
         f"{m.get('loadavg_at_end')} at the end",
         f"- **Bench directory:** `{disk.get('path')}`, {where}"
         + (f", {disk['size_gb']} GB" if "size_gb" in disk else ""),
         f"- **Versions:** finetune {commit}, Python {v.get('python')}, torch {v.get('torch')}, "
-        f"deepspeed {v.get('deepspeed')}, transformers {v.get('transformers')}, datasets {v.get('datasets')}",
+        f"deepspeed {v.get('deepspeed')}, transformers {v.get('transformers')}, "
+        f"datasets {v.get('datasets')}",
         f"- **Page cache:** {result.get('page_cache', 'warm')}",
     ]
     return "\n".join(lines)

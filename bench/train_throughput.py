@@ -1,11 +1,14 @@
-"""Training throughput: ``finetune`` vs HF ``Trainer --deepspeed``, same model/data/batch/ZeRO-3 config.
+"""Training throughput: ``finetune`` vs HF ``Trainer --deepspeed``, same model/data/batch/ZeRO-3 \
+config.
 
-    .venv/bin/python bench/train_throughput.py [--steps 60] [--out bench/results/train_throughput.json]
+    .venv/bin/python bench/train_throughput.py [--steps 60]
+                                               [--out bench/results/train_throughput.json]
 
 One invocation launches, one after the other, each as 2 ranks through the DeepSpeed launcher:
 
 * ``deepspeed --num_gpus 2 --module finetune ...``            (our CLI, unmodified)
-* ``deepspeed --num_gpus 2 bench/hf_trainer_run.py ...``      (transformers ``Trainer``, ``deepspeed=<json>``)
+* ``deepspeed --num_gpus 2 bench/hf_trainer_run.py ...``      (transformers ``Trainer``,
+                                                              ``deepspeed=<json>``)
 
 in the order finetune, HF, HF, finetune (``--rounds 2``; ABBA so that a drift in machine load
 does not favour one side), and prints a table and the ratio finetune / HF.
@@ -16,27 +19,29 @@ Identical on both sides
   (default 256 / 4, ~3.3M parameters, so compute rather than Python overhead dominates), saved to a
   temp dir; finetune gets ``--config_name DIR``, the HF script ``AutoModelForCausalLM.from_config``
   of the same file. fp32, seed 42, built partitioned under ``zero.Init``.
-* Tokenizer ``finetune/resources/tokenizer``; data ``finetune/resources/data/train.jsonl`` (``text``;
-  tokenizer special tokens, eos appended, truncated to ``--max_seq_length``; no packing; padded per
-  batch to its longest row; pad masked from loss and attention). finetune gets
+* Tokenizer ``finetune/resources/tokenizer``; data ``finetune/resources/data/train.jsonl``
+  (``text``; tokenizer special tokens, eos appended, truncated to ``--max_seq_length``; no packing;
+  padded per batch to its longest row; pad masked from loss and attention). finetune gets
   ``--validation_split_percentage 0`` so it trains on all 2000 rows and never evaluates, as HF does
   (``eval_strategy="no"``). No checkpoint saving on either side.
 * ``--per_device_train_batch_size`` (16), gradient accumulation 1, lr 1e-3 with 10 linear warmup
-  steps then linear decay, AdamW (0.9, 0.999, 1e-8, weight decay 0), clipping 1.0, ``--logging_steps``
-  (5) on both (each tool's own per-log work is part of what is timed).
+  steps then linear decay, AdamW (0.9, 0.999, 1e-8, weight decay 0), clipping 1.0,
+  ``--logging_steps`` (5) on both (each tool's own per-log work is part of what is timed).
 * DeepSpeed JSON: ``configs/ds_zero3.json`` copied to a temp file for each; for HF
   ``train_batch_size`` is left out (HF's "auto" fill would use world size 1 on CPU and DeepSpeed
   rejects the product); HF fills the other "auto"s itself, finetune from its flags.
 * Environment: the same for both launches; ``OMP_NUM_THREADS`` is set to ``--threads_per_rank``
-  (default: cores // 2, so 2 ranks do not oversubscribe the machine; 0 = leave the environment as is).
+  (default: cores // 2, so 2 ranks do not oversubscribe the machine; 0 = leave the environment as
+  is).
 * Each rank trains ``--per_device_train_batch_size`` rows per step from the same 2000-row pool, so
   per-rank work per step has the same shape on both sides. Not the same rows, though: on CPU,
   ``Trainer``'s accelerate state has no backend under the DeepSpeed launcher and reports
-  ``num_processes == 1`` (the same reason its "auto" ``train_batch_size`` is wrong), so its dataloader
-  is not sharded and both HF ranks train the *same* batch each step, while DeepSpeed's engine still
-  partitions over 2 ranks. (It also skips its per-step cross-rank token-count gather then.)
-  The HF script records what accelerate believes (``hf_view`` in the JSON); tokens are counted per
-  rank as trained, so the token totals stay comparable (mean tokens per step is in the JSON).
+  ``num_processes == 1`` (the same reason its "auto" ``train_batch_size`` is wrong), so its
+  dataloader is not sharded and both HF ranks train the *same* batch each step, while DeepSpeed's
+  engine still partitions over 2 ranks. (It also skips its per-step cross-rank token-count gather
+  then.) The HF script records what accelerate believes (``hf_view`` in the JSON); tokens are
+  counted per rank as trained, so the token totals stay comparable (mean tokens per step is in the
+  JSON).
 * ``PATH`` gets this interpreter's bin directory first (as ``make bench`` does), so DeepSpeed's JIT
   op builds use the venv's ``ninja``: a different ninja version hashes build commands differently
   and makes ``~/.cache/torch_extensions`` rebuild (minutes) every time the two alternate.
@@ -63,8 +68,8 @@ Both spans therefore cover (N - W) optimizer steps and (N - W) / logging_steps l
 
 Other load on the machine skews the numbers; each launch records ``foreign_cpu_s``: CPU seconds the
 whole machine spent busy during the launch (``/proc/stat``) minus those of the launch's own process
-tree (``RUSAGE_CHILDREN``). Near 0 means the launch had the machine to itself. A launch whose foreign
-CPU exceeds ``--quiet_threshold`` (5%) of the machine's capacity over the launch is marked
+tree (``RUSAGE_CHILDREN``). Near 0 means the launch had the machine to itself. A launch whose
+foreign CPU exceeds ``--quiet_threshold`` (5%) of the machine's capacity over the launch is marked
 ``contended``; the ratio is printed over all launches and, when each tool has a quiet launch, over
 quiet launches only (the number to trust on a shared machine). ``--wait_quiet S`` waits up to S
 seconds before each launch for the machine to be idle.
@@ -359,7 +364,8 @@ def children_cpu_s() -> float:
 
 
 def wait_quiet(max_wait: float, threshold: float) -> float:
-    """Sleep until the machine is idle (busy < threshold of all cores over 3 s) or max_wait passes."""
+    """Sleep until the machine is idle (busy < threshold of all cores over 3 s) or max_wait
+    passes."""
     t0 = time.perf_counter()
     ncpu = os.cpu_count() or 1
     while time.perf_counter() - t0 < max_wait:
@@ -548,7 +554,8 @@ def main(argv=None) -> int:
                 m = measure_hf(run_dir, a)
             m.update(tool=tool, launch=i, **info)
             print(
-                f"[bench]   {tool}: {m['tokens_per_s']:.1f} tokens/s over steps {a.warmup + 1}..{a.steps} "
+                f"[bench]   {tool}: {m['tokens_per_s']:.1f} tokens/s "
+                f"over steps {a.warmup + 1}..{a.steps} "
                 f"({m['tokens']} tokens in {m['seconds']:.2f}s; launch wall {info['wall_s']:.1f}s, "
                 f"foreign CPU {info['foreign_cpu_s']}s)",
                 flush=True,
@@ -605,7 +612,8 @@ def main(argv=None) -> int:
         "ds_config_hf": inputs["ds_hf"],
         "measure": (
             f"non-pad tokens (attention_mask.sum(), all ranks) trained in optimizer steps "
-            f"{a.warmup + 1}..{a.steps} / rank-0 wall time from end of step {a.warmup} to end of step {a.steps}"
+            f"{a.warmup + 1}..{a.steps} / rank-0 wall time from end of step {a.warmup} "
+            f"to end of step {a.steps}"
         ),
         "summary": summary,
         "ratio_finetune_over_hf": ratio,
@@ -618,13 +626,15 @@ def main(argv=None) -> int:
 
     print()
     print(
-        f"Training throughput, {a.num_gpus} ranks, ZeRO-3, fp32, {inputs['model_config']['num_hidden_layers']} layers "
+        f"Training throughput, {a.num_gpus} ranks, ZeRO-3, fp32, "
+        f"{inputs['model_config']['num_hidden_layers']} layers "
         f"x {inputs['model_config']['hidden_size']}, batch {a.per_device_train_batch_size}/rank, "
         f"OMP_NUM_THREADS={env.get('OMP_NUM_THREADS', 'unset')}"
     )
     names = {"finetune": "finetune", "hf": "HF Trainer"}
     print(
-        f"{'launch':>6}  {'tool':<10} {'steps timed':>11} {'tokens':>7} {'seconds':>8} {'tokens/s':>9}  other load"
+        f"{'launch':>6}  {'tool':<10} {'steps timed':>11} {'tokens':>7} {'seconds':>8} "
+        f"{'tokens/s':>9}  other load"
     )
     for m in launches:
         load = (
@@ -634,8 +644,8 @@ def main(argv=None) -> int:
             + (" (contended)" if m["contended"] else "")
         )
         print(
-            f"{m['launch'] + 1:>6}  {names[m['tool']]:<10} {m['steps_timed']:>11} {m['tokens']:>7} {m['seconds']:>8.2f} "
-            f"{m['tokens_per_s']:>9.1f}  {load}"
+            f"{m['launch'] + 1:>6}  {names[m['tool']]:<10} {m['steps_timed']:>11} "
+            f"{m['tokens']:>7} {m['seconds']:>8.2f} {m['tokens_per_s']:>9.1f}  {load}"
         )
     for label, summ, r in (
         ("all launches", summary, ratio),
@@ -647,8 +657,9 @@ def main(argv=None) -> int:
         print(f"{label}:")
         for tool, sm in summ.items():
             print(
-                f"{'':>6}  {names[tool]:<10} {sm['steps_timed']:>11} {sm['tokens']:>7} {sm['seconds']:>8.2f} "
-                f"{sm['tokens_per_s']:>9.1f}  launches {','.join(map(str, sm['launches']))}"
+                f"{'':>6}  {names[tool]:<10} {sm['steps_timed']:>11} {sm['tokens']:>7} "
+                f"{sm['seconds']:>8.2f} {sm['tokens_per_s']:>9.1f}  "
+                f"launches {','.join(map(str, sm['launches']))}"
             )
         print(f"        ratio finetune/HF (tokens/s): {r:.3f}")
     if any(m["contended"] for m in launches):

@@ -55,7 +55,8 @@ def timed(cmd: list[str]) -> tuple[float, str]:
     wall = time.perf_counter() - start
     if proc.returncode != 0:
         raise SystemExit(
-            f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-2000:]}{proc.stderr[-2000:]}"
+            f"{' '.join(cmd)} failed ({proc.returncode}):\n"
+            f"{proc.stdout[-2000:]}{proc.stderr[-2000:]}"
         )
     return wall, proc.stdout + proc.stderr
 

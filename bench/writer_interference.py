@@ -1,4 +1,5 @@
-"""Background checkpoint writer: thread or process, which interferes less with training on a busy CPU?
+"""Background checkpoint writer: thread or process, which interferes less with training on a \
+busy CPU?
 
 A small "training" loop runs in this process (a tiny transformers Llama, or an MLP: forward,
 backward, Adam step, torch's default threads), timed per step. While it runs, a snapshot of
@@ -6,37 +7,44 @@ backward, Adam step, torch's default threads), timed per step. While it runs, a 
 exp_avg, exp_avg_sq) is written, durably and checksummed, by one of these writers:
 
   none           no write: the reference step time.
-  thread         finetune's own --async_save path: ``GuardedWriter.reset(dir, step, background=True)``,
-                 ``.save(state, path)`` (``host_copy`` into fresh host memory, on the training thread:
-                 the stall), ``.start()`` (``Queue`` thread: torch.save into a ``HashingWriter``,
+  thread         finetune's own --async_save path:
+                 ``GuardedWriter.reset(dir, step, background=True)``, ``.save(state, path)``
+                 (``host_copy`` into fresh host memory, on the training thread: the stall),
+                 ``.start()`` (``Queue`` thread: torch.save into a ``HashingWriter``,
                  sync_file_range kicks, fsync), ``.done()`` polled after each step.
-  thread_reused  ``thread`` minus ``host_copy``: the live tensors are copied into host buffers kept from
-                 one save to the next (as ``host_copy`` does with its page-locked pool on a GPU), then
-                 ``GuardedWriter``'s own ``Queue`` writes them: tells buffer reuse from thread-vs-process.
+  thread_reused  ``thread`` minus ``host_copy``: the live tensors are copied into host buffers kept
+                 from one save to the next (as ``host_copy`` does with its page-locked pool on a
+                 GPU), then ``GuardedWriter``'s own ``Queue`` writes them: tells buffer reuse from
+                 thread-vs-process.
   process        a writer process (torch.multiprocessing, spawn) started before the loop, mapping
-                 shared-memory buffers made (and pre-faulted) before the loop: a save copies the live
-                 tensors into those buffers on the training thread (the stall) and sends the path; the
-                 child writes with the very same ``GuardedWriter._write`` (HashingWriter + fsync).
-  process_fresh  as ``process`` but no buffers are kept: each save allocates new shared memory, copies
-                 into it (the stall) and hands the tensors over a torch.multiprocessing Queue (fds).
-  none_1t        ``none`` with torch.set_num_threads(1) for the measured steps: the reference of the _1t rows.
+                 shared-memory buffers made (and pre-faulted) before the loop: a save copies the
+                 live tensors into those buffers on the training thread (the stall) and sends the
+                 path; the child writes with the very same ``GuardedWriter._write`` (HashingWriter +
+                 fsync).
+  process_fresh  as ``process`` but no buffers are kept: each save allocates new shared memory,
+                 copies into it (the stall) and hands the tensors over a torch.multiprocessing Queue
+                 (fds).
+  none_1t        ``none`` with torch.set_num_threads(1) for the measured steps: the reference of the
+                 _1t rows.
   thread_1t      ``thread`` with torch.set_num_threads(1) on the training side while the write runs.
   process_1t     ``process`` likewise.
   thread_nice    ``thread`` with the writer thread at nice 10 (Linux: setpriority on its thread id).
   process_nice   ``process`` with the child's writing thread at nice 10.
 
-Variants are interleaved (none, thread, process, ..., none, thread, ...) ``--repeats`` times. For each
-repeat: ``--pre`` untimed-for-the-write steps (a local baseline), the save (its stall timed apart),
-then steps until the write is done; ``none`` runs ``--none_steps`` steps instead. Reported per variant:
-median step time of the steps that overlap the write (pooled over repeats), its ratio to ``none``'s
-(the _1t rows also to ``none_1t``'s; and the median of ratios to each repeat's own pre-write steps),
-the stall, the write's wall time (save issued → file fsynced, taken by the writer itself), the
-writer thread's CPU seconds, and the training time lost per save: stall + sum over overlapping steps
-of (step - the none median; for _1t rows the none_1t median) ("lost s"; JSON also has it against
-none alone and against each repeat's own pre-write steps). The _nice variants run only on request.
+Variants are interleaved (none, thread, process, ..., none, thread, ...) ``--repeats`` times. For
+each repeat: ``--pre`` untimed-for-the-write steps (a local baseline), the save (its stall timed
+apart), then steps until the write is done; ``none`` runs ``--none_steps`` steps instead. Reported
+per variant: median step time of the steps that overlap the write (pooled over repeats), its ratio
+to ``none``'s (the _1t rows also to ``none_1t``'s; and the median of ratios to each repeat's own
+pre-write steps), the stall, the write's wall time (save issued → file fsynced, taken by the writer
+itself), the writer thread's CPU seconds, and the training time lost per save: stall + sum over
+overlapping steps of (step - the none median; for _1t rows the none_1t median) ("lost s"; JSON also
+has it against none alone and against each repeat's own pre-write steps). The _nice variants run
+only on request.
 
-    .venv/bin/python bench/writer_interference.py [--repeats 5] [--snapshot_mb 300] [--model llama|mlp]
-        [--variants none,thread,process,...] [--dir DIR] [--out bench/results/writer_interference.json]
+    .venv/bin/python bench/writer_interference.py [--repeats 5] [--snapshot_mb 300]
+        [--model llama|mlp] [--variants none,thread,process,...] [--dir DIR]
+        [--out bench/results/writer_interference.json]
     .venv/bin/python bench/writer_interference.py --smoke      # tiny sizes, 1 repeat, < 30 s
 """
 
@@ -84,7 +92,8 @@ MB = 1 << 20
 
 
 def make_snapshot(nbytes: int) -> dict:
-    """A dict laid out like one rank's ZeRO optimizer file: three flat fp32 tensors + small metadata."""
+    """A dict laid out like one rank's ZeRO optimizer file: three flat fp32 tensors + small
+    metadata."""
     n = max(1, nbytes // 4 // 3)
     g = torch.Generator().manual_seed(0)
     master = torch.randn(n, generator=g)
@@ -173,9 +182,8 @@ class TimedWriter(GuardedWriter):
 
 
 def _child_write(state, path: str, nice: int, out: list) -> None:
-    if (
-        nice
-    ):  # this thread only (Linux): it ends with the write, so the child's own niceness is unchanged
+    # this thread only (Linux): it ends with the write, so the child's own niceness is unchanged
+    if nice:
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
     t0, c0 = time.monotonic(), time.thread_time()
     w = GuardedWriter(object())
@@ -186,9 +194,11 @@ def _child_write(state, path: str, nice: int, out: list) -> None:
 
 
 def _child(inbox, conn) -> None:
-    """Writer process: waits for ('init', state) / ('write', path, nice) / ('write_fresh', path, nice, state) / None.
+    """Writer process: waits for ('init', state) / ('write', path, nice) / ('write_fresh', path,
+    nice, state) / None.
 
-    Each write runs on a fresh thread of the child (so a nice value dies with it); the main thread waits."""
+    Each write runs on a fresh thread of the child (so a nice value dies with it); the main thread
+    waits."""
     torch.set_num_threads(1)
     state = None
     conn.send(("ready", time.monotonic()))
@@ -477,18 +487,20 @@ def print_table(summary: dict) -> None:
     print("-" * len(hdr))
     for v, e in summary.items():
 
-        def f(key, fmt):
+        def f(key, fmt, e=e):
             width = int(fmt.split(".")[0])
             return format(e[key], fmt) if key in e else "-".rjust(width)
 
         print(
-            f"{v:<14}{f('step_ms', '9.1f')}{f('slowdown_vs_none', '9.3f')}{f('slowdown_vs_none_1t', '11.3f')}"
+            f"{v:<14}{f('step_ms', '9.1f')}{f('slowdown_vs_none', '9.3f')}"
+            f"{f('slowdown_vs_none_1t', '11.3f')}"
             f"{f('stall_s', '9.3f')}{f('write_s', '9.2f')}{f('writer_cpu_s', '7.2f')}"
             f"{f('lost_vs_same_threads_none_s', '8.2f')}{e['steps_measured']:>7}"
         )
     print(
-        "step ms: median of the steps overlapping the write, pooled over repeats; lost s: stall + sum of "
-        "(step - median step of none, or of none_1t for _1t rows) over them, median over repeats"
+        "step ms: median of the steps overlapping the write, pooled over repeats; "
+        "lost s: stall + sum of (step - median step of none, or of none_1t for _1t rows) "
+        "over them, median over repeats"
     )
 
 
@@ -538,7 +550,8 @@ def main() -> None:
                 r = run_variant(v, step, snapshot, pw, kept, work, rep, a, default_threads)
                 records.append(r)
                 extra = (
-                    f" stall {r['stall_s']:.3f}s write {r['write_s']:.2f}s over {len(r['steps_s'])} steps"
+                    f" stall {r['stall_s']:.3f}s write {r['write_s']:.2f}s "
+                    f"over {len(r['steps_s'])} steps"
                     if "stall_s" in r
                     else ""
                 )
@@ -582,12 +595,14 @@ def main() -> None:
     print()
     print(
         f"model {model_desc}; snapshot {snap_bytes / MB:.0f} MiB; torch threads {default_threads}; "
-        f"cores {os.cpu_count()}; repeats {a.repeats}; load {load_start[0]:.1f} -> {os.getloadavg()[0]:.1f}"
+        f"cores {os.cpu_count()}; repeats {a.repeats}; "
+        f"load {load_start[0]:.1f} -> {os.getloadavg()[0]:.1f}"
     )
     print_table(summary)
     if pw is not None:
         print(
-            f"process setup (once): spawn+import {pw.spawn_s:.2f}s, shm alloc+prefault {pw.shm_alloc_s:.3f}s, "
+            f"process setup (once): spawn+import {pw.spawn_s:.2f}s, "
+            f"shm alloc+prefault {pw.shm_alloc_s:.3f}s, "
             f"handoff {pw.handoff_s:.3f}s"
         )
     print(f"same bytes from every writer: {result['same_bytes_every_writer']}")

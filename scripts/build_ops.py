@@ -45,7 +45,8 @@ def build_one(name: str) -> int:
             "runs use torch_adam instead" if "Adam" in name else "runs try to build it on first use"
         )
         print(
-            f"DeepSpeed op {name.removesuffix('Builder')}: NOT built ({type(e).__name__}: {reason}); {then}",
+            f"DeepSpeed op {name.removesuffix('Builder')}: NOT built "
+            f"({type(e).__name__}: {reason}); {then}",
             flush=True,
         )
         return 1

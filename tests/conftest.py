@@ -109,8 +109,8 @@ def data_files(tmp_path_factory) -> dict[str, Path]:
     """Small files in each format the CLI reads, from the embedded data's sentences."""
     root = tmp_path_factory.mktemp("data")
     lines = [
-        json.loads(l)["text"]
-        for l in (REPO / "finetune/resources/data/train.jsonl").read_text().splitlines()
+        json.loads(ln)["text"]
+        for ln in (REPO / "finetune/resources/data/train.jsonl").read_text().splitlines()
     ][:240]
     pairs = [(t.split(". ", 1)[0] + ".", t.split(". ", 1)[1]) for t in lines if ". " in t]
     import csv
@@ -142,7 +142,7 @@ class Result:
 
     def metrics(self) -> list[dict]:
         path = self.out_dir / "metrics.jsonl"
-        return [json.loads(l) for l in path.read_text().splitlines()] if path.exists() else []
+        return [json.loads(ln) for ln in path.read_text().splitlines()] if path.exists() else []
 
     def eval_rows(self) -> list[dict]:
         return [r for r in self.metrics() if "eval_loss" in r]
@@ -211,7 +211,8 @@ def child_env(extra: dict | None = None) -> dict:
 
 
 class Running:
-    """A command started in its own process group, output to a file (a pipe could fill and block it).
+    """A command started in its own process group, output to a file (a pipe could fill and block
+    it).
 
     ``finish`` always kills the whole group afterwards: ranks that outlived their launcher (or a
     timeout) would keep both cores busy, and a DeepSpeed op-build lock held, for every later test.
@@ -288,7 +289,8 @@ class Running:
 
 
 def run_group(cmd: list[str], cwd: Path, env: dict, timeout: float) -> tuple[str, int]:
-    """Run ``cmd`` to the end in its own process group (see Running); returns (output, exit code)."""
+    """Run ``cmd`` to the end in its own process group (see Running); returns (output, exit
+    code)."""
     r = Running(cmd, cwd, env).finish(timeout)
     return r.output, r.returncode
 
@@ -304,7 +306,8 @@ def wait_until(predicate, timeout: float, what: str, interval: float = 0.05):
 
 
 def last_logged_step(out: Path) -> int:
-    """The newest training step in OUT/metrics.jsonl (0 before the first): progress of a live run."""
+    """The newest training step in OUT/metrics.jsonl (0 before the first): progress of a live
+    run."""
     from finetune.metrics import read_metrics
 
     return max((r["step"] for r in read_metrics(str(out)) if "loss" in r), default=0)

@@ -1,8 +1,8 @@
 """The benchmark suite (bench/run_all.py, `make bench`): its smoke mode runs every measure P1…P9 end
 to end at tiny sizes and writes latest.json's shape; bench/table.py renders it into the docs' block.
 
-The smoke run takes ~2.5 min on 2 cores (~15 short DeepSpeed launches, two measures at a time), so it is a `distributed` test;
-the rendering tests are fast.
+The smoke run takes ~2.5 min on 2 cores (~15 short DeepSpeed launches, two measures at a time), so
+it is a `distributed` test; the rendering tests are fast.
 """
 
 from __future__ import annotations
@@ -101,9 +101,8 @@ def test_smoke_run_has_every_measure(smoke):
     for key in MEASURES:
         assert key in smoke, key
         if key == "P2" and not async_api_present():
-            assert (
-                "error" in smoke[key]
-            )  # until the async API exists; test_async_save_measure skips
+            # until the async API exists; test_async_save_measure skips
+            assert "error" in smoke[key]
             continue
         assert_entry(key, smoke[key])
         for sub in SUBS.get(key, ()):
@@ -119,7 +118,8 @@ def test_smoke_run_has_every_measure(smoke):
 def test_async_save_measure(smoke):
     if not async_api_present():
         pytest.skip(
-            "the --async_save API (CheckpointManager.poll) is not in finetune yet: P2 is recorded as an error"
+            "the --async_save API (CheckpointManager.poll) is not in finetune yet: "
+            "P2 is recorded as an error"
         )
     assert_entry("P2", smoke["P2"])
     for sub in SUBS["P2"]:

@@ -157,8 +157,8 @@ def test_unknown_command_is_named_with_the_close_one():
 
     with pytest.raises(
         ConfigError,
-        match=r"unknown command 'exprot' \(did you mean export\?\); commands: env, export, ls, plot, "
-        r"train, verify",
+        match=r"unknown command 'exprot' \(did you mean export\?\); "
+        r"commands: env, export, ls, plot, train, verify",
     ):
         _command(["exprot", "ckpt", "out"])
     argv = ["export", "ckpt", "out"]
@@ -250,11 +250,14 @@ def test_cli_help_lists_design_flags_with_defaults(tmp_path):
     design_flags = """
         model_name_or_path config_name tokenizer_name trust_remote_code
         dataset_name dataset_config_name train_file validation_file text_column prompt_column
-        completion_column messages_column max_seq_length packing validation_split_percentage max_train_samples
-        deepspeed_config per_device_train_batch_size per_device_eval_batch_size gradient_accumulation_steps
+        completion_column messages_column max_seq_length packing validation_split_percentage
+        max_train_samples
+        deepspeed_config per_device_train_batch_size per_device_eval_batch_size
+        gradient_accumulation_steps
         learning_rate weight_decay lr_scheduler_type warmup_steps num_train_epochs max_steps seed
         gradient_checkpointing bf16 fp16 logging_steps eval_steps
-        output_dir save_checkpoint save_steps save_total_limit save_consolidated resume_from_checkpoint on_save_error
+        output_dir save_checkpoint save_steps save_total_limit save_consolidated
+        resume_from_checkpoint on_save_error
         ddp_timeout ignore_unverified_checkpoints
     """.split()
     missing = [f for f in design_flags if not re.search(rf"--{f}\b", text)]
@@ -284,8 +287,8 @@ def test_cli_help_lists_design_flags_with_defaults(tmp_path):
     ],
 )
 def test_entry_leaves_without_interpreter_teardown_whatever_main_does(body, code):
-    # Teardown can abort a rank with SIGABRT (gloo's threads at finalisation): CI once saw a crashing
-    # rank exit -6 where 1 is documented. An atexit handler shows whether teardown ran.
+    # Teardown can abort a rank with SIGABRT (gloo's threads at finalisation): CI once saw a
+    # crashing rank exit -6 where 1 is documented. An atexit handler shows whether teardown ran.
     script = (
         "import atexit, sys\nfrom finetune import cli\n"
         "atexit.register(lambda: print('teardown ran', flush=True))\n"

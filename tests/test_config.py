@@ -1,5 +1,6 @@
-"""finetune.config and finetune.resolve: flag values → RunConfig (``resolve``), flag ↔ DeepSpeed JSON reconciliation,
-"auto" resolution, validation errors naming the flag, JSON loading. No argparse here: see test_cli."""
+"""finetune.config and finetune.resolve: flag values → RunConfig (``resolve``), flag ↔ DeepSpeed
+JSON reconciliation, "auto" resolution, validation errors naming the flag, JSON loading. No argparse
+here: see test_cli."""
 
 from __future__ import annotations
 
@@ -325,7 +326,8 @@ def test_json_lr_wins_without_flag_even_over_embedded_preset(tmp_path):
     ds_cfg = _base_ds()
     ds_cfg["optimizer"]["params"]["lr"] = 1e-4
     cfg = run(deepspeed_config=write_ds(tmp_path, ds_cfg))
-    # The preset is a default, not a flag: an explicit JSON value must not be reported as contradicting it.
+    # The preset is a default, not a flag: an explicit JSON value must not be reported as
+    # contradicting it.
     assert cfg.train.learning_rate == 1e-4
 
 
@@ -479,9 +481,8 @@ def test_train_file_with_embedded_model_trains_by_epochs(tmp_path):
 def test_hub_model_gets_generic_fallbacks(monkeypatch):
     import huggingface_hub.constants
 
-    monkeypatch.setattr(
-        huggingface_hub.constants, "HF_HUB_OFFLINE", False
-    )  # an uncached id is downloaded later
+    # an uncached id is downloaded later
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
     cfg = run(model_name_or_path="org/some-model")
     assert not cfg.uses_embedded_model
     assert cfg.train.learning_rate == FALLBACKS["learning_rate"] == 5e-5

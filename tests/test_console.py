@@ -16,8 +16,8 @@ DEPRECATED = (
     "`torch.distributed.all_gather_single` instead."
 )
 PEFT_READS = (
-    "`is_gradient_checkpointing` is deprecated and will be removed in v6. Use `is_activation_checkpointing` "
-    "instead."
+    "`is_gradient_checkpointing` is deprecated and will be removed in v6. "
+    "Use `is_activation_checkpointing` instead."
 )
 ACCELERATOR = (
     "Setting accelerator to CPU. If you have GPU or other accelerator, we were unable to detect it."
@@ -26,10 +26,8 @@ ACCELERATOR = (
 
 @pytest.fixture
 def ds_logger(monkeypatch):
-    for var in (
-        "TRANSFORMERS_VERBOSITY",
-        "DATASETS_VERBOSITY",
-    ):  # quiet() sets them for child processes
+    # quiet() sets them for child processes
+    for var in ("TRANSFORMERS_VERBOSITY", "DATASETS_VERBOSITY"):
         monkeypatch.setenv(var, "warning")
     logger = logging.getLogger("DeepSpeed")
     level, filters = logger.level, list(logger.filters)
@@ -42,9 +40,11 @@ def shown(level: str) -> list[str]:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         console.quiet([], level=level)
-        warnings.warn(DEPRECATED, FutureWarning)
-        warnings.warn(PEFT_READS, FutureWarning)
-        warnings.warn("`torch.load` with weights_only=False is deprecated", FutureWarning)
+        warnings.warn(DEPRECATED, FutureWarning, stacklevel=1)
+        warnings.warn(PEFT_READS, FutureWarning, stacklevel=1)
+        warnings.warn(
+            "`torch.load` with weights_only=False is deprecated", FutureWarning, stacklevel=1
+        )
     return [str(w.message) for w in caught]
 
 

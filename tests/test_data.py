@@ -180,7 +180,8 @@ def _ranks(n: int, world: int, seed: int = 0) -> list[ResumableSampler]:
 
 
 def _take_all(samplers, per_rank):
-    """One step: every rank takes; returns the list of per-rank index lists (or None at epoch end)."""
+    """One step: every rank takes; returns the list of per-rank index lists (or None at epoch
+    end)."""
     got = [s.take(per_rank) for s in samplers]
     assert all(g is None for g in got) or all(g is not None for g in got)
     return None if got[0] is None else got
@@ -225,9 +226,8 @@ def test_sampler_resume_mid_epoch_matches_uninterrupted():
     for _ in range(2):
         _take_all(straight, per_rank)
         _take_all(interrupted, per_rank)
-    saved = [
-        json.loads(json.dumps(s.state_dict())) for s in interrupted
-    ]  # as a checkpoint stores it
+    # as a checkpoint stores it
+    saved = [json.loads(json.dumps(s.state_dict())) for s in interrupted]
     resumed = _ranks(n, world)
     for s, sd in zip(resumed, saved):
         s.load_state_dict(sd)
@@ -623,7 +623,6 @@ def test_nothing_to_learn_names_the_data_when_no_length_would_help(tok, tmp_path
         validation_split_percentage=0,
     )
     train, _ = load_raw(args, seed=0)
-    assert (
-        nothing_to_learn(args, tok, train, 512)
-        == "--train_file: no training example has a token to learn from (chats with no assistant turn)"
+    assert nothing_to_learn(args, tok, train, 512) == (
+        "--train_file: no training example has a token to learn from (chats with no assistant turn)"
     )

@@ -168,7 +168,8 @@ def test_bad_input_is_a_config_error_and_leaves_no_entry(tmp_path, tok):
 
 
 def _build_then_hang(cfg_argv: list[str], ready: str) -> None:
-    """A leader killed mid-build: writes part of an entry's temporary folder, then waits for SIGKILL."""
+    """A leader killed mid-build: writes part of an entry's temporary folder, then waits for
+    SIGKILL."""
     cfg = parse_train_args(cfg_argv)
     tokenizer = load_tokenizer(cfg.model)
 
@@ -208,9 +209,8 @@ def test_a_killed_build_leaves_nothing_a_later_run_reads(tmp_path, tok):
     os.kill(proc.pid, signal.SIGKILL)
     proc.join()
     root = tmp_path / "cache" / cache.SUBDIR
-    assert [p.name.startswith(cache.TMP_PREFIX) for p in root.iterdir()] == [
-        True
-    ]  # only the abandoned build
+    # only the abandoned build
+    assert [p.name.startswith(cache.TMP_PREFIX) for p in root.iterdir()] == [True]
     train, _ = cache.prepare(parse_train_args(argv), tok)
     assert len(train) > 0 and all(len(r) > 0 for r in train["input_ids"])
     assert [p.name.startswith(cache.TMP_PREFIX) for p in root.iterdir()] == [False], (
@@ -281,8 +281,7 @@ def test_a_dataset_name_is_keyed_by_datasets_fingerprint_of_what_it_loaded(
         cache.prepare(parse_train_args(argv), tok)[0][:] == train[:]
         and len(count_tokenize) == calls
     )
-    _write(
-        folder / "train.jsonl", _rows(300)
-    )  # new data under the same name: datasets' fingerprint moves
+    # new data under the same name: datasets' fingerprint moves
+    _write(folder / "train.jsonl", _rows(300))
     assert len(cache.prepare(parse_train_args(argv), tok)[0]) == 285 != len(train)
     assert len(count_tokenize) > calls

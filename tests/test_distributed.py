@@ -11,7 +11,8 @@ from finetune import distributed as dist
 
 
 class ThreadDevices:
-    """An accelerator whose current device is per thread, as CUDA's is (a new thread starts on 0)."""
+    """An accelerator whose current device is per thread, as CUDA's is (a new thread starts on
+    0)."""
 
     def __init__(self):
         self._local = threading.local()
@@ -28,7 +29,8 @@ class ThreadDevices:
 
 @pytest.fixture
 def two_ranks(monkeypatch):
-    """gather_outcomes as on a rank of two (its work in a thread), every peer answering like this one."""
+    """gather_outcomes as on a rank of two (its work in a thread), every peer answering like this
+    one."""
     monkeypatch.setattr(dist, "world_size", lambda: 2)
     monkeypatch.setattr(dist, "rank", lambda: 1)
     monkeypatch.setattr(dist, "all_gather_object", lambda obj: [obj, obj])

@@ -84,7 +84,8 @@ def _load_generator():
 
 @cache
 def generator():
-    """The generator, each `--help` subprocess run once per session (render and the tests share them)."""
+    """The generator, each `--help` subprocess run once per session (render and the tests share
+    them)."""
     module = _load_generator()
     module.subcommand_help = lru_cache(maxsize=None)(module.subcommand_help)
     return module
@@ -156,9 +157,8 @@ def test_flags_doc_has_a_row_for_every_visible_train_flag_and_each_subcommand():
         assert any(f"`{action.option_strings[0]}`" in row for row in rows), action.option_strings
     for command in subcommand_helps():
         assert f"## `finetune {command}`" in text, command
-    assert (
-        "/work/" not in text and "/home/" not in text and str(REPO) not in text
-    )  # nothing of this machine
+    # nothing of this machine
+    assert "/work/" not in text and "/home/" not in text and str(REPO) not in text
 
 
 # --- (2) every flag the docs mention exists ----------------------------------------------------

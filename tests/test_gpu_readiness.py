@@ -61,7 +61,8 @@ class FakeCudaNode:
     "capability, want", [((8, 0), "bf16"), ((9, 0), "bf16"), ((7, 0), "fp32"), ((7, 5), "fp32")]
 )
 def test_auto_precision_reads_this_ranks_device_only(monkeypatch, capability, want):
-    """LOCAL_RANK 3 of a node of 8: only device 3 is asked; V100 (7.0) and T4 (7.5) emulate bf16 → fp32."""
+    """LOCAL_RANK 3 of a node of 8: only device 3 is asked; V100 (7.0) and T4 (7.5) emulate bf16 →
+    fp32."""
     node = FakeCudaNode(monkeypatch, [(6, 0)] * 3 + [capability] + [(6, 0)] * 4)
     monkeypatch.setenv("LOCAL_RANK", "3")
     assert auto_precision() == want
@@ -103,9 +104,8 @@ def test_an_adam_op_that_cannot_be_built_becomes_torch_adam(monkeypatch, caplog)
     with caplog.at_level(logging.WARNING, logger="finetune"):
         out = ops.ensure_adam(cfg, load=no_toolkit)
     assert out["optimizer"]["params"]["torch_adam"] is True
-    assert (
-        out["optimizer"]["type"] == "AdamW" and "torch_adam" not in cfg["optimizer"]["params"]
-    )  # a copy
+    # a copy
+    assert out["optimizer"]["type"] == "AdamW" and "torch_adam" not in cfg["optimizer"]["params"]
     assert (
         "FusedAdam can't be loaded or built here" in caplog.text
         and "torch.optim.AdamW" in caplog.text
@@ -117,7 +117,8 @@ def test_an_adam_op_that_cannot_be_built_becomes_torch_adam(monkeypatch, caplog)
 def test_a_checkpoint_trained_with_torch_adam_resumes_with_it_even_where_the_op_loads(
     monkeypatch, caplog
 ):
-    """torch's param groups lack the bias_correction FusedAdam / CPU Adam read at their first step."""
+    """torch's param groups lack the bias_correction FusedAdam / CPU Adam read at their first
+    step."""
     monkeypatch.setenv("WORLD_SIZE", "1")
     loaded = []
     with caplog.at_level(logging.WARNING, logger="finetune"):
@@ -180,7 +181,8 @@ def test_torch_adam_drops_the_settings_torch_has_no_argument_for():
 
 
 def test_a_build_lock_an_interrupted_build_left_is_refused_not_waited_for(monkeypatch, tmp_path):
-    """Torch waits for a build lock with no timeout: a preempted first build would hang every later run."""
+    """Torch waits for a build lock with no timeout: a preempted first build would hang every later
+    run."""
     import time
 
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
@@ -202,7 +204,8 @@ def test_ranks_whose_auto_precision_differs_are_stopped(monkeypatch):
 
 
 def test_ops_are_found_where_make_setup_built_them(monkeypatch, tmp_path):
-    """Inside a venv: <venv>/torch_extensions and the venv's ninja, unless TORCH_EXTENSIONS_DIR is set."""
+    """Inside a venv: <venv>/torch_extensions and the venv's ninja, unless TORCH_EXTENSIONS_DIR is
+    set."""
     venv = tmp_path / "venv"
     (venv / "bin").mkdir(parents=True)
     (venv / "bin" / "ninja").write_text("#!/bin/sh\n")
@@ -258,7 +261,8 @@ def test_the_fallback_config_trains_saves_and_resumes_under_offload(run_finetune
 
 
 def test_cpu_info_is_asked_once_per_process(monkeypatch):
-    """DeepSpeed asks py-cpuinfo twice per op it loads (~1.1 s of CPU each, every rank, every start)."""
+    """DeepSpeed asks py-cpuinfo twice per op it loads (~1.1 s of CPU each, every rank, every
+    start)."""
     import cpuinfo
 
     from finetune.ops import remember_cpu_info

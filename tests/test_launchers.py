@@ -101,10 +101,8 @@ def test_mpirun_inside_an_sbatch_job_ignores_the_batch_steps_slurm_variables(mon
             dict(MV2_COMM_WORLD_RANK=3, MV2_COMM_WORLD_SIZE=4, MV2_COMM_WORLD_LOCAL_RANK=1),
             ("3", "4", "1"),
         ),
-        (
-            dict(PMI_RANK=6, PMI_SIZE=8, MPI_LOCALRANKID=2),
-            ("6", "8", "2"),
-        ),  # Hydra: MPICH, Intel MPI
+        # Hydra: MPICH, Intel MPI
+        (dict(PMI_RANK=6, PMI_SIZE=8, MPI_LOCALRANKID=2), ("6", "8", "2")),
         (dict(PMI_RANK=6, PMI_SIZE=8, PALS_LOCAL_RANKID=2), ("6", "8", "2")),  # Cray PALS
     ],
     ids=["mvapich", "hydra", "pals"],
@@ -142,10 +140,8 @@ def test_an_explicit_rank_wins_over_mpirun_and_srun_variables(monkeypatch):
         (dict(OMPI_COMM_WORLD_RANK=1), "OMPI_COMM_WORLD_SIZE"),
         (dict(OMPI_COMM_WORLD_RANK=1, OMPI_COMM_WORLD_SIZE=4), "OMPI_COMM_WORLD_LOCAL_RANK"),
         (dict(MV2_COMM_WORLD_RANK=1, MV2_COMM_WORLD_LOCAL_RANK=1), "MV2_COMM_WORLD_SIZE"),
-        (
-            dict(PMI_RANK=1, PMI_SIZE=4),
-            "PMI_RANK",
-        ),  # neither a launcher's local rank nor srun's variables
+        # neither a launcher's local rank nor srun's variables
+        (dict(PMI_RANK=1, PMI_SIZE=4), "PMI_RANK"),
         (dict(PMIX_RANK=3), "PMIX_RANK"),
         (dict(RANK=1), "WORLD_SIZE"),
         (dict(WORLD_SIZE=4), "RANK"),
@@ -220,10 +216,8 @@ def test_bare_srun_with_a_bracketed_nodelist_uses_its_first_host(monkeypatch):
         (dict(SLURM_JOB_NODELIST="gpu-a[1,3-5],gpu-b7"), "gpu-a1"),
         (dict(SLURM_STEP_NODELIST="n[001-002]-ib"), "n001-ib"),
         (dict(SLURM_STEP_NODELIST="node07"), "node07"),
-        (
-            dict(SLURM_STEP_NODELIST="node[01-04]", MASTER_ADDR="10.1.1.1"),
-            "10.1.1.1",
-        ),  # the sbatch scripts' export
+        # the sbatch scripts' export
+        (dict(SLURM_STEP_NODELIST="node[01-04]", MASTER_ADDR="10.1.1.1"), "10.1.1.1"),
     ],
 )
 def test_srun_master_addr(monkeypatch, env, master):
@@ -255,7 +249,8 @@ def test_an_unreadable_nodelist_names_its_variable_and_is_not_replaced_by_the_lo
     setenv(monkeypatch, **SRUN, SLURM_STEP_NODELIST="node[01-04")
     with pytest.raises(ConfigError, match=r"SLURM_STEP_NODELIST.*export MASTER_ADDR"):
         adopt_launcher_env()
-    dist.adopt_launcher_env()  # cli.main's call leaves it to init(), which reports it as a usage error
+    # cli.main's call leaves it to init(), which reports it as a usage error
+    dist.adopt_launcher_env()
     assert "MASTER_ADDR" not in os.environ and "RANK" not in os.environ
 
 
@@ -305,17 +300,16 @@ def test_expand_nodelist_refuses_what_it_cannot_read(nodelist):
 def test_expand_nodelist_agrees_with_scontrol(tmp_path):
     if not shutil.which("scontrol"):
         pytest.skip("scontrol not installed")
-    conf = (
-        tmp_path / "slurm.conf"
-    )  # `scontrol show hostnames` needs a configuration, not a controller
+    # `scontrol show hostnames` needs a configuration, not a controller
+    conf = tmp_path / "slurm.conf"
     conf.write_text(
-        "ClusterName=t\nSlurmctldHost=localhost\nNodeName=localhost CPUs=1\nPartitionName=p Nodes=localhost\n"
+        "ClusterName=t\nSlurmctldHost=localhost\nNodeName=localhost CPUs=1\n"
+        "PartitionName=p Nodes=localhost\n"
     )
     env = {**os.environ, "SLURM_CONF": str(conf)}
     for nodelist, hosts in NODELISTS:
-        if (
-            not nodelist.strip() or "]-" in nodelist
-        ):  # Slurm 22.05 has no text after a group; we accept it
+        # Slurm 22.05 has no text after a group; we accept it
+        if not nodelist.strip() or "]-" in nodelist:
             continue
         proc = subprocess.run(
             ["scontrol", "show", "hostnames", nodelist],
@@ -341,9 +335,8 @@ def test_local_device_index(monkeypatch, local, count, device):
 
 
 def test_local_device_index_before_adoption_reads_the_launchers_variables(monkeypatch):
-    setenv(
-        monkeypatch, **SRUN, SLURM_STEP_NODELIST="node[01-04]"
-    )  # srun --gpus-per-task=1: one GPU each
+    # srun --gpus-per-task=1: one GPU each
+    setenv(monkeypatch, **SRUN, SLURM_STEP_NODELIST="node[01-04]")
     assert dist.local_device_index(1) == 0 and dist.local_device_index(8) == 3
     assert "LOCAL_RANK" not in os.environ
 
@@ -364,7 +357,8 @@ class FakeAccelerator:
 
 @pytest.fixture
 def fake_deepspeed(monkeypatch):
-    """distributed.init with init_distributed recorded (the environment it saw, its port) and a fake accelerator."""
+    """distributed.init with init_distributed recorded (the environment it saw, its port) and a fake
+    accelerator."""
     import deepspeed
     import deepspeed.accelerator
 
@@ -372,9 +366,8 @@ def fake_deepspeed(monkeypatch):
 
     def init_distributed(timeout, distributed_port=29500, **_):
         seen.update(env=torch_env(), port=distributed_port)
-        if (
-            "MASTER_ADDR" not in os.environ
-        ):  # as DeepSpeed's mpi_discovery: LOCAL_RANK counted by host name
+        # as DeepSpeed's mpi_discovery: LOCAL_RANK counted by host name
+        if "MASTER_ADDR" not in os.environ:
             os.environ.update(
                 MASTER_ADDR="10.9.9.9", MASTER_PORT=str(distributed_port), LOCAL_RANK="7"
             )
@@ -441,9 +434,8 @@ def test_init_leaves_master_addr_to_deepspeeds_azureml_patch(monkeypatch, fake_d
 
 def test_init_refuses_a_device_deepspeed_would_reject_under_openmpi(monkeypatch, fake_deepspeed):
     seen, acc = fake_deepspeed
-    acc.count = (
-        1  # a per-rank CUDA_VISIBLE_DEVICES: device 0, but DeepSpeed asserts LOCAL_RANK == OMPI's 1
-    )
+    # a per-rank CUDA_VISIBLE_DEVICES: device 0, but DeepSpeed asserts LOCAL_RANK == OMPI's 1
+    acc.count = 1
     setenv(monkeypatch, **OMPI, MASTER_ADDR="node01")
     with pytest.raises(ConfigError, match="OMPI_COMM_WORLD_LOCAL_RANK=1"):
         dist.init(60)
@@ -491,9 +483,8 @@ def test_a_real_openmpi_world(tmp_path):
     from conftest import child_env, free_port
 
     env = {k: v for k, v in child_env().items() if not k.startswith(PREFIXES)}
-    env.update(
-        OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1"
-    )  # containers run as root
+    # containers run as root
+    env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
     proc = subprocess.run(
         [
             "mpirun",
@@ -524,8 +515,8 @@ def test_a_real_openmpi_world(tmp_path):
 
 @pytest.mark.parametrize("step", [None, "4294967291"])
 def test_python_started_in_the_batch_step_of_a_multi_task_job_fails_fast(monkeypatch, step):
-    """`python -m finetune` in an `sbatch -n 8` script (no srun): the batch step's SLURM_PROCID=0 and
-    SLURM_NTASKS=8 would make it rank 0 of 8, waiting for peers that never start."""
+    """`python -m finetune` in an `sbatch -n 8` script (no srun): the batch step's SLURM_PROCID=0
+    and SLURM_NTASKS=8 would make it rank 0 of 8, waiting for peers that never start."""
     batch = dict(
         SLURM_PROCID=0,
         SLURM_NTASKS=8,

@@ -36,7 +36,7 @@ def _resolve(**values):
     return resolve(values, world_size=1)
 
 
-# --- flags -------------------------------------------------------------------------------------------
+# --- flags ----------------------------------------------------------------------------------------
 
 
 def test_lora_flags_without_use_peft_exit_2_naming_them():
@@ -95,9 +95,8 @@ def test_lora_config_follows_trls_meaning():
         "all-linear",
         ["lm_head", "embed_tokens"],
     )
-    assert (
-        lora_config(_resolve(use_peft=True).model).target_modules is None
-    )  # peft's default for the architecture
+    # peft's default for the architecture
+    assert lora_config(_resolve(use_peft=True).model).target_modules is None
     assert set(
         lora_config(
             _resolve(use_peft=True, lora_target_modules="q_proj v_proj").model
@@ -105,7 +104,7 @@ def test_lora_config_follows_trls_meaning():
     ) == {"q_proj", "v_proj"}
 
 
-# --- the base's fingerprint ---------------------------------------------------------------------------
+# --- the base's fingerprint -----------------------------------------------------------------------
 
 
 @pytest.fixture
@@ -127,9 +126,8 @@ def test_fingerprint_is_stable_and_follows_the_weights_not_the_folder(base_copy,
     moved = tmp_path / "moved"
     shutil.copytree(base_copy, moved)
     assert fingerprint(moved)["digest"] == first["digest"] == fingerprint(base_copy)["digest"]
-    _edit(
-        base_copy, lambda w: {k: v * 1.001 for k, v in w.items()}
-    )  # a fine-tune: every value moves
+    # a fine-tune: every value moves
+    _edit(base_copy, lambda w: {k: v * 1.001 for k, v in w.items()})
     assert fingerprint(base_copy)["digest"] != first["digest"]
     _edit(moved, lambda w: {**w, "lm_head.weight": w["lm_head.weight"][:-1]})  # another shape
     assert fingerprint(moved)["digest"] != first["digest"]
@@ -175,14 +173,16 @@ def test_fingerprint_reads_blocks_not_whole_tensors(base_copy, monkeypatch):
     lora._safetensors_digest(path)
     data_reads = reads[2:]  # after the 8-byte length and the header
     assert 0 < len(data_reads) <= 3 * tensors and max(data_reads) <= lora.BLOCK
-    # At most 12 KiB per tensor whatever its size: a 5 GB shard of ~300 tensors costs ~4 MB of reads.
+    # At most 12 KiB per tensor whatever its size: a 5 GB shard of ~300 tensors costs ~4 MB of
+    # reads.
     assert sum(data_reads) <= 3 * lora.BLOCK * tensors
 
 
 def test_a_hub_base_is_fingerprinted_from_its_cached_copy_with_its_commit(
     tiny_models, tmp_path, monkeypatch
 ):
-    """A hub id: the snapshot the hub cache holds (HF_HUB_OFFLINE, as in these tests), its commit recorded."""
+    """A hub id: the snapshot the hub cache holds (HF_HUB_OFFLINE, as in these tests), its commit
+    recorded."""
     import huggingface_hub
 
     commit = "0123456789abcdef0123456789abcdef01234567"
@@ -221,7 +221,7 @@ def test_a_config_base_is_its_config_and_seed(tmp_path):
     )
 
 
-# --- resume checks ----------------------------------------------------------------------------------
+# --- resume checks --------------------------------------------------------------------------------
 
 
 def _saved(base: dict | None, **model_args) -> dict:
@@ -254,12 +254,11 @@ def test_resume_refuses_another_base_or_other_adapter_shapes_naming_both(base_co
         check_resumable(ckpt, _saved(mine), _resolve().model, None)
     with pytest.raises(ConfigError, match="--use_peft: .* is a full fine-tuning checkpoint"):
         check_resumable(ckpt, _saved(None), args, mine)
-    check_resumable(
-        ckpt, _saved(None), _resolve().model, None
-    )  # full fine-tuning both: not ours to judge
+    # full fine-tuning both: not ours to judge
+    check_resumable(ckpt, _saved(None), _resolve().model, None)
 
 
-# --- adapter checks ---------------------------------------------------------------------------------
+# --- adapter checks -------------------------------------------------------------------------------
 
 
 @pytest.fixture
@@ -308,9 +307,8 @@ def test_verify_adapter_names_an_empty_or_incomplete_adapter_file(adapter_folder
         "the manifest records 9 tensors, 1 bytes"
         in check_adapter_file(weights, expected, {"tensors": 9, "bytes": 1})[0]
     )
-    weights.write_bytes(
-        shard_header([], {})
-    )  # what saving unfetched ZeRO-3 partitions gives: no tensors
+    # what saving unfetched ZeRO-3 partitions gives: no tensors
+    weights.write_bytes(shard_header([], {}))
     assert len(weights.read_bytes()) < 64
     problems = verify_adapter(adapter_folder)
     assert problems and "9 of 9 adapter tensors missing" in problems[0]
@@ -325,9 +323,8 @@ def test_custom_model_code_is_never_run_to_check_an_adapter(adapter_folder, tiny
     (adapter_folder / "config.json").write_text(
         json.dumps({**config, "auto_map": {"AutoModelForCausalLM": "x.Y"}})
     )
-    assert (
-        expected_tensors(adapter_folder) == {}
-    )  # no rank files here: nothing listed, nothing built
+    # no rank files here: nothing listed, nothing built
+    assert expected_tensors(adapter_folder) == {}
     assert (
         _peft_key("base_model.model.model.layers.0.self_attn.q_proj.lora_A.default.weight")
         == "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"
@@ -351,7 +348,7 @@ def test_an_adapter_config_that_matches_nothing_is_an_empty_adapter(adapter_fold
     assert problems and problems[0].startswith("adapter_config.json:")
 
 
-# --- --merge_lora against peft's merge_and_unload ------------------------------------------------------
+# --- --merge_lora against peft's merge_and_unload -------------------------------------------------
 
 
 def _merge_with_both(
@@ -411,7 +408,8 @@ def test_merge_matches_peft_for_linear_layers_and_modules_to_save(tiny_models, t
 
 
 def test_merge_matches_peft_for_conv1d_and_embeddings(tiny_models, tmp_path):
-    """GPT-2: Conv1D layers store weights transposed (fan_in_fan_out) and the embedding is tied to the head."""
+    """GPT-2: Conv1D layers store weights transposed (fan_in_fan_out) and the embedding is tied to
+    the head."""
     theirs, ours = _merge_with_both(
         tiny_models["gpt2"],
         dict(r=4, lora_alpha=8, target_modules=["c_attn", "c_fc", "wte"], fan_in_fan_out=True),
@@ -423,7 +421,8 @@ def test_merge_matches_peft_for_conv1d_and_embeddings(tiny_models, tmp_path):
 
 
 def test_a_delta_that_does_not_fit_the_base_weight_is_refused(tiny_models, tmp_path):
-    """GPT-2's c_attn adapters merged as if fan_in_fan_out were off: (192, 64) onto a (64, 192) weight."""
+    """GPT-2's c_attn adapters merged as if fan_in_fan_out were off: (192, 64) onto a (64, 192)
+    weight."""
     with pytest.raises(
         ConfigError,
         match=r"delta for transformer.h.0.attn.c_attn.weight is \(192, 64\), the base's "

@@ -37,7 +37,8 @@ KEYS = {
 def commit(
     out, step: int, world: int = WORLD, ranks: list[int] | None = None, consolidated: bool = False
 ):
-    """A checkpoint committed the way a save commits it: files staged, manifest, rename, `latest`."""
+    """A checkpoint committed the way a save commits it: files staged, manifest, rename,
+    `latest`."""
     storage, tag = OutputDir(out), f"global_step{step}"
     staged = storage.root / STAGING / tag
     staged.mkdir(parents=True)
@@ -47,9 +48,8 @@ def commit(
             f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt",
             f"rng_state_{r}.pt",
         ):
-            torch.save(
-                {"step": step, "data": torch.arange(64)}, staged / name
-            )  # verify --verify reads the opcodes
+            # verify --verify reads the opcodes
+            torch.save({"step": step, "data": torch.arange(64)}, staged / name)
     (staged / "config.json").write_text("{}")
     (staged / "trainer_state.json").write_text(
         json.dumps({"global_step": step, "world_size": world})
@@ -121,10 +121,8 @@ def test_rows_are_sorted_by_step_and_latest_is_marked(run, capsys):
 def test_losses_are_the_rows_at_or_last_before_each_step(run):
     found = {c.step: c for c in listing.collect(run).checkpoints}
     assert (found[2].train_loss, found[2].eval_loss) == (None, None)  # nothing logged by step 2
-    assert (found[4].train_loss, found[4].eval_loss) == (
-        2.0,
-        2.5,
-    )  # the later of two rows at one step
+    # the later of two rows at one step
+    assert (found[4].train_loss, found[4].eval_loss) == (2.0, 2.5)
     assert (found[10].train_loss, found[10].train_loss_step, found[10].eval_loss_step) == (
         1.0,
         8,
@@ -260,9 +258,8 @@ def test_not_an_output_dir_exits_2_with_one_line_naming_it(
 def test_unknown_flag_is_a_usage_error(run, capsys):
     with pytest.raises(SystemExit) as e:
         listing.main([str(run), "--verif"])
-    assert (
-        e.value.code == 2 and "--verify" in capsys.readouterr().err
-    )  # no abbreviations; a suggestion
+    # no abbreviations; a suggestion
+    assert e.value.code == 2 and "--verify" in capsys.readouterr().err
 
 
 @pytest.mark.skipif("ls" not in cli.COMMANDS, reason="finetune ls not wired yet")
@@ -305,6 +302,6 @@ def test_a_cached_universal_conversion_is_noted_with_its_size(run):
     (target / "fp32.pt").write_bytes(b"x" * 2000)
     write_universal_manifest(run / "global_step10" / "universal", None)
     assert (
-        "global_step10/universal: a universal conversion (for resuming on another world size), 2.0 kB; not in "
-        "the sizes above" in listing.collect(run).notes
+        "global_step10/universal: a universal conversion (for resuming on another world size), "
+        "2.0 kB; not in the sizes above" in listing.collect(run).notes
     )

@@ -1,5 +1,5 @@
-"""finetune.plot: reading a run folder (metrics, events, manifests), the PNG it draws, `finetune plot`,
-and the trainer's background Plotter (never blocks, never raises, one warning)."""
+"""finetune.plot: reading a run folder (metrics, events, manifests), the PNG it draws,
+`finetune plot`, and the trainer's background Plotter (never blocks, never raises, one warning)."""
 
 from __future__ import annotations
 
@@ -19,11 +19,8 @@ mpimg = pytest.importorskip("matplotlib.image", reason="matplotlib is not instal
 np = pytest.importorskip("numpy")
 
 REPO = Path(__file__).resolve().parents[1]
-BLUE, ORANGE, RED = (
-    (0x1F, 0x77, 0xB4),
-    (0xFF, 0x7F, 0x0E),
-    (0xD6, 0x27, 0x28),
-)  # tab:blue/orange/red
+# tab:blue/orange/red
+BLUE, ORANGE, RED = (0x1F, 0x77, 0xB4), (0xFF, 0x7F, 0x0E), (0xD6, 0x27, 0x28)
 
 
 def train_row(step: int, loss: float) -> dict:
@@ -54,9 +51,8 @@ def write_run(out: Path, rows: int = 150, events: bool = True) -> Path:
     last = 2 * rows
     lines = [eval_row(0, 6.3)]
     lines += [train_row(s, 6.0 * 0.99**s + 1.0 + 0.1 * (s % 3)) for s in range(2, 121, 2)]
-    lines += [
-        train_row(s, 6.0 * 0.99**s + 1.0) for s in range(102, last + 1, 2)
-    ]  # after the resume
+    # after the resume
+    lines += [train_row(s, 6.0 * 0.99**s + 1.0) for s in range(102, last + 1, 2)]
     lines += [eval_row(s, 6.0 * 0.99**s + 1.1) for s in range(50, last + 1, 50)]
     text = "".join(json.dumps(r) + "\n" for r in lines) + '{"step": 9999, "loss": 1.'  # torn
     (out / "metrics.jsonl").write_text(text)
@@ -67,11 +63,8 @@ def write_run(out: Path, rows: int = 150, events: bool = True) -> Path:
             {"event": "preempted", "step": 120, "signal": "SIGTERM"},
             {"event": "resume", "step": 100, "from": "global_step100"},
             {"event": "save_failed", "step": 150, "error": "disk full"},
-            {
-                "event": "checkpoint",
-                "tag": "global_step200",
-                "consolidated": True,
-            },  # step from its tag
+            # step from its tag
+            {"event": "checkpoint", "tag": "global_step200", "consolidated": True},
             {"event": "teleported", "step": 5},
         ]
         stamped = [{"time": "2025-01-01T00:00:00+00:00", "run_id": "r1", **e} for e in ev]
@@ -105,9 +98,8 @@ def test_load_run_keeps_the_last_row_per_step_and_unions_checkpoints(tmp_path):
     run = plot.load_run(write_run(tmp_path / "out"))
     steps = [r["step"] for r in run.train]
     assert steps == sorted(set(steps)) and steps[0] == 2 and steps[-1] == 300 and len(steps) == 150
-    assert run.train[steps.index(110)]["loss"] == pytest.approx(
-        6.0 * 0.99**110 + 1.0
-    )  # the resumed row
+    # the resumed row
+    assert run.train[steps.index(110)]["loss"] == pytest.approx(6.0 * 0.99**110 + 1.0)
     assert [r["step"] for r in run.evals] == [0, 50, 100, 150, 200, 250, 300]
     assert run.marks == {
         "checkpoint": [100, 200, 300],
@@ -312,7 +304,6 @@ def test_long_runs_are_thinned_for_drawing_after_smoothing_on_every_row():
     smooth = ema(values, 50)
     x, raw, drawn = _thin(steps, values, smooth)
     assert len(x) == len(raw) == len(drawn) <= MAX_POINTS
-    assert (
-        x[0] == 1 and drawn[-1] == smooth[::4][-1]
-    )  # the smoothed values are the full series' own
+    # the smoothed values are the full series' own
+    assert x[0] == 1 and drawn[-1] == smooth[::4][-1]
     assert _thin(steps[:10], values[:10]) == (steps[:10], values[:10])

@@ -90,7 +90,8 @@ def test_yaml_exponent_without_a_dot_is_still_a_number(tmp_path):
         ("text_column: [a, b]\n", r"`text_column` must be a string, got \['a', 'b'\] \(a list\)"),
         (
             "lr_scheduler_type: wsd\n",
-            r"`lr_scheduler_type` must be one of linear, cosine, constant, constant_with_warmup, got 'wsd'",
+            r"`lr_scheduler_type` must be one of linear, cosine, constant, constant_with_warmup, "
+            r"got 'wsd'",
         ),
         ("- max_steps\n", r"must hold a mapping of flag names to values, got list"),
         ("max_steps: [\n", r"not valid YAML: while parsing"),

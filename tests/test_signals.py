@@ -1,4 +1,5 @@
-"""Preemption signals in a plain process: recorded before torch is imported, kept or re-delivered."""
+"""Preemption signals in a plain process: recorded before torch is imported, kept or
+re-delivered."""
 
 from __future__ import annotations
 

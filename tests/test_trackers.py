@@ -109,7 +109,7 @@ def run_config(out: Path, report_to: str, **flags):
     return resolve({"output_dir": str(out), "report_to": report_to, **flags}, world_size=1)
 
 
-# --- wandb -----------------------------------------------------------------------------------------
+# --- wandb ----------------------------------------------------------------------------------------
 
 
 def test_wandb_offline_run_has_name_config_history_and_events(tmp_path, wandb_offline):
@@ -150,8 +150,8 @@ def test_wandb_offline_run_has_name_config_history_and_events(tmp_path, wandb_of
 
 
 def test_wandb_resumed_run_continues_the_same_wandb_run(tmp_path, wandb_offline):
-    """Resuming: the id in OUT/wandb_run_id (each launch has its own finetune run id); a fresh
-    start in the same OUT: a new wandb run. A late (background) commit is logged at the newest step."""
+    """Resuming: the id in OUT/wandb_run_id (each launch has its own finetune run id); a fresh start
+    in the same OUT: a new wandb run. A late (background) commit is logged at the newest step."""
     out = tmp_path / "out"
     out.mkdir()
     cfg = run_config(out, "wandb")
@@ -179,9 +179,8 @@ def test_wandb_resumed_run_continues_the_same_wandb_run(tmp_path, wandb_offline)
     fresh = launch("third3", False, [1])
     assert first["id"] == again["id"] == "first1" and fresh["id"] == "third3"
     assert history_at(again["history"], "train/loss") == {2: 0.5, 3: 1.0 / 3}
-    assert history_at(again["history"], "events/checkpoint") == {
-        3: 2
-    }  # x = the newest step; value = its step
+    # x = the newest step; value = its step
+    assert history_at(again["history"], "events/checkpoint") == {3: 2}
     assert again["exit_code"] == 75
     assert len(offline_runs(out)) == 3  # wandb offline: one folder per launch (`wandb sync` each)
     assert (out / trackers.WANDB_ID_FILE).read_text().strip() == "third3"
@@ -324,9 +323,8 @@ def test_tracker_failures_are_logged_not_raised(tmp_path, ds_rank0, caplog):
     with caplog.at_level(logging.WARNING, logger="finetune"):
         for row in TRAIN:
             metrics.write(row)
-        monitor.write_events(
-            [("Train/Samples/lr", 1e-3, 16)]
-        )  # the engine's own write, guarded too
+        # the engine's own write, guarded too
+        monitor.write_events([("Train/Samples/lr", 1e-3, 16)])
         metrics.event("checkpoint", 3, tag="global_step3")
         metrics.close(1)
         metrics.close(1)  # once
@@ -334,9 +332,8 @@ def test_tracker_failures_are_logged_not_raised(tmp_path, ds_rank0, caplog):
     assert [e["event"] for e in read_events(tmp_path)] == ["checkpoint"]
     assert broken.calls == 5  # 3 rows, 1 event, 1 close
     warned = [r.getMessage() for r in caplog.records]
-    assert (
-        sum("broken: write failed (RuntimeError: service gone)" in m for m in warned) == 1
-    )  # the first only
+    # the first only
+    assert sum("broken: write failed (RuntimeError: service gone)" in m for m in warned) == 1
     assert any(m.startswith("csv: writing scalars failed (NotADirectoryError") for m in warned), (
         warned
     )
@@ -425,9 +422,9 @@ def test_check_available(monkeypatch):
         importlib.util, "find_spec", lambda name, *a: None if name in missing else real(name, *a)
     )
     assert trackers.check_available(()) is None and trackers.check_available(("csv",)) is None
-    assert (
-        trackers.check_available(("csv", "tensorboard"))
-        == "`--report_to tensorboard`: the tensorboard package is not installed (pip install tensorboard)"
+    assert trackers.check_available(("csv", "tensorboard")) == (
+        "`--report_to tensorboard`: the tensorboard package is not installed "
+        "(pip install tensorboard)"
     )
     assert "`--report_to wandb`: the wandb package is not installed" in trackers.check_available(
         ("wandb",)

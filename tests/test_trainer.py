@@ -98,7 +98,8 @@ class FakeEngine:
         return [g["lr"] for g in self.optimizer.param_groups]
 
     def get_global_grad_norm(self):
-        # As DeepSpeed's: None until this engine's first optimizer step (a resumed process has none).
+        # As DeepSpeed's: None until this engine's first optimizer step (a resumed process has
+        # none).
         return 1.0 if self.boundaries else None
 
     def fp16_enabled(self) -> bool:
@@ -258,7 +259,8 @@ def test_skipped_steps_do_not_count_toward_max_steps_and_show_in_metrics(tmp_pat
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]  # each step number once
     assert [r["skipped_steps"] for r in rows] == [0, 1, 0, 1, 0]
     assert [r["loss_scale"] for r in rows] == [SCALE, SCALE / 2, SCALE / 2, SCALE / 4, SCALE / 4]
-    # The schedule is the one of a run without skips: the scheduler steps only when the optimizer does.
+    # The schedule is the one of a run without skips: the scheduler steps only when the optimizer
+    # does.
     assert [r["lr"] for r in rows] == pytest.approx(_expected_lrs(5), rel=0, abs=1e-15)
     assert rows[-1]["samples_seen"] == 7 * PER_STEP  # a skipped step's batches were consumed
     assert [r["step"] for r in read_metrics(str(out)) if "eval_loss" in r] == [0, 2, 4, 5]
@@ -301,10 +303,10 @@ def test_resuming_between_skips_continues_exactly(tmp_path, make_trainer):
 def test_resumed_at_its_last_step_from_a_save_between_two_rows_logs_them_and_ends(
     tmp_path, make_trainer
 ):
-    """--max_steps 20 --save_steps 15 --logging_steps 10, then global_step15 resumed with --max_steps
-    15: no step runs, and the loop's end logged the restored window with an lr bound only inside
-    the loop (UnboundLocalError, exit 1, `latest` never pointed back at step 15). The row it logs
-    now is the one a run logging at step 15 writes."""
+    """--max_steps 20 --save_steps 15 --logging_steps 10, then global_step15 resumed with
+    --max_steps 15: no step runs, and the loop's end logged the restored window with an lr bound
+    only inside the loop (UnboundLocalError, exit 1, `latest` never pointed back at step 15). The
+    row it logs now is the one a run logging at step 15 writes."""
     out = tmp_path / "out"
     assert make_trainer(out, max_steps=20, save_steps=15, logging_steps=10).train() == 0
     t = make_trainer(
@@ -364,9 +366,9 @@ def test_a_run_that_only_skips_stops_with_exit_1_and_saves_nothing(
 
 @pytest.mark.e2e
 def test_real_deepspeed_skips_non_finite_steps_and_a_run_that_only_skips_stops(run_finetune):
-    """Real DeepSpeed, one process on this CPU: ZeRO-3 skips a step whose gradient norm is not finite
-    in any precision (zero/stage3.py step), as it skips an fp16 overflow. After a first step at a
-    learning rate of 1e30 every gradient is: the run stops after MAX_SKIPS_IN_A_ROW with exit 1
+    """Real DeepSpeed, one process on this CPU: ZeRO-3 skips a step whose gradient norm is not
+    finite in any precision (zero/stage3.py step), as it skips an fp16 overflow. After a first step
+    at a learning rate of 1e30 every gradient is: the run stops after MAX_SKIPS_IN_A_ROW with exit 1
     and nothing saved past step 1, instead of counting the skips as --max_steps."""
     r = run_finetune(
         "--max_steps",
@@ -440,9 +442,8 @@ def test_a_training_step_reads_nothing_back_from_the_device(tmp_path, make_train
         isinstance(w.loss_sum, torch.Tensor) and w.loss_sum.is_meta and w.micro_batches == 3 * ACCUM
     )
     consumed = t.data.sampler.epoch_order(0)[: 3 * PER_STEP]
-    assert w.tokens == sum(
-        1 + i % 3 for i in consumed
-    )  # counted on the host copy (row i has 1 + i % 3 tokens)
+    # counted on the host copy (row i has 1 + i % 3 tokens)
+    assert w.tokens == sum(1 + i % 3 for i in consumed)
     assert t.engine.boundaries == 3 and t.engine.was_step_applied()
 
 

@@ -19,9 +19,8 @@ class MemoryStorage:
         self.files: dict[str, bytes] = {}
         self.dirs: set[str] = {""}
         self.failures: list[tuple[str, str, OSError]] = []  # (operation, path glob, error)
-        self.calls: list[
-            tuple[str, str]
-        ] = []  # (operation, path): what the component did, in order
+        # (operation, path): what the component did, in order
+        self.calls: list[tuple[str, str]] = []
         self.free = 1 << 40
 
     # --- failures on cue ---------------------------------------------------------------------

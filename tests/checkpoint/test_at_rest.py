@@ -2,7 +2,8 @@
 `--resume_from_checkpoint auto` skips it (falls back to the older intact checkpoint) or repairs it,
 as docs/CHECKPOINTS.md "Resume" and "Verify" say, and finishes. Nothing hangs: every run has a short
 --ddp_timeout and a wall-clock limit. Also: resume unpickles DeepSpeed's files only after they
-verified, and the real rank files need nothing beyond the allow-list (finetune/offline/safe_load.py).
+verified, and the real rank files need nothing beyond the allow-list
+(finetune/offline/safe_load.py).
 
 One 2-rank run makes the checkpoints (global_step1, global_step2); each case damages a copy.
 """
@@ -116,7 +117,7 @@ def set_aside(out: Path) -> list[str]:
     )
 
 
-# --- damage inside the newest checkpoint: verify names it, auto falls back to global_step1 -------------
+# --- damage inside the newest checkpoint: verify names it, auto falls back to global_step1 --------
 
 
 def truncate(path: Path) -> None:
@@ -147,10 +148,8 @@ DAMAGE = {  # name: (file of global_step2, what is done to it, what verify says 
 def test_damaged_newest_checkpoint(base, out, case):
     name, damage, says = DAMAGE[case]
     damage(out / "global_step2" / name)
-    for target in (
-        out,
-        out / "global_step2",
-    ):  # the output dir checks its newest committed checkpoint
+    # the output dir checks its newest committed checkpoint
+    for target in (out, out / "global_step2"):
         r = verify(target)
         assert r.returncode == 1 and f"DAMAGED {out / 'global_step2'}" in r.stdout, (
             r.stdout + r.stderr
@@ -165,7 +164,8 @@ def test_damaged_newest_checkpoint(base, out, case):
 
 
 def test_missing_manifest(base, out):
-    """A folder without its manifest was never committed (or lost it): verify names it, auto ignores it."""
+    """A folder without its manifest was never committed (or lost it): verify names it, auto ignores
+    it."""
     (out / "global_step2" / "manifest.json").unlink()
     r = verify(out / "global_step2")
     assert r.returncode == 1 and "manifest.json missing" in r.stdout, r.stdout
@@ -184,12 +184,11 @@ def test_every_checkpoint_damaged_exits_2_and_changes_nothing(out):
     before = {p.name: read_manifest(p) for p in out.iterdir() if p.is_dir()}
     code, output = train(out, "--resume_from_checkpoint", "auto", max_steps=3)
     assert code == 2 and "global_step1" in output and "global_step2" in output, output[-4000:]
-    assert {
-        p.name: read_manifest(p) for p in out.iterdir() if p.is_dir()
-    } == before  # nothing moved or saved
+    # nothing moved or saved
+    assert {p.name: read_manifest(p) for p in out.iterdir() if p.is_dir()} == before
 
 
-# --- the output dir around the checkpoints: verify notes it, auto repairs it -----------------------
+# --- the output dir around the checkpoints: verify notes it, auto repairs it ----------------------
 
 
 def test_latest_naming_a_missing_tag(base, out):
@@ -270,9 +269,8 @@ def test_resume_unpickles_only_after_verification(base, out, tmp_path):
 
 def test_resume_never_runs_code_from_a_checkpoint_that_verifies(base, out, tmp_path):
     marker = tmp_path / "code-ran"
-    plant(
-        out, marker, reseal=True
-    )  # sizes and checksums match: only the classes it names give it away
+    # sizes and checksums match: only the classes it names give it away
+    plant(out, marker, reseal=True)
     r = verify(out)
     assert r.returncode == 1 and "refused to unpickle shutil.copyfile" in r.stdout, r.stdout
     code, output = train(out, "--resume_from_checkpoint", str(out / "global_step2"), max_steps=3)
@@ -283,7 +281,8 @@ def test_resume_never_runs_code_from_a_checkpoint_that_verifies(base, out, tmp_p
 
 
 def test_real_rank_files_need_nothing_beyond_the_allow_list(base):
-    """If a DeepSpeed upgrade pickles a new class, this names it (and export/resume would refuse it)."""
+    """If a DeepSpeed upgrade pickles a new class, this names it (and export/resume would refuse
+    it)."""
     files = sorted(base.glob("global_step*/*_states.pt"))
     assert len(files) == 2 * 2 * WORLD
     for path in files:

@@ -19,9 +19,8 @@ def _saved(obj) -> bytes:
 
 def _state():
     flat = torch.arange(12, dtype=torch.float32)
-    flat.ds_id = (
-        "0_24"  # DeepSpeed tags its fp32 flat groups; the attribute is pickled with the tensor
-    )
+    # DeepSpeed tags its fp32 flat groups; the attribute is pickled with the tensor
+    flat.ds_id = "0_24"
     weight = torch.nn.Parameter(torch.randn(3, 2))
     return {
         "flat": flat,

@@ -60,11 +60,11 @@ def test_round_trip_matches_save_pretrained_keys_and_values(tmp_path, model_type
     from transformers import AutoModelForCausalLM
 
     model = tiny(model_type, tied)
-    model.model.layers[0].mlp.up_proj.weight.requires_grad_(
-        False
-    ) if model_type != "gpt2" else model.transformer.h[0].mlp.c_fc.weight.requires_grad_(
-        False
-    )  # a frozen parameter comes out too
+    # a frozen parameter comes out too
+    if model_type != "gpt2":
+        model.model.layers[0].mlp.up_proj.weight.requires_grad_(False)
+    else:
+        model.transformer.h[0].mlp.c_fc.weight.requires_grad_(False)
     files = save_consolidated(model, tmp_path, torch.float32, "8KB")
     model.config.save_pretrained(tmp_path)
     index = json.loads((tmp_path / INDEX).read_text())
@@ -166,16 +166,10 @@ def test_a_disk_that_fills_mid_tensor_fails_the_consolidation_not_the_job(tmp_pa
 @pytest.mark.parametrize(
     "backend,accelerator,expected",
     [
-        (
-            "nccl",
-            torch.device("cuda", 1),
-            torch.device("cuda", 1),
-        ),  # an offloaded (CPU) partition goes to the GPU
-        (
-            "gloo",
-            torch.device("cuda", 0),
-            torch.device("cpu"),
-        ),  # a GPU partition comes back to CPU for gloo
+        # an offloaded (CPU) partition goes to the GPU
+        ("nccl", torch.device("cuda", 1), torch.device("cuda", 1)),
+        # a GPU partition comes back to CPU for gloo
+        ("gloo", torch.device("cuda", 0), torch.device("cpu")),
         ("gloo", torch.device("cpu"), torch.device("cpu")),
         ("ccl", torch.device("cpu"), torch.device("cpu")),  # DeepSpeed's CPU accelerator
         ("cpu:gloo,cuda:nccl", torch.device("cuda", 0), torch.device("cuda", 0)),
@@ -247,12 +241,10 @@ def test_master_weights_are_read_when_the_module_weights_would_not_cast_exactly(
 def test_no_master_for_frozen_parameters_or_without_an_optimizer():
     assert not reads_master(_z3_param(BF16, trainable=False), FP32)
     assert not reads_master(_z3_param(BF16, optimizer=None), FP32)
-    assert not reads_master(
-        _z3_param(BF16, optimizer=_Z3Optimizer(master=BF16)), FP32
-    )  # bf16 masters: the module weights
-    assert not reads_master(
-        torch.nn.Parameter(torch.zeros(2, dtype=BF16)), FP32
-    )  # not a ZeRO-3 parameter
+    # bf16 masters: the module weights
+    assert not reads_master(_z3_param(BF16, optimizer=_Z3Optimizer(master=BF16)), FP32)
+    # not a ZeRO-3 parameter
+    assert not reads_master(torch.nn.Parameter(torch.zeros(2, dtype=BF16)), FP32)
     assert weights_source([_z3_param(BF16), _z3_param(BF16, trainable=False)]) == FROM_MASTER
     assert weights_source([_z3_param(BF16), _z3_param(BF16, optimizer=None)]) == FROM_MODULE
     assert weights_source(torch.nn.Linear(2, 2).parameters()) == FROM_MODULE
@@ -271,9 +263,8 @@ def test_a_partition_unlike_the_plan_is_named():
 
 def test_plan_rejects_a_dtype_safetensors_cannot_hold_naming_the_tensor():
     model = torch.nn.Linear(2, 2)
-    model.register_buffer(
-        "phase", torch.zeros(2, dtype=torch.complex64)
-    )  # kept as is: not floating
+    # kept as is: not floating
+    model.register_buffer("phase", torch.zeros(2, dtype=torch.complex64))
     with pytest.raises(ValueError, match=r"phase as torch\.complex64"):
         plan_shards(tensor_entries(model), torch.float32, "1GB")
     with pytest.raises(ValueError, match=r"weight as torch\.float8_e4m3fn"):
@@ -336,7 +327,8 @@ def _simulated_oom(self, piece):
 
 
 def _fake_zero3_model(rank: int) -> torch.nn.Module:
-    """Parameters as ZeRO-3 leaves them: empty data, full shape in ds_shape, a padded flat partition."""
+    """Parameters as ZeRO-3 leaves them: empty data, full shape in ds_shape, a padded flat
+    partition."""
     model = torch.nn.Module()
     for name, full in FULL.items():
         n = -(-full.numel() // WORLD)
@@ -413,7 +405,8 @@ def _rank_main(rank: int, port: int, folder: str, scenario: str) -> None:
     Path(folder, f"rank{rank}.json").write_text(json.dumps(outcome))
     torch.distributed.destroy_process_group()
     # Skip interpreter teardown: once DeepSpeed is imported it now and then aborts there ("terminate
-    # called without an active exception", after everything above returned), which is not ours to test.
+    # called without an active exception", after everything above returned), which is not ours to
+    # test.
     os._exit(0)
 
 
@@ -447,8 +440,8 @@ def test_streamed_partitions_arrive_in_rank_order_over_batched_p2p(tmp_path):
 
 
 def test_errors_on_any_rank_are_raised_after_the_last_gather(tmp_path):
-    """A non-I/O error writing on rank 0, and a staging failure on rank 2, each raised on its own rank
-    once every rank is done: the all-reduce after the save completes on all three."""
+    """A non-I/O error writing on rank 0, and a staging failure on rank 2, each raised on its own
+    rank once every rank is done: the all-reduce after the save completes on all three."""
     outcomes = _run_ranks(tmp_path, "fail")
     assert outcomes == [
         {
@@ -457,7 +450,9 @@ def test_errors_on_any_rank_are_raised_after_the_last_gather(tmp_path):
         },
         {"files": [], "in_step": True},
         {
-            "error": "ConsolidationFailed: RuntimeError: out of memory staging the partition (simulated)",
+            "error": (
+                "ConsolidationFailed: RuntimeError: out of memory staging the partition (simulated)"
+            ),
             "in_step": True,
         },
     ]
@@ -484,6 +479,5 @@ def test_bf16_weights_come_from_the_fp32_masters_in_a_wider_or_other_dtype(tmp_p
         assert torch.equal(written["frozen"], FROZEN.to(dtype))
         with safe_open(tmp_path / name / "model.safetensors", "pt") as f:
             assert f.metadata() == {"format": "pt", SOURCE_KEY: FROM_MASTER}
-    assert not torch.equal(
-        MASTERS["a"].to(BF16).float(), MASTERS["a"]
-    )  # what the module weights would have given
+    # what the module weights would have given
+    assert not torch.equal(MASTERS["a"].to(BF16).float(), MASTERS["a"])

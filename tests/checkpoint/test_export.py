@@ -1,6 +1,7 @@
 """Offline export, one process: reconstruction from rank files laid out as ZeRO-3 lays them out,
 dtype and sharding, page release, bad inputs, and safe loading (verification against the manifest
-first, restricted unpickling). Real 2-rank checkpoints: tests/distributed/test_export_checkpoints.py."""
+first, restricted unpickling). Real 2-rank checkpoints:
+tests/distributed/test_export_checkpoints.py."""
 
 from __future__ import annotations
 
@@ -46,7 +47,8 @@ def tiny(model_type: str, tied: bool):
 
 
 def _partition(t: torch.Tensor, world: int, r: int) -> torch.Tensor:
-    """Rank r's ZeRO-3 partition of ``t``: ceil(numel / world) elements of the flattened tensor, zero-padded."""
+    """Rank r's ZeRO-3 partition of ``t``: ceil(numel / world) elements of the flattened tensor,
+    zero-padded."""
     part = math.ceil(t.numel() / world)
     flat = torch.zeros(part * world, dtype=t.dtype)
     flat[: t.numel()] = t.reshape(-1)
@@ -64,11 +66,9 @@ def write_zero3(
     cuts=(0.5,),
 ) -> None:
     """Rank files in DeepSpeed's ZeRO-3 layout (what engine.save_checkpoint writes): trainable
-    parameters in two optimizer groups (matrices, then vectors), each rank's flat fp32 space cut into
-    sub-groups at the fractions ``cuts``, which straddle parameter boundaries."""
-    from deepspeed.runtime.zero.config import (
-        ZeroStageEnum,  # pickled as DeepSpeed pickles it
-    )
+    parameters in two optimizer groups (matrices, then vectors), each rank's flat fp32 space cut
+    into sub-groups at the fractions ``cuts``, which straddle parameter boundaries."""
+    from deepspeed.runtime.zero.config import ZeroStageEnum  # pickled as DeepSpeed pickles it
 
     shared = shared or {}
     trainable = [n for n in state if n not in frozen and n not in buffers and n not in shared]
@@ -232,13 +232,11 @@ def test_released_pages_read_back_intact(tmp_path):
     pager = zf._Pager(tmp_path / "t.pt", mapped)
     assert pager.enabled == sys.platform.startswith("linux")
     pieces = [p.clone() for p in zf._chunks(mapped, pager)]  # each released after it is consumed
-    assert torch.equal(torch.cat(pieces), t) and torch.equal(
-        mapped, t
-    )  # dropped pages come back from the file
+    # dropped pages come back from the file
+    assert torch.equal(torch.cat(pieces), t) and torch.equal(mapped, t)
     anonymous = torch.randn(1 << 20)
-    assert not zf._Pager(
-        tmp_path / "t.pt", anonymous
-    ).enabled  # never madvise memory not mapped from the file
+    # never madvise memory not mapped from the file
+    assert not zf._Pager(tmp_path / "t.pt", anonymous).enabled
 
 
 def test_consolidated_weights_are_copied(tmp_path, qwen_checkpoint):
@@ -258,7 +256,7 @@ def test_consolidated_weights_are_copied(tmp_path, qwen_checkpoint):
     assert not rebuilt.copied and rebuilt.dtype == torch.bfloat16
 
 
-# --- copy or rebuild: the same command gives the same weights, consolidated or not ------------------
+# --- copy or rebuild: the same command gives the same weights, consolidated or not ----------------
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 
@@ -268,12 +266,8 @@ BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
     [
         (FP32, BF16, FROM_MASTER, True),
         (FP16, BF16, FROM_MASTER, True),
-        (
-            FP32,
-            BF16,
-            FROM_MODULE,
-            False,
-        ),  # bf16 module weights upcast: the masters' low bits are lost
+        # bf16 module weights upcast: the masters' low bits are lost
+        (FP32, BF16, FROM_MODULE, False),
         (FP32, BF16, None, False),  # the same, written before the source was recorded
         (FP16, BF16, None, False),  # rounded twice (to bf16, then to fp16)
         (BF16, BF16, None, True),  # DeepSpeed's bf16 module weights are the masters cast to bf16
@@ -319,9 +313,8 @@ def _consolidate(folder: Path, state: dict, weights_from: str | None, listed: bo
 @pytest.mark.parametrize("weights_from", [FROM_MODULE, None])
 def test_upcast_module_weights_are_rebuilt_from_the_masters(tmp_path, bf16_run, weights_from):
     state, folder = bf16_run
-    _consolidate(
-        folder, {k: v.to(BF16).float() for k, v in state.items()}, weights_from
-    )  # before the fix
+    # before the fix
+    _consolidate(folder, {k: v.to(BF16).float() for k, v in state.items()}, weights_from)
     result = ex.export_hf(folder, tmp_path / "hf", dtype="fp32", progress=False)
     assert not result.copied
     ours = load_file(tmp_path / "hf" / "model.safetensors")
@@ -426,7 +419,7 @@ def test_bad_flags(tmp_path, capsys, qwen_checkpoint):
     assert e.value.code == 2
 
 
-# --- safe loading: verified before a byte is read; unpickled with weights_only=True ----------------
+# --- safe loading: verified before a byte is read; unpickled with weights_only=True ---------------
 
 
 def _flip(path: Path, at: int, mask: int = 0xFF) -> None:
@@ -454,9 +447,8 @@ def test_damage_is_named_before_anything_is_read(tmp_path, capsys, qwen_checkpoi
 def test_a_flipped_byte_exports_only_with_no_verify(tmp_path, capsys, qwen_checkpoint):
     _, folder = qwen_checkpoint
     config = folder / "config.json"
-    _flip(
-        config, config.read_bytes().index(b"0"), 0x01
-    )  # a 0 becomes a 1: still JSON, only the checksum notices
+    # a 0 becomes a 1: still JSON, only the checksum notices
+    _flip(config, config.read_bytes().index(b"0"), 0x01)
     assert "config.json: checksum mismatch" in _error(capsys, folder, tmp_path / "out")
     assert main(["export", str(folder), str(tmp_path / "out"), "--no_verify"]) == 0
     capsys.readouterr()
@@ -477,9 +469,8 @@ def test_a_checkpoint_without_a_manifest_needs_no_verify(tmp_path, capsys, qwen_
 def test_only_files_the_manifest_vouches_for_are_read(tmp_path, capsys, qwen_checkpoint):
     _, folder = qwen_checkpoint
     (folder / "tokenizer_config.json").unlink()  # listed, gone: the export would silently lack it
-    (folder / "model.safetensors").write_bytes(
-        b"planted"
-    )  # unlisted weights would be read, even copied
+    # unlisted weights would be read, even copied
+    (folder / "model.safetensors").write_bytes(b"planted")
     message = _error(capsys, folder, tmp_path / "out")
     assert (
         "tokenizer_config.json: missing" in message

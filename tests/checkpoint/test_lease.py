@@ -60,7 +60,8 @@ def no_slurm(monkeypatch, caplog):
 
 @pytest.fixture
 def spawn():
-    """Start ``python -c SCRIPT args…`` with the repo importable; every child is killed at teardown."""
+    """Start ``python -c SCRIPT args…`` with the repo importable; every child is killed at
+    teardown."""
     procs = []
 
     def start(script: str, *args: str) -> subprocess.Popen:
@@ -81,7 +82,8 @@ def spawn():
 
 
 def write_lease(out: Path, **fields) -> dict:
-    """A lease as another run would have written it: this machine's, unless ``fields`` say otherwise."""
+    """A lease as another run would have written it: this machine's, unless ``fields`` say
+    otherwise."""
     out.mkdir(parents=True, exist_ok=True)
     info = {**holder_mod.identity("other-run", 30.0), **fields}
     (out / LEASE).write_bytes(lease_mod._encode(info))
@@ -181,9 +183,8 @@ def test_a_holder_on_another_machine_that_releases_while_watched_lets_us_in(tmp_
     write_lease(out, **ELSEWHERE)
     threading.Timer(0.1, (out / LEASE).unlink).start()
     lease, took = timed_acquire(out, "next", observe_s=5.0)
-    assert (
-        took < 3.0 and holder(out)["run_id"] == "next"
-    )  # as soon as it is gone, not after observe_s
+    # as soon as it is gone, not after observe_s
+    assert took < 3.0 and holder(out)["run_id"] == "next"
     lease.release()
 
 
@@ -260,7 +261,7 @@ def test_racing_threads_exactly_one_wins(tmp_path, stale):
         barrier = threading.Barrier(8)
         won, refused = [], []
 
-        def race(i):
+        def race(i, barrier=barrier, won=won, refused=refused, out=out):
             barrier.wait()
             try:
                 won.append(acquire(out, f"racer{i}"))
@@ -293,7 +294,8 @@ def test_racing_processes_exactly_one_wins(tmp_path, spawn):
 
 
 def test_a_slow_taker_leaves_a_lease_that_changed_since_it_was_judged(tmp_path):
-    """It must not replace the lease a faster taker has just written (its marker was removed by then)."""
+    """It must not replace the lease a faster taker has just written (its marker was removed by
+    then)."""
     out = tmp_path / "out"
     old = lease_mod._encode(write_lease(out, run_id="dead"))
     new = lease_mod._encode(write_lease(out, run_id="fast-taker"))
@@ -317,9 +319,8 @@ def test_a_live_taker_that_never_finishes_is_named(tmp_path):
     out = tmp_path / "out"
     dead = write_lease(out, pid=os.getpid(), pid_start=-1)
     key = lease_mod.hashlib.sha256(lease_mod._encode(dead)).hexdigest()[:16]
-    stuck = holder_mod.identity(
-        "stuck-taker", 30.0
-    )  # this live process, as if stopped mid-takeover
+    # this live process, as if stopped mid-takeover
+    stuck = holder_mod.identity("stuck-taker", 30.0)
     (out / f"{lease_mod.TAKING}.{key}.1").write_bytes(lease_mod._encode(stuck))
     with pytest.raises(LeaseHeld, match="run id stuck-taker"):
         acquire(out, "next", observe_s=0.2)

@@ -155,10 +155,8 @@ class FakeTokenizer:
         path = f"{folder}/tokenizer.json"
         with open(path, "w") as f:
             f.write("{}")
-        return (
-            path,
-            f"{folder}/special_tokens_map.json",
-        )  # transformers lists files it may not write
+        # transformers lists files it may not write
+        return (path, f"{folder}/special_tokens_map.json")
 
 
 class FakeSampler:
@@ -234,9 +232,8 @@ def test_a_save_lists_exactly_the_files_written_and_rank0_reads_back_only_its_ow
         (folder / n).stat().st_size
         for n in ("config.json", "generation_config.json", "tokenizer.json")
     )
-    assert (
-        bytes_hashed() - before == shared
-    )  # the rank files were hashed as written, never read back
+    # the rank files were hashed as written, never read back
+    assert bytes_hashed() - before == shared
 
 
 def test_retention_keeps_the_resume_point_and_abandoned_commits_are_set_aside(
@@ -265,9 +262,8 @@ def test_retention_keeps_the_resume_point_and_abandoned_commits_are_set_aside(
 def test_auto_resume_takes_the_newest_commit_even_when_latest_is_stale(tmp_path, tiny_module):
     m, progress, _ = make_manager(make_cfg(tmp_path), tiny_module)
     run_saves(m, progress, [2, 4])
-    (tmp_path / "latest").write_text(
-        "global_step2\n"
-    )  # crash between the rename and the `latest` write
+    # crash between the rename and the `latest` write
+    (tmp_path / "latest").write_text("global_step2\n")
     _, _, plan = make_manager(
         make_cfg(tmp_path, resume_from_checkpoint="auto"), tiny_module, run_id="run2"
     )
@@ -395,9 +391,8 @@ def test_torn_metrics_line_is_dropped_on_resume(tmp_path):
     from finetune.metrics import read_metrics, truncate_after
 
     path = tmp_path / "metrics.jsonl"
-    path.write_text(
-        '{"step": 1, "loss": 2.0}\n{"step": 2, "loss": 1.5}\n{"step": 3, "loss": 1.'
-    )  # crash mid-append
+    # crash mid-append
+    path.write_text('{"step": 1, "loss": 2.0}\n{"step": 2, "loss": 1.5}\n{"step": 3, "loss": 1.')
     assert [r["step"] for r in read_metrics(str(tmp_path))] == [1, 2]
     truncate_after(path, 2)
     assert path.read_text() == '{"step": 1, "loss": 2.0}\n{"step": 2, "loss": 1.5}\n'
@@ -415,9 +410,8 @@ def test_a_universal_conversion_is_reused_only_if_it_verifies(tmp_path):
     ]
     write_universal_manifest(target, "s-1")
     assert verify_universal(target, "s-1") == []
-    assert (
-        "converted from save s-1" in verify_universal(target, "s-2")[0]
-    )  # the checkpoint was re-committed
+    # the checkpoint was re-committed
+    assert "converted from save s-1" in verify_universal(target, "s-2")[0]
     (target / "zero" / "w" / "fp32.pt").write_bytes(b"a" * 99 + b"X")
     assert verify_universal(target, "s-1") == ["zero/w/fp32.pt: checksum mismatch (corrupted)"]
     assert verify_universal(target, "s-1", checksums=False) == []
@@ -463,9 +457,8 @@ def test_node_local_commit_waits_for_every_leaders_manifest(tmp_path, tiny_modul
     def other_leader_fails_to_prepare(fn, on=True, **kw):
         out = real(fn, on, **kw)
         calls.append(fn.__qualname__)
-        if (
-            "commit" in fn.__qualname__ and sum("commit" in c for c in calls) == 1
-        ):  # phase 1: manifests
+        # phase 1: manifests
+        if "commit" in fn.__qualname__ and sum("commit" in c for c in calls) == 1:
             out.errors[1], out.kinds[1] = "OSError: [Errno 28] No space left on device", "OSError"
         return out
 
@@ -506,17 +499,14 @@ def test_a_failed_publish_consumes_its_commit_number(tmp_path, tiny_module, monk
     monkeypatch.setattr(
         m.storage, "write_latest", lambda tag: (_ for _ in ()).throw(OSError(errno.EIO, "eio"))
     )
-    run_saves(
-        m, progress, [2]
-    )  # renamed into place, `latest` not written: committed, with a warning
+    # renamed into place, `latest` not written: committed, with a warning
+    run_saves(m, progress, [2])
     assert not (tmp_path / "latest").exists()
     monkeypatch.setattr(m.storage, "write_latest", real)
     run_saves(m, progress, [4])
     ids = {t: read_manifest(tmp_path / t)["save_id"] for t in ("global_step2", "global_step4")}
-    assert ids == {
-        "global_step2": "run1-1",
-        "global_step4": "run1-2",
-    }  # never two checkpoints with one id
+    # never two checkpoints with one id
+    assert ids == {"global_step2": "run1-1", "global_step4": "run1-2"}
 
 
 def test_a_fresh_run_sets_aside_an_earlier_runs_checkpoints_instead_of_overwriting(
@@ -594,9 +584,8 @@ def test_a_lease_refusal_is_a_config_error_on_every_rank():
         raise LeaseHeld(__import__("pathlib").Path("/out"), {"run_id": "x", "host": "h", "pid": 1})
 
     out = dist.gather_outcomes(refuse)
-    assert out.kinds == {
-        0: "ConfigError"
-    }  # the other ranks raise ConfigError too: exit 2, one line
+    # the other ranks raise ConfigError too: exit 2, one line
+    assert out.kinds == {0: "ConfigError"}
 
 
 def test_housekeeping_restores_a_checkpoint_a_crashed_swap_left_in_staging(tmp_path, tiny_module):
@@ -604,9 +593,8 @@ def test_housekeeping_restores_a_checkpoint_a_crashed_swap_left_in_staging(tmp_p
     run_saves(m, progress, [2, 4])
     staging = tmp_path / STAGING
     staging.mkdir()
-    (tmp_path / "global_step4").rename(
-        staging / "global_step4.replaced"
-    )  # killed between the two renames
+    # killed between the two renames
+    (tmp_path / "global_step4").rename(staging / "global_step4.replaced")
     (tmp_path / "global_step2").rename(staging / "global_step2")  # prepared, never published
     OutputDir(tmp_path).housekeeping()
     assert OutputDir(tmp_path).tags() == ["global_step4"] and read_manifest(
@@ -644,7 +632,8 @@ def test_resume_planning_shares_the_manifests_identity_not_its_file_list(
 def test_with_adapters_the_space_a_first_save_needs_is_estimated_from_the_trainable_parameters(
     tmp_path, tiny_module
 ):
-    """A LoRA run on a 70B base saves a few MB: asking for 16 B x 70B free would refuse every save."""
+    """A LoRA run on a 70B base saves a few MB: asking for 16 B x 70B free would refuse every
+    save."""
     import copy
 
     frozen = copy.deepcopy(tiny_module)
@@ -658,7 +647,7 @@ def test_with_adapters_the_space_a_first_save_needs_is_estimated_from_the_traina
     assert lora.space_needed() < full.space_needed() / 3
 
 
-# --- the review's defects (issue 22): deadlines, a failed background save, retention off the path --
+# --- the review's defects (issue 22): deadlines, a failed background save, retention off the path
 
 
 @pytest.fixture
@@ -732,7 +721,8 @@ def test_retention_deletes_in_the_background_and_the_space_check_waits_for_what_
     tmp_path, tiny_module, monkeypatch
 ):
     """The save path only renames the old checkpoint out of the tag namespace; its files go on a
-    thread (on Lustre, thousands of unlinks). A save that needs the space being freed waits for it."""
+    thread (on Lustre, thousands of unlinks). A save that needs the space being freed waits for
+    it."""
     import threading
 
     m, progress, _ = make_manager(make_cfg(tmp_path, save_total_limit=1), tiny_module)
@@ -743,9 +733,7 @@ def test_retention_deletes_in_the_background_and_the_space_check_waits_for_what_
     )
     run_saves(m, progress, [2, 4])  # returns with step 2's files still on disk
     trash = list(tmp_path.glob(".trash-global_step2-*"))
-    assert (
-        OutputDir(tmp_path).tags() == ["global_step4"] and trash and m.deleter.pending_bytes > 0
-    )
+    assert OutputDir(tmp_path).tags() == ["global_step4"] and trash and m.deleter.pending_bytes > 0
     need = m.space_needed()
     # Not enough free until the deletion is done; enough with what it will free.
     monkeypatch.setattr(
@@ -775,7 +763,8 @@ def test_a_publish_given_up_at_its_deadline_leaves_its_staging_and_latest_alone(
 
 def test_a_write_that_returns_after_its_save_was_given_up_touches_only_that_save(tmp_path):
     """--async_save: the writer thread of a save given up at its deadline wakes after the next save
-    began. Its file must not be recorded in, nor its failure fail, the next save (one record per save)."""
+    began. Its file must not be recorded in, nor its failure fail, the next save (one record per
+    save)."""
     w = GuardedWriter(_Inner())
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()

@@ -57,7 +57,8 @@ def test_resume_order_is_commit_order_not_latest_or_step(tmp_path):
     s.write_latest("global_step4")  # stale: a crash between the rename and the `latest` write
     assert resume_order(s.tags(), committed(s))[0] == "global_step6"
     assert find_checkpoint(tmp_path) == tmp_path / "global_step6"
-    # A later run resumed from step 2 and re-committed step 4: the newest *commit* wins, not the step.
+    # A later run resumed from step 2 and re-committed step 4: the newest *commit* wins, not the
+    # step.
     save(s, 4, 4, a, run="r2")
     assert resume_order(s.tags(), committed(s)) == ["global_step4", "global_step6", "global_step2"]
 
@@ -120,17 +121,15 @@ def test_space_needed_is_this_storages_share():
     # First save, no previous size: 1B params × 16 B × margin, on one of 8 nodes: an eighth.
     assert space_needed(None, 10**9, 1 / 8, 16, 1.1) == int(10**9 * 16 / 8 * 1.1)
     assert space_needed(None, 10**9, 1.0, 16, 1.1) == int(10**9 * 16 * 1.1)
-    assert (
-        space_needed(5000, 10**9, 1 / 8, 16, 1.1) == 5500
-    )  # the previous checkpoint's size here wins
+    # the previous checkpoint's size here wins
+    assert space_needed(5000, 10**9, 1 / 8, 16, 1.1) == 5500
 
 
 def test_housekeeping_removes_crashed_saves_leftovers_and_reports_bytes(tmp_path):
     s = OutputDir(tmp_path)
     save(s, 2, 1)
-    (tmp_path / STAGING / "global_step7").mkdir(
-        parents=True
-    )  # a save killed after the grace period
+    # a save killed after the grace period
+    (tmp_path / STAGING / "global_step7").mkdir(parents=True)
     (tmp_path / STAGING / "global_step7" / "zero_pp_rank_0_mp_rank_00_optim_states.pt").write_bytes(
         b"x" * 1000
     )
@@ -152,9 +151,8 @@ def test_housekeeping_removes_crashed_saves_leftovers_and_reports_bytes(tmp_path
         not (tmp_path / STAGING).exists()
         and (tmp_path / ABANDONED / "global_step9-abandoned").exists()
     )
-    assert (
-        tmp_path / "global_step2" / "universal.tmp"
-    ).is_dir()  # an interrupted conversion's pieces: kept
+    # an interrupted conversion's pieces: kept
+    assert (tmp_path / "global_step2" / "universal.tmp").is_dir()
     assert s.tags() == ["global_step2"] and s.leftovers() == []
 
 

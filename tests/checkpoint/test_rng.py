@@ -54,9 +54,9 @@ def test_rng_state_restores_every_stream_and_loads_weights_only(tmp_path):
 def test_only_the_current_devices_generator_is_saved_and_restored(
     monkeypatch, tmp_path, resume_count, resume_current
 ):
-    """Saved by local rank 3 of an 8-GPU node; resumed where that rank sees 1 GPU (--gpus-per-task=1),
-    a different device of 8, or 2 GPUs: its own stream comes back on its current device, and no
-    other device's generator is touched."""
+    """Saved by local rank 3 of an 8-GPU node; resumed where that rank sees 1 GPU
+    (--gpus-per-task=1), a different device of 8, or 2 GPUs: its own stream comes back on its
+    current device, and no other device's generator is touched."""
     saving = FakeCuda(8, current=3)
     saving.generators[3] = torch.tensor([42], dtype=torch.uint8)
     monkeypatch.setattr(rng, "_device_accelerator", lambda: saving)

@@ -1,4 +1,5 @@
-"""TrainingState round trip: through JSON, from an older file, with the loss summed on the device."""
+"""TrainingState round trip: through JSON, from an older file, with the loss summed on the
+device."""
 
 from __future__ import annotations
 

@@ -104,9 +104,8 @@ def test_housekeeping_removes_leftovers_and_keeps_what_a_crash_committed():
     storage = MemoryStorage()
     out = OutputDir(storage)
     commit_staged(out, "global_step2", stage(out, 2), 1, {})
-    storage.put(
-        f"{STAGING}/global_step4/zero_pp_rank_0_mp_rank_00_model_states.pt"
-    )  # a crashed save
+    # a crashed save
+    storage.put(f"{STAGING}/global_step4/zero_pp_rank_0_mp_rank_00_model_states.pt")
     storage.put(".trash-global_step1-abcd1234/x.pt")  # retention interrupted
     storage.put(f".{LATEST}.tmp")
     storage.put(f"{STAGING}/global_step2.replaced/{MANIFEST}", b"{}")  # a swap interrupted...

@@ -1,5 +1,6 @@
-"""`finetune verify` and the manifest check behind it, on a checkpoint folder built by commit_staged;
-the notes it adds for an output dir. Real checkpoints damaged at rest: test_at_rest.py."""
+"""`finetune verify` and the manifest check behind it, on a checkpoint folder built by
+commit_staged; the notes it adds for an output dir. Real checkpoints damaged at rest:
+test_at_rest.py."""
 
 from __future__ import annotations
 
@@ -33,9 +34,8 @@ def ckpt(tmp_path):
             f"rng_state_{r}.pt",
         ]
     for i, name in enumerate(names):
-        if name.endswith(
-            ".pt"
-        ):  # torch files, as DeepSpeed's are: verify also reads their pickles' opcodes
+        # torch files, as DeepSpeed's are: verify also reads their pickles' opcodes
+        if name.endswith(".pt"):
             torch.save({"step": 4, "data": torch.arange(64 * (i + 1))}, staged / name)
         else:
             (staged / name).write_bytes(bytes(range(256)) * (i + 1))
@@ -102,7 +102,8 @@ def test_not_a_checkpoint_exits_2(tmp_path):
 
 
 def test_ranks_split_the_work(ckpt):
-    """What the resume path does: each rank checks its own rank files, rank 0 the shared ones too."""
+    """What the resume path does: each rank checks its own rank files, rank 0 the shared ones
+    too."""
     (ckpt / "rng_state_1.pt").write_bytes(b"x")
     assert verify(ckpt, ranks=[0], shared=True).ok
     assert not verify(ckpt, ranks=[1], shared=False).ok
@@ -123,7 +124,7 @@ def test_a_directory_where_a_file_should_be_is_damage_not_a_crash(ckpt):
     )
 
 
-# --- an output dir: its newest committed checkpoint, and notes on the rest ---------------------------
+# --- an output dir: its newest committed checkpoint, and notes on the rest ------------------------
 
 
 def notes_of(out) -> list[str]:
@@ -191,7 +192,8 @@ class CopiesAFile:
 
 
 def test_intact_but_naming_a_class_off_the_allow_list_is_refused(ckpt):
-    """A checkpoint crafted to verify (its manifest updated) still fails: resume and export would refuse it."""
+    """A checkpoint crafted to verify (its manifest updated) still fails: resume and export would
+    refuse it."""
     path = ckpt / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
     torch.save({"payload": CopiesAFile()}, path)
     manifest = json.loads((ckpt / "manifest.json").read_text())

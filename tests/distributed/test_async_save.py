@@ -131,14 +131,8 @@ def test_kill_during_a_background_write_keeps_latest_on_the_previous_checkpoint(
     )
     _ok(resumed)
     assert "Resumed from" in resumed.output and "global_step4" in resumed.output
-    assert [r["step"] for r in resumed.train_rows()] == [
-        1,
-        2,
-        3,
-        4,
-        5,
-        6,
-    ]  # the killed run's tail dropped
+    # the killed run's tail dropped
+    assert [r["step"] for r in resumed.train_rows()] == [1, 2, 3, 4, 5, 6]
     assert (out / "latest").read_text().strip() == "global_step6"
     assert not (out / ".staging").exists() or not any((out / ".staging").iterdir())
 
@@ -183,9 +177,8 @@ def test_a_background_write_failure_is_agreed_and_follows_the_policy(
     ]
     assert failures and "injected fault" in failures[0]
     events = [json.loads(line) for line in (r.out_dir / "events.jsonl").read_text().splitlines()]
-    assert [e["step"] for e in events if e["event"] == "save_failed"] == [
-        int(failed_step)
-    ]  # under its own step
+    # under its own step
+    assert [e["step"] for e in events if e["event"] == "save_failed"] == [int(failed_step)]
     if policy == "abort":
         assert r.train_rows()[-1]["step"] == 5  # surfaced at the boundary after the one that saved
 

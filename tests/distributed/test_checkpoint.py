@@ -1,4 +1,5 @@
-"""Real multi-rank checkpoint behaviour: file sets, consolidated weights, bitwise resume, failures."""
+"""Real multi-rank checkpoint behaviour: file sets, consolidated weights, bitwise resume,
+failures."""
 
 from __future__ import annotations
 
@@ -85,9 +86,9 @@ def test_consolidated_checkpoint_loads_and_matches_training_weights(
 
 
 def test_no_rank_reads_more_than_its_own_files_during_a_save(run_finetune, tmp_path):
-    """4 ranks: each rank's read bytes over a save (the kernel's rchar for the whole process, and the
-    bytes our code read back to hash) stay within its own files + the shared ones; before, rank 0
-    read every other rank's files back (3 × its own share here)."""
+    """4 ranks: each rank's read bytes over a save (the kernel's rchar for the whole process, and
+    the bytes our code read back to hash) stay within its own files + the shared ones; before, rank
+    0 read every other rank's files back (3 × its own share here)."""
     io_dir = tmp_path / "save-io"
     r = run_finetune(
         "--max_steps",
@@ -144,14 +145,14 @@ RESUME_FLAGS = [
 
 
 def _comparable(rows):
-    return [
-        {k: v for k, v in row.items() if k not in ("tokens_per_s", "data_ms")} for row in rows
-    ]  # timings
+    # timings
+    return [{k: v for k, v in row.items() if k not in ("tokens_per_s", "data_ms")} for row in rows]
 
 
 @pytest.mark.parametrize("launcher,nprocs", [("deepspeed", 2), ("python", 1)])
 def test_resume_is_bitwise_identical(run_finetune, tiny_models, tmp_path, launcher, nprocs):
-    """N steps + save + resume + M steps == N+M steps: mid-epoch, GA=2, dropout on (GPT-2), across an epoch end."""
+    """N steps + save + resume + M steps == N+M steps: mid-epoch, GA=2, dropout on (GPT-2), across
+    an epoch end."""
     model = ["--model_name_or_path", str(tiny_models["gpt2"])]
     straight = run_finetune(
         *model,
@@ -176,9 +177,8 @@ def test_resume_is_bitwise_identical(run_finetune, tiny_models, tmp_path, launch
     _ok(first)
     ckpt = tmp_path / "b" / "global_step8"
     state = json.loads((ckpt / "trainer_state.json").read_text())
-    assert state["global_step"] == 8 and 0 < state["sampler"]["consumed"], state[
-        "sampler"
-    ]  # mid-epoch
+    # mid-epoch
+    assert state["global_step"] == 8 and 0 < state["sampler"]["consumed"], state["sampler"]
     resumed = run_finetune(
         *model,
         *RESUME_FLAGS,
@@ -202,7 +202,8 @@ def test_logged_rows_resume_exactly_from_a_save_between_two_rows(run_finetune, t
     """--logging_steps 3 and a checkpoint at step 4, one step into a log window; the run is killed
     at its final save and resumed with auto. Only rank 0's window used to be saved and every rank
     loaded it: the first row after the resume counted rank 0's partial sums twice (its loss off,
-    tokens_seen off for good). Now the resumed run's rows are the uninterrupted run's, bit for bit."""
+    tokens_seen off for good). Now the resumed run's rows are the uninterrupted run's, bit for
+    bit."""
     flags = [
         "--max_steps",
         "8",
@@ -240,8 +241,8 @@ def test_logged_rows_resume_exactly_from_a_save_between_two_rows(run_finetune, t
 
 def test_resume_is_bitwise_after_many_steps(run_finetune, tmp_path):
     """DeepSpeed's CPU Adam keeps beta^t as a running product that a resumed process would recompute
-    with pow(): a few ulps off, losses drifting from the third step after the resume (seen at step 23
-    of 40 here). finetune replays the product on load (ops.replay_adam_steps)."""
+    with pow(): a few ulps off, losses drifting from the third step after the resume (seen at step
+    23 of 40 here). finetune replays the product on load (ops.replay_adam_steps)."""
     flags = [
         "--max_steps",
         "30",
@@ -302,10 +303,8 @@ def test_auto_resume_starts_fresh_then_resumes(run_finetune, tmp_path):
         timeout=TIMEOUT,
     )
     _ok(again)
-    assert [r["step"] for r in again.train_rows()] == [
-        2,
-        4,
-    ]  # run 1 flushed at 2; resumed run logs 4
+    # run 1 flushed at 2; resumed run logs 4
+    assert [r["step"] for r in again.train_rows()] == [2, 4]
 
 
 def test_retention_keeps_the_newest(run_finetune):
@@ -346,7 +345,7 @@ def test_failure_on_one_rank_is_agreed_and_training_continues(run_finetune):
     ]
     assert (r.out_dir / "latest").read_text().strip() == "global_step6"
     assert not (r.out_dir / ".staging").exists()
-    failures = [l for l in r.output.splitlines() if "save of global_step4 failed on rank 1" in l]
+    failures = [ln for ln in r.output.splitlines() if "save of global_step4 failed on rank 1" in ln]
     assert failures and "injected fault" in failures[0]
 
 
@@ -385,7 +384,8 @@ def small_tmpfs(tmp_path):
 
 
 def test_enospc_mid_write_keeps_latest_and_final_failure_exits_1(run_finetune, small_tmpfs):
-    """Real ENOSPC (pre-check skipped): the failed save leaves no staging, training goes on, final save fails."""
+    """Real ENOSPC (pre-check skipped): the failed save leaves no staging, training goes on, final
+    save fails."""
     out = small_tmpfs / "out"
     r = run_finetune(
         "--max_steps",
@@ -405,14 +405,8 @@ def test_enospc_mid_write_keeps_latest_and_final_failure_exits_1(run_finetune, s
     assert sorted(p.name for p in out.glob("global_step*")) == ["global_step2"]
     assert _manifest_matches(out / "global_step2")
     assert not list((out / ".staging").glob("*")) if (out / ".staging").exists() else True
-    assert [row["step"] for row in r.train_rows()] == [
-        1,
-        2,
-        3,
-        4,
-        5,
-        6,
-    ]  # trained on past the failure
+    # trained on past the failure
+    assert [row["step"] for row in r.train_rows()] == [1, 2, 3, 4, 5, 6]
 
 
 def test_free_space_precheck_fails_fast_without_writing(run_finetune, small_tmpfs):
@@ -485,5 +479,6 @@ def test_auto_resume_falls_back_past_a_damaged_checkpoint(run_finetune, tmp_path
     assert "Resumed from" in resumed.output and "global_step6 at step 6" in resumed.output
     assert [r["step"] for r in resumed.train_rows()] == list(range(1, 11))
     assert (out / "latest").read_text().strip() == "global_step10"
-    # The damaged step 8 was committed after the resume point: set aside as evidence, not overwritten.
+    # The damaged step 8 was committed after the resume point: set aside as evidence, not
+    # overwritten.
     assert [p.name.split("-")[0] for p in (out / ".abandoned").iterdir()] == ["global_step8"]

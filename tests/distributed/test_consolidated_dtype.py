@@ -86,9 +86,8 @@ def run(tiny_models, tmp_path_factory):
     )
     assert code == 0, output[-4000:]
     folder = root / "out" / f"global_step{STEPS}"
-    part = (
-        root / "partitioned"
-    )  # the checkpoint without its consolidated weights: export must rebuild
+    # the checkpoint without its consolidated weights: export must rebuild
+    part = root / "partitioned"
     part.mkdir()
     for p in folder.iterdir():
         if not p.name.startswith("model"):
@@ -128,7 +127,8 @@ def assert_equal(ours: dict, theirs: dict) -> None:
         (float((ours[k].double() - theirs[k].double()).abs().max()) for k in different), default=0.0
     )
     assert not different, (
-        f"{len(different)} of {len(ours)} tensors differ (max abs difference {worst:.3g}): {different[:4]}"
+        f"{len(different)} of {len(ours)} tensors differ (max abs difference {worst:.3g}): "
+        f"{different[:4]}"
     )
 
 
@@ -136,9 +136,8 @@ def test_fp32_consolidated_weights_are_the_fp32_masters(run, tmp_path):
     import torch
 
     folder = run["checkpoint"]
-    assert (
-        json.loads((folder / "config.json").read_text())["dtype"] == "float32"
-    )  # what the safetensors hold
+    # what the safetensors hold
+    assert json.loads((folder / "config.json").read_text())["dtype"] == "float32"
     rebuilt = export(run["partitioned"], tmp_path / "rebuilt", "--dtype", "fp32")
     assert "rebuilt from the rank files" in rebuilt.stdout
     consolidated = tensors(folder)

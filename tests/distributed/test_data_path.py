@@ -66,9 +66,8 @@ def test_a_batch_failing_on_one_rank_stops_every_rank_with_its_error(
     )
     assert r.returncode != 0
     assert "injected by FINETUNE_FAIL_BATCH" in r.output  # the failing rank's own error
-    assert f"RankError: rank {rank} failed: OSError" in r.output, r.output[
-        -4000:
-    ]  # what the other rank raised
+    # what the other rank raised
+    assert f"RankError: rank {rank} failed: OSError" in r.output, r.output[-4000:]
     assert [x["step"] for x in r.train_rows()] == list(range(1, step))
     assert time.monotonic() - start < 240, "ranks waited instead of agreeing"
 

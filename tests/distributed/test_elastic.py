@@ -62,12 +62,10 @@ def test_resume_on_another_world_size(run_finetune, tmp_path, saved_world, resum
             re.search(r"to the universal format in ([\d.]+) seconds", resumed.output).group(1)
         )
         assert took > DDP_TIMEOUT, took
-    assert (
-        ckpt / "universal" / "zero"
-    ).is_dir()  # cached beside the checkpoint for the next resume
-    manifest = json.loads(
-        (ckpt / "universal" / "manifest.json").read_text()
-    )  # verified before any reuse
+    # cached beside the checkpoint for the next resume
+    assert (ckpt / "universal" / "zero").is_dir()
+    # verified before any reuse
+    manifest = json.loads((ckpt / "universal" / "manifest.json").read_text())
     assert manifest["source_save_id"] == json.loads((ckpt / "manifest.json").read_text())["save_id"]
     assert any(name.startswith("zero/") for name in manifest["files"])
     want = {r["step"]: r for r in ref.train_rows()}
@@ -76,9 +74,8 @@ def test_resume_on_another_world_size(run_finetune, tmp_path, saved_world, resum
     first = got[0]  # steps 3 (before the checkpoint, on the other world size) and 4
     assert abs(first["loss"] - want[4]["loss"]) <= 0.01 * want[4]["loss"], (first, want[4])
     assert first["lr"] == pytest.approx(want[4]["lr"])  # the LR schedule continued
-    assert (
-        first["samples_seen"] == want[4]["samples_seen"]
-    )  # the data position mapped, nothing skipped
+    # the data position mapped, nothing skipped
+    assert first["samples_seen"] == want[4]["samples_seen"]
     # The window saved mid-way is the world's, counted once whatever the world size now.
     assert [r["tokens_seen"] for r in got] == [want[s]["tokens_seen"] for s in (4, 6)]
     state = json.loads((ckpt / "trainer_state.json").read_text())
@@ -88,10 +85,10 @@ def test_resume_on_another_world_size(run_finetune, tmp_path, saved_world, resum
 def test_a_preemption_during_the_conversion_exits_75_and_the_next_start_finishes_it(
     run_finetune, start_finetune, tmp_path
 ):
-    """A whole-job SIGTERM while a 2-rank checkpoint is converted for 1 rank: the converter (a child)
-    used to die with the job and the run exit 1 (no requeue), and the next start deleted what it had
-    converted, so frequent preemptions meant it never finished. Now: exit 75, the pieces converted are
-    kept, and the next start does only the rest."""
+    """A whole-job SIGTERM while a 2-rank checkpoint is converted for 1 rank: the converter (a
+    child) used to die with the job and the run exit 1 (no requeue), and the next start deleted what
+    it had converted, so frequent preemptions meant it never finished. Now: exit 75, the pieces
+    converted are kept, and the next start does only the rest."""
     import os
     import signal
 
@@ -116,15 +113,14 @@ def test_a_preemption_during_the_conversion_exits_75_and_the_next_start_finishes
     pieces = ckpt / "universal.tmp" / PIECES
     markers = lambda: (
         [p for p in pieces.iterdir() if p.name != "source.json"] if pieces.is_dir() else []
-    )  # noqa: E731
+    )
     resume = (*COMMON, *PER_WORLD[1], "--resume_from_checkpoint", str(ckpt))
     run = start_finetune(
         *resume, launcher="python", nprocs=1, out_dir=tmp_path / "new", env={seams.SLOW_SAVE: "1"}
     )
     wait_until(lambda: len(markers()) >= 2, TIMEOUT, "two pieces of the conversion")
-    os.killpg(
-        run.proc.pid, signal.SIGTERM
-    )  # the whole job, the converter included (as SLURM's scancel)
+    # the whole job, the converter included (as SLURM's scancel)
+    os.killpg(run.proc.pid, signal.SIGTERM)
     stopped = run.finish(TIMEOUT)
     assert stopped.returncode == EXIT_PREEMPTED, stopped.output[-4000:]
     status = json.loads((tmp_path / "new" / "exit_status.json").read_text())

@@ -1,5 +1,6 @@
 """`finetune export` on real 2-rank ZeRO-3 checkpoints: a plain process (no launcher, no
-torch.distributed environment) rebuilds weights identical to the consolidated ones the run gathered."""
+torch.distributed environment) rebuilds weights identical to the consolidated ones the run
+gathered."""
 
 from __future__ import annotations
 
@@ -21,7 +22,8 @@ WEIGHTS = ("model.safetensors", "model.safetensors.index.json")
 
 @pytest.fixture(scope="module")
 def runs(tiny_models, tmp_path_factory):
-    """One short 2-rank run per architecture, saving partitioned + consolidated: {arch: output dir}."""
+    """One short 2-rank run per architecture, saving partitioned + consolidated: {arch: output
+    dir}."""
     out = {}
     for arch in ("llama", "qwen2"):  # llama: untied head; qwen2: tied embeddings
         root = tmp_path_factory.mktemp(f"export_{arch}")
@@ -53,9 +55,8 @@ def partitioned_only(folder, dest):
 
 
 def export(*args) -> subprocess.CompletedProcess:
-    env = (
-        child_env()
-    )  # no RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT: nothing to init a process group from
+    # no RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT: nothing to init a process group from
+    env = child_env()
     return subprocess.run(
         [sys.executable, "-m", "finetune", "export", *map(str, args)],
         env=env,
@@ -109,9 +110,8 @@ def test_output_dir_bf16_in_shards(runs, tmp_path):
     import torch
     from safetensors.torch import load_file
 
-    r = export(
-        runs["llama"], tmp_path / "hf", "--dtype", "bf16", "--max_shard_size", "40KB"
-    )  # its newest committed checkpoint
+    # its newest committed checkpoint
+    r = export(runs["llama"], tmp_path / "hf", "--dtype", "bf16", "--max_shard_size", "40KB")
     assert r.returncode == 0, r.stderr[-4000:]
     index = json.loads((tmp_path / "hf" / "model.safetensors.index.json").read_text())
     shards = sorted(set(index["weight_map"].values()))
@@ -144,9 +144,8 @@ def test_universal(runs, tmp_path):
     from finetune.checkpoint.universal import verify_universal
 
     source = json.loads((part / "manifest.json").read_text()).get("save_id")
-    assert (
-        verify_universal(part / "universal", source) == []
-    )  # a resume on another world size reuses it
+    # a resume on another world size reuses it
+    assert verify_universal(part / "universal", source) == []
     again = export(part, "--universal")  # already converted: refused, named, untouched
     assert again.returncode == 2 and str(part / "universal") in again.stderr
 
@@ -161,7 +160,8 @@ deepspeed.init_distributed(dist_backend="gloo")
 model = AutoModelForCausalLM.from_pretrained(model_dir)
 model.get_parameter("model.layers.0.mlp.up_proj.weight").requires_grad_(False)
 optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
-config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "steps_per_print": 10**9,
+config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, \
+"steps_per_print": 10**9,
           "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
 engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
 torch.manual_seed(engine.global_rank)
@@ -172,7 +172,8 @@ engine.save_checkpoint(out, tag="global_step1")
 # Every rank gathers; rank 0 keeps the trained weights as the reference.
 with deepspeed.zero.GatheredParameters(list(engine.module.parameters())):
     if engine.global_rank == 0:
-        torch.save({k: v.detach().clone() for k, v in engine.module.state_dict().items()}, out + "/reference.pt")
+        torch.save({k: v.detach().clone() for k, v in engine.module.state_dict().items()}, \
+out + "/reference.pt")
         shutil.copy(model_dir + "/config.json", out + "/global_step1/config.json")
 """
 
@@ -199,15 +200,13 @@ def test_frozen_parameter(tiny_models, tmp_path):
         tmp_path / "ds" / "global_step1" / "zero_pp_rank_0_mp_rank_00_model_states.pt",
         weights_only=False,
     )
-    assert list(meta["frozen_param_shapes"]) == [
-        "model.layers.0.mlp.up_proj.weight"
-    ]  # a real frozen parameter
+    # a real frozen parameter
+    assert list(meta["frozen_param_shapes"]) == ["model.layers.0.mlp.up_proj.weight"]
     reference = torch.load(tmp_path / "ds" / "reference.pt")
     original = load_file(tiny_models["llama"] / "model.safetensors")
 
-    r = export(
-        tmp_path / "ds" / "global_step1", tmp_path / "hf", "--no_verify"
-    )  # DeepSpeed's own: no manifest
+    # DeepSpeed's own: no manifest
+    r = export(tmp_path / "ds" / "global_step1", tmp_path / "hf", "--no_verify")
     assert r.returncode == 0, r.stderr[-4000:]
     ours = load_file(tmp_path / "hf" / "model.safetensors")
     assert set(ours) == set(reference)
@@ -260,7 +259,7 @@ def test_an_interrupted_conversion_keeps_its_pieces_and_ends_equal_to_deepspeeds
     target, pieces = part / "universal", part / "universal.tmp" / PIECES
     markers = lambda: (
         [p for p in pieces.iterdir() if p.name != "source.json"] if pieces.is_dir() else []
-    )  # noqa: E731
+    )
     cancel = threading.Event()
 
     def preempt_after_three_pieces():

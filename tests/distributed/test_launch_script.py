@@ -1,4 +1,5 @@
-"""scripts/launch.sh as a user runs it: picks the launcher, logs to OUT/logs, forwards signals, keeps 75."""
+"""scripts/launch.sh as a user runs it: picks the launcher, logs to OUT/logs, forwards signals,
+keeps 75."""
 
 from __future__ import annotations
 

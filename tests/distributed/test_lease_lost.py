@@ -53,9 +53,8 @@ def test_a_run_that_lost_its_lease_stops_with_exit_3_and_touches_nothing(start_f
         TIMEOUT,
         "a checkpoint and step 7",
     )
-    newcomer = identity(
-        "newcomer", 30.0
-    )  # this process: alive, so the run must not take the lease back
+    # this process: alive, so the run must not take the lease back
+    newcomer = identity("newcomer", 30.0)
     lease = (json.dumps(newcomer, indent=2) + "\n").encode()
     status = json.dumps({"exit_code": None, "reason": "running", "run_id": "newcomer"}).encode()
     _write(out / EXIT_STATUS, status)

@@ -80,7 +80,8 @@ def _losses(out: Path) -> dict[int, float]:
 
 @pytest.fixture(scope="module")
 def lora(tiny_models, tmp_path_factory):
-    """One 8-step LoRA run (saves at 4 and 8, consolidated), with the training model's probe logits."""
+    """One 8-step LoRA run (saves at 4 and 8, consolidated), with the training model's probe
+    logits."""
     root = tmp_path_factory.mktemp("lora")
     probe = root / "probe.pt"
     code, output, out = _run(
@@ -162,9 +163,8 @@ def test_consolidated_adapter_is_complete_and_loads_with_peft_giving_the_trainin
     manifest = json.loads((ckpt / "manifest.json").read_text())
     size = sum(v["data_offsets"][1] - v["data_offsets"][0] for v in header.values())
     assert manifest["adapter"] == {"tensors": 28, "bytes": size} and size == 16_384 * 4  # fp32, r=8
-    assert_verifies(
-        ckpt
-    )  # sizes, checksums, and the adapters against the shapes rebuilt from the configs
+    # sizes, checksums, and the adapters against the shapes rebuilt from the configs
+    assert_verifies(ckpt)
     vocab = lora["probe"].shape[-1]
     model = _peft_model(lora["base"], ckpt)
     got = _logits(model, vocab)
@@ -214,8 +214,8 @@ def test_partitioned_checkpoint_holds_no_frozen_base_tensor_and_is_adapter_sized
             == lora_params // 2
         )
 
-    # Optimizer files: fp32 masters + Adam's two moments per trainable parameter, so their sizes are in
-    # the ratio of the trainable parameters (pickle overhead aside).
+    # Optimizer files: fp32 masters + Adam's two moments per trainable parameter, so their sizes are
+    # in the ratio of the trainable parameters (pickle overhead aside).
     def optim_bytes(folder):
         return sum(p.stat().st_size for p in folder.glob("*optim_states.pt"))
 
@@ -226,10 +226,8 @@ def test_partitioned_checkpoint_holds_no_frozen_base_tensor_and_is_adapter_sized
     )
     lora_bytes = json.loads((ckpt / "manifest.json").read_text())["total_bytes"]
     full_bytes = json.loads((full_ckpt / "manifest.json").read_text())["total_bytes"]
-    assert full_bytes > 2.5 * lora_bytes, (
-        full_bytes,
-        lora_bytes,
-    )  # tokenizer, RNG and config files are shared
+    # tokenizer, RNG and config files are shared
+    assert full_bytes > 2.5 * lora_bytes, (full_bytes, lora_bytes)
 
 
 def test_adapter_and_merged_exports_give_the_training_logits(lora, tmp_path):
@@ -300,9 +298,8 @@ def test_a_different_base_at_resume_exits_2_naming_both(lora, tmp_path):
     from safetensors.torch import load_file, save_file
 
     other = build_tiny_model("llama", tmp_path / "other-base")
-    weights = load_file(
-        other / "model.safetensors"
-    )  # same architecture and shapes, other weights (a fine-tune)
+    # same architecture and shapes, other weights (a fine-tune)
+    weights = load_file(other / "model.safetensors")
     g = torch.Generator().manual_seed(1)
     save_file(
         {k: v + 0.01 * torch.randn(v.shape, generator=g) for k, v in weights.items()},
@@ -319,7 +316,7 @@ def test_a_different_base_at_resume_exits_2_naming_both(lora, tmp_path):
         str(lora["out"] / "global_step4"),
     )
     assert code == 2, output[-3000:]
-    line = next(l for l in output.splitlines() if "finetune: error:" in l)
+    line = next(ln for ln in output.splitlines() if "finetune: error:" in ln)
     assert str(lora["base"]) in line and str(other) in line and "another base model" in line
     assert not (out / "global_step4").exists()
 
@@ -346,7 +343,8 @@ def test_async_save_writes_the_same_files_as_a_sync_save(lora, tiny_models, tmp_
 
 
 def test_other_launcher_and_data_format(tiny_models, data_files, tmp_path):
-    """torchrun and chat messages through the tokenizer's template: LoRA is not tied to one of them."""
+    """torchrun and chat messages through the tokenizer's template: LoRA is not tied to one of
+    them."""
     code, output, out = _run(
         tmp_path,
         "--model_name_or_path",

@@ -1,4 +1,5 @@
-"""Node-local checkpoint storage: two "nodes" on loopback (torchrun --nnodes 2), each its own OUT."""
+"""Node-local checkpoint storage: two "nodes" on loopback (torchrun --nnodes 2), each its own
+OUT."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Preemption under real launchers: a signal → every rank commits the same step → exit 75 → resume."""
+"""Preemption under real launchers: a signal → every rank commits the same step → exit 75 →
+resume."""
 
 from __future__ import annotations
 
@@ -48,17 +49,16 @@ def _assert_preempted_and_committed(
 def test_sigusr1_to_one_rank_under_deepspeed_saves_once_and_resumes(
     start_finetune, run_finetune, tmp_path
 ):
-    """One rank signalled (twice: again while saving): all ranks commit one step, then resume to the end."""
-    run = start_finetune(
-        *LONG, env={"FINETUNE_SLOW_SAVE": "1"}
-    )  # each file takes ≥ 1 s: a save lasts ≥ 4 s
+    """One rank signalled (twice: again while saving): all ranks commit one step, then resume to the
+    end."""
+    # each file takes ≥ 1 s: a save lasts ≥ 4 s
+    run = start_finetune(*LONG, env={"FINETUNE_SLOW_SAVE": "1"})
     wait_until(lambda: last_logged_step(run.out_dir) >= 3, TIMEOUT, "three logged steps")
     ranks = run.rank_pids()
     assert sorted(ranks) == [0, 1], ranks
     before = last_logged_step(run.out_dir)
-    os.kill(
-        ranks[1], signal.SIGUSR1
-    )  # rank 1 only: rank 0 learns it through the step-boundary all-reduce
+    # rank 1 only: rank 0 learns it through the step-boundary all-reduce
+    os.kill(ranks[1], signal.SIGUSR1)
     wait_until(lambda: (run.out_dir / ".staging").exists(), 60, "the save to start", interval=0.005)
     for pid in ranks.values():  # a second signal in the middle of the save must not break it
         os.kill(pid, signal.SIGTERM)
@@ -85,15 +85,15 @@ def test_sigusr1_to_one_rank_under_deepspeed_saves_once_and_resumes(
 
 
 def test_sigterm_to_torchrun_saves_and_exit_status_says_preempted(start_finetune):
-    """torchrun forwards SIGTERM to its workers but reports any failure as exit 1: exit_status.json keeps 75."""
+    """torchrun forwards SIGTERM to its workers but reports any failure as exit 1: exit_status.json
+    keeps 75."""
     run = start_finetune(*LONG, launcher="torchrun", env={"FINETUNE_RUN_ID": "torchrun-test"})
     wait_until(lambda: last_logged_step(run.out_dir) >= 3, TIMEOUT, "three logged steps")
     before = last_logged_step(run.out_dir)
     os.kill(run.proc.pid, signal.SIGTERM)
     result = run.finish(TIMEOUT)
-    _assert_preempted_and_committed(
-        result, before, launcher_code=1
-    )  # torchrun's code; the file has ours
+    # torchrun's code; the file has ours
+    _assert_preempted_and_committed(result, before, launcher_code=1)
     assert json.loads((run.out_dir / "exit_status.json").read_text())["run_id"] == "torchrun-test"
 
 

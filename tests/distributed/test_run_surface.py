@@ -132,11 +132,8 @@ def test_an_example_config_runs_on_a_tiny_model_and_its_run_config_reproduces_it
             ["--prompt_column", "question", "--completion_column", "answer"],
         ),
         ("slurm.yaml", "pc_csv", ["--prompt_column", "question", "--completion_column", "answer"]),
-        (
-            "7b-offload.yaml",
-            "text_jsonl",
-            [],
-        ),  # CPU offload and gradient checkpointing, as the example sets
+        # CPU offload and gradient checkpointing, as the example sets
+        ("7b-offload.yaml", "text_jsonl", []),
         (
             "llama-8b-lora.yaml",
             "pc_csv",
@@ -147,7 +144,8 @@ def test_an_example_config_runs_on_a_tiny_model_and_its_run_config_reproduces_it
 def test_each_example_runs_a_few_steps_on_a_tiny_model(
     run_finetune, tiny_models, data_files, example, data, columns
 ):
-    """The recipes as shipped, with only the model, data and sizes swapped for tiny ones (one process)."""
+    """The recipes as shipped, with only the model, data and sizes swapped for tiny ones (one
+    process)."""
     r = run_finetune(
         "--config",
         str(REPO / "configs" / "examples" / example),

@@ -17,7 +17,8 @@ def _assert_ok(result):
 
 
 def test_embedded_default_learns_and_saves(run_finetune):
-    """`finetune` with no model/data flags: 2 ranks, eval loss at least halves, a complete checkpoint."""
+    """`finetune` with no model/data flags: 2 ranks, eval loss at least halves, a complete
+    checkpoint."""
     r = run_finetune("--save_checkpoint")
     _assert_ok(r)
     evals = r.eval_rows()
@@ -46,7 +47,8 @@ def test_embedded_default_learns_and_saves(run_finetune):
     ],
 )
 def test_local_model_architectures(run_finetune, tiny_models, data_files, arch, data, flags):
-    """The issue's command on a local model dir and each data format; checkpoint has the model's files."""
+    """The issue's command on a local model dir and each data format; checkpoint has the model's
+    files."""
     from conftest import TOKENIZER_DIR
 
     flags = [f.replace("{tok}", str(TOKENIZER_DIR)) for f in flags]
@@ -123,10 +125,11 @@ def test_single_process(run_finetune):
 
 
 def test_bad_input_under_launcher_exits_2_once(run_finetune, data_files):
-    """A bad column found after the ranks start: both ranks exit 2, one error line, nothing written."""
+    """A bad column found after the ranks start: both ranks exit 2, one error line, nothing
+    written."""
     r = run_finetune("--train_file", str(data_files["text_jsonl"]), "--text_column", "body")
     assert r.returncode == 2, r.output[-3000:]
-    errors = [l for l in r.output.splitlines() if "finetune: error:" in l]
+    errors = [ln for ln in r.output.splitlines() if "finetune: error:" in ln]
     assert len(errors) == 1, errors
     assert "--text_column" in errors[0] and "available: text" in errors[0]
     assert "Traceback" not in r.output

@@ -34,9 +34,8 @@ pytestmark = pytest.mark.e2e
 CASE_TIMEOUT = 120  # a hang is a failure, not a slow pass
 MAX_SECONDS = 60  # bad input is found before the heavy work: most cases take 1-8 s
 ERROR_LINE = re.compile(r"^finetune(?: \w+)?: error: ")
-ENGINE_BUILT = re.compile(
-    r"\] model: [\d,]+ parameters"
-)  # the trainer's line right after deepspeed.initialize
+# the trainer's line right after deepspeed.initialize
+ENGINE_BUILT = re.compile(r"\] model: [\d,]+ parameters")
 RANK_FILE = "zero_pp_rank_0_mp_rank_00_optim_states.pt"
 
 
@@ -79,7 +78,8 @@ def _model_copy(without: str) -> Callable[[Path, dict], None]:
 
 
 def _other_vocab_model(tmp: Path, ctx: dict) -> None:
-    """{tmp}/model: the tiny llama's architecture with a vocabulary of 1024 (the checkpoint's: 513)."""
+    """{tmp}/model: the tiny llama's architecture with a vocabulary of 1024 (the checkpoint's:
+    513)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.from_pretrained(ctx["llama"])

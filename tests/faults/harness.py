@@ -1,5 +1,5 @@
-"""The fault sweep's machinery: independent ranks, each site's documented outcome, and the invariants
-every run must leave behind.
+"""The fault sweep's machinery: independent ranks, each site's documented outcome, and the
+invariants every run must leave behind.
 
 Reusable by other tests: ``RankRun`` / ``run_ranks`` (ranks that no launcher kills when a peer dies,
 as under srun or mpirun, so a rank left waiting shows as a hang), ``output_dir_problems`` (what a
@@ -66,13 +66,15 @@ def train_args(max_steps: int = MAX_STEPS, *extra: str) -> tuple[str, ...]:
 class Ranks:
     """How one launch of independent ranks ended."""
 
-    codes: list  # each rank's exit code (negative: the signal that killed it); None: no report (all killed)
+    # each rank's exit code (negative: the signal that killed it); None: no report (all killed)
+    codes: list
     ended: list  # wall-clock time each rank exited
     output: str
     out_dir: Path
 
     def fired(self, site: str = "") -> list[float]:
-        """Wall-clock times at which an injected fault (at ``site``, or any) fired: faults.py announces each."""
+        """Wall-clock times at which an injected fault (at ``site``, or any) fired: faults.py
+        announces each."""
         pattern = (
             rf"{seams.FAULT}: injecting \w+ at {re.escape(site) if site else ''}.*\(t=([0-9.]+)\)"
         )
@@ -172,14 +174,15 @@ def output_dir_problems(out: Path) -> list[str]:
     for folder in out.glob("global_step*"):
         if step_of(folder.name) is not None and not (folder / MANIFEST).is_file():
             problems.append(
-                f"{folder.name}: a checkpoint's name without a manifest (an incomplete folder in place)"
+                f"{folder.name}: a checkpoint's name without a manifest "
+                "(an incomplete folder in place)"
             )
     return problems
 
 
 def _being_deleted(rel: Path) -> bool:
-    """Out of the tag namespace on purpose: a retention's trash, the old folder of a same-tag swap, a
-    checkpoint set aside because it did not verify. A crash may leave them half-deleted; the next
+    """Out of the tag namespace on purpose: a retention's trash, the old folder of a same-tag swap,
+    a checkpoint set aside because it did not verify. A crash may leave them half-deleted; the next
     start removes the first two (storage.py)."""
     return (
         rel.parts[0].startswith(TRASH)
@@ -217,7 +220,10 @@ def _codes(code: int) -> dict[str, int]:
 NO_CONSOLIDATED = r"consolidated weights of global_step{step} not written"
 CONSOLIDATED = ("--save_consolidated",)
 ASYNC = ("--async_save",)
-SAVE_FAILED = r"(save|commit) of global_step{step} failed on rank {rank}|not saving global_step{step}: .*rank {rank}"
+SAVE_FAILED = (
+    r"(save|commit) of global_step{step} failed on rank {rank}"
+    r"|not saving global_step{step}: .*rank {rank}"
+)
 
 
 @dataclass(frozen=True)
@@ -241,7 +247,8 @@ class Site:
     before: str = ""
     steps: int = MAX_STEPS
     flags: tuple = ()
-    child: bool = False  # reached in a child process (the universal conversion): kill ends the child, not the rank
+    # reached in a child process (the universal conversion): kill ends the child, not the rank
+    child: bool = False
 
 
 # Exit codes (README "Exit codes"): 0 where the failure is agreed and training goes on (a periodic
@@ -270,7 +277,8 @@ EXPECTED: dict[str, Site] = {
         r"could not remove .staging/global_step{step}",
         before="save.write_rank_files:1:{step}",
     ),
-    # The consolidated weights alone fail: the partitioned checkpoint commits without them (docs/CHECKPOINTS.md).
+    # The consolidated weights alone fail: the partitioned checkpoint commits without them
+    # (docs/CHECKPOINTS.md).
     "save.consolidated_gather": Site(
         FRESH, EVERY, 2, _codes(0), NO_CONSOLIDATED, flags=CONSOLIDATED
     ),
@@ -289,7 +297,8 @@ EXPECTED: dict[str, Site] = {
     ),
     "commit.manifest": Site(FRESH, LEADER, 2, _codes(0), SAVE_FAILED),
     "commit.rename": Site(FRESH, LEADER, 2, _codes(0), SAVE_FAILED),
-    # Renamed into place: committed (resume follows the commit order), `latest` stale until the next commit.
+    # Renamed into place: committed (resume follows the commit order), `latest` stale until the next
+    # commit.
     "commit.latest": Site(
         FRESH, LEADER, 2, _codes(0), "committed global_step{step}, but `latest` was not updated"
     ),
@@ -513,7 +522,8 @@ BUNDLE = _bundle()
 
 def sampled_cases() -> list[Case]:
     """`make test`'s sample: the bundle (every site where training goes on), then every other site
-    once, the kinds taken in turn, rank 1 wherever a non-zero rank reaches it; and a kill mid-save."""
+    once, the kinds taken in turn, rank 1 wherever a non-zero rank reaches it; and a kill
+    mid-save."""
     bundled = {f.site for f in BUNDLE.faults}
     cases, i = [BUNDLE], 0
     for name, site in EXPECTED.items():

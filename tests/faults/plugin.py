@@ -1,4 +1,5 @@
-"""A pytest plugin (loaded by tests/conftest.py): the fault sweep's long/sampled split and its summary table.
+"""A pytest plugin (loaded by tests/conftest.py): the fault sweep's long/sampled split and its
+summary table.
 
 ``make test`` runs the sample (every site once, a few kill trials); ``make faults`` sets
 FINETUNE_FAULTS_LONG=1 and runs everything marked ``faults``, including the ``faults_long`` cases.
@@ -79,7 +80,8 @@ def pytest_terminal_summary(terminalreporter):
     rows = [*table["groups"].items(), ("total", table["total"])]
     width = max(len(name) for name, _ in rows)
     tr.write_line(
-        f"{'group':<{width}} {'cases':>6} {'failures':>9} {'max time to exit (s)':>21} {'wall (s)':>9}"
+        f"{'group':<{width}} {'cases':>6} {'failures':>9} {'max time to exit (s)':>21} "
+        f"{'wall (s)':>9}"
     )
     for name, g in rows:
         tr.write_line(

@@ -51,9 +51,8 @@ from harness import (
 pytestmark = [pytest.mark.distributed, pytest.mark.faults]
 
 PAGE = 4096  # tmpfs allocates whole pages
-SLOW_S = (
-    "0.5"  # FINETUNE_SLOW_SAVE / FINETUNE_SLOW_COMMIT: the filler's window, many times its polling
-)
+# FINETUNE_SLOW_SAVE / FINETUNE_SLOW_COMMIT: the filler's window, many times its polling
+SLOW_S = "0.5"
 SCRIPTS = ("zero_to_fp32.py", "zero_to_torch.py")
 MODEL_STATES = "zero_pp_rank_{rank}_mp_rank_00_model_states.pt"  # each rank's first file of a save
 FREED = re.compile(
@@ -111,9 +110,8 @@ def tmpfs(mnt: Path, size: int):
         yield mnt
     finally:
         if subprocess.run(["umount", str(mnt)], capture_output=True).returncode != 0:
-            subprocess.run(
-                ["umount", "-l", str(mnt)], capture_output=True
-            )  # still busy: detach now
+            # still busy: detach now
+            subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
 
 
 def free_bytes(path: Path) -> int:
@@ -193,7 +191,7 @@ def staged_completely(out: Path, step: int):
     return ready
 
 
-# --- one case ---------------------------------------------------------------------------------------
+# --- one case -------------------------------------------------------------------------------------
 
 
 def run_full(tmp: Path, mnt: Path, steps: int, ready_for, env: dict, flags: tuple = ()):
@@ -224,7 +222,7 @@ def check_outcome(
     assert 0 < to_exit <= BOUND_S, (
         f"the last rank exited {to_exit:.1f} s after the disk filled (bound {BOUND_S} s)"
     )
-    line = next((l for l in r.output.splitlines() if re.search(failed, l)), None)
+    line = next((ln for ln in r.output.splitlines() if re.search(failed, ln)), None)
     assert line, f"no line says /{failed}/\n{log}"
     assert "No space left on device" in line, line
     m = FREED.search(line)
@@ -245,9 +243,8 @@ def check_outcome(
         assert (out / tag / MANIFEST).is_file()
     problems = output_dir_problems(out)
     assert not problems, f"{problems}\n{log}"
-    for script, size in ckpt[
-        "script_sizes"
-    ].items():  # never replaced by a copy a full disk truncated
+    # never replaced by a copy a full disk truncated
+    for script, size in ckpt["script_sizes"].items():
         assert (out / script).stat().st_size == size, (script, (out / script).stat().st_size, size)
     return {
         "time_to_exit_s": round(to_exit, 2),
@@ -262,7 +259,7 @@ def resume_after_freeing(tmp: Path, filler: Filler, out: Path) -> None:
     assert_resumes_to_the_end(tmp, 2, out)
 
 
-# --- the cases --------------------------------------------------------------------------------------
+# --- the cases ------------------------------------------------------------------------------------
 
 
 def _policies(sampled: str):
@@ -283,7 +280,7 @@ def check_branch(r, out: Path, policy: str, phase: str) -> None:
     assert re.search(
         rf"{said}: {phase} of global_step2 failed on rank .*\(--on_save_error {policy}\)", r.output
     )
-    rows = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
+    rows = [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines()]
     assert max(row["step"] for row in rows if "loss" in row) == (3 if policy == "continue" else 2)
     refused = re.search(
         r"final save failed: not saving global_step3: not enough free space .*MB free, need ~",
@@ -414,9 +411,8 @@ def shard_begun(out: Path, step: int):
     return ready
 
 
-SHARED_RESERVE = (
-    256 << 10
-)  # room for the RNG, config, tokenizer and state files, not for the safetensors
+# room for the RNG, config, tokenizer and state files, not for the safetensors
+SHARED_RESERVE = 256 << 10
 
 
 @pytest.mark.timeout(3 * RUN_TIMEOUT)
@@ -428,9 +424,8 @@ def test_consolidated_write_runs_out_of_space_and_the_partitioned_checkpoint_com
     exited 1, the others waited in the agreement, the step's partitioned checkpoint was lost. Now:
     one warning, step 2 committed partitioned (`consolidated: false`, verifies), training goes on
     (the disk freed meanwhile), exit 0."""
-    fault_record["tmpfs_bytes"] = roomy_size(checkpoint_bytes) + (
-        8 << 20
-    )  # and step 3's safetensors
+    # and step 3's safetensors
+    fault_record["tmpfs_bytes"] = roomy_size(checkpoint_bytes) + (8 << 20)
     with tmpfs(tmp_path / "mnt", fault_record["tmpfs_bytes"]) as mnt:
         out = mnt / "out"
         filler = Filler(mnt, shard_begun(out, 2), reserve=SHARED_RESERVE)
@@ -464,9 +459,8 @@ def test_consolidated_write_runs_out_of_space_and_the_partitioned_checkpoint_com
         assert manifest["consolidated"] is False and not list(
             (out / tag_for(2)).glob("*.safetensors*")
         )
-        assert (
-            read_manifest(out / tag_for(3))["consolidated"] is True
-        )  # the next save, with room again
+        # the next save, with room again
+        assert read_manifest(out / tag_for(3))["consolidated"] is True
         assert (out / LATEST).read_text().strip() == tag_for(3)
         problems = output_dir_problems(out)
         assert not problems, f"{problems}\n{log}"
@@ -506,8 +500,8 @@ def test_a_save_that_would_not_fit_is_refused_before_writing(
         log = r.output[-8000:]
         assert r.codes == [1, 1], f"exit codes {r.codes}\n{log}"
         m = re.search(
-            r"final save failed: not saving global_step3: not enough free space in \S+ \(rank 0: ([\d.]+) MB "
-            r"free, need ~([\d.]+) MB\)",
+            r"final save failed: not saving global_step3: not enough free space in \S+ "
+            r"\(rank 0: ([\d.]+) MB free, need ~([\d.]+) MB\)",
             r.output,
         )
         assert m, log

@@ -1,5 +1,6 @@
 """kill -9 at random moments of a run that saves every step: of the whole job, and of one rank only
-(whose survivor must then exit on its own within BOUND_S), with and without --save_consolidated and --async_save.
+(whose survivor must then exit on its own within BOUND_S), with and without --save_consolidated and
+--async_save.
 
 Each trial's moment comes from its seed (printed on failure: rerun that one case to replay it).
 After each: the output dir's invariants, and `--resume_from_checkpoint auto` trains to the end.
@@ -31,9 +32,8 @@ pytestmark = [pytest.mark.distributed, pytest.mark.faults]
 KILL_TRIALS = int(os.environ.get("FINETUNE_KILL_TRIALS", "50"))  # of each kind, in `make faults`
 SAMPLED_TRIALS = {"job": 2, "rank": 3}  # in `make test`: 5 trials
 STEPS = 8
-STARTUP_SHARE = (
-    0.2  # of the trials kill during start-up (lease, tidy, resume planning, model build)
-)
+# of the trials kill during start-up (lease, tidy, resume planning, model build)
+STARTUP_SHARE = 0.2
 STARTUP_S = 12.0  # ... at a moment drawn over this many seconds after the launch
 FIRST_STEP_S = 0.3  # a step and its save here, until a second step is logged to measure it
 
@@ -57,9 +57,8 @@ class Trial:
         rng = random.Random(f"{seed}-{'rank' if one_rank else 'job'}")
         self.seed, self.one_rank = seed, one_rank
         self.consolidated = seed % 2 == 1
-        self.background = (
-            seed % 4 >= 2
-        )  # --async_save: kills land while the writer thread writes, too
+        # --async_save: kills land while the writer thread writes, too
+        self.background = seed % 4 >= 2
         self.during_startup = rng.random() < STARTUP_SHARE
         self.delay = rng.uniform(0, STARTUP_S)
         self.step, self.fraction = rng.randint(1, STEPS), rng.random()

@@ -19,10 +19,8 @@ from test_manager import (  # noqa: E402
     tiny_module,
 )
 
-FIXTURES = (
-    tiny_module,
-    _fake_engines_model_is_not_checked,
-)  # test_manager's, found by pytest under these names
+# test_manager's, found by pytest under these names
+FIXTURES = (tiny_module, _fake_engines_model_is_not_checked)
 
 
 def test_a_commit_whose_latest_write_fails_is_committed_and_counted_by_retention(
@@ -35,14 +33,11 @@ def test_a_commit_whose_latest_write_fails_is_committed_and_counted_by_retention
     m, progress, _ = make_manager(make_cfg(tmp_path, save_total_limit=2), tiny_module)
     run_saves(m, progress, [2, 4])  # no SaveError: the save of step 4 is committed
     assert "committed global_step4, but `latest` was not updated" in caplog.text
-    assert (
-        tmp_path / "latest"
-    ).read_text().strip() == "global_step2"  # stale, still a complete checkpoint
+    # stale, still a complete checkpoint
+    assert (tmp_path / "latest").read_text().strip() == "global_step2"
     run_saves(m, progress, [6, 8])
-    assert OutputDir(tmp_path).tags() == [
-        "global_step6",
-        "global_step8",
-    ]  # was [4, 6, 8]: a limit of 2 kept 3
+    # was [4, 6, 8]: a limit of 2 kept 3
+    assert OutputDir(tmp_path).tags() == ["global_step6", "global_step8"]
     assert read_manifest(tmp_path / "global_step6")["parent"] == "global_step4"
     assert (tmp_path / "latest").read_text().strip() == "global_step8"
 
@@ -91,9 +86,8 @@ def test_a_run_resumed_at_its_last_step_finishes_the_commit_a_crash_cut_short(
     `latest` named the older checkpoint for good and --save_total_limit stayed exceeded."""
     m, progress, _ = make_manager(make_cfg(tmp_path), tiny_module)
     run_saves(m, progress, [2, 4, 6])
-    (tmp_path / "latest").write_text(
-        "global_step4\n"
-    )  # the crash: renamed, `latest` and retention not done
+    # the crash: renamed, `latest` and retention not done
+    (tmp_path / "latest").write_text("global_step4\n")
     cfg = make_cfg(tmp_path, save_total_limit=2, resume_from_checkpoint="auto")
     m, progress, plan = make_manager(cfg, tiny_module, run_id="run2")
     assert plan.folder.name == "global_step6"

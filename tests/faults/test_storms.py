@@ -101,7 +101,7 @@ def _storm(trial: Trial, run: RankRun, pids: dict) -> tuple[int, bool, float]:
         step = trial.step
         while True:
             wait_until(
-                lambda: _staged(out, step) or ended() is not None,
+                lambda step=step: _staged(out, step) or ended() is not None,
                 RUN_TIMEOUT,
                 f"the save of step {step}",
                 interval=0.005,
@@ -146,10 +146,8 @@ def _preempted_run(trial: Trial, tmp_path, out, env: dict | None = None) -> dict
     in_flight, saving, signalled = _storm(trial, run, pids)
     result = run.finish(RUN_TIMEOUT)
     context = f"{trial}\n{result.output[-6000:]}"
-    if result.codes == [
-        0,
-        0,
-    ]:  # the run ended before the signal came (a late start-up draw): still a trial
+    # the run ended before the signal came (a late start-up draw): still a trial
+    if result.codes == [0, 0]:
         assert in_flight >= STEPS - 1 or trial.storm.startswith("startup"), context
         return {"trial": str(trial), "ended_first": True, "time_to_exit_s": 0.0}
     assert result.codes == [EXIT_PREEMPTED] * 2, f"exit codes {result.codes}: {context}"
@@ -193,13 +191,8 @@ STORMS = [
     "startup",
     "startup_after_preemption",
 ]
-SAMPLED = {
-    "during_save",
-    "during_commit",
-    "twice",
-    "ranks_at_once",
-    "startup",
-}  # `make test`: seed 0 each
+# `make test`: seed 0 each
+SAMPLED = {"during_save", "during_commit", "twice", "ranks_at_once", "startup"}
 
 
 def _params():
@@ -219,9 +212,8 @@ def _params():
 @pytest.mark.parametrize("storm,seed", _params())
 def test_storm(storm, seed, tmp_path, fault_record):
     trial, out = Trial(storm, seed), tmp_path / "out"
-    if (
-        storm == "startup_after_preemption"
-    ):  # preempted once mid-training, then again while resuming
+    # preempted once mid-training, then again while resuming
+    if storm == "startup_after_preemption":
         # Slowed saves (seconds a step), so the signal always lands before the last step: a signal
         # during the last step ends the run normally (test_signal_during_the_last_step_...), and
         # at ~0.1 s a step it did so in 2 of 8 seeds.

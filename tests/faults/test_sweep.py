@@ -39,7 +39,8 @@ SAMPLED = set(sampled_cases())
 
 @pytest.fixture(scope="session")
 def resume_seed(tmp_path_factory):
-    """An output dir holding global_step1 and global_step2 of a clean 2-rank run (copied per case)."""
+    """An output dir holding global_step1 and global_step2 of a clean 2-rank run (copied per
+    case)."""
     tmp = tmp_path_factory.mktemp("fault-seed")
     r = run_ranks(tmp, 2, train_args(2), tmp / "out")
     assert r.codes == [0, 0], r.output[-6000:]

@@ -50,7 +50,8 @@ def _ok(result):
 
 @pytest.fixture(scope="module")
 def dropout_model(tmp_path_factory):
-    """The tiny Llama with attention dropout: a resume that lost the CUDA generator draws other masks."""
+    """The tiny Llama with attention dropout: a resume that lost the CUDA generator draws other
+    masks."""
     path = build_tiny_model("llama", tmp_path_factory.mktemp("gpu-model") / "llama")
     config = json.loads((path / "config.json").read_text())
     config["attention_dropout"] = 0.2
@@ -97,10 +98,8 @@ def test_bf16_train_save_resume_export(run_finetune, dropout_model, tmp_path):
     losses = {r["step"]: r["loss"] for r in whole.train_rows()}
     after = {r["step"]: r["loss"] for r in resumed.train_rows()}
     assert sorted(after) == list(range(STEPS // 2 + 1, STEPS + 1))
-    for (
-        step,
-        loss,
-    ) in after.items():  # same batches, same dropout masks: same losses up to kernel order
+    # same batches, same dropout masks: same losses up to kernel order
+    for step, loss in after.items():
         assert math.isclose(loss, losses[step], rel_tol=2e-3), (step, loss, losses[step])
     folder = tmp_path / "split" / f"global_step{STEPS}"
     assert_verifies(folder)
@@ -152,7 +151,8 @@ def test_offload_with_consolidated_save(run_finetune, dropout_model, tmp_path):
 
 
 def test_fp16_overflow_steps_are_not_counted(run_finetune, dropout_model, tmp_path):
-    """A loss scale of 2^32 overflows fp16 gradients: DeepSpeed skips those steps and halves the scale."""
+    """A loss scale of 2^32 overflows fp16 gradients: DeepSpeed skips those steps and halves the
+    scale."""
     ds = json.loads((CONFIGS / "ds_zero3.json").read_text())
     ds["fp16"] = {
         "enabled": True,
@@ -185,7 +185,8 @@ def test_auto_precision_follows_compute_capability(run_finetune, dropout_model, 
 def test_without_a_cuda_toolkit_fused_adam_becomes_torch_adam(
     run_finetune, dropout_model, tmp_path
 ):
-    """No nvcc (a CUDA_HOME without one) and nothing prebuilt: torch_adam, one log line, recorded."""
+    """No nvcc (a CUDA_HOME without one) and nothing prebuilt: torch_adam, one log line,
+    recorded."""
     env = {
         "CUDA_HOME": str(tmp_path / "no-cuda-toolkit"),
         "TORCH_EXTENSIONS_DIR": str(tmp_path / "extensions"),
@@ -211,7 +212,8 @@ def test_fused_adam_where_it_can_be_had(run_finetune, dropout_model, tmp_path):
             ).glob("fused_adam*/*.so")
         ):
             pytest.skip(
-                "no CUDA toolkit (nvcc) and no prebuilt FusedAdam: see test_without_a_cuda_toolkit_…"
+                "no CUDA toolkit (nvcc) and no prebuilt FusedAdam: "
+                "see test_without_a_cuda_toolkit_…"
             )
     out = tmp_path / "out"
     r = _train(run_finetune, dropout_model, out, "--precision", "bf16", steps=2)

@@ -186,12 +186,15 @@ AccountingStorageType=accounting_storage/none
 JobAcctGatherType=jobacct_gather/none
 JobCompType=jobcomp/none
 {node_line} State=UNKNOWN
-PartitionName=test Nodes={self.node} Default=YES MaxTime=INFINITE State=UP OverSubscribe=YES PreemptMode=OFF
+PartitionName=test Nodes={self.node} Default=YES MaxTime=INFINITE State=UP OverSubscribe=YES \
+PreemptMode=OFF
 # Preemption by partition priority on the same node: a job in "high" that does not fit requeues the
-# "low" jobs in its way, after SIGCONT+SIGTERM and a GraceTime (then SIGTERM again, KillWait, SIGKILL).
+# "low" jobs in its way, after SIGCONT+SIGTERM and a GraceTime (then SIGTERM again, KillWait,
+# SIGKILL).
 PreemptType=preempt/partition_prio
 PreemptMode=REQUEUE
-PartitionName=low Nodes={self.node} MaxTime=INFINITE State=UP PriorityTier=1 PreemptMode=REQUEUE GraceTime={self.grace_time}
+PartitionName=low Nodes={self.node} MaxTime=INFINITE State=UP PriorityTier=1 PreemptMode=REQUEUE \
+GraceTime={self.grace_time}
 PartitionName=high Nodes={self.node} MaxTime=INFINITE State=UP PriorityTier=10 PreemptMode=OFF
 """)
 

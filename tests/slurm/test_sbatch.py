@@ -1,4 +1,5 @@
-"""scripts/slurm/*.sbatch, and the SLURM example in docs/CLUSTERS.md, on a real one-node SLURM cluster the tests start."""
+"""scripts/slurm/*.sbatch, and the SLURM example in docs/CLUSTERS.md, on a real one-node SLURM
+cluster the tests start."""
 
 from __future__ import annotations
 
@@ -31,7 +32,8 @@ def _job_env() -> dict:
 
 
 def _submit(slurm, cwd, script: str, sbatch_opts: list[str], flags: list[str], wait: bool):
-    """sbatch -n2 [opts] scripts/slurm/<script> [flags]; returns (job id, sbatch's CompletedProcess)."""
+    """sbatch -n2 [opts] scripts/slurm/<script> [flags]; returns (job id, sbatch's
+    CompletedProcess)."""
     proc = slurm.run(
         "sbatch",
         *(["--wait"] if wait else []),
@@ -94,10 +96,11 @@ def test_preempted_job_saves_requeues_itself_and_finishes(slurm, tmp_path):
     )
     preempted_at = []
     for restart, sig in ((0, "TERM"), (1, "USR1")):
-        # Training (not just started) in this incarnation of the job: past the last preemption's step.
+        # Training (not just started) in this incarnation of the job: past the last preemption's
+        # step.
         floor = preempted_at[-1] if preempted_at else 0
         wait_until(
-            lambda: (
+            lambda restart=restart, floor=floor: (
                 slurm.job(job).get("Restarts") == str(restart)
                 and last_logged_step(out) >= floor + 3
             ),
@@ -109,7 +112,7 @@ def test_preempted_job_saves_requeues_itself_and_finishes(slurm, tmp_path):
         slurm.run("scancel", f"--signal={sig}", job)
         # The job requeues itself: it comes back with one more restart.
         wait_until(
-            lambda: int(slurm.job(job).get("Restarts", "0")) > restart,
+            lambda restart=restart: int(slurm.job(job).get("Restarts", "0")) > restart,
             JOB_TIMEOUT,
             f"the job to requeue after SIG{sig}",
             interval=0.5,
@@ -134,7 +137,8 @@ def test_preempted_job_saves_requeues_itself_and_finishes(slurm, tmp_path):
 
 def test_time_limit_warning_saves_and_the_requeued_job_resumes(slurm, tmp_path):
     """The real warning: --time=2 --signal=USR1@50 (slurmctld sends it 40-70 s in, its timer
-    granularity), to a job that would train far longer. It saves, requeues, and the next run resumes."""
+    granularity), to a job that would train far longer. It saves, requeues, and the next run
+    resumes."""
     out = tmp_path / "out"
     job, _ = _submit(
         slurm,
@@ -171,8 +175,8 @@ def test_time_limit_warning_saves_and_the_requeued_job_resumes(slurm, tmp_path):
         lambda: f"global_step{step} at step {step}" in log.read_text(), JOB_TIMEOUT, "the resume"
     )
     wait_until(lambda: last_logged_step(out) > step, JOB_TIMEOUT, "a step after the resume")
-    # Stopping for good, as docs/CLUSTERS.md says: a plain scancel saves and requeues (test_preemption.py);
-    # a scancel of the pending job ends it.
+    # Stopping for good, as docs/CLUSTERS.md says: a plain scancel saves and requeues
+    # (test_preemption.py); a scancel of the pending job ends it.
     slurm.run("scancel", job)
     wait_until(
         lambda: int(slurm.job(job).get("Restarts", "0")) >= 2,
@@ -203,18 +207,16 @@ def test_readme_slurm_example_trains_and_commits(slurm, tmp_path):
     # Only finetune's flags change: fewer steps. The user's working directory has scripts/.
     command = re.sub(r"--max_steps \d+ --save_steps \d+", "--max_steps 6 --save_steps 3", command)
     (tmp_path / "scripts").symlink_to(REPO / "scripts")
-    env = slurm.env(
-        {**child_env(), "PYTHON": sys.executable}
-    )  # as after `source .venv/bin/activate`
+    # as after `source .venv/bin/activate`
+    env = slurm.env({**child_env(), "PYTHON": sys.executable})
     proc = subprocess.run(
         ["bash", "-c", command], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60
     )
     assert proc.returncode == 0, proc.stderr
     job = re.search(r"Submitted batch job (\d+)", proc.stdout).group(1)
     info = slurm.wait_for_state(job, {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"}, 420)
-    log = (
-        tmp_path / f"finetune-{job}.out"
-    ).read_text()  # the log per job id, in the submit directory
+    # the log per job id, in the submit directory
+    log = (tmp_path / f"finetune-{job}.out").read_text()
     assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", log[-4000:]
     assert "1 node(s) x 2 process(es)" in log
     out = tmp_path / "runs" / "slurm-demo"

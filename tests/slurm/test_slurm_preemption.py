@@ -1,4 +1,5 @@
-"""A SIGTERM to the whole SLURM job ends with a checkpoint of the step in flight, and the job resumes.
+"""A SIGTERM to the whole SLURM job ends with a checkpoint of the step in flight, and the job
+resumes.
 
 Three ways clusters send it, on a real one-node cluster with KillWait=30 and a preemptable
 partition (PreemptMode=REQUEUE, GraceTime=60): a plain `scancel` (every step and the batch shell,
@@ -108,10 +109,8 @@ def test_whole_job_sigterm_saves_the_step_in_flight_and_the_job_resumes(
             "saved and exited before SLURM's SIGKILL could come"
         )
         step = int(st["checkpoint"].removeprefix("global_step"))
-        assert before <= step <= before + 2, (
-            before,
-            st,
-        )  # the first step boundary after the signal
+        # the first step boundary after the signal
+        assert before <= step <= before + 2, (before, st)
         committed = (out / "latest").stat().st_mtime
         assert_verifies(out / st["checkpoint"])
         fault_record.update(
@@ -120,7 +119,8 @@ def test_whole_job_sigterm_saves_the_step_in_flight_and_the_job_resumes(
         )
         print(
             f"{how} attempt {attempt}: SIGTERM at step {before}, committed global_step{step} "
-            f"{committed - signalled:.1f} s and exit_status {exited - signalled:.1f} s after the signal"
+            f"{committed - signalled:.1f} s and exit_status {exited - signalled:.1f} s "
+            "after the signal"
         )
 
         # Requeued once (by the script; SLURM's own preemption requeue does not come on top of it),
@@ -129,9 +129,8 @@ def test_whole_job_sigterm_saves_the_step_in_flight_and_the_job_resumes(
         text = log.read_text()
         assert info["JobState"] == "COMPLETED" and info["Restarts"] == "1", (info, text[-4000:])
         assert text.count("requeueing job") == 1
-        assert (
-            f"global_step{step} at step {step}" in text
-        )  # "Resumed from …/global_stepN at step N"
+        # "Resumed from …/global_stepN at step N"
+        assert f"global_step{step} at step {step}" in text
         assert (out / "latest").read_text().strip() == f"global_step{total}"
         steps = [r["step"] for r in read_metrics(str(out)) if "loss" in r]
         assert sorted(set(steps)) == list(range(1, total + 1))
