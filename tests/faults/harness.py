@@ -521,7 +521,7 @@ BUNDLE = _bundle()
 
 
 def sampled_cases() -> list[Case]:
-    """`make test`'s sample: the bundle (every site where training goes on), then every other site
+    """`make check`'s sample: the bundle (every site where training goes on), then every other site
     once, the kinds taken in turn, rank 1 wherever a non-zero rank reaches it; and a kill
     mid-save."""
     bundled = {f.site for f in BUNDLE.faults}

@@ -1,7 +1,7 @@
 """A pytest plugin (loaded by tests/conftest.py): the fault sweep's long/sampled split and its
 summary table.
 
-``make test`` runs the sample (every site once, a few kill trials); ``make faults`` sets
+``make check`` runs the sample (every site once, a few kill trials); ``make faults`` sets
 FINETUNE_FAULTS_LONG=1 and runs everything marked ``faults``, including the ``faults_long`` cases.
 After the run a table gives, per group, the cases, failures and the longest time from a fault (or
 kill) to the last rank's exit; with FINETUNE_FAULTS_SUMMARY=<file> the same as JSON.

@@ -263,7 +263,7 @@ def resume_after_freeing(tmp: Path, filler: Filler, out: Path) -> None:
 
 
 def _policies(sampled: str):
-    """--on_save_error values: ``sampled`` in `make test`, the other in `make faults`."""
+    """--on_save_error values: ``sampled`` in `make check`, the other in `make faults`."""
     return pytest.mark.parametrize(
         "policy",
         [

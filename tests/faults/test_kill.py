@@ -4,7 +4,7 @@
 
 Each trial's moment comes from its seed (printed on failure: rerun that one case to replay it).
 After each: the output dir's invariants, and `--resume_from_checkpoint auto` trains to the end.
-`make test` runs a few trials of each; `make faults` runs KILL_TRIALS of each.
+`make check` runs a few trials of each; `make faults` runs KILL_TRIALS of each.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from harness import (
 pytestmark = [pytest.mark.distributed, pytest.mark.faults]
 
 KILL_TRIALS = int(os.environ.get("FINETUNE_KILL_TRIALS", "50"))  # of each kind, in `make faults`
-SAMPLED_TRIALS = {"job": 2, "rank": 3}  # in `make test`: 5 trials
+SAMPLED_TRIALS = {"job": 2, "rank": 3}  # in `make check`: 5 trials
 STEPS = 8
 # of the trials kill during start-up (lease, tidy, resume planning, model build)
 STARTUP_SHARE = 0.2

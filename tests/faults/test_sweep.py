@@ -4,7 +4,7 @@ every kind, each in a real multi-rank run of independent ranks (no launcher kill
 Each case checks the documented exit code of every rank, that the last rank exited within
 BOUND_S of the fault, that the output dir holds nothing that claims completeness falsely and a
 `latest` that verifies, and that `--resume_from_checkpoint auto` then trains to the end.
-`make test` runs the sample (every site once); `make faults` runs them all.
+`make check` runs the sample (every site once); `make faults` runs them all.
 """
 
 from __future__ import annotations

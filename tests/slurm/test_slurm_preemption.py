@@ -7,7 +7,7 @@ SIGKILL after KillWait), `scancel --full --signal=TERM` (the batch shell's proce
 would SIGKILL the ranks if it got it), and preemption by a job in a higher-priority partition.
 Each attempt: the job saves the step in flight, exit_status.json says 75, the checkpoint verifies,
 the job is requeued (by finetune.sbatch; SLURM also allows it after `scancel`), resumes from that
-checkpoint and finishes. `make test` runs one attempt of each; FINETUNE_FAULTS_LONG=1 all ten.
+checkpoint and finishes. `make check` runs one attempt of each; FINETUNE_FAULTS_LONG=1 all ten.
 """
 
 from __future__ import annotations
