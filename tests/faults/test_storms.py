@@ -5,7 +5,8 @@ Each trial, on independent ranks (no launcher passes signals on or kills survivo
 exits 75 within BOUND_S of the first signal, exit_status.json says "preempted" and names `latest`,
 which verifies and is at least the step in flight when the signal came; the output dir keeps its
 invariants; `--resume_from_checkpoint auto` trains to the end. A trial's moment and victim come from
-its seed (printed on failure). `make check` runs one trial of each storm; `make faults` STORM_TRIALS.
+its seed (printed on failure). `make check` runs one trial of each storm; `make faults`
+STORM_TRIALS.
 Saves are slowed (FINETUNE_SLOW_SAVE, FINETUNE_SLOW_COMMIT) so that "during" is certain.
 """
 
