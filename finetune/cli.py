@@ -43,12 +43,13 @@ def _help(f: dataclasses.Field) -> str:
 
 def build_train_parser() -> argparse.ArgumentParser:
     """The training flags, one per config field. A flag not given is absent from the Namespace
-    (argument_default=SUPPRESS), so a --config file's value shows through where no flag overrides it."""
+    (argument_default=SUPPRESS), so a --config file's value shows through where no
+    flag overrides it."""
     p = Parser(
         prog="finetune",
         argument_default=argparse.SUPPRESS,
-        description="ZeRO-3 fine-tuning of HuggingFace causal LMs with DeepSpeed. With no flags: trains "
-        "the embedded tiny model on bundled data. Commands: "
+        description="ZeRO-3 fine-tuning of HuggingFace causal LMs with DeepSpeed. With no flags: "
+        "trains the embedded tiny model on bundled data. Commands: "
         + ", ".join(f"finetune {c}" for c in SUBCOMMANDS)
         + " (each with --help).",
     )
@@ -56,9 +57,9 @@ def build_train_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--config",
         metavar="FILE",
-        help="A .yaml or .json file of training flags (keys are the flag names "
-        "without --, e.g. learning_rate: 2.0e-5); flags on the command line override it. Every run writes "
-        "its resolved flags to OUT/run_config.yaml, which this takes to run it again.",
+        help="A .yaml or .json file of training flags (keys are the flag names without --, e.g. "
+        "learning_rate: 2.0e-5); flags on the command line override it. Every run writes its "
+        "resolved flags to OUT/run_config.yaml, which this takes to run it again.",
     )
     for title, cls in GROUPS:
         group = p.add_argument_group(f"{title} arguments")
@@ -82,9 +83,8 @@ def build_train_parser() -> argparse.ArgumentParser:
                 metavar=f.name.upper(),
                 nargs=f.metadata.get("nargs"),
             )
-    shorthand = (
-        p.add_mutually_exclusive_group()
-    )  # "argument --fp16: not allowed with argument --bf16"
+    # "argument --fp16: not allowed with argument --bf16"
+    shorthand = p.add_mutually_exclusive_group()
     shorthand.add_argument(
         "--bf16",
         action="store_const",
@@ -156,8 +156,8 @@ def _verify(argv: list[str]) -> int:
     )
     p.add_argument(
         "checkpoint",
-        help="A checkpoint folder, or an output dir (its newest committed checkpoint is "
-        "checked, and the rest of the dir is looked over: uncommitted folders, `latest`, leftovers of "
+        help="A checkpoint folder, or an output dir (its newest committed checkpoint is checked, "
+        "and the rest of the dir is looked over: uncommitted folders, `latest`, leftovers of "
         "crashed saves, torn metrics lines; reported as notes).",
     )
     p.add_argument("--quick", action="store_true", help="Check file sizes only, not checksums.")
@@ -168,9 +168,8 @@ def _verify(argv: list[str]) -> int:
         raise ConfigError(
             f"{ns.checkpoint}: not a checkpoint (no manifest.json or DeepSpeed files)"
         )
-    if (
-        report.ok and not ns.quick
-    ):  # intact; would resume and export unpickle it? (reads the pickles' opcodes)
+    # intact; would resume and export unpickle it? (reads the pickles' opcodes)
+    if report.ok and not ns.quick:
         report.problems += refusals(folder, stored_ranks(read_manifest(folder) or {}))
     if report.ok:  # a LoRA checkpoint: are its adapters all there? (headers and shapes only)
         from finetune.checkpoint.adapter import verify_adapter
@@ -237,24 +236,24 @@ def _export(argv: list[str]) -> int:
     p.add_argument(
         "--merge_lora",
         action="store_true",
-        help="A LoRA checkpoint (--use_peft): write the base model with "
-        "the adapters merged into its weights, a model folder that loads without peft (default: the "
-        "adapter folder, adapter_model.safetensors + adapter_config.json, for PeftModel.from_pretrained).",
+        help="A LoRA checkpoint (--use_peft): write the base model with the adapters merged into "
+        "its weights, a model folder that loads without peft (default: the adapter folder, "
+        "adapter_model.safetensors + adapter_config.json, for PeftModel.from_pretrained).",
     )
     p.add_argument(
         "--base_model",
         metavar="PATH_OR_HUB_ID",
         default=None,
-        help="With --merge_lora: the base model's "
-        "folder or hub id, if not where the run loaded it from (its weights must be the same: checked "
-        "against the fingerprint the checkpoint recorded).",
+        help="With --merge_lora: the base model's folder or hub id, if not where the "
+        "run loaded it from (its weights must be the same: checked against the "
+        "fingerprint the checkpoint recorded).",
     )
     p.add_argument(
         "--no_verify",
         action="store_true",
-        help="Don't check the files read against the checkpoint's "
-        "manifest.json first (sizes and checksums); needed for a checkpoint without one. The rank files "
-        "are unpickled with weights_only=True either way.",
+        help="Don't check the files read against the checkpoint's manifest.json first (sizes "
+        "and checksums); needed for a checkpoint without one. The rank files are unpickled "
+        "with weights_only=True either way.",
     )
     ns = p.parse_args(argv)
     if ns.universal:
@@ -266,8 +265,8 @@ def _export(argv: list[str]) -> int:
             or ns.base_model
         ):
             raise ConfigError(
-                "`--universal` takes no `--dtype`, `--max_shard_size`, `--exclude_frozen_parameters`, "
-                "`--merge_lora` or `--base_model`"
+                "`--universal` takes no `--dtype`, `--max_shard_size`, "
+                "`--exclude_frozen_parameters`, `--merge_lora` or `--base_model`"
             )
         start = time.perf_counter()
         target, summary = export_universal(ns.checkpoint, ns.out, verify=not ns.no_verify)
@@ -291,9 +290,8 @@ def _export(argv: list[str]) -> int:
             merge_lora=ns.merge_lora,
             base_model=ns.base_model,
         )
-    except (
-        OSError
-    ) as e:  # a full disk, an I/O error: the staging folder is gone, OUT was never created
+    except OSError as e:
+        # a full disk, an I/O error: the staging folder is gone, OUT was never created
         print(f"finetune: error: export failed, {ns.out} was not written: {e}", file=sys.stderr)
         return 1
     print(result.summary())
@@ -322,7 +320,8 @@ def _command(argv: list[str]) -> str:
 
 
 def entry() -> None:
-    """``finetune`` and ``python -m finetune``: run ``main``, then leave without interpreter teardown.
+    """``finetune`` and ``python -m finetune``: run ``main``, then leave without
+    interpreter teardown.
 
     Everything a run writes is flushed and closed by then (checkpoints, metrics, exit_status.json,
     TensorBoard events, the lease). Teardown itself can abort a finished rank with SIGABRT

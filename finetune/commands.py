@@ -1,8 +1,8 @@
 """What every ``finetune`` command shares: its argument parser, and the table of subcommands.
 
-Each subcommand is a module with ``main(argv) -> int`` that builds its own ``Parser``; it is named in
-``SUBCOMMANDS`` and imported only when run (``finetune ls`` never imports torch's training stack).
-This module imports nothing above it, so a subcommand's module never imports the CLI back.
+Each subcommand is a module with ``main(argv) -> int`` that builds its own ``Parser``; it is named
+in ``SUBCOMMANDS`` and imported only when run (``finetune ls`` never imports torch's training
+stack). This module imports nothing above it, so a subcommand's module never imports the CLI back.
 """
 
 from __future__ import annotations

@@ -2,9 +2,10 @@
 
 The CLI turns its Namespace into a plain dict of flag values and hands it to ``resolve.resolve``,
 which validates it against the files it names and freezes it into a ``RunConfig``; nothing here (or
-downstream) sees argparse. This module imports nothing of finetune's, so every module may import it. Each field's `help` metadata is the flag's help text. Fields
-whose default is ``None`` are "unset": ``resolve`` fills them from the DeepSpeed JSON, from the
-embedded-default preset, or from the documented fallback, in that order.
+downstream) sees argparse. This module imports nothing of finetune's, so every module may import it.
+Each field's `help` metadata is the flag's help text. Fields whose default is ``None`` are "unset":
+``resolve`` fills them from the DeepSpeed JSON, from the embedded-default preset, or from the
+documented fallback, in that order.
 """
 
 from __future__ import annotations
@@ -103,7 +104,8 @@ class DataArgs:
     )
     max_seq_length: int | None = _f(
         None,
-        "Truncate (or pack) sequences to this many tokens (default 512; 128 for the embedded model).",
+        "Truncate (or pack) sequences to this many tokens (default "
+        "512; 128 for the embedded model).",
     )
     packing: bool = _f(False, "Concatenate examples and cut them into --max_seq_length blocks.")
     validation_split_percentage: int = _f(
@@ -288,7 +290,8 @@ FALLBACKS = dict(
 EMBEDDED_PRESET = dict(learning_rate=1e-3, warmup_steps=10, logging_steps=5, max_seq_length=128)
 EMBEDDED_MAX_STEPS = 150
 DEFAULT_DDP_TIMEOUT = 900
-# Below this a healthy peer that is merely slow (a checkpoint fsync, a page-cache stall) fails the run.
+# Below this a healthy peer that is merely slow (a checkpoint fsync, a
+# page-cache stall) fails the run.
 MIN_DDP_TIMEOUT = 10
 # The collective timeout's older spelling, in minutes; still read when --ddp_timeout is not given.
 LEGACY_TIMEOUT_ENV = "FINETUNE_DIST_TIMEOUT_MIN"

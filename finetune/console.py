@@ -30,10 +30,14 @@ _DEPRECATED_COLLECTIVE = (
 )
 # peft 0.21 reads transformers' deprecated model.is_gradient_checkpointing when it wraps a model
 # (--use_peft), once per process.
-_DEPRECATED_BY_PEFT = r"`is_gradient_checkpointing` is deprecated and will be removed in v6\. Use `is_activation_checkpointing` instead\."
+_DEPRECATED_BY_PEFT = (
+    r"`is_gradient_checkpointing` is deprecated and will be removed in v6\. Use "
+    r"`is_activation_checkpointing` instead\."
+)
 # DeepSpeed's accelerator detection, once per process; on ranks other than 0 it only repeats rank 0.
 _PER_PROCESS = (
-    "Setting accelerator to CPU. If you have GPU or other accelerator, we were unable to detect it.",
+    "Setting accelerator to CPU. If you have GPU or other "
+    "accelerator, we were unable to detect it.",
 )
 _BUILT = re.compile(r"^DeepSpeed \S+ built successfully$")
 

@@ -38,9 +38,8 @@ def adopt_launcher_env() -> None:
         return  # init() raises it
 
 
-local_device_index = (
-    launchers.local_device_index
-)  # for ds_config (before init): the device this rank drives
+# for ds_config (before init): the device this rank drives
+local_device_index = launchers.local_device_index
 
 
 def env_rank() -> int:
@@ -49,19 +48,20 @@ def env_rank() -> int:
 
 
 def init(timeout_s: int | None = None) -> None:
-    """Create the process group (a 1-rank group under plain python); ``timeout_s`` = --ddp_timeout."""
+    """Create the process group (a 1-rank group under plain python);
+    ``timeout_s`` = --ddp_timeout."""
     import deepspeed
 
     global _timeout_s
     _timeout_s = int(timeout_s or DEFAULT_DDP_TIMEOUT)
 
     launchers.adopt_launcher_env()
-    # An mpirun world without MASTER_ADDR: rank 0's address over mpi4py, or (AzureML) DeepSpeed's patch.
+    # An mpirun world without MASTER_ADDR: rank 0's address over mpi4py,
+    # or (AzureML) DeepSpeed's patch.
     discover = launchers.deepspeed_discovers_master()
     if discover and not launchers.in_azureml():
-        os.environ["MASTER_ADDR"] = (
-            launchers.master_from_mpi()
-        )  # mpi4py: checked by deepspeed_discovers_master
+        # mpi4py: checked by deepspeed_discovers_master
+        os.environ["MASTER_ADDR"] = launchers.master_from_mpi()
         discover = False
     os.environ.setdefault("RANK", "0")
     os.environ.setdefault("LOCAL_RANK", "0")
@@ -82,15 +82,16 @@ def init(timeout_s: int | None = None) -> None:
         # Before any collective: NCCL runs object/tensor collectives on the *current* device, and
         # without this every rank of a node would use device 0 until deepspeed.initialize.
         acc.set_device(local)
-    # The timeout bounds how long a dead peer goes unnoticed; long single-rank work polls (gather_outcomes).
-    # distributed_port: only MPI discovery reads it (comm.py:898, 944), else it would take 29500.
+    # The timeout bounds how long a dead peer goes unnoticed; long single-rank work
+    # polls (gather_outcomes).
+    # distributed_port: only MPI discovery reads it (DeepSpeed's init_distributed hands it to
+    # mpi_discovery alone, deepspeed/comm/comm.py), else it would take 29500.
     with swallow_build_notice():  # its "…shm_comm_op built successfully", once per rank
         deepspeed.init_distributed(
             timeout=timedelta(seconds=_timeout_s), distributed_port=int(os.environ["MASTER_PORT"])
         )
-    os.environ["LOCAL_RANK"] = str(
-        local
-    )  # MPI discovery recounts it by host name (comm.py:935-942)
+    # MPI discovery recounts it by host name (DeepSpeed's mpi_discovery, deepspeed/comm/comm.py)
+    os.environ["LOCAL_RANK"] = str(local)
     _setup_logging()
     _unlink_shm_buffer()
 
@@ -270,16 +271,16 @@ def gather_outcomes(
     (default: a quarter of --ddp_timeout, at most 5 s): waiting for a long ``fn`` (a tokenization
     or a universal conversion of hours) never holds one collective open past its timeout. ``step``
     names the work: rank 0 logs "waiting for rank r: <step> (N s)" once a minute while it runs.
-    ``deadline_s``: a rank whose ``fn`` has made no progress (``progress.progress()``) for that long fails
-    with StepTimeout, decided from the gathered clocks so every rank decides alike; its thread is
-    abandoned (a syscall stuck in D-state cannot be interrupted), so ``fn`` must leave nothing
-    half-done that a late finish could harm. ``fn`` must not call collectives itself (it runs
-    beside them). ``stop``/``cancel``: when ``stop()`` is true on any rank at a poll (a preemption
-    signal), ``cancel`` is set on every rank; ``fn`` is expected to notice and return early.
-    ``cancel`` is also set when the step is given up at its deadline: a thread that comes back later
-    checks it before any further side effect (a rename's ``latest``, the next file).
-    ``inline``: ``fn`` is quick and bounded and touches no storage (a value already computed): run it
-    here, no thread, no polling.
+    ``deadline_s``: a rank whose ``fn`` has made no progress (``progress.progress()``) for that
+    long fails with StepTimeout, decided from the gathered clocks so every rank decides alike; its
+    thread is abandoned (a syscall stuck in D-state cannot be interrupted), so ``fn`` must leave
+    nothing half-done that a late finish could harm. ``fn`` must not call collectives itself (it
+    runs beside them). ``stop``/``cancel``: when ``stop()`` is true on any rank at a poll (a
+    preemption signal), ``cancel`` is set on every rank; ``fn`` is expected to notice and return
+    early. ``cancel`` is also set when the step is given up at its deadline: a thread that comes
+    back later checks it before any further side effect (a rename's ``latest``, the next file).
+    ``inline``: ``fn`` is quick and bounded and touches no storage (a value already computed): run
+    it here, no thread, no polling.
     """
     box: dict = {}
     ctx = {"last": time.monotonic()}
@@ -300,15 +301,18 @@ def gather_outcomes(
     else:
         late = _poll(work, on, poll_s or poll_seconds(), ctx, step, deadline_s, stop, cancel)
         if late and cancel is not None:
-            cancel.set()  # every rank alike (``late`` is agreed): the abandoned work stops where it can
+            # every rank alike (``late`` is agreed): the abandoned work stops where it can
+            cancel.set()
     own = box.get("error")
     if rank() in late:
         own = StepTimeout(
             f"{step or 'an agreed step'} made no progress for {deadline_s:g} s (a hung filesystem?)"
             if time.monotonic() - ctx["last"] >= deadline_s
-            else f"{step or 'an agreed step'} given up: another rank's made no progress for {deadline_s:g} s"
+            else f"{step or 'an agreed step'} given up: another rank's made "
+            f"no progress for {deadline_s:g} s"
         )
-    # A ConfigError subclass (LeaseHeld…) is a bad input everywhere: every rank exits 2 with its line.
+    # A ConfigError subclass (LeaseHeld…) is a bad input everywhere:
+    # every rank exits 2 with its line.
     kind = (
         None
         if own is None
@@ -318,7 +322,7 @@ def gather_outcomes(
     mine = (None if own is None else (kind, describe_error(own)), result if share else None)
     gathered = all_gather_object(mine)
     out = Outcomes(result=result, own=own)
-    for r, (failure, result) in enumerate(gathered):
+    for r, (failure, _) in enumerate(gathered):
         if failure is not None:
             out.kinds[r], out.errors[r] = failure
     if share:

@@ -38,7 +38,8 @@ def load_ds_json(path: str) -> dict:
         cfg = json.loads(text)
     except json.JSONDecodeError as e:
         raise ConfigError(
-            f"--deepspeed_config: {p} is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}"
+            f"--deepspeed_config: {p} is not valid JSON: {e.msg} at "
+            f"line {e.lineno} column {e.colno}"
         ) from None
     if not isinstance(cfg, dict):
         raise ConfigError(
@@ -100,7 +101,8 @@ def reconcile(
     _check_number(flag, key, json_value, path)
     if flag_value is not None and not _same(flag_value, json_value):
         raise ConfigError(
-            f"`--{flag} {flag_value}` contradicts `{key}: {json.dumps(json_value)}` in {path}; drop one or make them agree"
+            f"`--{flag} {flag_value}` contradicts `{key}: {json.dumps(json_value)}` in "
+            f"{path}; drop one or make them agree"
         )
     return json_value
 
@@ -120,7 +122,8 @@ def _check_number(flag: str, key: str, value: Any, path: str) -> None:
             "integer" if integer else "number"
         )
         raise ConfigError(
-            f'--deepspeed_config: `{key}` in {path} must be {want} or "auto", got {json.dumps(value)}'
+            f'--deepspeed_config: `{key}` in {path} must be {want} or "auto", got '
+            f"{json.dumps(value)}"
         )
 
 
@@ -133,7 +136,8 @@ def _same(a: Any, b: Any) -> bool:
 def reconcile_ds(
     v: dict[str, Any], ds: dict, world: int, fallbacks: Mapping[str, Any], precision_flag: str
 ) -> None:
-    """Settle every value that both a flag and the DeepSpeed JSON set; updates ``v`` and ``ds`` in place.
+    """Settle every value that both a flag and the DeepSpeed JSON set; updates ``v``
+    and ``ds`` in place.
 
     ``fallbacks`` fill what neither sets; ``precision_flag`` is how errors name the precision flag.
     """
@@ -172,8 +176,8 @@ def reconcile_ds(
     if leftover:
         raise ConfigError(
             f'--deepspeed_config: {path} has "auto" for {", ".join(leftover)}, which no flag sets; '
-            'give a value ("auto" works for the values flags set and a scheduler\'s step counts and '
-            "learning rates)"
+            'give a value ("auto" works for the values flags set and a scheduler\'s step counts '
+            "and learning rates)"
         )
     check_with_deepspeed(ds, path)
 
@@ -182,12 +186,12 @@ def _refuse_nvme_checkpoints(v: Mapping[str, Any], ds: dict, path: str) -> None:
     """NVMe optimizer offload trains, but its state cannot be checkpointed or resumed as promised.
 
     DeepSpeed 0.19's ``save_checkpoint`` copies the swap folder (the fp32 master weights and Adam's
-    moments) into ``<tag>/offloaded_tensors`` with a plain copy beside its checkpoint engine: nothing
-    fsyncs, hashes or verifies it, and a rank that fails there skips the collective that follows.
-    Its ``load_checkpoint`` then reads the master weights back but not the moments or the step
-    count: the resumed run trains with a fresh Adam (seen here: the step after a resume differs from
-    the uninterrupted run's; with CPU offload it is equal). A checkpoint that cannot resume is not
-    saved at all."""
+    moments) into ``<tag>/offloaded_tensors`` with a plain copy beside its checkpoint engine:
+    nothing fsyncs, hashes or verifies it, and a rank that fails there skips the collective that
+    follows. Its ``load_checkpoint`` then reads the master weights back but not the moments or the
+    step count: the resumed run trains with a fresh Adam (seen here: the step after a resume differs
+    from the uninterrupted run's; with CPU offload it is equal). A checkpoint that cannot resume is
+    not saved at all."""
     offload = (ds.get("zero_optimization") or {}).get("offload_optimizer") or {}
     if str(offload.get("device", "none")).lower() != "nvme":
         return
@@ -198,10 +202,11 @@ def _refuse_nvme_checkpoints(v: Mapping[str, Any], ds: dict, path: str) -> None:
     )
     if flag:
         raise ConfigError(
-            f"`zero_optimization.offload_optimizer.device: nvme` in {path} can't be used with {flag}: "
-            "DeepSpeed copies the NVMe optimizer state outside its checkpoint files (never fsynced or "
-            "verified) and does not restore Adam's moments when loading, so a resume would silently "
-            'restart the optimizer; use `"device": "cpu"` (exact resume) or train without checkpoints'
+            f"`zero_optimization.offload_optimizer.device: nvme` in {path} can't be used with "
+            f"{flag}: DeepSpeed copies the NVMe optimizer state outside its checkpoint files "
+            "(never fsynced or verified) and does not restore Adam's moments when loading, so a "
+            'resume would silently restart the optimizer; use `"device": "cpu"` (exact '
+            "resume) or train without checkpoints"
         )
 
 
@@ -226,8 +231,9 @@ def _reconcile_report_to(v: dict[str, Any], ds: dict, path: str) -> None:
             }
     if "wandb" in targets and _get(ds, "wandb.enabled") is True:
         raise ConfigError(
-            f"`--report_to wandb` and `wandb.enabled: true` in {path} would start two wandb runs; "
-            "drop the JSON's (finetune's own wandb run has the run name, config and checkpoint events)"
+            f"`--report_to wandb` and `wandb.enabled: true` in {path} would start "
+            "two wandb runs; drop the JSON's (finetune's own wandb run has the run "
+            "name, config and checkpoint events)"
         )
 
 
@@ -309,7 +315,8 @@ def check_with_deepspeed(ds: dict, path: str) -> None:
 
 
 class _OneProcess:
-    """The data-parallel world DeepSpeedConfig sees in ``check_with_deepspeed``, initialized or not."""
+    """The data-parallel world DeepSpeedConfig sees in ``check_with_deepspeed``,
+    initialized or not."""
 
     def get_data_parallel_world_size(self) -> int:
         return 1
@@ -356,7 +363,8 @@ def _reconcile_optimizer(
             betas[i] = fallbacks[flag] if v[flag] is None else v[flag]
         elif v[flag] is not None and float(v[flag]) != float(betas[i]):
             raise ConfigError(
-                f"`--{flag} {v[flag]}` contradicts `optimizer.params.betas: {params['betas']}` in {path}"
+                f"`--{flag} {v[flag]}` contradicts "
+                f"`optimizer.params.betas: {params['betas']}` in {path}"
             )
         v[flag] = betas[i]
     params["betas"] = betas
@@ -386,7 +394,8 @@ def _reconcile_precision(v: dict[str, Any], ds: dict, path: str, flag: str) -> N
 
 
 def auto_precision() -> str:
-    """bf16 where this rank's device does it natively; fp32 on CPU (bf16 matmuls there are slow and lossy).
+    """bf16 where this rank's device does it natively; fp32 on CPU (bf16 matmuls there
+    are slow and lossy).
 
     Runs while the flags are resolved, before ``distributed.init`` sets the device, so it asks
     about this rank's own device by index (``distributed.local_device_index``: LOCAL_RANK, modulo
@@ -422,8 +431,8 @@ def check_precision(precision: str) -> None:
     if len(set(chosen)) > 1:
         by = ", ".join(f"rank {r}: {p}" for r, p in enumerate(chosen) if p != chosen[0])
         raise ConfigError(
-            f"`--precision auto` differs between ranks (rank 0: {chosen[0]}; {by}): their GPUs differ; "
-            "give --precision bf16, fp16 or fp32"
+            f"`--precision auto` differs between ranks (rank 0: {chosen[0]}; {by}): their GPUs "
+            "differ; give --precision bf16, fp16 or fp32"
         )
     dist.run_agreed(lambda: check_precision_supported(precision))
 
@@ -436,8 +445,8 @@ def check_precision_supported(precision: str) -> None:
     acc = get_accelerator()
     if precision == "fp16" and not acc.is_fp16_supported():
         raise ConfigError(
-            f"`--precision fp16`: this machine's {acc.device_name()} accelerator can't train in fp16; "
-            "use --precision bf16 or fp32"
+            f"`--precision fp16`: this machine's {acc.device_name()} accelerator can't train in "
+            "fp16; use --precision bf16 or fp32"
         )
 
 

@@ -77,7 +77,8 @@ def accelerator() -> dict:
     }
     if info["cuda_available"]:
         info["devices"] = [
-            f"{torch.cuda.get_device_name(i)} ({torch.cuda.get_device_properties(i).total_memory / 2**30:.0f} GiB)"
+            f"{torch.cuda.get_device_name(i)} "
+            f"({torch.cuda.get_device_properties(i).total_memory / 2**30:.0f} GiB)"
             for i in range(torch.cuda.device_count())
         ]
         info["bf16_supported"] = torch.cuda.is_bf16_supported()
@@ -119,7 +120,8 @@ def deepspeed_ops() -> dict:
             compatible, _ = False, e
         built = builder.NAME in built_dirs or any(d.startswith(builder.NAME) for d in built_dirs)
         out[name] = (
-            f"{'compatible' if compatible else 'NOT compatible'}, {'built' if built else 'not built'}"
+            f"{'compatible' if compatible else 'NOT compatible'}, "
+            f"{'built' if built else 'not built'}"
         )
     out["torch_extensions_dir"] = ext
     return out

@@ -21,15 +21,15 @@ import time
 from pathlib import Path
 
 EXIT_PREEMPTED = 75  # sysexits.h EX_TEMPFAIL: "a temporary failure; the user is invited to retry"
-EXIT_LEASE_LOST = (
-    3  # another run took over the output dir's lease: this one stopped and wrote nothing more
-)
+# another run took over the output dir's lease: this one stopped and wrote nothing more
+EXIT_LEASE_LOST = 3
 EXIT_STATUS = "exit_status.json"
 RUN_ID_ENV = "FINETUNE_RUN_ID"
 
 
 def write_exit_status(output_dir: str, code: int | None, note: dict | None) -> None:
-    """Rank 0, once its inputs are checked (code None) and at the end: the file, replaced atomically.
+    """Rank 0, once its inputs are checked (code None) and at the end: the file,
+    replaced atomically.
 
     Never raises: rank 0 alone calls it between collectives, and a full disk here must not leave
     the other ranks waiting for it; the launcher's own exit code still tells the outcome.
@@ -73,7 +73,8 @@ def output_dir_of(flags: list[str]) -> str:
 
 
 def exit_code(launcher_code: int, output_dir: str, run_id: str | None) -> int:
-    """The launcher's code, except a failure that this run's exit_status.json records as preempted."""
+    """The launcher's code, except a failure that this run's exit_status.json
+    records as preempted."""
     if launcher_code == 0 or not run_id:
         return launcher_code
     try:

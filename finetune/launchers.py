@@ -2,7 +2,8 @@
 MASTER_ADDR / MASTER_PORT, before any process group exists.
 
 torchrun, accelerate and DeepSpeed's pdsh, mpich and impi launchers export RANK themselves (the
-mpich/impi runners also MASTER_ADDR, deepspeed/launcher/multinode_runner.py:236-237, 310-311, 340-341).
+mpich/impi runners also MASTER_ADDR: ``MPICHRunner.get_cmd`` and ``IMPIRunner.get_cmd`` in
+deepspeed/launcher/multinode_runner.py).
 ``mpirun`` (OpenMPI, MVAPICH, Hydra: MPICH and Intel MPI) and ``srun`` export their own variables,
 which ``adopt_launcher_env`` translates. Everything here reads a mapping, so each launcher is
 unit-tested with a fake environment.
@@ -28,7 +29,8 @@ MPI_VARIABLES = (
         ("OMPI_COMM_WORLD_LOCAL_RANK",),
     ),  # OpenMPI, PRRTE
     ("MV2_COMM_WORLD_RANK", "MV2_COMM_WORLD_SIZE", ("MV2_COMM_WORLD_LOCAL_RANK",)),  # MVAPICH2
-    # Hydra (MPICH, Intel MPI) and Cray PALS: the variables DeepSpeed's launcher_helper.py:88-89 maps.
+    # Hydra (MPICH, Intel MPI) and Cray PALS: the variables that main() in DeepSpeed's
+    # deepspeed/launcher/launcher_helper.py maps.
     ("PMI_RANK", "PMI_SIZE", ("MPI_LOCALRANKID", "PALS_LOCAL_RANKID")),
 )
 
@@ -41,9 +43,8 @@ class Launch:
     rank: int
     world_size: int
     local_rank: int  # the process's index on its node (not yet a device: see local_device_index)
-    master_addr: str | None = (
-        None  # None: init()'s 127.0.0.1 (one host) or DeepSpeed's MPI discovery
-    )
+    # None: init()'s 127.0.0.1 (one host) or DeepSpeed's MPI discovery
+    master_addr: str | None = None
     master_port: str | None = None
 
 
@@ -98,8 +99,8 @@ def detect(env: Mapping[str, str]) -> Launch | None:
     ]
     if partial:
         raise ConfigError(
-            f"{partial[0]}={env[partial[0]]} is set but not this world's size and local rank "
-            "(no mpirun or srun variables beside it): set RANK, WORLD_SIZE, LOCAL_RANK and MASTER_ADDR"
+            f"{partial[0]}={env[partial[0]]} is set but not this world's size and local rank (no "
+            "mpirun or srun variables beside it): set RANK, WORLD_SIZE, LOCAL_RANK and MASTER_ADDR"
         )
     if env.get("WORLD_SIZE", "1") != "1":
         raise ConfigError(
@@ -112,8 +113,9 @@ def detect(env: Mapping[str, str]) -> Launch | None:
 def deepspeed_discovers_master(env: Mapping[str, str] | None = None) -> bool:
     """Whether DeepSpeed's ``init_distributed`` must find MASTER_ADDR itself: an mpirun world of
     more than one rank that did not export it (DeepSpeed's openmpi and mvapich runners do not:
-    multinode_runner.py:181-191, 498-508). init() then leaves MASTER_ADDR unset, so that
-    init_distributed runs its discovery (comm.py:889-898)."""
+    ``OpenMPIRunner.get_cmd`` and ``MVAPICHRunner.get_cmd`` in
+    deepspeed/launcher/multinode_runner.py). init() then leaves MASTER_ADDR unset, so that
+    init_distributed runs its discovery (``init_distributed`` in deepspeed/comm/comm.py)."""
     env = os.environ if env is None else env
     if "MASTER_ADDR" in env:
         return False
@@ -134,8 +136,8 @@ def local_device_index(device_count: int | None = None) -> int:
     """The accelerator this rank drives: LOCAL_RANK modulo the devices this process sees.
 
     Under ``srun --gpus-per-task=1`` or ``--gpu-bind`` each task sees only its own GPU, as device 0,
-    while SLURM_LOCALID counts the node's tasks: local rank 3 is then device 0. Where every rank sees
-    all of the node's GPUs this is LOCAL_RANK itself. Reads the environment only and creates no
+    while SLURM_LOCALID counts the node's tasks: local rank 3 is then device 0. Where every rank
+    sees all of the node's GPUs this is LOCAL_RANK itself. Reads the environment only and creates no
     CUDA context (``torch.cuda.device_count()``), so it works before ``init()``. ``device_count``:
     the devices visible (default: the DeepSpeed accelerator's; on CPU the local rank is returned).
     """
@@ -151,9 +153,11 @@ def local_device_index(device_count: int | None = None) -> int:
 
 
 def check_deepspeed_local_rank(device_index: int, env: Mapping[str, str] | None = None) -> None:
-    """DeepSpeed reads LOCAL_RANK as the device ordinal (comm.py:787 "local rank (= GPU device ID)";
-    engine.py:1941-1944, zero/partition_parameters.py:1138), and under OpenMPI requires it to equal
-    OMPI_COMM_WORLD_LOCAL_RANK (engine.py:1959-1964, an assert in deepspeed.initialize)."""
+    """DeepSpeed reads LOCAL_RANK as the device ordinal (``get_local_rank`` in
+    deepspeed/comm/comm.py: "local rank (= GPU device ID)"; ``zero.Init`` and
+    ``DeepSpeedEngine._set_distributed_vars``), and under OpenMPI requires it to equal
+    OMPI_COMM_WORLD_LOCAL_RANK (``DeepSpeedEngine._configure_with_arguments``, an assert in
+    deepspeed.initialize)."""
     env = os.environ if env is None else env
     ompi = env.get("OMPI_COMM_WORLD_LOCAL_RANK")
     if ompi is not None and ompi != str(device_index):
@@ -252,18 +256,20 @@ def _from_mpi(env: Mapping[str, str]) -> Launch | None:
             and not _deepspeed_can_discover(env)
         ):
             raise ConfigError(
-                f"started by mpirun ({rank_var}={launch.rank} of {launch.world_size}) without "
-                "MASTER_ADDR: export it on every rank (mpirun -x MASTER_ADDR=<rank 0's host>, or a "
-                "MASTER_ADDR line in .deepspeed_env), or install mpi4py so DeepSpeed can discover it"
+                f"started by mpirun ({rank_var}={launch.rank} of {launch.world_size}) "
+                "without MASTER_ADDR: export it on every rank (mpirun -x "
+                "MASTER_ADDR=<rank 0's host>, or a MASTER_ADDR line in .deepspeed_env), "
+                "or install mpi4py so DeepSpeed can discover it"
             )
         return launch
     return None
 
 
 def _deepspeed_can_discover(env: Mapping[str, str]) -> bool:
-    """What init_distributed does when a variable is missing (comm.py:889-898): AzureML's patch
-    (in_aml and not in_dlts) reads AzureML's own variables; SageMaker's logs MASTER_ADDR
-    (comm.py:1004-1013, a KeyError without it); otherwise mpi_discovery imports mpi4py (comm.py:917)."""
+    """What ``init_distributed`` (deepspeed/comm/comm.py) does when a variable is missing: AzureML's
+    patch (in_aml and not in_dlts) reads AzureML's own variables; SageMaker's logs MASTER_ADDR
+    (``patch_aws_sm_env_for_torch_nccl_backend``, a KeyError without it); otherwise
+    ``mpi_discovery`` imports mpi4py (its first line)."""
     if in_azureml(env):
         return True
     return "SM_TRAINING_ENV" not in env and _mpi4py_available()
@@ -274,18 +280,21 @@ def _mpi4py_available() -> bool:
 
 
 def in_azureml(env: Mapping[str, str] | None = None) -> bool:
-    """DeepSpeed's in_aml() and not in_dlts() (comm.py:889-893): its AzureML patch sets the world."""
+    """DeepSpeed's in_aml() and not in_dlts() (the test in ``init_distributed``,
+    deepspeed/comm/comm.py): its AzureML patch sets the world."""
     env = os.environ if env is None else env
     return "AZUREML_EXPERIMENT_ID" in env and "DLTS_JOB_ID" not in env
 
 
 def master_from_mpi() -> str:
-    """Rank 0's address, broadcast over MPI (what DeepSpeed's mpi_discovery does, comm.py:917-934).
+    """Rank 0's address, broadcast over MPI (what DeepSpeed's ``mpi_discovery`` in
+    deepspeed/comm/comm.py does).
 
-    Done here rather than by init_distributed: its discovery also overwrites LOCAL_RANK with a
-    count of the ranks on this host (comm.py:935-942), and the communicator is bound to that
-    device (comm/torch.py:276-281) before init() could put the device index back; with one GPU
-    visible per rank that is an invalid ordinal. Collective over MPI_COMM_WORLD.
+    Done here rather than by init_distributed: its discovery (``mpi_discovery``) also overwrites
+    LOCAL_RANK with a count of the ranks on this host, and the communicator is bound to that device
+    (``TorchBackend.init_process_group`` in deepspeed/comm/torch.py) before init() could put the
+    device index back; with one GPU visible per rank that is an invalid ordinal. Collective over
+    MPI_COMM_WORLD.
     """
     import socket
 
@@ -296,8 +305,9 @@ def master_from_mpi() -> str:
     return comm.bcast(addr, root=0)
 
 
-# The step ids of the batch script, the extern and the interactive (salloc) step (SLURM_BATCH_SCRIPT,
-# SLURM_EXTERN_CONT, SLURM_INTERACTIVE_STEP), for Slurm versions that export one there.
+# The step ids of the batch script, the extern and the interactive (salloc) step
+# (SLURM_BATCH_SCRIPT, SLURM_EXTERN_CONT, SLURM_INTERACTIVE_STEP), for Slurm versions that
+# export one there.
 BATCH_STEP_IDS = frozenset(
     {"4294967290", "4294967291", "4294967292", "batch", "extern", "interactive"}
 )
@@ -313,8 +323,9 @@ def _from_slurm(env: Mapping[str, str]) -> Launch | None:
         # The batch script itself (one process) also has SLURM_PROCID=0 and the job's SLURM_NTASKS:
         # taken as rank 0 of N it would wait for N-1 peers that never start, until --ddp_timeout.
         raise ConfigError(
-            f"started in an sbatch script's batch step (SLURM_NTASKS={world}, no srun step): start "
-            "one task per rank with `srun python -m finetune …`, or a launcher (deepspeed, torchrun)"
+            f"started in an sbatch script's batch step (SLURM_NTASKS={world}, no srun "
+            "step): start one task per rank with `srun python -m finetune …`, or a "
+            "launcher (deepspeed, torchrun)"
         )
     local = _int(env, "SLURM_LOCALID") if "SLURM_LOCALID" in env else 0
     addr = env.get("MASTER_ADDR")
@@ -324,8 +335,8 @@ def _from_slurm(env: Mapping[str, str]) -> Launch | None:
             addr = expand_nodelist(env[var], var)[0]
         elif world > 1:
             raise ConfigError(
-                f"srun task {rank} of {world} but neither SLURM_STEP_NODELIST nor SLURM_JOB_NODELIST "
-                "is set: export MASTER_ADDR=<rank 0's host>"
+                f"srun task {rank} of {world} but neither SLURM_STEP_NODELIST nor "
+                "SLURM_JOB_NODELIST is set: export MASTER_ADDR=<rank 0's host>"
             )
     port = env.get("MASTER_PORT") or str(29500 + int(env.get("SLURM_JOB_ID", "0") or 0) % 1000)
     return _checked(Launch("SLURM_PROCID/SLURM_NTASKS", rank, world, local, addr, port))

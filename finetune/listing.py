@@ -132,11 +132,13 @@ def _check_output_dir(out: Path, storage: OutputDir) -> None:
         raise ConfigError(f"{out}: {'not a folder' if out.exists() else 'no such folder'}")
     if looks_like_checkpoint(out):
         raise ConfigError(
-            f"{out}: a checkpoint, not an output dir (list its output dir: finetune ls {out.parent})"
+            f"{out}: a checkpoint, not an output dir (list its output "
+            f"dir: finetune ls {out.parent})"
         )
     if not storage.tags() and not any((out / name).exists() for name in RUN_FILES):
         raise ConfigError(
-            f"{out}: not a finetune output dir (no checkpoints, {METRICS}, {LATEST} or {EXIT_STATUS})"
+            f"{out}: not a finetune output dir (no checkpoints, "
+            f"{METRICS}, {LATEST} or {EXIT_STATUS})"
         )
 
 
@@ -145,9 +147,8 @@ def _checkpoint(folder: Path, losses: _Losses, checksums: bool) -> Checkpoint:
     train, train_step = losses.at(step, "loss")
     evaluated, eval_step = losses.at(step, "eval_loss")
     manifest = read_manifest(folder)
-    if not isinstance(
-        manifest, dict
-    ):  # a crash mid-copy, or a save from before manifests: resume never picks it
+    # a crash mid-copy, or a save from before manifests: resume never picks it
+    if not isinstance(manifest, dict):
         return Checkpoint(
             folder.name,
             step,
@@ -198,17 +199,15 @@ def _problems(folder: Path, manifest: dict, checksums: bool) -> list[str]:
         AttributeError,
     ) as e:  # a hand-edited manifest: one damaged row, not a crash
         return [f"{MANIFEST}: malformed ({type(e).__name__}: {e})"]
-    if (
-        not problems and checksums
-    ):  # as `finetune verify`: would resume's unpickling refuse it? (opcodes only)
+    # as `finetune verify`: would resume's unpickling refuse it? (opcodes only)
+    if not problems and checksums:
         from finetune.offline.safe_load import (
             refusals,  # imports torch: only when asked to verify
         )
 
         problems = refusals(folder, stored_ranks(manifest))
-    if (
-        not problems and checksums and is_adapter_checkpoint(folder)
-    ):  # as `finetune verify`: adapters complete?
+    # as `finetune verify`: adapters complete?
+    if not problems and checksums and is_adapter_checkpoint(folder):
         from finetune.checkpoint.adapter import (
             verify_adapter,  # imports peft and transformers: only when asked
         )
@@ -286,8 +285,8 @@ def _node_local_note(rows: list[Checkpoint]) -> list[str]:
         return []
     newest = local[-1]
     return [
-        f"node-local checkpoints: this storage holds the files of rank(s) {_ranges(newest.ranks)} of "
-        f"{newest.world_size} ({newest.tag}); the other nodes' output dirs hold the rest"
+        f"node-local checkpoints: this storage holds the files of rank(s) {_ranges(newest.ranks)} "
+        f"of {newest.world_size} ({newest.tag}); the other nodes' output dirs hold the rest"
     ]
 
 
@@ -315,8 +314,9 @@ def _set_aside_note(out: Path) -> list[str]:
         _int_or_none((read_manifest(p) or {}).get("total_bytes")) or _folder_bytes(p) for p in kept
     )
     return [
-        f"{ABANDONED}: {len(kept)} checkpoint(s) set aside ({_human(size)}): timelines a resume left, or folders "
-        "finetune did not commit; kept, never deleted by finetune (remove them by hand when not needed)"
+        f"{ABANDONED}: {len(kept)} checkpoint(s) set aside ({_human(size)}): timelines a "
+        "resume left, or folders finetune did not commit; kept, never deleted by finetune "
+        "(remove them by hand when not needed)"
     ]
 
 
@@ -330,8 +330,9 @@ def _universal_notes(out: Path, rows: list[Checkpoint]) -> list[str]:
             files = (read_manifest(target) or {}).get("files") or {}
             size = sum(meta.get("size", 0) for meta in files.values() if isinstance(meta, dict))
             found.append(
-                f"{row.tag}/{UNIVERSAL}: a universal conversion (for resuming on another world size), "
-                f"{_human(size) if files else 'size unknown (no manifest)'}; not in the sizes above"
+                f"{row.tag}/{UNIVERSAL}: a universal conversion (for resuming on another "
+                f"world size), {_human(size) if files else 'size unknown (no manifest)'}; "
+                "not in the sizes above"
             )
     return found
 
@@ -364,9 +365,9 @@ def render(listing: Listing) -> str:
     count = sum(c.status != UNCOMMITTED for c in listing.checkpoints)
     lines.append(
         _wrap(
-            f"{_human(listing.checkpoint_bytes)} in {len(listing.checkpoints)} checkpoint folder(s) "
-            f"({count} committed); {_human(listing.free_bytes)} free on {listing.output_dir}'s "
-            "filesystem",
+            f"{_human(listing.checkpoint_bytes)} in {len(listing.checkpoints)} checkpoint "
+            f"folder(s) ({count} committed); {_human(listing.free_bytes)} free on "
+            f"{listing.output_dir}'s filesystem",
             "disk: ",
         )
     )
@@ -413,9 +414,8 @@ def _cells(c: Checkpoint) -> list[str]:
 def _loss(value: float | None, logged_at: int | None, step: int) -> str:
     if value is None:
         return "-"
-    return (
-        f"{value:.4f}" if logged_at == step else f"{value:.4f}@{logged_at}"
-    )  # @: last logged before the step
+    # @: last logged before the step
+    return f"{value:.4f}" if logged_at == step else f"{value:.4f}@{logged_at}"
 
 
 def _table(rows: list[list[str]]) -> list[str]:
@@ -430,7 +430,8 @@ def _table(rows: list[list[str]]) -> list[str]:
         )
         status = cells[-1]
         if len(text) + 2 + len(status) > WIDTH and status.startswith("DAMAGED: "):
-            status = "DAMAGED (below)"  # half a file name helps no one: the problems follow the table in full
+            # half a file name helps no one: the problems follow the table in full
+            status = "DAMAGED (below)"
         text = f"{text}  {status}"
         out.append(text if len(text) <= WIDTH else text[: WIDTH - 1] + "…")
     return out

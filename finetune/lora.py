@@ -50,7 +50,8 @@ def validate_lora_flags(v: Mapping) -> None:
         given = [f"--{k}" for k in LORA_FLAGS if v[k] != defaults[k]]
         if given:
             raise ConfigError(
-                f"{', '.join(f'`{g}`' for g in given)} need{'s' if len(given) == 1 else ''} `--use_peft`"
+                f"{', '.join(f'`{g}`' for g in given)} "
+                f"need{'s' if len(given) == 1 else ''} `--use_peft`"
             )
         return
     for name in ("lora_r", "lora_alpha"):
@@ -63,7 +64,8 @@ def validate_lora_flags(v: Mapping) -> None:
             raise ConfigError(f"`--{name}` names no module, got {v[name]!r}")
 
 
-# The LoRA flags whose values decide the adapters' tensors: a resume with other values can't load them.
+# The LoRA flags whose values decide the adapters' tensors: a resume
+# with other values can't load them.
 SHAPE_FLAGS = ("lora_r", "lora_target_modules", "lora_modules_to_save")
 
 
@@ -107,7 +109,7 @@ def trainable_parameters(model) -> int:
     return sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters() if p.requires_grad)
 
 
-# --- the base model's identity ---------------------------------------------------------------------
+# --- the base model's identity --------------------------------------------------------------------
 
 
 def base_identity(args: ModelArgs, seed: int, embedded_config: Path) -> dict:
@@ -152,7 +154,8 @@ def weights_folder(name: str) -> tuple[Path | None, str | None]:
         folder = Path(
             huggingface_hub.snapshot_download(name, allow_patterns=["*.safetensors", "*.json"])
         )
-    except Exception as e:  # noqa: BLE001 — not cached offline, gated, no such repo: from_pretrained says which
+    except Exception as e:  # noqa: BLE001
+        # not cached offline, gated, no such repo: from_pretrained says which
         logger.warning(
             "could not fetch %s's weights to fingerprint them (%s: %s)",
             name,
@@ -212,12 +215,13 @@ def _file_digest(path: Path) -> str:
     return xxhash.xxh3_128(path.read_bytes()).hexdigest()
 
 
-# --- resume checks ---------------------------------------------------------------------------------
+# --- resume checks --------------------------------------------------------------------------------
 
 
 def check_resumable(folder: Path, saved: dict, args: ModelArgs, base: dict | None) -> None:
     """A LoRA checkpoint resumes only with --use_peft, adapters of the same shapes and the same base
-    (and a full fine-tuning one only without --use_peft); otherwise ConfigError naming both sides."""
+    (and a full fine-tuning one only without --use_peft); otherwise ConfigError
+    naming both sides."""
     saved_base = saved.get(BASE_KEY)
     if saved_base is None and base is None:
         return
@@ -228,8 +232,8 @@ def check_resumable(folder: Path, saved: dict, args: ModelArgs, base: dict | Non
         )
     if base is None:
         raise ConfigError(
-            f"--resume_from_checkpoint: {folder} holds LoRA adapters (on {describe_base(saved_base)}); "
-            "resume it with --use_peft and the same --lora_* flags"
+            f"--resume_from_checkpoint: {folder} holds LoRA adapters (on "
+            f"{describe_base(saved_base)}); resume it with --use_peft and the same --lora_* flags"
         )
     saved_args = saved.get("args", {}).get("model", {})
     for flag in SHAPE_FLAGS:
@@ -241,8 +245,9 @@ def check_resumable(folder: Path, saved: dict, args: ModelArgs, base: dict | Non
             )
     if not same_base(saved_base, base):
         raise ConfigError(
-            f"--model_name_or_path: {folder}'s adapters were trained on {describe_base(saved_base)}, this run "
-            f"loads {describe_base(base)}: another base model; resume with the base they were trained on"
+            f"--model_name_or_path: {folder}'s adapters were trained on "
+            f"{describe_base(saved_base)}, this run loads {describe_base(base)}: another base "
+            "model; resume with the base they were trained on"
         )
     if saved_base.get("fingerprint") is None or base.get("fingerprint") is None:
         log_main(

@@ -1,6 +1,6 @@
 """OUT/metrics.jsonl (rank 0, appended, one JSON object per logged step), OUT/events.jsonl (rank 0,
-appended, never truncated: the run's start, resumes, checkpoints, failed saves, preemption, end), and
-both forwarded to the --report_to trackers (finetune/trackers.py)."""
+appended, never truncated: the run's start, resumes, checkpoints, failed saves, preemption, end),
+and both forwarded to the --report_to trackers (finetune/trackers.py)."""
 
 from __future__ import annotations
 
@@ -86,7 +86,8 @@ class MetricsWriter:
         self._forward("event", record)
 
     def close(self, exit_code: int = 0) -> None:
-        """Flush and finish every tracker (wandb.finish with ``exit_code``); once. Not collective."""
+        """Flush and finish every tracker (wandb.finish with ``exit_code``);
+        once. Not collective."""
         if self.closed or not dist.is_main() or not self.may_write():
             return
         self.closed = True
@@ -146,9 +147,8 @@ def truncate_after(path: Path, step: int) -> None:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except (
-        OSError
-    ) as e:  # a directory in its place, a read error: the metrics are not the checkpoint
+    except OSError as e:
+        # a directory in its place, a read error: the metrics are not the checkpoint
         dist.logger.warning(
             "could not trim %s to step %d (%s); new rows are appended after what is there",
             path,

@@ -92,9 +92,8 @@ def load_model(args: ModelArgs, ds_config: dict, precision: str, seed: int):
         )
     _KEEPALIVE.append(hf_ds)  # transformers checks it again later (generate, resize, checkpointing)
     if args.gradient_checkpointing:
-        enable = getattr(
-            model, "activation_checkpointing_enable", None
-        )  # transformers >= 5.2x; the old name warns
+        # transformers >= 5.2x; the old name warns
+        enable = getattr(model, "activation_checkpointing_enable", None)
         if enable is not None:
             enable(activation_checkpointing_kwargs={"use_reentrant": False})
         else:

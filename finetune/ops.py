@@ -1,17 +1,18 @@
-"""DeepSpeed's compiled ops: where they are cached, and an Adam that needs no compiler when they can't be built.
+"""DeepSpeed's compiled ops: where they are cached, and an Adam that needs no compiler when
+they can't be built.
 
-DeepSpeed builds its C++/CUDA ops on first use (``OpBuilder.load`` → ``jit_load``,
-deepspeed/ops/op_builder/builder.py:549-568) into ``$TORCH_EXTENSIONS_DIR``. Two of them sit on
-our path:
+DeepSpeed builds its C++/CUDA ops on first use (``OpBuilder.load`` → ``OpBuilder.jit_load``,
+deepspeed/ops/op_builder/builder.py) into ``$TORCH_EXTENSIONS_DIR``. Two of them sit on our path:
 
 * an ``optimizer`` of type Adam/AdamW in the DeepSpeed JSON (all of configs/) becomes FusedAdam,
-  a CUDA op compiled from ``.cu`` sources with nvcc (engine.py ``get_optimizer_configuration``,
-  runtime/engine.py:2402-2409; op_builder/fused_adam.py), or under ``offload_optimizer``
-  DeepSpeedCPUAdam, a C++ op (engine.py:2384-2400; the CPU builder on every accelerator,
-  cuda_accelerator.py:384-390). A pip-installed CUDA torch comes without nvcc, so the first GPU
-  run would fail inside ``deepspeed.initialize`` with ``MissingCUDAException``.
+  a CUDA op compiled from ``.cu`` sources with nvcc (``DeepSpeedEngine.get_optimizer_configuration``
+  in deepspeed/runtime/engine.py; op_builder/fused_adam.py), or under ``offload_optimizer``
+  DeepSpeedCPUAdam, a C++ op (the same method; the CPU builder on every accelerator, see
+  ``CUDA_Accelerator._lazy_init_class_dict`` in accelerator/cuda_accelerator.py). A pip-installed
+  CUDA torch comes without nvcc, so the first GPU run would fail inside ``deepspeed.initialize``
+  with ``MissingCUDAException``.
 * ``"torch_adam": true`` in the optimizer's params makes DeepSpeed use ``torch.optim.AdamW``
-  instead (engine.py:2378-2382): no compilation, the same update rule and state keys.
+  instead (the same method's first branch): no compilation, the same update rule and state keys.
 
 So before ``deepspeed.initialize`` every rank loads the op DeepSpeed is about to need (instant
 when prebuilt by ``make setup``/``make gpu-setup``, a JIT build where a toolkit exists); if any rank
@@ -37,8 +38,8 @@ TORCH_ADAM = "torch_adam"
 
 
 def use_venv_extensions_dir() -> None:
-    """Build and find DeepSpeed's ops where ``make setup`` prebuilt them: ``<venv>/torch_extensions``,
-    with the venv's ``ninja``.
+    """Build and find DeepSpeed's ops where ``make setup`` prebuilt them:
+    ``<venv>/torch_extensions``, with the venv's ``ninja``.
 
     Torch's own default (~/.cache/torch_extensions/py311_cu124) is shared by every checkout and
     environment of the user, so a run started outside ``make`` (the deepspeed launcher, an sbatch
@@ -88,9 +89,8 @@ def adam_op(ds_config: dict) -> str | None:
     return "CPUAdamBuilder" if str(offload).lower() in ("cpu", "nvme") else "FusedAdamBuilder"
 
 
-STALE_LOCK_S = (
-    15 * 60
-)  # a build holds its lock for minutes (FusedAdam: 1-3 min); older is an interrupted one
+# a build holds its lock for minutes (FusedAdam: 1-3 min); older is an interrupted one
+STALE_LOCK_S = 15 * 60
 
 
 def load_op(builder_name: str) -> None:
@@ -123,7 +123,8 @@ def check_build_lock(name: str, now: float | None = None) -> None:
         return
     if age > STALE_LOCK_S:
         raise RuntimeError(
-            f"{lock} is {age / 60:.0f} min old, left by an interrupted build: remove it to build {name}"
+            f"{lock} is {age / 60:.0f} min old, left by an interrupted "
+            f"build: remove it to build {name}"
         )
 
 
@@ -144,7 +145,8 @@ def needs_deepspeed_adam(ds_config: dict) -> str | None:
     return None
 
 
-# FusedAdam / CPU Adam settings torch.optim.AdamW has no argument for (bias correction is always on there).
+# FusedAdam / CPU Adam settings torch.optim.AdamW has no argument for (bias
+# correction is always on there).
 _DEEPSPEED_ADAM_ONLY = ("bias_correction", "set_grad_none")
 
 
@@ -174,8 +176,9 @@ def ensure_adam(ds_config: dict, saved: str | None = None, load=load_op) -> dict
     """The config to hand ``deepspeed.initialize``: as given when its Adam op loads on every rank,
     else with ``torch_adam``. ``saved``: what the checkpoint being resumed was trained with; one
     trained with torch_adam resumes with it (torch's param groups lack the ``bias_correction``
-    FusedAdam and CPU Adam read at their first step: fused_adam.py:127, cpu_adam.py:171; the
-    other way round loads, torch's Adam fills in its defaults). Collective: every rank calls it."""
+    FusedAdam and CPU Adam read at their first step, in ``FusedAdam.step`` and
+    ``DeepSpeedCPUAdam.step``; the other way round loads, torch's Adam fills in its defaults).
+    Collective: every rank calls it."""
     from finetune import distributed as dist
 
     op = adam_op(ds_config)
@@ -196,12 +199,13 @@ def ensure_adam(ds_config: dict, saved: str | None = None, load=load_op) -> dict
     needs = needs_deepspeed_adam(ds_config)
     if needs:
         raise ConfigError(
-            f"--deepspeed_config: {needs} needs DeepSpeed's {op.removesuffix('Builder')}, which can't "
-            f"be loaded or built here ({outcome.describe()}); run `make gpu-setup` where a compiler "
-            "(and for FusedAdam a CUDA toolkit) exists, or drop that setting"
+            f"--deepspeed_config: {needs} needs DeepSpeed's {op.removesuffix('Builder')}, which "
+            f"can't be loaded or built here ({outcome.describe()}); run `make gpu-setup` where a "
+            "compiler (and for FusedAdam a CUDA toolkit) exists, or drop that setting"
         )
     opt = ds_config["optimizer"]
-    # DeepSpeed's rule (engine.py:2487-2490): type AdamW, or Adam with adam_w_mode (default true).
+    # DeepSpeed's rule (DeepSpeedEngine._configure_basic_optimizer): type AdamW, or Adam with
+    # adam_w_mode (default true).
     adamw = str(opt["type"]).lower() == "adamw" or (opt.get("params") or {}).get(
         "adam_w_mode", True
     )
@@ -218,7 +222,8 @@ def ensure_adam(ds_config: dict, saved: str | None = None, load=load_op) -> dict
 
 
 def replay_adam_steps(engine) -> int:
-    """Make DeepSpeed's CPU Adam kernel continue a resumed run bit for bit; returns the steps replayed.
+    """Make DeepSpeed's CPU Adam kernel continue a resumed run bit for bit;
+    returns the steps replayed.
 
     DeepSpeedCPUAdam, and FusedAdam on the CPU accelerator, both update through cpu_adam_impl's
     ``ds_adam_step``, which keeps beta1^t and beta2^t as running float products, recomputed with
@@ -226,7 +231,8 @@ def replay_adam_steps(engine) -> int:
     ``IncrementStep``): in a resumed process, at its first step. Its products then differ from the
     uninterrupted run's in the last bits, and so do the losses a few steps later. Calling the kernel
     with empty tensors for steps 1..N rebuilds the same products without touching a parameter
-    (N calls of a no-op update: ~1 µs each). GPU kernels compute the powers every step: nothing to do.
+    (N calls of a no-op update: ~1 µs each). GPU kernels compute the powers every
+    step: nothing to do.
     """
     import torch
 
@@ -256,9 +262,8 @@ def replay_adam_steps(engine) -> int:
             )
         return steps
     buf = getattr(opt, "_dummy_overflow_buf", None)
-    if (
-        hasattr(opt, "multi_tensor_adam") and buf is not None and buf.device.type == "cpu"
-    ):  # FusedAdam, CPU build
+    # FusedAdam, CPU build
+    if hasattr(opt, "multi_tensor_adam") and buf is not None and buf.device.type == "cpu":
         for step in range(1, steps + 1):
             opt.multi_tensor_adam(
                 1,

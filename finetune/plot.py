@@ -1,13 +1,15 @@
-"""Loss plots: OUT/plots/training.png from OUT/metrics.jsonl, OUT/events.jsonl and the committed checkpoints.
+"""Loss plots: OUT/plots/training.png from OUT/metrics.jsonl, OUT/events.jsonl and the
+committed checkpoints.
 
 Three panels sharing the step axis: loss (train raw and smoothed, eval), learning rate, tokens/s;
 every committed checkpoint, resume, preemption and failed save is a vertical line in each panel.
 The image is 1200x900 px (12x9 inches at 100 dpi).
 
-``render`` is the one drawing function; ``finetune plot OUT`` (``main``) calls it once, the trainer's
-``Plotter`` calls it on a background thread on rank 0. matplotlib is imported inside ``_draw``, never
-at module import (the training start does not pay for it), and only through its object-oriented API
-(``Figure`` + ``FigureCanvasAgg``): pyplot keeps global state and is not safe off the main thread.
+``render`` is the one drawing function; ``finetune plot OUT`` (``main``) calls it once, the
+trainer's ``Plotter`` calls it on a background thread on rank 0. matplotlib is imported inside
+``_draw``, never at module import (the training start does not pay for it), and only through its
+object-oriented API (``Figure`` + ``FigureCanvasAgg``): pyplot keeps global state and is not safe
+off the main thread.
 """
 
 from __future__ import annotations
@@ -58,7 +60,8 @@ class Run:
 
 
 def load_run(output_dir: str | os.PathLike) -> Run:
-    """Metrics, events and checkpoints of ``output_dir``; ConfigError when there is nothing to plot."""
+    """Metrics, events and checkpoints of ``output_dir``; ConfigError when there
+    is nothing to plot."""
     out = Path(output_dir)
     if not (out / "metrics.jsonl").is_file():
         raise ConfigError(
@@ -95,10 +98,9 @@ def read_events(output_dir: str | os.PathLike) -> list[dict]:
 
 
 def _committed_steps(out: Path) -> list[int]:
-    """Steps of the checkpoint folders with a manifest (committed), for runs without events.jsonl."""
-    return [
-        step_of(tag) for tag in OutputDir(out).tags() if read_manifest(out / tag) is not None
-    ]
+    """Steps of the checkpoint folders with a manifest (committed), for runs
+    without events.jsonl."""
+    return [step_of(tag) for tag in OutputDir(out).tags() if read_manifest(out / tag) is not None]
 
 
 def _last_per_step(rows) -> list[dict]:
@@ -153,7 +155,8 @@ def ema_span(n: int) -> int:
 
 
 def render(output_dir: str | os.PathLike, dest: str | os.PathLike | None = None) -> Path:
-    """Draw ``output_dir``'s run to ``dest`` (default OUT/plots/training.png), atomically; the path."""
+    """Draw ``output_dir``'s run to ``dest`` (default OUT/plots/training.png),
+    atomically; the path."""
     run = load_run(output_dir)
     return write_png(run, Path(dest) if dest is not None else Path(output_dir) / DEFAULT_DEST)
 
@@ -218,7 +221,8 @@ def _loss_panel(ax, run: Run) -> list:
 
 
 def _line_panel(ax, rows: list[dict], key: str, label: str, color: str, smooth: bool) -> None:
-    """One series; with ``smooth``, raw (thin, light) under its EMA (thick), as in the loss panel."""
+    """One series; with ``smooth``, raw (thin, light) under its EMA (thick), as
+    in the loss panel."""
     steps, values = _series(rows, key)
     if not values:
         ax.text(
@@ -294,7 +298,8 @@ def _title(run: Run) -> str:
     steps, loss = _series(run.train, "loss")
     if loss:
         parts.append(
-            f"final train loss {loss[-1]:.4f} (EMA {ema(loss, ema_span(len(loss)))[-1]:.4f}, step {steps[-1]})"
+            f"final train loss {loss[-1]:.4f} (EMA "
+            f"{ema(loss, ema_span(len(loss)))[-1]:.4f}, step {steps[-1]})"
         )
     if run.evals and (loss := _num(run.evals[-1], "eval_loss")) is not None:
         parts.append(f"final eval loss {loss:.4f} (step {run.evals[-1]['step']})")
@@ -307,8 +312,8 @@ def _title(run: Run) -> str:
 def main(argv: list[str]) -> int:
     p = Parser(
         prog="finetune plot",
-        description="Draw a run's loss, learning rate and throughput, with its "
-        "checkpoints, resumes and preemptions, as a 1200x900 PNG. Exit 2 when OUT has no metrics to plot.",
+        description="Draw a run's loss, learning rate and throughput, with its checkpoints, "
+        "resumes and preemptions, as a 1200x900 PNG. Exit 2 when OUT has no metrics to plot.",
     )
     p.add_argument(
         "output_dir",
@@ -422,8 +427,9 @@ class Plotter:
         except ConfigError as e:  # no metrics.jsonl or no row yet: nothing to draw, not a failure
             dist.logger.debug("not plotting yet: %s", e)
             return True
-        # Anything else: a missing matplotlib (ImportError), a full disk (OSError), a row the drawing
-        # chokes on (ValueError, TypeError), a matplotlib bug. None of it may reach training.
+        # Anything else: a missing matplotlib (ImportError), a full disk (OSError),
+        # a row the drawing chokes on (ValueError, TypeError), a matplotlib bug.
+        # None of it may reach training.
         except Exception as e:  # noqa: BLE001 -- logged once, and plotting is off for the run
             self._fail(e)
             return False

@@ -2,11 +2,11 @@
 
 A handler on every rank only records the signal (nothing else is safe inside a handler, and a
 rank may be inside a collective when it arrives). At each step boundary the trainer's one
-all-reduce carries whether this rank has ``received`` one: if *any* rank saw a signal, all of them save the same step
-together and stop with ``EXIT_PREEMPTED``, which job scripts read as "requeue me". So it is
-enough for the signal to reach one rank (a launcher that signals only its own node, SLURM's
-``--signal``, ``kill`` on one pid). Further signals are recorded and ignored: the save in flight
-finishes and commits.
+all-reduce carries whether this rank has ``received`` one: if *any* rank saw a signal, all of them
+save the same step together and stop with ``EXIT_PREEMPTED``, which job scripts read as "requeue
+me". So it is enough for the signal to reach one rank (a launcher that signals only its own node,
+SLURM's ``--signal``, ``kill`` on one pid). Further signals are recorded and ignored: the save in
+flight finishes and commits.
 """
 
 from __future__ import annotations
@@ -27,8 +27,9 @@ def _record_early(signum, frame) -> None:
 
 
 def catch_early() -> None:
-    """First thing in ``python -m finetune``: a SLURM warning signal in the first seconds of start-up
-    must become exit 75 (requeue), not death by SIGUSR1. Stdlib only: nothing heavy is imported yet."""
+    """First thing in ``python -m finetune``: a SLURM warning signal in the first seconds
+    of start-up must become exit 75 (requeue), not death by SIGUSR1. Stdlib only: nothing
+    heavy is imported yet."""
     for sig in _EARLY_SIGNALS:
         signal.signal(sig, _record_early)
 
@@ -48,7 +49,8 @@ def release_early(keep: tuple = ()) -> list[str]:
 
 
 def parse_signals(text: str) -> tuple[signal.Signals, ...]:
-    """``"SIGTERM,USR1"`` → signals; ``"none"`` or ``""`` → (). Raises ValueError naming a bad one."""
+    """``"SIGTERM,USR1"`` → signals; ``"none"`` or ``""`` → (). Raises ValueError
+    naming a bad one."""
     if text.strip().lower() in ("", "none"):
         return ()
     out = []
@@ -66,7 +68,8 @@ class Preempted(Exception):
 
 
 class Preemption:
-    """Records signals; the trainer's step-boundary all-reduce turns one rank's into every rank's decision."""
+    """Records signals; the trainer's step-boundary all-reduce turns one rank's into
+    every rank's decision."""
 
     def __init__(self, signals: tuple[signal.Signals, ...]):
         self.signals = signals
@@ -82,9 +85,15 @@ class Preemption:
         self.received.append(name)
         # os.write, not logging: a handler may interrupt logging itself (its lock is not reentrant).
         if len(self.received) == 1:
-            msg = f"[finetune] [rank{dist.env_rank()}] {name} received: saving a checkpoint at the next step boundary, then exiting with code {EXIT_PREEMPTED}\n"
+            msg = (
+                f"[finetune] [rank{dist.env_rank()}] {name} received: saving a checkpoint at the "
+                f"next step boundary, then exiting with code {EXIT_PREEMPTED}\n"
+            )
         else:
-            msg = f"[finetune] [rank{dist.env_rank()}] {name} received again: already stopping (a save in progress goes on)\n"
+            msg = (
+                f"[finetune] [rank{dist.env_rank()}] {name} received again: already stopping "
+                "(a save in progress goes on)\n"
+            )
         try:
             os.write(2, msg.encode())
         except OSError:

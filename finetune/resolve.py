@@ -92,7 +92,8 @@ def validate_flags(v: Mapping[str, Any]) -> None:
         raise ConfigError("Can't give both `--dataset_name` and `--train_file`")
     if v["config_name"] and v["model_name_or_path"]:
         raise ConfigError(
-            "Can't give both `--config_name` (train from scratch) and `--model_name_or_path` (load weights)"
+            "Can't give both `--config_name` (train from scratch) and "
+            "`--model_name_or_path` (load weights)"
         )
     if bool(v["prompt_column"]) != bool(v["completion_column"]):
         raise ConfigError(
@@ -133,7 +134,8 @@ def validate_flags(v: Mapping[str, Any]) -> None:
         )
     if not 0 <= v["validation_split_percentage"] < 100:
         raise ConfigError(
-            f"`--validation_split_percentage` must be in [0, 100), got {v['validation_split_percentage']}"
+            "`--validation_split_percentage` must be in [0, 100), got "
+            f"{v['validation_split_percentage']}"
         )
     if v["ddp_timeout"] is not None and v["ddp_timeout"] < MIN_DDP_TIMEOUT:
         raise ConfigError(
@@ -145,7 +147,8 @@ def validate_flags(v: Mapping[str, Any]) -> None:
         parse_signals(v["preempt_signals"])
     except ValueError as e:
         raise ConfigError(
-            f"`--preempt_signals`: {e} is not a signal that can be caught (e.g. SIGTERM,SIGUSR1 or none)"
+            f"`--preempt_signals`: {e} is not a signal that can be caught "
+            "(e.g. SIGTERM,SIGUSR1 or none)"
         ) from None
     if (
         v["save_steps"] or v["save_total_limit"] or v["save_consolidated"] or v["async_save"]

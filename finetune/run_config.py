@@ -3,8 +3,9 @@
 A file's keys are the training flags' names (``learning_rate: 2.0e-5``); the command line overrides
 it. Values are checked against each flag's type and choices here, with the file and key named, so
 a typo in a job script's config fails in a second with exit 2, not after the model has loaded.
-The file a run writes holds every flag's resolved value, so ``finetune --config OUT/run_config.yaml``
-runs the same training again (give another ``--output_dir`` to keep the first).
+The file a run writes holds every flag's resolved value, so
+``finetune --config OUT/run_config.yaml`` runs the same training again (give another
+``--output_dir`` to keep the first).
 """
 
 from __future__ import annotations
@@ -32,7 +33,8 @@ _ALIASES = {
 
 
 def load(path: str) -> dict[str, Any]:
-    """The flag values a config file sets (flag name → value), checked; ConfigError names the key."""
+    """The flag values a config file sets (flag name → value), checked;
+    ConfigError names the key."""
     p = Path(path)
     if not p.is_file():
         raise ConfigError(f"--config: file not found: {path}")
@@ -58,7 +60,8 @@ def load(path: str) -> dict[str, Any]:
         return {}
     if not isinstance(data, dict):
         raise ConfigError(
-            f"--config {path}: must hold a mapping of flag names to values, got {type(data).__name__}"
+            f"--config {path}: must hold a mapping of flag names to "
+            f"values, got {type(data).__name__}"
         )
     return {str(key): _check(path, str(key), value) for key, value in data.items()}
 
@@ -118,18 +121,16 @@ def _typed(path: str, f: dataclasses.Field, value: Any) -> Any:
     elif "int" in kind:
         ok = isinstance(value, int) and not isinstance(value, bool)
     elif "float" in kind:
-        if isinstance(
-            value, str
-        ):  # YAML 1.1 reads 1e-5 (no dot) as a string; it is meant as a number
+        # YAML 1.1 reads 1e-5 (no dot) as a string; it is meant as a number
+        if isinstance(value, str):
             try:
                 value = float(value)
             except ValueError:
                 pass
         ok = isinstance(value, (int, float)) and not isinstance(value, bool)
         value = float(value) if ok else value
-    elif f.metadata.get("nargs") and isinstance(
-        value, list
-    ):  # lora_target_modules: [q_proj, v_proj]
+    elif f.metadata.get("nargs") and isinstance(value, list):
+        # lora_target_modules: [q_proj, v_proj]
         ok = all(isinstance(v, str) for v in value)
         kind = "a string or a list of strings"
     else:
@@ -174,14 +175,14 @@ def _yaml():
 
 
 def write(cfg: RunConfig, output_dir: str, version: str) -> Path:
-    """OUT/run_config.yaml: every flag's resolved value, grouped as in --help. Atomic (a reader never
-    sees half a file); rank 0 calls it once the run has started."""
+    """OUT/run_config.yaml: every flag's resolved value, grouped as in --help. Atomic (a reader
+    never sees half a file); rank 0 calls it once the run has started."""
     yaml = _yaml()
     when = datetime.now(timezone.utc).isoformat(timespec="seconds")
     parts = [
         f"# finetune {version}: the resolved configuration of the run started {when} (world size "
-        f"{cfg.world_size}).\n# Run it again with: finetune --config {Path(output_dir) / FILE_NAME} "
-        f"--output_dir NEW_DIR\n"
+        f"{cfg.world_size}).\n# Run it again with: finetune --config "
+        f"{Path(output_dir) / FILE_NAME} --output_dir NEW_DIR\n"
     ]
     for name, group in cfg.to_json_dict().items():
         parts.append(

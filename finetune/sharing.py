@@ -44,7 +44,8 @@ def _cannot_write(out: Outcomes, storage: Storage, flag: str) -> None:
 
 
 def sharing_groups(storage: Storage, flag: str) -> list[list[int]]:
-    """Ranks grouped by which of them see the same ``storage``'s root (one group on shared storage). Collective.
+    """Ranks grouped by which of them see the same ``storage``'s root (one group on shared
+    storage). Collective.
 
     Found out, not guessed from host names (containers share them; a "node-local" path may be
     shared after all): every rank drops a marker file in ``storage``'s root, and ranks that see each
@@ -79,8 +80,8 @@ def sharing_groups(storage: Storage, flag: str) -> list[list[int]]:
     for r, view in enumerate(views):
         if any(views[other] != view for other in view):
             raise ConfigError(
-                f"--{flag}: ranks disagree about who shares {storage.describe()} (rank {r} sees {view}); "
-                "use storage local to each node, or storage all ranks share"
+                f"--{flag}: ranks disagree about who shares {storage.describe()} (rank {r} sees "
+                f"{view}); use storage local to each node, or storage all ranks share"
             )
     return [list(v) for v in sorted({tuple(v) for v in views})]
 

@@ -1,6 +1,7 @@
-"""Checks that read the filesystem, before any work: the output dir, data files, the model, config and
-tokenizer sources (a folder, or a hub id cached for offline use), --resume_from_checkpoint PATH and
-the DeepSpeed JSON. Each failure is a ConfigError naming its flag (resolve.resolve calls these)."""
+"""Checks that read the filesystem, before any work: the output dir, data files, the model,
+config and tokenizer sources (a folder, or a hub id cached for offline use),
+--resume_from_checkpoint PATH and the DeepSpeed JSON. Each failure is a ConfigError naming its
+flag (resolve.resolve calls these)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ from finetune.config import DATA_EXTENSIONS, WEIGHT_FILES, ConfigError, data_for
 
 
 def validate_paths(v: Mapping[str, Any]) -> None:
-    """Checks that read the filesystem: data files, local model dirs, the output dir, the DeepSpeed JSON."""
+    """Checks that read the filesystem: data files, local model dirs, the output dir,
+    the DeepSpeed JSON."""
     for flag in ("output_dir", "dataset_cache_dir"):
         folder = Path(v[flag]) if v[flag] else None
         if folder is not None and folder.exists() and not folder.is_dir():
@@ -63,8 +65,9 @@ def check_model_source(flag: str, name: str) -> None:
             raise ConfigError(f"--{flag}: {name} has no config.json (not a model folder)")
         if flag == "model_name_or_path" and not any(next(path.glob(p), None) for p in WEIGHT_FILES):
             raise ConfigError(
-                f"--model_name_or_path: {name} has no weights (model.safetensors, pytorch_model.bin or "
-                f"their shards); to train from scratch with its config, use --config_name {name}"
+                f"--model_name_or_path: {name} has no weights (model.safetensors, "
+                "pytorch_model.bin or their shards); to train from scratch with its "
+                f"config, use --config_name {name}"
             )
         return
     if path.exists():
@@ -91,14 +94,14 @@ def _check_hub_id(flag: str, name: str) -> None:
         ) from None
     if huggingface_hub.is_offline_mode() and not any(isinstance(c, str) for c in cached):
         raise ConfigError(
-            f"--{flag}: {name} is not a folder, and the hub is offline (HF_HUB_OFFLINE) with no cached "
-            f"copy of it; download it first, or point --{flag} at a local folder"
+            f"--{flag}: {name} is not a folder, and the hub is offline (HF_HUB_OFFLINE) with no "
+            f"cached copy of it; download it first, or point --{flag} at a local folder"
         )
 
 
 def check_resume_path(spec: str | None) -> None:
-    """--resume_from_checkpoint PATH names a checkpoint, or an output dir holding one (latest and auto
-    are resolved later, from what the output dir holds)."""
+    """--resume_from_checkpoint PATH names a checkpoint, or an output dir holding one (latest and
+    auto are resolved later, from what the output dir holds)."""
     if spec is None or spec in ("latest", "auto"):
         return
     from finetune.checkpoint.manifest import looks_like_checkpoint

@@ -10,8 +10,8 @@ waiting in the next collective).
 
 wandb: WandbTracker, ours rather than DeepSpeed's WandbMonitor, which calls wandb.init(project,
 group, entity) only (no run name, config, dir, or resume of the same run) and logs every scalar with
-``step=`` its own x value: the engine's at samples seen, ours at optimizer steps, and wandb drops any
-row whose step is below one already logged. Ours logs against a step metric of its own
+``step=`` its own x value: the engine's at samples seen, ours at optimizer steps, and wandb drops
+any row whose step is below one already logged. Ours logs against a step metric of its own
 (``train/global_step``), so a resumed run that repeats a crashed run's last steps, or a background
 save committed a few steps after its step, is plotted where it belongs instead of dropped.
 
@@ -175,9 +175,7 @@ class WandbTracker:
         self.last_step = 0
 
     @classmethod
-    def start(
-        cls, out: Path, name: str, config: dict, run_id: str, resumed: bool
-    ) -> WandbTracker:
+    def start(cls, out: Path, name: str, config: dict, run_id: str, resumed: bool) -> WandbTracker:
         """wandb.init: project $WANDB_PROJECT (default "finetune"), files under $WANDB_DIR or OUT;
         the id: $WANDB_RUN_ID, else the one OUT/wandb_run_id names when resuming, else ``run_id``.
         Not being logged in is bad input (ConfigError); other failures raise as they are."""

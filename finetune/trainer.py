@@ -1,4 +1,5 @@
-"""The training loop: optimizer steps, evaluation, logging, and the step boundary where saves happen."""
+"""The training loop: optimizer steps, evaluation, logging, and the step boundary
+where saves happen."""
 
 from __future__ import annotations
 
@@ -11,7 +12,6 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Union
 
 import numpy as np
 import torch
@@ -55,7 +55,7 @@ MAX_SKIPS_IN_A_ROW = 100
 
 # Why the loop stops before its last step: PREEMPTED, or an exit code (None: go on).
 PREEMPTED = "preempted"
-Stop = Union[int, str, None]
+Stop = int | str | None
 
 
 def describe_holder(output_dir: str) -> str:
@@ -79,14 +79,12 @@ def run(cfg: RunConfig) -> int:
         run_id, created = dist.share_from(0, lambda: (uuid.uuid4().hex[:12], not out.exists()))
         lease = dist.run_agreed(lambda: acquire_lease(out, run_id), on=dist.is_main())
         try:
-            trainer = Trainer.build(
-                cfg, preemption, run_id, lease
-            )  # bad input stops here, before anything is written
+            # bad input stops here, before anything is written
+            trainer = Trainer.build(cfg, preemption, run_id, lease)
         except ConfigError:
             raise  # OUT as it was, a previous run's exit_status.json included
-        except (
-            Preempted
-        ) as e:  # during a long start-up step (a universal conversion): what it did is kept
+        except Preempted as e:
+            # during a long start-up step (a universal conversion): what it did is kept
             dist.log_main(
                 logging.WARNING, "%s; exiting with %d so the job is requeued", e, EXIT_PREEMPTED
             )
@@ -102,19 +100,16 @@ def run(cfg: RunConfig) -> int:
             if dist.is_main():  # a crash must not leave a previous run's "75" behind
                 clear_exit_status(cfg.ckpt.output_dir)
             raise
-        ours = (
-            (lambda: not lease.lost) if lease is not None else (lambda: True)
-        )  # rank 0's heartbeat's view
+        # rank 0's heartbeat's view
+        ours = (lambda: not lease.lost) if lease is not None else (lambda: True)
         if dist.is_main() and ours():
             write_exit_status(cfg.ckpt.output_dir, None, {"reason": "running"})
-            run_config.write_best_effort(
-                cfg, cfg.ckpt.output_dir, __version__
-            )  # what --config reruns
+            # what --config reruns
+            run_config.write_best_effort(cfg, cfg.ckpt.output_dir, __version__)
         try:
             code = trainer.train()
-        except (
-            BaseException
-        ) as e:  # a crash (DeepSpeed's fp16 minimum-scale Exception, OOM): not "running"
+        except BaseException as e:
+            # a crash (DeepSpeed's fp16 minimum-scale Exception, OOM): not "running"
             if dist.is_main() and ours():
                 write_exit_status(
                     cfg.ckpt.output_dir,
@@ -233,9 +228,8 @@ class Trainer:
     plotter: Plotter | None = None  # rank 0's OUT/plots/training.png (--plot)
     stop_note: dict | None = None  # why and where training stopped, for exit_status.json
     skips_in_a_row: int = 0  # optimizer steps DeepSpeed skipped since the last applied one
-    lease_lost: Callable[[], bool] = lambda: (
-        False
-    )  # rank 0: another run took OUT's lease (heartbeat)
+    # rank 0: another run took OUT's lease (heartbeat)
+    lease_lost: Callable[[], bool] = lambda: False
     lost_lease: bool = False  # training stopped for that: nothing more may be written into OUT
     t_window: float = 0.0  # when the log window began (tokens/s)
 
@@ -283,8 +277,8 @@ class Trainer:
         plan = Resumer(
             cfg, storage, layout.node_local, layout.leader, base=base, signalled=signalled
         ).plan_resume()
-        # Collective: FusedAdam / CPU Adam where every rank can load it, else torch_adam (finetune/ops.py);
-        # a checkpoint trained with torch_adam resumes with it.
+        # Collective: FusedAdam / CPU Adam where every rank can load it, else torch_adam
+        # (finetune/ops.py); a checkpoint trained with torch_adam resumes with it.
         ds_config = ensure_adam(
             ds_config, saved=plan.saved.get(ADAM_KEY) if plan is not None else None
         )
@@ -324,8 +318,8 @@ class Trainer:
             else ""
         )
         logger.info(
-            "model: %s parameters%s, %s; %d train / %s eval examples; %d steps (%d per epoch), world size %d; "
-            "ready in %.1fs",
+            "model: %s parameters%s, %s; %d train / %s eval examples; %d steps (%d per "
+            "epoch), world size %d; ready in %.1fs",
             f"{count_parameters(engine.module):,}",
             lora,
             t.precision,
@@ -338,9 +332,8 @@ class Trainer:
         )
         monitor = getattr(engine, "monitor", None)
         state = TrainingState()
-        lost = (
-            (lambda: lease.lost) if lease is not None else (lambda: False)
-        )  # rank 0 holds the lease
+        # rank 0 holds the lease
+        lost = (lambda: lease.lost) if lease is not None else (lambda: False)
         run_info = {
             "zero_stage": zero_stage(cfg.ds_config),
             "dtype": t.precision,
@@ -364,7 +357,8 @@ class Trainer:
             consolidated_dtype=DTYPES[cfg.ckpt.consolidated_dtype or t.precision],
             still_ours=(lambda: lease.check()) if lease is not None else (lambda: True),
         )
-        # Rank 0 writes nothing more into OUT from the moment its heartbeat learns the lease is lost.
+        # Rank 0 writes nothing more into OUT from the moment its
+        # heartbeat learns the lease is lost.
         metrics = MetricsWriter(
             cfg.ckpt.output_dir,
             monitor,
@@ -416,9 +410,8 @@ class Trainer:
                 stop = self._iteration(bar)
             bar.close()
             return self._end(stop)
-        except (
-            LeaseLost
-        ) as e:  # raised alike on every rank (the boundary's all-reduce, or an agreed check)
+        except LeaseLost as e:
+            # raised alike on every rank (the boundary's all-reduce, or an agreed check)
             bar.close()
             return self._lease_lost(e)
 
@@ -448,7 +441,8 @@ class Trainer:
         if stop == PREEMPTED:
             return self._stop_preempted()
         if stop is not None:
-            return stop  # a failed periodic save under --on_save_error abort, or steps that kept failing
+            # a failed periodic save under --on_save_error abort, or steps that kept failing
+            return stop
         if self.state.window.steps:  # the steps since the last row (the same count on every rank)
             self._log(None)
         if self._end_preempted():
@@ -466,7 +460,8 @@ class Trainer:
         """Another run holds OUT now: stop at once and write nothing more there (no save, no
         commit, no metrics, no exit_status.json: they are the other run's). Every rank, agreed."""
         self.lost_lease = True
-        self.checkpoints.abandon()  # a background write stops at its next piece; its staging is left as is
+        # a background write stops at its next piece; its staging is left as is
+        self.checkpoints.abandon()
         dist.log_main(
             logging.ERROR,
             "stopping at step %d without writing anything more into %s: %s (exit %d)",
@@ -533,14 +528,14 @@ class Trainer:
         t0 = time.perf_counter()
         batches = self.data.next_step()
         w.data_s += time.perf_counter() - t0
-        w.lr = float(
-            engine.get_lr()[0]
-        )  # the rate this step uses (the scheduler steps inside engine.step)
+        # the rate this step uses (the scheduler steps inside engine.step)
+        w.lr = float(engine.get_lr()[0])
         for batch in batches:
             w.tokens += int(batch["attention_mask"].sum())  # on the host copy: no device sync
             batch = _to(batch, engine.device)  # DeepSpeed's forward does not move inputs
             out = engine(**batch)
-            # DeepSpeed divides by the accumulation steps and only steps the optimizer at the boundary.
+            # DeepSpeed divides by the accumulation steps and only steps
+            # the optimizer at the boundary.
             engine.backward(out.loss)
             engine.step()
             w.loss_sum = w.loss_sum + out.loss.detach().to(_sum_dtype(engine.device))
@@ -573,7 +568,8 @@ class Trainer:
             else f"{self.cfg.train.precision}, no loss scale"
         )
         if self.skips_in_a_row < MAX_SKIPS_IN_A_ROW:
-            # INFO: DeepSpeed has just logged its own "OVERFLOW! Skipping step"; this adds the counts.
+            # INFO: DeepSpeed has just logged its own "OVERFLOW! Skipping step";
+            # this adds the counts.
             dist.log_main(
                 logging.INFO,
                 "after step %d: optimizer step skipped, non-finite gradients (%s); "
@@ -586,8 +582,8 @@ class Trainer:
             return None
         dist.log_main(
             logging.ERROR,
-            "stopping: %d optimizer steps in a row skipped after step %d, non-finite "
-            "gradients every time (%s). Try a lower --learning_rate, bf16 instead of fp16, or check the "
+            "stopping: %d optimizer steps in a row skipped after step %d, non-finite gradients "
+            "every time (%s). Try a lower --learning_rate, bf16 instead of fp16, or check the "
             "data; the last committed checkpoint is untouched.",
             self.skips_in_a_row,
             st.global_step,
@@ -612,12 +608,10 @@ class Trainer:
         loss_sum, micro, tokens = dist.all_reduce_sum(w.world_sums())
         now = time.perf_counter()
         loss = loss_sum / max(micro, 1)  # over the window's micro-batches, skipped steps' included
-        grad_norm = (
-            self.engine.get_global_grad_norm()
-        )  # of this step: a row is only written at an applied one
-        if (
-            grad_norm is None
-        ):  # no step in this process yet (resumed at its last step): the saved one
+        # of this step: a row is only written at an applied one
+        grad_norm = self.engine.get_global_grad_norm()
+        # no step in this process yet (resumed at its last step): the saved one
+        if grad_norm is None:
             grad_norm = w.grad_norm
         self.state.tokens_seen += int(tokens)
         row = {
@@ -642,7 +636,8 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self) -> float | None:
-        """Token-weighted eval loss over the whole eval set. Collective (every rank, same batches)."""
+        """Token-weighted eval loss over the whole eval set. Collective (every
+        rank, same batches)."""
         if self.evalset is None or len(self.evalset) == 0:
             return None
         self.engine.eval()
@@ -686,11 +681,11 @@ class Trainer:
     # --- saves -------------------------------------------------------------------------------
 
     def _stop_preempted(self) -> int:
-        """Every rank, after agreeing on a signal: commit this step (fast: partitioned only), exit 75."""
+        """Every rank, after agreeing on a signal: commit this step (fast:
+        partitioned only), exit 75."""
         step = self.state.global_step
-        first = dist.all_gather_object(
-            self.preemption.received[:1]
-        )  # collective: who was signalled
+        # collective: who was signalled
+        first = dist.all_gather_object(self.preemption.received[:1])
         signals = ", ".join(f"{got[0]} on rank {r}" for r, got in enumerate(first) if got)
         self.stop_note = {"reason": "preempted", "signal": signals, "step": step}
         self.metrics.event("preempted", step, signal=signals)

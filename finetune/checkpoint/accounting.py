@@ -76,7 +76,8 @@ class Clock:
 
 
 def fmt_bytes(n: int | float) -> str:
-    """A size for a log line: MB below a GB (two decimals: a small checkpoint's is not "0.01 GB"), else GB."""
+    """A size for a log line: MB below a GB (two decimals: a small checkpoint's is not
+    "0.01 GB"), else GB."""
     return f"{n / 1e6:.2f} MB" if abs(n) < 1e9 else f"{n / 1e9:.2f} GB"
 
 

@@ -2,10 +2,11 @@
 
 Every LoRA checkpoint (``--use_peft``) holds ``adapter_config.json`` beside config.json: with the
 base model's config it says which tensors the adapters are, so export and verification need
-nothing else. With ``--save_consolidated`` it also holds ``adapter_model.safetensors``, gathered from
-the ZeRO-3 partitions like the full model's consolidated shards (``consolidate.save_consolidated``
-on the trainable parameters alone), under the keys peft saves (``get_peft_model_state_dict``'s own
-renaming, asked with placeholders): ``PeftModel.from_pretrained(base, folder)`` loads the folder.
+nothing else. With ``--save_consolidated`` it also holds ``adapter_model.safetensors``, gathered
+from the ZeRO-3 partitions like the full model's consolidated shards
+(``consolidate.save_consolidated`` on the trainable parameters alone), under the keys peft saves
+(``get_peft_model_state_dict``'s own renaming, asked with placeholders):
+``PeftModel.from_pretrained(base, folder)`` loads the folder.
 
 The empty-adapter failure (a 40-byte adapter_model.safetensors: what saving a ZeRO-3 model's
 partitioned parameters without gathering them writes) cannot pass verification: ``verify_adapter``
@@ -32,8 +33,9 @@ UNSHARDED = 1 << 62  # peft writes one adapter file, whatever its size; so do we
 
 
 def saved_keys(peft_model) -> dict[str, str]:
-    """{trainable parameter's name in ``peft_model``: its key in adapter_model.safetensors}, as peft's
-    ``get_peft_model_state_dict`` names them (asked with placeholders: nothing is gathered)."""
+    """{trainable parameter's name in ``peft_model``: its key in
+    adapter_model.safetensors}, as peft's ``get_peft_model_state_dict`` names them (asked
+    with placeholders: nothing is gathered)."""
     from peft import get_peft_model_state_dict
 
     placeholders = {n: torch.empty(0) for n, p in peft_model.named_parameters() if p.requires_grad}
@@ -58,7 +60,8 @@ def save_adapter(
 
     try:  # from the module structure, alike on every rank: raises before any collective or nowhere
         keys = saved_keys(model)
-    except Exception as e:  # noqa: BLE001 — no gather has started: a failed consolidation, agreed as such
+    except Exception as e:  # noqa: BLE001
+        # no gather has started: a failed consolidation, agreed as such
         raise ConsolidationFailed(f"{type(e).__name__}: {e}") from e
     if not keys:
         raise ConsolidationFailed("the model has no trainable adapter parameters to save")
@@ -86,7 +89,7 @@ def write_adapter_config(model, folder: Path) -> Path:
     return folder / ADAPTER_CONFIG
 
 
-# --- what the adapters must be ----------------------------------------------------------------------
+# --- what the adapters must be --------------------------------------------------------------------
 
 
 def expected_tensors(folder: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
@@ -166,8 +169,8 @@ def verify_adapter(folder: Path, manifest: dict | None = None) -> list[str]:
 def check_adapter_file(
     path: Path, expected: dict[str, tuple[int, ...]], recorded: dict | None
 ) -> list[str]:
-    """adapter_model.safetensors holds exactly the ``expected`` {key: shape}, and as many tensors and
-    bytes as ``recorded`` (the manifest's "adapter")."""
+    """adapter_model.safetensors holds exactly the ``expected`` {key: shape}, and as many tensors
+    and bytes as ``recorded`` (the manifest's "adapter")."""
     try:
         header = read_header(path)
     except (OSError, ValueError) as e:
@@ -187,7 +190,8 @@ def check_adapter_file(
     wrong = [k for k in set(got) & set(expected) if got[k] != tuple(expected[k])]
     if wrong:
         problems.append(
-            f"{name}: {wrong[0]} has shape {got[wrong[0]]}, the adapters' is {tuple(expected[wrong[0]])}"
+            f"{name}: {wrong[0]} has shape {got[wrong[0]]}, the adapters' "
+            f"is {tuple(expected[wrong[0]])}"
             + (f" (and {len(wrong) - 1} more)" if len(wrong) > 1 else "")
         )
     if recorded:
@@ -201,15 +205,16 @@ def check_adapter_file(
 
 
 def _check_rank_file(folder: Path, expected: dict[str, tuple[int, ...]]) -> list[str]:
-    """Rank 0's model-states file lists, as the optimizer's parameters, exactly the adapters' tensors
-    (every rank's file lists the same ones; rank 0's is read: for adapters it is small)."""
+    """Rank 0's model-states file lists, as the optimizer's parameters, exactly the adapters'
+    tensors (every rank's file lists the same ones; rank 0's is read: for adapters it is small)."""
     path = folder / "zero_pp_rank_0_mp_rank_00_model_states.pt"
     try:
         got = rank_shapes(folder)
     except Exception as e:  # noqa: BLE001 — damage, reported as such
         return [f"{path.name}: unreadable ({type(e).__name__})"]
     if got is None:
-        return []  # no rank files (a copied adapter folder): the manifest check names what is missing
+        # no rank files (a copied adapter folder): the manifest check names what is missing
+        return []
     if got == expected:
         return []
     missing, extra = sorted(set(expected) - set(got)), sorted(set(got) - set(expected))

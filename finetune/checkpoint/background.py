@@ -1,4 +1,5 @@
-"""--async_save: a host-memory snapshot of what DeepSpeed hands the checkpoint engine, written later.
+"""--async_save: a host-memory snapshot of what DeepSpeed hands the checkpoint
+engine, written later.
 
 ``host_copy`` copies a state dict's tensors into host memory *storage by storage*: tensors that
 share a storage (views, DeepSpeed's flat partitions) still share one in the copy, so ``torch.save``
@@ -36,9 +37,8 @@ def host_copy(obj, pool: dict | None = None, name: str = "") -> tuple[object, in
 
     def storage_copy(st: torch.UntypedStorage) -> torch.UntypedStorage:
         nonlocal copied, on_device
-        key = (
-            st._cdata
-        )  # the storage's identity, as torch.save keys it (empty storages all have data_ptr 0)
+        # the storage's identity, as torch.save keys it (empty storages all have data_ptr 0)
+        key = st._cdata
         if key not in storages:
             src = torch.empty(0, dtype=torch.uint8, device=st.device).set_(st)
             slot = (name, len(storages))
@@ -65,9 +65,8 @@ def host_copy(obj, pool: dict | None = None, name: str = "") -> tuple[object, in
             new = torch.nn.Parameter(new, requires_grad=t.requires_grad)
         elif t.requires_grad:
             new.requires_grad_(True)
-        if (
-            t.__dict__
-        ):  # Python attributes are pickled with the tensor (DeepSpeed's ds_id on flat groups)
+        # Python attributes are pickled with the tensor (DeepSpeed's ds_id on flat groups)
+        if t.__dict__:
             new.__dict__.update(copy.deepcopy(t.__dict__, memo))
         return new
 

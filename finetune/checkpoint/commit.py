@@ -61,7 +61,8 @@ def publish_staged(storage: OutputDir, tag: str, given_up: threading.Event | Non
         # Not committed by finetune (a plain DeepSpeed save, a copy by hand): kept, never replaced.
         where = storage.set_aside(tag, "no-manifest")
         logger.warning(
-            "set aside %s, which has no %s (not committed by finetune), as %s before committing %s there",
+            "set aside %s, which has no %s (not committed by finetune), "
+            "as %s before committing %s there",
             tag,
             MANIFEST,
             where,

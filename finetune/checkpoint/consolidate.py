@@ -111,7 +111,8 @@ class _FirstError:
             return
         try:
             fn(*args)
-        except Exception as e:  # noqa: BLE001 — OOM, I/O, a bug: all held and raised by raise_if_any
+        except Exception as e:  # noqa: BLE001
+            # OOM, I/O, a bug: all held and raised by raise_if_any
             self.hold(e)
 
     def hold(self, e: Exception) -> None:
@@ -212,11 +213,13 @@ def _p2p(ops) -> None:
 
 
 def _local_partition(p, name: str, spec: torch.Tensor, master: bool) -> torch.Tensor:
-    """This rank's ZeRO-3 partition of ``p``, flat: of its master weights, or of its module weights."""
+    """This rank's ZeRO-3 partition of ``p``, flat: of its master weights, or of
+    its module weights."""
     if master:
         from deepspeed.utils import safe_get_local_fp32_param
 
-        # Under optimizer offload the master lives on CPU; DeepSpeed hands it back on the accelerator.
+        # Under optimizer offload the master lives on CPU; DeepSpeed
+        # hands it back on the accelerator.
         part = safe_get_local_fp32_param(p)
     else:
         part = p.ds_tensor
@@ -254,8 +257,9 @@ def _send_partition(
 
     staged = _staged(fetch, device, failed)
     if staged is None:
-        # A placeholder of the planned size keeps rank 0's receive matched; the held error fails the
-        # save. Should even this allocation fail, the error propagates and the group's timeout ends it.
+        # A placeholder of the planned size keeps rank 0's receive matched; the held
+        # error fails the save. Should even this allocation fail, the error propagates
+        # and the group's timeout ends it.
         staged = torch.zeros(spec.shape, dtype=spec.dtype, device=device)
     _p2p([tdist.P2POp(tdist.isend, staged, 0)])
 
@@ -306,9 +310,8 @@ def _stream_partitions(
     for piece in itertools.chain([own] if own is not None else [], received):
         n = min(remaining, piece.numel())
         remaining -= n
-        failed.attempt(
-            writer.append, piece[:n]
-        )  # copied to CPU before the next window reuses the buffer
+        # copied to CPU before the next window reuses the buffer
+        failed.attempt(writer.append, piece[:n])
     failed.attempt(writer.end, name, p.ds_numel)
 
 
@@ -321,7 +324,8 @@ def save_consolidated(
     select: Callable[[list], list] | None = None,
     basename: str = "model",
 ) -> dict[str, tuple[int, str]]:
-    """Write HF safetensors shards of ``model`` into ``folder``. Collective: every rank must call it.
+    """Write HF safetensors shards of ``model`` into ``folder``. Collective:
+    every rank must call it.
 
     ``select`` picks (and may rename) the entries written, from ``tensor_entries(model)``, alike
     on every rank (the adapters alone: checkpoint/adapter.py); ``basename`` names the files.
@@ -370,7 +374,8 @@ def save_consolidated(
     if failed.ok:
         try:
             return writer.finish()  # rank 0 alone, after the last collective
-        except Exception as e:  # noqa: BLE001 — a full disk at the last close or the index: agreed by the caller
+        except Exception as e:  # noqa: BLE001
+            # a full disk at the last close or the index: agreed by the caller
             failed.hold(e)
     writer.abandon()  # never raises; frees the partial shards' space for the rest of the save
     failed.raise_if_any()

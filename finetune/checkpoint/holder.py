@@ -27,7 +27,8 @@ def same_machine(a: dict, b: dict) -> bool:
 
 
 def process_gone(pid: int, pid_start: int | None) -> str | None:
-    """Why process ``pid`` of this machine is not the lease's holder any more, or None if it still is."""
+    """Why process ``pid`` of this machine is not the lease's holder any more, or
+    None if it still is."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -51,9 +52,8 @@ def proc_stat(pid: int) -> tuple[str, int] | None:
         text = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
         return None
-    fields = text.rpartition(")")[
-        2
-    ].split()  # after the command name, which may hold spaces and ")"
+    # after the command name, which may hold spaces and ")"
+    fields = text.rpartition(")")[2].split()
     try:
         return fields[0], int(fields[19])  # fields 3 and 22 of proc(5)
     except (IndexError, ValueError):

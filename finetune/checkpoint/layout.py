@@ -24,7 +24,8 @@ def node_local(ds_config: dict) -> bool:
 
 @dataclass
 class Layout:
-    """Which ranks share which OUT: one group on shared storage, one per node on node-local disks."""
+    """Which ranks share which OUT: one group on shared storage, one per node on
+    node-local disks."""
 
     groups: list[list[int]]
     node_local: bool
@@ -43,9 +44,9 @@ class Layout:
             apart = dist.any_rank(leads_storage(out.storage, "output_dir") and not dist.is_main())
             if apart:
                 raise ConfigError(
-                    f"--output_dir {out.root} is not the same folder on every rank (some ranks cannot see "
-                    "rank 0's files): use storage all ranks share, or node-local checkpoints "
-                    "(--deepspeed_config configs/ds_zero3_node_local.json)"
+                    f"--output_dir {out.root} is not the same folder on every rank (some ranks "
+                    "cannot see rank 0's files): use storage all ranks share, or node-local "
+                    "checkpoints (--deepspeed_config configs/ds_zero3_node_local.json)"
                 )
         return cls([list(range(dist.world_size()))], local)
 

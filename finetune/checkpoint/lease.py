@@ -37,20 +37,21 @@ Atomicity (every step also holds on NFS and Lustre):
   succeeded: the temp's link count tells.) Where hard links are unsupported, ``O_CREAT|O_EXCL``.
 - Take over a dead holder, whose lease has the bytes S: create the marker
   ``.lease.taking.<hash of S>.1`` exclusively (as above, holding our lease), check that ``.lease``
-  still holds S, and rename the marker over it, which replaces it atomically; then remove the markers.
-  Racing takers of S get the marker one at a time, and a taker that wins it only after S was
-  replaced (the marker was removed) fails the check; ``.lease`` never goes missing on the way, so a
-  run starting just then cannot create one beside ours. A marker whose taker died before renaming it
-  is judged like a lease (rules 1 and 3; on another machine, dead once S stays put for
+  still holds S, and rename the marker over it, which replaces it atomically; then remove the
+  markers. Racing takers of S get the marker one at a time, and a taker that wins it only after S
+  was replaced (the marker was removed) fails the check; ``.lease`` never goes missing on the way,
+  so a run starting just then cannot create one beside ours. A marker whose taker died before
+  renaming it is judged like a lease (rules 1 and 3; on another machine, dead once S stays put for
   ``observe_s``), and the next taker uses marker ``.2``, and so on.
 - Heartbeat (a daemon thread, every ``renew_s``): if ``.lease`` is still ours, replace it (temp file
-  + rename) with ``beat + 1`` (a garbled one too). If it now belongs to another run, this run stalled for longer than
-  that run watched (SIGSTOP, ``scontrol suspend``, a hung mount): log an error once, stop beating,
-  set ``Lease.lost``, and never overwrite it. If it vanished (removed by hand), create it again. A
-  failed write (disk full) is logged and retried at the next beat, never raised into training.
+  + rename) with ``beat + 1`` (a garbled one too). If it now belongs to another run, this run
+  stalled for longer than that run watched (SIGSTOP, ``scontrol suspend``, a hung mount): log an
+  error once, stop beating, set ``Lease.lost``, and never overwrite it. If it vanished (removed by
+  hand), create it again. A failed write (disk full) is logged and retried at the next beat, never
+  raised into training.
 - A lost lease stops the run: rank 0's flag rides on the step boundary's all-reduce, and every rank
-  raises ``LeaseLost`` (exit 3) and writes nothing more into OUT (metrics and events are dropped from
-  the moment the flag is set). ``check()`` re-reads the lease right before every save, commit,
+  raises ``LeaseLost`` (exit 3) and writes nothing more into OUT (metrics and events are dropped
+  from the moment the flag is set). ``check()`` re-reads the lease right before every save, commit,
   publish, retention and cleanup, so a takeover between two heartbeats is seen there too.
 
 The one window left: the heartbeat's read-then-replace is not atomic with a takeover, so a holder
@@ -97,9 +98,8 @@ logger = logging.getLogger("finetune")
 LEASE = ".lease"
 TAKING = ".lease.taking"  # + .<hash of the dead lease>.<n>: one taker at a time replaces that lease
 RENEW_S = 30.0
-OBSERVE_FACTOR = (
-    2.5  # a holder on another machine is dead after this many of its heartbeats pass unseen
-)
+# a holder on another machine is dead after this many of its heartbeats pass unseen
+OBSERVE_FACTOR = 2.5
 _RECHECK_S = 0.1  # between the two reads of a garbled lease
 _MAX_TRIES = 20  # judge-and-take rounds before giving up on a lease that keeps changing hands
 _JOIN_S = 10.0  # release() waits this long for a heartbeat write in flight
@@ -183,7 +183,8 @@ class Lease:
 
     @property
     def lost(self) -> bool:
-        """True once another run has taken the lease over (this one stalled for longer than it watched)."""
+        """True once another run has taken the lease over (this one stalled for longer
+        than it watched)."""
         return self._lost
 
     def check(self) -> bool:
@@ -197,7 +198,8 @@ class Lease:
         if other is not None and not _is_ours(raw, self.info):
             self._lost = True
             logger.error(
-                "%s now belongs to another run (%s): this run stops and writes nothing more into %s",
+                "%s now belongs to another run (%s): this run stops "
+                "and writes nothing more into %s",
                 self.path,
                 describe(other),
                 self.path.parent,
@@ -239,9 +241,9 @@ class Lease:
             if other is not None and not _is_ours(current, self.info):
                 self._lost = True
                 logger.error(
-                    "%s now belongs to another run (%s): this run stalled for longer than that run "
-                    "watched its heartbeat; it stops at its next step boundary and writes nothing more into "
-                    "%s",
+                    "%s now belongs to another run (%s): this run stalled for longer than "
+                    "that run watched its heartbeat; it stops at its next step boundary "
+                    "and writes nothing more into %s",
                     self.path,
                     describe(other),
                     self.path.parent,
@@ -268,13 +270,13 @@ class Lease:
         return True
 
     def _replace(self, data: bytes) -> bool:
-        """Overwrite our lease atomically; False (nothing written) when release() began meanwhile."""
+        """Overwrite our lease atomically; False (nothing written) when
+        release() began meanwhile."""
         tmp = self.path.with_name(f"{LEASE}.tmp.{self._tag}")
         try:
             _write_file(tmp, data)
-            if (
-                self._stop.is_set()
-            ):  # release() may be about to remove the lease: don't bring it back
+            # release() may be about to remove the lease: don't bring it back
+            if self._stop.is_set():
                 return False
             os.replace(tmp, self.path)
         finally:
@@ -310,7 +312,8 @@ def _take(path: Path, me: dict, observe_s: float | None) -> None:
 def _judge(
     path: Path, raw: bytes, me: dict, observe_s: float | None
 ) -> tuple[str, bytes | None, str]:
-    """(verdict, the lease bytes it applies to, why dead) for the lease ``raw`` just read at ``path``."""
+    """(verdict, the lease bytes it applies to, why dead) for the lease ``raw`` just
+    read at ``path``."""
     info = _parse(raw)
     if info is None:
         time.sleep(_RECHECK_S)
@@ -323,8 +326,8 @@ def _judge(
             _DEAD,
             raw,
             (
-                f"SLURM requeued job {me['slurm_job_id']}: restart {info.get('slurm_restart_count') or 0} "
-                f"→ {me['slurm_restart_count']}"
+                f"SLURM requeued job {me['slurm_job_id']}: restart "
+                f"{info.get('slurm_restart_count') or 0} → {me['slurm_restart_count']}"
             ),
         )
     if _same_machine(info, me):
@@ -362,7 +365,8 @@ def _observe(path: Path, raw: bytes, info: dict, observe_s: float) -> tuple[str,
 
 
 def _evict(path: Path, raw: bytes, me: dict, observe_s: float | None) -> bool:
-    """Replace the lease ``raw``, judged dead, by ours; False (nothing changed) once it is not current."""
+    """Replace the lease ``raw``, judged dead, by ours; False (nothing changed) once
+    it is not current."""
     key = hashlib.sha256(raw).hexdigest()[:16]
     for n in itertools.count(1):
         marker = path.with_name(f"{TAKING}.{key}.{n}")
@@ -371,9 +375,8 @@ def _evict(path: Path, raw: bytes, me: dict, observe_s: float | None) -> bool:
         if _await_taker(path, raw, marker, me, observe_s) == _CHANGED:
             return False
         # _DEAD: that taker died holding marker n; the next one is ours to try
-    if (
-        _read(path) != raw
-    ):  # replaced before we won the marker (whose previous copy was then removed)
+    # replaced before we won the marker (whose previous copy was then removed)
+    if _read(path) != raw:
         _unlink(marker)
         return False
     try:
@@ -387,8 +390,9 @@ def _evict(path: Path, raw: bytes, me: dict, observe_s: float | None) -> bool:
 
 
 def _await_taker(path: Path, raw: bytes, marker: Path, me: dict, observe_s: float | None) -> str:
-    """Another taker holds ``marker`` for the dead lease ``raw``: _CHANGED once the lease (or the marker)
-    changes, _DEAD once that taker is seen dead. Raises LeaseHeld if it lives but never finishes."""
+    """Another taker holds ``marker`` for the dead lease ``raw``: _CHANGED once the lease
+    (or the marker) changes, _DEAD once that taker is seen dead. Raises LeaseHeld if it
+    lives but never finishes."""
     mraw = _read(marker)
     taker = _parse(mraw)
     if mraw is None:
@@ -464,9 +468,8 @@ def _publish(path: Path, data: bytes, tag: str) -> bool:
         os.link(tmp, path)
         return True
     except FileExistsError:
-        return (
-            os.stat(tmp).st_nlink == 2
-        )  # NFS: a retried link that had succeeded (see the module doc)
+        # NFS: a retried link that had succeeded (see the module doc)
+        return os.stat(tmp).st_nlink == 2
     except OSError as e:
         if e.errno not in _NO_HARDLINKS:
             raise
@@ -476,7 +479,8 @@ def _publish(path: Path, data: bytes, tag: str) -> bool:
 
 
 def _create_exclusive(path: Path, data: bytes) -> bool:
-    """``_publish`` without hard links: readers may briefly see a partial file (hence rule 1's re-read)."""
+    """``_publish`` without hard links: readers may briefly see a partial file (hence
+    rule 1's re-read)."""
     try:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     except FileExistsError:

@@ -13,7 +13,8 @@ and commit at a later boundary: ``poll``/``wait``):
             through a checkpoint engine that fsyncs and checksums each file *as it is written* and
             records a failure instead of raising, so every rank still reaches DeepSpeed's barriers;
             then its RNG file; leaders also config, tokenizer and trainer_state.json, hashing only
-            those. No rank reads back what another rank wrote: each rank's save work is its own share;
+            those. No rank reads back what another rank wrote: each rank's save
+            work is its own share;
   agree     one all-gather of every rank's outcome: all succeeded, or everyone learns who failed;
   commit    leaders write manifest.json (files, sizes, checksums, commit sequence number, parent,
             save id) into the staged folder, agree, then rename it to ``OUT/<tag>`` and replace
@@ -178,9 +179,8 @@ class CheckpointManager(SaveSchedule):
             still_ours,
             adapters,
         )
-        self.adapter_summary: dict | None = (
-            None  # the consolidated adapter's tensors and bytes, for the manifest
-        )
+        # the consolidated adapter's tensors and bytes, for the manifest
+        self.adapter_summary: dict | None = None
         self.leader = layout.leader
         # What a save's size is estimated from, before there is a checkpoint to size it by: with
         # adapters, only they are saved (a 70B base would otherwise ask for ~1.2 TB free).
@@ -193,9 +193,8 @@ class CheckpointManager(SaveSchedule):
             engine._copy_recovery_script = self.writer.guard(engine._copy_recovery_script)
         self.committed_step: int | None = plan.saved["global_step"] if plan else None
         self.consolidation_error: str | None = None
-        self.pending: Pending | None = (
-            None  # --async_save: written in the background, not yet committed
-        )
+        # --async_save: written in the background, not yet committed
+        self.pending: Pending | None = None
         # Where commits and failed saves are reported (MetricsWriter.event: OUT/events.jsonl and the
         # trackers, rank 0); called on every rank, must not raise.
         self.on_event: Callable[..., None] = lambda kind, step, **fields: None
@@ -233,9 +232,8 @@ class CheckpointManager(SaveSchedule):
         self.next_seq = 1 + max([seen_seq] + [v[1] for v in views])
         self.head = head
         self.last_bytes = out.result[2] if out.result else None
-        self.sizes: dict[str, int] = (
-            out.result[3] if out.result else {}
-        )  # this storage's, by tag: what deleting frees
+        # this storage's, by tag: what deleting frees
+        self.sizes: dict[str, int] = out.result[3] if out.result else {}
 
     # --- save: snapshot → write → agree → commit ------------------------------------------------
 
@@ -252,7 +250,8 @@ class CheckpointManager(SaveSchedule):
         ``background`` (--async_save): return once every rank has its snapshot in host memory, the
         rank files being written on a thread; ``poll``/``wait`` commit it later (returns None).
         """
-        self.wait()  # at most one save in flight (at_step reports its failure under its own step first)
+        # at most one save in flight (at_step reports its failure under its own step first)
+        self.wait()
         tag, clock, io = tag_for(step), Clock(), SaveIO()
         self.ensure_lease(f"saving {tag}", step)  # before its staging is cleared and written
         consolidated = self.ckpt.save_consolidated if consolidated is None else consolidated
@@ -335,8 +334,8 @@ class CheckpointManager(SaveSchedule):
         )
         own = pending.io.finish(tag, self.writer.files, clock.total)
         logger.info(
-            "Finished saving the checkpoint %s in %.2f seconds (%.1f MB, %.1f MB/s; %s; rank 0 wrote %.1f MB and "
-            "read back %.2f MB)%s.",
+            "Finished saving the checkpoint %s in %.2f seconds (%.1f MB, %.1f MB/s; %s; rank 0 "
+            "wrote %.1f MB and read back %.2f MB)%s.",
             tag,
             clock.total,
             total / 1e6,
@@ -349,7 +348,8 @@ class CheckpointManager(SaveSchedule):
         return self.out / tag
 
     def check_space(self, tag: str) -> None:
-        """Leaders: enough free space for this storage's share? Agreed; SaveError on every rank if not."""
+        """Leaders: enough free space for this storage's share? Agreed; SaveError on
+        every rank if not."""
         need = self.space_needed()
 
         def problem():
@@ -358,7 +358,8 @@ class CheckpointManager(SaveSchedule):
                 return None  # lets tests hit a real ENOSPC mid-write
             free = self.storage.free_bytes()
             if free < need <= free + self.deleter.pending_bytes:
-                self.deleter.drain()  # retention is still deleting older checkpoints: what it frees counts
+                # retention is still deleting older checkpoints: what it frees counts
+                self.deleter.drain()
                 free = self.storage.free_bytes()
             return None if free >= need else f"{fmt_bytes(free)} free, need ~{fmt_bytes(need)}"
 
@@ -377,7 +378,8 @@ class CheckpointManager(SaveSchedule):
             )
 
     def space_needed(self) -> int:
-        """Bytes a save needs on this storage (the previous checkpoint's size there, or an estimate)."""
+        """Bytes a save needs on this storage (the previous checkpoint's size
+        there, or an estimate)."""
         return space_needed(
             self.last_bytes,
             self.parameters,
@@ -394,12 +396,10 @@ class CheckpointManager(SaveSchedule):
         self.writer.reset(self.out / STAGING / tag_for(step), step, background)
         self.consolidation_error = self.adapter_summary = None
         window = self.progress.window
-        totals = dist.all_reduce_sum(
-            window.world_sums()
-        )  # before anything that can fail on one rank
-        norm = getattr(
-            self.engine, "get_global_grad_norm", lambda: None
-        )()  # the same on every rank
+        # before anything that can fail on one rank
+        totals = dist.all_reduce_sum(window.world_sums())
+        # the same on every rank
+        norm = getattr(self.engine, "get_global_grad_norm", lambda: None)()
         window.grad_norm = float(norm) if norm is not None else None
         try:
             fault_point("save.snapshot", step)
@@ -487,9 +487,8 @@ class CheckpointManager(SaveSchedule):
         )
 
         try:
-            if (
-                self.adapters
-            ):  # the adapters alone, as peft saves them (the base is elsewhere, unchanged)
+            # the adapters alone, as peft saves them (the base is elsewhere, unchanged)
+            if self.adapters:
                 files, self.adapter_summary = save_adapter(
                     self.engine.module, folder, self.consolidated_dtype
                 )
@@ -503,16 +502,15 @@ class CheckpointManager(SaveSchedule):
                         self.ckpt.max_shard_size,
                     )
                 )
-        except (
-            ConsolidationFailed
-        ) as e:  # every rank is past the gathers: recorded, only safetensors dropped
+        except ConsolidationFailed as e:
+            # every rank is past the gathers: recorded, only safetensors dropped
             self.consolidation_error = str(e)
         except Exception as e:
             # Escaped mid-gather (a transport error): this rank may have left the others inside a
             # collective, so agreeing now could hang. Fail loudly; nothing was committed.
             raise RuntimeError(
-                f"the consolidated save raised on rank {dist.rank()} mid-gather; stopping because the "
-                f"ranks may be out of step: {type(e).__name__}: {e}"
+                f"the consolidated save raised on rank {dist.rank()} mid-gather; stopping because "
+                f"the ranks may be out of step: {type(e).__name__}: {e}"
             ) from e
 
     def _write_shared(
@@ -525,9 +523,8 @@ class CheckpointManager(SaveSchedule):
         module = self.engine.module
         config = copy.deepcopy(module.config)
         config.use_cache = True  # turned off for training only; inference wants it
-        if (
-            consolidated
-        ):  # config.json describes the safetensors beside it, whatever the training dtype
+        # config.json describes the safetensors beside it, whatever the training dtype
+        if consolidated:
             config.dtype = self.consolidated_dtype
         config.save_pretrained(folder)
         written = [folder / "config.json"]
@@ -629,7 +626,8 @@ class CheckpointManager(SaveSchedule):
         return f"; {space_report(freed, self.space_needed())}" if freed else ""
 
     def commit(self, tag: str, files: dict[str, tuple[int, str]], consolidated: bool) -> None:
-        """Leaders: manifests into staging, agree, then rename and advance ``latest``. Collective."""
+        """Leaders: manifests into staging, agree, then rename and advance
+        ``latest``. Collective."""
         seq = self.next_seq
         self.next_seq += 1  # consumed even if the commit fails: a save id is never reused
         parent = self.head
@@ -644,9 +642,8 @@ class CheckpointManager(SaveSchedule):
             "parent_save_id": parent.save_id if parent else None,
             "consolidated": consolidated,
         }
-        if (
-            consolidated and self.adapter_summary is not None
-        ):  # what `finetune verify` holds the adapter file to
+        # what `finetune verify` holds the adapter file to
+        if consolidated and self.adapter_summary is not None:
             identity["adapter"] = self.adapter_summary
         ranks = self.layout.my_group if self.layout.node_local else None
         try:
@@ -661,9 +658,8 @@ class CheckpointManager(SaveSchedule):
                     self.storage, tag, files, dist.world_size(), versions(), ranks, identity
                 )
             except OSError as e:
-                if (
-                    e.filename is None and e.errno is not None
-                ):  # a failed write names no file: name it
+                # a failed write names no file: name it
+                if e.filename is None and e.errno is not None:
                     raise OSError(
                         e.errno, e.strerror, str(self.out / STAGING / tag / MANIFEST)
                     ) from e
@@ -694,8 +690,8 @@ class CheckpointManager(SaveSchedule):
             # staging is left alone (a purge racing the rename could put a half-deleted folder in
             # place). A complete folder that lands later is found by the commit order.
             raise SaveError(
-                f"commit of {tag} failed on {out.describe()}; its staging is left in place, `latest` "
-                "is unchanged"
+                f"commit of {tag} failed on {out.describe()}; its staging is left "
+                "in place, `latest` is unchanged"
             )
         if not out.ok and not self._in_place(tag, identity["save_id"]):
             # Only a rename or the `latest` write failed, after every node had its files complete.
@@ -705,8 +701,8 @@ class CheckpointManager(SaveSchedule):
                 "nodes (resume takes the newest checkpoint complete on all of them)"
             )
         if not out.ok:
-            # Renamed into place everywhere: committed (the commit order, not `latest`, is the truth).
-            # Counted in the line from here on, or retention would never delete it.
+            # Renamed into place everywhere: committed (the commit order, not `latest`, is the
+            # truth). Counted in the line from here on, or retention would never delete it.
             dist.log_main(
                 logging.WARNING,
                 "committed %s, but `latest` was not updated (%s): it names an older "
@@ -743,7 +739,8 @@ class CheckpointManager(SaveSchedule):
         )
         if not out.ok:
             raise SaveError(
-                f"could not check {self.out}'s lease before {before} ({out.describe()}); not {before}"
+                f"could not check {self.out}'s lease before {before} "
+                f"({out.describe()}); not {before}"
             )
         if out.results[0] is False:
             raise LeaseLost(f"another run took over {self.out}'s lease; not {before}")
@@ -777,9 +774,8 @@ class CheckpointManager(SaveSchedule):
             dist.log_main(logging.WARNING, "save_total_limit %d: %s", limit, e)
             return
 
-        moved: list[
-            tuple[str, str]
-        ] = []  # (tag, its trash): what this leader renamed, even if a later one failed
+        # (tag, its trash): what this leader renamed, even if a later one failed
+        moved: list[tuple[str, str]] = []
 
         def retire():
             fault_point("retention.delete", step_of(self.head.tag))
@@ -792,9 +788,8 @@ class CheckpointManager(SaveSchedule):
         out = dist.gather_outcomes(
             retire, on=self.leader, step="retention", deadline_s=dist.io_deadline(), cancel=given_up
         )
-        if (
-            not given_up.is_set()
-        ):  # a rename given up on may land later: its folder is tidied at the next start
+        # a rename given up on may land later: its folder is tidied at the next start
+        if not given_up.is_set():
             for tag, trash in moved:
                 self.deleter.add(trash, self.sizes.pop(tag, 0), tag)
         if out.ok:
@@ -846,8 +841,9 @@ class CheckpointManager(SaveSchedule):
             if plan.universal
             else (str(folder.parent), folder.name)
         )
-        # --use_peft: the rank files hold no frozen base weight, so the module's state is partial (the
-        # adapters' own weights come from the optimizer's fp32 partitions, as in full fine-tuning).
+        # --use_peft: the rank files hold no frozen base weight, so the module's state
+        # is partial (the adapters' own weights come from the optimizer's fp32
+        # partitions, as in full fine-tuning).
         load_path, _ = self.engine.load_checkpoint(
             load_dir,
             tag=tag,
@@ -857,9 +853,8 @@ class CheckpointManager(SaveSchedule):
         )
         if load_path is None:
             raise RuntimeError(f"DeepSpeed could not load the checkpoint {folder}")
-        replay_adam_steps(
-            self.engine
-        )  # CPU Adam's running beta powers, as the uninterrupted run has them
+        # CPU Adam's running beta powers, as the uninterrupted run has them
+        replay_adam_steps(self.engine)
         self.progress.load_state_dict(plan.saved)
         self.sampler.load_state_dict(self.progress.sampler)
         rng_file = folder / f"rng_state_{dist.rank()}.pt"
@@ -911,11 +906,12 @@ class CheckpointManager(SaveSchedule):
 
 
 def restored_window(world: LogWindow, own: dict | None, same_world: bool) -> LogWindow:
-    """This rank's log window after a resume. ``world``: trainer_state.json's (the world's sum; rank 0's
-    own in checkpoints written before rank files kept theirs); ``own``: the rank file's. At the same
-    world size each rank takes its own, so the next row sums exactly what the uninterrupted run's
-    does; on another world size rank 0 takes the world's sum and the others start empty. Every rank
-    keeps the window's step count, which decides (alike everywhere) whether a row is due at the end."""
+    """This rank's log window after a resume. ``world``: trainer_state.json's (the world's sum;
+    rank 0's own in checkpoints written before rank files kept theirs); ``own``: the rank file's.
+    At the same world size each rank takes its own, so the next row sums exactly what the
+    uninterrupted run's does; on another world size rank 0 takes the world's sum and the others
+    start empty. Every rank keeps the window's step count, which decides (alike everywhere) whether
+    a row is due at the end."""
     if same_world and own is not None:
         return LogWindow.from_state_dict(own)
     if dist.is_main():

@@ -24,7 +24,13 @@ from pathlib import Path
 
 import xxhash
 
-from finetune.checkpoint.policy import TAG_RE, Committed, resume_order, step_of, tag_for  # noqa: F401
+from finetune.checkpoint.policy import (
+    TAG_RE,  # noqa: F401
+    Committed,
+    resume_order,
+    step_of,
+    tag_for,  # noqa: F401
+)
 from finetune.io.progress import progress
 from finetune.io.storage import LocalStorage, Storage
 
@@ -100,7 +106,8 @@ class OutputDir:
 
     def retire(self, rel: str) -> str:
         """Rename a folder under a tag name out of the tag namespace (``.trash-<tag>-<nonce>``), the
-        one atomic step of a deletion; its path relative to root. Raises: the caller keeps the tag."""
+        one atomic step of a deletion; its path relative to root. Raises: the
+        caller keeps the tag."""
         trash = f"{TRASH}{posixpath.basename(rel)}-{uuid.uuid4().hex[:8]}"
         self.rename(rel, trash)
         return trash
@@ -134,8 +141,8 @@ class OutputDir:
             failures += self._remove_one(rel)
         if failures:
             logger.warning(
-                "could not delete %s completely (%d error(s), first: %s); it is retried at the next "
-                "start",
+                "could not delete %s completely (%d error(s), first: %s); "
+                "it is retried at the next start",
                 rel,
                 len(failures),
                 failures[0],
@@ -349,7 +356,8 @@ class Deleter:
                 trash, _, tag = self.queue[0]
             try:
                 freed = self.storage.purge(trash, self.stopped, on_file=self._deleted_one)
-            except Exception as e:  # noqa: BLE001 — a thread of its own: logged, tidied at the next start
+            except Exception as e:  # noqa: BLE001
+                # a thread of its own: logged, tidied at the next start
                 logger.warning(
                     "could not delete %s (%s: %s); it is retried at the next start",
                     trash,

@@ -48,12 +48,10 @@ class ResumePlan:
     folder: Path
     saved: dict  # trainer_state.json
     universal: Path | None  # set when the world size changed
-    head: Committed | None = (
-        None  # the resumed-from checkpoint in OUT's commit order (None: outside OUT)
-    )
-    max_seq: int = (
-        0  # the highest commit number seen, set-aside ones included: later commits go above it
-    )
+    # the resumed-from checkpoint in OUT's commit order (None: outside OUT)
+    head: Committed | None = None
+    # the highest commit number seen, set-aside ones included: later commits go above it
+    max_seq: int = 0
 
 
 class Resumer:
@@ -116,7 +114,8 @@ class Resumer:
             deadline_s=dist.io_deadline(),
         )
         self._check_compatible(saved)
-        # From facts every rank shares (the saved state, the base's identity): raises alike everywhere.
+        # From facts every rank shares (the saved state, the base's
+        # identity): raises alike everywhere.
         check_resumable(folder, saved, self.cfg.model, self.base)
         # Before anything is set aside or built: another architecture or vocabulary is bad input.
         dist.run_agreed(lambda: check_checkpoint_model(folder, self.cfg.model), on=dist.is_main())
@@ -188,8 +187,8 @@ class Resumer:
             # Failing everywhere usually means ranks now sit on other nodes (or in another order)
             # than when they saved; starting fresh would silently redo the work.
             hint = (
-                "no checkpoint verifies on every node; were the ranks placed on other nodes than when they were "
-                "saved? Start the job on the same nodes, in the same order"
+                "no checkpoint verifies on every node; were the ranks placed on other nodes than "
+                "when they were saved? Start the job on the same nodes, in the same order"
             )
         else:
             hint = "no checkpoint verifies"
@@ -205,9 +204,9 @@ class Resumer:
             )
             return None
         raise ConfigError(
-            f"--resume_from_checkpoint {spec}: {hint} in {self.out} ({details}); nothing was changed. "
-            "Pass --ignore_unverified_checkpoints to start fresh anyway (they are set aside under "
-            ".abandoned, not deleted)"
+            f"--resume_from_checkpoint {spec}: {hint} in {self.out} ({details}); nothing was "
+            "changed. Pass --ignore_unverified_checkpoints to start fresh anyway (they are set "
+            "aside under .abandoned, not deleted)"
         )
 
     def _agreed_candidates(self, spec: str) -> list[Path]:
@@ -267,15 +266,16 @@ class Resumer:
         if not common and any(order for order, _ in views):
             raise ConfigError(
                 f"--resume_from_checkpoint {spec}: the nodes hold no checkpoint in common "
-                f"({', '.join(str(len(o)) for o, _ in views)} per node, compared by save id): were the "
-                "ranks placed on other nodes than when they were saved? Start the job on the same "
-                "nodes, in the same order"
+                f"({', '.join(str(len(o)) for o, _ in views)} per node, compared by save id): "
+                "were the ranks placed on other nodes than when they were saved? Start the job "
+                "on the same nodes, in the same order"
             )
         return [self.out / t for t in common]
 
     def _refuse_another_world(self, folder: Path) -> None:
         """Node-local checkpoints resume only on the world size that saved them: ConfigError (exit
-        2, nothing touched) naming both, from the manifests the leaders listed (alike everywhere)."""
+        2, nothing touched) naming both, from the manifests the leaders listed
+        (alike everywhere)."""
         saved = self.saved_worlds.get(folder.name)
         if folder.name not in self.saved_worlds:  # an explicit PATH: rank 0's manifest says
             saved = dist.share_from(
@@ -438,7 +438,8 @@ class Resumer:
                 f"preempted while converting {folder.name} to the universal format: "
                 f"{out.describe()}"
             )
-        out.raise_any()  # a conversion that finished despite a signal goes on: the first boundary stops
+        # a conversion that finished despite a signal goes on: the first boundary stops
+        out.raise_any()
         return target
 
     def _check_compatible(self, saved: dict) -> None:
@@ -457,9 +458,10 @@ class Resumer:
 
 def _node_local_world(folder: Path, saved: int) -> str:
     return (
-        f"--resume_from_checkpoint: {folder} was saved by {saved} ranks on node-local storage, this run has "
-        f"{dist.world_size()}; resuming it on another world size needs every node's files in one folder (copy "
-        "them together, then resume from that folder on shared storage); nothing was changed"
+        f"--resume_from_checkpoint: {folder} was saved by {saved} ranks on node-local storage, "
+        f"this run has {dist.world_size()}; resuming it on another world size needs every "
+        "node's files in one folder (copy them together, then resume from that folder on "
+        "shared storage); nothing was changed"
     )
 
 

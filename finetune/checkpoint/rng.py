@@ -27,7 +27,8 @@ def _device_accelerator():
 
 
 def rng_state() -> dict:
-    """This rank's RNG streams, as tensors/plain types so `torch.load(weights_only=True)` reads them."""
+    """This rank's RNG streams, as tensors/plain types so
+    `torch.load(weights_only=True)` reads them."""
     py = random.getstate()
     np_state = np.random.get_state()
     state = {
@@ -79,7 +80,8 @@ def set_rng_state(state: dict) -> None:
             acc.set_rng_state(saved_all[index])
         else:
             logger.warning(
-                "this checkpoint's RNG state has %d GPU generator(s); device %d keeps its seeded one",
+                "this checkpoint's RNG state has %d GPU generator(s); "
+                "device %d keeps its seeded one",
                 len(saved_all),
                 index,
             )

@@ -2,8 +2,9 @@
 and the --on_save_error policy, apart from how a save is made (manager.py).
 
 A mixin of CheckpointManager: it uses the manager's ``save``, ``wait``, ``poll``, ``retain``,
-``ensure_lease``, ``finish_deletions`` and its state (``ckpt``, ``pending``, ``committed_step``, ``head``, ``storage``, ``leader``, ``out``).
-Every method is collective: every rank calls it at the same boundary, with the same arguments.
+``ensure_lease``, ``finish_deletions`` and its state (``ckpt``, ``pending``, ``committed_step``,
+``head``, ``storage``, ``leader``, ``out``). Every method is collective: every rank calls it at the
+same boundary, with the same arguments.
 """
 
 from __future__ import annotations

@@ -58,7 +58,8 @@ class ShardPlan:
         return len(self.filename_to_tensors) > 1
 
     def write_index(self, folder: Path) -> dict[str, tuple[int, str]]:
-        """model.safetensors.index.json beside the shards when there are several: {name: (size, checksum)}."""
+        """model.safetensors.index.json beside the shards when there are several:
+        {name: (size, checksum)}."""
         if not self.is_sharded:
             return {}
         index = {"metadata": {"total_size": self.total_size}, "weight_map": self.tensor_to_filename}
@@ -109,7 +110,8 @@ def plan_shards(
 
 
 def read_header(path: Path) -> dict:
-    """A safetensors file's JSON header: {"__metadata__": {...}, name: {"dtype", "shape", "data_offsets"}}."""
+    """A safetensors file's JSON header: {"__metadata__": {...}, name: {"dtype", "shape",
+    "data_offsets"}}."""
     with open(path, "rb") as f:
         return json.loads(f.read(int.from_bytes(f.read(8), "little")))
 
@@ -154,7 +156,8 @@ class ShardWriter:
     def write(self, name: str, tensor: torch.Tensor) -> None:
         if name in self.meta and tuple(tensor.shape) != tuple(self.meta[name].shape):
             raise ConsolidationError(
-                f"{name}: gathered shape {tuple(tensor.shape)}, planned {tuple(self.meta[name].shape)}"
+                f"{name}: gathered shape {tuple(tensor.shape)}, planned "
+                f"{tuple(self.meta[name].shape)}"
             )
         self.begin(name)
         self.append(tensor)
@@ -185,7 +188,8 @@ class ShardWriter:
 
     def append(self, piece: torch.Tensor) -> None:
         """The next elements of the current tensor, in flattened order."""
-        # To CPU first: a received or gathered piece may be on the GPU, and the cast needs no GPU memory there.
+        # To CPU first: a received or gathered piece may be on the GPU, and the cast needs no GPU
+        # memory there.
         data = (
             piece.detach()
             .reshape(-1)
@@ -196,16 +200,16 @@ class ShardWriter:
         raw = data.view(torch.uint8).numpy()
         half = len(raw) // 2
         self.writer.write(raw[:half])
-        fault_point(
-            "save.consolidated_append", self.step
-        )  # mid-tensor: half of this piece is written
+        # mid-tensor: half of this piece is written
+        fault_point("save.consolidated_append", self.step)
         self.writer.write(raw[half:])
         self.appended += data.numel()
 
     def end(self, name: str, numel: int) -> None:
         if not self.appended == numel == self.meta[name].numel():
             raise ConsolidationError(
-                f"{name}: wrote {self.appended} of {numel} elements, planned {self.meta[name].numel()}"
+                f"{name}: wrote {self.appended} of {numel} elements, "
+                f"planned {self.meta[name].numel()}"
             )
         self.pos += 1
 
@@ -226,7 +230,8 @@ class ShardWriter:
         if self.file is not None:
             file, self.file = self.file, None
             try:
-                file.close()  # the buffered bytes are flushed once more and fail; the descriptor is closed anyway
+                # the buffered bytes are flushed once more and fail; the descriptor is closed anyway
+                file.close()
             except OSError:
                 pass
         for path in self.created:

@@ -21,7 +21,8 @@ TRAINER_STATE = "trainer_state.json"
 
 @dataclass
 class LogWindow:
-    """Train metrics accumulated since the last logged step (state, so a resume logs identically)."""
+    """Train metrics accumulated since the last logged step (state, so a resume
+    logs identically)."""
 
     # A 0-dim tensor on the device while training (no host sync per micro-batch); a float in JSON.
     loss_sum: float | torch.Tensor = 0.0
@@ -31,9 +32,8 @@ class LogWindow:
     data_s: float = 0.0  # time the loop waited for its batches (what the prefetch did not hide)
     skipped_steps: int = 0  # optimizer steps DeepSpeed skipped (non-finite gradients)
     lr: float | None = None  # the learning rate of the window's last step (its row's "lr")
-    grad_norm: float | None = (
-        None  # set when saved: the last step's, for a row logged before any new step
-    )
+    # set when saved: the last step's, for a row logged before any new step
+    grad_norm: float | None = None
 
     def state_dict(self) -> dict:
         sd = {f.name: getattr(self, f.name) for f in fields(self)}
@@ -70,9 +70,8 @@ class TrainingState:
     epoch: float = 0.0
     samples_seen: int = 0
     tokens_seen: int = 0
-    skipped_steps: int = (
-        0  # optimizer steps DeepSpeed skipped in this run's line (their batches were consumed)
-    )
+    # optimizer steps DeepSpeed skipped in this run's line (their batches were consumed)
+    skipped_steps: int = 0
     sampler: dict = field(default_factory=dict)
     window: LogWindow = field(default_factory=LogWindow)
     last_losses: list = field(default_factory=list)

@@ -72,9 +72,8 @@ def to_universal(folder: Path, target: Path, cancel: threading.Event | None = No
     (what it finished is kept). Raises RuntimeError naming DeepSpeed's last line on failure; a rank
     file naming a class off the allow-list raises ``safe_load.UnsafePickle`` first. Returns the
     converter's summary (pieces done now and before)."""
-    for path in sorted(
-        folder.glob("*_states.pt")
-    ):  # what it reads: refused here, one line, naming the class
+    # what it reads: refused here, one line, naming the class
+    for path in sorted(folder.glob("*_states.pt")):
         safe_load.check_globals(path)
     tmp = target.with_name(f"{target.name}.tmp")
     cmd = [
@@ -132,9 +131,9 @@ def to_universal(folder: Path, target: Path, cancel: threading.Event | None = No
             f"DeepSpeed's ds_to_universal failed on {folder} (exit {proc.returncode}): "
             f"{last[-1] if last else 'no output'}"
         )
-    # The manifest from what each piece hashed as it finished (nothing is read back here: at 70B that
-    # would be ~1 TB on one rank, in a window no preemption waits for); the markers go only after
-    # the rename, so an interruption up to there leaves every piece done.
+    # The manifest from what each piece hashed as it finished (nothing is read back here: at 70B
+    # that would be ~1 TB on one rank, in a window no preemption waits for); the markers go only
+    # after the rename, so an interruption up to there leaves every piece done.
     write_universal_manifest(tmp, (read_manifest(folder) or {}).get("save_id"), piece_hashes(tmp))
     os.replace(tmp, target)
     fsync_path(target.parent)
@@ -144,15 +143,17 @@ def to_universal(folder: Path, target: Path, cancel: threading.Event | None = No
     )
 
 
-# The child ignores the preemption signals and dies with its parent from its first instructions (the
-# parent decides when a preemption stops it, and kills it; a parent killed while the child imports
-# must not leave it converting beside the next run's), then runs main() with every torch.load restricted.
+# The child ignores the preemption signals and dies with its parent from its first
+# instructions (the parent decides when a preemption stops it, and kills it; a parent killed
+# while the child imports must not leave it converting beside the next run's), then runs
+# main() with every torch.load restricted.
 _CHILD = (
     "import ctypes, os, signal, sys\n"
     "for s in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT): signal.signal(s, signal.SIG_IGN)\n"
     "try:\n    ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG\n"
     "except (OSError, AttributeError):\n    pass\n"
-    "if os.getppid() != int(sys.argv[1]):\n    os._exit(1)  # the parent died before the line above\n"
+    "if os.getppid() != int(sys.argv[1]):\n"
+    "    os._exit(1)  # the parent died before the line above\n"
     "from finetune.offline.safe_load import run_module\n"
     "run_module(sys.argv[2], sys.argv[3:])\n"
 )
@@ -208,14 +209,15 @@ def verify_universal(
     checksums: bool = True,
     cancel: threading.Event | None = None,
 ) -> list[str]:
-    """Problems of a universal conversion against its manifest (empty: reusable). ``cancel``: checked
-    between files (a preemption stops a verification of hundreds of GB): Interrupted."""
+    """Problems of a universal conversion against its manifest (empty: reusable). ``cancel``:
+    checked between files (a preemption stops a verification of hundreds of GB): Interrupted."""
     manifest = read_manifest(target)
     if manifest is None:
         return [f"{MANIFEST} missing or unreadable (an interrupted or foreign conversion)"]
     if manifest.get("source_save_id") != source_save_id:
         return [
-            f"converted from save {manifest.get('source_save_id')}, the checkpoint is save {source_save_id}"
+            f"converted from save {manifest.get('source_save_id')}, the "
+            f"checkpoint is save {source_save_id}"
         ]
     problems = []
     for name, meta in manifest.get("files", {}).items():
@@ -297,7 +299,8 @@ def _piece(kind: str, arg) -> float:
 
 def _run_pieces(todo: list[tuple[str, object]], workers: int) -> list[float]:
     """Pieces in ``workers`` forked processes (in this one when 1): their seconds. Each marks itself
-    done; a failure in any (an injected kill included) fails the conversion, the others' marks kept."""
+    done; a failure in any (an injected kill included) fails the conversion, the
+    others' marks kept."""
     if workers <= 1 or len(todo) <= 1:
         return [_piece(kind, arg) for kind, arg in todo]
     import multiprocessing
@@ -312,7 +315,8 @@ def _run_pieces(todo: list[tuple[str, object]], workers: int) -> list[float]:
 
 def convert(folder: Path, out: Path, source: str) -> None:
     """The ZeRO-3 conversion of ``folder`` into ``out``, piece by piece (see the module doc); the
-    pieces of each phase in parallel, as many as DeepSpeed's own conversion would (min(4, cores))."""
+    pieces of each phase in parallel, as many as DeepSpeed's own conversion
+    would (min(4, cores))."""
     import deepspeed.checkpoint.ds_to_universal as ds
 
     if not _can_split(ds, folder):
@@ -364,8 +368,8 @@ def convert(folder: Path, out: Path, source: str) -> None:
     shutil.rmtree(out / "tmp", ignore_errors=True)
     total = dp + len(shapes) + 1
     print(
-        f"converted {folder.name}: {len(took)} of {total} pieces now, {total - len(took)} done before; the longest "
-        f"{max(took, default=0.0):.1f} s",
+        f"converted {folder.name}: {len(took)} of {total} pieces now, {total - len(took)} done "
+        f"before; the longest {max(took, default=0.0):.1f} s",
         flush=True,
     )
 
@@ -384,7 +388,8 @@ def _merge(ds, fragments: Path, zero: Path, name: str, shape, dp: int) -> None:
         ).numel()
         if got != want:
             raise RuntimeError(
-                f"{name}: merged {state} has {got} elements, the parameter {want} (a fragment missing?)"
+                f"{name}: merged {state} has {got} elements, the "
+                f"parameter {want} (a fragment missing?)"
             )
 
 
@@ -427,9 +432,8 @@ def _whole(ds, folder: Path, out: Path) -> None:
         workers,
     ]
     ds.main(ds.parse_arguments())
-    (out.parent / "latest_universal").unlink(
-        missing_ok=True
-    )  # DeepSpeed's pointer, beside the checkpoint
+    # DeepSpeed's pointer, beside the checkpoint
+    (out.parent / "latest_universal").unlink(missing_ok=True)
 
 
 def _safe(name: str) -> str:

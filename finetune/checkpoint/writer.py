@@ -10,8 +10,9 @@ copied into host memory (background.py) and written by ``start``'s thread with t
 
 Fault sites (faults.py): ``save.makedirs``, ``save.write_rank_files``, ``save.fsync``,
 ``save.recovery_script``, ``save.host_copy``, at the save's step (``save.write_rank_files`` and
-``save.fsync`` run on the background thread under --async_save). Test seam: ``FINETUNE_SLOW_SAVE=<seconds>`` sleeps
-after each file, so a test can act (send a signal, kill a rank) while a save is surely in flight.
+``save.fsync`` run on the background thread under --async_save). Test seam:
+``FINETUNE_SLOW_SAVE=<seconds>`` sleeps after each file, so a test can act (send a signal, kill a
+rank) while a save is surely in flight.
 """
 
 from __future__ import annotations
@@ -41,9 +42,8 @@ class SaveRecord:
     step: int | None
     error: str | None = None
     files: dict = field(default_factory=dict)  # {path relative to staging: (size, xxh3)}
-    cancelled: threading.Event = field(
-        default_factory=threading.Event
-    )  # set: stop at the next piece
+    # set: stop at the next piece
+    cancelled: threading.Event = field(default_factory=threading.Event)
     current: HashingWriter | None = None  # the file being written (its size: progress)
 
     def fail(self, path, e: BaseException) -> None:
@@ -52,7 +52,8 @@ class SaveRecord:
 
 
 class GuardedWriter:
-    """Wraps DeepSpeed's checkpoint engine: durable, checksummed writes; failures recorded, not raised."""
+    """Wraps DeepSpeed's checkpoint engine: durable, checksummed writes; failures
+    recorded, not raised."""
 
     def __init__(self, inner):
         self.inner = inner
@@ -123,7 +124,8 @@ class GuardedWriter:
         try:
             fault_point("save.makedirs", self.step)
             os.makedirs(path, exist_ok=exist_ok)
-        except Exception as e:  # noqa: BLE001 — recorded like a write: rank 0 calls this just before a barrier
+        except Exception as e:  # noqa: BLE001
+            # recorded like a write: rank 0 calls this just before a barrier
             self.fail(path, e)
 
     def save(self, state_dict, path) -> None:
@@ -185,5 +187,6 @@ class GuardedWriter:
         return guarded
 
     def fail(self, path, e: BaseException) -> None:
-        """Record that writing ``path`` failed (the save fails at its commit; nothing raises here)."""
+        """Record that writing ``path`` failed (the save fails at its commit;
+        nothing raises here)."""
         self.record.fail(path, e)

@@ -70,7 +70,8 @@ def prepare(cfg: RunConfig, tokenizer):
     reports = [r for r in dist.all_gather_object(report) if r is not None]
     built = [r for r in reports if r["built"]]
     how = (
-        f"cache miss: tokenized with {built[0]['num_proc']} process(es) in {built[0]['seconds']:.1f} s"
+        f"cache miss: tokenized with {built[0]['num_proc']} process(es) "
+        f"in {built[0]['seconds']:.1f} s"
         if built
         else "cache hit"
     )
@@ -144,7 +145,8 @@ def _data_identity(cfg: RunConfig) -> dict:
     files = dict(EMBEDDED_DATA) if not d.train_file else {"train": d.train_file}
     if d.validation_file:
         files["validation"] = d.validation_file
-    # The bytes, not the path or mtime: a file rewritten in place (or copied with its mtime) is new data.
+    # The bytes, not the path or mtime: a file rewritten in place (or
+    # copied with its mtime) is new data.
     return {split: hash_file(path) for split, path in sorted(files.items())}
 
 
@@ -290,8 +292,9 @@ def load(entry: Path):
 
 
 def _read_info(entry: Path) -> dict:
-    # On a network filesystem a folder another node just renamed into place may take a moment to show.
-    for attempt in range(20):
+    # On a network filesystem a folder another node just renamed into
+    # place may take a moment to show.
+    for _attempt in range(20):
         try:
             return json.loads((entry / INFO).read_text())
         except FileNotFoundError:

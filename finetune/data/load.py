@@ -170,8 +170,9 @@ def nothing_to_learn(args: DataArgs, tokenizer, raw, max_len: int) -> str:
     sample = raw.select(range(min(100, len(raw))))[:]
     if _BatchEncoder(tokenizer, fmt, 2**31)(sample)["input_ids"]:
         return (
-            f"--max_seq_length {max_len}: in every training example the prompt fills the first {max_len} tokens, "
-            f"leaving nothing to learn from ({source_flag(args)}); raise --max_seq_length"
+            f"--max_seq_length {max_len}: in every training example the prompt fills the "
+            f"first {max_len} tokens, leaving nothing to learn from "
+            f"({source_flag(args)}); raise --max_seq_length"
         )
     return f"{source_flag(args)}: no training example has a token to learn from ({fmt.empty_rows})"
 
@@ -226,7 +227,8 @@ def pack(ds, max_len: int, path: str | None = None, chunk_rows: int = 10_000):
             carry = {k: v[n * max_len :] for k, v in flat.items()}
     if blocks == 0:
         raise ConfigError(
-            f"--packing: the data has {tokens} tokens, fewer than one block of --max_seq_length {max_len}"
+            f"--packing: the data has {tokens} tokens, fewer than one "
+            f"block of --max_seq_length {max_len}"
         )
     return datasets.Dataset.from_file(path)
 

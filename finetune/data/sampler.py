@@ -95,8 +95,9 @@ class ResumableSampler:
     def load_state_dict(self, sd: dict) -> None:
         if sd["num_samples"] != self.num_samples or sd["seed"] != self.seed:
             raise ConfigError(
-                f"--resume_from_checkpoint: the data order differs from the checkpoint's "
-                f"({self.num_samples} samples, seed {self.seed} vs {sd['num_samples']}, {sd['seed']})"
+                "--resume_from_checkpoint: the data order differs from the "
+                f"checkpoint's ({self.num_samples} samples, seed {self.seed} vs "
+                f"{sd['num_samples']}, {sd['seed']})"
             )
         self.state = SamplerState(epoch=sd["epoch"], consumed=sd["consumed"])
 
@@ -126,19 +127,20 @@ class TrainData:
         self.steps_per_epoch = sampler.samples_per_rank() // (micro_batch * grad_accum)
         if self.steps_per_epoch == 0:
             raise ConfigError(
-                f"--per_device_train_batch_size: {len(dataset)} training examples are fewer than one "
-                f"step needs ({micro_batch} × {grad_accum} accumulation × {sampler.world_size} ranks)"
+                f"--per_device_train_batch_size: {len(dataset)} training examples are "
+                f"fewer than one step needs ({micro_batch} × {grad_accum} "
+                f"accumulation × {sampler.world_size} ranks)"
             )
-        # Pinning allocates through the thread's current CUDA device: make it this rank's, not GPU 0.
+        # Pinning allocates through the thread's current CUDA device:
+        # make it this rank's, not GPU 0.
         init = (
             (lambda d=torch.cuda.current_device(): torch.cuda.set_device(d)) if pin_memory else None
         )
         self._pool = (
             ThreadPoolExecutor(1, "finetune-prefetch", initializer=init) if prefetch else None
         )
-        self._ahead: tuple[SamplerState, Future] | None = (
-            None  # (the state it starts from, its result)
-        )
+        # (the state it starts from, its result)
+        self._ahead: tuple[SamplerState, Future] | None = None
 
     def _plan(self, state: SamplerState) -> tuple[SamplerState, list[int]]:
         per_rank = self.micro_batch * self.grad_accum
@@ -163,9 +165,8 @@ class TrainData:
         return after, batches
 
     def _rows(self, idx: list[int]) -> list[dict]:
-        getitems = getattr(
-            self.dataset, "__getitems__", None
-        )  # datasets: one Arrow take for all rows
+        # datasets: one Arrow take for all rows
+        getitems = getattr(self.dataset, "__getitems__", None)
         return getitems(idx) if getitems is not None else [self.dataset[i] for i in idx]
 
     def _submit(self, state: SamplerState) -> None:
@@ -210,7 +211,8 @@ class TrainData:
 
 
 def _injected_failure(rank: int, step: int) -> None:
-    """Test seam: ``FINETUNE_FAIL_BATCH=R:K`` fails rank R preparing optimizer step K of the first epoch."""
+    """Test seam: ``FINETUNE_FAIL_BATCH=R:K`` fails rank R preparing optimizer step K
+    of the first epoch."""
     if seams.value(seams.FAIL_BATCH) == f"{rank}:{step}":
         raise OSError(errno.EIO, f"injected by {seams.FAIL_BATCH} while preparing a batch")
 

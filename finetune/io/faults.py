@@ -38,51 +38,95 @@ HANG = "hang"  # not in KINDS: the sweep uses it only at sites it polls with a d
 SITES: dict[str, str] = {
     # start-up, before training
     "lease.acquire": "rank 0: taking OUT/.lease (agreed: run_agreed in trainer.run)",
-    "layout.probe": "the ranks that write a marker file to find who shares OUT (agreed: sharing.sharing_groups "
-    "/ leads_storage)",
+    "layout.probe": (
+        "the ranks that write a marker file to find who shares OUT (agreed: "
+        "sharing.sharing_groups / leads_storage)"
+    ),
     "layout.tidy": "leader: removing crashed saves' leftovers at start (agreed, then a warning)",
-    "manager.history": "leader: listing OUT's committed checkpoints for the commit order (agreed, at start)",
+    "manager.history": (
+        "leader: listing OUT's committed checkpoints for the commit order (agreed, at start)"
+    ),
     # save: check → snapshot → write → agree → commit → retain (step)
     "save.check_space": "leader: the free-space check before a save (step)",
     "save.snapshot": "every rank: capturing its RNG (leader: trainer_state) in memory (step)",
-    "save.clear_staging": "leader: removing a crashed save's staging folder of the same step (step)",
+    "save.clear_staging": (
+        "leader: removing a crashed save's staging folder of the same step (step)"
+    ),
     "save.makedirs": "the ranks DeepSpeed has create the staging folders (step)",
-    "save.host_copy": "every rank, --async_save: copying one of its state dicts into host memory (step)",
-    "save.write_rank_files": "every rank: opening and writing one of its checkpoint files (rank files, RNG); on the "
-    "background thread under --async_save (step)",
-    "save.fsync": "every rank: fsync of a checkpoint file it wrote; on the background thread under --async_save (step)",
-    "save.recovery_script": "rank 0: DeepSpeed copying zero_to_fp32.py into the staging root (step)",
+    "save.host_copy": (
+        "every rank, --async_save: copying one of its state dicts into host memory (step)"
+    ),
+    "save.write_rank_files": (
+        "every rank: opening and writing one of its checkpoint files (rank files, RNG); on the "
+        "background thread under --async_save (step)"
+    ),
+    "save.fsync": (
+        "every rank: fsync of a checkpoint file it wrote; on the background "
+        "thread under --async_save (step)"
+    ),
+    "save.recovery_script": (
+        "rank 0: DeepSpeed copying zero_to_fp32.py into the staging root (step)"
+    ),
     "save.shared_files": "leader: config, tokenizer and trainer_state.json into staging (step)",
-    "save.drop_staging": "leader: removing a failed save's staging folder (reached only after another failure) (step)",
+    "save.drop_staging": (
+        "leader: removing a failed save's staging folder (reached "
+        "only after another failure) (step)"
+    ),
     # the output dir's lease, re-read by rank 0 before a commit, a publish, retention and cleanups
-    "lease.check": "rank 0: re-reading OUT/.lease before a save, commit, publish, retention or cleanup (step)",
+    "lease.check": (
+        "rank 0: re-reading OUT/.lease before a save, commit, publish, retention or cleanup (step)"
+    ),
     # commit (leader): manifest into staging, agree, then rename + latest
     "commit.manifest": "leader: writing and fsyncing manifest.json into the staged folder (step)",
     "commit.rename": "leader: renaming the staged folder into place (step)",
     "commit.latest": "leader: replacing OUT/latest after the rename (step)",
     # retention
-    "retention.delete": "leader: deleting checkpoints beyond --save_total_limit after a commit (step)",
+    "retention.delete": (
+        "leader: deleting checkpoints beyond --save_total_limit after a commit (step)"
+    ),
     # resume
-    "resume.list": "rank 0 (each leader on node-local storage): listing OUT's checkpoints to resume from",
-    "resume.verify": "every rank: verifying its share of a candidate checkpoint (step: the candidate's)",
+    "resume.list": (
+        "rank 0 (each leader on node-local storage): listing OUT's checkpoints to resume from"
+    ),
+    "resume.verify": (
+        "every rank: verifying its share of a candidate checkpoint (step: the candidate's)"
+    ),
     "resume.read_state": "rank 0: reading the chosen checkpoint's trainer_state.json and manifest",
     "resume.set_aside": "leader: moving checkpoints of an abandoned timeline to OUT/.abandoned",
-    "resume.universal": "rank 0: converting a checkpoint of another world size to the universal format",
-    "resume.universal_piece": "rank 0's converter (a child process): before each piece of a universal conversion",
+    "resume.universal": (
+        "rank 0: converting a checkpoint of another world size to the universal format"
+    ),
+    "resume.universal_piece": (
+        "rank 0's converter (a child process): before each piece of a universal conversion"
+    ),
     "resume.load_rng": "every rank: restoring its RNG state after DeepSpeed's load",
     "resume.truncate_metrics": "rank 0: dropping metrics.jsonl rows past the resumed step",
-    "resume.finish_commit": "leader: a run resumed at its last step (already saved) pointing `latest` at it (step)",
+    "resume.finish_commit": (
+        "leader: a run resumed at its last step (already saved) pointing `latest` at it (step)"
+    ),
     # consolidated weights (--save_consolidated), inside the save's write step
-    "save.consolidated_gather": "every rank: its own part of the consolidated save (held until the gathers end) (step)",
-    "save.consolidated_write": "rank 0: a consolidated safetensors shard just opened, its header written (step)",
-    "save.consolidated_append": "rank 0: mid-tensor, half of a piece of a consolidated shard written (step)",
+    "save.consolidated_gather": (
+        "every rank: its own part of the consolidated save (held until the gathers end) (step)"
+    ),
+    "save.consolidated_write": (
+        "rank 0: a consolidated safetensors shard just opened, its header written (step)"
+    ),
+    "save.consolidated_append": (
+        "rank 0: mid-tensor, half of a piece of a consolidated shard written (step)"
+    ),
     "save.consolidated_close": "rank 0: flushing and fsyncing a finished consolidated shard (step)",
     # export (`finetune export`, one process)
-    "export.read_rank_file": "export: reading one of DeepSpeed's rank files (step: the checkpoint's)",
-    "export.write": "export: writing or copying a weights file into the export's staging folder (step)",
+    "export.read_rank_file": (
+        "export: reading one of DeepSpeed's rank files (step: the checkpoint's)"
+    ),
+    "export.write": (
+        "export: writing or copying a weights file into the export's staging folder (step)"
+    ),
     "export.publish": "export: renaming the finished staging folder to OUT (step)",
     # verification (resume's and `finetune verify`'s)
-    "verify.read_file": "any process verifying a checkpoint: reading one listed file (step: the checkpoint's)",
+    "verify.read_file": (
+        "any process verifying a checkpoint: reading one listed file (step: the checkpoint's)"
+    ),
 }
 
 

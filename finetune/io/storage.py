@@ -59,7 +59,8 @@ class Storage(Protocol):
         """A whole (small) file; None when it is missing."""
 
     def write_bytes(self, rel: str, data: bytes) -> None:
-        """Create or truncate a file with ``data``, durably (not atomically: see ``replace_bytes``)."""
+        """Create or truncate a file with ``data``, durably (not atomically: see
+        ``replace_bytes``)."""
 
     def replace_bytes(self, rel: str, data: bytes) -> None:
         """Replace a file atomically and durably: a reader sees the old content or the new."""

@@ -75,7 +75,8 @@ def export_hf(
     merge_lora: bool = False,
     base_model: str | None = None,
 ) -> ExportResult:
-    """Write a HF model folder at ``out`` from ``checkpoint`` (a checkpoint folder or an output dir).
+    """Write a HF model folder at ``out`` from ``checkpoint`` (a checkpoint
+    folder or an output dir).
 
     The weights are rebuilt from the rank files in ``dtype`` (default: the training dtype).
     Consolidated weights already in the checkpoint are copied instead when they are exactly what
@@ -90,7 +91,8 @@ def export_hf(
     lora = is_adapter_checkpoint(folder)
     if (merge_lora or base_model) and not lora:
         raise ConfigError(
-            f"`--merge_lora`/`--base_model`: {folder} is not a LoRA checkpoint (no adapter_config.json)"
+            f"`--merge_lora`/`--base_model`: {folder} is not a LoRA "
+            "checkpoint (no adapter_config.json)"
         )
     if lora:
         if exclude_frozen:
@@ -163,22 +165,23 @@ def _add(total: list, part: tuple[int, float]) -> None:
 def export_universal(
     checkpoint: str | os.PathLike, out: str | os.PathLike | None = None, verify: bool = True
 ) -> tuple[Path, str]:
-    """Convert ``checkpoint`` to DeepSpeed's universal format in ``out`` (default: CHECKPOINT/universal);
-    ``verify``: DeepSpeed's files are checked against the manifest first. Returns the folder and the
-    converter's summary (pieces done now and before, the longest piece)."""
+    """Convert ``checkpoint`` to DeepSpeed's universal format in ``out`` (default:
+    CHECKPOINT/universal); ``verify``: DeepSpeed's files are checked against the manifest
+    first. Returns the folder and the converter's summary (pieces done now and before,
+    the longest piece)."""
     folder = resolve_checkpoint(checkpoint)
     ZeroCheckpoint.check_files(folder)
     target = check_out(out if out is not None else folder / UNIVERSAL)
     if verify:  # every rank file ds_to_universal picks up (it globs the folder)
         verify_inputs(folder, sorted(p.name for p in folder.glob("*_states.pt")))
-    summary = to_universal(
-        folder, target
-    )  # resumes what an interrupted export --universal finished
+    # resumes what an interrupted export --universal finished
+    summary = to_universal(folder, target)
     return target, summary
 
 
 def resolve_checkpoint(path: str | os.PathLike) -> Path:
-    """The checkpoint folder ``path`` names (itself, or an output dir's newest); ConfigError if none."""
+    """The checkpoint folder ``path`` names (itself, or an output dir's newest);
+    ConfigError if none."""
     folder = find_checkpoint(path)
     if (
         folder is not None
@@ -259,9 +262,8 @@ def _copy_or_rebuild(
     )
     stored, weights_from = _stored_weights(folder, files) if files else (None, None)
     training = training_dtype(folder)
-    if not rank_model_files(
-        folder
-    ):  # nothing to rebuild from: copied as they are, or an error later
+    # nothing to rebuild from: copied as they are, or an error later
+    if not rank_model_files(folder):
         stored = stored or torch.float32
         want = want or stored
         return (files if as_saved and want == stored else []), want
@@ -318,9 +320,8 @@ def _write_hf(
         for fname, names in split.filename_to_tensors.items():
             fault_point("export.write", step_of(source.folder.name))
             with open(staging / fname, "wb") as f:
-                f.write(
-                    shard_header(names, meta, {SOURCE_KEY: FROM_MASTER})
-                )  # as a consolidated save records it
+                # as a consolidated save records it
+                f.write(shard_header(names, meta, {SOURCE_KEY: FROM_MASTER}))
                 for name in names:
                     bar.update(write_tensor(source, f, by_name[name], meta[name], buffers))
                 f.flush()
@@ -375,24 +376,24 @@ def main(argv: list[str]) -> int:
     p.add_argument(
         "--merge_lora",
         action="store_true",
-        help="A LoRA checkpoint (--use_peft): write the base model with "
-        "the adapters merged into its weights, a model folder that loads without peft (default: the "
-        "adapter folder, adapter_model.safetensors + adapter_config.json, for PeftModel.from_pretrained).",
+        help="A LoRA checkpoint (--use_peft): write the base model with the adapters merged into "
+        "its weights, a model folder that loads without peft (default: the adapter folder, "
+        "adapter_model.safetensors + adapter_config.json, for PeftModel.from_pretrained).",
     )
     p.add_argument(
         "--base_model",
         metavar="PATH_OR_HUB_ID",
         default=None,
-        help="With --merge_lora: the base model's "
-        "folder or hub id, if not where the run loaded it from (its weights must be the same: checked "
-        "against the fingerprint the checkpoint recorded).",
+        help="With --merge_lora: the base model's folder or hub id, if not where the "
+        "run loaded it from (its weights must be the same: checked against the "
+        "fingerprint the checkpoint recorded).",
     )
     p.add_argument(
         "--no_verify",
         action="store_true",
-        help="Don't check the files read against the checkpoint's "
-        "manifest.json first (sizes and checksums); needed for a checkpoint without one. The rank files "
-        "are unpickled with weights_only=True either way.",
+        help="Don't check the files read against the checkpoint's manifest.json first (sizes "
+        "and checksums); needed for a checkpoint without one. The rank files are unpickled "
+        "with weights_only=True either way.",
     )
     ns = p.parse_args(argv)
     if ns.universal:
@@ -404,8 +405,8 @@ def main(argv: list[str]) -> int:
             or ns.base_model
         ):
             raise ConfigError(
-                "`--universal` takes no `--dtype`, `--max_shard_size`, `--exclude_frozen_parameters`, "
-                "`--merge_lora` or `--base_model`"
+                "`--universal` takes no `--dtype`, `--max_shard_size`, "
+                "`--exclude_frozen_parameters`, `--merge_lora` or `--base_model`"
             )
         start = time.perf_counter()
         target, summary = export_universal(ns.checkpoint, ns.out, verify=not ns.no_verify)
@@ -429,9 +430,8 @@ def main(argv: list[str]) -> int:
             merge_lora=ns.merge_lora,
             base_model=ns.base_model,
         )
-    except (
-        OSError
-    ) as e:  # a full disk, an I/O error: the staging folder is gone, OUT was never created
+    except OSError as e:
+        # a full disk, an I/O error: the staging folder is gone, OUT was never created
         print(f"finetune: error: export failed, {ns.out} was not written: {e}", file=sys.stderr)
         return 1
     print(result.summary())

@@ -73,7 +73,8 @@ def export_lora(
     verify: bool,
     progress: bool,
 ) -> ExportResult:
-    """The adapter folder of LoRA checkpoint ``folder`` at ``out`` (or, ``merge``, the merged model)."""
+    """The adapter folder of LoRA checkpoint ``folder`` at ``out`` (or, ``merge``,
+    the merged model)."""
     start = time.perf_counter()
     out = check_out(out)
     if not merge and (max_shard_size or base_model):
@@ -81,7 +82,8 @@ def export_lora(
             "`--max_shard_size` and `--base_model` go with `--merge_lora` (an adapter is one file)"
         )
     verified = None
-    if verify:  # every file read below, before any of it is read (what export.py checks, and the rank files)
+    # every file read below, before any of it is read (what export.py checks, and the rank files)
+    if verify:
         models, optims = ZeroCheckpoint.check_files(folder)
         verified = verify_inputs(folder, plain_inputs(folder) + [p.name for p in models + optims])
     state = _trainer_state(folder)
@@ -106,9 +108,8 @@ def export_lora(
             )
             files += copy_model_files(folder, staging, want, read_config(folder))
             files = [f for f in files if f != ADAPTER_CONFIG]
-            (staging / ADAPTER_CONFIG).unlink(
-                missing_ok=True
-            )  # a plain model: nothing for peft to find
+            # a plain model: nothing for peft to find
+            (staging / ADAPTER_CONFIG).unlink(missing_ok=True)
         else:
             tensors, size, files = _write_adapter(source, adapters, staging, want)
             for p in model_files(folder):
@@ -211,17 +212,18 @@ def _write_adapter(source: ZeroCheckpoint, adapters: dict, staging: Path, dtype:
 
 
 def _base_folder(folder: Path, state: dict, override: str | None) -> Path:
-    """Where the base model's safetensors are: ``--base_model``, else where the run loaded it; checked
-    against the fingerprint the checkpoint recorded."""
+    """Where the base model's safetensors are: ``--base_model``, else where the run loaded it;
+    checked against the fingerprint the checkpoint recorded."""
     recorded = state.get(BASE_KEY)
     if not recorded:
         raise ConfigError(
-            f"{folder}: trainer_state.json records no base model (not a LoRA checkpoint of finetune's)"
+            f"{folder}: trainer_state.json records no base model (not a "
+            "LoRA checkpoint of finetune's)"
         )
     if recorded.get("kind") != "pretrained":
         raise ConfigError(
-            f"--merge_lora: {folder}'s base was {describe_base(recorded)}, weights that were never saved; "
-            "export the adapters without --merge_lora"
+            f"--merge_lora: {folder}'s base was {describe_base(recorded)}, weights that were "
+            "never saved; export the adapters without --merge_lora"
         )
     name = override or recorded["source"]
     base_dir, revision = weights_folder(name)
@@ -233,13 +235,15 @@ def _base_folder(folder: Path, state: dict, override: str | None) -> Path:
         )
     if not any(base_dir.glob("*.safetensors")):
         raise ConfigError(
-            f"{base_dir}: no safetensors weights (--merge_lora streams the base's safetensors shards)"
+            f"{base_dir}: no safetensors weights (--merge_lora streams "
+            "the base's safetensors shards)"
         )
     now = {"source": name, "revision": revision, "fingerprint": fingerprint(base_dir)}
     if not same_base(recorded, now):
         raise ConfigError(
-            f"--merge_lora: {folder}'s adapters were trained on {describe_base(recorded)}, {base_dir} holds "
-            f"{describe_base(now)}: another base model; give the base they were trained on with --base_model"
+            f"--merge_lora: {folder}'s adapters were trained on {describe_base(recorded)}, "
+            f"{base_dir} holds {describe_base(now)}: another base model; give the base they "
+            "were trained on with --base_model"
         )
     return base_dir
 
@@ -259,7 +263,8 @@ def _base_files(base_dir: Path) -> list[str]:
 
 
 class _Delta:
-    """One adapted module's LoRA factors, read whole from the rank files (r rows or columns each)."""
+    """One adapted module's LoRA factors, read whole from the rank files (r rows
+    or columns each)."""
 
     def __init__(self, a: torch.Tensor, b: torch.Tensor, scaling: float, transposed: bool):
         self.a, self.b, self.scaling, self.transposed = a, b, scaling, transposed
@@ -272,9 +277,8 @@ class _Delta:
 
     def rows(self, lo: int, hi: int) -> torch.Tensor:
         """Rows [lo, hi) of the delta to add to the base weight, in fp32."""
-        if (
-            self.transposed
-        ):  # W is (in, out) (Conv1D) or (vocab, dim) (embedding): delta = (B @ A).T
+        # W is (in, out) (Conv1D) or (vocab, dim) (embedding): delta = (B @ A).T
+        if self.transposed:
             return (self.b @ self.a[:, lo:hi]).T * self.scaling
         return (self.b[lo:hi] @ self.a) * self.scaling
 
@@ -302,9 +306,8 @@ def _plan_merge(base_dir: Path, adapters: dict, config: dict):
     plan: dict[str, tuple] = {}
     prefix = "base_model.model."
     for key in adapters:
-        rest = key.removeprefix(
-            prefix
-        )  # peft's keys: X.lora_A.weight, X.lora_embedding_A, or X.weight
+        # peft's keys: X.lora_A.weight, X.lora_embedding_A, or X.weight
+        rest = key.removeprefix(prefix)
         if ".lora_B." in rest or rest.endswith(".lora_embedding_B"):
             continue  # taken with its A
         if ".lora_A." in rest:
@@ -325,7 +328,8 @@ def _plan_merge(base_dir: Path, adapters: dict, config: dict):
 
 
 def _match(name: str, keys: set[str]) -> str:
-    """The base file's key for a module path's tensor (checkpoints may drop the base model prefix)."""
+    """The base file's key for a module path's tensor (checkpoints may drop the
+    base model prefix)."""
     if name in keys:
         return name
     shorter = name.split(".", 1)[1] if "." in name else name
@@ -337,11 +341,11 @@ def _match(name: str, keys: set[str]) -> str:
 
 
 def _dtype_of(name: str, key: str, fname: str) -> torch.dtype:
-    if (
-        name not in SAFE_TO_DTYPE
-    ):  # fp8, packed quantized weights: merging into them is not this export's
+    # fp8, packed quantized weights: merging into them is not this export's
+    if name not in SAFE_TO_DTYPE:
         raise ConfigError(
-            f"--merge_lora: {fname}'s {key} is {name}, which this merge can't write (a quantized base?)"
+            f"--merge_lora: {fname}'s {key} is {name}, which this merge "
+            "can't write (a quantized base?)"
         )
     return SAFE_TO_DTYPE[name]
 
@@ -413,15 +417,15 @@ def _write_merged(
 def _write_merged_tensor(
     f, handle, key: str, out: torch.Tensor, how: tuple | None, source, adapters
 ) -> int:
-    """One output tensor: the base's rows, plus the delta's (or the trained copy), cast and appended."""
-    if (
-        how is not None and how[0] == "replace"
-    ):  # streamed from the rank files, like any exported tensor
+    """One output tensor: the base's rows, plus the delta's (or the trained copy),
+    cast and appended."""
+    # streamed from the rank files, like any exported tensor
+    if how is not None and how[0] == "replace":
         entry = adapters[how[1]]
         if tuple(entry.shape) != tuple(out.shape):
             raise ConfigError(
-                f"--merge_lora: {key} is {tuple(out.shape)} in the base, {tuple(entry.shape)} in the "
-                "checkpoint's modules_to_save"
+                f"--merge_lora: {key} is {tuple(out.shape)} in the base, {tuple(entry.shape)} in "
+                "the checkpoint's modules_to_save"
             )
         return write_tensor(source, f, entry, out, {})
     delta = None
@@ -434,9 +438,8 @@ def _write_merged_tensor(
             transposed,
         )
         shape = delta.shape
-        if shape != tuple(
-            out.shape
-        ):  # a wrong transpose (fan_in_fan_out) or a base other than the adapters'
+        # a wrong transpose (fan_in_fan_out) or a base other than the adapters'
+        if shape != tuple(out.shape):
             raise ConfigError(
                 f"--merge_lora: the adapters' delta for {key} is {shape}, the base's weight "
                 f"{tuple(out.shape)}"

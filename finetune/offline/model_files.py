@@ -57,12 +57,10 @@ class ExportResult:
     seconds: float
     peak_rss: int  # bytes, this process's high-water mark
     copied: bool  # consolidated weights copied rather than rebuilt
-    verified: tuple[int, float] | None = (
-        None  # (bytes, seconds) checked against the manifest; None: not
-    )
-    how: str | None = (
-        None  # what was written, when not the model's weights (a LoRA checkpoint's export)
-    )
+    # (bytes, seconds) checked against the manifest; None: not
+    verified: tuple[int, float] | None = None
+    # what was written, when not the model's weights (a LoRA checkpoint's export)
+    how: str | None = None
 
     def summary(self) -> str:
         how = self.how or (
@@ -75,9 +73,9 @@ class ExportResult:
             else "unverified: --no_verify"
         )
         return (
-            f"Exported {self.folder} to {self.out} ({how}): {self.tensors} tensors, {self.bytes / 1e6:.1f} MB "
-            f"{HF_DTYPE_NAMES[self.dtype]} in {shards} shard(s), {self.seconds:.2f} s, {checked}, "
-            f"peak RSS {self.peak_rss / 1e6:.0f} MB"
+            f"Exported {self.folder} to {self.out} ({how}): {self.tensors} tensors, "
+            f"{self.bytes / 1e6:.1f} MB {HF_DTYPE_NAMES[self.dtype]} in {shards} shard(s), "
+            f"{self.seconds:.2f} s, {checked}, peak RSS {self.peak_rss / 1e6:.0f} MB"
         )
 
 

@@ -193,9 +193,8 @@ def run_module(module: str, argv: list[str]) -> None:
     import runpy
     import sys
 
-    multiprocessing.set_start_method(
-        "fork", force=True
-    )  # a spawned worker would import torch.load afresh
+    # a spawned worker would import torch.load afresh
+    multiprocessing.set_start_method("fork", force=True)
     torch.load = _restricted_torch_load
     sys.argv = [module, *argv]
     runpy.run_module(module, run_name="__main__", alter_sys=True)

@@ -36,8 +36,8 @@ def notes(out: Path) -> list[str]:
     found = committed(storage)
     names = {c.tag for c in found}
     lines = [
-        f"{t}: no readable manifest.json, so not a committed checkpoint (damage, or a save or copy that "
-        "never finished); resume ignores it"
+        f"{t}: no readable manifest.json, so not a committed checkpoint (damage, or a save or "
+        "copy that never finished); resume ignores it"
         for t in storage.tags()
         if t not in names
     ]
@@ -69,8 +69,8 @@ def _latest(out: Path, newest: str | None, names: set[str]) -> list[str]:
         ]
     if tag != newest:
         return [
-            f"{LATEST}: names {tag}, but the newest committed checkpoint is {newest} (a crash between a "
-            f"commit and its update); {why}"
+            f"{LATEST}: names {tag}, but the newest committed checkpoint is {newest} (a crash "
+            f"between a commit and its update); {why}"
         ]
     return []
 
@@ -80,7 +80,8 @@ def _metrics(path: Path) -> list[str]:
         return []
     if not path.is_file():
         return [
-            f"{METRICS}: not a file; remove it (a run cannot log to it, and a resume fails reading it)"
+            f"{METRICS}: not a file; remove it (a run cannot log to it, "
+            "and a resume fails reading it)"
         ]
     try:
         text = path.read_text(errors="replace")
@@ -91,7 +92,8 @@ def _metrics(path: Path) -> list[str]:
         return []
     shown = ", ".join(map(str, torn[:5])) + (", …" if len(torn) > 5 else "")
     return [
-        f"{METRICS}: {len(torn)} torn line(s) (line {shown}; a crash mid-append); dropped at the next resume"
+        f"{METRICS}: {len(torn)} torn line(s) (line {shown}; a crash "
+        "mid-append); dropped at the next resume"
     ]
 
 
@@ -113,8 +115,8 @@ def main(argv: list[str]) -> int:
     )
     p.add_argument(
         "checkpoint",
-        help="A checkpoint folder, or an output dir (its newest committed checkpoint is "
-        "checked, and the rest of the dir is looked over: uncommitted folders, `latest`, leftovers of "
+        help="A checkpoint folder, or an output dir (its newest committed checkpoint is checked, "
+        "and the rest of the dir is looked over: uncommitted folders, `latest`, leftovers of "
         "crashed saves, torn metrics lines; reported as notes).",
     )
     p.add_argument("--quick", action="store_true", help="Check file sizes only, not checksums.")
@@ -125,9 +127,8 @@ def main(argv: list[str]) -> int:
         raise ConfigError(
             f"{ns.checkpoint}: not a checkpoint (no manifest.json or DeepSpeed files)"
         )
-    if (
-        report.ok and not ns.quick
-    ):  # intact; would resume and export unpickle it? (reads the pickles' opcodes)
+    # intact; would resume and export unpickle it? (reads the pickles' opcodes)
+    if report.ok and not ns.quick:
         report.problems += refusals(folder, stored_ranks(read_manifest(folder) or {}))
     if report.ok:  # a LoRA checkpoint: are its adapters all there? (headers and shapes only)
         report.problems += verify_adapter(folder, read_manifest(folder))

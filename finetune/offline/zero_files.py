@@ -1,4 +1,5 @@
-"""Reading a ZeRO-3 checkpoint's rank files without DeepSpeed, torch.distributed or the original ranks.
+"""Reading a ZeRO-3 checkpoint's rank files without DeepSpeed, torch.distributed
+or the original ranks.
 
 What the rank files hold (the format DeepSpeed's zero_to_fp32.py reads too):
 
@@ -88,9 +89,8 @@ class _Pager:
 
     def __init__(self, path: Path, sample: torch.Tensor | None):
         found = sample is not None and sample.numel() > 0 and self._libc() is not None
-        self.span = (
-            _mapping_of(sample.data_ptr(), path) if found else None
-        )  # [start, end) of the file's mapping
+        # [start, end) of the file's mapping
+        self.span = _mapping_of(sample.data_ptr(), path) if found else None
         self.enabled = self.span is not None
 
     @classmethod
@@ -115,8 +115,8 @@ class _Pager:
 
 
 def _mapping_of(address: int, path: Path) -> tuple[int, int] | None:
-    """The span of the mapping of ``path`` that holds ``address``, or None when ``address`` is not in
-    one (then MADV_DONTNEED could lose data: it is never called)."""
+    """The span of the mapping of ``path`` that holds ``address``, or None when ``address`` is not
+    in one (then MADV_DONTNEED could lose data: it is never called)."""
     try:
         maps = Path("/proc/self/maps").read_text().splitlines()
     except OSError:
@@ -131,7 +131,8 @@ def _mapping_of(address: int, path: Path) -> tuple[int, int] | None:
 
 
 def _chunks(flat: torch.Tensor, pager: _Pager) -> Iterator[torch.Tensor]:
-    """Slices of a 1-D tensor of at most CHUNK_BYTES; each one's pages are released once consumed."""
+    """Slices of a 1-D tensor of at most CHUNK_BYTES; each one's pages are
+    released once consumed."""
     step = max(1, CHUNK_BYTES // max(flat.element_size(), 1))
     for i in range(0, flat.numel(), step):
         piece = flat[i : i + step]
@@ -191,7 +192,8 @@ class ZeroCheckpoint:
 
     @staticmethod
     def check_files(folder: Path) -> tuple[list[Path], list[Path]]:
-        """Every rank's model and optimizer states file, for the world size the checkpoint records."""
+        """Every rank's model and optimizer states file, for the world size the
+        checkpoint records."""
         found = rank_model_files(folder)
         if not found:
             raise ConfigError(
@@ -228,9 +230,8 @@ class ZeroCheckpoint:
             raise ConfigError(
                 f"{path}: written by {count} ranks, but the folder has {self.world} ranks' files"
             )
-        osd.pop(
-            "optimizer_state_dict", None
-        )  # Adam's moments: never needed (and never read: mapped)
+        # Adam's moments: never needed (and never read: mapped)
+        osd.pop("optimizer_state_dict", None)
 
     def _entries(self) -> list[_Entry]:
         """Every tensor to write, in the model's state-dict order; tied aliases left out."""
