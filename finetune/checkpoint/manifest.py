@@ -2,8 +2,8 @@
 presence marks completion.
 
 The checksum is xxh3-128 (xxhash ships with `datasets`): it runs at memory speed, so hashing while
-writing costs little, and it detects truncation and bit flips (sha256 would cost a second pass
-at a fraction of the speed).
+writing costs little, and it detects truncation and bit flips (sha256 runs at a fraction of
+that speed).
 """
 
 from __future__ import annotations
