@@ -1,6 +1,6 @@
 """Worker for bench/async_save.py: runs under `deepspeed --num_gpus 2`, prints one JSON line.
 
-Builds the model through finetune itself (``Trainer.build`` with ``--save_checkpoint --async_save``:
+Builds the model through finetune itself (``build_trainer`` with ``--save_checkpoint --async_save``:
 zero.Init, our DeepSpeed config), trains one step, then measures with its ``CheckpointManager``:
 
 (a) stall, ``--repeats`` times, interleaved: the wall time of
@@ -41,7 +41,13 @@ from checkpoint_save_worker import exit_now, folder_bytes, timed  # noqa: E402 â
 from finetune import distributed as dist
 from finetune.checkpoint.manager import CheckpointManager
 from finetune.cli import parse_train_args
-from finetune.trainer import Trainer
+
+try:  # build_trainer since issue 23; Trainer.build in the versions before (before/after runs)
+    from finetune.build import build_trainer
+except ImportError:
+    from finetune.trainer import Trainer
+
+    build_trainer = Trainer.build
 
 
 def async_api_missing() -> str | None:
@@ -122,7 +128,7 @@ def main() -> None:
         ]
     )
     dist.init(cfg.train.ddp_timeout)
-    trainer = Trainer.build(cfg)
+    trainer = build_trainer(cfg)
     engine, manager, state = trainer.engine, trainer.checkpoints, trainer.state
     engine.train()
     trainer.data.start()

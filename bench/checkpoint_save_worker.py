@@ -1,6 +1,6 @@
 """Worker for bench/checkpoint_save.py: runs under `deepspeed --num_gpus 2`, prints one JSON line.
 
-Builds a ~134M-parameter Llama through finetune itself (Trainer.build: zero.Init, our DeepSpeed
+Builds a ~134M-parameter Llama through finetune itself (build_trainer: zero.Init, our DeepSpeed
 config), trains one step, then measures, `--repeats` times, interleaved:
   ours      CheckpointManager.save: DeepSpeed's rank files + our files + manifest + commit protocol
   raw       each rank writes the same number of bytes as its share of our checkpoint into the same
@@ -31,7 +31,13 @@ import torch
 from finetune import distributed as dist
 from finetune.checkpoint.consolidate import save_consolidated
 from finetune.cli import parse_train_args
-from finetune.trainer import Trainer
+
+try:  # build_trainer since issue 23; Trainer.build in the versions before (before/after runs)
+    from finetune.build import build_trainer
+except ImportError:
+    from finetune.trainer import Trainer
+
+    build_trainer = Trainer.build
 
 CHUNK = 8 << 20
 
@@ -143,7 +149,7 @@ def main() -> None:
     out = Path(a.out)
     cfg = one_step_config(a)
     dist.init(cfg.train.ddp_timeout)
-    trainer = Trainer.build(cfg)
+    trainer = build_trainer(cfg)
     trainer._train_step()
     trainer.state.global_step = 1
     engine, manager = trainer.engine, trainer.checkpoints

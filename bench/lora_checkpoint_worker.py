@@ -1,6 +1,6 @@
 """Worker for bench/lora_checkpoint.py: runs under `deepspeed --num_gpus 2`, prints one JSON line.
 
-Builds bench/checkpoint_save.py's ~134M-parameter Llama through finetune itself (Trainer.build),
+Builds bench/checkpoint_save.py's ~134M-parameter Llama through finetune itself (build_trainer),
 full fine-tuning or, with ``--lora``, LoRA adapters on it (r 16 on every linear layer but the head,
 TRL's usual choice), trains one step, then times ``--repeats`` partitioned saves
 (CheckpointManager.save: DeepSpeed's rank files + ours + fsync + manifest + commit) and one
@@ -27,7 +27,13 @@ from finetune import distributed as dist
 from finetune.checkpoint.adapter import save_adapter
 from finetune.checkpoint.consolidate import save_consolidated
 from finetune.lora import trainable_parameters
-from finetune.trainer import Trainer
+
+try:  # build_trainer since issue 23; Trainer.build in the versions before (before/after runs)
+    from finetune.build import build_trainer
+except ImportError:
+    from finetune.trainer import Trainer
+
+    build_trainer = Trainer.build
 
 LORA = ["--use_peft", "--lora_r", "16", "--lora_alpha", "32", "--lora_target_modules", "all-linear"]
 
@@ -39,7 +45,7 @@ def main() -> None:
     out = Path(a.out)
     cfg = one_step_config(a, *(LORA if a.lora else []))
     dist.init(cfg.train.ddp_timeout)
-    trainer = Trainer.build(cfg)
+    trainer = build_trainer(cfg)
     trainer._train_step()
     engine, manager = trainer.engine, trainer.checkpoints
     saves = []

@@ -6,7 +6,7 @@ the world size?
 
 For each world size, one run of ``bench/state_memory_worker.py`` under ``deepspeed --num_gpus N``:
 the ~134M-parameter Llama of bench/checkpoint_save.py (hidden 768, 12 layers, vocab 32000, untied
-head, fp32) built through finetune's ``Trainer.build`` with the shipped ZeRO-3 config, one optimizer
+head, fp32) built through finetune's ``build_trainer`` with the shipped ZeRO-3 config, one optimizer
 step, then each rank sums the bytes of its parameter partitions, fp32 master partitions, Adam
 state and gradient partitions, each storage counted once (the worker's docstring has the details).
 Reported: the busiest rank's total at each size and the ratio between the last and first size

@@ -1,6 +1,6 @@
 """Worker for bench/state_memory.py: runs under `deepspeed --num_gpus N`, prints one JSON line.
 
-Builds the model through finetune itself (``Trainer.build``: zero.Init, the shipped ZeRO-3 config),
+Builds the model through finetune itself (``build_trainer``: zero.Init, the shipped ZeRO-3 config),
 trains one optimizer step (so Adam's state and the gradient partitions exist), then sums, on each
 rank, the bytes of what ZeRO-3 keeps of the model's training state:
 
@@ -29,7 +29,13 @@ from checkpoint_save_worker import exit_now  # noqa: E402 — this script's fold
 
 from finetune import distributed as dist
 from finetune.cli import parse_train_args
-from finetune.trainer import Trainer
+
+try:  # build_trainer since issue 23; Trainer.build in the versions before (before/after runs)
+    from finetune.build import build_trainer
+except ImportError:
+    from finetune.trainer import Trainer
+
+    build_trainer = Trainer.build
 
 
 class Storages:
@@ -112,7 +118,7 @@ def main() -> None:
         ]
     )
     dist.init(cfg.train.ddp_timeout)
-    trainer = Trainer.build(cfg)
+    trainer = build_trainer(cfg)
     trainer._train_step()
     mine = measure(trainer.engine)
     rows = dist.all_gather_object(mine)

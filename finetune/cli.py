@@ -136,7 +136,7 @@ def parse_train_args(argv: list[str]) -> RunConfig:
 def _train(argv: list[str]) -> int:
     cfg = parse_train_args(argv)
     console.quiet(level=cfg.train.log_level)  # a --config file's log_level, now that it is read
-    from finetune.trainer import run
+    from finetune.run import run
 
     return run(cfg)
 

@@ -5,47 +5,28 @@ from __future__ import annotations
 
 import logging
 import math
-import random
 import sys
 import time
-import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
-import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from finetune import __version__, run_config
 from finetune import distributed as dist
-from finetune.checkpoint.layout import Layout, tidy_storage
 from finetune.checkpoint.lease import LeaseLost, describe, holder
-from finetune.checkpoint.lease import acquire as acquire_lease
 from finetune.checkpoint.manager import CheckpointManager
-from finetune.checkpoint.outdir import OutputDir, tag_for
-from finetune.checkpoint.resume import Resumer
+from finetune.checkpoint.outdir import tag_for
 from finetune.checkpoint.state import TrainingState
-from finetune.config import ConfigError, RunConfig
-from finetune.data import IGNORE, ResumableSampler, TrainData, eval_batches
-from finetune.data.cache import prepare
+from finetune.config import RunConfig
+from finetune.data import IGNORE, TrainData, eval_batches
 from finetune.distributed import logger
-from finetune.ds_config import check_precision, finalize_ds_config, zero_stage
-from finetune.exit_status import EXIT_LEASE_LOST, clear_exit_status, write_exit_status
-from finetune.lora import BASE_KEY, base_identity, trainable_parameters
+from finetune.exit_status import EXIT_LEASE_LOST
 from finetune.metrics import MetricsWriter
-from finetune.modeling import (
-    DTYPES,
-    EMBEDDED_MODEL_DIR,
-    count_parameters,
-    load_model,
-    load_tokenizer,
-)
-from finetune.ops import ADAM_KEY, adam_impl, ensure_adam
 from finetune.plot import Plotter
-from finetune.preemption import EXIT_PREEMPTED, Preempted, Preemption, parse_signals
+from finetune.preemption import EXIT_PREEMPTED, Preemption
 from finetune.probe import maybe_probe
-from finetune.trackers import open_trackers, run_name
+from finetune.trackers import run_name
 
 # Skipped optimizer steps in a row that stop a run: more than fp16's dynamic scaling ever needs
 # (from the largest initial scale, 2**32, to 1 is 32 halvings plus its hysteresis; DeepSpeed itself
@@ -56,118 +37,6 @@ MAX_SKIPS_IN_A_ROW = 100
 # Why the loop stops before its last step: PREEMPTED, or an exit code (None: go on).
 PREEMPTED = "preempted"
 Stop = int | str | None
-
-
-def describe_holder(output_dir: str) -> str:
-    """Who holds OUT's lease now, for the message of a run that lost it."""
-    try:
-        info = holder(output_dir)
-    except OSError as e:
-        return f"its lease is unreadable: {e}"
-    return describe(info) if info else "its lease is gone"
-
-
-def run(cfg: RunConfig) -> int:
-    """Entry point for a training run; returns the process exit code."""
-    # Before anything slow: from here on a preemption signal is recorded, never fatal.
-    preemption = Preemption(parse_signals(cfg.ckpt.preempt_signals))
-    dist.init(cfg.train.ddp_timeout)
-    lease = None
-    try:
-        # One live run per --output_dir, before anything is written there (exit 2 naming the other).
-        out = Path(cfg.ckpt.output_dir)
-        run_id, created = dist.share_from(0, lambda: (uuid.uuid4().hex[:12], not out.exists()))
-        lease = dist.run_agreed(lambda: acquire_lease(out, run_id), on=dist.is_main())
-        try:
-            # bad input stops here, before anything is written
-            trainer = Trainer.build(cfg, preemption, run_id, lease)
-        except ConfigError:
-            raise  # OUT as it was, a previous run's exit_status.json included
-        except Preempted as e:
-            # during a long start-up step (a universal conversion): what it did is kept
-            dist.log_main(
-                logging.WARNING, "%s; exiting with %d so the job is requeued", e, EXIT_PREEMPTED
-            )
-            if dist.is_main() and not lease.lost:
-                write_exit_status(
-                    cfg.ckpt.output_dir,
-                    EXIT_PREEMPTED,
-                    {"reason": "preempted", "step": None, "during": "start-up", "error": str(e)},
-                )
-            dist.barrier()
-            return EXIT_PREEMPTED
-        except BaseException:
-            if dist.is_main():  # a crash must not leave a previous run's "75" behind
-                clear_exit_status(cfg.ckpt.output_dir)
-            raise
-        # rank 0's heartbeat's view
-        ours = (lambda: not lease.lost) if lease is not None else (lambda: True)
-        if dist.is_main() and ours():
-            write_exit_status(cfg.ckpt.output_dir, None, {"reason": "running"})
-            # what --config reruns
-            run_config.write_best_effort(cfg, cfg.ckpt.output_dir, __version__)
-        try:
-            code = trainer.train()
-        except BaseException as e:
-            # a crash (DeepSpeed's fp16 minimum-scale Exception, OOM): not "running"
-            if dist.is_main() and ours():
-                write_exit_status(
-                    cfg.ckpt.output_dir,
-                    1,
-                    {
-                        "reason": "failed",
-                        "error": dist.describe_error(e),
-                        "step": trainer.state.global_step,
-                    },
-                )
-            if ours():
-                trainer.close(1)
-            raise
-        finally:
-            trainer.data.close()
-        # Collective: the heartbeat may have learned after the last check that another run took
-        # OUT over (during the final eval, or in a run that never saves).
-        if trainer.lost_lease or dist.any_rank(not ours()):
-            # OUT belongs to the run that took the lease over: its exit_status.json, its events,
-            # its plot. Nothing of this run's end is written there.
-            if not trainer.lost_lease:
-                dist.log_main(
-                    logging.ERROR,
-                    "another run took over %s's lease during the run's last steps; "
-                    "stopping without writing anything more there (exit %d)",
-                    cfg.ckpt.output_dir,
-                    EXIT_LEASE_LOST,
-                )
-            return EXIT_LEASE_LOST
-        if dist.is_main():
-            write_exit_status(cfg.ckpt.output_dir, code, trainer.stop_note)
-        # Nobody exits before the file is written: under `srun --kill-on-bad-exit` the first rank
-        # to exit with 75 gets the others killed, and the file is how job scripts learn about 75.
-        dist.barrier()
-        # Last, and best-effort: the final plot and the trackers' finish (a wandb upload can take a
-        # while) come after the checkpoint and exit_status.json, so a preemption's grace time is
-        # never spent on them, and no rank waits for them in a collective.
-        trainer.close(code)
-        return code
-    finally:
-        if lease is not None:
-            lease.release()  # removes the lease only if it is still this run's
-            if created and dist.is_main() and not lease.lost:
-                _remove_if_empty(out)  # bad input: the lease was all this run wrote
-        dist.shutdown()
-
-
-def _remove_if_empty(folder: Path) -> None:
-    try:
-        folder.rmdir()
-    except OSError:
-        pass  # not empty: the run wrote something worth keeping
-
-
-def set_seed(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
 
 
 def _reraise(error: BaseException | None) -> None:
@@ -200,17 +69,13 @@ def _loss_scale(engine) -> float | None:
     return float(scale) if scale is not None else None
 
 
-def _param_groups(model, weight_decay: float) -> list[dict]:
-    """No weight decay on biases and norm weights (1-D); under ZeRO-3 the full shape is ds_shape."""
-    decay, no_decay = [], []
-    for _, p in model.named_parameters():
-        if not p.requires_grad:
-            continue
-        (decay if len(getattr(p, "ds_shape", p.shape)) >= 2 else no_decay).append(p)
-    return [
-        {"params": decay, "weight_decay": weight_decay},
-        {"params": no_decay, "weight_decay": 0.0},
-    ]
+def describe_holder(output_dir: str) -> str:
+    """Who holds OUT's lease now, for the message of a run that lost it."""
+    try:
+        info = holder(output_dir)
+    except OSError as e:
+        return f"its lease is unreadable: {e}"
+    return describe(info) if info else "its lease is gone"
 
 
 @dataclass
@@ -232,156 +97,6 @@ class Trainer:
     lease_lost: Callable[[], bool] = lambda: False
     lost_lease: bool = False  # training stopped for that: nothing more may be written into OUT
     t_window: float = 0.0  # when the log window began (tokens/s)
-
-    @classmethod
-    def build(
-        cls,
-        cfg: RunConfig,
-        preemption: Preemption | None = None,
-        run_id: str | None = None,
-        lease=None,
-    ) -> Trainer:
-        import deepspeed
-        from transformers import get_scheduler
-
-        t, start = cfg.train, time.perf_counter()
-        check_precision(t.precision)
-        set_seed(t.seed)
-        # Every rank loads its own copy; one that fails (a bad file on one node) fails them all.
-        tokenizer = dist.run_agreed(lambda: load_tokenizer(cfg.model))
-        train, evalset = prepare(cfg, tokenizer)
-        sampler = ResumableSampler(len(train), dist.world_size(), dist.rank(), t.seed)
-        data = TrainData(
-            train,
-            sampler,
-            t.per_device_train_batch_size,
-            t.gradient_accumulation_steps,
-            tokenizer.pad_token_id,
-            pin_memory=dist.device().type == "cuda",
-        )
-        total = t.max_steps or math.ceil(t.num_train_epochs * data.steps_per_epoch)
-        ds_config = finalize_ds_config(cfg.ds_config, total, t.warmup_steps, t.learning_rate)
-        storage = OutputDir(cfg.ckpt.output_dir)
-        layout = Layout.discover(storage, cfg.ds_config, cfg.ckpt.save_checkpoint)
-        tidy_storage(storage, layout)  # leftovers of crashed saves (this run holds OUT's lease)
-        # --use_peft: the base model's identity (rank 0 samples its weight files), recorded in every
-        # checkpoint; a resume refuses a checkpoint whose adapters were trained on another base.
-        base = (
-            dist.share_from(0, lambda: base_identity(cfg.model, t.seed, EMBEDDED_MODEL_DIR))
-            if cfg.model.use_peft
-            else None
-        )
-        signalled = (
-            (lambda: bool(preemption.received)) if preemption is not None else (lambda: False)
-        )
-        plan = Resumer(
-            cfg, storage, layout.node_local, layout.leader, base=base, signalled=signalled
-        ).plan_resume()
-        # Collective: FusedAdam / CPU Adam where every rank can load it, else torch_adam
-        # (finetune/ops.py); a checkpoint trained with torch_adam resumes with it.
-        ds_config = ensure_adam(
-            ds_config, saved=plan.saved.get(ADAM_KEY) if plan is not None else None
-        )
-        if plan is not None and plan.universal is not None:
-            ds_config["checkpoint"] = {**ds_config.get("checkpoint", {}), "load_universal": True}
-        run_id = run_id or uuid.uuid4().hex[:12]
-        # Collective: wandb starts on rank 0, and its failure (not logged in) stops every rank here,
-        # before the model loads.
-        trackers = open_trackers(cfg, run_id, resumed=plan is not None)
-        model = load_model(cfg.model, ds_config, t.precision, t.seed)
-        scheduler = None
-        if "scheduler" not in ds_config:
-            scheduler = lambda opt: get_scheduler(
-                t.lr_scheduler_type,
-                opt,
-                num_warmup_steps=t.warmup_steps,  # noqa: E731
-                num_training_steps=total,
-            )
-        optimizer = None
-        if "optimizer" not in ds_config:
-            optimizer = torch.optim.AdamW(
-                _param_groups(model, t.weight_decay),
-                lr=t.learning_rate,
-                betas=(t.adam_beta1, t.adam_beta2),
-                eps=t.adam_epsilon,
-            )
-        engine, *_ = deepspeed.initialize(
-            model=model,
-            optimizer=optimizer,
-            lr_scheduler=scheduler,
-            config=ds_config,
-            model_parameters=None if optimizer else _param_groups(model, t.weight_decay),
-        )
-        lora = (
-            f" ({trainable_parameters(engine.module):,} trainable: LoRA r={cfg.model.lora_r})"
-            if base
-            else ""
-        )
-        logger.info(
-            "model: %s parameters%s, %s; %d train / %s eval examples; %d steps (%d per "
-            "epoch), world size %d; ready in %.1fs",
-            f"{count_parameters(engine.module):,}",
-            lora,
-            t.precision,
-            len(train),
-            len(evalset) if evalset is not None else 0,
-            total,
-            data.steps_per_epoch,
-            dist.world_size(),
-            time.perf_counter() - start,
-        )
-        monitor = getattr(engine, "monitor", None)
-        state = TrainingState()
-        # rank 0 holds the lease
-        lost = (lambda: lease.lost) if lease is not None else (lambda: False)
-        run_info = {
-            "zero_stage": zero_stage(cfg.ds_config),
-            "dtype": t.precision,
-            ADAM_KEY: adam_impl(ds_config),
-            "args": cfg.to_json_dict(),
-            "lr_scheduler": "in DeepSpeed's model_states files (lr_scheduler key)",
-            BASE_KEY: base,
-        }
-        checkpoints = CheckpointManager(
-            storage,
-            cfg.ckpt,
-            layout,
-            engine=engine,
-            progress=state,
-            sampler=sampler,
-            tokenizer=tokenizer,
-            run_info=run_info,
-            run_id=run_id,
-            plan=plan,
-            adapters=base is not None,
-            consolidated_dtype=DTYPES[cfg.ckpt.consolidated_dtype or t.precision],
-            still_ours=(lambda: lease.check()) if lease is not None else (lambda: True),
-        )
-        # Rank 0 writes nothing more into OUT from the moment its
-        # heartbeat learns the lease is lost.
-        metrics = MetricsWriter(
-            cfg.ckpt.output_dir,
-            monitor,
-            run_id=checkpoints.run_id,
-            trackers=trackers,
-            may_write=lambda: not lost(),
-        )
-        checkpoints.on_event = metrics.event
-        plotter = Plotter(cfg.ckpt.output_dir) if cfg.train.plot and dist.is_main() else None
-        return cls(
-            cfg,
-            engine,
-            tokenizer,
-            data,
-            evalset,
-            total,
-            checkpoints,
-            metrics,
-            state,
-            preemption or Preemption(()),
-            plotter,
-            lease_lost=lost,
-        )
 
     # --- the loop --------------------------------------------------------------------------
 

@@ -17,6 +17,7 @@ import pytest
 import torch
 from torch.overrides import TorchFunctionMode
 
+import finetune.run as run_module
 import finetune.trainer as trainer_module
 from finetune.checkpoint.layout import Layout
 from finetune.checkpoint.manager import CheckpointManager
@@ -457,7 +458,7 @@ def test_evaluation_reads_the_device_once_and_pins_like_training(
         evalset=_rows(10),
         per_device_eval_batch_size=2,
     )
-    t.data.pin_memory = True  # what Trainer.build sets on CUDA
+    t.data.pin_memory = True  # what build_trainer sets on CUDA
     real, pinned = trainer_module.eval_batches, []
 
     def spy(*args, pin_memory=False):
@@ -489,7 +490,7 @@ def test_a_previous_exit_status_is_kept_on_bad_input_and_cleared_on_a_crash(
     def build(*args):
         raise ConfigError("--text_column: no such column") if error == "config" else error
 
-    monkeypatch.setattr(Trainer, "build", staticmethod(build))
+    monkeypatch.setattr(run_module, "build_trainer", build)
     with pytest.raises(ConfigError if error == "config" else ValueError):
-        trainer_module.run(cfg)
+        run_module.run(cfg)
     assert (out / EXIT_STATUS).exists() == kept

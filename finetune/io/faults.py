@@ -37,7 +37,7 @@ HANG = "hang"  # not in KINDS: the sweep uses it only at sites it polls with a d
 # rank with node-local checkpoints); "every rank": all of them. (step) = the site takes a step.
 SITES: dict[str, str] = {
     # start-up, before training
-    "lease.acquire": "rank 0: taking OUT/.lease (agreed: run_agreed in trainer.run)",
+    "lease.acquire": "rank 0: taking OUT/.lease (agreed: run_agreed in run.run)",
     "layout.probe": (
         "the ranks that write a marker file to find who shares OUT (agreed: "
         "sharing.sharing_groups / leads_storage)"

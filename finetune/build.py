@@ -1,0 +1,207 @@
+"""What a run builds before its loop, in order: the seed, the tokenizer and the tokenized data,
+the sampler, the model (partitioned from the start under ZeRO-3), the DeepSpeed engine, the
+resume plan and the checkpoint manager over OUT, the metrics and trackers: a ``Trainer``.
+
+Every step that can fail on one rank alone (a bad file on one node) is agreed, so bad input exits
+2 on every rank before anything is written into OUT.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+import uuid
+
+import numpy as np
+import torch
+
+from finetune import distributed as dist
+from finetune.checkpoint.layout import Layout, tidy_storage
+from finetune.checkpoint.manager import CheckpointManager
+from finetune.checkpoint.outdir import OutputDir
+from finetune.checkpoint.resume import Resumer
+from finetune.checkpoint.state import TrainingState
+from finetune.config import RunConfig
+from finetune.data import ResumableSampler, TrainData
+from finetune.data.cache import prepare
+from finetune.distributed import logger
+from finetune.ds_config import check_precision, finalize_ds_config, zero_stage
+from finetune.lora import BASE_KEY, base_identity, trainable_parameters
+from finetune.metrics import MetricsWriter
+from finetune.modeling import (
+    DTYPES,
+    EMBEDDED_MODEL_DIR,
+    count_parameters,
+    load_model,
+    load_tokenizer,
+)
+from finetune.ops import ADAM_KEY, adam_impl, ensure_adam
+from finetune.plot import Plotter
+from finetune.preemption import Preemption
+from finetune.trackers import open_trackers
+from finetune.trainer import Trainer
+
+
+def build_trainer(
+    cfg: RunConfig,
+    preemption: Preemption | None = None,
+    run_id: str | None = None,
+    lease=None,
+) -> Trainer:
+    import deepspeed
+    from transformers import get_scheduler
+
+    t, start = cfg.train, time.perf_counter()
+    check_precision(t.precision)
+    set_seed(t.seed)
+    # Every rank loads its own copy; one that fails (a bad file on one node) fails them all.
+    tokenizer = dist.run_agreed(lambda: load_tokenizer(cfg.model))
+    train, evalset = prepare(cfg, tokenizer)
+    sampler = ResumableSampler(len(train), dist.world_size(), dist.rank(), t.seed)
+    data = TrainData(
+        train,
+        sampler,
+        t.per_device_train_batch_size,
+        t.gradient_accumulation_steps,
+        tokenizer.pad_token_id,
+        pin_memory=dist.device().type == "cuda",
+    )
+    total = t.max_steps or math.ceil(t.num_train_epochs * data.steps_per_epoch)
+    ds_config = finalize_ds_config(cfg.ds_config, total, t.warmup_steps, t.learning_rate)
+    storage = OutputDir(cfg.ckpt.output_dir)
+    layout = Layout.discover(storage, cfg.ds_config, cfg.ckpt.save_checkpoint)
+    tidy_storage(storage, layout)  # leftovers of crashed saves (this run holds OUT's lease)
+    # --use_peft: the base model's identity (rank 0 samples its weight files), recorded in every
+    # checkpoint; a resume refuses a checkpoint whose adapters were trained on another base.
+    base = (
+        dist.share_from(0, lambda: base_identity(cfg.model, t.seed, EMBEDDED_MODEL_DIR))
+        if cfg.model.use_peft
+        else None
+    )
+    signalled = (lambda: bool(preemption.received)) if preemption is not None else (lambda: False)
+    plan = Resumer(
+        cfg, storage, layout.node_local, layout.leader, base=base, signalled=signalled
+    ).plan_resume()
+    # Collective: FusedAdam / CPU Adam where every rank can load it, else torch_adam
+    # (finetune/ops.py); a checkpoint trained with torch_adam resumes with it.
+    ds_config = ensure_adam(ds_config, saved=plan.saved.get(ADAM_KEY) if plan is not None else None)
+    if plan is not None and plan.universal is not None:
+        ds_config["checkpoint"] = {**ds_config.get("checkpoint", {}), "load_universal": True}
+    run_id = run_id or uuid.uuid4().hex[:12]
+    # Collective: wandb starts on rank 0, and its failure (not logged in) stops every rank here,
+    # before the model loads.
+    trackers = open_trackers(cfg, run_id, resumed=plan is not None)
+    model = load_model(cfg.model, ds_config, t.precision, t.seed)
+    scheduler = None
+    if "scheduler" not in ds_config:
+        scheduler = lambda opt: get_scheduler(
+            t.lr_scheduler_type,
+            opt,
+            num_warmup_steps=t.warmup_steps,  # noqa: E731
+            num_training_steps=total,
+        )
+    optimizer = None
+    if "optimizer" not in ds_config:
+        optimizer = torch.optim.AdamW(
+            _param_groups(model, t.weight_decay),
+            lr=t.learning_rate,
+            betas=(t.adam_beta1, t.adam_beta2),
+            eps=t.adam_epsilon,
+        )
+    engine, *_ = deepspeed.initialize(
+        model=model,
+        optimizer=optimizer,
+        lr_scheduler=scheduler,
+        config=ds_config,
+        model_parameters=None if optimizer else _param_groups(model, t.weight_decay),
+    )
+    lora = (
+        f" ({trainable_parameters(engine.module):,} trainable: LoRA r={cfg.model.lora_r})"
+        if base
+        else ""
+    )
+    logger.info(
+        "model: %s parameters%s, %s; %d train / %s eval examples; %d steps (%d per "
+        "epoch), world size %d; ready in %.1fs",
+        f"{count_parameters(engine.module):,}",
+        lora,
+        t.precision,
+        len(train),
+        len(evalset) if evalset is not None else 0,
+        total,
+        data.steps_per_epoch,
+        dist.world_size(),
+        time.perf_counter() - start,
+    )
+    monitor = getattr(engine, "monitor", None)
+    state = TrainingState()
+    # rank 0 holds the lease
+    lost = (lambda: lease.lost) if lease is not None else (lambda: False)
+    run_info = {
+        "zero_stage": zero_stage(cfg.ds_config),
+        "dtype": t.precision,
+        ADAM_KEY: adam_impl(ds_config),
+        "args": cfg.to_json_dict(),
+        "lr_scheduler": "in DeepSpeed's model_states files (lr_scheduler key)",
+        BASE_KEY: base,
+    }
+    checkpoints = CheckpointManager(
+        storage,
+        cfg.ckpt,
+        layout,
+        engine=engine,
+        progress=state,
+        sampler=sampler,
+        tokenizer=tokenizer,
+        run_info=run_info,
+        run_id=run_id,
+        plan=plan,
+        adapters=base is not None,
+        consolidated_dtype=DTYPES[cfg.ckpt.consolidated_dtype or t.precision],
+        still_ours=(lambda: lease.check()) if lease is not None else (lambda: True),
+    )
+    # Rank 0 writes nothing more into OUT from the moment its
+    # heartbeat learns the lease is lost.
+    metrics = MetricsWriter(
+        cfg.ckpt.output_dir,
+        monitor,
+        run_id=checkpoints.run_id,
+        trackers=trackers,
+        may_write=lambda: not lost(),
+    )
+    checkpoints.on_event = metrics.event
+    plotter = Plotter(cfg.ckpt.output_dir) if cfg.train.plot and dist.is_main() else None
+    return Trainer(
+        cfg,
+        engine,
+        tokenizer,
+        data,
+        evalset,
+        total,
+        checkpoints,
+        metrics,
+        state,
+        preemption or Preemption(()),
+        plotter,
+        lease_lost=lost,
+    )
+
+
+def set_seed(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def _param_groups(model, weight_decay: float) -> list[dict]:
+    """No weight decay on biases and norm weights (1-D); under ZeRO-3 the full shape is ds_shape."""
+    decay, no_decay = [], []
+    for _, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        (decay if len(getattr(p, "ds_shape", p.shape)) >= 2 else no_decay).append(p)
+    return [
+        {"params": decay, "weight_decay": weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
