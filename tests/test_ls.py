@@ -1,4 +1,4 @@
-"""`finetune ls OUT`: output dirs built with real manifests (commit_staged, as a save commits) and
+"""`finetune ls OUT`: output dirs built with real manifests (OutputDir.commit, as a save does) and
 a real metrics.jsonl; no DeepSpeed launch."""
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ import pytest
 import torch
 
 from finetune import cli, listing
-from finetune.checkpoint.commit import commit_staged
 from finetune.checkpoint.manifest import MANIFEST, read_manifest
 from finetune.checkpoint.outdir import STAGING, OutputDir
 from finetune.io.durable import hash_file
@@ -55,9 +54,7 @@ def commit(
         json.dumps({"global_step": step, "world_size": world})
     )
     files = {p.name: hash_file(p) for p in staged.iterdir()}
-    commit_staged(
-        storage, tag, files, world, {}, ranks, {"commit_seq": step, "consolidated": consolidated}
-    )
+    storage.commit(tag, files, world, {}, ranks, {"commit_seq": step, "consolidated": consolidated})
     return out / tag
 
 

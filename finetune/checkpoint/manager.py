@@ -59,7 +59,6 @@ import torch
 from finetune import distributed as dist
 from finetune.checkpoint.accounting import Clock, SaveIO, fmt_bytes, space_report
 from finetune.checkpoint.adapter import ADAPTER_WEIGHTS, write_adapter_config
-from finetune.checkpoint.commit import prepare_staged, publish_staged
 from finetune.checkpoint.layout import Layout
 from finetune.checkpoint.lease import LeaseLost
 from finetune.checkpoint.manifest import MANIFEST
@@ -654,8 +653,8 @@ class CheckpointManager(SaveSchedule):
         def prepare():
             seams.pause(seams.SLOW_COMMIT)  # a moment for a test to fill the disk
             try:
-                prepare_staged(
-                    self.storage, tag, files, dist.world_size(), versions(), ranks, identity
+                self.storage.prepare_commit(
+                    tag, files, dist.world_size(), versions(), ranks, identity
                 )
             except OSError as e:
                 # a failed write names no file: name it
@@ -679,7 +678,7 @@ class CheckpointManager(SaveSchedule):
             raise SaveError(f"{e}{self._drop_staging(tag)}") from e
         given_up = threading.Event()
         out = dist.gather_outcomes(
-            lambda: publish_staged(self.storage, tag, given_up),
+            lambda: self.storage.publish(tag, given_up),
             on=self.leader,
             step=f"publishing {tag}",
             deadline_s=dist.io_deadline(),

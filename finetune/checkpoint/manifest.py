@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 
-from finetune.checkpoint.outdir import step_of
+from finetune.checkpoint.policy import step_of
 from finetune.io.durable import hash_file
 from finetune.io.faults import fault_point
 

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import xxhash
 
+from finetune.checkpoint.manifest import build_manifest
 from finetune.checkpoint.policy import (
     TAG_RE,  # noqa: F401
     Committed,
@@ -31,6 +32,7 @@ from finetune.checkpoint.policy import (
     step_of,
     tag_for,  # noqa: F401
 )
+from finetune.io.faults import fault_point
 from finetune.io.progress import progress
 from finetune.io.storage import LocalStorage, Storage
 
@@ -285,6 +287,67 @@ class OutputDir:
 
     def free_bytes(self) -> int:
         return self.storage.free_bytes()
+
+    # --- a leader's commit: the manifest into staging, then the rename and `latest` ----------
+    # Each step is atomic; a crash between any two leaves `latest` naming a complete checkpoint
+    # (the old one, or the new one once in place). The manager runs the two phases as separate
+    # agreed steps so that node-local storage publishes only after every node prepared.
+
+    def commit(
+        self,
+        tag: str,
+        files: dict[str, tuple[int, str]],
+        world_size: int,
+        versions: dict,
+        ranks: list[int] | None = None,
+        identity: dict | None = None,
+    ) -> None:
+        """Both phases, for one storage: ``prepare_commit`` then ``publish``."""
+        self.prepare_commit(tag, files, world_size, versions, ranks, identity)
+        self.publish(tag)
+
+    def prepare_commit(
+        self,
+        tag: str,
+        files: dict[str, tuple[int, str]],
+        world_size: int,
+        versions: dict,
+        ranks: list[int] | None = None,
+        identity: dict | None = None,
+    ) -> None:
+        """The manifest, written *inside* the staged folder before the rename, so the folder never
+        appears under its final name without the file that marks it complete. ``ranks``: the ranks
+        whose files this storage holds (node-local storage); None = all of them. ``identity``: the
+        commit sequence number, save id and parent."""
+        staged = f"{STAGING}/{tag}"
+        fault_point("commit.manifest", step_of(tag))
+        manifest = build_manifest(tag, files, world_size, versions, ranks, identity)
+        self.write_json(f"{staged}/{MANIFEST}", manifest)
+        self.storage.sync(staged)  # the manifest's name in the folder is durable too
+
+    def publish(self, tag: str, given_up: threading.Event | None = None) -> None:
+        """Rename the staged folder into place, then ``latest``. ``given_up``: set when the agreed
+        step gave up waiting for this (a rename stuck on a hung mount past its deadline): a rename
+        that completes later leaves ``latest`` alone (the commit order still finds the folder)."""
+        # Never overwrite in place: a folder of the same step (an abandoned timeline's) is swapped.
+        fault_point("commit.rename", step_of(tag))
+        if self.exists(tag) and not self.exists(f"{tag}/{MANIFEST}"):
+            # Not committed by finetune (a plain DeepSpeed save, a hand copy): kept, not replaced.
+            where = self.set_aside(tag, "no-manifest")
+            logger.warning(
+                "set aside %s, which has no %s (not committed by finetune), "
+                "as %s before committing %s there",
+                tag,
+                MANIFEST,
+                where,
+                tag,
+            )
+        self.replace_dir(f"{STAGING}/{tag}", tag)
+        if given_up is not None and given_up.is_set():
+            return
+        fault_point("commit.latest", step_of(tag))
+        self.write_latest(tag)
+        self.finish_staging()
 
 
 def committed(storage: OutputDir) -> list[Committed]:

@@ -8,7 +8,6 @@ import json
 import pytest
 import torch
 
-from finetune.checkpoint.commit import commit_staged
 from finetune.checkpoint.manifest import MANIFEST, read_manifest
 from finetune.checkpoint.outdir import STAGING, OutputDir
 from finetune.checkpoint.writer import GuardedWriter
@@ -53,7 +52,7 @@ def complete(storage: OutputDir, tag: str) -> bool:
 
 def test_commit_makes_a_complete_folder_and_moves_latest(tmp_path):
     s = OutputDir(tmp_path)
-    commit_staged(s, "global_step2", stage(s, "global_step2"), 2, {"torch": "x"})
+    s.commit("global_step2", stage(s, "global_step2"), 2, {"torch": "x"})
     assert s.read_latest() == "global_step2" and complete(s, "global_step2")
     manifest = read_manifest(tmp_path / "global_step2")
     assert manifest["world_size"] == 2 and manifest["tag"] == "global_step2"
@@ -65,10 +64,10 @@ def test_commit_makes_a_complete_folder_and_moves_latest(tmp_path):
 @pytest.mark.parametrize("crash_at", ["replace_dir", "write_latest"])
 def test_crash_during_commit_leaves_latest_on_a_complete_checkpoint(tmp_path, crash_at):
     s = FakeStorage(tmp_path)
-    commit_staged(s, "global_step2", stage(s, "global_step2"), 1, {})
+    s.commit("global_step2", stage(s, "global_step2"), 1, {})
     s.crash_at = crash_at
     with pytest.raises(OSError):
-        commit_staged(s, "global_step4", stage(s, "global_step4"), 1, {})
+        s.commit("global_step4", stage(s, "global_step4"), 1, {})
     assert s.read_latest() == "global_step2" and complete(s, "global_step2")
     # Whatever is visible under a final name is complete: never a folder without its manifest.
     assert all(complete(s, t) for t in s.tags())
@@ -76,8 +75,8 @@ def test_crash_during_commit_leaves_latest_on_a_complete_checkpoint(tmp_path, cr
 
 def test_recommitting_an_existing_step_swaps_the_folder_without_a_gap(tmp_path):
     s = OutputDir(tmp_path)
-    commit_staged(s, "global_step4", stage(s, "global_step4", b"old timeline"), 1, {})
-    commit_staged(s, "global_step4", stage(s, "global_step4", b"new timeline!"), 1, {})
+    s.commit("global_step4", stage(s, "global_step4", b"old timeline"), 1, {})
+    s.commit("global_step4", stage(s, "global_step4", b"new timeline!"), 1, {})
     assert (
         tmp_path / "global_step4" / "zero_pp_rank_0_mp_rank_00_model_states.pt"
     ).read_bytes() == b"new timeline!"
@@ -127,7 +126,7 @@ def test_guarded_writer_reports_a_directory_in_the_way(tmp_path):
 
 def test_manifest_json_is_plain_json(tmp_path):
     s = OutputDir(tmp_path)
-    commit_staged(s, "global_step1", stage(s, "global_step1"), 1, {"deepspeed": "0"})
+    s.commit("global_step1", stage(s, "global_step1"), 1, {"deepspeed": "0"})
     data = json.loads((tmp_path / "global_step1" / MANIFEST).read_text())
     assert data["algorithm"] == "xxh3_128" and data["total_bytes"] == len(b"weights")
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 
-from finetune.checkpoint.commit import commit_staged
 from finetune.checkpoint.outdir import (
     ABANDONED,
     STAGING,
@@ -43,9 +42,7 @@ def save(
             "parent_save_id": parent.save_id if parent else None,
         }
     )
-    commit_staged(
-        s, tag, {p.name: hash_file(p) for p in staged.iterdir()}, 1, {}, identity=identity
-    )
+    s.commit(tag, {p.name: hash_file(p) for p in staged.iterdir()}, 1, {}, identity=identity)
     return Committed.from_manifest(tag, s.read_manifest(tag))
 
 

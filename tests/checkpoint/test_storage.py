@@ -9,7 +9,6 @@ import errno
 import pytest
 from memory_storage import MemoryStorage
 
-from finetune.checkpoint.commit import commit_staged
 from finetune.checkpoint.outdir import ABANDONED, LATEST, MANIFEST, STAGING, OutputDir, committed
 from finetune.io.storage import LocalStorage, Storage
 
@@ -62,11 +61,11 @@ def stage(out: OutputDir, step: int, size: int | None = None) -> dict:
 def test_commit_and_retention_on_either_storage(storage):
     out = OutputDir(storage)
     for step in (2, 4):
-        commit_staged(out, f"global_step{step}", stage(out, step), 1, {})
+        out.commit(f"global_step{step}", stage(out, step), 1, {})
     assert out.tags() == ["global_step2", "global_step4"] and out.read_latest() == "global_step4"
     assert [c.tag for c in committed(out)] == ["global_step2", "global_step4"]
     # the same step committed again swaps the folders (no exchange in memory: the fallback)
-    commit_staged(out, "global_step4", stage(out, 4, size=5), 1, {})
+    out.commit("global_step4", stage(out, 4, size=5), 1, {})
     assert out.read_manifest("global_step4")["files"][RANK_FILE]["size"] == 5
     trash = out.retire("global_step2")
     assert out.tags() == ["global_step4"] and out.purge(trash) > 0 and not out.exists(trash)
@@ -76,11 +75,11 @@ def test_commit_and_retention_on_either_storage(storage):
 def test_a_failed_rename_leaves_latest_on_the_complete_checkpoint():
     storage = MemoryStorage()
     out = OutputDir(storage)
-    commit_staged(out, "global_step2", stage(out, 2), 1, {})
+    out.commit("global_step2", stage(out, 2), 1, {})
     files = stage(out, 4)
     storage.fail("rename", f"{STAGING}/global_step4")
     with pytest.raises(OSError):
-        commit_staged(out, "global_step4", files, 1, {})
+        out.commit("global_step4", files, 1, {})
     assert out.read_latest() == "global_step2" and out.tags() == ["global_step2"]
     # staged with its manifest, never published: set aside at the next start, never deleted
     storage.failures.clear()
@@ -95,7 +94,7 @@ def test_a_full_storage_fails_the_manifest_and_commits_nothing():
     files = stage(out, 2)
     storage.fail("write_bytes", f"*/{MANIFEST}", errno.ENOSPC)
     with pytest.raises(OSError, match="No space"):
-        commit_staged(out, "global_step2", files, 1, {})
+        out.commit("global_step2", files, 1, {})
     assert out.tags() == [] and out.read_latest() is None
     assert not any(op == "rename" for op, _ in storage.calls), "nothing renamed into place"
 
@@ -103,7 +102,7 @@ def test_a_full_storage_fails_the_manifest_and_commits_nothing():
 def test_housekeeping_removes_leftovers_and_keeps_what_a_crash_committed():
     storage = MemoryStorage()
     out = OutputDir(storage)
-    commit_staged(out, "global_step2", stage(out, 2), 1, {})
+    out.commit("global_step2", stage(out, 2), 1, {})
     # a crashed save
     storage.put(f"{STAGING}/global_step4/zero_pp_rank_0_mp_rank_00_model_states.pt")
     storage.put(".trash-global_step1-abcd1234/x.pt")  # retention interrupted

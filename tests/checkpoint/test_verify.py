@@ -1,5 +1,5 @@
 """`finetune verify` and the manifest check behind it, on a checkpoint folder built by
-commit_staged; the notes it adds for an output dir. Real checkpoints damaged at rest:
+OutputDir.commit; the notes it adds for an output dir. Real checkpoints damaged at rest:
 test_at_rest.py."""
 
 from __future__ import annotations
@@ -12,7 +12,6 @@ import sys
 import pytest
 import torch
 
-from finetune.checkpoint.commit import commit_staged
 from finetune.checkpoint.manifest import verify
 from finetune.checkpoint.outdir import STAGING, OutputDir
 from finetune.io.durable import hash_file
@@ -41,7 +40,7 @@ def ckpt(tmp_path):
             (staged / name).write_bytes(bytes(range(256)) * (i + 1))
     (staged / "trainer_state.json").write_text(json.dumps({"global_step": 4, "world_size": WORLD}))
     files = {p.name: hash_file(p) for p in staged.iterdir()}
-    commit_staged(s, "global_step4", files, WORLD, {})
+    s.commit("global_step4", files, WORLD, {})
     return s.root / "global_step4"
 
 
@@ -169,7 +168,7 @@ def test_latest_behind_the_commit_order_is_noted(ckpt):
     staged = s.root / STAGING / "global_step6"
     shutil.copytree(ckpt, staged)
     (staged / "manifest.json").unlink()
-    commit_staged(s, "global_step6", {p.name: hash_file(p) for p in staged.iterdir()}, WORLD, {})
+    s.commit("global_step6", {p.name: hash_file(p) for p in staged.iterdir()}, WORLD, {})
     s.write_latest("global_step4")  # as a crash between the rename and the update leaves it
     (notes,) = notes_of(ckpt.parent)
     assert "names global_step4, but the newest committed checkpoint is global_step6" in notes

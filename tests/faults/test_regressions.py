@@ -99,14 +99,13 @@ def test_a_run_resumed_at_its_last_step_finishes_the_commit_a_crash_cut_short(
 def test_a_save_never_replaces_a_folder_finetune_did_not_commit(tmp_path, caplog):
     """A folder under a checkpoint's name without a manifest (a plain DeepSpeed save, a copy by
     hand) was deleted by the same-tag swap of a save of that step; it is now set aside, intact."""
-    from finetune.checkpoint.commit import commit_staged
 
     from test_manager import stage
 
     (tmp_path / "global_step4").mkdir()
     (tmp_path / "global_step4" / "mp_rank_00_model_states.pt").write_bytes(b"someone else's")
     s = OutputDir(tmp_path)
-    commit_staged(s, "global_step4", stage(s, "global_step4", b"ours"), 1, {})
+    s.commit("global_step4", stage(s, "global_step4", b"ours"), 1, {})
     assert (
         tmp_path / "global_step4" / "zero_pp_rank_0_mp_rank_00_model_states.pt"
     ).read_bytes() == b"ours"
