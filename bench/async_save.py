@@ -1,7 +1,7 @@
 """--async_save benchmark (P2): one 2-rank run on the ~134M-parameter Llama of \
 bench/checkpoint_save.py.
 
-(a) training stall per checkpoint: ``CheckpointManager.save(step, background=True)`` (snapshot into
+(a) training stall per checkpoint: ``Checkpointer.save(step, background=True)`` (snapshot into
     host memory, write on a thread) / DeepSpeed's synchronous ``engine.save_checkpoint`` of the same
     state with its own checkpoint engine (goal <= 0.1);
 (b) median step time while a background write is in flight / with none (goal <= 1.15);
@@ -32,7 +32,12 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from checkpoint_save import REPO, free_port, machine, write_inputs  # noqa: E402
 
-MANAGER = REPO / "finetune" / "checkpoint" / "manager.py"
+# checkpointer.py since issue 23; manager.py in the versions before (before/after runs)
+MANAGER = next(
+    p
+    for p in (REPO / "finetune" / "checkpoint" / n for n in ("checkpointer.py", "manager.py"))
+    if p.exists()
+)
 
 
 def api_missing() -> str | None:
@@ -40,7 +45,7 @@ def api_missing() -> str | None:
     src = MANAGER.read_text()
     if "def poll" not in src or "background" not in src:
         return (
-            "the --async_save API (CheckpointManager.save(background=True), poll, wait) "
+            "the --async_save API (save(background=True), poll, wait) "
             f"is not in {MANAGER.relative_to(REPO)} yet"
         )
     return None

@@ -1,7 +1,7 @@
 """Worker for bench/async_save.py: runs under `deepspeed --num_gpus 2`, prints one JSON line.
 
 Builds the model through finetune itself (``build_trainer`` with ``--save_checkpoint --async_save``:
-zero.Init, our DeepSpeed config), trains one step, then measures with its ``CheckpointManager``:
+zero.Init, our DeepSpeed config), trains one step, then measures with its ``Checkpointer``:
 
 (a) stall, ``--repeats`` times, interleaved: the wall time of
     ``manager.save(step, background=True)`` (returns once every rank holds its snapshot in host
@@ -17,7 +17,7 @@ zero.Init, our DeepSpeed config), trains one step, then measures with its ``Chec
     k, 2k, ... < N, as ``--save_steps`` does; the final save is the same for every mode and not part
     of this), timed between barriers, for: no saves; synchronous ``manager.save(step)``; async
     (``save(step, background=True)`` when due, ``poll()`` at every other boundary, ``wait()`` at
-    the end: what ``CheckpointManager.at_step`` / ``at_end`` do with --async_save). Order
+    the end: what ``Checkpointer.at_step`` / ``at_end`` do with --async_save). Order
     none, sync, async, async, sync, none, ... (``--e2e_repeats`` rounds of 3).
 Times are rank 0's wall clock; "timed" ones are between barriers, so they include the slowest rank.
 Before each measurement every rank calls ``os.sync()`` (untimed): no measurement pays for the
@@ -39,7 +39,11 @@ from pathlib import Path
 from checkpoint_save_worker import exit_now, folder_bytes, timed  # noqa: E402 — this script's folder is on sys.path
 
 from finetune import distributed as dist
-from finetune.checkpoint.manager import CheckpointManager
+
+try:  # Checkpointer since issue 23; CheckpointManager in the versions before
+    from finetune.checkpoint.checkpointer import Checkpointer as CheckpointManager
+except ImportError:
+    from finetune.checkpoint.manager import CheckpointManager
 from finetune.cli import parse_train_args
 
 try:  # build_trainer since issue 23; Trainer.build in the versions before (before/after runs)

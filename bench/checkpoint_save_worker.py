@@ -2,7 +2,7 @@
 
 Builds a ~134M-parameter Llama through finetune itself (build_trainer: zero.Init, our DeepSpeed
 config), trains one step, then measures, `--repeats` times, interleaved:
-  ours      CheckpointManager.save: DeepSpeed's rank files + our files + manifest + commit protocol
+  ours      Checkpointer.save: DeepSpeed's rank files + our files + manifest + commit protocol
   raw       each rank writes the same number of bytes as its share of our checkpoint into the same
             directory, in 8 MiB writes, then fdatasync (the bandwidth the directory can give)
   deepspeed engine.save_checkpoint with DeepSpeed's own checkpoint engine (no fsync, no commit)

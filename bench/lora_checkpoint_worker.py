@@ -3,7 +3,7 @@
 Builds bench/checkpoint_save.py's ~134M-parameter Llama through finetune itself (build_trainer),
 full fine-tuning or, with ``--lora``, LoRA adapters on it (r 16 on every linear layer but the head,
 TRL's usual choice), trains one step, then times ``--repeats`` partitioned saves
-(CheckpointManager.save: DeepSpeed's rank files + ours + fsync + manifest + commit) and one
+(Checkpointer.save: DeepSpeed's rank files + ours + fsync + manifest + commit) and one
 consolidated save (the model's safetensors, or the adapter's). Times are rank 0's wall clock
 between barriers (the slowest rank included); bytes are what the manifest lists.
 """

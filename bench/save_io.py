@@ -8,7 +8,7 @@ size?
 For each world size, one run of the embedded model through the DeepSpeed launcher saving a
 partitioned checkpoint at every step (``--saves`` saves). Each rank records, per save, the seconds
 and the deltas of /proc/self/io's ``rchar`` (everything the process read: files, and the sockets of
-the gloo collectives) over ``CheckpointManager.save`` (bench/save_io_probe.py). Reported per rank:
+the gloo collectives) over ``Checkpointer.save`` (bench/save_io_probe.py). Reported per rank:
 the median over the saves of rchar, the bytes of checkpoint files that rank wrote (from the
 manifest), and seconds. ``--config_name DIR`` runs another model config instead of the embedded
 model (e.g. bench/checkpoint_save.py's 134M Llama); ``--extra`` adds finetune flags to every run.

@@ -1,8 +1,9 @@
 """``python -m save_io_probe ARGS`` = ``python -m finetune ARGS`` with each rank's save I/O
 recorded.
 
-Wraps ``CheckpointManager.save`` (present in every version of finetune, so a before/after
-comparison measures both the same way) and appends one JSON line per save to
+Wraps ``Checkpointer.save`` (``CheckpointManager.save`` before issue 23: one of them is in every
+version of finetune, so a before/after comparison measures both the same way) and appends one
+JSON line per save to
 ``$SAVE_IO_PROBE_DIR/rank<r>.jsonl``: seconds, and the deltas of /proc/self/io's ``rchar`` (bytes
 the process read through read(2)-like calls: files and sockets) and ``read_bytes`` (bytes fetched
 from the storage layer) over the save. Used by bench/save_io.py.
@@ -23,9 +24,12 @@ def _io() -> dict[str, int]:
 
 
 def _install() -> None:
-    from finetune.checkpoint import manager
+    try:  # Checkpointer since issue 23; CheckpointManager in the versions before
+        from finetune.checkpoint.checkpointer import Checkpointer as cls
+    except ImportError:
+        from finetune.checkpoint.manager import CheckpointManager as cls
 
-    original = manager.CheckpointManager.save
+    original = cls.save
 
     def save(self, *args, **kwargs):
         before, start = _io(), time.perf_counter()
@@ -46,7 +50,7 @@ def _install() -> None:
             with open(out / f"rank{rank}.jsonl", "a") as f:
                 f.write(json.dumps(record) + "\n")
 
-    manager.CheckpointManager.save = save
+    cls.save = save
 
 
 if __name__ == "__main__":

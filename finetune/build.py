@@ -1,6 +1,6 @@
 """What a run builds before its loop, in order: the seed, the tokenizer and the tokenized data,
 the sampler, the model (partitioned from the start under ZeRO-3), the DeepSpeed engine, the
-resume plan and the checkpoint manager over OUT, the metrics and trackers: a ``Trainer``.
+resume plan and the Checkpointer over OUT, the metrics and trackers: a ``Trainer``.
 
 Every step that can fail on one rank alone (a bad file on one node) is agreed, so bad input exits
 2 on every rank before anything is written into OUT.
@@ -17,8 +17,8 @@ import numpy as np
 import torch
 
 from finetune import distributed as dist
+from finetune.checkpoint.checkpointer import Checkpointer
 from finetune.checkpoint.layout import Layout, tidy_storage
-from finetune.checkpoint.manager import CheckpointManager
 from finetune.checkpoint.outdir import OutputDir
 from finetune.checkpoint.resume import Resumer
 from finetune.checkpoint.state import TrainingState
@@ -146,13 +146,12 @@ def build_trainer(
         "lr_scheduler": "in DeepSpeed's model_states files (lr_scheduler key)",
         BASE_KEY: base,
     }
-    checkpoints = CheckpointManager(
+    checkpoints = Checkpointer(
         storage,
         cfg.ckpt,
         layout,
         engine=engine,
-        progress=state,
-        sampler=sampler,
+        states={"progress": state, "sampler": sampler},
         tokenizer=tokenizer,
         run_info=run_info,
         run_id=run_id,

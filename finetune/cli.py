@@ -22,13 +22,7 @@ from typing import Any
 from finetune import __version__, console, run_config
 from finetune import distributed as dist
 from finetune.commands import SUBCOMMANDS, Parser, subcommand
-from finetune.config import (
-    GROUPS,
-    ConfigError,
-    RunConfig,
-    check_size,
-    precision_shorthand,
-)
+from finetune.config import GROUPS, ConfigError, RunConfig, check_size, precision_shorthand
 from finetune.ops import use_venv_extensions_dir
 from finetune.preemption import release_early
 from finetune.resolve import resolve

@@ -30,13 +30,7 @@ from finetune.checkpoint.manifest import (
     stored_ranks,
     verify,
 )
-from finetune.checkpoint.outdir import (
-    ABANDONED,
-    LATEST,
-    STAGING,
-    OutputDir,
-    step_of,
-)
+from finetune.checkpoint.outdir import ABANDONED, LATEST, STAGING, OutputDir, step_of
 from finetune.checkpoint.resume import UNIVERSAL
 from finetune.commands import Parser
 from finetune.config import ConfigError

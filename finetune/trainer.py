@@ -14,8 +14,8 @@ import torch
 from tqdm.auto import tqdm
 
 from finetune import distributed as dist
+from finetune.checkpoint.checkpointer import Checkpointer
 from finetune.checkpoint.lease import LeaseLost, describe, holder
-from finetune.checkpoint.manager import CheckpointManager
 from finetune.checkpoint.outdir import tag_for
 from finetune.checkpoint.state import TrainingState
 from finetune.config import RunConfig
@@ -86,7 +86,7 @@ class Trainer:
     data: TrainData
     evalset: object
     total_steps: int
-    checkpoints: CheckpointManager
+    checkpoints: Checkpointer
     metrics: MetricsWriter
     state: TrainingState
     preemption: Preemption

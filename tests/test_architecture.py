@@ -140,3 +140,15 @@ def test_every_test_seam_is_read_in_seams_py_alone():
     }
     assert not outside, f"FINETUNE_* names outside finetune/io/seams.py: {outside}"
     assert set(seams.ALL) == set(named) - USER_SETTINGS
+
+
+MAX_LINES = 500  # a module one reads in a sitting; past it, a concern has split in two
+
+
+def test_no_module_is_over_500_lines():
+    long = {
+        str(p.relative_to(REPO)): n
+        for p in PACKAGE.rglob("*.py")
+        if (n := len(p.read_text().splitlines())) > MAX_LINES
+    }
+    assert not long, f"modules over {MAX_LINES} lines: {long}"

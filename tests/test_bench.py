@@ -36,7 +36,7 @@ def _load(name: str):
 
 
 def async_api_present() -> bool:
-    return "def poll" in (REPO / "finetune" / "checkpoint" / "manager.py").read_text()
+    return "def poll" in (REPO / "finetune" / "checkpoint" / "checkpointer.py").read_text()
 
 
 def _digest(path: Path) -> str | None:

@@ -19,8 +19,8 @@ from torch.overrides import TorchFunctionMode
 
 import finetune.run as run_module
 import finetune.trainer as trainer_module
+from finetune.checkpoint.checkpointer import Checkpointer
 from finetune.checkpoint.layout import Layout
-from finetune.checkpoint.manager import CheckpointManager
 from finetune.checkpoint.outdir import OutputDir
 from finetune.checkpoint.resume import Resumer
 from finetune.checkpoint.state import TRAINER_STATE, TrainingState
@@ -179,13 +179,12 @@ def make_trainer(tiny_module, monkeypatch):
         total = cfg.train.max_steps or int(cfg.train.num_train_epochs * data.steps_per_epoch)
         engine = FakeEngine(tiny_module, total, overflow_rows, device)
         storage, state = OutputDir(out), TrainingState()
-        manager = CheckpointManager(
+        manager = Checkpointer(
             storage,
             cfg.ckpt,
             Layout([[0]], False),
             engine=engine,
-            progress=state,
-            sampler=sampler,
+            states={"progress": state, "sampler": sampler},
             tokenizer=FakeTokenizer(),
             run_info={"args": {}},
             run_id=run_id,

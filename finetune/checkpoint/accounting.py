@@ -94,3 +94,13 @@ def space_report(freed: dict[int, tuple[int, int | None]], need: int) -> str:
                 text += " (the next save is refused until space is freed)"
         parts.append(f"rank {rank}: {text}" if len(freed) > 1 else text)
     return "; ".join(parts)
+
+
+def finished(tag: str, clock: Clock, total: int, own: dict, final: bool) -> str:
+    """The log line of a committed save: its time, size, rate, phases and rank 0's own I/O."""
+    return (
+        f"Finished saving the checkpoint {tag} in {clock.total:.2f} seconds "
+        f"({total / 1e6:.1f} MB, {total / 1e6 / max(clock.total, 1e-9):.1f} MB/s; {clock}; rank 0 "
+        f"wrote {own['own_bytes'] / 1e6:.1f} MB and read back {own['hashed_bytes'] / 1e6:.2f} MB)"
+        f"{' [final]' if final else ''}."
+    )

@@ -77,18 +77,10 @@ import time
 import uuid
 from pathlib import Path
 
-from finetune.checkpoint.holder import (
-    identity as _identity,
-)
-from finetune.checkpoint.holder import (
-    process_gone as _process_gone,
-)
-from finetune.checkpoint.holder import (
-    requeued_predecessor as _requeued_predecessor,
-)
-from finetune.checkpoint.holder import (
-    same_machine as _same_machine,
-)
+from finetune.checkpoint.holder import identity as _identity
+from finetune.checkpoint.holder import process_gone as _process_gone
+from finetune.checkpoint.holder import requeued_predecessor as _requeued_predecessor
+from finetune.checkpoint.holder import same_machine as _same_machine
 from finetune.config import ConfigError
 from finetune.io import seams
 from finetune.io.faults import fault_point

@@ -322,7 +322,13 @@ class OutputDir:
         staged = f"{STAGING}/{tag}"
         fault_point("commit.manifest", step_of(tag))
         manifest = build_manifest(tag, files, world_size, versions, ranks, identity)
-        self.write_json(f"{staged}/{MANIFEST}", manifest)
+        try:
+            self.write_json(f"{staged}/{MANIFEST}", manifest)
+        except OSError as e:
+            if e.filename is None and e.errno is not None:  # a failed write names no file: name it
+                path = self.storage.describe(f"{staged}/{MANIFEST}")
+                raise OSError(e.errno, e.strerror, path) from e
+            raise
         self.storage.sync(staged)  # the manifest's name in the folder is durable too
 
     def publish(self, tag: str, given_up: threading.Event | None = None) -> None:

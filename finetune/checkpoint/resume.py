@@ -19,18 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from finetune import distributed as dist
-from finetune.checkpoint.manifest import (
-    MANIFEST,
-    looks_like_checkpoint,
-    read_manifest,
-    verify,
-)
-from finetune.checkpoint.outdir import (
-    OutputDir,
-    committed,
-    find_checkpoint,
-    step_of,
-)
+from finetune.checkpoint.manifest import MANIFEST, looks_like_checkpoint, read_manifest, verify
+from finetune.checkpoint.outdir import OutputDir, committed, find_checkpoint, step_of
 from finetune.checkpoint.policy import Committed, newer_than, resume_order
 from finetune.checkpoint.state import TRAINER_STATE
 from finetune.checkpoint.universal import UNIVERSAL, to_universal, verify_universal

@@ -44,12 +44,7 @@ from pathlib import Path
 
 from finetune.checkpoint.manifest import MANIFEST, check_file, read_manifest
 from finetune.io import seams
-from finetune.io.durable import (
-    fsync_path,
-    hash_file,
-    sync_filesystem,
-    write_json_durably,
-)
+from finetune.io.durable import fsync_path, hash_file, sync_filesystem, write_json_durably
 from finetune.io.faults import fault_point
 from finetune.offline import safe_load
 

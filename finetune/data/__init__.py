@@ -11,19 +11,8 @@ from finetune.data.formats import (
     encode_text,
     register,
 )
-from finetune.data.load import (
-    EMBEDDED_DATA,
-    collate,
-    load_raw,
-    pack,
-    tokenize,
-)
-from finetune.data.sampler import (
-    ResumableSampler,
-    SamplerState,
-    TrainData,
-    eval_batches,
-)
+from finetune.data.load import EMBEDDED_DATA, collate, load_raw, pack, tokenize
+from finetune.data.sampler import ResumableSampler, SamplerState, TrainData, eval_batches
 
 __all__ = [
     "EMBEDDED_DATA",

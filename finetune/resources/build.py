@@ -177,14 +177,7 @@ def write_jsonl(path: Path, texts: list[str]) -> None:
 
 def train_bpe(texts: list[str]):
     """Byte-level BPE from ``tokenizers``; special tokens get ids 0..6."""
-    from tokenizers import (
-        Tokenizer,
-        decoders,
-        models,
-        pre_tokenizers,
-        processors,
-        trainers,
-    )
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)

@@ -92,7 +92,7 @@ class _DiskFull:
 
 
 def test_a_write_that_runs_out_of_space_reports_the_space_freed(tmp_path, tiny_module, monkeypatch):
-    from finetune.checkpoint.manager import SaveError
+    from finetune.checkpoint.checkpointer import SaveError
     from finetune.io.durable import HashingWriter
 
     m, progress, _ = make_manager(make_cfg(tmp_path), tiny_module)
@@ -112,7 +112,7 @@ def test_a_write_that_runs_out_of_space_reports_the_space_freed(tmp_path, tiny_m
     assert (
         freed > 0
         and free == pytest.approx(4_000, abs=5_000)
-        and need == pytest.approx(m.space_needed(), abs=5_000)
+        and need == pytest.approx(m.staging.space_needed(), abs=5_000)
     )
     assert message.endswith("(the next save is refused until space is freed)")
     assert not (tmp_path / STAGING).exists() and OutputDir(tmp_path).tags() == ["global_step1"]
@@ -123,7 +123,7 @@ def test_a_write_that_runs_out_of_space_reports_the_space_freed(tmp_path, tiny_m
 def test_a_manifest_that_does_not_fit_is_a_commit_error_naming_the_file(
     tmp_path, tiny_module, monkeypatch
 ):
-    from finetune.checkpoint.manager import SaveError
+    from finetune.checkpoint.checkpointer import SaveError
 
     m, progress, _ = make_manager(make_cfg(tmp_path), tiny_module)
     run_saves(m, progress, [1])
@@ -151,7 +151,7 @@ def test_a_manifest_that_does_not_fit_is_a_commit_error_naming_the_file(
 
 
 def test_the_space_check_speaks_in_mb_for_small_checkpoints(tmp_path, tiny_module, monkeypatch):
-    from finetune.checkpoint.manager import SaveError
+    from finetune.checkpoint.checkpointer import SaveError
 
     m, progress, _ = make_manager(make_cfg(tmp_path), tiny_module)
     run_saves(m, progress, [1])
@@ -169,7 +169,7 @@ def test_retention_logs_the_space_it_freed(tmp_path, tiny_module, caplog):
     m, progress, _ = make_manager(make_cfg(tmp_path, save_total_limit=1), tiny_module)
     with caplog.at_level("INFO", logger="finetune"):
         run_saves(m, progress, [1, 2])
-        assert m.deleter.wait(10)  # deleted in the background
+        assert m.lineage.deleter.wait(10)  # deleted in the background
     assert re.search(
         r"save_total_limit: deleted global_step1 \(\d+\.\d\d MB freed\)", caplog.text
     ), caplog.text

@@ -159,6 +159,9 @@ class FakeTokenizer:
 
 
 class FakeSampler:
+    def state_dict(self):
+        return {}
+
     def load_state_dict(self, sd):
         self.loaded = sd
 
@@ -186,21 +189,20 @@ def make_cfg(out, **flags):
 
 
 def make_manager(cfg, module, run_id="run1", **kw):
+    from finetune.checkpoint.checkpointer import Checkpointer
     from finetune.checkpoint.layout import Layout
-    from finetune.checkpoint.manager import CheckpointManager
     from finetune.checkpoint.resume import Resumer
     from finetune.checkpoint.state import TrainingState
 
     storage = OutputDir(cfg.ckpt.output_dir)
     plan = Resumer(cfg, storage).plan_resume()
     progress = TrainingState()
-    manager = CheckpointManager(
+    manager = Checkpointer(
         storage,
         cfg.ckpt,
         Layout([[0]], False),
         engine=FakeEngine(module),
-        progress=progress,
-        sampler=FakeSampler(),
+        states={"progress": progress, "sampler": FakeSampler()},
         tokenizer=FakeTokenizer(),
         run_info={"args": {}},
         run_id=run_id,
@@ -332,7 +334,7 @@ def test_an_error_escaping_mid_gather_stops_the_run_instead_of_agreeing(
 
 @pytest.mark.parametrize("failure", ["full", "statfs error"])
 def test_space_check_failures_are_agreed_save_errors(tmp_path, tiny_module, monkeypatch, failure):
-    from finetune.checkpoint.manager import SaveError
+    from finetune.checkpoint.checkpointer import SaveError
 
     m, progress, _ = make_manager(make_cfg(tmp_path), tiny_module)
     if failure == "full":
@@ -349,8 +351,8 @@ def test_space_check_failures_are_agreed_save_errors(tmp_path, tiny_module, monk
 def test_a_rank_local_snapshot_failure_is_a_save_error_and_leaves_no_staging(
     tmp_path, tiny_module, monkeypatch
 ):
-    import finetune.checkpoint.manager as manager
-    from finetune.checkpoint.manager import SaveError
+    import finetune.checkpoint.checkpointer as manager
+    from finetune.checkpoint.checkpointer import SaveError
 
     monkeypatch.setattr(manager, "rng_state", lambda: 1 / 0)
     m, progress, _ = make_manager(make_cfg(tmp_path), tiny_module)
@@ -446,7 +448,7 @@ def test_node_local_commit_waits_for_every_leaders_manifest(tmp_path, tiny_modul
     """Stubbed dist: another node's leader fails to write its manifest. This node wrote everything,
     and must neither rename its folder nor move its `latest` (phase 2 runs only after all agree)."""
     from finetune import distributed as dist
-    from finetune.checkpoint.manager import SaveError
+    from finetune.checkpoint.checkpointer import SaveError
 
     m, progress, _ = make_manager(make_cfg(tmp_path), tiny_module)
     m.layout.node_local = True
@@ -571,7 +573,7 @@ def test_the_lease_is_checked_again_right_before_retention(tmp_path, tiny_module
     assert OutputDir(tmp_path).tags() == ["global_step4"]
     with pytest.raises(LeaseLost):
         run_saves(m, progress, [6])
-    m.deleter.wait(10)
+    m.lineage.deleter.wait(10)
     assert OutputDir(tmp_path).tags() == ["global_step4", "global_step6"]
 
 
@@ -643,7 +645,7 @@ def test_with_adapters_the_space_a_first_save_needs_is_estimated_from_the_traina
     lora, _, _ = make_manager(make_cfg(tmp_path / "b"), frozen, adapters=True)
     assert full.parameters == sum(p.numel() for p in tiny_module.parameters())
     assert lora.parameters == trainable < full.parameters / 3
-    assert lora.space_needed() < full.space_needed() / 3
+    assert lora.staging.space_needed() < full.staging.space_needed() / 3
 
 
 # --- the review's defects (issue 22): deadlines, a failed background save, retention off the path
@@ -672,7 +674,7 @@ def test_a_storage_step_that_hangs_fails_the_save_after_its_deadline(
     `latest` untouched, and the next save goes ahead."""
     import time
 
-    from finetune.checkpoint.manager import SaveError
+    from finetune.checkpoint.checkpointer import SaveError
 
     monkeypatch.setenv(seams.FAULT, f"{site}:0:4:hang")
     m, progress, _ = make_manager(make_cfg(tmp_path), tiny_module)
@@ -694,7 +696,7 @@ def test_retention_that_hangs_is_given_up_with_a_warning(
     run_saves(m, progress, [2, 4])  # committed; the deletion of step 2 gave up
     assert "could not delete global_step2" in caplog.text and "made no progress" in caplog.text
     run_saves(m, progress, [6])  # retried after the next save
-    assert m.deleter.wait(10) and OutputDir(tmp_path).tags() == ["global_step6"]
+    assert m.lineage.deleter.wait(10) and OutputDir(tmp_path).tags() == ["global_step6"]
 
 
 def test_a_failed_background_save_is_reported_under_its_step_and_the_due_save_still_runs(
@@ -732,11 +734,15 @@ def test_retention_deletes_in_the_background_and_the_space_check_waits_for_what_
     )
     run_saves(m, progress, [2, 4])  # returns with step 2's files still on disk
     trash = list(tmp_path.glob(".trash-global_step2-*"))
-    assert OutputDir(tmp_path).tags() == ["global_step4"] and trash and m.deleter.pending_bytes > 0
-    need = m.space_needed()
+    assert (
+        OutputDir(tmp_path).tags() == ["global_step4"]
+        and trash
+        and m.lineage.deleter.pending_bytes > 0
+    )
+    need = m.staging.space_needed()
     # Not enough free until the deletion is done; enough with what it will free.
     monkeypatch.setattr(
-        m.storage, "free_bytes", lambda: need // 2 if m.deleter.pending_bytes else 10 * need
+        m.storage, "free_bytes", lambda: need // 2 if m.lineage.deleter.pending_bytes else 10 * need
     )
     threading.Timer(0.3, release.set).start()
     run_saves(m, progress, [6])
@@ -749,7 +755,7 @@ def test_a_publish_given_up_at_its_deadline_leaves_its_staging_and_latest_alone(
     """A rename stuck on a hung mount may still complete when the filesystem recovers: purging its
     staging meanwhile could put a half-deleted folder in place, and the late rename must not move
     `latest`. The save fails on every rank, the staged folder (with its manifest) is left."""
-    from finetune.checkpoint.manager import SaveError
+    from finetune.checkpoint.checkpointer import SaveError
 
     monkeypatch.setenv(seams.FAULT, "commit.rename:0:4:hang")
     m, progress, _ = make_manager(make_cfg(tmp_path), tiny_module)

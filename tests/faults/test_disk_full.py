@@ -33,7 +33,7 @@ from pathlib import Path
 
 import pytest
 
-from finetune.checkpoint.manager import SPACE_MARGIN
+from finetune.checkpoint.contents import SPACE_MARGIN
 from finetune.checkpoint.manifest import MANIFEST, read_manifest
 from finetune.checkpoint.outdir import LATEST, STAGING, tag_for
 from finetune.io import seams

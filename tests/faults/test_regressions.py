@@ -45,7 +45,7 @@ def test_a_commit_whose_latest_write_fails_is_committed_and_counted_by_retention
 def test_a_rename_that_fails_is_still_a_failed_save(tmp_path, tiny_module, monkeypatch):
     import pytest
 
-    from finetune.checkpoint.manager import SaveError
+    from finetune.checkpoint.checkpointer import SaveError
 
     monkeypatch.setenv(seams.FAULT, "commit.rename:0:4")
     m, progress, _ = make_manager(make_cfg(tmp_path, save_total_limit=2), tiny_module)

@@ -1,0 +1,253 @@
+"""What a checkpoint holds besides DeepSpeed's rank files, written at a save and read back at a
+resume, as plain functions the Checkpointer calls: the leader's shared files (config, tokenizer,
+trainer_state.json), the consolidated weights, each rank's RNG and log window (``restore``), and
+the records a save carries from its snapshot to its commit.
+
+A write the other ranks would not see never raises here: its failure comes back as a value for
+the save's agree step. ``write_consolidated`` and ``restore`` are collective.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from finetune import distributed as dist
+from finetune.checkpoint.accounting import Clock, SaveIO
+from finetune.checkpoint.adapter import ADAPTER_WEIGHTS, write_adapter_config
+from finetune.checkpoint.outdir import STAGING, OutputDir
+from finetune.checkpoint.rng import set_rng_state
+from finetune.checkpoint.state import TRAINER_STATE, LogWindow
+from finetune.distributed import logger
+from finetune.io.durable import WriteCancelled
+from finetune.io.faults import fault_point
+from finetune.ops import replay_adam_steps
+
+# Adam keeps fp32 master weights + two moments (12 B/param); the module states add a copy.
+BYTES_PER_PARAM_ESTIMATE = 16
+SPACE_MARGIN = 1.10
+RANK_WINDOW = "log_window"  # in rng_state_{r}.pt: rank r's own log window (state.py)
+CONSOLIDATED_PATTERNS = (
+    "model.safetensors",
+    "model-*-of-*.safetensors",
+    "model.safetensors.index.json",
+    ADAPTER_WEIGHTS,
+)
+
+
+def versions() -> dict:
+    import deepspeed
+    import transformers
+
+    import finetune
+
+    return {
+        "finetune": finetune.__version__,
+        "torch": torch.__version__,
+        "deepspeed": deepspeed.__version__,
+        "transformers": transformers.__version__,
+    }
+
+
+@dataclass
+class Snapshot:
+    """What a save captures before writing: this rank's RNG, and (leaders) the trainer state."""
+
+    step: int
+    rng: dict | None = None
+    trainer_state: dict | None = None
+
+
+@dataclass
+class Pending:
+    """A save between its write and its commit (--async_save: written on a thread meanwhile)."""
+
+    step: int
+    tag: str
+    clock: Clock
+    io: SaveIO
+    consolidated: bool
+    final: bool
+    background: bool
+
+
+def trainer_state(states: dict, window: LogWindow, run_info: dict) -> dict:
+    """trainer_state.json: ``states["progress"]``'s keys at the top level (where checkpoints have
+    always had them), every other state under its name, the world's log window, ``run_info``."""
+    others = {name: state.state_dict() for name, state in states.items() if name != "progress"}
+    return {
+        **states["progress"].state_dict(),
+        **others,
+        "window": window.state_dict(),
+        **run_info,
+        "world_size": dist.world_size(),
+        "versions": versions(),
+    }
+
+
+def write_consolidated(
+    module, folder: Path, dtype: torch.dtype, max_shard_size: str | None, adapters: bool
+) -> tuple[dict, dict | None, str | None]:
+    """Collective: every rank gathers, even one whose own writes already failed. Returns (the
+    files written, the adapter's summary for the manifest, the consolidation's error or None)."""
+    from finetune.checkpoint.adapter import save_adapter
+    from finetune.checkpoint.consolidate import ConsolidationFailed, save_consolidated
+
+    try:
+        if adapters:  # the adapters alone, as peft saves them (the base is elsewhere, unchanged)
+            files, summary = save_adapter(module, folder, dtype)
+            return files, summary, None
+        return save_consolidated(module, folder, dtype, max_shard_size), None, None
+    except ConsolidationFailed as e:
+        # every rank is past the gathers: recorded, only safetensors dropped
+        return {}, None, str(e)
+    except Exception as e:
+        # Escaped mid-gather (a transport error): this rank may have left the others inside a
+        # collective, so agreeing now could hang. Fail loudly; nothing was committed.
+        raise RuntimeError(
+            f"the consolidated save raised on rank {dist.rank()} mid-gather; stopping because "
+            f"the ranks may be out of step: {type(e).__name__}: {e}"
+        ) from e
+
+
+def write_shared(
+    storage: OutputDir,
+    module,
+    tokenizer,
+    folder: Path,
+    snap: Snapshot,
+    consolidated_dtype: torch.dtype | None,
+    adapters: bool,
+    cancelled,
+) -> dict[str, tuple[int, str]]:
+    """A leader's files: config, tokenizer, trainer_state.json; hashes only what it wrote here.
+    ``consolidated_dtype``: the consolidated weights' dtype, which config.json then records (None:
+    no consolidated weights). Returns the files (never records them: a write that hung past its
+    deadline and returns later must not touch a later save's list)."""
+    fault_point("save.shared_files", snap.step)
+    config = copy.deepcopy(module.config)
+    config.use_cache = True  # turned off for training only; inference wants it
+    if consolidated_dtype is not None:
+        config.dtype = consolidated_dtype  # config.json describes the safetensors beside it
+    config.save_pretrained(folder)
+    written = [folder / "config.json"]
+    if getattr(module, "generation_config", None) is not None and module.can_generate():
+        module.generation_config.save_pretrained(folder)
+        written.append(folder / "generation_config.json")
+    written += [Path(p) for p in tokenizer.save_pretrained(folder)]
+    if adapters:  # what export and PeftModel.from_pretrained need to rebuild the adapters
+        written.append(write_adapter_config(module, folder))
+    if cancelled.is_set():  # given up on (a hung write above): write no more
+        raise WriteCancelled(f"{folder}: the save was given up")
+    files, staged = {}, f"{STAGING}/{folder.name}"
+    for name in dict.fromkeys(path.name for path in written):
+        if storage.is_file(f"{staged}/{name}"):
+            files[name] = storage.storage.checksum(f"{staged}/{name}")
+            storage.storage.sync(f"{staged}/{name}")
+    files[TRAINER_STATE] = storage.write_json(f"{staged}/{TRAINER_STATE}", snap.trainer_state)
+    return files
+
+
+def restored_window(world: LogWindow, own: dict | None, same_world: bool) -> LogWindow:
+    """This rank's log window after a resume. ``world``: trainer_state.json's (the world's sum;
+    rank 0's own in checkpoints written before rank files kept theirs); ``own``: the rank file's.
+    At the same world size each rank takes its own, so the next row sums exactly what the
+    uninterrupted run's does; on another world size rank 0 takes the world's sum and the others
+    start empty. Every rank keeps the window's step count, which decides (alike everywhere)
+    whether a row is due at the end."""
+    if same_world and own is not None:
+        return LogWindow.from_state_dict(own)
+    if dist.is_main():
+        return world
+    return LogWindow(
+        steps=world.steps, skipped_steps=world.skipped_steps, lr=world.lr, grad_norm=world.grad_norm
+    )
+
+
+def is_consolidated(name: str) -> bool:
+    return name in ("model.safetensors", "model.safetensors.index.json", ADAPTER_WEIGHTS) or (
+        name.startswith("model-") and name.endswith(".safetensors")
+    )
+
+
+def describe(bad: dict[int, str]) -> str:
+    return "; ".join(f"rank {r}: {e}" for r, e in sorted(bad.items()))
+
+
+def restore(plan, engine, states: dict, out: Path, adapters: bool) -> None:
+    """Restore the engine, the states (``states["progress"]``: trainer_state.json's top level;
+    each other one its own key) and this rank's RNG and log window (``restored_window``) from
+    ``plan``, and trim metrics.jsonl after its step. Collective."""
+    progress = states["progress"]
+
+    start, folder = time.perf_counter(), plan.folder
+    load_dir, tag = (
+        (str(folder), plan.universal.name) if plan.universal else (str(folder.parent), folder.name)
+    )
+    # --use_peft: the rank files hold no frozen base weight, so the module's state
+    # is partial (the adapters' own weights come from the optimizer's fp32
+    # partitions, as in full fine-tuning).
+    load_path, _ = engine.load_checkpoint(
+        load_dir,
+        tag=tag,
+        load_optimizer_states=True,
+        load_lr_scheduler_states=True,
+        **({"load_module_strict": False} if adapters else {}),
+    )
+    if load_path is None:
+        raise RuntimeError(f"DeepSpeed could not load the checkpoint {folder}")
+    # CPU Adam's running beta powers, as the uninterrupted run has them
+    replay_adam_steps(engine)
+    progress.load_state_dict(plan.saved)
+    for name, state in states.items():
+        if name != "progress":
+            state.load_state_dict(plan.saved[name])
+    rng_file = folder / f"rng_state_{dist.rank()}.pt"
+
+    def load_rng():
+        fault_point("resume.load_rng")
+        if not rng_file.exists():  # (the plan's folder may be outside OUT: a local path)
+            return None
+        state = torch.load(rng_file, weights_only=True)
+        set_rng_state(state)
+        return state
+
+    state = dist.run_agreed(
+        load_rng, step="restoring each rank's RNG", deadline_s=dist.io_deadline()
+    )
+    if state is None:
+        logger.warning(
+            "no RNG state for rank %d in %s (it had %d ranks); this rank keeps its seeded RNG",
+            dist.rank(),
+            folder.name,
+            plan.saved["world_size"],
+        )
+    progress.window = restored_window(
+        progress.window,
+        (state or {}).get(RANK_WINDOW),
+        plan.saved["world_size"] == dist.world_size(),
+    )
+    from finetune.metrics import truncate_after
+
+    def truncate():
+        fault_point("resume.truncate_metrics")
+        truncate_after(out / "metrics.jsonl", progress.global_step)
+
+    # metrics.jsonl is rank 0's, whatever the storage; a crashed run's tail goes.
+    dist.run_agreed(
+        truncate,
+        on=dist.is_main(),
+        step="trimming metrics.jsonl",
+        deadline_s=dist.io_deadline(),
+    )
+    logger.info(
+        "Resumed from %s at step %d (epoch %.2f) in %.2f seconds.",
+        folder,
+        progress.global_step,
+        progress.epoch,
+        time.perf_counter() - start,
+    )
