@@ -1,4 +1,6 @@
 # `make demo` and `make test` are the README's Quickstart; both set up .venv when needed.
+# Two test tiers: `make test` (everyday, <= 10 min: unit tests and one real 2-rank run) and
+# `make check` (everything: every multi-rank, SLURM, bench-smoke and sampled fault test; what CI runs).
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -9,7 +11,7 @@ STAMP := $(VENV)/.installed
 # sharing ~/.cache/torch_extensions keep invalidating each other's build (a ~2 min rebuild each time).
 export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/$(VENV)/torch_extensions
 
-.PHONY: setup gpu-setup demo test test-fast test-gpu faults bench clean
+.PHONY: setup gpu-setup demo test check test-gpu faults bench clean
 
 setup: $(STAMP)
 
@@ -32,20 +34,22 @@ gpu-setup: setup
 demo: setup
 	PATH=$(CURDIR)/$(VENV)/bin:$$PATH deepspeed --log_level warning --num_gpus 2 --module finetune --save_checkpoint --eval_steps 25 --output_dir output/demo
 
+# Unit tests (fakes for the filesystem and the engine where the behaviour is ours, real DeepSpeed
+# in one process where it is DeepSpeed's) and tests/test_end_to_end.py: one 2-rank run and its resume.
 test: setup
-	$(PY) -m pytest -ra --durations=15 tests
+	$(PY) -m pytest -ra --durations=10 -m "not distributed and not e2e and not faults and not gpu" tests
 
-test-fast: setup
-	$(PY) -m pytest -ra -m "not distributed and not e2e" tests
+check: setup
+	$(PY) -m pytest -ra --durations=25 tests
 
-# The GPU suite (tests/gpu): one CUDA device, NCCL. `make test` runs it too, skipped without a GPU.
+# The GPU suite (tests/gpu): one CUDA device, NCCL. `make check` runs it too, skipped without a GPU.
 test-gpu: setup
 	PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(PY) -m pytest -ra -m gpu tests/gpu
 
 # The fault sweep's long form (tests/faults, and tests/slurm's repeated preemption attempts): every
 # fault site x rank x kind, 50 kill -9 trials of each kind, storms, disk full; over 1 h on a 2-core
 # machine (docs/RELIABILITY.md has the figures). Prints a summary table (cases, failures, max time
-# to exit) and writes output/faults/summary.json. `make test` runs its sample.
+# to exit) and writes output/faults/summary.json. `make check` runs its sample.
 faults: setup
 	FINETUNE_FAULTS_LONG=1 FINETUNE_FAULTS_SUMMARY=output/faults/summary.json \
 		PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(PY) -m pytest -ra -m faults tests/faults tests/slurm
