@@ -116,7 +116,11 @@ def test_a_preemption_during_the_conversion_exits_75_and_the_next_start_finishes
     )
     resume = (*COMMON, *PER_WORLD[1], "--resume_from_checkpoint", str(ckpt))
     run = start_finetune(
-        *resume, launcher="python", nprocs=1, out_dir=tmp_path / "new", env={seams.SLOW_SAVE: "1"}
+        *resume,
+        launcher="python",
+        nprocs=1,
+        out_dir=tmp_path / "new",
+        env={seams.SLOW_UNIVERSAL: "1"},
     )
     wait_until(lambda: len(markers()) >= 2, TIMEOUT, "two pieces of the conversion")
     # the whole job, the converter included (as SLURM's scancel)

@@ -267,13 +267,13 @@ def test_an_interrupted_conversion_keeps_its_pieces_and_ends_equal_to_deepspeeds
             pass
         cancel.set()
 
-    monkeypatch.setenv(seams.SLOW_SAVE, "0.3")
+    monkeypatch.setenv(seams.SLOW_UNIVERSAL, "0.3")
     threading.Thread(target=preempt_after_three_pieces, daemon=True).start()
     with pytest.raises(Interrupted, match="piece"):
         to_universal(part, target, cancel)
     kept = len(markers())
     assert kept >= 3 and not target.exists()
-    monkeypatch.delenv(seams.SLOW_SAVE)
+    monkeypatch.delenv(seams.SLOW_UNIVERSAL)
     summary = to_universal(part, target)
     ran, total = (int(w) for w in summary.split(": ")[1].split(" pieces")[0].split(" of "))
     assert total - ran == kept, summary  # the kept pieces were not done again
