@@ -14,7 +14,6 @@ import difflib
 import logging
 import os
 import sys
-import time
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -22,7 +21,7 @@ from typing import Any
 from finetune import __version__, console, run_config
 from finetune import distributed as dist
 from finetune.commands import SUBCOMMANDS, Parser, subcommand
-from finetune.config import GROUPS, ConfigError, RunConfig, check_size, precision_shorthand
+from finetune.config import GROUPS, ConfigError, RunConfig, precision_shorthand
 from finetune.ops import use_venv_extensions_dir
 from finetune.preemption import release_early
 from finetune.resolve import resolve
@@ -133,163 +132,6 @@ def _train(argv: list[str]) -> int:
     from finetune.run import run
 
     return run(cfg)
-
-
-def _verify(argv: list[str]) -> int:
-    from pathlib import Path
-
-    from finetune.checkpoint.manifest import read_manifest, stored_ranks, verify
-    from finetune.checkpoint.outdir import find_checkpoint
-    from finetune.offline.safe_load import refusals
-    from finetune.offline.verify import notes
-
-    p = Parser(
-        prog="finetune verify",
-        description="Check a checkpoint against its manifest.json. "
-        "Exit 0 intact, 1 damaged (names the files), 2 not a checkpoint.",
-    )
-    p.add_argument(
-        "checkpoint",
-        help="A checkpoint folder, or an output dir (its newest committed checkpoint is checked, "
-        "and the rest of the dir is looked over: uncommitted folders, `latest`, leftovers of "
-        "crashed saves, torn metrics lines; reported as notes).",
-    )
-    p.add_argument("--quick", action="store_true", help="Check file sizes only, not checksums.")
-    ns = p.parse_args(argv)
-    folder = find_checkpoint(ns.checkpoint)
-    report = verify(folder, checksums=not ns.quick) if folder else None
-    if report is None or not report.is_checkpoint:
-        raise ConfigError(
-            f"{ns.checkpoint}: not a checkpoint (no manifest.json or DeepSpeed files)"
-        )
-    # intact; would resume and export unpickle it? (reads the pickles' opcodes)
-    if report.ok and not ns.quick:
-        report.problems += refusals(folder, stored_ranks(read_manifest(folder) or {}))
-    if report.ok:  # a LoRA checkpoint: are its adapters all there? (headers and shapes only)
-        from finetune.checkpoint.adapter import verify_adapter
-
-        report.problems += verify_adapter(folder, read_manifest(folder))
-    what = "sizes" if ns.quick else "sizes and checksums"
-    if report.ok:
-        rate = report.bytes_checked / 1e9 / max(report.seconds, 1e-9)
-        print(
-            f"OK {folder}: {report.files} files, {report.bytes_checked / 1e6:.1f} MB, {what} match "
-            f"({report.seconds:.2f} s, {rate:.2f} GB/s)"
-        )
-    else:
-        print(f"DAMAGED {folder}: {len(report.problems)} problem(s)")
-        for problem in report.problems:
-            print(f"  - {problem}")
-    if folder.resolve() != Path(ns.checkpoint).resolve():  # an output dir: what else is in it
-        for note in notes(Path(ns.checkpoint)):
-            print(f"  note: {note}")
-    return 0 if report.ok else 1
-
-
-def _export(argv: list[str]) -> int:
-    from finetune.offline.export import export_hf, export_universal
-
-    p = Parser(
-        prog="finetune export",
-        description="Turn a checkpoint into a HuggingFace model folder (safetensors, "
-        "config, tokenizer), rebuilt from the rank files in one plain process with bounded memory; "
-        "or, with --universal, into DeepSpeed's universal format. Exit 2 on bad input.",
-    )
-    p.add_argument(
-        "checkpoint",
-        metavar="CKPT",
-        help="A checkpoint folder, or an output dir (its newest committed checkpoint is exported).",
-    )
-    p.add_argument(
-        "out",
-        metavar="OUT",
-        nargs="?",
-        help="The folder to create (must not exist, or be empty). "
-        "With --universal, default CHECKPOINT/universal.",
-    )
-    p.add_argument(
-        "--dtype",
-        choices=("bf16", "fp16", "fp32"),
-        default=None,
-        help="Weights dtype (default: the training dtype in trainer_state.json, else fp32).",
-    )
-    p.add_argument(
-        "--max_shard_size", default=None, help="Largest safetensors shard (default: 5GB)."
-    )
-    p.add_argument(
-        "--exclude_frozen_parameters",
-        action="store_true",
-        help="Leave out parameters that were frozen.",
-    )
-    p.add_argument(
-        "--universal",
-        action="store_true",
-        help="Write DeepSpeed's universal checkpoint format instead "
-        "(what resume on another world size loads).",
-    )
-    p.add_argument(
-        "--merge_lora",
-        action="store_true",
-        help="A LoRA checkpoint (--use_peft): write the base model with the adapters merged into "
-        "its weights, a model folder that loads without peft (default: the adapter folder, "
-        "adapter_model.safetensors + adapter_config.json, for PeftModel.from_pretrained).",
-    )
-    p.add_argument(
-        "--base_model",
-        metavar="PATH_OR_HUB_ID",
-        default=None,
-        help="With --merge_lora: the base model's folder or hub id, if not where the "
-        "run loaded it from (its weights must be the same: checked against the "
-        "fingerprint the checkpoint recorded).",
-    )
-    p.add_argument(
-        "--no_verify",
-        action="store_true",
-        help="Don't check the files read against the checkpoint's manifest.json first (sizes "
-        "and checksums); needed for a checkpoint without one. The rank files are unpickled "
-        "with weights_only=True either way.",
-    )
-    ns = p.parse_args(argv)
-    if ns.universal:
-        if (
-            ns.dtype
-            or ns.max_shard_size
-            or ns.exclude_frozen_parameters
-            or ns.merge_lora
-            or ns.base_model
-        ):
-            raise ConfigError(
-                "`--universal` takes no `--dtype`, `--max_shard_size`, "
-                "`--exclude_frozen_parameters`, `--merge_lora` or `--base_model`"
-            )
-        start = time.perf_counter()
-        target, summary = export_universal(ns.checkpoint, ns.out, verify=not ns.no_verify)
-        print(
-            f"Converted {ns.checkpoint} to DeepSpeed's universal format in {target} "
-            f"({time.perf_counter() - start:.1f} s; {summary.removeprefix('converted ')})"
-        )
-        return 0
-    if ns.out is None:
-        p.error("the following arguments are required: OUT")
-    if ns.max_shard_size is not None:
-        check_size(ns.max_shard_size)
-    try:
-        result = export_hf(
-            ns.checkpoint,
-            ns.out,
-            ns.dtype,
-            ns.max_shard_size,
-            ns.exclude_frozen_parameters,
-            verify=not ns.no_verify,
-            merge_lora=ns.merge_lora,
-            base_model=ns.base_model,
-        )
-    except OSError as e:
-        # a full disk, an I/O error: the staging folder is gone, OUT was never created
-        print(f"finetune: error: export failed, {ns.out} was not written: {e}", file=sys.stderr)
-        return 1
-    print(result.summary())
-    return 0
 
 
 COMMANDS: dict[str, Callable[[list[str]], int]] = {
