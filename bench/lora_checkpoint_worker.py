@@ -24,9 +24,9 @@ from checkpoint_save_worker import (
 )
 
 from finetune import distributed as dist
-from finetune.checkpoint.adapter import save_adapter
 from finetune.checkpoint.consolidate import save_consolidated
 from finetune.lora import trainable_parameters
+from finetune.offline.adapter import save_adapter
 
 try:  # build_trainer since issue 23; Trainer.build in the versions before (before/after runs)
     from finetune.build import build_trainer

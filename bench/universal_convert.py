@@ -84,7 +84,7 @@ def theirs(ckpt: Path, out: Path) -> list[str]:
 
 def interrupted(ckpt: Path, out: Path) -> dict:
     """Ours killed once half its pieces are done, then rerun: the rerun's wall time and pieces."""
-    from finetune.checkpoint.universal import PIECES
+    from finetune.offline.universal import PIECES
 
     pieces = out.with_name(out.name + ".tmp") / PIECES
     drop_caches()

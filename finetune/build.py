@@ -18,9 +18,9 @@ import torch
 
 from finetune import distributed as dist
 from finetune.checkpoint.checkpointer import Checkpointer
-from finetune.checkpoint.layout import Layout, tidy_storage
 from finetune.checkpoint.outdir import OutputDir
 from finetune.checkpoint.resume import Resumer
+from finetune.checkpoint.staging import Layout, tidy_storage
 from finetune.checkpoint.state import TrainingState
 from finetune.config import RunConfig
 from finetune.data import ResumableSampler, TrainData

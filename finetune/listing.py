@@ -21,8 +21,6 @@ from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 
-from finetune.checkpoint.adapter import is_adapter_checkpoint
-from finetune.checkpoint.lease import LEASE
 from finetune.checkpoint.manifest import (
     MANIFEST,
     looks_like_checkpoint,
@@ -35,7 +33,9 @@ from finetune.checkpoint.resume import UNIVERSAL
 from finetune.commands import Parser
 from finetune.config import ConfigError
 from finetune.exit_status import EXIT_STATUS
+from finetune.lease import LEASE
 from finetune.metrics import read_metrics
+from finetune.offline.adapter import is_adapter_checkpoint
 from finetune.offline.verify import METRICS, notes
 
 WIDTH = 100  # the table fits a terminal this wide; full problem texts go below it
@@ -202,7 +202,7 @@ def _problems(folder: Path, manifest: dict, checksums: bool) -> list[str]:
         problems = refusals(folder, stored_ranks(manifest))
     # as `finetune verify`: adapters complete?
     if not problems and checksums and is_adapter_checkpoint(folder):
-        from finetune.checkpoint.adapter import (
+        from finetune.offline.adapter import (
             verify_adapter,  # imports peft and transformers: only when asked
         )
 

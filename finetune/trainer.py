@@ -15,13 +15,13 @@ from tqdm.auto import tqdm
 
 from finetune import distributed as dist
 from finetune.checkpoint.checkpointer import Checkpointer
-from finetune.checkpoint.lease import LeaseLost, describe, holder
 from finetune.checkpoint.outdir import tag_for
 from finetune.checkpoint.state import TrainingState
 from finetune.config import RunConfig
 from finetune.data import IGNORE, TrainData, eval_batches
 from finetune.distributed import logger
 from finetune.exit_status import EXIT_LEASE_LOST
+from finetune.lease import LeaseLost, describe, holder
 from finetune.metrics import MetricsWriter
 from finetune.plot import Plotter
 from finetune.preemption import EXIT_PREEMPTED, Preemption

@@ -31,14 +31,15 @@ from pathlib import Path
 import torch
 
 from finetune import distributed as dist
-from finetune.checkpoint.accounting import Clock, SaveIO, finished, fmt_bytes
 from finetune.checkpoint.contents import (
-    BYTES_PER_PARAM_ESTIMATE,
     RANK_WINDOW,
-    SPACE_MARGIN,
+    Clock,
     Pending,
+    SaveIO,
     Snapshot,
     describe,
+    finished,
+    fmt_bytes,
     is_consolidated,
     restore,
     trainer_state,
@@ -46,13 +47,12 @@ from finetune.checkpoint.contents import (
     write_consolidated,
     write_shared,
 )
-from finetune.checkpoint.layout import Layout
 from finetune.checkpoint.outdir import STAGING, OutputDir, tag_for
 from finetune.checkpoint.policy import space_needed
 from finetune.checkpoint.resume import ResumePlan
 from finetune.checkpoint.retention import Lineage
-from finetune.checkpoint.rng import rng_state
-from finetune.checkpoint.staging import SaveError, Staging
+from finetune.checkpoint.staging import Layout, SaveError, Staging
+from finetune.checkpoint.state import rng_state
 from finetune.checkpoint.writer import GuardedWriter
 from finetune.config import CheckpointArgs
 from finetune.distributed import logger
@@ -83,7 +83,7 @@ class Checkpointer:
         records besides (zero stage, dtype, args); ``run_id``: the same on every rank (names this
         run's save ids); ``still_ours``: whether this run still holds OUT's lease (rank 0 asks
         before each commit); ``adapters`` (--use_peft): the engine's module is a peft model whose
-        frozen base is left out of its checkpoints (checkpoint/adapter.py)."""
+        frozen base is left out of its checkpoints (offline/adapter.py)."""
         from finetune.lora import trainable_parameters
         from finetune.modeling import count_parameters
 
@@ -95,8 +95,7 @@ class Checkpointer:
         self.leader = layout.leader
         # A save's size before there is a checkpoint to size it by: with adapters, only they are
         # saved (a 70B base would otherwise ask for ~1.2 TB free).
-        module = engine.module
-        self.parameters = trainable_parameters(module) if adapters else count_parameters(module)
+        self.parameters = (trainable_parameters if adapters else count_parameters)(engine.module)
         self.writer = GuardedWriter(engine.checkpoint_engine)
         engine.checkpoint_engine = self.writer
         if hasattr(engine, "_copy_recovery_script"):
@@ -109,13 +108,8 @@ class Checkpointer:
         self.on_event: Callable[..., None] = lambda kind, step, **fields: None
         head, seen = (plan.head, plan.max_seq) if plan else (None, 0)
         self.lineage = Lineage(storage, self.leader, head, seen)  # collective
-        need = lambda: space_needed(  # this storage's share: the last checkpoint's size, or an
-            self.lineage.last_bytes,  # estimate from the parameters before there is one
-            self.parameters,
-            layout.share,
-            BYTES_PER_PARAM_ESTIMATE,
-            SPACE_MARGIN,
-        )
+        # this storage's share: the last checkpoint's size, or an estimate from the parameters
+        need = lambda: space_needed(self.lineage.last_bytes, self.parameters, layout.share)
         self.staging = Staging(storage, self.leader, self.lineage.deleter, need, still_ours)
 
     # --- when: the trainer reports step boundaries; every method is collective ----------------

@@ -1,15 +1,19 @@
 """What a checkpoint holds besides DeepSpeed's rank files, written at a save and read back at a
 resume, as plain functions the Checkpointer calls: the leader's shared files (config, tokenizer,
 trainer_state.json), the consolidated weights, each rank's RNG and log window (``restore``), and
-the records a save carries from its snapshot to its commit.
+the records a save carries from its snapshot to its commit, and what one save cost this rank (phase
+timings for the "Finished saving" line, and its I/O).
 
 A write the other ranks would not see never raises here: its failure comes back as a value for
 the save's agree step. ``write_consolidated`` and ``restore`` are collective.
+
+Test seam: ``FINETUNE_SAVE_IO=<dir>`` writes each rank's record to ``<dir>/<tag>-rank<r>.json``.
 """
 
 from __future__ import annotations
 
 import copy
+import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,19 +21,15 @@ from pathlib import Path
 import torch
 
 from finetune import distributed as dist
-from finetune.checkpoint.accounting import Clock, SaveIO
-from finetune.checkpoint.adapter import ADAPTER_WEIGHTS, write_adapter_config
 from finetune.checkpoint.outdir import STAGING, OutputDir
-from finetune.checkpoint.rng import set_rng_state
-from finetune.checkpoint.state import TRAINER_STATE, LogWindow
+from finetune.checkpoint.state import TRAINER_STATE, LogWindow, set_rng_state
 from finetune.distributed import logger
-from finetune.io.durable import WriteCancelled
+from finetune.io import seams
+from finetune.io.durable import WriteCancelled, bytes_hashed
 from finetune.io.faults import fault_point
+from finetune.offline.adapter import ADAPTER_WEIGHTS, write_adapter_config
 from finetune.ops import replay_adam_steps
 
-# Adam keeps fp32 master weights + two moments (12 B/param); the module states add a copy.
-BYTES_PER_PARAM_ESTIMATE = 16
-SPACE_MARGIN = 1.10
 RANK_WINDOW = "log_window"  # in rng_state_{r}.pt: rank r's own log window (state.py)
 CONSOLIDATED_PATTERNS = (
     "model.safetensors",
@@ -94,8 +94,8 @@ def write_consolidated(
 ) -> tuple[dict, dict | None, str | None]:
     """Collective: every rank gathers, even one whose own writes already failed. Returns (the
     files written, the adapter's summary for the manifest, the consolidation's error or None)."""
-    from finetune.checkpoint.adapter import save_adapter
     from finetune.checkpoint.consolidate import ConsolidationFailed, save_consolidated
+    from finetune.offline.adapter import save_adapter
 
     try:
         if adapters:  # the adapters alone, as peft saves them (the base is elsewhere, unchanged)
@@ -250,4 +250,98 @@ def restore(plan, engine, states: dict, out: Path, adapters: bool) -> None:
         progress.global_step,
         progress.epoch,
         time.perf_counter() - start,
+    )
+
+
+# -------------------- what one save cost this rank --------------------
+
+
+class SaveIO:
+    """This rank's save I/O: bytes it wrote, bytes our code read back (hash_file), and the
+    kernel's read counters for the whole process (/proc/self/io), as deltas over one save."""
+
+    def __init__(self):
+        self.start = (_proc_io(), bytes_hashed())
+
+    def finish(self, tag: str, files: dict[str, tuple[int, str]], seconds: float) -> dict:
+        (io0, hashed0), io1 = self.start, _proc_io()
+        record = {
+            "tag": tag,
+            "rank": dist.rank(),
+            "world_size": dist.world_size(),
+            "seconds": round(seconds, 4),
+            "own_bytes": sum(size for size, _ in files.values()),
+            "hashed_bytes": bytes_hashed() - hashed0,
+            **{f"{k}_delta": io1[k] - io0[k] for k in io1 if k in io0},
+        }
+        folder = seams.value(seams.SAVE_IO)
+        if folder:
+            try:
+                Path(folder).mkdir(parents=True, exist_ok=True)
+                (Path(folder) / f"{tag}-rank{dist.rank()}.json").write_text(json.dumps(record))
+            except OSError as e:
+                logger.warning("%s: %s", seams.SAVE_IO, e)
+        return record
+
+
+def _proc_io() -> dict[str, int]:
+    try:
+        lines = Path("/proc/self/io").read_text().splitlines()
+    except OSError:
+        return {}
+    return {
+        k: int(v)
+        for k, v in (line.split(": ") for line in lines)
+        if k in ("rchar", "read_bytes", "wchar")
+    }
+
+
+class Clock:
+    """Per-phase timings of one save, for the log line."""
+
+    def __init__(self):
+        self.start = self.last = time.perf_counter()
+        self.laps: list[tuple[str, float]] = []
+
+    def lap(self, name: str) -> None:
+        now = time.perf_counter()
+        self.laps.append((name, now - self.last))
+        self.last = now
+
+    @property
+    def total(self) -> float:
+        return self.last - self.start
+
+    def __str__(self) -> str:
+        return " ".join(f"{name} {seconds:.2f}s" for name, seconds in self.laps)
+
+
+def fmt_bytes(n: int | float) -> str:
+    """A size for a log line: MB below a GB (two decimals: a small checkpoint's is not
+    "0.01 GB"), else GB."""
+    return f"{n / 1e6:.2f} MB" if abs(n) < 1e9 else f"{n / 1e9:.2f} GB"
+
+
+def space_report(freed: dict[int, tuple[int, int | None]], need: int) -> str:
+    """What removing a failed save's staging freed, what is free now and what a save needs, for the
+    save's error line. ``freed``: leader rank → (bytes freed, bytes free now or None where the
+    free space could not be read); several leaders (node-local storage) are named by rank."""
+    parts = []
+    for rank, (gone, free) in sorted(freed.items()):
+        text = f"removing its staging freed {fmt_bytes(gone)}"
+        if free is not None:
+            text += f"; {fmt_bytes(free)} free now, a save needs ~{fmt_bytes(need)}"
+            if free < need:
+                text += " (the next save is refused until space is freed)"
+        parts.append(f"rank {rank}: {text}" if len(freed) > 1 else text)
+    return "; ".join(parts)
+
+
+def finished(tag: str, clock: Clock, total: int, own: dict, final: bool) -> str:
+    """The log line of a committed save: its time, size, rate, phases and rank 0's own I/O."""
+    return (
+        f"Finished saving the checkpoint {tag} in {clock.total:.2f} seconds "
+        f"({total / 1e6:.1f} MB, {total / 1e6 / max(clock.total, 1e-9):.1f} MB/s; {clock}; rank 0 "
+        f"wrote {own['own_bytes'] / 1e6:.1f} MB and read back {own['hashed_bytes'] / 1e6:.2f} MB)"
+        f"{' [final]' if final else ''}."
     )

@@ -41,7 +41,9 @@ STAGING = ".staging"
 TRASH = ".trash-"
 ABANDONED = ".abandoned"
 MANIFEST = "manifest.json"
-UNIVERSAL_TMP = "universal.tmp"  # an interrupted universal conversion's pieces (universal.py): kept
+UNIVERSAL_TMP = (
+    "universal.tmp"  # an interrupted universal conversion's pieces (offline/universal.py): kept
+)
 
 logger = logging.getLogger("finetune")
 
@@ -216,7 +218,7 @@ class OutputDir:
             if e.name.startswith((TRASH, ".storage-probe-"))
             or e.name in (f".{LATEST}.tmp", "metrics.jsonl.tmp", ".exit_status.json.tmp")
         ]
-        # <tag>/universal.tmp is kept: an interrupted conversion's finished pieces (universal.py).
+        # <tag>/universal.tmp is kept: an interrupted conversion's pieces (offline/universal.py).
         found += [
             f"{t}/{e.name}"
             for t in self.tags()

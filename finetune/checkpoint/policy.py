@@ -124,8 +124,17 @@ def select_for_deletion(line: list[str], limit: int, protected: set) -> list[str
     return [t for t in line if t not in protected][: max(excess, 0)]
 
 
+# Adam keeps fp32 master weights + two moments (12 B/param); the module states add a copy.
+BYTES_PER_PARAM_ESTIMATE = 16
+SPACE_MARGIN = 1.10
+
+
 def space_needed(
-    previous_bytes: int | None, parameters: int, share: float, bytes_per_param: int, margin: float
+    previous_bytes: int | None,
+    parameters: int,
+    share: float,
+    bytes_per_param: int = BYTES_PER_PARAM_ESTIMATE,
+    margin: float = SPACE_MARGIN,
 ) -> int:
     """Bytes a save needs on one storage: the previous checkpoint's size there, else an estimate
     for Adam under ZeRO scaled to the storage's share of the ranks (node-local: its node's)."""

@@ -23,13 +23,13 @@ from finetune.checkpoint.manifest import MANIFEST, looks_like_checkpoint, read_m
 from finetune.checkpoint.outdir import OutputDir, committed, find_checkpoint, step_of
 from finetune.checkpoint.policy import Committed, newer_than, resume_order
 from finetune.checkpoint.state import TRAINER_STATE
-from finetune.checkpoint.universal import UNIVERSAL, to_universal, verify_universal
 from finetune.config import ConfigError, RunConfig
 from finetune.distributed import logger
 from finetune.io.faults import fault_point
 from finetune.lora import check_resumable
 from finetune.modeling import check_checkpoint_model
 from finetune.offline import safe_load
+from finetune.offline.universal import UNIVERSAL, to_universal, verify_universal
 from finetune.preemption import Preempted
 
 

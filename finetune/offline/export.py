@@ -34,17 +34,15 @@ from pathlib import Path
 
 import torch
 
-from finetune.checkpoint.adapter import is_adapter_checkpoint
 from finetune.checkpoint.consolidate import FROM_MASTER, SOURCE_KEY
 from finetune.checkpoint.manifest import read_manifest
 from finetune.checkpoint.outdir import find_checkpoint, step_of
-from finetune.checkpoint.shards import INDEX, plan_shards, read_header, shard_header
-from finetune.checkpoint.universal import UNIVERSAL, to_universal
 from finetune.commands import Parser
 from finetune.config import ConfigError, check_size
 from finetune.io.durable import fsync_path
 from finetune.io.faults import fault_point
 from finetune.modeling import DTYPES
+from finetune.offline.adapter import is_adapter_checkpoint
 from finetune.offline.model_files import (
     DEFAULT_SHARD_SIZE,
     SAFE_TO_TORCH,
@@ -59,6 +57,8 @@ from finetune.offline.model_files import (
     verify_inputs,
     write_tensor,
 )
+from finetune.offline.shards import INDEX, plan_shards, read_header, shard_header
+from finetune.offline.universal import UNIVERSAL, to_universal
 from finetune.offline.zero_files import ZeroCheckpoint, rank_model_files
 
 # --- entry points ------------------------------------------------------------------------------

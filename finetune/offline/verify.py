@@ -19,13 +19,13 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from finetune.checkpoint.adapter import verify_adapter
 from finetune.checkpoint.manifest import read_manifest, stored_ranks
 from finetune.checkpoint.manifest import verify as check_checkpoint
 from finetune.checkpoint.outdir import LATEST, OutputDir, committed, find_checkpoint
 from finetune.checkpoint.policy import newest_first
 from finetune.commands import Parser
 from finetune.config import ConfigError
+from finetune.offline.adapter import verify_adapter
 
 METRICS = "metrics.jsonl"
 

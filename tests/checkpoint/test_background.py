@@ -7,8 +7,7 @@ import io
 import pytest
 import torch
 
-from finetune.checkpoint.background import Queue, host_copy
-from finetune.checkpoint.writer import GuardedWriter
+from finetune.checkpoint.writer import GuardedWriter, Queue, host_copy
 
 
 def _saved(obj) -> bytes:

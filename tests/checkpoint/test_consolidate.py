@@ -16,7 +16,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from finetune.checkpoint import consolidate, shards
+from finetune.checkpoint import consolidate
+from finetune.offline import shards
 from finetune.checkpoint.consolidate import (
     FROM_MASTER,
     FROM_MODULE,
@@ -30,8 +31,8 @@ from finetune.checkpoint.consolidate import (
     tensor_entries,
     weights_source,
 )
-from finetune.checkpoint.shards import INDEX, ShardWriter, plan_shards
 from finetune.io import seams
+from finetune.offline.shards import INDEX, ShardWriter, plan_shards
 
 from conftest import free_port
 

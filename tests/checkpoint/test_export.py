@@ -18,12 +18,12 @@ from safetensors.torch import load_file
 
 from finetune.checkpoint.consolidate import FROM_MASTER, FROM_MODULE, SOURCE_KEY
 from finetune.checkpoint.manifest import build_manifest
-from finetune.checkpoint.shards import INDEX
 from finetune.cli import main
 from finetune.io.durable import hash_file
 from finetune.offline import export as ex
 from finetune.offline import safe_load
 from finetune.offline import zero_files as zf
+from finetune.offline.shards import INDEX
 
 VOCAB = 97
 

@@ -14,10 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from finetune.checkpoint import holder as holder_mod
-from finetune.checkpoint import lease as lease_mod
-from finetune.checkpoint.lease import LEASE, LeaseHeld, acquire, holder
+from finetune import lease as lease_mod
 from finetune.config import ConfigError
+from finetune.lease import LEASE, LeaseHeld, acquire, holder
 
 REPO = Path(__file__).resolve().parents[2]
 AT_ONCE = 5.0  # seconds: "decided at once", against the 75 s a holder on another machine is watched
@@ -26,7 +25,7 @@ ELSEWHERE = {"host": "node-elsewhere", "boot_id": "another-boot", "pid_ns": "pid
 # A process that takes the lease and holds it until killed.
 HOLD = """
 import sys, time
-from finetune.checkpoint.lease import acquire
+from finetune.lease import acquire
 lease = acquire(sys.argv[1], sys.argv[2], renew_s=float(sys.argv[3]))
 print("held", flush=True)
 time.sleep(60)
@@ -36,7 +35,7 @@ time.sleep(60)
 # lease it won until its stdin closes.
 RACE = """
 import pathlib, sys, time
-from finetune.checkpoint.lease import LeaseHeld, acquire
+from finetune.lease import LeaseHeld, acquire
 print("ready", flush=True)
 go = pathlib.Path(sys.argv[2])
 while not go.exists():
@@ -85,7 +84,7 @@ def write_lease(out: Path, **fields) -> dict:
     """A lease as another run would have written it: this machine's, unless ``fields`` say
     otherwise."""
     out.mkdir(parents=True, exist_ok=True)
-    info = {**holder_mod.identity("other-run", 30.0), **fields}
+    info = {**lease_mod.identity("other-run", 30.0), **fields}
     (out / LEASE).write_bytes(lease_mod._encode(info))
     return info
 
@@ -150,7 +149,7 @@ def test_a_sigkilled_holder_is_taken_over_at_once(tmp_path, spawn, caplog):
         acquire(out, "next")
     proc.kill()
     # Not reaped yet: a zombie is dead too.
-    wait_for(lambda: (holder_mod.proc_stat(proc.pid) or ("Z",))[0] == "Z")
+    wait_for(lambda: (lease_mod.proc_stat(proc.pid) or ("Z",))[0] == "Z")
     lease, took = timed_acquire(out, "next")
     assert took < AT_ONCE and holder(out)["run_id"] == "next"
     assert "took its lease over" in caplog.text and "run id victim" in caplog.text
@@ -160,7 +159,7 @@ def test_a_sigkilled_holder_is_taken_over_at_once(tmp_path, spawn, caplog):
 
 def test_a_reused_pid_is_not_the_holder(tmp_path, caplog):
     out = tmp_path / "out"
-    mine = holder_mod.proc_stat(os.getpid())[1]
+    mine = lease_mod.proc_stat(os.getpid())[1]
     write_lease(out, pid=os.getpid(), pid_start=mine + 1000)  # a live pid, but a later process
     lease, took = timed_acquire(out, "next")
     assert took < AT_ONCE and holder(out)["run_id"] == "next"
@@ -199,7 +198,7 @@ def test_observe_s_defaults_to_a_few_of_the_slower_heartbeats(tmp_path):
 def test_a_beating_holder_on_another_machine_is_refused(tmp_path, monkeypatch):
     out = tmp_path / "out"
     with monkeypatch.context() as m:
-        m.setattr(holder_mod, "machine", lambda: dict(ELSEWHERE))
+        m.setattr(lease_mod, "machine", lambda: dict(ELSEWHERE))
         far = acquire(out, "far", renew_s=0.05)
     t0 = time.monotonic()
     with pytest.raises(LeaseHeld, match="run id far, pid .* on host node-elsewhere"):
@@ -299,7 +298,7 @@ def test_a_slow_taker_leaves_a_lease_that_changed_since_it_was_judged(tmp_path):
     out = tmp_path / "out"
     old = lease_mod._encode(write_lease(out, run_id="dead"))
     new = lease_mod._encode(write_lease(out, run_id="fast-taker"))
-    me = holder_mod.identity("slow-taker", 30.0)
+    me = lease_mod.identity("slow-taker", 30.0)
     assert not lease_mod._evict(out / LEASE, old, me, None)
     assert (out / LEASE).read_bytes() == new and files(out) == [LEASE]
 
@@ -308,7 +307,7 @@ def test_a_taker_that_died_mid_takeover_does_not_block_the_next(tmp_path, caplog
     out = tmp_path / "out"
     dead = write_lease(out, pid=os.getpid(), pid_start=-1)
     key = lease_mod.hashlib.sha256(lease_mod._encode(dead)).hexdigest()[:16]
-    crashed = holder_mod.identity("crashed-taker", 30.0) | {"pid_start": -1}  # its process is gone
+    crashed = lease_mod.identity("crashed-taker", 30.0) | {"pid_start": -1}  # its process is gone
     (out / f"{lease_mod.TAKING}.{key}.1").write_bytes(lease_mod._encode(crashed))
     lease, took = timed_acquire(out, "next")
     assert took < AT_ONCE and holder(out)["run_id"] == "next" and files(out) == [LEASE]
@@ -320,7 +319,7 @@ def test_a_live_taker_that_never_finishes_is_named(tmp_path):
     dead = write_lease(out, pid=os.getpid(), pid_start=-1)
     key = lease_mod.hashlib.sha256(lease_mod._encode(dead)).hexdigest()[:16]
     # this live process, as if stopped mid-takeover
-    stuck = holder_mod.identity("stuck-taker", 30.0)
+    stuck = lease_mod.identity("stuck-taker", 30.0)
     (out / f"{lease_mod.TAKING}.{key}.1").write_bytes(lease_mod._encode(stuck))
     with pytest.raises(LeaseHeld, match="run id stuck-taker"):
         acquire(out, "next", observe_s=0.2)

@@ -190,8 +190,8 @@ def make_cfg(out, **flags):
 
 def make_manager(cfg, module, run_id="run1", **kw):
     from finetune.checkpoint.checkpointer import Checkpointer
-    from finetune.checkpoint.layout import Layout
     from finetune.checkpoint.resume import Resumer
+    from finetune.checkpoint.staging import Layout
     from finetune.checkpoint.state import TrainingState
 
     storage = OutputDir(cfg.ckpt.output_dir)
@@ -400,7 +400,7 @@ def test_torn_metrics_line_is_dropped_on_resume(tmp_path):
 
 
 def test_a_universal_conversion_is_reused_only_if_it_verifies(tmp_path):
-    from finetune.checkpoint.universal import verify_universal, write_universal_manifest
+    from finetune.offline.universal import verify_universal, write_universal_manifest
 
     target = tmp_path / "universal"
     (target / "zero" / "w").mkdir(parents=True)
@@ -424,7 +424,7 @@ def test_a_second_run_into_a_live_runs_output_dir_exits_2_naming_it(tmp_path):
     import subprocess
     import sys
 
-    from finetune.checkpoint.lease import acquire
+    from finetune.lease import acquire
 
     with acquire(tmp_path, "live-run-1"):
         r = subprocess.run(
@@ -524,7 +524,7 @@ def test_a_fresh_run_sets_aside_an_earlier_runs_checkpoints_instead_of_overwriti
 
 
 def test_a_run_that_lost_its_lease_does_not_commit_and_touches_nothing(tmp_path, tiny_module):
-    from finetune.checkpoint.lease import LeaseLost
+    from finetune.lease import LeaseLost
 
     m, progress, _ = make_manager(make_cfg(tmp_path), tiny_module, still_ours=lambda: False)
     with pytest.raises(LeaseLost, match="another run took over"):
@@ -549,7 +549,7 @@ class Lease:
 def test_the_lease_is_checked_again_right_before_the_publish(tmp_path, tiny_module):
     """Lost while the manifest was written (after the commit's first check): nothing is renamed
     into place, `latest` and the staged folder stay as they are."""
-    from finetune.checkpoint.lease import LeaseLost
+    from finetune.lease import LeaseLost
 
     staged = tmp_path / STAGING / "global_step4" / MANIFEST
     lease = Lease(staged.exists)
@@ -563,7 +563,7 @@ def test_the_lease_is_checked_again_right_before_the_publish(tmp_path, tiny_modu
 
 def test_the_lease_is_checked_again_right_before_retention(tmp_path, tiny_module):
     """Lost after the publish: the checkpoint is committed, but nothing is deleted."""
-    from finetune.checkpoint.lease import LeaseLost
+    from finetune.lease import LeaseLost
 
     lease = Lease(lambda: (tmp_path / "global_step6").is_dir())
     m, progress, _ = make_manager(
@@ -579,7 +579,7 @@ def test_the_lease_is_checked_again_right_before_retention(tmp_path, tiny_module
 
 def test_a_lease_refusal_is_a_config_error_on_every_rank():
     from finetune import distributed as dist
-    from finetune.checkpoint.lease import LeaseHeld
+    from finetune.lease import LeaseHeld
 
     def refuse():
         raise LeaseHeld(__import__("pathlib").Path("/out"), {"run_id": "x", "host": "h", "pid": 1})

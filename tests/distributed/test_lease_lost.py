@@ -9,10 +9,9 @@ import re
 
 import pytest
 
-from finetune.checkpoint.holder import identity
-from finetune.checkpoint.lease import LEASE
 from finetune.exit_status import EXIT_LEASE_LOST, EXIT_STATUS
 from finetune.io import seams
+from finetune.lease import LEASE, identity
 
 from conftest import last_logged_step, wait_until
 

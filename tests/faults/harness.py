@@ -142,7 +142,7 @@ def output_dir_problems(out: Path) -> list[str]:
     """What no crash, failure or kill may ever leave in an output dir: a `latest` naming anything
     but a checkpoint that verifies; a folder with a manifest (committed, set aside, or staged and
     committed but never renamed) that does not verify; a checkpoint's name without a manifest."""
-    from finetune.checkpoint.universal import verify_universal
+    from finetune.offline.universal import verify_universal
 
     problems = []
     latest = out / LATEST

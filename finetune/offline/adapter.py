@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from finetune.checkpoint.shards import read_header
+from finetune.offline.shards import read_header
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"

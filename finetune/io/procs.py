@@ -1,25 +1,16 @@
-"""Who holds a lease, and whether that process is still alive: the facts lease.py judges by.
+"""Facts about processes on this machine: whether a pid is still the process it was, and where a
+pid means the same process at all (host, boot, pid namespace). The lease (finetune/lease.py)
+judges its holder by them.
 
 A pid means the same process only on the same host, boot and pid namespace, and only while its
-start time (field 22 of /proc/<pid>/stat) matches; a SLURM job at a higher restart count is a
-requeue of the same job, whose earlier incarnation SLURM has killed.
+start time (field 22 of /proc/<pid>/stat) matches.
 """
 
 from __future__ import annotations
 
 import os
 import socket
-from datetime import datetime
 from pathlib import Path
-
-
-def requeued_predecessor(info: dict, me: dict) -> bool:
-    return (
-        me["slurm_job_id"] is not None
-        and info.get("slurm_job_id") == me["slurm_job_id"]
-        and info.get("slurm_cluster") == me["slurm_cluster"]
-        and as_int(info.get("slurm_restart_count")) < me["slurm_restart_count"]
-    )
 
 
 def same_machine(a: dict, b: dict) -> bool:
@@ -60,27 +51,6 @@ def proc_stat(pid: int) -> tuple[str, int] | None:
         return None
 
 
-def identity(run_id: str, renew_s: float) -> dict:
-    pid = os.getpid()
-    stat = proc_stat(pid)
-    job = os.environ.get("SLURM_JOB_ID") or None
-    where = machine()
-    return {
-        "run_id": run_id,
-        "host": where["host"],
-        "pid": pid,
-        "pid_start": stat[1] if stat else None,
-        "started": datetime.now().astimezone().isoformat(timespec="seconds"),
-        "slurm_job_id": job,
-        "beat": 0,
-        "boot_id": where["boot_id"],
-        "pid_ns": where["pid_ns"],
-        "slurm_restart_count": as_int(os.environ.get("SLURM_RESTART_COUNT")) if job else None,
-        "slurm_cluster": os.environ.get("SLURM_CLUSTER_NAME") if job else None,
-        "renew_s": renew_s,
-    }
-
-
 def machine() -> dict:
     """Where a pid means the same process: the host, its current boot, and the pid namespace."""
     try:
@@ -92,10 +62,3 @@ def machine() -> dict:
     except OSError:
         pid_ns = None
     return {"host": socket.gethostname(), "boot_id": boot_id, "pid_ns": pid_ns}
-
-
-def as_int(value) -> int:
-    try:
-        return int(value)
-    except (TypeError, ValueError):
-        return 0

@@ -6,10 +6,8 @@ node loss, a SLURM requeue) takes the lease over, so a restart is never blocked 
 The output dir may be a local disk or a network filesystem (NFS, Lustre) shared by hosts whose
 clocks disagree.
 
-The lease is a small JSON object: ``run_id``, ``host``, ``pid``, ``pid_start`` (the process's start
-time, /proc/<pid>/stat field 22), ``started`` (ISO time, for people), ``slurm_job_id``, ``beat`` (a
-counter the heartbeat advances), and what the rules below need besides: ``boot_id``, ``pid_ns``,
-``slurm_restart_count``, ``slurm_cluster``, ``renew_s``.
+The lease is a small JSON object (``identity``, below): who holds it, where, since when, and
+``beat``, a counter the heartbeat advances.
 
 How ``acquire`` judges an existing lease's holder (the first rule that applies):
 
@@ -30,34 +28,9 @@ How ``acquire`` judges an existing lease's holder (the first rule that applies):
 So a dead predecessor costs the next run nothing on the same machine or after a requeue, and 75 s
 (logged) when it ran on another machine.
 
-Atomicity (every step also holds on NFS and Lustre):
-
-- Create: write a temp file, fsync, ``link`` it to ``.lease``, which fails if one exists; readers
-  never see a partial lease. (An NFS ``link`` retried after a lost reply reports EEXIST though it
-  succeeded: the temp's link count tells.) Where hard links are unsupported, ``O_CREAT|O_EXCL``.
-- Take over a dead holder, whose lease has the bytes S: create the marker
-  ``.lease.taking.<hash of S>.1`` exclusively (as above, holding our lease), check that ``.lease``
-  still holds S, and rename the marker over it, which replaces it atomically; then remove the
-  markers. Racing takers of S get the marker one at a time, and a taker that wins it only after S
-  was replaced (the marker was removed) fails the check; ``.lease`` never goes missing on the way,
-  so a run starting just then cannot create one beside ours. A marker whose taker died before
-  renaming it is judged like a lease (rules 1 and 3; on another machine, dead once S stays put for
-  ``observe_s``), and the next taker uses marker ``.2``, and so on.
-- Heartbeat (a daemon thread, every ``renew_s``): if ``.lease`` is still ours, replace it (temp file
-  + rename) with ``beat + 1`` (a garbled one too). If it now belongs to another run, this run
-  stalled for longer than that run watched (SIGSTOP, ``scontrol suspend``, a hung mount): log an
-  error once, stop beating, set ``Lease.lost``, and never overwrite it. If it vanished (removed by
-  hand), create it again. A failed write (disk full) is logged and retried at the next beat, never
-  raised into training.
-- A lost lease stops the run: rank 0's flag rides on the step boundary's all-reduce, and every rank
-  raises ``LeaseLost`` (exit 3) and writes nothing more into OUT (metrics and events are dropped
-  from the moment the flag is set). ``check()`` re-reads the lease right before every save, commit,
-  publish, retention and cleanup, so a takeover between two heartbeats is seen there too.
-
-The one window left: the heartbeat's read-then-replace is not atomic with a takeover, so a holder
-whose stall ends in the very milliseconds another run takes over can overwrite the newcomer's lease;
-the newcomer then logs the error above at its next beat. Every such case (here, in release, and a
-taker judged dead while it replaced a lease) needs a stall longer than ``observe_s``.
+Atomicity on NFS and Lustre too (create by ``link``, take over through an exclusive marker renamed
+over the dead lease, heartbeat by temp file + rename, a lost lease stops the run): each step and
+why it holds, and the one window left, are in docs/CHECKPOINTS.md, "How the lease stays atomic".
 
 Test seam: ``FINETUNE_LEASE_RENEW_S=<seconds>``, the heartbeat of a run (default 30).
 """
@@ -75,15 +48,13 @@ import secrets
 import threading
 import time
 import uuid
+from datetime import datetime
 from pathlib import Path
 
-from finetune.checkpoint.holder import identity as _identity
-from finetune.checkpoint.holder import process_gone as _process_gone
-from finetune.checkpoint.holder import requeued_predecessor as _requeued_predecessor
-from finetune.checkpoint.holder import same_machine as _same_machine
 from finetune.config import ConfigError
 from finetune.io import seams
 from finetune.io.faults import fault_point
+from finetune.io.procs import machine, proc_stat, process_gone, same_machine
 
 logger = logging.getLogger("finetune")
 
@@ -150,7 +121,7 @@ def acquire(
     if renew_s <= 0:
         raise ValueError(f"renew_s must be positive, not {renew_s}")
     out = Path(out)
-    me = _identity(run_id or uuid.uuid4().hex[:12], renew_s)
+    me = identity(run_id or uuid.uuid4().hex[:12], renew_s)
     try:
         fault_point("lease.acquire")
         out.mkdir(parents=True, exist_ok=True)
@@ -272,7 +243,7 @@ class Lease:
                 return False
             os.replace(tmp, self.path)
         finally:
-            _unlink(tmp)
+            tmp.unlink(missing_ok=True)
         return True
 
 
@@ -313,7 +284,7 @@ def _judge(
         if again != raw:
             return _CHANGED, again, ""
         return _DEAD, raw, "its lease is unreadable, left by a crash mid-write"
-    if _requeued_predecessor(info, me):
+    if requeued_predecessor(info, me):
         return (
             _DEAD,
             raw,
@@ -322,8 +293,8 @@ def _judge(
                 f"{info.get('slurm_restart_count') or 0} → {me['slurm_restart_count']}"
             ),
         )
-    if _same_machine(info, me):
-        why = _process_gone(info["pid"], info.get("pid_start"))
+    if same_machine(info, me):
+        why = process_gone(info["pid"], info.get("pid_start"))
         return (_DEAD, raw, why) if why else (_ALIVE, raw, "")
     return _observe(path, raw, info, _observe_time(info, me, observe_s))
 
@@ -369,7 +340,7 @@ def _evict(path: Path, raw: bytes, me: dict, observe_s: float | None) -> bool:
         # _DEAD: that taker died holding marker n; the next one is ours to try
     # replaced before we won the marker (whose previous copy was then removed)
     if _read(path) != raw:
-        _unlink(marker)
+        marker.unlink(missing_ok=True)
         return False
     try:
         os.replace(marker, path)
@@ -377,7 +348,9 @@ def _evict(path: Path, raw: bytes, me: dict, observe_s: float | None) -> bool:
         if not _is_ours(_read(path), me):
             raise
     for leftover in path.parent.glob(f"{TAKING}.*"):
-        _unlink(leftover)  # markers of replaced leases only: nobody can have judged ours dead yet
+        leftover.unlink(
+            missing_ok=True
+        )  # markers of replaced leases only: nobody can have judged ours dead yet
     return True
 
 
@@ -392,11 +365,11 @@ def _await_taker(path: Path, raw: bytes, marker: Path, me: dict, observe_s: floa
     if taker is None:  # garbled: crashed mid-write, or (without hard links) still writing
         time.sleep(_RECHECK_S)
         return _CHANGED if _read(marker) != mraw else _DEAD
-    local = _same_machine(taker, me)
+    local = same_machine(taker, me)
     deadline = time.monotonic() + _observe_time(taker, me, observe_s)
     pause = 0.005
     while _read(path) == raw and _read(marker) == mraw:
-        if local and _process_gone(taker["pid"], taker.get("pid_start")):
+        if local and process_gone(taker["pid"], taker.get("pid_start")):
             return _DEAD
         if time.monotonic() > deadline:
             if local:
@@ -467,32 +440,58 @@ def _publish(path: Path, data: bytes, tag: str) -> bool:
             raise
         return _create_exclusive(path, data)
     finally:
-        _unlink(tmp)
+        tmp.unlink(missing_ok=True)
 
 
 def _create_exclusive(path: Path, data: bytes) -> bool:
     """``_publish`` without hard links: readers may briefly see a partial file (hence
     rule 1's re-read)."""
     try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        _write_file(path, data, "xb")
     except FileExistsError:
         return False
-    with os.fdopen(fd, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
     return True
 
 
-def _write_file(path: Path, data: bytes) -> None:
-    with open(path, "wb") as f:
+def _write_file(path: Path, data: bytes, mode: str = "wb") -> None:
+    with open(path, mode) as f:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
 
 
-def _unlink(path: Path) -> None:
-    try:
-        path.unlink()
-    except FileNotFoundError:
-        pass
+# ---------- who holds a lease, and whether that process is still alive ----------
+# A SLURM job at a higher restart count is a requeue of the same job, whose earlier incarnation
+# SLURM has killed. Whether a pid is alive, and where: io/procs.py.
+
+
+def requeued_predecessor(info: dict, me: dict) -> bool:
+    return (
+        me["slurm_job_id"] is not None
+        and info.get("slurm_job_id") == me["slurm_job_id"]
+        and info.get("slurm_cluster") == me["slurm_cluster"]
+        and as_int(info.get("slurm_restart_count")) < me["slurm_restart_count"]
+    )
+
+
+def identity(run_id: str, renew_s: float) -> dict:
+    pid, job, env = os.getpid(), os.environ.get("SLURM_JOB_ID") or None, os.environ
+    stat = proc_stat(pid)
+    return {
+        "run_id": run_id,
+        **machine(),  # host, boot_id, pid_ns
+        "pid": pid,
+        "pid_start": stat[1] if stat else None,
+        "started": datetime.now().astimezone().isoformat(timespec="seconds"),
+        "slurm_job_id": job,
+        "beat": 0,
+        "slurm_restart_count": as_int(env.get("SLURM_RESTART_COUNT")) if job else None,
+        "slurm_cluster": env.get("SLURM_CLUSTER_NAME") if job else None,
+        "renew_s": renew_s,
+    }
+
+
+def as_int(value) -> int:
+    return (
+        int(value) if isinstance(value, int) or (isinstance(value, str) and value.isdigit()) else 0
+    )
