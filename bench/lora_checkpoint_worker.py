@@ -26,7 +26,11 @@ from checkpoint_save_worker import (
 from finetune import distributed as dist
 from finetune.checkpoint.consolidate import save_consolidated
 from finetune.lora import trainable_parameters
-from finetune.offline.adapter import save_adapter
+
+try:  # offline/ since issue 23; checkpoint/ in the versions before (before/after runs)
+    from finetune.offline.adapter import save_adapter
+except ImportError:
+    from finetune.checkpoint.adapter import save_adapter
 
 try:  # build_trainer since issue 23; Trainer.build in the versions before (before/after runs)
     from finetune.build import build_trainer

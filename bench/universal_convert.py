@@ -84,7 +84,10 @@ def theirs(ckpt: Path, out: Path) -> list[str]:
 
 def interrupted(ckpt: Path, out: Path) -> dict:
     """Ours killed once half its pieces are done, then rerun: the rerun's wall time and pieces."""
-    from finetune.offline.universal import PIECES
+    try:  # offline/ since issue 23; checkpoint/ in the versions before
+        from finetune.offline.universal import PIECES
+    except ImportError:
+        from finetune.checkpoint.universal import PIECES
 
     pieces = out.with_name(out.name + ".tmp") / PIECES
     drop_caches()
