@@ -28,6 +28,7 @@ from finetune.config import (
     resolve_ddp_timeout,
     split_names,
 )
+from finetune.data import formats
 from finetune.ds_config import load_ds_json, reconcile_ds
 from finetune.lora import validate_lora_flags
 from finetune.preemption import parse_signals
@@ -95,14 +96,7 @@ def validate_flags(v: Mapping[str, Any]) -> None:
             "Can't give both `--config_name` (train from scratch) and "
             "`--model_name_or_path` (load weights)"
         )
-    if bool(v["prompt_column"]) != bool(v["completion_column"]):
-        raise ConfigError(
-            "`--prompt_column` and `--completion_column` go together: give both or neither"
-        )
-    if v["messages_column"] and v["prompt_column"]:
-        raise ConfigError(
-            "Can't give both `--messages_column` and `--prompt_column`/`--completion_column`"
-        )
+    formats.check_flags(v)  # the data formats' flags, from their registry
     if v["validation_file"] and not (v["train_file"] or v["dataset_name"]):
         raise ConfigError("`--validation_file` needs `--train_file` or `--dataset_name`")
     for name in (

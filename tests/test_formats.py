@@ -153,6 +153,21 @@ def test_a_registered_format_is_tokenized_through_its_encode(tok, tmp_path, shou
         load_raw(_ShoutArgs(train_file=str(path), shout_column="nope"), seed=0)
 
 
+def test_a_registered_formats_flags_are_checked_with_no_other_code_changed(shout):
+    """resolve's flag checks come from the registry: the new format's flag excludes the others'."""
+    v = {"messages_column": None, "prompt_column": None, "completion_column": None}
+    v |= {"text_column": "text", "shout_column": "text"}
+    formats.check_flags(v)
+    with pytest.raises(
+        ConfigError, match=r"both `--prompt_column`/`--completion_column` and `--shout"
+    ):
+        formats.check_flags(v | {"prompt_column": "q", "completion_column": "a"})
+    with pytest.raises(
+        ConfigError, match="`--prompt_column` and `--completion_column` go together"
+    ):
+        formats.check_flags(v | {"shout_column": None, "completion_column": "a"})
+
+
 # --- config files: a format on the command line replaces the file's ----------------------------
 
 

@@ -80,6 +80,25 @@ def exclusive_flags() -> list[tuple[set[str], set[str]]]:
     return [(set(a.flags), set(b.flags)) for a, b in itertools.combinations(picking, 2)]
 
 
+def check_flags(values) -> None:
+    """The format flags' values alone (no data read), from the registry: a format's flags go
+    together, and no two formats' flags are given at once (the default format's flag has a default
+    value, so it picks nothing). Raises ConfigError naming the flags."""
+    picking = [cls for name, cls in FORMATS.items() if name != DEFAULT]
+    for cls in picking:
+        given = [f for f in cls.flags if values.get(f)]
+        if given and len(given) < len(cls.flags):
+            names = [f"`--{f}`" for f in cls.flags]
+            both = "both" if len(names) == 2 else "all"
+            raise ConfigError(
+                f"{', '.join(names[:-1])} and {names[-1]} go together: give {both} or neither"
+            )
+    chosen = [cls for cls in picking if any(values.get(f) for f in cls.flags)]
+    if len(chosen) > 1:
+        a, b = ("/".join(f"`--{f}`" for f in cls.flags) for cls in chosen[:2])
+        raise ConfigError(f"Can't give both {a} and {b}")
+
+
 # --- the formats -----------------------------------------------------------------------------
 # Prompts, completions and texts are tokenized a batch at a time (one call into the Rust
 # tokenizer); the ids are the same as one call per row. eos is read once per batch: each
