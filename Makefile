@@ -11,6 +11,11 @@ STAMP := $(VENV)/.installed
 # sharing ~/.cache/torch_extensions keep invalidating each other's build (a ~2 min rebuild each time).
 export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/$(VENV)/torch_extensions
 
+# Tests run on WORKERS processes (pytest-xdist): the CPU count, at most 4 (each real run is 2-4
+# ranks). A module that launches ranks stays on one worker (tests/conftest.py). WORKERS=0: serial.
+WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 1); [ $$n -gt 4 ] && n=4; echo $$n)
+XDIST := $(if $(filter 0,$(WORKERS)),,-n $(WORKERS) --dist loadgroup)
+
 .PHONY: setup gpu-setup demo test check test-gpu faults bench clean
 
 setup: $(STAMP)
@@ -37,10 +42,10 @@ demo: setup
 # Unit tests (fakes for the filesystem and the engine where the behaviour is ours, real DeepSpeed
 # in one process where it is DeepSpeed's) and tests/test_end_to_end.py: one 2-rank run and its resume.
 test: setup
-	$(PY) -m pytest -ra --durations=10 -m "not distributed and not e2e and not faults and not gpu" tests
+	$(PY) -m pytest -ra --durations=10 $(XDIST) -m "not distributed and not e2e and not faults and not gpu" tests
 
 check: setup
-	$(PY) -m pytest -ra --durations=25 tests
+	$(PY) -m pytest -ra --durations=25 $(XDIST) tests
 
 # The GPU suite (tests/gpu): one CUDA device, NCCL. `make check` runs it too, skipped without a GPU.
 test-gpu: setup

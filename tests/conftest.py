@@ -414,5 +414,25 @@ def base_ds(**extra) -> dict:
     return cfg
 
 
+def pytest_collection_modifyitems(config, items):
+    """Under xdist (`make test` / `make check` run `-n 2 --dist loadgroup`): a module that launches
+    real ranks stays on one worker, so its module fixtures (one shared run) run once; the SLURM
+    modules share one worker, one cluster at a time. Unit tests spread one by one. The longest
+    groups come first (xdist hands them out in this order), unit tests last to fill the gaps."""
+    order = {}
+    for item in items:
+        path = Path(str(item.fspath))
+        if "slurm" in path.parts:
+            group, order[item.nodeid] = "slurm", 0
+        elif any(item.get_closest_marker(m) for m in ("distributed", "e2e", "faults")):
+            group = str(path.relative_to(REPO))
+            order[item.nodeid] = 1 if item.get_closest_marker("faults") else 2
+        else:
+            order[item.nodeid] = 3
+            continue
+        item.add_marker(pytest.mark.xdist_group(group))
+    items.sort(key=lambda item: order[item.nodeid])  # stable: each module keeps its own order
+
+
 # The fault sweep's summary table and its long/sampled split (tests/faults; `make faults`).
 pytest_plugins = ["faults.plugin"]

@@ -32,19 +32,23 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture
 def fault_record(request) -> dict:
-    """The figures of this case for the summary table (the test adds time_to_exit_s)."""
+    """The figures of this case for the summary table (the test adds time_to_exit_s). Carried in
+    the test's report (user_properties), so the table also adds up cases run by xdist workers."""
     record = {"case": request.node.name, "group": request.node.originalname}
-    _records[request.node.nodeid] = record
+    request.node.user_properties.append(("fault_record", record))
     return record
 
 
 def pytest_runtest_logreport(report):
-    record = _records.get(report.nodeid)
+    record = next((v for k, v in report.user_properties if k == "fault_record"), None)
     if record is None:
         return
     if report.when == "call" or (report.when == "setup" and not report.passed):
-        record["outcome"] = report.outcome
-        record["wall_s"] = round(report.duration, 1)
+        _records[report.nodeid] = {
+            **record,
+            "outcome": report.outcome,
+            "wall_s": round(report.duration, 1),
+        }
 
 
 def summary(records: list[dict]) -> dict:
