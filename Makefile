@@ -12,9 +12,10 @@ STAMP := $(VENV)/.installed
 export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/$(VENV)/torch_extensions
 
 # Tests run on WORKERS processes (pytest-xdist): the CPU count, at most 4 (each real run is 2-4
-# ranks). A module that launches ranks stays on one worker (tests/conftest.py). WORKERS=0: serial.
+# ranks). A module that launches ranks stays on one worker (tests/conftest.py's scheduler).
+# WORKERS=0: serial.
 WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 1); [ $$n -gt 4 ] && n=4; echo $$n)
-XDIST := $(if $(filter 0,$(WORKERS)),,-n $(WORKERS) --dist loadgroup)
+XDIST := $(if $(filter 0,$(WORKERS)),,-n $(WORKERS) --dist loadscope)
 
 .PHONY: setup gpu-setup demo test check test-gpu faults bench clean
 

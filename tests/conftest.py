@@ -414,24 +414,28 @@ def base_ds(**extra) -> dict:
     return cfg
 
 
-def pytest_collection_modifyitems(config, items):
-    """Under xdist (`make test` / `make check` run `-n 2 --dist loadgroup`): a module that launches
-    real ranks stays on one worker, so its module fixtures (one shared run) run once; the SLURM
-    modules share one worker, one cluster at a time. Unit tests spread one by one. The longest
-    groups come first (xdist hands them out in this order), unit tests last to fill the gaps."""
-    order = {}
-    for item in items:
-        path = Path(str(item.fspath))
-        if "slurm" in path.parts:
-            group, order[item.nodeid] = "slurm", 0
-        elif any(item.get_closest_marker(m) for m in ("distributed", "e2e", "faults")):
-            group = str(path.relative_to(REPO))
-            order[item.nodeid] = 1 if item.get_closest_marker("faults") else 2
-        else:
-            order[item.nodeid] = 3
-            continue
-        item.add_marker(pytest.mark.xdist_group(group))
-    items.sort(key=lambda item: order[item.nodeid])  # stable: each module keeps its own order
+# Under xdist (`make test` / `make check` run `-n WORKERS --dist loadscope`): the tests of a module
+# that launches real ranks stay on one worker, so its module fixtures (one shared run) run once; the
+# SLURM modules share one worker, one cluster at a time (their job scripts pick ports by job id).
+# Every other test is a unit of its own. xdist hands out the largest units first, so the unit tests
+# fill the gaps at the end. (xdist's own loadgroup marks groups by rewriting node ids, which
+# pytest 9 no longer reads; this scheduler needs only the ids.)
+GROUPED = ("tests/distributed/", "tests/e2e/", "tests/faults/", "tests/checkpoint/test_at_rest.py")
+
+
+def pytest_xdist_make_scheduler(config, log):
+    if config.getvalue("dist") != "loadscope":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ModuleGroups(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            module = nodeid.split("::", 1)[0]
+            if module.startswith("tests/slurm/"):
+                return "tests/slurm"
+            return module if module.startswith(GROUPED) else nodeid
+
+    return ModuleGroups(config, log)
 
 
 # The fault sweep's summary table and its long/sampled split (tests/faults; `make faults`).

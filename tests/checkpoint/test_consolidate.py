@@ -17,7 +17,6 @@ import torch
 from safetensors.torch import load_file
 
 from finetune.checkpoint import consolidate
-from finetune.offline import shards
 from finetune.checkpoint.consolidate import (
     FROM_MASTER,
     FROM_MODULE,
@@ -32,6 +31,7 @@ from finetune.checkpoint.consolidate import (
     weights_source,
 )
 from finetune.io import seams
+from finetune.offline import shards
 from finetune.offline.shards import INDEX, ShardWriter, plan_shards
 
 from conftest import free_port
