@@ -420,7 +420,16 @@ def base_ds(**extra) -> dict:
 # Every other test is a unit of its own. xdist hands out the largest units first, so the unit tests
 # fill the gaps at the end. (xdist's own loadgroup marks groups by rewriting node ids, which
 # pytest 9 no longer reads; this scheduler needs only the ids.)
-GROUPED = ("tests/distributed/", "tests/e2e/", "tests/faults/", "tests/checkpoint/test_at_rest.py")
+GROUPED = (
+    "tests/distributed/",
+    "tests/e2e/",
+    "tests/faults/",
+    "tests/checkpoint/test_at_rest.py",
+    "tests/test_bench.py",
+)
+# The longest units, handed out before all others (xdist's order is by test count): the bench
+# smoke's fixture (~8 min) and the SLURM tests (~10 min) once ran last, one worker alone on them.
+FIRST = ("tests/test_bench.py", "tests/slurm")
 
 
 def pytest_xdist_make_scheduler(config, log):
@@ -434,6 +443,12 @@ def pytest_xdist_make_scheduler(config, log):
             if module.startswith("tests/slurm/"):
                 return "tests/slurm"
             return module if module.startswith(GROUPED) else nodeid
+
+        def _assign_work_unit(self, node) -> None:
+            for scope in reversed(FIRST):
+                if scope in self.workqueue:
+                    self.workqueue.move_to_end(scope, last=False)
+            super()._assign_work_unit(node)
 
     return ModuleGroups(config, log)
 
