@@ -432,6 +432,7 @@ GROUPED = (
 FIRST = ("tests/test_bench.py", "tests/slurm")
 
 
+@pytest.hookimpl(optionalhook=True)  # a hook of xdist's: without xdist, tests run serially
 def pytest_xdist_make_scheduler(config, log):
     if config.getvalue("dist") != "loadscope":
         return None
