@@ -5,7 +5,10 @@ as docs/CHECKPOINTS.md "Resume" and "Verify" say, and finishes. Nothing hangs: e
 verified, and the real rank files need nothing beyond the allow-list
 (finetune/offline/safe_load.py).
 
-One 2-rank run makes the checkpoints (global_step1, global_step2); each case damages a copy.
+One 2-rank run makes the checkpoints (global_step1 … global_step8); each test damages a copy. The
+kinds of damage share one resume: each is put into a checkpoint of its own, newest first, and one
+`--resume_from_checkpoint auto` has to walk past all of them to the intact global_step1 (a kind it
+failed to detect would be resumed from instead).
 """
 
 from __future__ import annotations
@@ -56,13 +59,19 @@ def train(out: Path, *extra: str, max_steps: int = 2):
     return r.returncode, r.output
 
 
+# The base run's checkpoints: global_step1 stays intact, each later one gets one kind of damage
+# (newest first, in DAMAGED's order) in the shared fallback test, so one resume walks past all of
+# them.
+STEPS = 8
+
+
 @pytest.fixture(scope="module")
 def base(tmp_path_factory) -> Path:
-    """An output dir with two committed 2-rank checkpoints: global_step1, global_step2."""
+    """An output dir with STEPS committed 2-rank checkpoints: global_step1 … global_step8."""
     out = tmp_path_factory.mktemp("at_rest") / "out"
-    code, output = train(out)
+    code, output = train(out, max_steps=STEPS)
     assert code == 0, output[-4000:]
-    assert read_manifest(out / "global_step1") and read_manifest(out / "global_step2")
+    assert all(read_manifest(out / f"global_step{s}") for s in range(1, STEPS + 1))
     return out
 
 
@@ -85,22 +94,25 @@ def verify(path: Path) -> subprocess.CompletedProcess:
 def resume(out: Path) -> str:
     """`--resume_from_checkpoint auto` for one more step than the base run; must finish (exit 0).
     Returns the output."""
-    code, output = train(out, "--resume_from_checkpoint", "auto", max_steps=3)
+    code, output = train(out, "--resume_from_checkpoint", "auto", max_steps=STEPS + 1)
     assert code == 0, output[-4000:]
     return output
 
 
 def resumed_from(out: Path, base: Path) -> int:
-    """The step a finished resume continued from: 2 if global_step2 is still the base run's own
-    (same save id), else 1 (the damaged global_step2 was set aside and saved again from step 1)."""
-    mine = read_manifest(out / "global_step2")
-    assert mine and read_manifest(out / "global_step3"), (
+    """The step a finished resume continued from: the newest step whose checkpoint is still the
+    base run's own (same save id); every later one was saved again by the resumed run, its parent
+    chain leading back to that step."""
+    assert read_manifest(out / f"global_step{STEPS + 1}"), (
         "the resumed run did not commit its checkpoints"
     )
-    if mine["save_id"] == read_manifest(base / "global_step2")["save_id"]:
-        return 2
-    assert mine["parent"] == "global_step1"
-    return 1
+    for step in range(STEPS, 0, -1):
+        mine = read_manifest(out / f"global_step{step}")
+        assert mine, f"global_step{step} has no manifest after the resume"
+        if mine["save_id"] == read_manifest(base / f"global_step{step}")["save_id"]:
+            return step
+        assert mine["parent"] == f"global_step{step - 1}", mine
+    raise AssertionError("no checkpoint of the base run is left")
 
 
 def train_rows(out: Path) -> list[dict]:
@@ -117,7 +129,7 @@ def set_aside(out: Path) -> list[str]:
     )
 
 
-# --- damage inside the newest checkpoint: verify names it, auto falls back to global_step1 --------
+# --- damage inside a checkpoint: verify names it, auto walks past every damaged one ------------
 
 
 def truncate(path: Path) -> None:
@@ -136,95 +148,6 @@ def replace_with_directory(path: Path) -> None:
     (path / "data").write_text("not a checkpoint file")
 
 
-DAMAGE = {  # name: (file of global_step2, what is done to it, what verify says about it)
-    "truncated": (RANK_FILE.format(r=1, kind="optim"), truncate, "size"),
-    "flipped_byte": (RANK_FILE.format(r=0, kind="model"), flip, "checksum mismatch"),
-    "missing_rank_file": (RANK_FILE.format(r=1, kind="model"), Path.unlink, "missing"),
-    "directory_for_a_file": (RANK_FILE.format(r=1, kind="optim"), replace_with_directory, ""),
-}
-
-
-@pytest.mark.parametrize("case", sorted(DAMAGE))
-def test_damaged_newest_checkpoint(base, out, case):
-    name, damage, says = DAMAGE[case]
-    damage(out / "global_step2" / name)
-    # the output dir checks its newest committed checkpoint
-    for target in (out, out / "global_step2"):
-        r = verify(target)
-        assert r.returncode == 1 and f"DAMAGED {out / 'global_step2'}" in r.stdout, (
-            r.stdout + r.stderr
-        )
-        assert f"{name}: {says}" in r.stdout, r.stdout
-    assert verify(out / "global_step1").returncode == 0
-
-    resume(out)
-    assert resumed_from(out, base) == 1 and set_aside(out) == ["global_step2"]  # kept as evidence
-    assert [r["step"] for r in train_rows(out)] == [1, 2, 3]
-    assert verify(out).returncode == 0
-
-
-def test_missing_manifest(base, out):
-    """A folder without its manifest was never committed (or lost it): verify names it, auto ignores
-    it."""
-    (out / "global_step2" / "manifest.json").unlink()
-    r = verify(out / "global_step2")
-    assert r.returncode == 1 and "manifest.json missing" in r.stdout, r.stdout
-    r = verify(out)  # its newest committed checkpoint is intact; the folder is named
-    assert r.returncode == 0 and f"OK {out / 'global_step1'}" in r.stdout, r.stdout
-    assert "note: global_step2: no readable manifest.json" in r.stdout, r.stdout
-
-    resume(out)
-    assert resumed_from(out, base) == 1
-    assert verify(out).returncode == 0
-
-
-def test_every_checkpoint_damaged_exits_2_and_changes_nothing(out):
-    for tag in ("global_step1", "global_step2"):
-        flip(out / tag / RANK_FILE.format(r=1, kind="optim"))
-    before = {p.name: read_manifest(p) for p in out.iterdir() if p.is_dir()}
-    code, output = train(out, "--resume_from_checkpoint", "auto", max_steps=3)
-    assert code == 2 and "global_step1" in output and "global_step2" in output, output[-4000:]
-    # nothing moved or saved
-    assert {p.name: read_manifest(p) for p in out.iterdir() if p.is_dir()} == before
-
-
-# --- the output dir around the checkpoints: verify notes it, auto repairs it ----------------------
-
-
-def test_latest_naming_a_missing_tag(base, out):
-    (out / "latest").write_text("global_step9\n")
-    r = verify(out)
-    assert r.returncode == 0 and "note: latest: names global_step9" in r.stdout, r.stdout
-    resume(out)
-    assert resumed_from(out, base) == 2  # the commit order, not `latest`
-    assert (out / "latest").read_text().strip() == "global_step3"
-
-
-def test_stale_staging_folder(base, out):
-    staged = out / ".staging" / "global_step3"
-    staged.mkdir(parents=True)
-    (staged / RANK_FILE.format(r=0, kind="model")).write_bytes(b"half a save")
-    r = verify(out)
-    assert (
-        r.returncode == 0 and "note: .staging/global_step3: left by a crashed save" in r.stdout
-    ), r.stdout
-    resume(out)
-    assert resumed_from(out, base) == 2
-    assert not (out / ".staging").exists() and verify(out / "global_step3").returncode == 0
-
-
-def test_torn_last_line_of_metrics(base, out):
-    with open(out / "metrics.jsonl", "a") as f:
-        f.write('{"step": 3, "loss": 6.2')  # a crash mid-append
-    r = verify(out)
-    assert r.returncode == 0 and "note: metrics.jsonl: 1 torn line(s)" in r.stdout, r.stdout
-    resume(out)
-    assert resumed_from(out, base) == 2
-    assert [r["step"] for r in train_rows(out)] == [1, 2, 3]  # every line whole again
-
-
-# --- safe loading on resume ---------------------------------------------------------------------
-
 PAYLOAD = """
 import shutil, sys, torch
 path, marker = sys.argv[1], sys.argv[2]
@@ -239,10 +162,9 @@ torch.save(state, path)
 """
 
 
-def plant(out: Path, marker: Path, reseal: bool) -> None:
-    """Code into every rank's model states of global_step2; ``reseal``: the manifest updated to
+def plant(folder: Path, marker: Path, reseal: bool) -> None:
+    """Code into every rank's model states of ``folder``; ``reseal``: the manifest updated to
     match, as whoever crafted the checkpoint would do."""
-    folder = out / "global_step2"
     for r in range(WORLD):
         path = folder / RANK_FILE.format(r=r, kind="model")
         subprocess.run(
@@ -256,35 +178,141 @@ def plant(out: Path, marker: Path, reseal: bool) -> None:
         (folder / "manifest.json").write_text(json.dumps(manifest))
 
 
-def test_resume_unpickles_only_after_verification(base, out, tmp_path):
+def _damage_file(name: str, how):
+    return lambda folder, marker: how(folder / name)
+
+
+def _no_manifest(folder: Path, marker: Path) -> None:
+    (folder / "manifest.json").unlink()
+
+
+# One kind of damage per checkpoint, global_step8 first: (name, damage(folder, marker), what
+# `finetune verify FOLDER` says about it). Resume unpickles DeepSpeed's files only after they
+# verified (the planted code with stale sizes is skipped as damage, never loaded), and a planted
+# file whose manifest was updated to match is refused by the allow-list, not run.
+DAMAGED = [
+    (
+        "truncated",
+        _damage_file(RANK_FILE.format(r=1, kind="optim"), truncate),
+        RANK_FILE.format(r=1, kind="optim") + ": size",
+    ),
+    (
+        "flipped_byte",
+        _damage_file(RANK_FILE.format(r=0, kind="model"), flip),
+        RANK_FILE.format(r=0, kind="model") + ": checksum mismatch",
+    ),
+    (
+        "missing_rank_file",
+        _damage_file(RANK_FILE.format(r=1, kind="model"), Path.unlink),
+        RANK_FILE.format(r=1, kind="model") + ": missing",
+    ),
+    (
+        "directory_for_a_file",
+        _damage_file(RANK_FILE.format(r=1, kind="optim"), replace_with_directory),
+        RANK_FILE.format(r=1, kind="optim") + ": ",
+    ),
+    ("missing_manifest", _no_manifest, "manifest.json missing"),
+    (
+        "planted_code",
+        lambda folder, marker: plant(folder, marker, reseal=False),
+        RANK_FILE.format(r=0, kind="model") + ": size",
+    ),
+    (
+        "planted_code_resealed",
+        lambda folder, marker: plant(folder, marker, reseal=True),
+        "refused to unpickle shutil.copyfile",
+    ),
+]
+assert len(DAMAGED) == STEPS - 1
+
+
+def test_auto_resume_walks_past_every_kind_of_damage(base, out, tmp_path):
     marker = tmp_path / "code-ran"
-    plant(out, marker, reseal=False)
-    r = verify(out)
-    assert r.returncode == 1 and f"{RANK_FILE.format(r=0, kind='model')}: size" in r.stdout, (
+    for i, (case, damage, says) in enumerate(DAMAGED):
+        folder = out / f"global_step{STEPS - i}"
+        damage(folder, marker)
+        r = verify(folder)
+        assert r.returncode == 1 and says in r.stdout, (case, r.stdout + r.stderr)
+        if case != "missing_manifest":
+            assert f"DAMAGED {folder}" in r.stdout, (case, r.stdout)
+        if i == 0:  # the output dir checks its newest committed checkpoint
+            r = verify(out)
+            assert r.returncode == 1 and f"DAMAGED {folder}" in r.stdout, r.stdout + r.stderr
+    r = verify(out)  # the newest with a manifest is damaged; the one without one is named
+    assert r.returncode == 1 and "note: global_step4: no readable manifest.json" in r.stdout, (
         r.stdout
     )
-    resume(out)  # skipped as damaged: never loaded
-    assert resumed_from(out, base) == 1 and not marker.exists()
+    assert verify(out / "global_step1").returncode == 0
+
+    output = resume(out)
+    assert not marker.exists(), "unpickling a checkpoint ran its code"
+    assert resumed_from(out, base) == 1, output[-4000:]
+    # every damaged folder is kept as evidence, set aside rather than overwritten
+    assert set_aside(out) == sorted(f"global_step{s}" for s in range(2, STEPS + 1))
+    assert [r["step"] for r in train_rows(out)] == list(range(1, STEPS + 2))
+    assert verify(out).returncode == 0
 
 
-def test_resume_never_runs_code_from_a_checkpoint_that_verifies(base, out, tmp_path):
+def test_every_checkpoint_damaged_exits_2_and_changes_nothing(out):
+    tags = sorted(p.name for p in out.glob("global_step*"))
+    for tag in tags:
+        flip(out / tag / RANK_FILE.format(r=1, kind="optim"))
+    before = {p.name: read_manifest(p) for p in out.iterdir() if p.is_dir()}
+    code, output = train(out, "--resume_from_checkpoint", "auto", max_steps=STEPS + 1)
+    assert code == 2 and all(tag in output for tag in tags), output[-4000:]
+    # nothing moved or saved
+    assert {p.name: read_manifest(p) for p in out.iterdir() if p.is_dir()} == before
+
+
+def test_resume_never_runs_code_from_a_checkpoint_that_verifies(out, tmp_path):
+    """Sizes and checksums match: only the classes it names give it away. An explicit resume
+    refuses it (exit 2) without running it; auto skips it like damage (the test above)."""
     marker = tmp_path / "code-ran"
-    # sizes and checksums match: only the classes it names give it away
-    plant(out, marker, reseal=True)
-    r = verify(out)
-    assert r.returncode == 1 and "refused to unpickle shutil.copyfile" in r.stdout, r.stdout
-    code, output = train(out, "--resume_from_checkpoint", str(out / "global_step2"), max_steps=3)
+    newest = out / f"global_step{STEPS}"
+    plant(newest, marker, reseal=True)
+    code, output = train(out, "--resume_from_checkpoint", str(newest), max_steps=STEPS + 1)
     assert not marker.exists(), "unpickling the checkpoint ran its code"
     assert code == 2 and "refused to unpickle shutil.copyfile" in output, output[-4000:]
-    resume(out)  # auto: skipped like damage
-    assert resumed_from(out, base) == 1 and not marker.exists()
+
+
+# --- the output dir around the checkpoints: verify notes it, auto repairs it ----------------------
+
+
+def test_output_dir_repairs_latest_staging_and_a_torn_metrics_line(base, out):
+    """`latest` naming a missing tag (resume follows the commit order, not `latest`), a stale
+    staging folder a crashed save left, and a torn last line of metrics.jsonl (a crash mid-append):
+    verify notes each, and one resume repairs all three from the newest checkpoint."""
+    (out / "latest").write_text("global_step99\n")
+    staged = out / ".staging" / f"global_step{STEPS + 1}"
+    staged.mkdir(parents=True)
+    (staged / RANK_FILE.format(r=0, kind="model")).write_bytes(b"half a save")
+    with open(out / "metrics.jsonl", "a") as f:
+        f.write('{"step": 9, "loss": 6.2')
+    r = verify(out)
+    assert r.returncode == 0, r.stdout + r.stderr
+    for note in (
+        "note: latest: names global_step99",
+        f"note: .staging/global_step{STEPS + 1}: left by a crashed save",
+        "note: metrics.jsonl: 1 torn line(s)",
+    ):
+        assert note in r.stdout, r.stdout
+    resume(out)
+    assert resumed_from(out, base) == STEPS
+    assert (out / "latest").read_text().strip() == f"global_step{STEPS + 1}"
+    assert not (out / ".staging").exists()
+    assert verify(out / f"global_step{STEPS + 1}").returncode == 0
+    # every line whole again
+    assert [r["step"] for r in train_rows(out)] == list(range(1, STEPS + 2))
+
+
+# --- safe loading ---------------------------------------------------------------------------------
 
 
 def test_real_rank_files_need_nothing_beyond_the_allow_list(base):
     """If a DeepSpeed upgrade pickles a new class, this names it (and export/resume would refuse
     it)."""
     files = sorted(base.glob("global_step*/*_states.pt"))
-    assert len(files) == 2 * 2 * WORLD
+    assert len(files) == STEPS * 2 * WORLD
     for path in files:
         safe_load.check_globals(path)
         safe_load.load(path, "cpu", inert=True)
