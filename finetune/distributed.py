@@ -16,16 +16,24 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from finetune import launchers
 from finetune.config import DEFAULT_DDP_TIMEOUT, ConfigError
 from finetune.console import swallow_build_notice
 from finetune.io.progress import watch
 
+if TYPE_CHECKING:
+    import torch
+
 logger = logging.getLogger("finetune")
+
+
+def _initialized():
+    """torch.distributed once a process group exists, else None. Without importing torch: the CLI
+    reports bad flags (and their rank) before torch is loaded, and no group exists before then."""
+    td = sys.modules.get("torch.distributed")
+    return td if td is not None and td.is_available() and td.is_initialized() else None
 
 
 def adopt_launcher_env() -> None:
@@ -125,6 +133,7 @@ def _unlink_shm_buffer() -> None:
 
 def device() -> torch.device:
     """Where this rank's tensors go: the accelerator's current device, or CPU."""
+    import torch
     from deepspeed.accelerator import get_accelerator
 
     acc = get_accelerator()
@@ -146,15 +155,13 @@ def _free_port() -> int:
 
 
 def rank() -> int:
-    return torch.distributed.get_rank() if torch.distributed.is_initialized() else env_rank()
+    td = _initialized()
+    return td.get_rank() if td is not None else env_rank()
 
 
 def world_size() -> int:
-    return (
-        torch.distributed.get_world_size()
-        if torch.distributed.is_initialized()
-        else world_size_env()
-    )
+    td = _initialized()
+    return td.get_world_size() if td is not None else world_size_env()
 
 
 def is_main() -> bool:
@@ -162,8 +169,9 @@ def is_main() -> bool:
 
 
 def barrier() -> None:
-    if torch.distributed.is_initialized():
-        torch.distributed.barrier()
+    td = _initialized()
+    if td is not None:
+        td.barrier()
 
 
 def agree(flag: bool) -> bool:
@@ -182,10 +190,11 @@ def any_rank(flag: bool) -> bool:
 
 def all_gather_object(obj):
     """Every rank's ``obj`` as a list indexed by rank. Every rank must call this."""
-    if not torch.distributed.is_initialized() or torch.distributed.get_world_size() == 1:
+    td = _initialized()
+    if td is None or td.get_world_size() == 1:
         return [obj]
-    out = [None] * torch.distributed.get_world_size()
-    torch.distributed.all_gather_object(out, obj)
+    out = [None] * td.get_world_size()
+    td.all_gather_object(out, obj)
     return out
 
 
@@ -443,9 +452,12 @@ def share_from(src: int, fn: Callable[[], Any], *, step: str = "", deadline_s: f
 def all_reduce_sum(values: list[float]) -> list[float]:
     """Element-wise sum over ranks (float64 so sums of counts stay exact). Collective."""
     # On the rank's device: NCCL reduces only accelerator tensors (gloo takes CPU ones).
+    import torch
+
     t = torch.tensor(values, dtype=torch.float64, device=device())
-    if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
-        torch.distributed.all_reduce(t)
+    td = _initialized()
+    if td is not None and td.get_world_size() > 1:
+        td.all_reduce(t)
     return t.cpu().tolist()
 
 
@@ -481,5 +493,6 @@ def _add_rank(record: logging.LogRecord) -> bool:
 
 
 def shutdown() -> None:
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
+    td = _initialized()
+    if td is not None:
+        td.destroy_process_group()

@@ -301,3 +301,23 @@ def test_entry_leaves_without_interpreter_teardown_whatever_main_does(body, code
     assert "teardown ran" not in proc.stdout
     if code == 1:
         assert "ZeroDivisionError" in proc.stderr or "usage: bad" in proc.stderr
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["--learning_rate", "x"], ["--max_steps", "0"]])
+def test_help_and_flag_errors_come_before_torch_is_imported(argv):
+    """`finetune --help` and a mistyped flag answer in a fraction of a second: torch (~3 s to
+    import) is loaded only once the flags are good."""
+    code = (
+        "import sys\n"
+        "from finetune import cli\n"
+        "try:\n"
+        f"    code = cli.main({argv!r})\n"
+        "except SystemExit as e:\n"
+        "    code = e.code\n"
+        "print(code, 'torch' in sys.modules)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split()[-2:] == ["0" if argv == ["--help"] else "2", "False"], (
+        proc.stdout[-500:] + proc.stderr[-2000:]
+    )
