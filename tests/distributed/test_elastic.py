@@ -23,45 +23,9 @@ def _ok(r):
     assert r.returncode == 0, r.output[-4000:]
 
 
-@pytest.mark.parametrize("saved_world,resumed_world", [(2, 1), (1, 2)])
-def test_resume_on_another_world_size(run_finetune, tmp_path, saved_world, resumed_world):
-    """1→2: rank 0 converts while rank 1 waits, and the conversion is slowed past --ddp_timeout (1 s
-    a piece, over 20 pieces): the waiting rank polls with short collectives instead of sitting in
-    one that times out."""
-    launcher = {1: "python", 2: "deepspeed"}
-    slow = resumed_world > 1
-    ref = run_finetune(
-        *COMMON,
-        *PER_WORLD[saved_world],
-        "--save_checkpoint",
-        "--save_steps",
-        "3",
-        launcher=launcher[saved_world],
-        nprocs=saved_world,
-        out_dir=tmp_path / "ref",
-        timeout=TIMEOUT,
-    )
-    _ok(ref)
-    ckpt = tmp_path / "ref" / "global_step3"
-    resumed = run_finetune(
-        *COMMON,
-        *PER_WORLD[resumed_world],
-        "--resume_from_checkpoint",
-        str(ckpt),
-        *(["--ddp_timeout", str(DDP_TIMEOUT)] if slow else []),
-        launcher=launcher[resumed_world],
-        nprocs=resumed_world,
-        out_dir=tmp_path / "new",
-        env={"FINETUNE_SLOW_UNIVERSAL": "1"} if slow else None,
-        timeout=TIMEOUT,
-    )
-    _ok(resumed)
+def assert_resumed_on_another_world(ref, resumed, ckpt, saved_world: int, resumed_world: int):
+    """``resumed`` continued ``ref``'s run from ``ckpt`` (step 3) on ``resumed_world`` ranks."""
     assert f"Resuming a {saved_world}-rank checkpoint on {resumed_world} ranks" in resumed.output
-    if slow:
-        took = float(
-            re.search(r"to the universal format in ([\d.]+) seconds", resumed.output).group(1)
-        )
-        assert took > DDP_TIMEOUT, took
     # cached beside the checkpoint for the next resume
     assert (ckpt / "universal" / "zero").is_dir()
     # verified before any reuse
@@ -82,13 +46,50 @@ def test_resume_on_another_world_size(run_finetune, tmp_path, saved_world, resum
     assert state["world_size"] == saved_world
 
 
+def test_resume_on_two_ranks_from_a_one_rank_checkpoint(run_finetune, tmp_path):
+    """1→2: rank 0 converts while rank 1 waits, and the conversion is slowed past --ddp_timeout (1 s
+    a piece, over 20 pieces): the waiting rank polls with short collectives instead of sitting in
+    one that times out. (2→1 is the next test's second start.)"""
+    ref = run_finetune(
+        *COMMON,
+        *PER_WORLD[1],
+        "--save_checkpoint",
+        "--save_steps",
+        "3",
+        launcher="python",
+        nprocs=1,
+        out_dir=tmp_path / "ref",
+        timeout=TIMEOUT,
+    )
+    _ok(ref)
+    ckpt = tmp_path / "ref" / "global_step3"
+    resumed = run_finetune(
+        *COMMON,
+        *PER_WORLD[2],
+        "--resume_from_checkpoint",
+        str(ckpt),
+        "--ddp_timeout",
+        str(DDP_TIMEOUT),
+        launcher="deepspeed",
+        nprocs=2,
+        out_dir=tmp_path / "new",
+        env={"FINETUNE_SLOW_UNIVERSAL": "1"},
+        timeout=TIMEOUT,
+    )
+    _ok(resumed)
+    took = float(re.search(r"to the universal format in ([\d.]+) seconds", resumed.output).group(1))
+    assert took > DDP_TIMEOUT, took
+    assert_resumed_on_another_world(ref, resumed, ckpt, 1, 2)
+
+
 def test_a_preemption_during_the_conversion_exits_75_and_the_next_start_finishes_it(
     run_finetune, start_finetune, tmp_path
 ):
     """A whole-job SIGTERM while a 2-rank checkpoint is converted for 1 rank: the converter (a
     child) used to die with the job and the run exit 1 (no requeue), and the next start deleted what
     it had converted, so frequent preemptions meant it never finished. Now: exit 75, the pieces
-    converted are kept, and the next start does only the rest."""
+    converted are kept, and the next start does only the rest, then resumes on 1 rank where the
+    2-rank run was (2→1)."""
     import os
     import signal
 
@@ -136,4 +137,5 @@ def test_a_preemption_during_the_conversion_exits_75_and_the_next_start_finishes
     )
     _ok(again)
     assert f"{kept} done before" in again.output  # only the rest was converted
-    assert [r["step"] for r in again.train_rows()] == [4, 6]
+    # 2→1: the run continues as the 2-rank run did
+    assert_resumed_on_another_world(ref, again, ckpt, 2, 1)
