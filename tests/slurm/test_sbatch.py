@@ -73,72 +73,20 @@ def test_multinode_script_on_one_node_trains_and_commits(slurm, tmp_path):
     assert json.loads((out / "exit_status.json").read_text())["run_id"] == f"{job}.0"
 
 
-def test_preempted_job_saves_requeues_itself_and_finishes(slurm, tmp_path):
-    """TERM (as on preemption) and then USR1 (the time-limit warning) each cost at most one step."""
-    out = tmp_path / "out"
-    total = 160
-    job, _ = _submit(
-        slurm,
-        tmp_path,
-        "finetune.sbatch",
-        [],
-        [
-            "--max_steps",
-            str(total),
-            "--logging_steps",
-            "1",
-            "--eval_steps",
-            "100000",
-            "--output_dir",
-            str(out),
-        ],
-        wait=False,
-    )
-    preempted_at = []
-    for restart, sig in ((0, "TERM"), (1, "USR1")):
-        # Training (not just started) in this incarnation of the job: past the last preemption's
-        # step.
-        floor = preempted_at[-1] if preempted_at else 0
-        wait_until(
-            lambda restart=restart, floor=floor: (
-                slurm.job(job).get("Restarts") == str(restart)
-                and last_logged_step(out) >= floor + 3
-            ),
-            JOB_TIMEOUT,
-            f"restart {restart} to train",
-            interval=0.2,
-        )
-        before = last_logged_step(out)
-        slurm.run("scancel", f"--signal={sig}", job)
-        # The job requeues itself: it comes back with one more restart.
-        wait_until(
-            lambda restart=restart: int(slurm.job(job).get("Restarts", "0")) > restart,
-            JOB_TIMEOUT,
-            f"the job to requeue after SIG{sig}",
-            interval=0.5,
-        )
-        status = json.loads((out / "exit_status.json").read_text())
-        assert status["exit_code"] == 75 and status["run_id"] == f"{job}.{restart}", status
-        step = int(status["checkpoint"].removeprefix("global_step"))
-        assert before <= step <= before + 2  # the first step boundary after the signal
-        assert_verifies(out / status["checkpoint"])
-        preempted_at.append(step)
-    info = slurm.wait_for_state(job, {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"}, JOB_TIMEOUT)
-    log = (tmp_path / f"finetune-{job}.out").read_text()
-    assert info["JobState"] == "COMPLETED", log[-4000:]
-    assert log.count("requeueing job") == 2
-    for step in preempted_at:
-        assert f"global_step{step} at step {step}" in log  # "Resumed from …/global_stepN at step N"
-    assert (out / "latest").read_text().strip() == f"global_step{total}"
-    # One continuous run: every step trained once after its checkpoint, none skipped.
-    steps = [r["step"] for r in read_metrics(str(out)) if "loss" in r]
-    assert sorted(set(steps)) == list(range(1, total + 1))
+def _preempted(out, job: str, restart: int) -> int:
+    """The step the signalled start ``restart`` of ``job`` committed (exit_status.json: 75)."""
+    status = json.loads((out / "exit_status.json").read_text())
+    assert status["exit_code"] == 75 and status["run_id"] == f"{job}.{restart}", status
+    assert_verifies(out / status["checkpoint"])
+    return int(status["checkpoint"].removeprefix("global_step"))
 
 
-def test_time_limit_warning_saves_and_the_requeued_job_resumes(slurm, tmp_path):
-    """The real warning: --time=2 --signal=USR1@50 (slurmctld sends it 40-70 s in, its timer
-    granularity), to a job that would train far longer. It saves, requeues, and the next run
-    resumes."""
+def test_time_limit_warning_preemption_and_scancel_each_save_requeue_and_resume(slurm, tmp_path):
+    """One job, four starts, each ended a different way: the real time-limit warning (--time=2
+    --signal=USR1@50: slurmctld sends it 40-70 s in, its timer granularity), then TERM (as on
+    preemption) and USR1 sent by hand, each costing at most one step, then a plain scancel. Each
+    saves, exits 75, the job requeues itself, and the next start resumes from exactly that
+    checkpoint: every step is trained once, none skipped."""
     out = tmp_path / "out"
     job, _ = _submit(
         slurm,
@@ -161,31 +109,67 @@ def test_time_limit_warning_saves_and_the_requeued_job_resumes(slurm, tmp_path):
     wait_until(
         lambda: int(slurm.job(job).get("Restarts", "0")) >= 1,
         JOB_TIMEOUT,
-        "the warning and the requeue",
+        "the time-limit warning and the requeue",
         interval=1,
     )
     text = log.read_text()
     m = re.search(r"preempted \(SIGUSR1 on rank \d[^)]*\): committed (\S+)/global_step(\d+);", text)
     assert m, text[-4000:]
-    step = int(m.group(2))
-    assert step > 0 and "requeueing job" in text
-    assert_verifies(out / f"global_step{step}")
-    # The requeued run (a new time limit) continues from exactly that checkpoint; then stop it.
-    wait_until(
-        lambda: f"global_step{step} at step {step}" in log.read_text(), JOB_TIMEOUT, "the resume"
-    )
-    wait_until(lambda: last_logged_step(out) > step, JOB_TIMEOUT, "a step after the resume")
+    assert "requeueing job" in text and _preempted(out, job, 0) == int(m.group(2)) > 0
+    preempted_at = [int(m.group(2))]
+    # The next starts get no warning: a longer limit, as a user's `scontrol update` would give.
+    slurm.run("scontrol", "update", f"JobId={job}", "TimeLimit=30")
+    for restart, sig in ((1, "TERM"), (2, "USR1")):
+        # Training in this start of the job, past the checkpoint it resumed from.
+        floor = preempted_at[-1]
+        wait_until(
+            lambda restart=restart, floor=floor: (
+                slurm.job(job).get("Restarts") == str(restart)
+                and last_logged_step(out) >= floor + 3
+            ),
+            JOB_TIMEOUT,
+            f"restart {restart} to train",
+            interval=0.2,
+        )
+        before = last_logged_step(out)
+        slurm.run("scancel", f"--signal={sig}", job)
+        # The job requeues itself: it comes back with one more restart.
+        wait_until(
+            lambda restart=restart: int(slurm.job(job).get("Restarts", "0")) > restart,
+            JOB_TIMEOUT,
+            f"the job to requeue after SIG{sig}",
+            interval=0.5,
+        )
+        step = _preempted(out, job, restart)
+        assert before <= step <= before + 2  # the first step boundary after the signal
+        preempted_at.append(step)
     # Stopping for good, as docs/CLUSTERS.md says: a plain scancel saves and requeues
-    # (test_preemption.py); a scancel of the pending job ends it.
+    # (test_slurm_preemption.py has its timing); a scancel of the pending job ends it.
+    wait_until(
+        lambda: slurm.job(job).get("Restarts") == "3" and last_logged_step(out) > preempted_at[-1],
+        JOB_TIMEOUT,
+        "a step after the third resume",
+        interval=0.2,
+    )
     slurm.run("scancel", job)
     wait_until(
-        lambda: int(slurm.job(job).get("Restarts", "0")) >= 2,
+        lambda: int(slurm.job(job).get("Restarts", "0")) >= 4,
         120,
         "the requeue after scancel",
         interval=0.5,
     )
+    last = _preempted(out, job, 3)
     slurm.run("scancel", job)
     slurm.wait_for_state(job, {"CANCELLED", "COMPLETED", "FAILED"}, 120)
+    text = log.read_text()
+    assert text.count("requeueing job") == 4, text[-4000:]
+    for step in preempted_at:
+        assert (
+            f"global_step{step} at step {step}" in text
+        )  # "Resumed from …/global_stepN at step N"
+    # One continuous run: every step trained once after its checkpoint, none skipped.
+    steps = [r["step"] for r in read_metrics(str(out)) if "loss" in r]
+    assert sorted(set(steps)) == list(range(1, max(steps) + 1)) and max(steps) >= last
 
 
 # --- docs/CLUSTERS.md's example, copied as written with only the flags changed -------------------
