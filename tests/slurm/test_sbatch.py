@@ -73,18 +73,18 @@ def test_multinode_script_on_one_node_trains_and_commits(slurm, tmp_path):
     assert json.loads((out / "exit_status.json").read_text())["run_id"] == f"{job}.0"
 
 
-def _preempted(out, job: str, restart: int) -> int:
-    """The step the signalled start ``restart`` of ``job`` committed (exit_status.json: 75)."""
-    status = json.loads((out / "exit_status.json").read_text())
-    assert status["exit_code"] == 75 and status["run_id"] == f"{job}.{restart}", status
-    assert_verifies(out / status["checkpoint"])
-    return int(status["checkpoint"].removeprefix("global_step"))
+def _seconds(runtime: str) -> int:
+    """scontrol's RunTime ([D-]HH:MM:SS) in seconds."""
+    days, _, hms = runtime.rpartition("-")
+    h, m, sec = (int(x) for x in hms.split(":"))
+    return int(days or 0) * 86400 + h * 3600 + m * 60 + sec
 
 
-def test_time_limit_warning_preemption_and_scancel_each_save_requeue_and_resume(slurm, tmp_path):
-    """One job, four starts, each ended a different way: the real time-limit warning (--time=2
-    --signal=USR1@50: slurmctld sends it 40-70 s in, its timer granularity), then TERM (as on
-    preemption) and USR1 sent by hand, each costing at most one step, then a plain scancel. Each
+def test_preemption_time_limit_warning_and_scancel_each_save_requeue_and_resume(slurm, tmp_path):
+    """One job, four starts, each ended a different way, each costing at most one step: TERM (as on
+    preemption) and USR1 sent by hand, the real time-limit warning (--signal=USR1@50; the limit is
+    set once the third start trains, so that a slow start-up cannot meet the warning before its
+    first step; slurmctld sends it within its timer granularity), then a plain scancel. Each
     saves, exits 75, the job requeues itself, and the next start resumes from exactly that
     checkpoint: every step is trained once, none skipped."""
     out = tmp_path / "out"
@@ -92,7 +92,7 @@ def test_time_limit_warning_preemption_and_scancel_each_save_requeue_and_resume(
         slurm,
         tmp_path,
         "finetune.sbatch",
-        ["--time=2", "--signal=USR1@50"],
+        ["--signal=USR1@50"],
         [
             "--max_steps",
             "100000",
@@ -106,24 +106,12 @@ def test_time_limit_warning_preemption_and_scancel_each_save_requeue_and_resume(
         wait=False,
     )
     log = tmp_path / f"finetune-{job}.out"
-    wait_until(
-        lambda: int(slurm.job(job).get("Restarts", "0")) >= 1,
-        JOB_TIMEOUT,
-        "the time-limit warning and the requeue",
-        interval=1,
-    )
-    text = log.read_text()
-    m = re.search(r"preempted \(SIGUSR1 on rank \d[^)]*\): committed (\S+)/global_step(\d+);", text)
-    assert m, text[-4000:]
-    assert "requeueing job" in text and _preempted(out, job, 0) == int(m.group(2)) > 0
-    preempted_at = [int(m.group(2))]
-    # The next starts get no warning: a longer limit, as a user's `scontrol update` would give.
-    slurm.run("scontrol", "update", f"JobId={job}", "TimeLimit=30")
-    for restart, sig in ((1, "TERM"), (2, "USR1")):
-        # Training in this start of the job, past the checkpoint it resumed from.
-        floor = preempted_at[-1]
+    preempted_at: list[int] = []
+
+    def train_past_the_last_checkpoint(restart: int) -> int:
+        floor = preempted_at[-1] if preempted_at else 0
         wait_until(
-            lambda restart=restart, floor=floor: (
+            lambda: (
                 slurm.job(job).get("Restarts") == str(restart)
                 and last_logged_step(out) >= floor + 3
             ),
@@ -131,45 +119,60 @@ def test_time_limit_warning_preemption_and_scancel_each_save_requeue_and_resume(
             f"restart {restart} to train",
             interval=0.2,
         )
-        before = last_logged_step(out)
-        slurm.run("scancel", f"--signal={sig}", job)
-        # The job requeues itself: it comes back with one more restart.
+        return last_logged_step(out)
+
+    def requeued(restart: int, what: str) -> int:
         wait_until(
-            lambda restart=restart: int(slurm.job(job).get("Restarts", "0")) > restart,
+            lambda: int(slurm.job(job).get("Restarts", "0")) > restart,
             JOB_TIMEOUT,
-            f"the job to requeue after SIG{sig}",
+            f"the job to requeue after {what}",
             interval=0.5,
         )
-        step = _preempted(out, job, restart)
-        assert before <= step <= before + 2  # the first step boundary after the signal
+        status = json.loads((out / "exit_status.json").read_text())
+        assert status["exit_code"] == 75 and status["run_id"] == f"{job}.{restart}", status
+        assert_verifies(out / status["checkpoint"])
+        return int(status["checkpoint"].removeprefix("global_step"))
+
+    try:
+        for restart, sig in ((0, "TERM"), (1, "USR1")):
+            before = train_past_the_last_checkpoint(restart)
+            slurm.run("scancel", f"--signal={sig}", job)
+            step = requeued(restart, f"SIG{sig}")
+            assert before <= step <= before + 2  # the first step boundary after the signal
+            preempted_at.append(step)
+        # The time-limit warning: a limit 60-120 s past now, so it comes 10-70 s from now.
+        before = train_past_the_last_checkpoint(2)
+        ran = _seconds(slurm.job(job)["RunTime"])
+        slurm.run("scontrol", "update", f"JobId={job}", f"TimeLimit={ran // 60 + 2}")
+        step = requeued(2, "the time-limit warning")
+        text = log.read_text()
+        # the newest "preempted (SIGUSR1 …)" line: the one before it is the USR1 sent by hand
+        found = re.findall(
+            r"preempted \(SIGUSR1 on rank \d[^)]*\): committed \S+/global_step(\d+);", text
+        )
+        assert found and int(found[-1]) == step > before, text[-4000:]
         preempted_at.append(step)
-    # Stopping for good, as docs/CLUSTERS.md says: a plain scancel saves and requeues
-    # (test_slurm_preemption.py has its timing); a scancel of the pending job ends it.
-    wait_until(
-        lambda: slurm.job(job).get("Restarts") == "3" and last_logged_step(out) > preempted_at[-1],
-        JOB_TIMEOUT,
-        "a step after the third resume",
-        interval=0.2,
-    )
-    slurm.run("scancel", job)
-    wait_until(
-        lambda: int(slurm.job(job).get("Restarts", "0")) >= 4,
-        120,
-        "the requeue after scancel",
-        interval=0.5,
-    )
-    last = _preempted(out, job, 3)
-    slurm.run("scancel", job)
-    slurm.wait_for_state(job, {"CANCELLED", "COMPLETED", "FAILED"}, 120)
+        # No limit for the next start; stopping for good, as docs/CLUSTERS.md says: a plain
+        # scancel saves and requeues (test_slurm_preemption.py times it); a scancel of the
+        # pending job ends it.
+        slurm.run("scontrol", "update", f"JobId={job}", "TimeLimit=UNLIMITED")
+        train_past_the_last_checkpoint(3)
+        slurm.run("scancel", job)
+        preempted_at.append(requeued(3, "scancel"))
+        slurm.run("scancel", job)
+        slurm.wait_for_state(job, {"CANCELLED", "COMPLETED", "FAILED"}, 120)
+    finally:
+        slurm.run("scancel", "--full", "--signal=KILL", job, check=False)
     text = log.read_text()
     assert text.count("requeueing job") == 4, text[-4000:]
-    for step in preempted_at:
+    for step in preempted_at[:-1]:
         assert (
             f"global_step{step} at step {step}" in text
         )  # "Resumed from …/global_stepN at step N"
     # One continuous run: every step trained once after its checkpoint, none skipped.
     steps = [r["step"] for r in read_metrics(str(out)) if "loss" in r]
-    assert sorted(set(steps)) == list(range(1, max(steps) + 1)) and max(steps) >= last
+    assert sorted(set(steps)) == list(range(1, max(steps) + 1)), steps
+    assert max(steps) >= preempted_at[-1]
 
 
 # --- docs/CLUSTERS.md's example, copied as written with only the flags changed -------------------
