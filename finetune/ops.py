@@ -60,21 +60,68 @@ def use_venv_extensions_dir() -> None:
 
 
 def remember_cpu_info() -> None:
-    """Ask py-cpuinfo about this CPU once per process instead of twice per op loaded.
+    """Ask py-cpuinfo about this CPU once per kind of CPU instead of twice per op, every start.
 
     Loading an op (prebuilt or not) makes DeepSpeed compute its compiler flags, which calls
     ``cpuinfo.get_cpu_info()`` for the architecture and again for the SIMD width
     (op_builder/builder.py cpu_arch, simd_width); each call spawns processes and costs ~1.1 s of
     CPU, on every rank, at every start: the CPU Adam op and the CPU backend's all-reduce op make
-    four calls. The answer cannot change while the process runs. DeepSpeed imports the function
-    at each call, so the module attribute replaced here is the one it gets.
+    four calls. The answer cannot change while the process runs, nor between processes on the same
+    kind of CPU: it is kept in ``$TORCH_EXTENSIONS_DIR`` (beside the ops it was asked for) under a
+    key made of what identifies the CPU (architecture, /proc/cpuinfo's vendor, model and flags),
+    so a node of another kind asks again. DeepSpeed imports the function at each call, so the
+    module attribute replaced here is the one it gets.
     """
     try:
         import cpuinfo
     except ImportError:
         return
     if not hasattr(cpuinfo.get_cpu_info, "cache_info"):
-        cpuinfo.get_cpu_info = functools.cache(cpuinfo.get_cpu_info)
+        ask = cpuinfo.get_cpu_info
+        cpuinfo.get_cpu_info = functools.cache(lambda: _cpu_info_kept(ask))
+
+
+def _cpu_key() -> str | None:
+    """What identifies this kind of CPU for the flags DeepSpeed compiles with; None where there is
+    no /proc/cpuinfo (then nothing is kept between processes)."""
+    import hashlib
+    import platform
+
+    try:
+        with open("/proc/cpuinfo", errors="replace") as f:
+            lines = f.read().split("\n\n", 1)[0].splitlines()  # the first processor
+    except OSError:
+        return None
+    wanted = ("vendor_id", "model name", "flags", "features", "cpu model", "isa")
+    ident = [ln for ln in lines if ln.split(":", 1)[0].strip().lower() in wanted]
+    if not ident:
+        return None
+    text = "\n".join([platform.machine(), sys.version.split()[0], *ident])
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def _cpu_info_kept(ask) -> dict:
+    import json
+
+    where, key = os.environ.get("TORCH_EXTENSIONS_DIR"), _cpu_key()
+    if not where or key is None:
+        return ask()
+    path = Path(where) / f"cpuinfo-{key}.json"
+    try:
+        info = json.loads(path.read_text())
+        if isinstance(info, dict) and "arch" in info and "flags" in info:
+            return info
+    except (OSError, ValueError):
+        pass
+    info = ask()
+    try:  # best effort: another rank may write the same answer at the same time
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(info))
+        os.replace(tmp, path)
+    except OSError:
+        pass
+    return info
 
 
 def adam_op(ds_config: dict) -> str | None:

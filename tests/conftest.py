@@ -201,6 +201,11 @@ def child_env(extra: dict | None = None) -> dict:
             "HF_HUB_OFFLINE": "1",
             "HF_DATASETS_OFFLINE": "1",
             "PYTHONUNBUFFERED": "1",
+            # torch.compile as a no-op: finetune compiles nothing, but DeepSpeed's ZeRO optimizer
+            # check imports its Muon optimizer, whose @torch.compile decorator imports inductor:
+            # ~1 s of CPU per rank, every start (deepspeed/runtime/zero/utils.py
+            # is_zero_supported_optimizer). A test of a compiled path would set it to "0".
+            "TORCHDYNAMO_DISABLE": "1",
             "PATH": f"{BIN}:{env.get('PATH', '')}",
         }
     )

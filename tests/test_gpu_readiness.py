@@ -276,3 +276,42 @@ def test_cpu_info_is_asked_once_per_process(monkeypatch):
     from cpuinfo import get_cpu_info  # as DeepSpeed imports it, at each call
 
     assert get_cpu_info() is get_cpu_info() and len(calls) == 1
+
+
+def test_cpu_info_is_kept_between_processes_per_kind_of_cpu(monkeypatch, tmp_path):
+    """The next start on the same kind of CPU reads the answer beside the ops; another kind of CPU
+    (another key) and an unreadable file ask again."""
+    import cpuinfo
+
+    from finetune import ops
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    calls = []
+
+    def start(key: str) -> dict:
+        """A process start: py-cpuinfo unwrapped, then wrapped, then asked (twice, as DeepSpeed)."""
+        monkeypatch.setattr(ops, "_cpu_key", lambda: key)
+        monkeypatch.setattr(
+            cpuinfo, "get_cpu_info", lambda: calls.append(key) or {"arch": key, "flags": ["avx2"]}
+        )
+        ops.remember_cpu_info()
+        assert cpuinfo.get_cpu_info() == cpuinfo.get_cpu_info()
+        return cpuinfo.get_cpu_info()
+
+    assert start("X86_64")["arch"] == "X86_64" and calls == ["X86_64"]
+    assert start("X86_64")["arch"] == "X86_64" and calls == ["X86_64"]  # kept: not asked
+    assert start("ARM_8")["arch"] == "ARM_8" and calls == ["X86_64", "ARM_8"]
+    (tmp_path / "cpuinfo-X86_64.json").write_text("{not json")
+    assert start("X86_64")["arch"] == "X86_64" and calls == ["X86_64", "ARM_8", "X86_64"]
+    assert start("X86_64")["arch"] == "X86_64" and len(calls) == 3  # rewritten
+    kept = sorted(p.name for p in tmp_path.iterdir())
+    assert kept == ["cpuinfo-ARM_8.json", "cpuinfo-X86_64.json"]
+
+
+def test_the_cpu_key_is_what_identifies_the_cpu():
+    from finetune.ops import _cpu_key
+
+    key = _cpu_key()
+    if key is None:
+        pytest.skip("no /proc/cpuinfo here")
+    assert len(key) == 16 and key == _cpu_key()

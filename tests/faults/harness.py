@@ -85,17 +85,32 @@ class Ranks:
 
 
 class RankRun:
-    """``nprocs`` ranks started by spawn_ranks.py in one process group (see conftest.Running)."""
+    """``nprocs`` ranks started by spawn_ranks.py in one process group (see conftest.Running).
 
-    def __init__(self, tmp: Path, nprocs: int, args: tuple, out: Path, env: dict | None = None):
+    ``fork``: the ranks are forked from a process that has imported torch, transformers, DeepSpeed
+    and datasets (spawn_ranks.py --fork): what every test here looks at starts after the imports,
+    which are ~40 % of a short run's CPU. False: each rank is a fresh ``python -m finetune``, for
+    signals that must land while a rank is still importing."""
+
+    def __init__(
+        self,
+        tmp: Path,
+        nprocs: int,
+        args: tuple,
+        out: Path,
+        env: dict | None = None,
+        fork: bool = True,
+    ):
         tmp.mkdir(parents=True, exist_ok=True)
         self.report = tmp / f"ranks-{free_port()}.json"
+        self.nprocs = nprocs
         cmd = [
             sys.executable,
             str(HERE / "spawn_ranks.py"),
             str(nprocs),
             str(self.report),
             str(free_port()),
+            *(["--fork"] if fork else []),
             "--",
             *args,
             "--output_dir",
@@ -105,7 +120,12 @@ class RankRun:
         self.out = out
 
     def rank_pids(self) -> dict[int, int]:
-        return self.running.rank_pids()
+        """{RANK: pid} once every rank is started (spawn_ranks.py writes them), else {}."""
+        try:
+            pids = json.loads(Path(f"{self.report}.pids").read_text())
+        except FileNotFoundError:
+            return {}
+        return {int(r): pid for r, pid in pids.items()}
 
     def finish(self, timeout: float = RUN_TIMEOUT) -> Ranks:
         result = self.running.finish(timeout)
