@@ -260,12 +260,14 @@ def test_the_fallback_config_trains_saves_and_resumes_under_offload(run_finetune
     assert "trained with torch.optim.AdamW" in again.output
 
 
-def test_cpu_info_is_asked_once_per_process(monkeypatch):
+def test_cpu_info_is_asked_once_per_process(monkeypatch, tmp_path):
     """DeepSpeed asks py-cpuinfo twice per op it loads (~1.1 s of CPU each, every rank, every
     start)."""
     import cpuinfo
 
     from finetune.ops import remember_cpu_info
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))  # nothing kept from other processes
 
     calls = []
     monkeypatch.setattr(
