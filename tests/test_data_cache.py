@@ -13,7 +13,8 @@ import pytest
 
 from finetune.cli import parse_train_args
 from finetune.data import cache
-from finetune.data.load import encode_prompt_completion, load_raw
+from finetune.data.formats import encode_prompt_completion
+from finetune.data.load import load_raw
 from finetune.modeling import load_tokenizer
 
 from conftest import TOKENIZER_DIR

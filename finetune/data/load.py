@@ -11,16 +11,7 @@ import os
 import torch
 
 from finetune.config import RESOURCES_DIR, ConfigError, DataArgs, data_format
-
-# encode_*: re-exported (callers imported them from here before they moved to formats.py).
-from finetune.data.formats import (  # noqa: F401
-    IGNORE,
-    Format,
-    choose,
-    encode_chat,
-    encode_prompt_completion,
-    encode_text,
-)
+from finetune.data.formats import IGNORE, Format, choose
 
 EMBEDDED_DATA = {
     "train": str(RESOURCES_DIR / "data" / "train.jsonl"),
