@@ -1,6 +1,10 @@
 """A checkpoint written before issue 23's reshape (commit 5164e7b: one rank, a 27k-parameter Llama
 config, saved at step 2 of a 4-step run) still resumes with today's code, and the resumed steps are
-bit for bit the rows that run logged uninterrupted (tests/fixtures/pre_reshape/expected.json).
+the rows that run logged uninterrupted (tests/fixtures/pre_reshape/expected.json): counters exact,
+floats to 1e-6 relative. Bit for bit holds on the CPU that wrote the fixture; another CPU's vector
+width rounds a reduction differently (an AMD EPYC gave grad_norm 0.9398303396 for 0.9398303361,
+loss equal), while a resume that lost state (data position, RNG, optimizer moments) moves the
+rows by far more than 1e-6.
 
 Real DeepSpeed in one plain process (~20 s): the format on disk is the contract under test.
 """
@@ -9,6 +13,8 @@ from __future__ import annotations
 
 import json
 import shutil
+
+import pytest
 
 from conftest import REPO, Running, child_env, launcher_cmd
 
@@ -47,4 +53,8 @@ def test_a_checkpoint_from_before_the_reshape_resumes_exactly(tmp_path):
     rows = {str(r["step"]): r for r in result.train_rows()}
     assert sorted(rows) == ["3", "4"], "only the steps after the checkpoint"
     for step, want in expected.items():
-        assert {k: rows[step][k] for k in want} == want, step
+        got = {k: rows[step][k] for k in want}
+        exact = {k: v for k, v in want.items() if isinstance(v, int)}
+        assert {k: got[k] for k in exact} == exact, step
+        close = {k: v for k, v in want.items() if k not in exact}
+        assert {k: got[k] for k in close} == pytest.approx(close, rel=1e-6, abs=0), step

@@ -47,9 +47,10 @@ def assert_resumed_on_another_world(ref, resumed, ckpt, saved_world: int, resume
 
 
 def test_resume_on_two_ranks_from_a_one_rank_checkpoint(run_finetune, tmp_path):
-    """1→2: rank 0 converts while rank 1 waits, and the conversion is slowed past --ddp_timeout (1 s
-    a piece, over 20 pieces): the waiting rank polls with short collectives instead of sitting in
-    one that times out. (2→1 is the next test's second start.)"""
+    """1→2: rank 0 converts while rank 1 waits, and the conversion is slowed past --ddp_timeout (3 s
+    a piece, ~20 pieces in up to 4 worker processes: over 15 s on any machine; 1 s a piece took
+    14.4 s on a fast 2-core one): the waiting rank polls with short collectives instead of sitting
+    in one that times out. (2→1 is the next test's second start.)"""
     ref = run_finetune(
         *COMMON,
         *PER_WORLD[1],
@@ -73,7 +74,7 @@ def test_resume_on_two_ranks_from_a_one_rank_checkpoint(run_finetune, tmp_path):
         launcher="deepspeed",
         nprocs=2,
         out_dir=tmp_path / "new",
-        env={"FINETUNE_SLOW_UNIVERSAL": "1"},
+        env={"FINETUNE_SLOW_UNIVERSAL": "3"},
         timeout=TIMEOUT,
     )
     _ok(resumed)
