@@ -70,6 +70,7 @@ OTHER_TOOLS: dict[str, str] = {
     "--finetune_src": "bench/data_path.py",
     "--before": "bench/save_io.py",
     "--saves": "bench/save_io.py",
+    "--checkpoint": "bench/remote_upload.py",
 }
 
 

@@ -108,15 +108,18 @@ def bytes_hashed() -> int:
     return _read_back[0]
 
 
+def hash_bytes(data: bytes) -> str:
+    """xxh3-128 of ``data``, as ``hash_file`` gives it for a file holding it."""
+    return xxhash.xxh3_128(data).hexdigest()
+
+
 def write_bytes_durably(path: str | os.PathLike, data: bytes) -> tuple[int, str]:
     """Create or truncate ``path`` with ``data`` and fsync it; (size, xxh3-128) of ``data``."""
     with open(path, "wb") as f:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
-    h = xxhash.xxh3_128()
-    h.update(data)
-    return len(data), h.hexdigest()
+    return len(data), hash_bytes(data)
 
 
 def write_json_durably(path: str | os.PathLike, obj) -> tuple[int, str]:

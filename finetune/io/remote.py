@@ -1,0 +1,256 @@
+"""Object storage behind the ``Storage`` protocol: ``s3://bucket/prefix`` (issue 24).
+
+An object store has no folders, no rename and no fsync: a key ``prefix/rel`` is a file, a folder is
+the set of keys under ``prefix/rel/``, and a ``PUT`` that returned is durable and atomic (a reader
+sees the old object or the new one, never a part). So ``write_bytes`` and ``replace_bytes`` are one
+``PUT`` each, ``makedirs`` and ``sync`` do nothing, and ``rename``/``exchange`` are not offered
+(a remote commit is the manifest uploaded last, not a rename: see docs/CHECKPOINTS.md).
+
+Every object this module uploads carries its xxh3-128 (the manifest's checksum) in its metadata
+(``x-amz-meta-xxh3``), so ``checksum`` and a remote ``verify`` read sizes and checksums without
+downloading; ``verify --full`` downloads and hashes.
+
+Credentials and the endpoint come the standard AWS way (the environment, ``~/.aws``,
+``AWS_PROFILE``, ``AWS_ENDPOINT_URL``); nothing here prints or stores them. The client library
+(boto3) is optional: without it an ``s3://`` URI is a one-line error naming the package.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from finetune.io.storage import Entry, Stat
+
+SCHEMES = ("s3",)
+CLIENT_PACKAGE = "boto3"
+CHECKSUM_KEY = "xxh3"  # object metadata: x-amz-meta-xxh3
+_MB = 1 << 20
+
+
+class RemoteError(Exception):
+    """A remote URI that cannot be used (scheme, missing client, bucket, credentials): one line."""
+
+
+def is_remote(path: str | os.PathLike) -> bool:
+    return isinstance(path, str) and "://" in path
+
+
+@dataclass(frozen=True)
+class S3Uri:
+    bucket: str
+    prefix: str  # no leading or trailing "/"; "" for the bucket's root
+
+    @classmethod
+    def parse(cls, uri: str) -> S3Uri:
+        scheme, sep, rest = uri.partition("://")
+        if not sep or scheme not in SCHEMES:
+            raise RemoteError(
+                f"{uri}: unsupported scheme {scheme + '://' if sep else '(none)'}; "
+                f"supported: {', '.join(s + '://' for s in SCHEMES)}"
+            )
+        bucket, _, prefix = rest.partition("/")
+        if not bucket:
+            raise RemoteError(f"{uri}: no bucket name (s3://BUCKET/PREFIX)")
+        return cls(bucket, prefix.strip("/"))
+
+    def key(self, rel: str = "") -> str:
+        rel = rel.strip("/")
+        return f"{self.prefix}/{rel}" if self.prefix and rel else (self.prefix or rel)
+
+    def __str__(self) -> str:
+        return f"s3://{self.bucket}/{self.prefix}" if self.prefix else f"s3://{self.bucket}"
+
+
+def make_client():
+    """A boto3 S3 client configured by the AWS chain, with retries (standard mode, 10 tries) and a
+    connection pool large enough for parallel parts."""
+    try:
+        import boto3
+        from botocore.config import Config
+    except ImportError:
+        raise RemoteError(
+            f"s3:// needs the {CLIENT_PACKAGE} package: pip install {CLIENT_PACKAGE}"
+        ) from None
+    config = Config(retries={"mode": "standard", "max_attempts": 10}, max_pool_connections=32)
+    return boto3.session.Session().client("s3", config=config)
+
+
+def _missing(error) -> bool:
+    code = getattr(error, "response", {}).get("Error", {}).get("Code", "")
+    return code in ("404", "NoSuchKey", "NotFound")
+
+
+class S3Storage:
+    """``Storage`` over ``s3://bucket/prefix``; ``rel`` paths are ``/``-separated keys under it."""
+
+    def __init__(self, uri: str, client=None):
+        self.uri = S3Uri.parse(uri)
+        self.client = client or make_client()
+
+    # --- what the protocol names -----------------------------------------------------------------
+
+    def describe(self, rel: str = "") -> str:
+        key = self.uri.key(rel)
+        return f"s3://{self.uri.bucket}/{key}" if key else f"s3://{self.uri.bucket}"
+
+    def local_path(self, rel: str = "") -> None:
+        return None
+
+    def stat(self, rel: str) -> Stat | None:
+        head = self.head(rel) if rel else None
+        if head is not None:
+            return Stat(False, head["ContentLength"], head["ContentLength"])
+        return Stat(True, 0, 0) if self._has_keys(self._folder(rel)) else None
+
+    def list(self, rel: str = "") -> list[Entry]:
+        found: list[Entry] = []
+        prefix = self._folder(rel)
+        for page in self._pages(prefix, delimiter="/"):
+            # Some S3 servers (SeaweedFS) keep listing a prefix for a while after its last key
+            # went; S3 does not. A prefix counts while a key is under it (one request per
+            # prefix: a checkpoint folder holds files, an output dir a few checkpoints).
+            found += [
+                Entry(p["Prefix"][len(prefix) :].rstrip("/"), True)
+                for p in page.get("CommonPrefixes", [])
+                if self._has_keys(p["Prefix"])
+            ]
+            found += [
+                Entry(o["Key"][len(prefix) :], False)
+                for o in page.get("Contents", [])
+                if o["Key"] != prefix
+            ]
+        return sorted(found, key=lambda e: e.name)
+
+    def walk(self, rel: str) -> Iterator[tuple[str, list[str], list[str]]]:
+        tree: dict[str, tuple[set[str], list[str]]] = {rel.strip("/"): (set(), [])}
+        base = self._folder("")
+        for page in self._pages(self._folder(rel)):
+            for obj in page.get("Contents", []):
+                path = obj["Key"][len(base) :]
+                parent, _, name = path.rpartition("/")
+                tree.setdefault(parent, (set(), []))[1].append(name)
+                while parent != rel.strip("/") and parent:
+                    up, _, child = parent.rpartition("/")
+                    tree.setdefault(up, (set(), []))[0].add(child)
+                    parent = up
+        for folder in sorted(tree, key=lambda f: (-f.count("/") - bool(f), f)):
+            dirs, files = tree[folder]
+            yield folder or ".", sorted(dirs), sorted(files)
+
+    def read_bytes(self, rel: str) -> bytes | None:
+        try:
+            return self.client.get_object(Bucket=self.uri.bucket, Key=self.uri.key(rel))[
+                "Body"
+            ].read()
+        except self.client.exceptions.NoSuchKey:
+            return None
+
+    def write_bytes(self, rel: str, data: bytes, checksum: str | None = None) -> None:
+        from finetune.io.durable import hash_bytes
+
+        self.client.put_object(
+            Bucket=self.uri.bucket,
+            Key=self.uri.key(rel),
+            Body=data,
+            Metadata={CHECKSUM_KEY: checksum or hash_bytes(data)},
+        )
+
+    replace_bytes = write_bytes  # a PUT replaces atomically
+
+    def checksum(self, rel: str) -> tuple[int, str]:
+        """(size, xxh3) from the object's metadata; objects without it are downloaded and hashed."""
+        head = self.head(rel)
+        if head is None:
+            raise FileNotFoundError(self.describe(rel))
+        known = head.get("Metadata", {}).get(CHECKSUM_KEY)
+        if known:
+            return head["ContentLength"], known
+        return self.hash_object(rel)
+
+    def hash_object(self, rel: str) -> tuple[int, str]:
+        """Download and hash (``verify --full``): the bytes as stored, not what metadata says."""
+        import xxhash
+
+        h, size = xxhash.xxh3_128(), 0
+        body = self.client.get_object(Bucket=self.uri.bucket, Key=self.uri.key(rel))["Body"]
+        for chunk in body.iter_chunks(8 * _MB):
+            h.update(chunk)
+            size += len(chunk)
+        return size, h.hexdigest()
+
+    def makedirs(self, rel: str) -> None:
+        pass  # folders are key prefixes
+
+    def rename(self, src: str, dst: str) -> None:
+        raise OSError(f"{self.describe(src)}: an object store has no atomic rename")
+
+    def exchange(self, a: str, b: str) -> bool:
+        return False
+
+    def sync(self, rel: str) -> None:
+        pass  # a PUT that returned is durable
+
+    def remove(self, rel: str) -> None:
+        """A key; a "folder" (a prefix) goes with its last key, and removing one that still has
+        keys fails as rmdir would."""
+        if self.head(rel) is not None:
+            self.client.delete_object(Bucket=self.uri.bucket, Key=self.uri.key(rel))
+        elif rel and self.stat(rel) is not None:
+            raise OSError(errno.ENOTEMPTY, "folder not empty", self.describe(rel))
+
+    def free_bytes(self) -> int:
+        return sys.maxsize  # no quota an S3 API reports
+
+    # --- object-store operations beyond the protocol ---------------------------------------------
+
+    def head(self, rel: str) -> dict | None:
+        from botocore.exceptions import ClientError
+
+        try:
+            return self.client.head_object(Bucket=self.uri.bucket, Key=self.uri.key(rel))
+        except ClientError as e:
+            if _missing(e):
+                return None
+            raise
+
+    def upload_file(self, local: str | os.PathLike, rel: str, checksum: str) -> None:
+        """One file, multipart with parallel parts above 16 MiB (retried by the client), its
+        checksum in the object's metadata."""
+        from boto3.s3.transfer import TransferConfig
+
+        config = TransferConfig(
+            multipart_threshold=16 * _MB, multipart_chunksize=16 * _MB, max_concurrency=8
+        )
+        self.client.upload_file(
+            os.fspath(local),
+            self.uri.bucket,
+            self.uri.key(rel),
+            ExtraArgs={"Metadata": {CHECKSUM_KEY: checksum}},
+            Config=config,
+        )
+
+    def download_file(self, rel: str, local: str | os.PathLike) -> None:
+        from boto3.s3.transfer import TransferConfig
+
+        config = TransferConfig(multipart_chunksize=16 * _MB, max_concurrency=8)
+        self.client.download_file(
+            self.uri.bucket, self.uri.key(rel), os.fspath(local), Config=config
+        )
+
+    def _has_keys(self, prefix: str) -> bool:
+        found = self.client.list_objects_v2(Bucket=self.uri.bucket, Prefix=prefix, MaxKeys=1)
+        return found.get("KeyCount", 0) > 0
+
+    def _folder(self, rel: str) -> str:
+        key = self.uri.key(rel)
+        return f"{key}/" if key else ""
+
+    def _pages(self, prefix: str, delimiter: str | None = None) -> Iterator[dict]:
+        kw = {"Bucket": self.uri.bucket, "Prefix": prefix}
+        if delimiter:
+            kw["Delimiter"] = delimiter
+        yield from self.client.get_paginator("list_objects_v2").paginate(**kw)
