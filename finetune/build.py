@@ -19,10 +19,11 @@ import torch
 from finetune import distributed as dist
 from finetune.checkpoint.checkpointer import Checkpointer
 from finetune.checkpoint.outdir import OutputDir
+from finetune.checkpoint.remote_copy import RemoteCopy, open_remote
 from finetune.checkpoint.resume import Resumer
 from finetune.checkpoint.staging import Layout, tidy_storage
 from finetune.checkpoint.state import TrainingState
-from finetune.config import RunConfig
+from finetune.config import ConfigError, RunConfig
 from finetune.data import ResumableSampler, TrainData
 from finetune.data.cache import prepare
 from finetune.distributed import logger
@@ -89,6 +90,15 @@ def build_trainer(
     if plan is not None and plan.universal is not None:
         ds_config["checkpoint"] = {**ds_config.get("checkpoint", {}), "load_universal": True}
     run_id = run_id or uuid.uuid4().hex[:12]
+    remote = None
+    if cfg.ckpt.remote_output_dir:  # agreed: a bucket or credential that does not work is exit 2
+        if layout.node_local:
+            raise ConfigError(
+                "`--remote_output_dir` with a node-local `--output_dir` is not supported yet: "
+                "give a shared `--output_dir`"
+            )
+        remote = RemoteCopy(open_remote(cfg.ckpt.remote_output_dir, run_id), storage.root,
+                            dist.is_main())  # fmt: skip
     # Collective: wandb starts on rank 0, and its failure (not logged in) stops every rank here,
     # before the model loads.
     trackers = open_trackers(cfg, run_id, resumed=plan is not None)
@@ -159,6 +169,7 @@ def build_trainer(
         adapters=base is not None,
         consolidated_dtype=DTYPES[cfg.ckpt.consolidated_dtype or t.precision],
         still_ours=(lambda: lease.check()) if lease is not None else (lambda: True),
+        remote=remote,
     )
     # Rank 0 writes nothing more into OUT from the moment its
     # heartbeat learns the lease is lost.
@@ -170,6 +181,8 @@ def build_trainer(
         may_write=lambda: not lost(),
     )
     checkpoints.on_event = metrics.event
+    if remote is not None:
+        remote.on_event = metrics.event
     plotter = Plotter(cfg.ckpt.output_dir) if cfg.train.plot and dist.is_main() else None
     return Trainer(
         cfg,

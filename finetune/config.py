@@ -223,6 +223,12 @@ class CheckpointArgs:
         "dtype of consolidated weights (default: the training dtype).",
         choices=("bf16", "fp16", "fp32"),
     )
+    remote_output_dir: str | None = _f(
+        None,
+        "Also copy every committed checkpoint to this object-storage URI (s3://BUCKET/PREFIX; "
+        "pip install boto3), in the background; committed there by its manifest uploaded last. "
+        "Credentials and endpoint: the AWS chain (AWS_PROFILE, AWS_ENDPOINT_URL, ...).",
+    )
     resume_from_checkpoint: str | None = _f(
         None, "PATH, 'latest' or 'auto' (resume if a checkpoint exists)."
     )

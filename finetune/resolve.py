@@ -137,6 +137,8 @@ def validate_flags(v: Mapping[str, Any]) -> None:
         )
     if v["max_shard_size"] is not None:
         check_size(v["max_shard_size"])
+    if v["remote_output_dir"]:
+        check_remote(v)
     try:
         parse_signals(v["preempt_signals"])
     except ValueError as e:
@@ -154,3 +156,24 @@ def validate_flags(v: Mapping[str, Any]) -> None:
     if v["ignore_unverified_checkpoints"] and v["resume_from_checkpoint"] != "auto":
         raise ConfigError("`--ignore_unverified_checkpoints` needs `--resume_from_checkpoint auto`")
     validate_lora_flags(v)
+
+
+def check_remote(v: Mapping[str, Any]) -> None:
+    """--remote_output_dir: a URI of a supported scheme, its client installed, something to copy.
+    (Whether the bucket and credentials work is the start-up probe's: checkpoint/remote_copy.)"""
+    import importlib.util
+
+    from finetune.io.remote import CLIENT_PACKAGE, RemoteError, S3Uri
+
+    uri = v["remote_output_dir"]
+    try:
+        S3Uri.parse(uri)
+    except RemoteError as e:
+        raise ConfigError(f"`--remote_output_dir`: {e}") from None
+    if not v["save_checkpoint"]:
+        raise ConfigError("`--remote_output_dir` copies checkpoints: it needs `--save_checkpoint`")
+    if importlib.util.find_spec(CLIENT_PACKAGE) is None:
+        raise ConfigError(
+            f"`--remote_output_dir` {uri} needs the {CLIENT_PACKAGE} package: "
+            f"pip install {CLIENT_PACKAGE} (or finetune[s3])"
+        )

@@ -49,6 +49,7 @@ from finetune.checkpoint.contents import (
 )
 from finetune.checkpoint.outdir import STAGING, OutputDir, tag_for
 from finetune.checkpoint.policy import space_needed
+from finetune.checkpoint.remote_copy import NoRemoteCopy
 from finetune.checkpoint.resume import ResumePlan
 from finetune.checkpoint.retention import Lineage
 from finetune.checkpoint.staging import Layout, SaveError, Staging
@@ -76,6 +77,7 @@ class Checkpointer:
         consolidated_dtype: torch.dtype = torch.float32,
         still_ours=lambda: True,
         adapters: bool = False,
+        remote=None,
     ):
         """``states``: objects with ``state_dict``/``load_state_dict`` saved in trainer_state.json,
         "progress" (a TrainingState: its keys at the top level, as checkpoints have always had
@@ -83,7 +85,8 @@ class Checkpointer:
         records besides (zero stage, dtype, args); ``run_id``: the same on every rank (names this
         run's save ids); ``still_ours``: whether this run still holds OUT's lease (rank 0 asks
         before each commit); ``adapters`` (--use_peft): the engine's module is a peft model whose
-        frozen base is left out of its checkpoints (offline/adapter.py)."""
+        frozen base is left out of its checkpoints (offline/adapter.py); ``remote``: where each
+        commit is copied (--remote_output_dir)."""
         from finetune.lora import trainable_parameters
         from finetune.modeling import count_parameters
 
@@ -91,6 +94,7 @@ class Checkpointer:
         self.engine, self.states, self.progress = engine, states, states["progress"]
         self.tokenizer, self.run_info, self.run_id, self.plan = tokenizer, run_info, run_id, plan
         self.consolidated_dtype, self.adapters = consolidated_dtype, adapters
+        self.remote = remote or NoRemoteCopy()
         self.adapter_summary: dict | None = None  # the consolidated adapter's, for the manifest
         self.leader = layout.leader
         # A save's size before there is a checkpoint to size it by: with adapters, only they are
@@ -120,6 +124,7 @@ class Checkpointer:
         step of the save that failed, and a failed background save never cancels the due one. An
         exit code to stop with, or None. Collective."""
         ck = self.ckpt
+        self.remote.poll()  # one all-reduce while an upload to --remote_output_dir is outstanding
         due = ck.save_checkpoint and ck.save_steps and step % ck.save_steps == 0 and step < total
         code = self._settle_in_flight(block=bool(due))
         if code is None and due:
@@ -195,22 +200,21 @@ class Checkpointer:
         self.settle()
         if self.committed_step == step:
             # Resumed at (or past) the last step: re-saving the same step would only swap a
-            # complete checkpoint for a copy of itself.
+            # complete checkpoint for a copy of itself. What a crash after its rename may have
+            # left undone: `latest`, retention.
             logger.info("step %d is already saved as %s", step, self.out / tag_for(step))
-            # what a crash after its rename may have left undone: `latest`, retention
             self.lineage.finish_commit(step, self.staging.ensure_lease)
-            self.retain()
-            self.finish_deletions()
-            return 0
-        try:
-            path = self.save(step, final=True)
-        except SaveError as e:
-            self.on_event("save_failed", step, error=str(e))
-            dist.log_main(logging.ERROR, "final save failed: %s", e)
-            return 1
-        logger.info("checkpoint saved to %s", path)
+        else:
+            try:
+                logger.info("checkpoint saved to %s", self.save(step, final=True))
+            except SaveError as e:
+                self.on_event("save_failed", step, error=str(e))
+                dist.log_main(logging.ERROR, "final save failed: %s", e)
+                return 1
+        copied = self.remote.drain()  # --remote_output_dir: the final copy too
+        self.retain()  # then what waited for its copy can go
         self.finish_deletions()
-        return 0
+        return 0 if copied else 1
 
     # --- save: check → snapshot → write → agree, then commit ---------------------------------
 
@@ -258,8 +262,7 @@ class Checkpointer:
         One all-reduce while a save is in flight, nothing otherwise. Collective."""
         if self.pending is None:
             return
-        waiting = dist.all_reduce_sum([0.0 if self.writer.done() else 1.0])[0]
-        if waiting == 0:
+        if dist.all_reduce_sum([0.0 if self.writer.done() else 1.0])[0] == 0:  # none waiting
             self._complete(self.pending)
 
     def wait(self) -> Path | None:
@@ -300,6 +303,7 @@ class Checkpointer:
         clock.lap("commit")
         self.retain()
         clock.lap("retain")
+        self.remote.offer(tag, self.writer.files, files)  # --remote_output_dir
         self.committed_step = pending.step
         total = sum(size for size, _ in files.values())
         self.on_event(
@@ -475,7 +479,8 @@ class Checkpointer:
     def retain(self) -> None:
         """--save_total_limit over this run's line (retention.py). Collective."""
         try:
-            self.lineage.retain(self.ckpt.save_total_limit, self.staging.ensure_lease)
+            keep = self.remote.unconfirmed()  # not yet copied to --remote_output_dir
+            self.lineage.retain(self.ckpt.save_total_limit, self.staging.ensure_lease, keep)
         # the lease unreadable: the save is committed; retention is retried after the next one
         except SaveError as e:
             dist.log_main(logging.WARNING, "save_total_limit %d: %s", self.ckpt.save_total_limit, e)

@@ -78,11 +78,17 @@ class Lineage:
         self.line = [t for t in self.line if t != tag] + [tag]
         self.last_bytes = self.sizes[tag] = total_bytes
 
-    def retain(self, limit: int | None, ensure_lease: Callable[[str, int | None], None]) -> None:
-        """--save_total_limit K: keep the K newest of the line. Decided from facts every rank
-        shares; leaders rename the rest to trash (polled), a thread purges it. ``ensure_lease``
-        raises (alike on every rank) when OUT is no longer this run's. Collective."""
-        doomed = select_for_deletion(self.line, limit, {self.head.tag}) if limit else []
+    def retain(
+        self,
+        limit: int | None,
+        ensure_lease: Callable[[str, int | None], None],
+        keep: set[str] = frozenset(),
+    ) -> None:
+        """--save_total_limit K: keep the K newest of the line, and ``keep`` (not yet copied to
+        --remote_output_dir). Decided from facts every rank shares; leaders rename the rest to
+        trash (polled), a thread purges it. ``ensure_lease`` raises (alike on every rank) when
+        OUT is no longer this run's. Collective."""
+        doomed = select_for_deletion(self.line, limit, {self.head.tag} | keep) if limit else []
         if not doomed:
             return
         ensure_lease("deleting older checkpoints", step_of(self.head.tag))

@@ -358,6 +358,21 @@ CASES = [
         ("--async_save",),
         ("--async_save", "--save_checkpoint"),
     ),
+    Case(
+        "remote_output_dir_unsupported_scheme",
+        ("--save_checkpoint", "--remote_output_dir", "gs://bucket/run"),
+        ("--remote_output_dir", "gs://"),
+    ),
+    Case(
+        "remote_output_dir_without_a_bucket",
+        ("--save_checkpoint", "--remote_output_dir", "s3:///run"),
+        ("--remote_output_dir", "no bucket name"),
+    ),
+    Case(
+        "remote_output_dir_without_save_checkpoint",
+        ("--remote_output_dir", "s3://bucket/run"),
+        ("--remote_output_dir", "--save_checkpoint"),
+    ),
     Case("ddp_timeout_0", ("--ddp_timeout", "0"), ("--ddp_timeout",)),
     Case("lora_flag_without_use_peft", ("--lora_r", "8"), ("--lora_r", "--use_peft")),
     Case("lora_r_0", ("--use_peft", "--lora_r", "0"), ("--lora_r",)),

@@ -1,0 +1,249 @@
+"""--remote_output_dir: every checkpoint committed in OUT copied to object storage in the
+background, committed there by its manifest uploaded last, then a remote ``latest`` (issue 24).
+
+Each rank uploads the files it wrote (``Checkpointer``'s writer files: its rank files and RNG; the
+leader also the shared files), one checkpoint at a time, on a thread: training never waits for the
+network. Offered a newer checkpoint while one uploads, a rank keeps only the newest waiting (the
+one in between is skipped there, and so never complete remotely). At step boundaries, while any
+upload is outstanding, one all-reduce tells every rank which checkpoints every rank has uploaded;
+for the newest of those the global leader uploads ``manifest.json`` (the remote commit marker: an
+object store has no rename) and then ``latest``, on its thread. A remote checkpoint without its
+manifest does not exist. The same all-reduce carries the leader's "committed" back, so every rank
+holds the same view: which local checkpoints are not yet confirmed remotely (retention keeps them)
+and which were skipped (an event says so).
+
+Every object carries its xxh3 in its metadata (the manifest's checksum), so the remote copy is
+verified from sizes and metadata without a download. At the end of training the run waits for the
+final checkpoint's remote commit (exit 1 if it failed, like a failed final save).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from finetune import distributed as dist
+from finetune.checkpoint.outdir import LATEST, MANIFEST
+from finetune.config import ConfigError
+from finetune.distributed import logger
+from finetune.io.remote import CHECKSUM_KEY, RemoteError, S3Storage
+
+FILES = dict[str, tuple[int, str]]  # name → (size, xxh3)
+FINAL_TRIES = 3  # the final checkpoint's copy is tried this often before the run exits 1
+
+
+def open_remote(uri: str, run_id: str) -> S3Storage:
+    """The remote storage, after every rank wrote, read back and deleted a probe object under it:
+    a wrong bucket, endpoint or credential is exit 2 naming the flag, before training. Agreed:
+    every rank probes (each uploads its own files), all fail alike. Collective."""
+
+    def probe() -> S3Storage:
+        try:
+            remote = S3Storage(uri)
+            rel = f".probe-{run_id}-{dist.rank()}"
+            remote.write_bytes(rel, b"finetune probe\n")
+            if remote.read_bytes(rel) != b"finetune probe\n":
+                raise RemoteError("a probe object read back different bytes")
+            remote.remove(rel)
+            return remote
+        except RemoteError as e:
+            raise ConfigError(f"--remote_output_dir {uri}: {e}") from None
+        except Exception as e:  # noqa: BLE001 — the client's errors (credentials, endpoint, bucket)
+            raise ConfigError(
+                f"--remote_output_dir {uri}: cannot write there ({type(e).__name__}: "
+                f"{str(e).splitlines()[0] if str(e) else ''})"
+            ) from None
+
+    return dist.run_agreed(probe, step="checking --remote_output_dir")
+
+
+class NoRemoteCopy:
+    """No --remote_output_dir: nothing to copy, nothing kept for it."""
+
+    def offer(self, tag: str, written: FILES, committed: FILES) -> None:
+        pass
+
+    def unconfirmed(self) -> set[str]:
+        return set()
+
+    def poll(self) -> None:
+        pass
+
+    def drain(self) -> bool:
+        return True
+
+
+class RemoteCopy:
+    def __init__(self, remote: S3Storage, out: Path, leader: bool):
+        """``out``: the local output dir whose committed folders are copied; ``leader``: uploads
+        the manifest and ``latest`` (rank 0: on shared storage the manifest lists every rank's
+        files)."""
+        self.remote, self.out, self.leader = remote, out, leader
+        self.outstanding: list[str] = []  # committed locally, not remotely; the same on every rank
+        self._files: dict[str, FILES] = {}  # outstanding tag → what this rank uploads of it
+        self.failures: dict[str, int] = {}  # outstanding tag → failed tries (every rank alike)
+        self.remote_head: str | None = None  # the newest remotely committed, every rank alike
+        self.on_event: Callable[..., None] = lambda kind, step, **fields: None
+        self._lock = threading.Condition()
+        self._waiting: tuple[str, FILES] | None = None  # the newest offered, not started
+        self._uploaded: dict[str, str | None] = {}  # tag → None (done) or the error
+        self._commit: str | None = None  # leader: the tag whose manifest to upload next
+        self._committed: dict[str, str | None] = {}  # leader: tag → None (done) or the error
+        self._thread = threading.Thread(target=self._run, name="remote-copy", daemon=True)
+        self._thread.start()
+
+    # --- the trainer's side: every method is called on every rank ---------------------------
+
+    def offer(self, tag: str, written: FILES, committed: FILES) -> None:
+        """``tag`` was committed locally: this rank uploads what it wrote of the ``committed``
+        files (a consolidation dropped at the agree step is not among them)."""
+        self.outstanding = [t for t in self.outstanding if t != tag] + [tag]
+        self._files[tag] = {n: v for n, v in written.items() if n in committed}
+        self._queue(tag)
+
+    def _queue(self, tag: str) -> None:
+        with self._lock:
+            self._uploaded.pop(tag, None)
+            self._waiting = (tag, self._files[tag])  # a newer offer replaces one not started
+            self._lock.notify_all()
+
+    def unconfirmed(self) -> set[str]:
+        """Local checkpoints retention must keep: committed here, newer than the newest remote
+        commit, not yet committed there."""
+        return set(self.outstanding)
+
+    def poll(self) -> None:
+        """At a step boundary: one all-reduce while anything is outstanding. Collective."""
+        if not self.outstanding:
+            return
+        tags = list(self.outstanding)
+        with self._lock:
+            mine = [
+                (
+                    1.0 if t in self._uploaded and self._uploaded[t] is None else 0.0,
+                    1.0 if self._uploaded.get(t) else 0.0,
+                    1.0 if self.leader and t in self._committed and not self._committed[t] else 0.0,
+                    1.0 if self.leader and self._committed.get(t) else 0.0,
+                )
+                for t in tags
+            ]
+        sums = dist.all_reduce_sum([x for row in mine for x in row])
+        world = dist.world_size()
+        rows = [sums[4 * i : 4 * i + 4] for i in range(len(tags))]
+        done = [t for t, r in zip(tags, rows) if r[2] > 0]
+        if done:
+            self._confirmed(done[-1], tags)
+        for t, (ok, failed, _, commit_failed) in zip(tags, rows):
+            if t not in self.outstanding:
+                continue
+            if failed or commit_failed:
+                # Kept locally (retention keeps what is not copied) and tried again while it is
+                # the newest; an older one is given up once a newer one is copied.
+                self.failures[t] = self.failures.get(t, 0) + 1
+                self.on_event("remote_upload_failed", _step(t), tag=t, tries=self.failures[t])
+                dist.log_main(
+                    logging.WARNING,
+                    "copying %s to %s failed on %d rank(s); kept locally, trying again",
+                    t, self.remote.describe(), int(failed + commit_failed),
+                )  # fmt: skip
+                with self._lock:
+                    self._committed.pop(t, None)
+                if t == self.outstanding[-1]:
+                    self._queue(t)
+                else:
+                    with self._lock:
+                        self._uploaded.pop(t, None)
+            elif ok == world and self.leader:
+                with self._lock:
+                    if t not in self._committed and self._commit != t:
+                        self._commit = t  # the newest complete wins
+                        self._lock.notify_all()
+
+    def drain(self, tries: int = FINAL_TRIES) -> bool:
+        """At the end of training: poll until the newest checkpoint is copied, or its copy failed
+        ``tries`` times (each try is the client's own retries with backoff); False then.
+        Collective."""
+        newest = self.outstanding[-1] if self.outstanding else None
+        said = time.monotonic()
+        while self.outstanding and self.failures.get(newest, 0) < tries:
+            self.poll()
+            if not self.outstanding or self.failures.get(newest, 0) >= tries:
+                break
+            if time.monotonic() - said > 30:
+                said = time.monotonic()
+                dist.log_main(logging.INFO, "waiting for %s to reach %s", newest,
+                              self.remote.describe())  # fmt: skip
+            time.sleep(0.2)
+        if newest is None or self.remote_head == newest:
+            return True
+        dist.log_main(logging.ERROR, "the final checkpoint %s did not reach %s", newest,
+                      self.remote.describe())  # fmt: skip
+        return False
+
+    def _confirmed(self, tag: str, tags: list[str]) -> None:
+        i = tags.index(tag)
+        skipped = [t for t in tags[:i] if t in self.outstanding]
+        for t in skipped:
+            self.on_event("remote_skipped", _step(t), tag=t, newer=tag)
+        self.outstanding = [t for t in self.outstanding if t not in tags[: i + 1]]
+        self._files = {t: f for t, f in self._files.items() if t in self.outstanding}
+        self.failures = {t: n for t, n in self.failures.items() if t in self.outstanding}
+        self.remote_head = tag
+        self.on_event("remote_checkpoint", _step(tag), tag=tag, uri=self.remote.describe(tag))
+        dist.log_main(logging.INFO, "%s committed to %s", tag, self.remote.describe(tag))
+        with self._lock:
+            for t in tags[: i + 1]:
+                self._uploaded.pop(t, None)
+                self._committed.pop(t, None)
+
+    # --- the thread ----------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            with self._lock:
+                while self._waiting is None and self._commit is None:
+                    self._lock.wait()
+                if self._commit is not None:  # a manifest first: it is small and completes a copy
+                    job, self._commit = ("commit", self._commit), None
+                else:
+                    job, self._waiting = ("upload", self._waiting), None
+            if job[0] == "commit":
+                error = self._guarded(self._publish, job[1])
+                with self._lock:
+                    self._committed[job[1]] = error
+            else:
+                tag, files = job[1]
+                error = self._guarded(self._upload, tag, files)
+                with self._lock:
+                    self._uploaded[tag] = error
+
+    def _guarded(self, work, *args) -> str | None:
+        try:
+            work(*args)
+            return None
+        except Exception as e:  # noqa: BLE001 — reported through poll's all-reduce
+            logger.warning("remote copy: %s: %s", type(e).__name__, e)
+            return f"{type(e).__name__}: {e}"
+
+    def _upload(self, tag: str, files: FILES) -> None:
+        for name, (size, digest) in sorted(files.items()):
+            rel = f"{tag}/{name}"
+            head = self.remote.head(rel)
+            if head is not None and head["ContentLength"] == size:
+                if head.get("Metadata", {}).get(CHECKSUM_KEY) == digest:
+                    continue  # already there (a copy resumed after an interruption)
+            self.remote.upload_file(self.out / tag / name, rel, digest)
+
+    def _publish(self, tag: str) -> None:
+        """The remote commit: the manifest, uploaded last (every file it lists is there), then
+        ``latest``."""
+        data = (self.out / tag / MANIFEST).read_bytes()
+        self.remote.write_bytes(f"{tag}/{MANIFEST}", data)
+        self.remote.replace_bytes(LATEST, f"{tag}\n".encode())
+
+
+def _step(tag: str) -> int:
+    return int(tag.removeprefix("global_step")) if tag.startswith("global_step") else 0

