@@ -125,15 +125,7 @@ def verify(
     world = int(manifest.get("world_size", 0))
     listed = manifest.get("files", {})
     mine = set(listed) if ranks is None else _files_of(listed, ranks, world, shared)
-    for r in stored_ranks(manifest) if ranks is None else ranks:
-        for pattern in RANK_FILE_PATTERNS:
-            name = pattern.format(r=r)
-            if name not in listed and not (
-                name.startswith("zero") and _bf16_variant(name) in listed
-            ):
-                report.problems.append(
-                    f"{name}: rank {r} of {world} has no such file in the manifest"
-                )
+    report.problems += missing_rank_files(manifest, ranks)
     for name in sorted(mine):
         report.problems.extend(check_file(folder / name, name, listed[name], checksums))
         report.files += 1
@@ -142,6 +134,21 @@ def verify(
         report.problems.extend(_check_trainer_state(folder, world))
     report.seconds = time.perf_counter() - start
     return report
+
+
+def missing_rank_files(manifest: dict, ranks: list[int] | None = None) -> list[str]:
+    """A problem per rank file the manifest should list and does not (every stored rank's, or
+    ``ranks``')."""
+    world, listed = int(manifest.get("world_size", 0)), manifest.get("files", {})
+    problems = []
+    for r in stored_ranks(manifest) if ranks is None else ranks:
+        for pattern in RANK_FILE_PATTERNS:
+            name = pattern.format(r=r)
+            if name not in listed and not (
+                name.startswith("zero") and _bf16_variant(name) in listed
+            ):
+                problems.append(f"{name}: rank {r} of {world} has no such file in the manifest")
+    return problems
 
 
 def _bf16_variant(name: str) -> str:

@@ -25,6 +25,7 @@ from finetune.checkpoint.outdir import LATEST, OutputDir, committed, find_checkp
 from finetune.checkpoint.policy import newest_first
 from finetune.commands import Parser
 from finetune.config import ConfigError
+from finetune.io.remote import is_remote
 from finetune.offline.adapter import verify_adapter
 
 METRICS = "metrics.jsonl"
@@ -115,12 +116,23 @@ def main(argv: list[str]) -> int:
     )
     p.add_argument(
         "checkpoint",
-        help="A checkpoint folder, or an output dir (its newest committed checkpoint is checked, "
+        help="A checkpoint folder or s3:// URI, or an output dir (its newest committed checkpoint "
+        "is checked, "
         "and the rest of the dir is looked over: uncommitted folders, `latest`, leftovers of "
         "crashed saves, torn metrics lines; reported as notes).",
     )
     p.add_argument("--quick", action="store_true", help="Check file sizes only, not checksums.")
+    p.add_argument(
+        "--full",
+        action="store_true",
+        help="s3:// only: download every object and hash it (default: sizes and the checksums "
+        "kept in each object's metadata, no download).",
+    )
     ns = p.parse_args(argv)
+    if is_remote(ns.checkpoint):
+        from finetune.offline import remote_verify
+
+        return remote_verify.main(ns.checkpoint, full=ns.full)
     folder = find_checkpoint(ns.checkpoint)
     report = check_checkpoint(folder, checksums=not ns.quick) if folder else None
     if report is None or not report.is_checkpoint:

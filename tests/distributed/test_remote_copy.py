@@ -6,13 +6,22 @@ is not yet copied; a bucket or credential that does not work is exit 2 before tr
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 from s3_server import SeaweedS3, weed_binary
 
 from finetune.io.remote import CHECKSUM_KEY, S3Storage
 
-from conftest import EMBEDDED_TOKENIZER_FILES, partitioned_file_set
+from conftest import (
+    EMBEDDED_TOKENIZER_FILES,
+    Running,
+    child_env,
+    finetune_cmd,
+    partitioned_file_set,
+)
 
 pytestmark = pytest.mark.distributed
 pytest.importorskip("boto3", reason="the s3 extra (boto3) is not installed")
@@ -30,22 +39,44 @@ def server(tmp_path_factory):
         yield s3
 
 
+COPIED = f"s3://{BUCKET}/copied"
+
+
 def _events(out) -> list[dict]:
     return [json.loads(line) for line in (out / "events.jsonl").read_text().splitlines()]
 
 
-def test_each_checkpoint_is_copied_manifest_last_with_checksums(
-    run_finetune, server, tmp_path, monkeypatch
-):
-    uri = f"s3://{BUCKET}/copied"
-    r = run_finetune(
+@pytest.fixture(scope="module")
+def copied(server, tmp_path_factory):
+    """One run for the module: 6 steps, a save every 2, --save_total_limit 1, copied to COPIED."""
+    tmp = tmp_path_factory.mktemp("copied")
+    args = (
         "--max_steps", "6", "--save_checkpoint", "--save_steps", "2", "--save_total_limit", "1",
-        "--logging_steps", "1", "--remote_output_dir", uri,
-        env=server.env(), timeout=TIMEOUT,
+        "--logging_steps", "1", "--remote_output_dir", COPIED,
     )  # fmt: skip
-    assert r.returncode == 0, r.output[-6000:]
+    cmd = finetune_cmd("deepspeed", 2, args, tmp / "out")
+    return Running(cmd, tmp, child_env(server.env()), tmp / "out").finish(TIMEOUT)
+
+
+@pytest.fixture
+def aws_env(server, monkeypatch):
     for k, v in server.env().items():
         monkeypatch.setenv(k, v)
+
+
+def _verify(uri: str, *flags: str, env: dict) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "finetune", "verify", uri, *flags],
+        capture_output=True,
+        text=True,
+        env={**os.environ, **env},
+        timeout=120,
+    )
+
+
+def test_each_checkpoint_is_copied_manifest_last_with_checksums(copied, aws_env):
+    r, uri = copied, COPIED
+    assert r.returncode == 0, r.output[-6000:]
     remote = S3Storage(uri)
     assert remote.read_bytes("latest") == b"global_step6\n"
     local = r.out_dir / "global_step6"
@@ -93,3 +124,49 @@ def test_a_wrong_credential_is_exit_2_naming_the_flag_before_training(
     assert errors and all("--remote_output_dir" in ln and uri in ln for ln in errors), errors
     assert "not-the-secret" not in r.output, "credentials are never printed"
     assert not list(r.out_dir.glob("global_step*")) and not (r.out_dir / "metrics.jsonl").exists()
+
+
+def test_verify_checks_the_remote_copy_from_metadata_and_full_by_download(copied, server, aws_env):
+    env = server.env()
+    ok = _verify(COPIED, env=env)  # the output dir: its newest committed checkpoint
+    assert ok.returncode == 0 and ok.stdout.startswith(f"OK {COPIED}/global_step6: "), ok
+    assert "(metadata)" in ok.stdout
+    full = _verify(f"{COPIED}/global_step6", "--full", env=env)
+    assert full.returncode == 0 and "(downloaded)" in full.stdout, full
+    # Damage at rest, in a copy of the checkpoint under another prefix (the run's stays intact).
+    src, dst = S3Storage(f"{COPIED}/global_step6"), S3Storage(f"s3://{BUCKET}/damaged/global_step6")
+    client = server.client()
+    for entry in src.list():
+        client.copy_object(
+            Bucket=BUCKET,
+            Key=dst.uri.key(entry.name),
+            CopySource={"Bucket": BUCKET, "Key": src.uri.key(entry.name)},
+        )
+    flipped = "zero_pp_rank_0_mp_rank_00_optim_states.pt"
+    body = bytearray(src.read_bytes(flipped))
+    body[len(body) // 2] ^= 0xFF  # one bit flip, same size, the metadata still says intact
+    meta = src.head(flipped)["Metadata"]
+    client.put_object(Bucket=BUCKET, Key=dst.uri.key(flipped), Body=bytes(body), Metadata=meta)
+    damaged = f"s3://{BUCKET}/damaged/global_step6"
+    assert _verify(damaged, env=env).returncode == 0, "metadata alone cannot see a bit flip"
+    flip = _verify(damaged, "--full", env=env)
+    assert flip.returncode == 1 and f"{flipped}: checksum mismatch" in flip.stdout, flip
+    client.delete_object(Bucket=BUCKET, Key=dst.uri.key("rng_state_1.pt"))
+    gone = _verify(damaged, env=env)
+    assert gone.returncode == 1 and "rng_state_1.pt: missing" in gone.stdout, gone
+    # A folder without its manifest is not committed: not a checkpoint to verify (exit 2) or,
+    # inside an output dir, a note.
+    client.delete_object(Bucket=BUCKET, Key=dst.uri.key("manifest.json"))
+    dropped = _verify(f"s3://{BUCKET}/damaged", env=env)
+    assert dropped.returncode == 2 and "not a checkpoint" in dropped.stderr, dropped
+    client.copy_object(
+        Bucket=BUCKET,
+        Key=f"copied/global_step8/{flipped}",
+        CopySource={"Bucket": BUCKET, "Key": src.uri.key(flipped)},
+    )
+    try:
+        noted = _verify(COPIED, env=env)
+        assert noted.returncode == 0, noted
+        assert "note: global_step8: no manifest.json, so not committed remotely" in noted.stdout
+    finally:
+        client.delete_object(Bucket=BUCKET, Key=f"copied/global_step8/{flipped}")
