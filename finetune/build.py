@@ -12,6 +12,7 @@ import math
 import random
 import time
 import uuid
+from dataclasses import replace
 
 import numpy as np
 import torch
@@ -20,6 +21,7 @@ from finetune import distributed as dist
 from finetune.checkpoint.checkpointer import Checkpointer
 from finetune.checkpoint.outdir import OutputDir
 from finetune.checkpoint.remote_copy import RemoteCopy, open_remote
+from finetune.checkpoint.remote_fetch import fetch_for_resume
 from finetune.checkpoint.resume import Resumer
 from finetune.checkpoint.staging import Layout, tidy_storage
 from finetune.checkpoint.state import TrainingState
@@ -81,14 +83,6 @@ def build_trainer(
         else None
     )
     signalled = (lambda: bool(preemption.received)) if preemption is not None else (lambda: False)
-    plan = Resumer(
-        cfg, storage, layout.node_local, layout.leader, base=base, signalled=signalled
-    ).plan_resume()
-    # Collective: FusedAdam / CPU Adam where every rank can load it, else torch_adam
-    # (finetune/ops.py); a checkpoint trained with torch_adam resumes with it.
-    ds_config = ensure_adam(ds_config, saved=plan.saved.get(ADAM_KEY) if plan is not None else None)
-    if plan is not None and plan.universal is not None:
-        ds_config["checkpoint"] = {**ds_config.get("checkpoint", {}), "load_universal": True}
     run_id = run_id or uuid.uuid4().hex[:12]
     remote = None
     if cfg.ckpt.remote_output_dir:  # agreed: a bucket or credential that does not work is exit 2
@@ -99,6 +93,18 @@ def build_trainer(
             )
         remote = RemoteCopy(open_remote(cfg.ckpt.remote_output_dir, run_id), storage.root,
                             dist.is_main())  # fmt: skip
+    # A remote checkpoint to resume from is fetched into OUT first; the resume is then local.
+    spec = fetch_for_resume(cfg.ckpt, storage, layout.node_local)
+    if spec != cfg.ckpt.resume_from_checkpoint:
+        cfg = replace(cfg, ckpt=replace(cfg.ckpt, resume_from_checkpoint=spec))
+    plan = Resumer(
+        cfg, storage, layout.node_local, layout.leader, base=base, signalled=signalled
+    ).plan_resume()
+    # Collective: FusedAdam / CPU Adam where every rank can load it, else torch_adam
+    # (finetune/ops.py); a checkpoint trained with torch_adam resumes with it.
+    ds_config = ensure_adam(ds_config, saved=plan.saved.get(ADAM_KEY) if plan is not None else None)
+    if plan is not None and plan.universal is not None:
+        ds_config["checkpoint"] = {**ds_config.get("checkpoint", {}), "load_universal": True}
     # Collective: wandb starts on rank 0, and its failure (not logged in) stops every rank here,
     # before the model loads.
     trackers = open_trackers(cfg, run_id, resumed=plan is not None)

@@ -104,6 +104,14 @@ def check_resume_path(spec: str | None) -> None:
     auto are resolved later, from what the output dir holds)."""
     if spec is None or spec in ("latest", "auto"):
         return
+    from finetune.io.remote import RemoteError, S3Uri, is_remote
+
+    if is_remote(spec):  # read when the run starts (checkpoint/remote_fetch.py)
+        try:
+            S3Uri.parse(spec)
+        except RemoteError as e:
+            raise ConfigError(f"--resume_from_checkpoint: {e}") from None
+        return
     from finetune.checkpoint.manifest import looks_like_checkpoint
     from finetune.checkpoint.outdir import find_checkpoint
 

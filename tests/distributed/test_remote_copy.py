@@ -40,6 +40,11 @@ def server(tmp_path_factory):
 
 
 COPIED = f"s3://{BUCKET}/copied"
+# a constant learning rate: 6 steps and a resume to 8 train the steps an 8-step run trains
+SAVES = (
+    "--save_checkpoint", "--save_steps", "2", "--save_total_limit", "1", "--logging_steps", "1",
+    "--lr_scheduler_type", "constant",
+)  # fmt: skip
 
 
 def _events(out) -> list[dict]:
@@ -50,10 +55,7 @@ def _events(out) -> list[dict]:
 def copied(server, tmp_path_factory):
     """One run for the module: 6 steps, a save every 2, --save_total_limit 1, copied to COPIED."""
     tmp = tmp_path_factory.mktemp("copied")
-    args = (
-        "--max_steps", "6", "--save_checkpoint", "--save_steps", "2", "--save_total_limit", "1",
-        "--logging_steps", "1", "--remote_output_dir", COPIED,
-    )  # fmt: skip
+    args = ("--max_steps", "6", *SAVES, "--remote_output_dir", COPIED)
     cmd = finetune_cmd("deepspeed", 2, args, tmp / "out")
     return Running(cmd, tmp, child_env(server.env()), tmp / "out").finish(TIMEOUT)
 
@@ -170,3 +172,63 @@ def test_verify_checks_the_remote_copy_from_metadata_and_full_by_download(copied
         assert "note: global_step8: no manifest.json, so not committed remotely" in noted.stdout
     finally:
         client.delete_object(Bucket=BUCKET, Key=f"copied/global_step8/{flipped}")
+
+
+def _rows(out) -> dict[int, dict]:
+    rows = [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r for r in rows if "loss" in r}
+
+
+def test_auto_resumes_from_the_bucket_when_the_local_checkpoints_are_gone(
+    copied, server, run_finetune, tmp_path
+):
+    """A new allocation: an empty --output_dir, the same bucket. `auto` finds global_step6 there,
+    every rank downloads its share, it is committed locally, and training continues bit for bit
+    as an uninterrupted 8-step run."""
+    assert copied.returncode == 0, copied.output[-3000:]
+    ref = run_finetune("--max_steps", "8", *SAVES, out_dir=tmp_path / "ref", timeout=TIMEOUT)
+    assert ref.returncode == 0, ref.output[-6000:]
+    new = tmp_path / "new"
+    r = run_finetune(
+        "--max_steps", "8", *SAVES, "--resume_from_checkpoint", "auto",
+        "--remote_output_dir", COPIED, out_dir=new, env=server.env(), timeout=TIMEOUT,
+    )  # fmt: skip
+    assert r.returncode == 0, r.output[-6000:]
+    assert "fetched global_step6 from" in r.output
+    resumed = [e for e in _events(new) if e["event"] == "resume"]
+    assert [e["from"] for e in resumed] == ["global_step6"], resumed
+    want, got = _rows(ref.out_dir), _rows(new)
+    assert sorted(got) == [7, 8]
+    for step in (7, 8):
+        assert got[step]["loss"] == want[step]["loss"], (step, got[step], want[step])
+    # and the run copied its own newest back
+    env = server.env()
+    assert _verify(COPIED, env=env).stdout.startswith(f"OK {COPIED}/global_step8: ")
+
+
+def test_an_s3_checkpoint_named_explicitly_is_fetched_and_resumed(
+    copied, server, run_finetune, tmp_path, aws_env
+):
+    assert copied.returncode == 0, copied.output[-3000:]
+    source = f"{COPIED}/global_step6"
+    # (the previous test may have moved the remote head on to step 8: step 6 is still there
+    # unless retention in the bucket existed; it does not yet)
+    if S3Storage(source).stat("manifest.json") is None:
+        pytest.skip("global_step6 is no longer in the bucket")
+    out = tmp_path / "explicit"
+    r = run_finetune(
+        "--max_steps", "7", *SAVES, "--resume_from_checkpoint", source,
+        out_dir=out, env=server.env(), timeout=TIMEOUT,
+    )  # fmt: skip
+    assert r.returncode == 0, r.output[-6000:]
+    assert sorted(_rows(out)) == [7] and f"fetched global_step6 from {COPIED}" in r.output
+    resumed = [e["from"] for e in _events(out) if e["event"] == "resume"]
+    assert resumed == ["global_step6"], resumed
+    # the fetched folder was committed locally (then --save_total_limit 1 retired it for step 7)
+    assert [p.name for p in out.glob("global_step*")] == ["global_step7"]
+    bad = run_finetune(
+        "--max_steps", "7", *SAVES, "--resume_from_checkpoint", f"s3://{BUCKET}/nothing-here",
+        out_dir=tmp_path / "bad", env=server.env(), timeout=TIMEOUT,
+    )  # fmt: skip
+    assert bad.returncode == 2, bad.output[-3000:]
+    assert "--resume_from_checkpoint s3://runs/nothing-here: no committed checkpoint" in bad.output
