@@ -92,7 +92,7 @@ def build_trainer(
                 "give a shared `--output_dir`"
             )
         remote = RemoteCopy(open_remote(cfg.ckpt.remote_output_dir, run_id), storage.root,
-                            dist.is_main())  # fmt: skip
+                            dist.is_main(), cfg.ckpt.save_total_limit)  # fmt: skip
     # A remote checkpoint to resume from is fetched into OUT first; the resume is then local.
     spec = fetch_for_resume(cfg.ckpt, storage, layout.node_local)
     if spec != cfg.ckpt.resume_from_checkpoint:
@@ -162,6 +162,8 @@ def build_trainer(
         "lr_scheduler": "in DeepSpeed's model_states files (lr_scheduler key)",
         BASE_KEY: base,
     }
+    if remote is not None:  # a copy a stopped run left unfinished
+        remote.catch_up(storage)
     checkpoints = Checkpointer(
         storage,
         cfg.ckpt,

@@ -26,7 +26,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 from finetune import distributed as dist
-from finetune.checkpoint.outdir import LATEST, MANIFEST
+from finetune.checkpoint.outdir import LATEST, MANIFEST, OutputDir, committed
+from finetune.checkpoint.policy import line_of, newest_first, select_for_deletion, step_of
 from finetune.config import ConfigError
 from finetune.distributed import logger
 from finetune.io.remote import CHECKSUM_KEY, RemoteError, S3Storage
@@ -77,11 +78,11 @@ class NoRemoteCopy:
 
 
 class RemoteCopy:
-    def __init__(self, remote: S3Storage, out: Path, leader: bool):
+    def __init__(self, remote: S3Storage, out: Path, leader: bool, limit: int | None = None):
         """``out``: the local output dir whose committed folders are copied; ``leader``: uploads
         the manifest and ``latest`` (rank 0: on shared storage the manifest lists every rank's
-        files)."""
-        self.remote, self.out, self.leader = remote, out, leader
+        files), then applies ``limit`` (--save_total_limit) to the bucket."""
+        self.remote, self.out, self.leader, self.limit = remote, out, leader, limit
         self.outstanding: list[str] = []  # committed locally, not remotely; the same on every rank
         self._files: dict[str, FILES] = {}  # outstanding tag → what this rank uploads of it
         self.failures: dict[str, int] = {}  # outstanding tag → failed tries (every rank alike)
@@ -109,6 +110,34 @@ class RemoteCopy:
             self._uploaded.pop(tag, None)
             self._waiting = (tag, self._files[tag])  # a newer offer replaces one not started
             self._lock.notify_all()
+
+    def catch_up(self, out: OutputDir) -> None:
+        """At start: OUT's newest committed checkpoint, when the bucket holds no commit as new (a
+        run stopped while copying it), is copied now; objects already there with their checksum
+        are not uploaded again. Decided from both sides, not from memory. Collective."""
+
+        def newest() -> str | None:
+            local = newest_first(committed(out))
+            if not local:
+                return None
+            there = newest_first(committed(OutputDir(self.remote)))
+            if there and there[0].order_key >= local[0].order_key:
+                return None
+            return local[0].tag
+
+        tag = dist.share_from(0, newest, step=f"comparing OUT with {self.remote.describe()}")
+        if tag is None:
+            return
+
+        def share() -> FILES:  # every world-th file of the manifest (it may be another world's)
+            listed = out.read_manifest(tag)["files"]
+            names = sorted(listed)[dist.rank() :: dist.world_size()]
+            return {n: (listed[n]["size"], listed[n]["checksum"]) for n in names}
+
+        files = dist.run_agreed(share, step=f"reading {tag}'s manifest")
+        dist.log_main(logging.INFO, "%s is not yet committed in %s: copying it", tag,
+                      self.remote.describe())  # fmt: skip
+        self.offer(tag, files, files)
 
     def unconfirmed(self) -> set[str]:
         """Local checkpoints retention must keep: committed here, newer than the newest remote
@@ -239,10 +268,34 @@ class RemoteCopy:
 
     def _publish(self, tag: str) -> None:
         """The remote commit: the manifest, uploaded last (every file it lists is there), then
-        ``latest``."""
+        ``latest``, then retention in the bucket."""
         data = (self.out / tag / MANIFEST).read_bytes()
         self.remote.write_bytes(f"{tag}/{MANIFEST}", data)
         self.remote.replace_bytes(LATEST, f"{tag}\n".encode())
+        try:
+            self._retain(tag)
+        except Exception as e:  # noqa: BLE001 — the copy is committed; retried after the next
+            logger.warning("retention in %s: %s: %s", self.remote.describe(), type(e).__name__, e)
+
+    def _retain(self, head_tag: str) -> None:
+        """After a remote commit, by the local rules: --save_total_limit over the line of the
+        checkpoint just committed (parent links), never it; and the folders older than it that
+        hold no manifest (copies skipped or cut off). A checkpoint goes manifest first, so it
+        is never a committed checkpoint with files missing."""
+        found = committed(OutputDir(self.remote))
+        head = next((c for c in found if c.tag == head_tag), None)
+        line = [c.tag for c in line_of(head, found)]
+        doomed = select_for_deletion(line, self.limit, {head_tag}) if self.limit else []
+        names = {c.tag for c in found}
+        at = step_of(head_tag) or 0
+        partial = [t for t in OutputDir(self.remote).tags() if t not in names and step_of(t) < at]
+        for tag in doomed:
+            self.remote.remove(f"{tag}/{MANIFEST}")
+        for tag in doomed + partial:
+            self.remote.remove_tree(tag)
+        if doomed or partial:
+            logger.info("save_total_limit %s in %s: deleted %s", self.limit,
+                        self.remote.describe(), ", ".join(doomed + partial))  # fmt: skip
 
 
 def _step(tag: str) -> int:

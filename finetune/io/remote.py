@@ -202,6 +202,18 @@ class S3Storage:
         elif rel and self.stat(rel) is not None:
             raise OSError(errno.ENOTEMPTY, "folder not empty", self.describe(rel))
 
+    def remove_tree(self, rel: str) -> int:
+        """Every key under folder ``rel`` (batches of 1,000); how many."""
+        keys = [
+            o["Key"] for page in self._pages(self._folder(rel)) for o in page.get("Contents", [])
+        ]
+        for i in range(0, len(keys), 1000):
+            self.client.delete_objects(
+                Bucket=self.uri.bucket,
+                Delete={"Objects": [{"Key": k} for k in keys[i : i + 1000]], "Quiet": True},
+            )
+        return len(keys)
+
     def free_bytes(self) -> int:
         return sys.maxsize  # no quota an S3 API reports
 

@@ -101,8 +101,8 @@ def test_each_checkpoint_is_copied_manifest_last_with_checksums(copied, aws_env)
     # Only what a commit put there: no probe objects, no half-copied folder without a manifest.
     top = {e.name for e in remote.list()}
     assert not {n for n in top if n.startswith(".probe")}, top
-    for folder in (n for n in top if n.startswith("global_step")):
-        assert remote.stat(f"{folder}/manifest.json") is not None, folder
+    # --save_total_limit 1 in the bucket too: only the newest, and no copy cut short or skipped
+    assert {n for n in top if n.startswith("global_step")} == {"global_step6"}, top
     events = _events(r.out_dir)
     copied = [e["tag"] for e in events if e["event"] == "remote_checkpoint"]
     skipped = [e["tag"] for e in events if e["event"] == "remote_skipped"]
@@ -179,6 +179,41 @@ def _rows(out) -> dict[int, dict]:
     return {r["step"]: r for r in rows if "loss" in r}
 
 
+def test_an_s3_checkpoint_named_explicitly_is_fetched_and_resumed(
+    copied, server, run_finetune, tmp_path, aws_env
+):
+    assert copied.returncode == 0, copied.output[-3000:]
+    source = f"{COPIED}/global_step6"
+    out = tmp_path / "explicit"
+    r = run_finetune(
+        "--max_steps", "7", *SAVES, "--resume_from_checkpoint", source,
+        out_dir=out, env=server.env(), timeout=TIMEOUT,
+    )  # fmt: skip
+    assert r.returncode == 0, r.output[-6000:]
+    assert sorted(_rows(out)) == [7] and f"fetched global_step6 from {COPIED}" in r.output
+    resumed = [e["from"] for e in _events(out) if e["event"] == "resume"]
+    assert resumed == ["global_step6"], resumed
+    # the fetched folder was committed locally (then --save_total_limit 1 retired it for step 7)
+    assert [p.name for p in out.glob("global_step*")] == ["global_step7"]
+    # global_step7 was never copied (no --remote_output_dir): a run given one now copies it at
+    # start, from what both sides hold, and ends (already at its last step) once it is there.
+    caught = f"s3://{BUCKET}/caught"
+    again = run_finetune(
+        "--max_steps", "7", *SAVES, "--resume_from_checkpoint", "auto",
+        "--remote_output_dir", caught, out_dir=out, env=server.env(), timeout=TIMEOUT,
+    )  # fmt: skip
+    assert again.returncode == 0, again.output[-6000:]
+    assert "global_step7 is not yet committed in" in again.output
+    assert S3Storage(caught).read_bytes("latest") == b"global_step7\n"
+    assert _verify(caught, "--full", env=server.env()).returncode == 0
+    bad = run_finetune(
+        "--max_steps", "7", *SAVES, "--resume_from_checkpoint", f"s3://{BUCKET}/nothing-here",
+        out_dir=tmp_path / "bad", env=server.env(), timeout=TIMEOUT,
+    )  # fmt: skip
+    assert bad.returncode == 2, bad.output[-3000:]
+    assert "--resume_from_checkpoint s3://runs/nothing-here: no committed checkpoint" in bad.output
+
+
 def test_auto_resumes_from_the_bucket_when_the_local_checkpoints_are_gone(
     copied, server, run_finetune, tmp_path
 ):
@@ -204,31 +239,3 @@ def test_auto_resumes_from_the_bucket_when_the_local_checkpoints_are_gone(
     # and the run copied its own newest back
     env = server.env()
     assert _verify(COPIED, env=env).stdout.startswith(f"OK {COPIED}/global_step8: ")
-
-
-def test_an_s3_checkpoint_named_explicitly_is_fetched_and_resumed(
-    copied, server, run_finetune, tmp_path, aws_env
-):
-    assert copied.returncode == 0, copied.output[-3000:]
-    source = f"{COPIED}/global_step6"
-    # (the previous test may have moved the remote head on to step 8: step 6 is still there
-    # unless retention in the bucket existed; it does not yet)
-    if S3Storage(source).stat("manifest.json") is None:
-        pytest.skip("global_step6 is no longer in the bucket")
-    out = tmp_path / "explicit"
-    r = run_finetune(
-        "--max_steps", "7", *SAVES, "--resume_from_checkpoint", source,
-        out_dir=out, env=server.env(), timeout=TIMEOUT,
-    )  # fmt: skip
-    assert r.returncode == 0, r.output[-6000:]
-    assert sorted(_rows(out)) == [7] and f"fetched global_step6 from {COPIED}" in r.output
-    resumed = [e["from"] for e in _events(out) if e["event"] == "resume"]
-    assert resumed == ["global_step6"], resumed
-    # the fetched folder was committed locally (then --save_total_limit 1 retired it for step 7)
-    assert [p.name for p in out.glob("global_step*")] == ["global_step7"]
-    bad = run_finetune(
-        "--max_steps", "7", *SAVES, "--resume_from_checkpoint", f"s3://{BUCKET}/nothing-here",
-        out_dir=tmp_path / "bad", env=server.env(), timeout=TIMEOUT,
-    )  # fmt: skip
-    assert bad.returncode == 2, bad.output[-3000:]
-    assert "--resume_from_checkpoint s3://runs/nothing-here: no committed checkpoint" in bad.output
