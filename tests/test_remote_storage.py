@@ -6,6 +6,7 @@ uploads, and the one-line errors for a URI that cannot be used."""
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 
 import pytest
@@ -124,3 +125,25 @@ def test_without_the_client_package_the_error_names_it(monkeypatch):
 def _file(path, data: bytes):
     path.write_bytes(data)
     return path
+
+
+def test_verify_of_an_unreachable_endpoint_is_one_line_exit_2(tmp_path):
+    from s3_server import free_ports
+
+    env = {
+        **os.environ,
+        "AWS_ENDPOINT_URL": f"http://127.0.0.1:{free_ports(1)[0]}",  # nothing listens
+        "AWS_ACCESS_KEY_ID": "k",
+        "AWS_SECRET_ACCESS_KEY": "s",
+        "AWS_DEFAULT_REGION": "us-east-1",
+    }
+    proc = subprocess.run(
+        [sys.executable, "-m", "finetune", "verify", "s3://ckpt/run"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "s3://ckpt/run: cannot read it" in lines[0], proc.stderr

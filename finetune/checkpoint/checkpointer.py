@@ -124,7 +124,7 @@ class Checkpointer:
         step of the save that failed, and a failed background save never cancels the due one. An
         exit code to stop with, or None. Collective."""
         ck = self.ckpt
-        self.remote.poll()  # one all-reduce while an upload to --remote_output_dir is outstanding
+        self.remote.poll(step)  # an all-reduce while a copy to --remote_output_dir is outstanding
         due = ck.save_checkpoint and ck.save_steps and step % ck.save_steps == 0 and step < total
         code = self._settle_in_flight(block=bool(due))
         if code is None and due:
@@ -211,7 +211,7 @@ class Checkpointer:
                 self.on_event("save_failed", step, error=str(e))
                 dist.log_main(logging.ERROR, "final save failed: %s", e)
                 return 1
-        copied = self.remote.drain()  # --remote_output_dir: the final copy too
+        copied = self.remote.drain(step)  # --remote_output_dir: the final copy too
         self.retain()  # then what waited for its copy can go
         self.finish_deletions()
         return 0 if copied else 1

@@ -70,10 +70,10 @@ class NoRemoteCopy:
     def unconfirmed(self) -> set[str]:
         return set()
 
-    def poll(self) -> None:
+    def poll(self, step: int = 0) -> None:
         pass
 
-    def drain(self) -> bool:
+    def drain(self, step: int = 0) -> bool:
         return True
 
 
@@ -144,8 +144,8 @@ class RemoteCopy:
         commit, not yet committed there."""
         return set(self.outstanding)
 
-    def poll(self) -> None:
-        """At a step boundary: one all-reduce while anything is outstanding. Collective."""
+    def poll(self, step: int = 0) -> None:
+        """At step boundary ``step``: one all-reduce while anything is outstanding. Collective."""
         if not self.outstanding:
             return
         tags = list(self.outstanding)
@@ -164,7 +164,7 @@ class RemoteCopy:
         rows = [sums[4 * i : 4 * i + 4] for i in range(len(tags))]
         done = [t for t, r in zip(tags, rows) if r[2] > 0]
         if done:
-            self._confirmed(done[-1], tags)
+            self._confirmed(done[-1], tags, step)
         for t, (ok, failed, _, commit_failed) in zip(tags, rows):
             if t not in self.outstanding:
                 continue
@@ -191,14 +191,14 @@ class RemoteCopy:
                         self._commit = t  # the newest complete wins
                         self._lock.notify_all()
 
-    def drain(self, tries: int = FINAL_TRIES) -> bool:
+    def drain(self, step: int = 0, tries: int = FINAL_TRIES) -> bool:
         """At the end of training: poll until the newest checkpoint is copied, or its copy failed
         ``tries`` times (each try is the client's own retries with backoff); False then.
         Collective."""
         newest = self.outstanding[-1] if self.outstanding else None
         said = time.monotonic()
         while self.outstanding and self.failures.get(newest, 0) < tries:
-            self.poll()
+            self.poll(step)
             if not self.outstanding or self.failures.get(newest, 0) >= tries:
                 break
             if time.monotonic() - said > 30:
@@ -212,7 +212,7 @@ class RemoteCopy:
                       self.remote.describe())  # fmt: skip
         return False
 
-    def _confirmed(self, tag: str, tags: list[str]) -> None:
+    def _confirmed(self, tag: str, tags: list[str], step: int) -> None:
         i = tags.index(tag)
         skipped = [t for t in tags[:i] if t in self.outstanding]
         for t in skipped:
@@ -221,7 +221,9 @@ class RemoteCopy:
         self._files = {t: f for t, f in self._files.items() if t in self.outstanding}
         self.failures = {t: n for t, n in self.failures.items() if t in self.outstanding}
         self.remote_head = tag
-        self.on_event("remote_checkpoint", _step(tag), tag=tag, uri=self.remote.describe(tag))
+        self.on_event(
+            "remote_checkpoint", _step(tag), tag=tag, uri=self.remote.describe(tag), seen_at=step
+        )
         dist.log_main(logging.INFO, "%s committed to %s", tag, self.remote.describe(tag))
         with self._lock:
             for t in tags[: i + 1]:

@@ -66,7 +66,7 @@ class S3Uri:
 
 
 def make_client():
-    """A boto3 S3 client configured by the AWS chain, with retries (standard mode, 10 tries) and a
+    """A boto3 S3 client configured by the AWS chain, with retries (standard mode, 5 tries) and a
     connection pool large enough for parallel parts."""
     try:
         import boto3
@@ -75,7 +75,7 @@ def make_client():
         raise RemoteError(
             f"s3:// needs the {CLIENT_PACKAGE} package: pip install {CLIENT_PACKAGE}"
         ) from None
-    config = Config(retries={"mode": "standard", "max_attempts": 10}, max_pool_connections=32)
+    config = Config(retries={"mode": "standard", "max_attempts": 5}, max_pool_connections=32)
     return boto3.session.Session().client("s3", config=config)
 
 

@@ -25,13 +25,17 @@ PARALLEL = 8  # objects checked at a time (HEAD requests; downloads with --full)
 def main(uri: str, full: bool) -> int:
     try:
         root = S3Storage(uri)
-    except RemoteError as e:
+        rel = _checkpoint_in(root)
+        if rel is None:
+            raise ConfigError(
+                f"{uri}: not a checkpoint (no manifest.json, no committed checkpoint)"
+            )
+        start = time.perf_counter()
+        problems, files, nbytes = check(root, rel, full)
+    except (ConfigError, RemoteError) as e:
         raise ConfigError(str(e)) from None
-    rel = _checkpoint_in(root)
-    if rel is None:
-        raise ConfigError(f"{uri}: not a checkpoint (no manifest.json, no committed checkpoint)")
-    start = time.perf_counter()
-    problems, files, nbytes = check(root, rel, full)
+    except Exception as e:  # noqa: BLE001 — the client's (endpoint, credentials, bucket): one line
+        raise ConfigError(f"{uri}: cannot read it ({type(e).__name__}: {e})") from None
     seconds = time.perf_counter() - start
     where = root.describe(rel)
     if not problems:
