@@ -27,9 +27,10 @@ from pathlib import Path
 
 from finetune import distributed as dist
 from finetune.checkpoint.outdir import LATEST, MANIFEST, OutputDir, committed
-from finetune.checkpoint.policy import line_of, newest_first, select_for_deletion, step_of
+from finetune.checkpoint.policy import newest_first, select_for_deletion, step_of
 from finetune.config import ConfigError
 from finetune.distributed import logger
+from finetune.io import seams
 from finetune.io.remote import CHECKSUM_KEY, RemoteError, S3Storage
 
 FILES = dict[str, tuple[int, str]]  # name → (size, xxh3)
@@ -266,6 +267,7 @@ class RemoteCopy:
             if head is not None and head["ContentLength"] == size:
                 if head.get("Metadata", {}).get(CHECKSUM_KEY) == digest:
                     continue  # already there (a copy resumed after an interruption)
+            seams.pause(seams.SLOW_UPLOAD)
             self.remote.upload_file(self.out / tag / name, rel, digest)
 
     def _publish(self, tag: str) -> None:
@@ -280,13 +282,18 @@ class RemoteCopy:
             logger.warning("retention in %s: %s: %s", self.remote.describe(), type(e).__name__, e)
 
     def _retain(self, head_tag: str) -> None:
-        """After a remote commit, by the local rules: --save_total_limit over the line of the
-        checkpoint just committed (parent links), never it; and the folders older than it that
-        hold no manifest (copies skipped or cut off). A checkpoint goes manifest first, so it
-        is never a committed checkpoint with files missing."""
+        """After a remote commit: --save_total_limit over the bucket's commits up to the one just
+        committed, in commit order (not parent links: the copies skipped in between break them),
+        never it; and the folders older than it that hold no manifest (copies skipped or cut
+        off). A checkpoint goes manifest first, so it is never a committed checkpoint with files
+        missing."""
         found = committed(OutputDir(self.remote))
         head = next((c for c in found if c.tag == head_tag), None)
-        line = [c.tag for c in line_of(head, found)]
+        line = [
+            c.tag
+            for c in sorted(found, key=lambda c: c.order_key)
+            if head and c.order_key <= head.order_key
+        ]
         doomed = select_for_deletion(line, self.limit, {head_tag}) if self.limit else []
         names = {c.tag for c in found}
         at = step_of(head_tag) or 0

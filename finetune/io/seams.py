@@ -11,6 +11,8 @@ environment of the ranks it launches.
   FINETUNE_SLOW_COMMIT=<s>        a pause before the leader writes the manifest, same purpose
   FINETUNE_SLOW_UNIVERSAL=<s>     a pause before each piece of a universal conversion: time to
                                   interrupt one midway
+  FINETUNE_SLOW_UPLOAD=<s>        a pause before each file a rank copies to --remote_output_dir:
+                                  time to kill a rank, or the server, mid-copy
   FINETUNE_SKIP_SPACE_CHECK=1     no free-space check before a save: a real ENOSPC mid-write
   FINETUNE_STREAM_BYTES=<n>       parameters of at least n bytes are streamed to rank 0 in pieces
                                   by the consolidated save (default 8 MiB): tiny models take that
@@ -33,6 +35,7 @@ FAULT = "FINETUNE_FAULT"
 SLOW_SAVE = "FINETUNE_SLOW_SAVE"
 SLOW_COMMIT = "FINETUNE_SLOW_COMMIT"
 SLOW_UNIVERSAL = "FINETUNE_SLOW_UNIVERSAL"
+SLOW_UPLOAD = "FINETUNE_SLOW_UPLOAD"
 SKIP_SPACE_CHECK = "FINETUNE_SKIP_SPACE_CHECK"
 STREAM_BYTES = "FINETUNE_STREAM_BYTES"
 SAVE_IO = "FINETUNE_SAVE_IO"
@@ -45,6 +48,7 @@ ALL = (
     SLOW_SAVE,
     SLOW_COMMIT,
     SLOW_UNIVERSAL,
+    SLOW_UPLOAD,
     SKIP_SPACE_CHECK,
     STREAM_BYTES,
     SAVE_IO,

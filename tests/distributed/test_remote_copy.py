@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 
@@ -21,6 +22,7 @@ from conftest import (
     child_env,
     finetune_cmd,
     partitioned_file_set,
+    wait_until,
 )
 
 pytestmark = pytest.mark.distributed
@@ -239,3 +241,48 @@ def test_auto_resumes_from_the_bucket_when_the_local_checkpoints_are_gone(
     # and the run copied its own newest back
     env = server.env()
     assert _verify(COPIED, env=env).stdout.startswith(f"OK {COPIED}/global_step8: ")
+
+
+def test_a_rank_killed_mid_copy_leaves_the_bucket_committed_and_the_next_run_finishes_it(
+    server, start_finetune, run_finetune, tmp_path, aws_env
+):
+    """kill -9 of rank 1 while a checkpoint is half in the bucket (FINETUNE_SLOW_UPLOAD stretches
+    each copy): the bucket's `latest` names a checkpoint that verifies, the half copy has no
+    manifest (not a checkpoint), nothing uncopied was deleted locally; the next run copies OUT's
+    newest, trains on, and the half copy is gone once a newer one is committed."""
+    uri, out = f"s3://{BUCKET}/killed", tmp_path / "out"
+    run = start_finetune(
+        "--max_steps", "100000", *SAVES, "--remote_output_dir", uri,
+        out_dir=out, env=server.env(FINETUNE_SLOW_UPLOAD="0.3"),
+    )  # fmt: skip
+    remote = S3Storage(uri)
+
+    def half_copied() -> list[str]:
+        if remote.read_bytes("latest") is None:
+            return []  # a first commit first
+        tags = [e.name for e in remote.list() if e.is_dir and e.name.startswith("global_step")]
+        return [t for t in tags if remote.stat(f"{t}/manifest.json") is None]
+
+    half = wait_until(half_copied, TIMEOUT, "a commit in the bucket, then a copy in flight")
+    os.kill(run.rank_pids()[1], signal.SIGKILL)
+    killed = run.finish(120)
+    assert killed.returncode != 0, killed.output[-3000:]
+    env = server.env()
+    latest = remote.read_bytes("latest").decode().strip()
+    ok = _verify(uri, "--full", env=env)
+    assert ok.returncode == 0 and ok.stdout.startswith(f"OK {uri}/{latest}: "), ok
+    assert any(remote.stat(f"{t}/manifest.json") is None and remote.list(t) for t in half)
+    local = sorted((p.name for p in out.glob("global_step*")), key=lambda t: int(t[11:]))
+    assert set(half) <= set(local), "a checkpoint still copying was deleted locally"
+    newest = int(local[-1].removeprefix("global_step"))
+    assert newest > int(latest.removeprefix("global_step"))
+    # The next run: catch-up of OUT's newest, two more steps, committed in the bucket.
+    again = run_finetune(
+        "--max_steps", str(newest + 2), *SAVES, "--resume_from_checkpoint", "auto",
+        "--remote_output_dir", uri, out_dir=out, env=env, timeout=TIMEOUT,
+    )  # fmt: skip
+    assert again.returncode == 0, again.output[-6000:]
+    assert remote.read_bytes("latest") == f"global_step{newest + 2}\n".encode()
+    assert _verify(uri, "--full", env=env).returncode == 0
+    tags = [e.name for e in remote.list() if e.is_dir and e.name.startswith("global_step")]
+    assert tags == [f"global_step{newest + 2}"], "half copies and older commits are gone"
