@@ -371,6 +371,13 @@ def committed(storage: OutputDir) -> list[Committed]:
     return out
 
 
+def uncommitted(storage: OutputDir, found: list[Committed]) -> list[str]:
+    """The checkpoint folders of ``storage`` that are not among ``found`` (``committed``'s): no
+    readable manifest."""
+    names = {c.tag for c in found}
+    return [t for t in storage.tags() if t not in names]
+
+
 def find_checkpoint(path: str | os.PathLike) -> Path | None:
     """A checkpoint folder as given, or an output dir's newest committed checkpoint (commit order,
     not `latest` or names), else its highest step. None when ``path`` is not a folder."""

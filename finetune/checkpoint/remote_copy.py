@@ -26,7 +26,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from finetune import distributed as dist
-from finetune.checkpoint.outdir import LATEST, MANIFEST, OutputDir, committed
+from finetune.checkpoint.outdir import LATEST, MANIFEST, OutputDir, committed, uncommitted
 from finetune.checkpoint.policy import newest_first, select_for_deletion, step_of
 from finetune.config import ConfigError
 from finetune.distributed import logger
@@ -295,9 +295,8 @@ class RemoteCopy:
             if head and c.order_key <= head.order_key
         ]
         doomed = select_for_deletion(line, self.limit, {head_tag}) if self.limit else []
-        names = {c.tag for c in found}
         at = step_of(head_tag) or 0
-        partial = [t for t in OutputDir(self.remote).tags() if t not in names and step_of(t) < at]
+        partial = [t for t in uncommitted(OutputDir(self.remote), found) if step_of(t) < at]
         for tag in doomed:
             self.remote.remove(f"{tag}/{MANIFEST}")
         for tag in doomed + partial:

@@ -14,7 +14,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 from finetune.checkpoint.manifest import MANIFEST, missing_rank_files
-from finetune.checkpoint.outdir import LATEST, OutputDir, committed
+from finetune.checkpoint.outdir import LATEST, OutputDir, committed, uncommitted
 from finetune.checkpoint.policy import newest_first, step_of
 from finetune.config import ConfigError
 from finetune.io.remote import CHECKSUM_KEY, RemoteError, S3Storage
@@ -108,12 +108,10 @@ def notes(root: S3Storage) -> list[str]:
     """What a remote output dir holds besides its newest committed checkpoint."""
     out = OutputDir(root)
     found = committed(out)
-    names = {c.tag for c in found}
     lines = [
         f"{t}: no manifest.json, so not committed remotely (a copy in progress, skipped or cut "
         "off); resume ignores it"
-        for t in out.tags()
-        if t not in names
+        for t in uncommitted(out, found)
     ]
     latest = out.read_latest()
     newest = newest_first(found)[0].tag if found else None

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from finetune.checkpoint.manifest import read_manifest, stored_ranks
 from finetune.checkpoint.manifest import verify as check_checkpoint
-from finetune.checkpoint.outdir import LATEST, OutputDir, committed, find_checkpoint
+from finetune.checkpoint.outdir import LATEST, OutputDir, committed, find_checkpoint, uncommitted
 from finetune.checkpoint.policy import newest_first
 from finetune.commands import Parser
 from finetune.config import ConfigError
@@ -39,8 +39,7 @@ def notes(out: Path) -> list[str]:
     lines = [
         f"{t}: no readable manifest.json, so not a committed checkpoint (damage, or a save or "
         "copy that never finished); resume ignores it"
-        for t in storage.tags()
-        if t not in names
+        for t in uncommitted(storage, found)
     ]
     lines += _latest(out, newest_first(found)[0].tag if found else None, names)
     lines += [
