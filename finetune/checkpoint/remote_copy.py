@@ -93,6 +93,7 @@ class RemoteCopy:
         self._waiting: tuple[str, FILES] | None = None  # the newest offered, not started
         self._uploaded: dict[str, str | None] = {}  # tag → None (done) or the error
         self._commit: str | None = None  # leader: the tag whose manifest to upload next
+        self._publishing: str | None = None  # leader: the tag whose manifest is uploading now
         self._committed: dict[str, str | None] = {}  # leader: tag → None (done) or the error
         self._thread = threading.Thread(target=self._run, name="remote-copy", daemon=True)
         self._thread.start()
@@ -188,7 +189,7 @@ class RemoteCopy:
                         self._uploaded.pop(t, None)
             elif ok == world and self.leader:
                 with self._lock:
-                    if t not in self._committed and self._commit != t:
+                    if t not in self._committed and t not in (self._commit, self._publishing):
                         self._commit = t  # the newest complete wins
                         self._lock.notify_all()
 
@@ -240,12 +241,13 @@ class RemoteCopy:
                     self._lock.wait()
                 if self._commit is not None:  # a manifest first: it is small and completes a copy
                     job, self._commit = ("commit", self._commit), None
+                    self._publishing = job[1]
                 else:
                     job, self._waiting = ("upload", self._waiting), None
             if job[0] == "commit":
                 error = self._guarded(self._publish, job[1])
                 with self._lock:
-                    self._committed[job[1]] = error
+                    self._committed[job[1]], self._publishing = error, None
             else:
                 tag, files = job[1]
                 error = self._guarded(self._upload, tag, files)
