@@ -60,6 +60,13 @@ def stored_ranks(manifest: dict) -> list[int]:
     return manifest.get("ranks", list(range(int(manifest.get("world_size", 0)))))
 
 
+def share_of(files: dict, rank: int, world: int) -> list[str]:
+    """The manifest's file names one rank of ``world`` handles when ranks split a whole checkpoint
+    between them (a copy, a download): every world-th name, so no rank's share grows with the
+    world size."""
+    return sorted(files)[rank::world]
+
+
 def read_manifest(folder: str | os.PathLike) -> dict | None:
     path = Path(folder) / MANIFEST
     try:

@@ -26,6 +26,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from finetune import distributed as dist
+from finetune.checkpoint.manifest import share_of
 from finetune.checkpoint.outdir import LATEST, MANIFEST, OutputDir, committed, uncommitted
 from finetune.checkpoint.policy import newest_first, select_for_deletion, step_of
 from finetune.config import ConfigError
@@ -131,9 +132,9 @@ class RemoteCopy:
         if tag is None:
             return
 
-        def share() -> FILES:  # every world-th file of the manifest (it may be another world's)
+        def share() -> FILES:  # the manifest may be another world size's: split it anew
             listed = out.read_manifest(tag)["files"]
-            names = sorted(listed)[dist.rank() :: dist.world_size()]
+            names = share_of(listed, dist.rank(), dist.world_size())
             return {n: (listed[n]["size"], listed[n]["checksum"]) for n in names}
 
         files = dist.run_agreed(share, step=f"reading {tag}'s manifest")

@@ -18,12 +18,12 @@ import logging
 from pathlib import Path
 
 from finetune import distributed as dist
-from finetune.checkpoint.manifest import MANIFEST
+from finetune.checkpoint.manifest import MANIFEST, check_file, share_of
 from finetune.checkpoint.outdir import STAGING, OutputDir, committed
 from finetune.checkpoint.policy import newest_first, step_of
 from finetune.config import CheckpointArgs, ConfigError
 from finetune.distributed import logger
-from finetune.io.durable import fsync_path, hash_file, write_bytes_durably
+from finetune.io.durable import fsync_path, write_bytes_durably
 from finetune.io.remote import RemoteError, S3Storage, is_remote
 
 
@@ -83,8 +83,9 @@ def _remote_choice(where: str, out: OutputDir, explicit: bool) -> tuple[str, str
     except RemoteError as e:
         raise ConfigError(f"--resume_from_checkpoint {where}: {e}") from None
     name = remote.uri.prefix.rsplit("/", 1)[-1]
-    if remote.stat(MANIFEST) is not None or step_of(name) is not None:
-        if remote.stat(MANIFEST) is None:
+    marker = remote.stat(MANIFEST)
+    if marker is not None or step_of(name) is not None:
+        if marker is None:
             raise ConfigError(
                 f"--resume_from_checkpoint {where}: no {MANIFEST}, so not a committed checkpoint"
             )
@@ -111,20 +112,16 @@ def _download(root: str, tag: str, out: OutputDir) -> None:
 
     def mine() -> None:
         remote = S3Storage(root)
-        manifest = json.loads(remote.read_bytes(f"{tag}/{MANIFEST}"))
-        names = sorted(manifest["files"])
+        listed = json.loads(remote.read_bytes(f"{tag}/{MANIFEST}"))["files"]
         staged.mkdir(parents=True, exist_ok=True)
-        for name in names[dist.rank() :: dist.world_size()]:
-            want = manifest["files"][name]
+        for name in share_of(listed, dist.rank(), dist.world_size()):
             path = staged / name
             path.parent.mkdir(parents=True, exist_ok=True)
             remote.download_file(f"{tag}/{name}", path)
-            size, digest = hash_file(path)
-            if (size, digest) != (want["size"], want["checksum"]):
-                raise ConfigError(
-                    f"--resume_from_checkpoint: {remote.describe(f'{tag}/{name}')} does not match "
-                    f"its manifest (size {size}, manifest {want['size']}; or its checksum)"
-                )
+            problems = check_file(path, name, listed[name], checksums=True)
+            if problems:
+                where = remote.describe(tag)
+                raise ConfigError(f"--resume_from_checkpoint: {where} downloaded: {problems[0]}")
             fsync_path(path)
 
     # an earlier download cut short
