@@ -55,6 +55,10 @@ def _install() -> None:
 
 if __name__ == "__main__":
     _install()
-    from finetune.cli import main
+    try:  # the console entry point: it leaves with os._exit, skipping interpreter teardown,
+        from finetune.cli import entry  # which can abort a finished rank (SIGABRT from gloo's
+    except ImportError:  # threads; see entry's docstring). Versions before it had only main.
+        from finetune.cli import main
 
-    sys.exit(main(sys.argv[1:]))
+        sys.exit(main(sys.argv[1:]))
+    entry()
