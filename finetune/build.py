@@ -20,12 +20,12 @@ import torch
 from finetune import distributed as dist
 from finetune.checkpoint.checkpointer import Checkpointer
 from finetune.checkpoint.outdir import OutputDir
-from finetune.checkpoint.remote_copy import RemoteCopy, open_remote
+from finetune.checkpoint.remote_copy import Prefix, RemoteCopy
 from finetune.checkpoint.remote_fetch import fetch_for_resume
 from finetune.checkpoint.resume import Resumer
 from finetune.checkpoint.staging import Layout, tidy_storage
 from finetune.checkpoint.state import TrainingState
-from finetune.config import ConfigError, RunConfig
+from finetune.config import RunConfig
 from finetune.data import ResumableSampler, TrainData
 from finetune.data.cache import prepare
 from finetune.distributed import logger
@@ -51,6 +51,7 @@ def build_trainer(
     preemption: Preemption | None = None,
     run_id: str | None = None,
     lease=None,
+    prefix: Prefix | None = None,
 ) -> Trainer:
     import deepspeed
     from transformers import get_scheduler
@@ -85,16 +86,11 @@ def build_trainer(
     signalled = (lambda: bool(preemption.received)) if preemption is not None else (lambda: False)
     run_id = run_id or uuid.uuid4().hex[:12]
     remote = None
-    if cfg.ckpt.remote_output_dir:  # agreed: a bucket or credential that does not work is exit 2
-        if layout.node_local:
-            raise ConfigError(
-                "`--remote_output_dir` with a node-local `--output_dir` is not supported yet: "
-                "give a shared `--output_dir`"
-            )
-        remote = RemoteCopy(open_remote(cfg.ckpt.remote_output_dir, run_id), storage.root,
-                            dist.is_main(), cfg.ckpt.save_total_limit)  # fmt: skip
+    if prefix is not None:  # --remote_output_dir, probed and leased by run()
+        groups = layout.groups if layout.node_local else None
+        remote = RemoteCopy(prefix, storage.root, dist.is_main(), cfg.ckpt.save_total_limit, groups)
     # A remote checkpoint to resume from is fetched into OUT first; the resume is then local.
-    spec = fetch_for_resume(cfg.ckpt, storage, layout.node_local)
+    spec = fetch_for_resume(cfg.ckpt, storage, layout)
     if spec != cfg.ckpt.resume_from_checkpoint:
         cfg = replace(cfg, ckpt=replace(cfg.ckpt, resume_from_checkpoint=spec))
     plan = Resumer(

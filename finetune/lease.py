@@ -48,6 +48,7 @@ import secrets
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from datetime import datetime
 from pathlib import Path
 
@@ -64,13 +65,13 @@ RENEW_S = 30.0
 # a holder on another machine is dead after this many of its heartbeats pass unseen
 OBSERVE_FACTOR = 2.5
 _RECHECK_S = 0.1  # between the two reads of a garbled lease
-_MAX_TRIES = 20  # judge-and-take rounds before giving up on a lease that keeps changing hands
+MAX_TRIES = 20  # judge-and-take rounds before giving up on a lease that keeps changing hands
 _JOIN_S = 10.0  # release() waits this long for a heartbeat write in flight
 _NO_HARDLINKS = {errno.EPERM, errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOSYS}
 # Two leases with these equal were written by the same process of the same run.
 _OWNER_KEYS = ("run_id", "host", "boot_id", "pid_ns", "pid", "pid_start", "started")
 
-_ALIVE, _DEAD, _CHANGED = "alive", "dead", "changed"
+ALIVE, DEAD, CHANGED = "alive", "dead", "changed"
 
 
 class LeaseLost(RuntimeError):
@@ -100,7 +101,7 @@ def describe(info: dict) -> str:
 
 def holder(out: str | os.PathLike) -> dict | None:
     """The output dir's lease, or None when it has none (or only an unreadable one)."""
-    return _parse(_read(Path(out) / LEASE))
+    return parse(_read(Path(out) / LEASE))
 
 
 def acquire(
@@ -157,8 +158,8 @@ class Lease:
         if self._lost:
             return False
         raw = _read(self.path)
-        other = _parse(raw)
-        if other is not None and not _is_ours(raw, self.info):
+        other = parse(raw)
+        if other is not None and not is_ours(raw, self.info):
             self._lost = True
             logger.error(
                 "%s now belongs to another run (%s): this run stops "
@@ -180,7 +181,7 @@ class Lease:
         if self._thread is not threading.current_thread():
             self._thread.join(timeout=_JOIN_S)
         try:
-            if _is_ours(_read(self.path), self.info):
+            if is_ours(_read(self.path), self.info):
                 self.path.unlink()
         except OSError as e:
             logger.warning("could not remove this run's lease %s: %s", self.path, e)
@@ -200,8 +201,8 @@ class Lease:
         """Renew the lease once; False when it is lost and beating must stop."""
         try:
             current = _read(self.path)
-            other = _parse(current)
-            if other is not None and not _is_ours(current, self.info):
+            other = parse(current)
+            if other is not None and not is_ours(current, self.info):
                 self._lost = True
                 logger.error(
                     "%s now belongs to another run (%s): this run stalled for longer than "
@@ -215,9 +216,9 @@ class Lease:
             info = {**self.info, "beat": self.info["beat"] + 1}
             if current is None:
                 logger.warning("%s vanished while this run held it; creating it again", self.path)
-                if not _publish(self.path, _encode(info), self._tag):
+                if not _publish(self.path, encode(info), self._tag):
                     return True  # another run's now: the next beat says whose
-            elif not self._replace(_encode(info)):
+            elif not self._replace(encode(info)):
                 return False
             self.info = info
         except OSError as e:
@@ -248,17 +249,17 @@ class Lease:
 
 
 def _take(path: Path, me: dict, observe_s: float | None) -> None:
-    for _ in range(_MAX_TRIES):
-        if _publish(path, _encode(me), _tag(me["run_id"])):
+    for _ in range(MAX_TRIES):
+        if _publish(path, encode(me), _tag(me["run_id"])):
             return
         raw = _read(path)
         if raw is None:
             continue  # released between our attempt and our read
-        verdict, raw, why = _judge(path, raw, me, observe_s)
-        if verdict == _ALIVE:
-            raise LeaseHeld(path.parent, _parse(raw))
-        if verdict == _DEAD and _evict(path, raw, me, observe_s):
-            old = _parse(raw)
+        verdict, raw, why = judge(lambda: _read(path), str(path), raw, me, observe_s)
+        if verdict == ALIVE:
+            raise LeaseHeld(path.parent, parse(raw))
+        if verdict == DEAD and _evict(path, raw, me, observe_s):
+            old = parse(raw)
             logger.warning(
                 "%s: the previous run (%s) is dead (%s); took its lease over",
                 path.parent,
@@ -267,26 +268,26 @@ def _take(path: Path, me: dict, observe_s: float | None) -> None:
             )
             return
     raise ConfigError(
-        f"--output_dir {path.parent}: its lease changed hands {_MAX_TRIES} times while this run "
+        f"--output_dir {path.parent}: its lease changed hands {MAX_TRIES} times while this run "
         "tried to take it; are several runs starting on it at once?"
     )
 
 
-def _judge(
-    path: Path, raw: bytes, me: dict, observe_s: float | None
+def judge(
+    read: Callable[[], bytes | None], where: str, raw: bytes, me: dict, observe_s: float | None
 ) -> tuple[str, bytes | None, str]:
-    """(verdict, the lease bytes it applies to, why dead) for the lease ``raw`` just
-    read at ``path``."""
-    info = _parse(raw)
+    """(verdict, the lease bytes it applies to, why dead) for the lease ``raw`` just read at
+    ``where``; ``read()`` reads it again (a file here, an object for the remote lease)."""
+    info = parse(raw)
     if info is None:
         time.sleep(_RECHECK_S)
-        again = _read(path)
+        again = read()
         if again != raw:
-            return _CHANGED, again, ""
-        return _DEAD, raw, "its lease is unreadable, left by a crash mid-write"
+            return CHANGED, again, ""
+        return DEAD, raw, "its lease is unreadable, left by a crash mid-write"
     if requeued_predecessor(info, me):
         return (
-            _DEAD,
+            DEAD,
             raw,
             (
                 f"SLURM requeued job {me['slurm_job_id']}: restart "
@@ -295,8 +296,8 @@ def _judge(
         )
     if same_machine(info, me):
         why = process_gone(info["pid"], info.get("pid_start"))
-        return (_DEAD, raw, why) if why else (_ALIVE, raw, "")
-    return _observe(path, raw, info, _observe_time(info, me, observe_s))
+        return (DEAD, raw, why) if why else (ALIVE, raw, "")
+    return _observe(read, where, raw, info, _observe_time(info, me, observe_s))
 
 
 def _observe_time(info: dict, me: dict, observe_s: float | None) -> float:
@@ -307,12 +308,14 @@ def _observe_time(info: dict, me: dict, observe_s: float | None) -> float:
     return OBSERVE_FACTOR * max(me["renew_s"], theirs)
 
 
-def _observe(path: Path, raw: bytes, info: dict, observe_s: float) -> tuple[str, bytes | None, str]:
+def _observe(
+    read: Callable[[], bytes | None], where: str, raw: bytes, info: dict, observe_s: float
+) -> tuple[str, bytes | None, str]:
     """Watch a holder on another machine: alive as soon as its beat moves; dead if it stays put."""
     logger.info(
         "%s is held by %s on another machine; watching its heartbeat for up to %g s to see "
         "whether it is alive",
-        path,
+        where,
         describe(info),
         observe_s,
     )
@@ -320,11 +323,11 @@ def _observe(path: Path, raw: bytes, info: dict, observe_s: float) -> tuple[str,
     deadline = time.monotonic() + observe_s
     while (left := deadline - time.monotonic()) > 0:
         time.sleep(min(poll, left))
-        now = _read(path)
+        now = read()
         if now == raw:
             continue
-        return (_ALIVE if _is_ours(now, info) else _CHANGED), now, ""
-    return _DEAD, raw, f"its heartbeat stayed at beat {info['beat']} for {observe_s:g} s"
+        return (ALIVE if is_ours(now, info) else CHANGED), now, ""
+    return DEAD, raw, f"its heartbeat stayed at beat {info['beat']} for {observe_s:g} s"
 
 
 def _evict(path: Path, raw: bytes, me: dict, observe_s: float | None) -> bool:
@@ -333,11 +336,11 @@ def _evict(path: Path, raw: bytes, me: dict, observe_s: float | None) -> bool:
     key = hashlib.sha256(raw).hexdigest()[:16]
     for n in itertools.count(1):
         marker = path.with_name(f"{TAKING}.{key}.{n}")
-        if _publish(marker, _encode(me), _tag(me["run_id"])):
+        if _publish(marker, encode(me), _tag(me["run_id"])):
             break
-        if _await_taker(path, raw, marker, me, observe_s) == _CHANGED:
+        if _await_taker(path, raw, marker, me, observe_s) == CHANGED:
             return False
-        # _DEAD: that taker died holding marker n; the next one is ours to try
+        # DEAD: that taker died holding marker n; the next one is ours to try
     # replaced before we won the marker (whose previous copy was then removed)
     if _read(path) != raw:
         marker.unlink(missing_ok=True)
@@ -345,7 +348,7 @@ def _evict(path: Path, raw: bytes, me: dict, observe_s: float | None) -> bool:
     try:
         os.replace(marker, path)
     except FileNotFoundError:  # NFS: a retried rename whose first reply was lost
-        if not _is_ours(_read(path), me):
+        if not is_ours(_read(path), me):
             raise
     for leftover in path.parent.glob(f"{TAKING}.*"):
         leftover.unlink(
@@ -355,29 +358,29 @@ def _evict(path: Path, raw: bytes, me: dict, observe_s: float | None) -> bool:
 
 
 def _await_taker(path: Path, raw: bytes, marker: Path, me: dict, observe_s: float | None) -> str:
-    """Another taker holds ``marker`` for the dead lease ``raw``: _CHANGED once the lease
-    (or the marker) changes, _DEAD once that taker is seen dead. Raises LeaseHeld if it
+    """Another taker holds ``marker`` for the dead lease ``raw``: CHANGED once the lease
+    (or the marker) changes, DEAD once that taker is seen dead. Raises LeaseHeld if it
     lives but never finishes."""
     mraw = _read(marker)
-    taker = _parse(mraw)
+    taker = parse(mraw)
     if mraw is None:
-        return _CHANGED  # removed by a taker that has finished
+        return CHANGED  # removed by a taker that has finished
     if taker is None:  # garbled: crashed mid-write, or (without hard links) still writing
         time.sleep(_RECHECK_S)
-        return _CHANGED if _read(marker) != mraw else _DEAD
+        return CHANGED if _read(marker) != mraw else DEAD
     local = same_machine(taker, me)
     deadline = time.monotonic() + _observe_time(taker, me, observe_s)
     pause = 0.005
     while _read(path) == raw and _read(marker) == mraw:
         if local and process_gone(taker["pid"], taker.get("pid_start")):
-            return _DEAD
+            return DEAD
         if time.monotonic() > deadline:
             if local:
                 raise LeaseHeld(path.parent, taker)
-            return _DEAD
+            return DEAD
         time.sleep(pause)
         pause = min(2 * pause, 1.0)
-    return _CHANGED
+    return CHANGED
 
 
 def _tag(run_id: str) -> str:
@@ -386,13 +389,13 @@ def _tag(run_id: str) -> str:
     return f"{safe}.{os.getpid()}.{secrets.token_hex(3)}"
 
 
-def _is_ours(raw: bytes | None, info: dict) -> bool:
+def is_ours(raw: bytes | None, info: dict) -> bool:
     """Whether lease bytes ``raw`` were written by the process and run that ``info`` describes."""
-    other = _parse(raw)
+    other = parse(raw)
     return other is not None and all(other.get(k) == info.get(k) for k in _OWNER_KEYS)
 
 
-def _parse(raw: bytes | None) -> dict | None:
+def parse(raw: bytes | None) -> dict | None:
     """A lease's content, or None when it is missing, garbled, or lacks what the rules need."""
     if raw is None:
         return None
@@ -414,7 +417,7 @@ def _parse(raw: bytes | None) -> dict | None:
     return info
 
 
-def _encode(info: dict) -> bytes:
+def encode(info: dict) -> bytes:
     return (json.dumps(info, indent=2) + "\n").encode()
 
 

@@ -33,9 +33,10 @@ from finetune.checkpoint.resume import UNIVERSAL
 from finetune.commands import Parser
 from finetune.config import ConfigError
 from finetune.exit_status import EXIT_STATUS
+from finetune.io.remote import is_remote
 from finetune.lease import LEASE
 from finetune.metrics import read_metrics
-from finetune.offline.adapter import is_adapter_checkpoint
+from finetune.offline.adapter import ADAPTER_CONFIG, is_adapter_checkpoint
 from finetune.offline.verify import METRICS, notes
 
 WIDTH = 100  # the table fits a terminal this wide; full problem texts go below it
@@ -77,7 +78,7 @@ class Listing:
     latest: str | None
     checkpoints: list[Checkpoint]
     notes: list[str]
-    free_bytes: int
+    free_bytes: int | None  # None for a bucket
     checkpoint_bytes: int
 
 
@@ -88,7 +89,11 @@ def main(argv: list[str]) -> int:
         "losses, state) and what else is in it. Exit 0 when listed, damaged checkpoints included; "
         "2 when OUT is not an output dir.",
     )
-    p.add_argument("output_dir", metavar="OUT", help="An output dir (--output_dir of a run).")
+    p.add_argument(
+        "output_dir",
+        metavar="OUT",
+        help="An output dir (--output_dir of a run), or s3://BUCKET/PREFIX (--remote_output_dir).",
+    )
     p.add_argument(
         "--verify",
         action="store_true",
@@ -101,7 +106,10 @@ def main(argv: list[str]) -> int:
         help="Print the listing as one JSON object instead of a table.",
     )
     ns = p.parse_args(argv)
-    listing = collect(Path(ns.output_dir), checksums=ns.verify)
+    if is_remote(ns.output_dir):
+        listing = collect_remote(ns.output_dir, checksums=ns.verify)
+    else:
+        listing = collect(Path(ns.output_dir), checksums=ns.verify)
     print(json.dumps(asdict(listing), indent=2) if ns.json else render(listing))
     return 0
 
@@ -119,6 +127,44 @@ def collect(out: Path, checksums: bool = False) -> Listing:
     return Listing(
         str(out), latest, rows, notes(out) + extra, storage.free_bytes(), sum(r.bytes for r in rows)
     )
+
+
+def collect_remote(uri: str, checksums: bool = False) -> Listing:
+    """``finetune ls s3://BUCKET/PREFIX``: offline/remote_verify.py's rows (sizes and metadata
+    checksums; ``--verify`` downloads) and notes. No losses (metrics.jsonl stays in OUT) and no
+    free space (a bucket reports none)."""
+    from finetune.offline.remote_verify import listing
+
+    latest, rows, notes_ = listing(uri, checksums)
+    checkpoints = []
+    for row in rows:
+        manifest = row.pop("manifest")
+        if manifest is None:
+            checkpoints.append(Checkpoint(
+                row["tag"], row["step"], None, 0, None, None, None, None, None, None, None,
+                UNCOMMITTED, [f"{MANIFEST} missing or unreadable (never committed remotely)"],
+            ))  # fmt: skip
+            continue
+        problems, consolidated = row["problems"], manifest.get("consolidated")
+        how = "checksums" if checksums else "sizes"
+        checkpoints.append(Checkpoint(
+            row["tag"], row["step"], _stamp(manifest.get("committed_at")), row["bytes"],
+            _int_or_none(manifest.get("world_size")),
+            manifest.get("ranks") if isinstance(manifest.get("ranks"), list) else None,
+            None, None, None, None, consolidated if isinstance(consolidated, bool) else None,
+            f"DAMAGED: {problems[0]}" if problems else f"ok ({how})", problems,
+            latest=row["tag"] == latest, lora=ADAPTER_CONFIG in manifest["files"],
+        ))  # fmt: skip
+    return Listing(uri, latest, checkpoints, notes_, None, sum(c.bytes for c in checkpoints))
+
+
+def _stamp(stamp) -> str | None:
+    if not isinstance(stamp, str):
+        return None
+    try:
+        return datetime.fromisoformat(stamp).astimezone(timezone.utc).isoformat(timespec="seconds")
+    except ValueError:
+        return None
 
 
 def _check_output_dir(out: Path, storage: OutputDir) -> None:
@@ -213,14 +259,9 @@ def _problems(folder: Path, manifest: dict, checksums: bool) -> list[str]:
 def _committed_at(folder: Path, manifest: dict) -> str | None:
     """The manifest's ``committed_at``; for checkpoints saved before that key existed, the time
     manifest.json was last written (the commit, unless someone copied the folder since)."""
-    stamp = manifest.get("committed_at")
-    if isinstance(stamp, str):
-        try:
-            return (
-                datetime.fromisoformat(stamp).astimezone(timezone.utc).isoformat(timespec="seconds")
-            )
-        except ValueError:
-            pass  # hand-edited: the file's time is the next best
+    stamp = _stamp(manifest.get("committed_at"))
+    if stamp is not None:
+        return stamp  # else hand-edited or missing: the file's time is the next best
     try:
         mtime = (folder / MANIFEST).stat().st_mtime
     except OSError:
@@ -357,6 +398,12 @@ def render(listing: Listing) -> str:
             lines += [_wrap(p, "  - ") for p in c.problems]
     lines += [_wrap(n, "note: ") for n in listing.notes]
     count = sum(c.status != UNCOMMITTED for c in listing.checkpoints)
+    if listing.free_bytes is None:  # a bucket
+        lines.append(
+            f"bucket: {_human(listing.checkpoint_bytes)} in {len(listing.checkpoints)} checkpoint "
+            f"folder(s) ({count} committed)"
+        )
+        return "\n".join(lines)
     lines.append(
         _wrap(
             f"{_human(listing.checkpoint_bytes)} in {len(listing.checkpoints)} checkpoint "

@@ -12,6 +12,7 @@ from pathlib import Path
 from finetune import __version__, run_config
 from finetune import distributed as dist
 from finetune.build import build_trainer
+from finetune.checkpoint.remote_copy import open_remote
 from finetune.config import ConfigError, RunConfig
 from finetune.exit_status import EXIT_LEASE_LOST, clear_exit_status, write_exit_status
 from finetune.lease import acquire as acquire_lease
@@ -23,15 +24,18 @@ def run(cfg: RunConfig) -> int:
     # Before anything slow: from here on a preemption signal is recorded, never fatal.
     preemption = Preemption(parse_signals(cfg.ckpt.preempt_signals))
     dist.init(cfg.train.ddp_timeout)
-    lease = None
+    lease = prefix = None
     try:
         # One live run per --output_dir, before anything is written there (exit 2 naming the other).
         out = Path(cfg.ckpt.output_dir)
         run_id, created = dist.share_from(0, lambda: (uuid.uuid4().hex[:12], not out.exists()))
         lease = dist.run_agreed(lambda: acquire_lease(out, run_id), on=dist.is_main())
         try:
+            # --remote_output_dir: probed on every rank, then one live run per prefix (exit 2)
+            if cfg.ckpt.remote_output_dir:
+                prefix = open_remote(cfg.ckpt.remote_output_dir, run_id)
             # bad input stops here, before anything is written
-            trainer = build_trainer(cfg, preemption, run_id, lease)
+            trainer = build_trainer(cfg, preemption, run_id, lease, prefix)
         except ConfigError:
             raise  # OUT as it was, a previous run's exit_status.json included
         except Preempted as e:
@@ -101,6 +105,8 @@ def run(cfg: RunConfig) -> int:
         trainer.close(code)
         return code
     finally:
+        if prefix is not None:
+            prefix.release()  # the remote lease, if still this run's
         if lease is not None:
             lease.release()  # removes the lease only if it is still this run's
             if created and dist.is_main() and not lease.lost:

@@ -26,6 +26,7 @@ from finetune.metrics import MetricsWriter
 from finetune.plot import Plotter
 from finetune.preemption import EXIT_PREEMPTED, Preemption
 from finetune.probe import maybe_probe
+from finetune.remote_lease import RemoteLeaseLost
 from finetune.trackers import run_name
 
 # Skipped optimizer steps in a row that stop a run: more than fp16's dynamic scaling ever needs
@@ -174,18 +175,21 @@ class Trainer:
     def _lease_lost(self, e: LeaseLost) -> int:
         """Another run holds OUT now: stop at once and write nothing more there (no save, no
         commit, no metrics, no exit_status.json: they are the other run's). Every rank, agreed."""
-        self.lost_lease = True
+        # --remote_output_dir's lease lost: OUT is still this run's (its exit_status.json says so)
+        remote = isinstance(e, RemoteLeaseLost)
+        self.lost_lease = not remote
         # a background write stops at its next piece; its staging is left as is
         self.checkpoints.abandon()
         dist.log_main(
             logging.ERROR,
             "stopping at step %d without writing anything more into %s: %s (exit %d)",
             self.state.global_step,
-            self.cfg.ckpt.output_dir,
+            self.cfg.ckpt.remote_output_dir if remote else self.cfg.ckpt.output_dir,
             e,
             EXIT_LEASE_LOST,
         )
-        self.stop_note = {"reason": "lease lost", "step": self.state.global_step}
+        reason = "remote lease lost" if remote else "lease lost"
+        self.stop_note = {"reason": reason, "step": self.state.global_step}
         return EXIT_LEASE_LOST
 
     def _started(self, resumed: bool) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import time
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -82,6 +83,49 @@ RANK_FILE_PATTERNS = (
     "zero_pp_rank_{r}_mp_rank_00_optim_states.pt",
     "rng_state_{r}.pt",
 )
+
+
+_RANK_FILE = re.compile(
+    r"^(?:zero_pp_rank_(\d+)_mp_rank_00_(?:model|optim)_states\.pt|rng_state_(\d+)\.pt)$"
+)
+
+
+def rank_of_file(name: str) -> int | None:
+    """The rank whose file ``name`` is (its rank files and RNG state), None for a shared file."""
+    found = _RANK_FILE.match(name)
+    return None if found is None else int(found.group(1) or found.group(2))
+
+
+def node_manifest(manifest: dict, ranks: list[int]) -> dict:
+    """A whole checkpoint's manifest cut to what one node's storage holds: the shared files and
+    ``ranks``' files, as that node's leader would have written it (node-local storage)."""
+    files = {n: m for n, m in manifest["files"].items() if rank_of_file(n) in (None, *ranks)}
+    return {
+        **manifest,
+        "files": files,
+        "total_bytes": sum(int(m["size"]) for m in files.values()),
+        "ranks": sorted(ranks),
+    }
+
+
+def merge_node_manifests(manifests: list[dict]) -> dict:
+    """Node-local storage's manifests of one save (the first: rank 0's node) as the one manifest of
+    the whole checkpoint: rank 0's shared files, every node's rank files, no ``ranks``. ValueError
+    when they are not of one save."""
+    first = manifests[0]
+    files = dict(first["files"])
+    for other in manifests[1:]:
+        if other.get("save_id") != first.get("save_id") or other.get("tag") != first.get("tag"):
+            raise ValueError(
+                f"the nodes' manifests are of different saves ({first.get('save_id')}, "
+                f"{other.get('save_id')})"
+            )
+        files.update({n: m for n, m in other["files"].items() if rank_of_file(n) is not None})
+    merged = {k: v for k, v in first.items() if k != "ranks"}
+    merged["files"] = dict(sorted(files.items()))
+    merged["total_bytes"] = sum(int(m["size"]) for m in files.values())
+    merged["committed_at"] = max(m.get("committed_at") or "" for m in manifests)
+    return merged
 
 
 @dataclass

@@ -19,29 +19,55 @@ final checkpoint's remote commit (exit 1 if it failed, like a failed final save)
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from finetune import distributed as dist
-from finetune.checkpoint.manifest import share_of
+from finetune.checkpoint.manifest import (
+    merge_node_manifests,
+    rank_of_file,
+    share_of,
+    stored_ranks,
+)
 from finetune.checkpoint.outdir import LATEST, MANIFEST, OutputDir, committed, uncommitted
 from finetune.checkpoint.policy import newest_first, select_for_deletion, step_of
 from finetune.config import ConfigError
 from finetune.distributed import logger
 from finetune.io import seams
+from finetune.io.durable import hash_file
+from finetune.io.faults import fault_point
 from finetune.io.remote import CHECKSUM_KEY, RemoteError, S3Storage
+from finetune.lease import describe
+from finetune.remote_lease import RemoteLease, RemoteLeaseLost, held_by, holder
+from finetune.remote_lease import acquire as acquire_remote_lease
 
 FILES = dict[str, tuple[int, str]]  # name → (size, xxh3)
 FINAL_TRIES = 3  # the final checkpoint's copy is tried this often before the run exits 1
 
 
-def open_remote(uri: str, run_id: str) -> S3Storage:
-    """The remote storage, after every rank wrote, read back and deleted a probe object under it:
-    a wrong bucket, endpoint or credential is exit 2 naming the flag, before training. Agreed:
-    every rank probes (each uploads its own files), all fail alike. Collective."""
+@dataclass
+class Prefix:
+    """``--remote_output_dir`` opened: its storage, and (rank 0) this run's lease on it."""
+
+    storage: S3Storage
+    run_id: str
+    lease: RemoteLease | None = None
+
+    def release(self) -> None:
+        if self.lease is not None:
+            self.lease.release()
+
+
+def open_remote(uri: str, run_id: str) -> Prefix:
+    """The remote storage, after every rank wrote, read back and deleted a probe object under it
+    (a wrong bucket, endpoint or credential is exit 2 naming the flag, before training), and rank
+    0 took the prefix's lease (another live run there is exit 2 naming it). Agreed: every rank
+    probes (each uploads its own files), all fail alike. Collective."""
 
     def probe() -> S3Storage:
         try:
@@ -56,11 +82,27 @@ def open_remote(uri: str, run_id: str) -> S3Storage:
             raise ConfigError(f"--remote_output_dir {uri}: {e}") from None
         except Exception as e:  # noqa: BLE001 — the client's errors (credentials, endpoint, bucket)
             raise ConfigError(
-                f"--remote_output_dir {uri}: cannot write there ({type(e).__name__}: "
-                f"{str(e).splitlines()[0] if str(e) else ''})"
+                f"--remote_output_dir {uri}: cannot write there ({_why(e)})"
             ) from None
 
-    return dist.run_agreed(probe, step="checking --remote_output_dir")
+    storage = dist.run_agreed(probe, step="checking --remote_output_dir")
+
+    def take() -> RemoteLease:
+        try:
+            return acquire_remote_lease(storage, run_id)
+        except ConfigError:
+            raise
+        except Exception as e:  # noqa: BLE001 — the client's errors
+            raise ConfigError(
+                f"--remote_output_dir {uri}: cannot take its lease ({_why(e)})"
+            ) from None
+
+    lease = dist.run_agreed(take, on=dist.is_main(), step="taking --remote_output_dir's lease")
+    return Prefix(storage, run_id, lease)
+
+
+def _why(e: Exception) -> str:
+    return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
 
 
 class NoRemoteCopy:
@@ -79,12 +121,29 @@ class NoRemoteCopy:
         return True
 
 
+def node_manifest_name(node: list[int]) -> str:
+    """Node-local storage: the object under which a node's own manifest is uploaded."""
+    return f"manifest.node-{node[0]}.json"
+
+
 class RemoteCopy:
-    def __init__(self, remote: S3Storage, out: Path, leader: bool, limit: int | None = None):
+    def __init__(
+        self,
+        prefix: Prefix,
+        out: Path,
+        leader: bool,
+        limit: int | None = None,
+        groups: list[list[int]] | None = None,
+    ):
         """``out``: the local output dir whose committed folders are copied; ``leader``: uploads
         the manifest and ``latest`` (rank 0: on shared storage the manifest lists every rank's
-        files), then applies ``limit`` (--save_total_limit) to the bucket."""
-        self.remote, self.out, self.leader, self.limit = remote, out, leader, limit
+        files), then applies ``limit`` (--save_total_limit) to the bucket. ``groups``: node-local
+        storage's nodes (the ranks sharing each OUT); None for one shared OUT."""
+        self.remote, self.out, self.leader, self.limit = prefix.storage, out, leader, limit
+        self.groups = groups
+        self.node = next((g for g in groups if dist.rank() in g), None) if groups else None
+        self.run_id, self.lease = prefix.run_id, prefix.lease
+        self._foreign = False  # this rank found another run's lease on the prefix
         self.outstanding: list[str] = []  # committed locally, not remotely; the same on every rank
         self._files: dict[str, FILES] = {}  # outstanding tag → what this rank uploads of it
         self.failures: dict[str, int] = {}  # outstanding tag → failed tries (every rank alike)
@@ -103,9 +162,19 @@ class RemoteCopy:
 
     def offer(self, tag: str, written: FILES, committed: FILES) -> None:
         """``tag`` was committed locally: this rank uploads what it wrote of the ``committed``
-        files (a consolidation dropped at the agree step is not among them)."""
+        files (a consolidation dropped at the agree step is not among them). Node-local storage:
+        the shared files only from rank 0 (every node's leader wrote them), and each node's
+        leader its node's manifest too."""
+        files = {n: v for n, v in written.items() if n in committed}
+        if self.node is not None and not self.leader:
+            files = {n: v for n, v in files.items() if rank_of_file(n) is not None}
+        self._offer(tag, files)
+
+    def _offer(self, tag: str, files: FILES) -> None:
+        if self.node is not None and dist.rank() == self.node[0]:
+            files = {**files, node_manifest_name(self.node): hash_file(self.out / tag / MANIFEST)}
         self.outstanding = [t for t in self.outstanding if t != tag] + [tag]
-        self._files[tag] = {n: v for n, v in written.items() if n in committed}
+        self._files[tag] = files
         self._queue(tag)
 
     def _queue(self, tag: str) -> None:
@@ -132,15 +201,30 @@ class RemoteCopy:
         if tag is None:
             return
 
-        def share() -> FILES:  # the manifest may be another world size's: split it anew
-            listed = out.read_manifest(tag)["files"]
-            names = share_of(listed, dist.rank(), dist.world_size())
+        def share() -> FILES:
+            manifest = out.read_manifest(tag)
+            listed = manifest["files"]
+            if self.node is None:  # the manifest may be another world size's: split it anew
+                names = share_of(listed, dist.rank(), dist.world_size())
+            else:  # this node's files (the shared ones from rank 0's node), split in the node
+                if (manifest.get("world_size"), stored_ranks(manifest)) != (
+                    dist.world_size(),
+                    self.node,
+                ):
+                    raise RemoteError(f"{tag} was saved by another layout of ranks")
+                wanted = [n for n in listed if rank_of_file(n) is not None or 0 in self.node]
+                names = share_of(wanted, self.node.index(dist.rank()), len(self.node))
             return {n: (listed[n]["size"], listed[n]["checksum"]) for n in names}
 
-        files = dist.run_agreed(share, step=f"reading {tag}'s manifest")
+        try:
+            files = dist.run_agreed(share, step=f"reading {tag}'s manifest")
+        except (RemoteError, OSError, KeyError, TypeError, dist.RankError) as e:
+            dist.log_main(logging.WARNING, "not copying %s to %s: %s", tag,
+                          self.remote.describe(), e)  # fmt: skip
+            return
         dist.log_main(logging.INFO, "%s is not yet committed in %s: copying it", tag,
                       self.remote.describe())  # fmt: skip
-        self.offer(tag, files, files)
+        self._offer(tag, files)
 
     def unconfirmed(self) -> set[str]:
         """Local checkpoints retention must keep: committed here, newer than the newest remote
@@ -162,9 +246,12 @@ class RemoteCopy:
                 )
                 for t in tags
             ]
-        sums = dist.all_reduce_sum([x for row in mine for x in row])
+            lost = self._foreign or (self.lease is not None and self.lease.lost)
+        sums = dist.all_reduce_sum([1.0 if lost else 0.0] + [x for row in mine for x in row])
+        if sums[0]:  # every rank alike: stop, as for a lost OUT lease (exit 3)
+            raise RemoteLeaseLost(self._lost_why())
         world = dist.world_size()
-        rows = [sums[4 * i : 4 * i + 4] for i in range(len(tags))]
+        rows = [sums[1 + 4 * i : 5 + 4 * i] for i in range(len(tags))]
         done = [t for t, r in zip(tags, rows) if r[2] > 0]
         if done:
             self._confirmed(done[-1], tags, step)
@@ -215,6 +302,16 @@ class RemoteCopy:
                       self.remote.describe())  # fmt: skip
         return False
 
+    def _lost_why(self) -> str:
+        try:
+            other = holder(self.remote) if dist.is_main() else None
+        except Exception:  # noqa: BLE001 — only for the message
+            other = None
+        return (
+            f"another run took over {self.remote.describe()}'s lease "
+            f"({describe(other) if other else 'holder unknown'}); nothing more is copied there"
+        )
+
     def _confirmed(self, tag: str, tags: list[str], step: int) -> None:
         i = tags.index(tag)
         skipped = [t for t in tags[:i] if t in self.outstanding]
@@ -264,6 +361,9 @@ class RemoteCopy:
             return f"{type(e).__name__}: {e}"
 
     def _upload(self, tag: str, files: FILES) -> None:
+        if not held_by(self.remote, self.run_id):  # never over another run's objects
+            self._foreign = True
+            raise RemoteError(f"{self.remote.describe()}'s lease belongs to another run")
         for name, (size, digest) in sorted(files.items()):
             rel = f"{tag}/{name}"
             head = self.remote.head(rel)
@@ -271,18 +371,51 @@ class RemoteCopy:
                 if head.get("Metadata", {}).get(CHECKSUM_KEY) == digest:
                     continue  # already there (a copy resumed after an interruption)
             seams.pause(seams.SLOW_UPLOAD)
-            self.remote.upload_file(self.out / tag / name, rel, digest)
+            fault_point("remote.upload", _step(tag))
+            local = (
+                MANIFEST if self.node is not None and name.startswith("manifest.node-") else name
+            )
+            self.remote.upload_file(self.out / tag / local, rel, digest)
 
     def _publish(self, tag: str) -> None:
         """The remote commit: the manifest, uploaded last (every file it lists is there), then
         ``latest``, then retention in the bucket."""
-        data = (self.out / tag / MANIFEST).read_bytes()
+        if self.groups is None:
+            data = (self.out / tag / MANIFEST).read_bytes()
+        else:  # node-local: every node's manifest is there; the one manifest of the checkpoint
+            data = self._merged(tag)
+        self._ensure_lease(f"committing {tag}")
+        fault_point("remote.commit", _step(tag))  # every data object of the copy has landed
         self.remote.write_bytes(f"{tag}/{MANIFEST}", data)
         self.remote.replace_bytes(LATEST, f"{tag}\n".encode())
         try:
+            self._ensure_lease("deleting older checkpoints")
             self._retain(tag)
         except Exception as e:  # noqa: BLE001 — the copy is committed; retried after the next
             logger.warning("retention in %s: %s: %s", self.remote.describe(), type(e).__name__, e)
+
+    def _merged(self, tag: str) -> bytes:
+        """Node-local storage: the nodes' manifests (uploaded by their leaders, rank 0's node
+        first) merged into the whole checkpoint's, which commits it (two phases, as a
+        node-local save commits: no node's files count until every node's are there)."""
+        manifests = []
+        for node in self.groups:
+            data = self.remote.read_bytes(f"{tag}/{node_manifest_name(node)}")
+            if data is None:
+                raise RemoteError(f"{tag}: the manifest of ranks {node} is not in the bucket")
+            manifests.append(json.loads(data))
+        try:
+            merged = merge_node_manifests(manifests)
+        except ValueError as e:
+            raise RemoteError(f"{tag}: {e}") from None
+        return (json.dumps(merged, indent=2) + "\n").encode()
+
+    def _ensure_lease(self, before: str) -> None:
+        """The leader re-reads the prefix's lease right before a remote commit or retention."""
+        if self.lease is not None and not self.lease.check():
+            raise RemoteError(
+                f"{self.remote.describe()}'s lease belongs to another run; not {before}"
+            )
 
     def _retain(self, head_tag: str) -> None:
         """After a remote commit: --save_total_limit over the bucket's commits up to the one just

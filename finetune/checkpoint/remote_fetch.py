@@ -18,37 +18,44 @@ import logging
 from pathlib import Path
 
 from finetune import distributed as dist
-from finetune.checkpoint.manifest import MANIFEST, check_file, share_of
+from finetune.checkpoint.manifest import MANIFEST, check_file, node_manifest, share_of
 from finetune.checkpoint.outdir import STAGING, OutputDir, committed
 from finetune.checkpoint.policy import newest_first, step_of
+from finetune.checkpoint.staging import Layout
 from finetune.config import CheckpointArgs, ConfigError
 from finetune.distributed import logger
 from finetune.io.durable import fsync_path, write_bytes_durably
 from finetune.io.remote import RemoteError, S3Storage, is_remote
 
 
-def fetch_for_resume(ckpt: CheckpointArgs, out: OutputDir, node_local: bool) -> str | None:
+def fetch_for_resume(ckpt: CheckpointArgs, out: OutputDir, layout: Layout) -> str | None:
     """The --resume_from_checkpoint spec the resume plan should use: a local folder for an s3://
-    one, the same spec otherwise (None: no resume). Collective."""
+    one, the same spec otherwise (None: no resume). Node-local storage: each node fetches its
+    ranks' files and the shared ones into its own OUT (same world size only). Collective."""
     spec = ckpt.resume_from_checkpoint
     if spec is None or not (is_remote(spec) or (spec == "auto" and ckpt.remote_output_dir)):
         return spec
-    if node_local:
-        raise ConfigError(
-            f"--resume_from_checkpoint {spec} from object storage into a node-local "
-            "--output_dir is not supported yet: give a shared --output_dir"
-        )
     where = spec if is_remote(spec) else ckpt.remote_output_dir
     chosen = dist.share_from(0, lambda: _choose(where, out, explicit=is_remote(spec)),
                              step=f"looking for checkpoints in {where}")  # fmt: skip
     if chosen is None:
         return spec
-    root, tag, here = chosen
+    root, tag, save_id, world = chosen
+    # Every OUT (each node's, node-local) already holds that very commit? (A node's manifest is
+    # the node's cut of the bucket's: the same save id.)
+    held = (out.read_manifest(tag) or {}).get("save_id") if layout.leader else save_id
+    here = save_id is not None and not dist.any_rank(held != save_id)
+    if layout.node_local and world != dist.world_size():
+        raise ConfigError(
+            f"--resume_from_checkpoint: {root}/{tag} was saved by {world} ranks; resuming it on "
+            f"{dist.world_size()} into a node-local --output_dir is not supported yet: resume "
+            "into a shared --output_dir (converted through the universal format)"
+        )
     if here:
         logger.info("%s is already in %s", tag, out.root)
     else:
         try:
-            _download(root, tag, out)
+            _download(root, tag, out, layout)
         except (ConfigError, dist.RankError) as e:
             if is_remote(spec):
                 raise
@@ -59,9 +66,9 @@ def fetch_for_resume(ckpt: CheckpointArgs, out: OutputDir, node_local: bool) -> 
     return str(out.root / tag) if is_remote(spec) else spec
 
 
-def _choose(where: str, out: OutputDir, explicit: bool) -> tuple[str, str, bool] | None:
-    """(the remote root, the checkpoint to fetch, whether OUT already holds that very commit) or
-    None (nothing newer than what is local)."""
+def _choose(where: str, out: OutputDir, explicit: bool) -> tuple[str, str, str, int] | None:
+    """(the remote root, the checkpoint to fetch, its save id, its world size) or None (nothing
+    newer than what is local)."""
     try:
         found = _remote_choice(where, out, explicit)
         if found is None:
@@ -73,8 +80,8 @@ def _choose(where: str, out: OutputDir, explicit: bool) -> tuple[str, str, bool]
     except Exception as e:  # noqa: BLE001 — the client's (credentials, endpoint, bucket)
         flag = "--resume_from_checkpoint" if explicit else "--remote_output_dir"
         raise ConfigError(f"{flag} {where}: cannot read it ({type(e).__name__}: {e})") from None
-    here = data is not None and out.read_manifest(tag) == json.loads(data)
-    return root, tag, here
+    remote = json.loads(data) if data is not None else {}
+    return root, tag, remote.get("save_id"), remote.get("world_size")
 
 
 def _remote_choice(where: str, out: OutputDir, explicit: bool) -> tuple[str, str] | None:
@@ -107,14 +114,20 @@ def _remote_choice(where: str, out: OutputDir, explicit: bool) -> tuple[str, str
     return where.rstrip("/"), found[0].tag
 
 
-def _download(root: str, tag: str, out: OutputDir) -> None:
+def _download(root: str, tag: str, out: OutputDir, layout: Layout) -> None:
     staged = Path(out.root) / STAGING / tag
+    node = layout.my_group if layout.node_local else None
+
+    def wanted(manifest: dict) -> dict:
+        """The manifest of what this OUT holds: all, or (node-local) this node's cut."""
+        return node_manifest(manifest, node) if node is not None else manifest
 
     def mine() -> None:
         remote = S3Storage(root)
-        listed = json.loads(remote.read_bytes(f"{tag}/{MANIFEST}"))["files"]
+        listed = wanted(json.loads(remote.read_bytes(f"{tag}/{MANIFEST}")))["files"]
         staged.mkdir(parents=True, exist_ok=True)
-        for name in share_of(listed, dist.rank(), dist.world_size()):
+        group = node or list(range(dist.world_size()))
+        for name in share_of(listed, group.index(dist.rank()), len(group)):
             path = staged / name
             path.parent.mkdir(parents=True, exist_ok=True)
             remote.download_file(f"{tag}/{name}", path)
@@ -125,15 +138,65 @@ def _download(root: str, tag: str, out: OutputDir) -> None:
             fsync_path(path)
 
     # an earlier download cut short
-    dist.run_agreed(lambda: out.remove(f"{STAGING}/{tag}"), on=dist.is_main())
+    dist.run_agreed(lambda: out.remove(f"{STAGING}/{tag}"), on=layout.leader)
     logger.info("downloading %s from %s (every rank its share)", tag, root)
     dist.run_agreed(mine, step=f"downloading {tag}", deadline_s=None)
 
     def commit() -> None:
         data = S3Storage(root).read_bytes(f"{tag}/{MANIFEST}")
+        if node is not None:
+            data = (json.dumps(wanted(json.loads(data)), indent=2) + "\n").encode()
         write_bytes_durably(staged / MANIFEST, data)  # last: the folder is complete
         fsync_path(staged)
         out.publish(tag)
 
-    dist.run_agreed(commit, on=dist.is_main(), step=f"committing {tag} locally")
+    # every node's leader, once every rank's download is complete (two phases)
+    dist.run_agreed(commit, on=layout.leader, step=f"committing {tag} locally")
     dist.log_main(logging.INFO, "fetched %s from %s into %s", tag, root, out.root)
+
+
+def download_checkpoint(uri: str, into: Path) -> Path:
+    """One process (``finetune export s3://…``): the committed checkpoint ``uri`` names (or an
+    s3:// output dir's newest) downloaded into ``into/<tag>``, every file checked against the
+    manifest's size and checksum, the manifest written last. ConfigError, one line, when it is not
+    a committed checkpoint or a file does not download intact."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from finetune.offline.remote_verify import PARALLEL, checkpoint_in
+
+    try:
+        root = S3Storage(uri)
+        rel = checkpoint_in(root)
+        if rel is None:
+            raise ConfigError(
+                f"{uri}: not a checkpoint (no manifest.json, no committed checkpoint)"
+            )
+        prefix = f"{rel}/" if rel else ""
+        data = root.read_bytes(prefix + MANIFEST)
+        if data is None:
+            raise ConfigError(f"{root.describe(rel)}: no {MANIFEST}, so not a committed checkpoint")
+        listed = json.loads(data)["files"]
+        tag = rel or root.uri.prefix.rsplit("/", 1)[-1]
+        folder = Path(into) / tag
+        folder.mkdir(parents=True, exist_ok=True)
+        total = sum(int(m["size"]) for m in listed.values())
+        logger.info("downloading %s (%d files, %.1f MB)", root.describe(rel), len(listed),
+                    total / 1e6)  # fmt: skip
+
+        def one(name: str) -> str | None:
+            path = folder / name
+            path.parent.mkdir(parents=True, exist_ok=True)
+            root.download_file(prefix + name, path)
+            problems = check_file(path, name, listed[name], checksums=True)
+            return f"{root.describe(prefix + name)} downloaded: {problems[0]}" if problems else None
+
+        with ThreadPoolExecutor(PARALLEL) as pool:
+            problems = [p for p in pool.map(one, sorted(listed)) if p]
+        if problems:
+            raise ConfigError(problems[0])
+        write_bytes_durably(folder / MANIFEST, data)
+        return folder
+    except (ConfigError, RemoteError) as e:
+        raise ConfigError(str(e)) from None
+    except Exception as e:  # noqa: BLE001 — the client's (endpoint, credentials, bucket): one line
+        raise ConfigError(f"{uri}: cannot download it ({type(e).__name__}: {e})") from None

@@ -115,6 +115,13 @@ SITES: dict[str, str] = {
         "rank 0: mid-tensor, half of a piece of a consolidated shard written (step)"
     ),
     "save.consolidated_close": "rank 0: flushing and fsyncing a finished consolidated shard (step)",
+    # --remote_output_dir: the copy to object storage, on each rank's upload thread
+    "remote.upload": (
+        "every rank: uploading one of its files of a committed checkpoint to the bucket (step)"
+    ),
+    "remote.commit": (
+        "rank 0: uploading a copy's manifest (the remote commit), every data object there (step)"
+    ),
     # export (`finetune export`, one process)
     "export.read_rank_file": (
         "export: reading one of DeepSpeed's rank files (step: the checkpoint's)"

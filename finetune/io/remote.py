@@ -84,6 +84,13 @@ def _missing(error) -> bool:
     return code in ("404", "NoSuchKey", "NotFound")
 
 
+def _condition_failed(error) -> bool:
+    response = getattr(error, "response", {})
+    code = response.get("Error", {}).get("Code", "")
+    status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+    return code in ("PreconditionFailed", "ConditionalRequestConflict") or status in (409, 412)
+
+
 class S3Storage:
     """``Storage`` over ``s3://bucket/prefix``; ``rel`` paths are ``/``-separated keys under it."""
 
@@ -252,6 +259,41 @@ class S3Storage:
         self.client.download_file(
             self.uri.bucket, self.uri.key(rel), os.fspath(local), Config=config
         )
+
+    # --- conditional writes: the remote lease's atomic steps -------------------------------------
+
+    def read_tagged(self, rel: str) -> tuple[bytes, str] | None:
+        """(the object's bytes, its ETag), or None when there is none."""
+        try:
+            found = self.client.get_object(Bucket=self.uri.bucket, Key=self.uri.key(rel))
+        except self.client.exceptions.NoSuchKey:
+            return None
+        return found["Body"].read(), found["ETag"]
+
+    def put_if(self, rel: str, data: bytes, etag: str | None) -> str | None:
+        """PUT ``data`` only if the object is absent (``etag`` None: If-None-Match: *) or still the
+        one whose ETag is ``etag`` (If-Match): its new ETag, or None when the condition failed
+        (412) or a concurrent conditional write won (409)."""
+        cond = {"IfMatch": etag} if etag else {"IfNoneMatch": "*"}
+        try:
+            done = self.client.put_object(
+                Bucket=self.uri.bucket, Key=self.uri.key(rel), Body=data, **cond
+            )
+        except Exception as e:
+            if _condition_failed(e):
+                return None
+            raise
+        return done["ETag"]
+
+    def delete_if(self, rel: str, etag: str) -> bool:
+        """Delete the object only while its ETag is ``etag``; False when it is not (or gone)."""
+        try:
+            self.client.delete_object(Bucket=self.uri.bucket, Key=self.uri.key(rel), IfMatch=etag)
+        except Exception as e:
+            if _condition_failed(e) or _missing(e):
+                return False
+            raise
+        return True
 
     def _has_keys(self, prefix: str) -> bool:
         found = self.client.list_objects_v2(Bucket=self.uri.bucket, Prefix=prefix, MaxKeys=1)

@@ -41,6 +41,7 @@ from finetune.commands import Parser
 from finetune.config import ConfigError, check_size
 from finetune.io.durable import fsync_path
 from finetune.io.faults import fault_point
+from finetune.io.remote import is_remote
 from finetune.modeling import DTYPES
 from finetune.offline.adapter import is_adapter_checkpoint
 from finetune.offline.model_files import (
@@ -344,7 +345,9 @@ def main(argv: list[str]) -> int:
     p.add_argument(
         "checkpoint",
         metavar="CKPT",
-        help="A checkpoint folder, or an output dir (its newest committed checkpoint is exported).",
+        help="A checkpoint folder, or an output dir (its newest committed checkpoint is exported); "
+        "or s3://BUCKET/PREFIX[/global_stepN], downloaded beside OUT (checked against its "
+        "manifest, removed after the export).",
     )
     p.add_argument(
         "out",
@@ -396,6 +399,18 @@ def main(argv: list[str]) -> int:
         "with weights_only=True either way.",
     )
     ns = p.parse_args(argv)
+    if is_remote(ns.checkpoint):  # s3://: downloaded beside OUT, verified, exported, removed
+        from finetune.checkpoint.remote_fetch import download_checkpoint
+
+        if ns.out is None:
+            p.error("an s3:// CKPT needs OUT")
+        check_out(ns.out)  # before a download that may be large
+        staging = Path(ns.out).parent / f".{Path(ns.out).name}.download"
+        try:
+            folder = download_checkpoint(ns.checkpoint, staging)
+            return main([str(folder) if a == ns.checkpoint else a for a in argv])
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
     if ns.universal:
         if (
             ns.dtype

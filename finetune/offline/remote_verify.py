@@ -25,7 +25,7 @@ PARALLEL = 8  # objects checked at a time (HEAD requests; downloads with --full)
 def main(uri: str, full: bool) -> int:
     try:
         root = S3Storage(uri)
-        rel = _checkpoint_in(root)
+        rel = checkpoint_in(root)
         if rel is None:
             raise ConfigError(
                 f"{uri}: not a checkpoint (no manifest.json, no committed checkpoint)"
@@ -51,7 +51,7 @@ def main(uri: str, full: bool) -> int:
     return 0 if not problems else 1
 
 
-def _checkpoint_in(root: S3Storage) -> str | None:
+def checkpoint_in(root: S3Storage) -> str | None:
     """ "" when ``root`` is a checkpoint (its manifest is there, or it is named like one), else its
     newest committed checkpoint (commit order), else None."""
     if root.stat(MANIFEST) is not None or step_of(root.uri.prefix.rsplit("/", 1)[-1]) is not None:
@@ -121,3 +121,37 @@ def notes(root: S3Storage) -> list[str]:
             "goes by the commit order"
         )
     return lines
+
+
+def listing(uri: str, checksums: bool) -> tuple[str | None, list[dict], list[str]]:
+    """``finetune ls s3://…``: (latest, a row per checkpoint folder: tag, step, manifest (None:
+    not committed remotely), problems, bytes; the notes). ConfigError, one line, when ``uri``
+    holds no output dir or cannot be read."""
+    try:
+        root = S3Storage(uri)
+        out = OutputDir(root)
+        tags = out.tags()
+        if not tags and root.read_bytes(LATEST) is None:
+            if root.stat(MANIFEST) is not None:
+                raise ConfigError(f"{uri}: a checkpoint, not an output dir (list the prefix above)")
+            raise ConfigError(f"{uri}: no checkpoints and no {LATEST} there")
+        rows = []
+        for tag in tags:
+            data = root.read_bytes(f"{tag}/{MANIFEST}")
+            try:
+                manifest = json.loads(data) if data is not None else None
+            except ValueError:
+                manifest = None
+            if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), dict):
+                rows.append({"tag": tag, "step": step_of(tag), "manifest": None})
+                continue
+            problems, _, nbytes = check(root, tag, checksums)
+            rows.append(
+                {"tag": tag, "step": step_of(tag), "manifest": manifest, "problems": problems,
+                 "bytes": nbytes}
+            )  # fmt: skip
+        return out.read_latest(), rows, notes(root)
+    except (ConfigError, RemoteError) as e:
+        raise ConfigError(str(e)) from None
+    except Exception as e:  # noqa: BLE001 — the client's (endpoint, credentials, bucket): one line
+        raise ConfigError(f"{uri}: cannot read it ({type(e).__name__}: {e})") from None

@@ -85,7 +85,7 @@ def write_lease(out: Path, **fields) -> dict:
     otherwise."""
     out.mkdir(parents=True, exist_ok=True)
     info = {**lease_mod.identity("other-run", 30.0), **fields}
-    (out / LEASE).write_bytes(lease_mod._encode(info))
+    (out / LEASE).write_bytes(lease_mod.encode(info))
     return info
 
 
@@ -296,8 +296,8 @@ def test_a_slow_taker_leaves_a_lease_that_changed_since_it_was_judged(tmp_path):
     """It must not replace the lease a faster taker has just written (its marker was removed by
     then)."""
     out = tmp_path / "out"
-    old = lease_mod._encode(write_lease(out, run_id="dead"))
-    new = lease_mod._encode(write_lease(out, run_id="fast-taker"))
+    old = lease_mod.encode(write_lease(out, run_id="dead"))
+    new = lease_mod.encode(write_lease(out, run_id="fast-taker"))
     me = lease_mod.identity("slow-taker", 30.0)
     assert not lease_mod._evict(out / LEASE, old, me, None)
     assert (out / LEASE).read_bytes() == new and files(out) == [LEASE]
@@ -306,9 +306,9 @@ def test_a_slow_taker_leaves_a_lease_that_changed_since_it_was_judged(tmp_path):
 def test_a_taker_that_died_mid_takeover_does_not_block_the_next(tmp_path, caplog):
     out = tmp_path / "out"
     dead = write_lease(out, pid=os.getpid(), pid_start=-1)
-    key = lease_mod.hashlib.sha256(lease_mod._encode(dead)).hexdigest()[:16]
+    key = lease_mod.hashlib.sha256(lease_mod.encode(dead)).hexdigest()[:16]
     crashed = lease_mod.identity("crashed-taker", 30.0) | {"pid_start": -1}  # its process is gone
-    (out / f"{lease_mod.TAKING}.{key}.1").write_bytes(lease_mod._encode(crashed))
+    (out / f"{lease_mod.TAKING}.{key}.1").write_bytes(lease_mod.encode(crashed))
     lease, took = timed_acquire(out, "next")
     assert took < AT_ONCE and holder(out)["run_id"] == "next" and files(out) == [LEASE]
     lease.release()
@@ -317,10 +317,10 @@ def test_a_taker_that_died_mid_takeover_does_not_block_the_next(tmp_path, caplog
 def test_a_live_taker_that_never_finishes_is_named(tmp_path):
     out = tmp_path / "out"
     dead = write_lease(out, pid=os.getpid(), pid_start=-1)
-    key = lease_mod.hashlib.sha256(lease_mod._encode(dead)).hexdigest()[:16]
+    key = lease_mod.hashlib.sha256(lease_mod.encode(dead)).hexdigest()[:16]
     # this live process, as if stopped mid-takeover
     stuck = lease_mod.identity("stuck-taker", 30.0)
-    (out / f"{lease_mod.TAKING}.{key}.1").write_bytes(lease_mod._encode(stuck))
+    (out / f"{lease_mod.TAKING}.{key}.1").write_bytes(lease_mod.encode(stuck))
     with pytest.raises(LeaseHeld, match="run id stuck-taker"):
         acquire(out, "next", observe_s=0.2)
 
@@ -342,7 +342,7 @@ def test_the_heartbeat_advances_beat(tmp_path):
     out = tmp_path / "out"
     with acquire(out, "run", renew_s=0.02) as lease:
         wait_for(lambda: holder(out)["beat"] >= 3)
-        assert lease_mod._is_ours((out / LEASE).read_bytes(), lease.info) and not lease.lost
+        assert lease_mod.is_ours((out / LEASE).read_bytes(), lease.info) and not lease.lost
     assert files(out) == []
 
 

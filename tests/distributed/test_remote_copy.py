@@ -176,6 +176,52 @@ def test_verify_checks_the_remote_copy_from_metadata_and_full_by_download(copied
         client.delete_object(Bucket=BUCKET, Key=f"copied/global_step8/{flipped}")
 
 
+def _cli(*argv: str, env: dict) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "finetune", *argv],
+        capture_output=True,
+        text=True,
+        env={**os.environ, **env},
+        timeout=300,
+    )
+
+
+def test_ls_and_export_take_s3_uris(copied, server, tmp_path):
+    """`finetune ls s3://…` lists the bucket's checkpoints checked from metadata (`--verify`: by
+    download); `finetune export s3://…/global_stepN OUT` downloads it beside OUT, checks it against
+    its manifest, exports the same weights as the local checkpoint, and leaves no download."""
+    from safetensors.torch import load_file
+
+    env = server.env()
+    listed = _cli("ls", COPIED, env=env)
+    assert listed.returncode == 0, listed.stderr
+    row = next(ln for ln in listed.stdout.splitlines() if ln.startswith("*"))
+    assert row.split()[1] == "6" and row.rstrip().endswith("ok (sizes)"), listed.stdout
+    assert "bucket: " in listed.stdout and "(1 committed)" in listed.stdout, listed.stdout
+    full = json.loads(_cli("ls", COPIED, "--verify", "--json", env=env).stdout)
+    assert [(c["tag"], c["status"], c["world_size"]) for c in full["checkpoints"]] == [
+        ("global_step6", "ok (checksums)", 2)
+    ]
+    assert full["checkpoints"][0]["bytes"] > 0 and full["free_bytes"] is None
+    refused = _cli("ls", f"s3://{BUCKET}/nothing-here", env=env)
+    assert refused.returncode == 2 and "no checkpoints" in refused.stderr, refused
+
+    remote_out, local_out = tmp_path / "from-bucket", tmp_path / "from-disk"
+    got = _cli("export", f"{COPIED}/global_step6", str(remote_out), "--dtype", "fp32", env=env)
+    assert got.returncode == 0, got.stdout + got.stderr
+    want = _cli("export", str(copied.out_dir / "global_step6"), str(local_out), "--dtype", "fp32",
+                env=env)  # fmt: skip
+    assert want.returncode == 0, want.stdout + want.stderr
+    a, b = load_file(remote_out / "model.safetensors"), load_file(local_out / "model.safetensors")
+    assert a.keys() == b.keys() and all(a[k].equal(b[k]) for k in a)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["from-bucket", "from-disk"], (
+        "the download is removed"
+    )
+    missing = _cli("export", f"s3://{BUCKET}/copied/global_step4", str(tmp_path / "x"), env=env)
+    assert missing.returncode == 2 and len(missing.stderr.strip().splitlines()) == 1, missing
+    assert "not a committed checkpoint" in missing.stderr and not (tmp_path / "x").exists()
+
+
 def _rows(out) -> dict[int, dict]:
     rows = [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines()]
     return {r["step"]: r for r in rows if "loss" in r}
@@ -286,3 +332,43 @@ def test_a_rank_killed_mid_copy_leaves_the_bucket_committed_and_the_next_run_fin
     assert _verify(uri, "--full", env=env).returncode == 0
     tags = [e.name for e in remote.list() if e.is_dir and e.name.startswith("global_step")]
     assert tags == [f"global_step{newest + 2}"], "half copies and older commits are gone"
+
+
+def test_one_run_per_prefix_a_second_is_exit_2_and_a_run_that_lost_the_prefix_stops(
+    server, start_finetune, run_finetune, tmp_path, aws_env
+):
+    """While a run copies to a prefix, a second run given the same --remote_output_dir (its own
+    --output_dir) exits 2 naming the first. When another run takes the prefix's lease over (as
+    one does from a holder it judged dead), the first learns it within a heartbeat, commits
+    nothing more there and stops with exit 3; OUT's exit_status.json says why, and its release
+    leaves the other run's lease in place."""
+    from finetune.lease import encode, identity
+    from finetune.remote_lease import LEASE, holder
+
+    uri = f"s3://{BUCKET}/leased"
+    first = start_finetune(
+        "--max_steps", "100000", *SAVES, "--remote_output_dir", uri, out_dir=tmp_path / "a",
+        env=server.env(FINETUNE_SLOW_UPLOAD="0.2", FINETUNE_LEASE_RENEW_S="1"),
+    )  # fmt: skip
+    remote = S3Storage(uri)
+    wait_until(lambda: remote.read_bytes("latest"), TIMEOUT, "the first run's first commit")
+    run_id = holder(remote)["run_id"]
+    second = run_finetune(
+        "--max_steps", "2", *SAVES, "--remote_output_dir", uri, out_dir=tmp_path / "b",
+        nprocs=1, env=server.env(), timeout=TIMEOUT,
+    )  # fmt: skip
+    assert second.returncode == 2, second.output[-6000:]
+    assert f"--remote_output_dir {uri} is in use by another run (run id {run_id}," in second.output
+    assert not list(second.out_dir.glob("global_step*"))
+    # another run takes the prefix over
+    remote.write_bytes(LEASE, encode({**identity("taker", 30.0), "host": "node-elsewhere"}))
+    taken_at = remote.read_bytes("latest").decode().strip()
+    stopped = first.finish(TIMEOUT)
+    assert stopped.returncode == 3, stopped.output[-6000:]
+    assert f"another run took over {uri}'s lease (run id taker" in stopped.output
+    status = json.loads((stopped.out_dir / "exit_status.json").read_text())
+    assert status["exit_code"] == 3 and status["reason"] == "remote lease lost", status
+    assert holder(remote)["run_id"] == "taker", "the taker's lease is not deleted"
+    # at most the one commit whose lease check came before the takeover
+    now = remote.read_bytes("latest").decode().strip()
+    assert int(now[11:]) - int(taken_at[11:]) <= 2, (taken_at, now)

@@ -462,6 +462,10 @@ def _ranks(site: Site) -> list[int]:
     return [0] if site.reached_by == LEADER else [0, 1]
 
 
+# On the way to --remote_output_dir, on each rank's upload thread: tests/faults/test_remote.py runs
+# them against a real S3 server (the sweep's runs have no bucket), on the ranks that reach them.
+REMOTE: dict[str, str] = {"remote.upload": EVERY, "remote.commit": LEADER}
+
 # Polled with a deadline (--ddp_timeout): a syscall that never returns there (a dead mount) fails on
 # every rank within the deadline, with the site's documented outcome for an I/O error.
 HANG_SITES = (

@@ -26,6 +26,7 @@ from harness import (
     EXPORT_SAMPLE,
     HANG_SAMPLE,
     HANG_SITES,
+    REMOTE,
     long_cases,
     sampled_cases,
 )
@@ -58,7 +59,8 @@ def test_every_site_in_the_code_is_registered_and_every_registered_site_is_in_th
 def test_the_sweep_knows_every_site():
     """A new site cannot be forgotten: the sweep has its documented outcome, the long form runs it
     on every rank that reaches it in every kind, and the sample covers it."""
-    assert set(EXPECTED) | set(EXPORT) == set(SITES) and not set(EXPECTED) & set(EXPORT)
+    assert set(EXPECTED) | set(EXPORT) | set(REMOTE) == set(SITES)
+    assert not set(EXPECTED) & set(EXPORT) and not (set(EXPECTED) | set(EXPORT)) & set(REMOTE)
     assert all(set(codes) == set(KINDS) for codes in EXPORT.values()) and set(EXPORT_SAMPLE) == set(
         EXPORT
     )
