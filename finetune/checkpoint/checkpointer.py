@@ -303,7 +303,8 @@ class Checkpointer:
         clock.lap("commit")
         self.retain()
         clock.lap("retain")
-        self.remote.offer(tag, self.writer.files, files)  # --remote_output_dir
+        head = self.lineage.head  # --remote_output_dir
+        self.remote.offer(tag, self.writer.files, files, head.save_id if head else None)
         self.committed_step = pending.step
         total = sum(size for size, _ in files.values())
         self.on_event(

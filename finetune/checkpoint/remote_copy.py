@@ -108,7 +108,7 @@ def _why(e: Exception) -> str:
 class NoRemoteCopy:
     """No --remote_output_dir: nothing to copy, nothing kept for it."""
 
-    def offer(self, tag: str, written: FILES, committed: FILES) -> None:
+    def offer(self, tag: str, written: FILES, committed: FILES, save_id: str | None = None) -> None:
         pass
 
     def unconfirmed(self) -> set[str]:
@@ -144,6 +144,7 @@ class RemoteCopy:
         self.node = next((g for g in groups if dist.rank() in g), None) if groups else None
         self.run_id, self.lease = prefix.run_id, prefix.lease
         self._foreign = False  # this rank found another run's lease on the prefix
+        self._save_ids: dict[str, str | None] = {}  # tag → the local commit's save id
         self.outstanding: list[str] = []  # committed locally, not remotely; the same on every rank
         self._files: dict[str, FILES] = {}  # outstanding tag → what this rank uploads of it
         self.failures: dict[str, int] = {}  # outstanding tag → failed tries (every rank alike)
@@ -160,7 +161,7 @@ class RemoteCopy:
 
     # --- the trainer's side: every method is called on every rank ---------------------------
 
-    def offer(self, tag: str, written: FILES, committed: FILES) -> None:
+    def offer(self, tag: str, written: FILES, committed: FILES, save_id: str | None = None) -> None:
         """``tag`` was committed locally: this rank uploads what it wrote of the ``committed``
         files (a consolidation dropped at the agree step is not among them). Node-local storage:
         the shared files only from rank 0 (every node's leader wrote them), and each node's
@@ -168,9 +169,10 @@ class RemoteCopy:
         files = {n: v for n, v in written.items() if n in committed}
         if self.node is not None and not self.leader:
             files = {n: v for n, v in files.items() if rank_of_file(n) is not None}
-        self._offer(tag, files)
+        self._offer(tag, files, save_id)
 
-    def _offer(self, tag: str, files: FILES) -> None:
+    def _offer(self, tag: str, files: FILES, save_id: str | None) -> None:
+        self._save_ids[tag] = save_id
         if self.node is not None and dist.rank() == self.node[0]:
             files = {**files, node_manifest_name(self.node): hash_file(self.out / tag / MANIFEST)}
         self.outstanding = [t for t in self.outstanding if t != tag] + [tag]
@@ -214,17 +216,18 @@ class RemoteCopy:
                     raise RemoteError(f"{tag} was saved by another layout of ranks")
                 wanted = [n for n in listed if rank_of_file(n) is not None or 0 in self.node]
                 names = share_of(wanted, self.node.index(dist.rank()), len(self.node))
-            return {n: (listed[n]["size"], listed[n]["checksum"]) for n in names}
+            files = {n: (listed[n]["size"], listed[n]["checksum"]) for n in names}
+            return files, manifest.get("save_id")
 
         try:
-            files = dist.run_agreed(share, step=f"reading {tag}'s manifest")
+            files, save_id = dist.run_agreed(share, step=f"reading {tag}'s manifest")
         except (RemoteError, OSError, KeyError, TypeError, dist.RankError) as e:
             dist.log_main(logging.WARNING, "not copying %s to %s: %s", tag,
                           self.remote.describe(), e)  # fmt: skip
             return
         dist.log_main(logging.INFO, "%s is not yet committed in %s: copying it", tag,
                       self.remote.describe())  # fmt: skip
-        self._offer(tag, files)
+        self._offer(tag, files, save_id)
 
     def unconfirmed(self) -> set[str]:
         """Local checkpoints retention must keep: committed here, newer than the newest remote
@@ -364,6 +367,7 @@ class RemoteCopy:
         if not held_by(self.remote, self.run_id):  # never over another run's objects
             self._foreign = True
             raise RemoteError(f"{self.remote.describe()}'s lease belongs to another run")
+        self._uncommit_other(tag)
         for name, (size, digest) in sorted(files.items()):
             rel = f"{tag}/{name}"
             head = self.remote.head(rel)
@@ -376,6 +380,28 @@ class RemoteCopy:
                 MANIFEST if self.node is not None and name.startswith("manifest.node-") else name
             )
             self.remote.upload_file(self.out / tag / local, rel, digest)
+
+    def _uncommit_other(self, tag: str) -> None:
+        """Another commit of ``tag`` in the bucket (an earlier timeline's: this run resumed from an
+        older checkpoint and saved this step again) is un-committed, its manifest deleted, before
+        any of its objects is overwritten: a manifest never lists objects that do not match it.
+        Every rank checks (one GET); the delete is conditional on that very manifest."""
+        save_id = self._save_ids.get(tag)
+        found = self.remote.read_tagged(f"{tag}/{MANIFEST}")
+        if found is None or save_id is None:
+            return
+        try:
+            theirs = json.loads(found[0]).get("save_id")
+        except (ValueError, AttributeError):
+            theirs = None
+        if theirs != save_id and self.remote.delete_if(f"{tag}/{MANIFEST}", found[1]):
+            logger.warning(
+                "%s in %s was another commit of that step (save %s); un-committed it before "
+                "copying this run's",
+                tag,
+                self.remote.describe(),
+                theirs,
+            )
 
     def _publish(self, tag: str) -> None:
         """The remote commit: the manifest, uploaded last (every file it lists is there), then

@@ -372,3 +372,43 @@ def test_one_run_per_prefix_a_second_is_exit_2_and_a_run_that_lost_the_prefix_st
     # at most the one commit whose lease check came before the takeover
     now = remote.read_bytes("latest").decode().strip()
     assert int(now[11:]) - int(taken_at[11:]) <= 2, (taken_at, now)
+
+
+def test_a_step_saved_again_on_a_new_timeline_is_uncommitted_before_its_objects_change(
+    server, run_finetune, start_finetune, tmp_path, aws_env
+):
+    """A run resumed from an older checkpoint saves a step the bucket already holds from the
+    abandoned timeline: that commit's manifest is deleted before any of its objects is
+    overwritten, so at no instant does the bucket hold a manifest whose objects do not match it;
+    the new commit then lands under the same tag."""
+    from finetune.offline.remote_verify import check
+
+    uri, out = f"s3://{BUCKET}/timelines", tmp_path / "out"
+    saves = ("--save_checkpoint", "--save_steps", "2", "--logging_steps", "1")
+    first = run_finetune("--max_steps", "4", *saves, "--remote_output_dir", uri, out_dir=out,
+                         env=server.env(), timeout=TIMEOUT)  # fmt: skip
+    assert first.returncode == 0, first.output[-6000:]
+    remote = S3Storage(uri)
+    old = json.loads(remote.read_bytes("global_step4/manifest.json"))["save_id"]
+    again = start_finetune(
+        "--max_steps", "4", *saves, "--remote_output_dir", uri,
+        "--resume_from_checkpoint", str(out / "global_step2"),
+        out_dir=out, env=server.env(FINETUNE_SLOW_UPLOAD="0.2"),
+    )  # fmt: skip
+    seen_mismatch, polls = [], 0
+    while again.proc.poll() is None:
+        found = remote.read_bytes("global_step4/manifest.json")
+        if found is not None and json.loads(found)["save_id"] == old:
+            problems = check(remote, "global_step4", False)[0]
+            if problems and remote.read_bytes("global_step4/manifest.json") == found:
+                seen_mismatch.append(problems)
+        polls += 1
+    r = again.finish(60)
+    assert r.returncode == 0, r.output[-6000:]
+    assert polls > 5 and not seen_mismatch, seen_mismatch[:2]
+    assert "un-committed it before copying this run's" in r.output
+    new = json.loads((out / "global_step4" / "manifest.json").read_text())["save_id"]
+    assert (
+        new != old and json.loads(remote.read_bytes("global_step4/manifest.json"))["save_id"] == new
+    )
+    assert _verify(f"{uri}/global_step4", "--full", env=server.env()).returncode == 0
