@@ -94,8 +94,9 @@ def build_trainer(
     if spec != cfg.ckpt.resume_from_checkpoint:
         cfg = replace(cfg, ckpt=replace(cfg.ckpt, resume_from_checkpoint=spec))
     plan = Resumer(
-        cfg, storage, layout.node_local, layout.leader, base=base, signalled=signalled
-    ).plan_resume()
+        cfg, storage, layout.node_local, layout.leader, base=base, signalled=signalled,
+        group=layout.my_group,
+    ).plan_resume()  # fmt: skip
     # Collective: FusedAdam / CPU Adam where every rank can load it, else torch_adam
     # (finetune/ops.py); a checkpoint trained with torch_adam resumes with it.
     ds_config = ensure_adam(ds_config, saved=plan.saved.get(ADAM_KEY) if plan is not None else None)

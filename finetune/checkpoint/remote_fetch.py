@@ -45,17 +45,11 @@ def fetch_for_resume(ckpt: CheckpointArgs, out: OutputDir, layout: Layout) -> st
     # the node's cut of the bucket's: the same save id.)
     held = (out.read_manifest(tag) or {}).get("save_id") if layout.leader else save_id
     here = save_id is not None and not dist.any_rank(held != save_id)
-    if layout.node_local and world != dist.world_size():
-        raise ConfigError(
-            f"--resume_from_checkpoint: {root}/{tag} was saved by {world} ranks; resuming it on "
-            f"{dist.world_size()} into a node-local --output_dir is not supported yet: resume "
-            "into a shared --output_dir (converted through the universal format)"
-        )
     if here:
         logger.info("%s is already in %s", tag, out.root)
     else:
         try:
-            _download(root, tag, out, layout)
+            _download(root, tag, out, layout, world)
         except (ConfigError, dist.RankError) as e:
             if is_remote(spec):
                 raise
@@ -114,9 +108,12 @@ def _remote_choice(where: str, out: OutputDir, explicit: bool) -> tuple[str, str
     return where.rstrip("/"), found[0].tag
 
 
-def _download(root: str, tag: str, out: OutputDir, layout: Layout) -> None:
+def _download(root: str, tag: str, out: OutputDir, layout: Layout, world: int) -> None:
     staged = Path(out.root) / STAGING / tag
-    node = layout.my_group if layout.node_local else None
+    # node-local at the same world size: each node its cut; else (shared storage, or node-local at
+    # another world size, which converts on each node) every OUT the whole checkpoint
+    node = layout.my_group if layout.node_local and world == dist.world_size() else None
+    group = layout.my_group  # the ranks sharing this OUT split its download
 
     def wanted(manifest: dict) -> dict:
         """The manifest of what this OUT holds: all, or (node-local) this node's cut."""
@@ -126,7 +123,6 @@ def _download(root: str, tag: str, out: OutputDir, layout: Layout) -> None:
         remote = S3Storage(root)
         listed = wanted(json.loads(remote.read_bytes(f"{tag}/{MANIFEST}")))["files"]
         staged.mkdir(parents=True, exist_ok=True)
-        group = node or list(range(dist.world_size()))
         for name in share_of(listed, group.index(dist.rank()), len(group)):
             path = staged / name
             path.parent.mkdir(parents=True, exist_ok=True)

@@ -53,6 +53,7 @@ class Resumer:
         leader: bool | None = None,
         base: dict | None = None,
         signalled=lambda: False,
+        group: list[int] | None = None,
     ):
         """``node_local``: each node has its own OUT; ``leader``: this rank does rank 0's part for
         its OUT (rank 0, or each node's first rank; default rank 0); ``base``: with --use_peft, the
@@ -67,6 +68,8 @@ class Resumer:
         )
         self.node_local = node_local
         self.leader = dist.is_main() if leader is None else leader
+        # the ranks sharing this rank's OUT (node-local: its node's)
+        self.group = group or list(range(dist.world_size()))
         self.saved_worlds: dict[str, int | None] = {}  # node-local: each candidate's world size
 
     def plan_resume(self) -> ResumePlan | None:
@@ -117,8 +120,7 @@ class Resumer:
             self._set_aside_other_timelines()
         universal = None
         if saved["world_size"] != dist.world_size():
-            if self.node_local:
-                raise ConfigError(_node_local_world(folder, saved["world_size"]))
+            # (node-local: every node holds the whole checkpoint, _refuse_another_world checked)
             universal = self._universal(folder, manifest or {})
             dist.log_main(
                 logging.INFO,
@@ -274,7 +276,15 @@ class Resumer:
                 step=f"reading {folder.name}'s manifest",
                 deadline_s=dist.io_deadline(),
             )
-        if saved is not None and saved != dist.world_size():
+        if saved is None or saved == dist.world_size():
+            return
+
+        def whole() -> bool:  # every rank's files here (a copy fetched whole from a bucket)
+            manifest = read_manifest(folder) or {}
+            return "ranks" not in manifest and manifest.get("world_size") == saved
+
+        # each node's leader looks at its own copy: every node must hold the whole checkpoint
+        if dist.any_rank(self.leader and not whole()):
             raise ConfigError(_node_local_world(folder, saved))
 
     def _verify_collectively(self, folder: Path) -> list[str]:
@@ -288,12 +298,15 @@ class Resumer:
                 return [
                     f"{MANIFEST} missing or unreadable (an incomplete save?) on rank {dist.rank()}"
                 ]
-            # Node-local: each rank its own files on its node, each leader its node's shared files.
-            ranks = (
-                [dist.rank()]
-                if self.node_local
-                else list(range(dist.rank(), int(manifest.get("world_size", 1)), dist.world_size()))
-            )
+            # Node-local: each rank its own files on its node, each leader its node's shared files;
+            # a whole checkpoint (shared storage, or a node's copy of one saved by another world
+            # size): the ranks sharing it split its ranks' files.
+            saved = int(manifest.get("world_size", 1))
+            if self.node_local and "ranks" in manifest:
+                ranks = [dist.rank()]
+            else:
+                me = self.group.index(dist.rank())
+                ranks = list(range(me, saved, len(self.group)))
             problems = verify(
                 folder,
                 checksums=not self.cfg.ckpt.resume_skip_checksum,
@@ -417,7 +430,7 @@ class Resumer:
 
         out = dist.gather_outcomes(
             convert,
-            on=dist.is_main(),
+            on=self.leader,  # node-local: each node's leader converts its node's copy
             step=f"converting {folder.name} for {dist.world_size()} ranks",
             stop=self.signalled,
             cancel=cancel,
@@ -450,8 +463,9 @@ def _node_local_world(folder: Path, saved: int) -> str:
     return (
         f"--resume_from_checkpoint: {folder} was saved by {saved} ranks on node-local storage, "
         f"this run has {dist.world_size()}; resuming it on another world size needs every "
-        "node's files in one folder (copy them together, then resume from that folder on "
-        "shared storage); nothing was changed"
+        "node's files in one folder (copy them together, or resume from the bucket of "
+        "--remote_output_dir, which fetches the whole checkpoint to every node); nothing was "
+        "changed"
     )
 
 

@@ -127,3 +127,18 @@ def test_two_nodes_without_shared_storage_resume_from_the_bucket(server, tmp_pat
     r = Running(cmd, tmp_path, child_env(env), one).finish(TIMEOUT)
     assert r.returncode == 0, r.output[-6000:]
     assert "universal" in r.output and sorted(losses(one)) == [9, 10], r.output[-3000:]
+    # One node with node-local storage (a smaller allocation, its own empty disk): the whole
+    # checkpoint is fetched there (not a node's cut), converted there, and resumed.
+    local = tmp_path / "one-local"
+    cmd = finetune_cmd(
+        "deepspeed", 1,
+        ("--max_steps", "10", "--save_checkpoint", "--logging_steps", "1", "--deepspeed_config",
+         CONFIG, "--resume_from_checkpoint", "auto", "--remote_output_dir", URI),
+        local,
+    )  # fmt: skip
+    r = Running(cmd, tmp_path, child_env(env), local).finish(TIMEOUT)
+    assert r.returncode == 0, r.output[-6000:]
+    fetched = json.loads((local / "global_step8" / "manifest.json").read_text())
+    assert "ranks" not in fetched and fetched["world_size"] == 2, "the whole checkpoint"
+    assert (local / "global_step8" / "universal").is_dir() and sorted(losses(local)) == [9, 10]
+    assert remote.read_bytes("latest") == b"global_step10\n"
