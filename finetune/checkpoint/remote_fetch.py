@@ -158,15 +158,10 @@ def download_checkpoint(uri: str, into: Path) -> Path:
     a committed checkpoint or a file does not download intact."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from finetune.offline.remote_verify import PARALLEL, checkpoint_in
+    from finetune.offline.remote_verify import PARALLEL, locate
 
     try:
-        root = S3Storage(uri)
-        rel = checkpoint_in(root)
-        if rel is None:
-            raise ConfigError(
-                f"{uri}: not a checkpoint (no manifest.json, no committed checkpoint)"
-            )
+        root, rel = locate(uri)
         prefix = f"{rel}/" if rel else ""
         data = root.read_bytes(prefix + MANIFEST)
         if data is None:

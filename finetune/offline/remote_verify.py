@@ -24,12 +24,7 @@ PARALLEL = 8  # objects checked at a time (HEAD requests; downloads with --full)
 
 def main(uri: str, full: bool) -> int:
     try:
-        root = S3Storage(uri)
-        rel = checkpoint_in(root)
-        if rel is None:
-            raise ConfigError(
-                f"{uri}: not a checkpoint (no manifest.json, no committed checkpoint)"
-            )
+        root, rel = locate(uri)
         start = time.perf_counter()
         problems, files, nbytes = check(root, rel, full)
     except (ConfigError, RemoteError) as e:
@@ -49,6 +44,16 @@ def main(uri: str, full: bool) -> int:
         for note in notes(root):
             print(f"  note: {note}")
     return 0 if not problems else 1
+
+
+def locate(uri: str) -> tuple[S3Storage, str]:
+    """(the storage at ``uri``, the checkpoint in it: "" for ``uri`` itself, else an output dir's
+    newest committed one); ConfigError when there is none."""
+    root = S3Storage(uri)
+    rel = checkpoint_in(root)
+    if rel is None:
+        raise ConfigError(f"{uri}: not a checkpoint (no manifest.json, no committed checkpoint)")
+    return root, rel
 
 
 def checkpoint_in(root: S3Storage) -> str | None:

