@@ -47,7 +47,12 @@ from finetune.remote_lease import RemoteLease, RemoteLeaseLost, held_by, holder
 from finetune.remote_lease import acquire as acquire_remote_lease
 
 FILES = dict[str, tuple[int, str]]  # name → (size, xxh3)
-FINAL_TRIES = 3  # the final checkpoint's copy is tried this often before the run exits 1
+# A failed copy (every try is already the client's own retries) is tried again while it is the
+# newest, after RETRY_S, doubling up to MAX_RETRY_S; the final checkpoint's copy is tried this often
+# before the run exits 1: 2+4+8+16+32 s between 6 tries, an outage of about a minute at the end.
+FINAL_TRIES = 6
+RETRY_S = 2.0
+MAX_RETRY_S = 60.0
 
 
 @dataclass
@@ -145,6 +150,7 @@ class RemoteCopy:
         self.run_id, self.lease = prefix.run_id, prefix.lease
         self._foreign = False  # this rank found another run's lease on the prefix
         self._save_ids: dict[str, str | None] = {}  # tag → the local commit's save id
+        self._retry_at: dict[str, float] = {}  # failed newest → when this rank tries it again
         self.outstanding: list[str] = []  # committed locally, not remotely; the same on every rank
         self._files: dict[str, FILES] = {}  # outstanding tag → what this rank uploads of it
         self.failures: dict[str, int] = {}  # outstanding tag → failed tries (every rank alike)
@@ -273,16 +279,22 @@ class RemoteCopy:
                 )  # fmt: skip
                 with self._lock:
                     self._committed.pop(t, None)
-                if t == self.outstanding[-1]:
-                    self._queue(t)
-                else:
-                    with self._lock:
-                        self._uploaded.pop(t, None)
+                    self._uploaded.pop(t, None)
+                if t == self.outstanding[-1]:  # tried again after a wait (the next boundaries)
+                    first = seams.number(seams.REMOTE_RETRY_S, RETRY_S)
+                    wait = min(first * 2 ** (self.failures[t] - 1), MAX_RETRY_S)
+                    self._retry_at[t] = time.monotonic() + wait
             elif ok == world and self.leader:
                 with self._lock:
                     if t not in self._committed and t not in (self._commit, self._publishing):
                         self._commit = t  # the newest complete wins
                         self._lock.notify_all()
+        for t, when in list(self._retry_at.items()):
+            if not self.outstanding or t != self.outstanding[-1]:  # copied, or a newer one came
+                del self._retry_at[t]
+            elif time.monotonic() >= when:  # rank-local: each rank re-uploads on its own clock
+                del self._retry_at[t]
+                self._queue(t)
 
     def drain(self, step: int = 0, tries: int = FINAL_TRIES) -> bool:
         """At the end of training: poll until the newest checkpoint is copied, or its copy failed

@@ -13,6 +13,9 @@ environment of the ranks it launches.
                                   interrupt one midway
   FINETUNE_SLOW_UPLOAD=<s>        a pause before each file a rank copies to --remote_output_dir:
                                   time to kill a rank, or the server, mid-copy
+  FINETUNE_REMOTE_RETRY_S=<s>     the first wait before a failed copy to --remote_output_dir is
+                                  tried again (default 2 s, doubling to 60 s): a test of a copy
+                                  that always fails ends in seconds
   FINETUNE_SKIP_SPACE_CHECK=1     no free-space check before a save: a real ENOSPC mid-write
   FINETUNE_STREAM_BYTES=<n>       parameters of at least n bytes are streamed to rank 0 in pieces
                                   by the consolidated save (default 8 MiB): tiny models take that
@@ -36,6 +39,7 @@ SLOW_SAVE = "FINETUNE_SLOW_SAVE"
 SLOW_COMMIT = "FINETUNE_SLOW_COMMIT"
 SLOW_UNIVERSAL = "FINETUNE_SLOW_UNIVERSAL"
 SLOW_UPLOAD = "FINETUNE_SLOW_UPLOAD"
+REMOTE_RETRY_S = "FINETUNE_REMOTE_RETRY_S"
 SKIP_SPACE_CHECK = "FINETUNE_SKIP_SPACE_CHECK"
 STREAM_BYTES = "FINETUNE_STREAM_BYTES"
 SAVE_IO = "FINETUNE_SAVE_IO"
@@ -49,6 +53,7 @@ ALL = (
     SLOW_COMMIT,
     SLOW_UNIVERSAL,
     SLOW_UPLOAD,
+    REMOTE_RETRY_S,
     SKIP_SPACE_CHECK,
     STREAM_BYTES,
     SAVE_IO,

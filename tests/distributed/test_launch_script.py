@@ -49,10 +49,11 @@ def test_sigterm_to_launch_sh_commits_and_exits_75(tmp_path, launcher):
             "--eval_steps",
             "100000",
             "--save_checkpoint",
-            # Steps of ~0.2 s: longer than launch.sh takes to find the ranks (a pgrep/ps walk), so
-            # "the step in flight" below means the step the signal arrived in.
+            # Steps of ~0.3 s: longer than launch.sh takes to find the ranks (a pgrep/ps walk), so
+            # "the step in flight" below means the step the signal arrived in (at 32 a step took
+            # ~0.1 s on a 2-core AMD EPYC, and the walk outlasted two of them).
             "--per_device_train_batch_size",
-            "32",
+            "96",
             "--output_dir",
             str(out),
         ],
