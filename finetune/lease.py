@@ -81,13 +81,13 @@ class LeaseLost(RuntimeError):
 
 
 class LeaseHeld(ConfigError):
-    """A live run holds the output dir's lease; ``holder`` is its lease."""
+    """A live run holds the lease of ``where`` (the value of ``flag``); ``holder`` is its lease."""
 
-    def __init__(self, out: Path, holder: dict):
+    def __init__(self, where, holder: dict, flag: str = "--output_dir"):
         self.holder = holder
         super().__init__(
-            f"--output_dir {out} is in use by another run ({describe(holder)}); "
-            "wait for it to finish or choose another --output_dir"
+            f"{flag} {where} is in use by another run ({describe(holder)}); "
+            f"wait for it to finish or choose another {flag}"
         )
 
 

@@ -34,6 +34,7 @@ from finetune.lease import (
     DEAD,
     MAX_TRIES,
     RENEW_S,
+    LeaseHeld,
     LeaseLost,
     describe,
     encode,
@@ -55,15 +56,11 @@ class RemoteLeaseLost(LeaseLost):
     exit_status.json says why."""
 
 
-class RemoteLeaseHeld(ConfigError):
+class RemoteLeaseHeld(LeaseHeld):
     """A live run holds the prefix's lease; ``holder`` is its lease."""
 
     def __init__(self, where: str, holder: dict):
-        self.holder = holder
-        super().__init__(
-            f"--remote_output_dir {where} is in use by another run ({describe(holder)}); "
-            "wait for it to finish or choose another --remote_output_dir"
-        )
+        super().__init__(where, holder, "--remote_output_dir")
 
 
 def holder(remote: S3Storage) -> dict | None:
@@ -150,8 +147,9 @@ class RemoteLease:
     def check(self) -> bool:
         """Re-read the lease now (before a remote commit or retention): False, and ``lost`` from
         then on, when another run holds it. A missing lease counts as ours (the heartbeat creates
-        it again). Raises the client's error when it cannot be read."""
-        if self._lost:
+        it again). False after ``release()``: a copy thread still running at the end commits
+        nothing more. Raises the client's error when it cannot be read."""
+        if self._lost or self._released:
             return False
         found = self.remote.read_tagged(LEASE)
         if found is not None and parse(found[0]) is not None and not is_ours(found[0], self.info):

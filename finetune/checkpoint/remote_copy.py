@@ -47,6 +47,7 @@ from finetune.remote_lease import RemoteLease, RemoteLeaseLost, held_by, holder
 from finetune.remote_lease import acquire as acquire_remote_lease
 
 FILES = dict[str, tuple[int, str]]  # name → (size, xxh3)
+SAVE_ID_KEY = "saveid"  # a remote manifest's metadata: the commit's save id (x-amz-meta-saveid)
 # A failed copy (every try is already the client's own retries) is tried again while it is the
 # newest, after RETRY_S, doubling up to MAX_RETRY_S; the final checkpoint's copy is tried this often
 # before the run exits 1: 2+4+8+16+32 s between 6 tries, an outage of about a minute at the end.
@@ -209,8 +210,15 @@ class RemoteCopy:
         if tag is None:
             return
 
-        def share() -> FILES:
-            manifest = out.read_manifest(tag)
+        def share() -> tuple[FILES, str | None]:
+            try:
+                return split(out.read_manifest(tag))
+            except RemoteError:
+                raise
+            except Exception as e:  # noqa: BLE001 — a missing or odd manifest: every rank skips
+                raise RemoteError(f"{tag}'s manifest: {type(e).__name__}: {e}") from None
+
+        def split(manifest: dict) -> tuple[FILES, str | None]:
             listed = manifest["files"]
             if self.node is None:  # the manifest may be another world size's: split it anew
                 names = share_of(listed, dist.rank(), dist.world_size())
@@ -227,7 +235,7 @@ class RemoteCopy:
 
         try:
             files, save_id = dist.run_agreed(share, step=f"reading {tag}'s manifest")
-        except (RemoteError, OSError, KeyError, TypeError, dist.RankError) as e:
+        except (RemoteError, dist.RankError) as e:  # the rank that failed, the others
             dist.log_main(logging.WARNING, "not copying %s to %s: %s", tag,
                           self.remote.describe(), e)  # fmt: skip
             return
@@ -397,16 +405,21 @@ class RemoteCopy:
         """Another commit of ``tag`` in the bucket (an earlier timeline's: this run resumed from an
         older checkpoint and saved this step again) is un-committed, its manifest deleted, before
         any of its objects is overwritten: a manifest never lists objects that do not match it.
-        Every rank checks (one GET); the delete is conditional on that very manifest."""
+        Every rank checks with one HEAD (the manifest carries its save id in its metadata: no
+        rank reads the manifest, whose size grows with the world size); the delete is conditional
+        on that very manifest's ETag."""
         save_id = self._save_ids.get(tag)
-        found = self.remote.read_tagged(f"{tag}/{MANIFEST}")
-        if found is None or save_id is None:
+        head = self.remote.head(f"{tag}/{MANIFEST}") if save_id is not None else None
+        if head is None:
             return
-        try:
-            theirs = json.loads(found[0]).get("save_id")
-        except (ValueError, AttributeError):
-            theirs = None
-        if theirs != save_id and self.remote.delete_if(f"{tag}/{MANIFEST}", found[1]):
+        theirs = head.get("Metadata", {}).get(SAVE_ID_KEY)
+        if theirs is None:  # a manifest uploaded without it (before this key existed)
+            try:
+                theirs = json.loads(self.remote.read_bytes(f"{tag}/{MANIFEST}") or b"{}")
+                theirs = theirs.get("save_id")
+            except (ValueError, AttributeError):
+                theirs = None
+        if theirs != save_id and self.remote.delete_if(f"{tag}/{MANIFEST}", head["ETag"]):
             logger.warning(
                 "%s in %s was another commit of that step (save %s); un-committed it before "
                 "copying this run's",
@@ -424,7 +437,9 @@ class RemoteCopy:
             data = self._merged(tag)
         self._ensure_lease(f"committing {tag}")
         fault_point("remote.commit", _step(tag))  # every data object of the copy has landed
-        self.remote.write_bytes(f"{tag}/{MANIFEST}", data)
+        save_id = json.loads(data).get("save_id")
+        meta = {SAVE_ID_KEY: save_id} if save_id else None
+        self.remote.write_bytes(f"{tag}/{MANIFEST}", data, metadata=meta)
         self.remote.replace_bytes(LATEST, f"{tag}\n".encode())
         try:
             self._ensure_lease("deleting older checkpoints")

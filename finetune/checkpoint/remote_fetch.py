@@ -31,7 +31,8 @@ from finetune.io.remote import RemoteError, S3Storage, is_remote
 def fetch_for_resume(ckpt: CheckpointArgs, out: OutputDir, layout: Layout) -> str | None:
     """The --resume_from_checkpoint spec the resume plan should use: a local folder for an s3://
     one, the same spec otherwise (None: no resume). Node-local storage: each node fetches its
-    ranks' files and the shared ones into its own OUT (same world size only). Collective."""
+    ranks' files and the shared ones into its own OUT (at another world size the whole
+    checkpoint, converted on each node). Collective."""
     spec = ckpt.resume_from_checkpoint
     if spec is None or not (is_remote(spec) or (spec == "auto" and ckpt.remote_output_dir)):
         return spec
@@ -41,15 +42,16 @@ def fetch_for_resume(ckpt: CheckpointArgs, out: OutputDir, layout: Layout) -> st
     if chosen is None:
         return spec
     root, tag, save_id, world = chosen
-    # Every OUT (each node's, node-local) already holds that very commit? (A node's manifest is
-    # the node's cut of the bucket's: the same save id.)
-    held = (out.read_manifest(tag) or {}).get("save_id") if layout.leader else save_id
-    here = save_id is not None and not dist.any_rank(held != save_id)
-    if here:
+    # What each OUT needs: node-local at the same world size its node's cut; else (shared storage,
+    # or node-local at another world size, which converts on each node) the whole checkpoint.
+    cut = layout.my_group if layout.node_local and world == dist.world_size() else None
+    # Every OUT (each node's) already holds that very commit, as much of it as it needs?
+    held = _holds(out.read_manifest(tag) or {}, save_id, cut) if layout.leader else True
+    if save_id is not None and not dist.any_rank(not held):
         logger.info("%s is already in %s", tag, out.root)
     else:
         try:
-            _download(root, tag, out, layout, world)
+            _download(root, tag, out, layout, cut)
         except (ConfigError, dist.RankError) as e:
             if is_remote(spec):
                 raise
@@ -58,6 +60,21 @@ def fetch_for_resume(ckpt: CheckpointArgs, out: OutputDir, layout: Layout) -> st
             dist.log_main(logging.WARNING, "fetching %s from %s failed (%s); resuming from %s",
                           tag, root, e, out.root)  # fmt: skip
     return str(out.root / tag) if is_remote(spec) else spec
+
+
+def _holds(local: dict, save_id: str | None, cut: list[int] | None) -> bool:
+    """Whether a local manifest is of commit ``save_id`` and holds ``cut``'s ranks (None: all)."""
+    ranks = local.get("ranks")  # absent: the whole checkpoint
+    return local.get("save_id") == save_id and (ranks is None or ranks == cut)
+
+
+def fetch_file(remote: S3Storage, key: str, path: Path, name: str, want: dict) -> str | None:
+    """Download object ``key`` to ``path`` and check it against its manifest entry ``want``: the
+    first problem, or None."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    remote.download_file(key, path)
+    problems = check_file(path, name, want, checksums=True)
+    return f"{remote.describe(key)} downloaded: {problems[0]}" if problems else None
 
 
 def _choose(where: str, out: OutputDir, explicit: bool) -> tuple[str, str, str, int] | None:
@@ -108,46 +125,56 @@ def _remote_choice(where: str, out: OutputDir, explicit: bool) -> tuple[str, str
     return where.rstrip("/"), found[0].tag
 
 
-def _download(root: str, tag: str, out: OutputDir, layout: Layout, world: int) -> None:
+def _download(root: str, tag: str, out: OutputDir, layout: Layout, cut: list[int] | None) -> None:
+    """Every rank its share of what this OUT needs (``cut``'s ranks' files and the shared ones,
+    or all), then each OUT's leader commits it. Any failure is a ConfigError on the rank that had
+    it (RankError on the others): every rank falls back, or stops, alike."""
     staged = Path(out.root) / STAGING / tag
-    # node-local at the same world size: each node its cut; else (shared storage, or node-local at
-    # another world size, which converts on each node) every OUT the whole checkpoint
-    node = layout.my_group if layout.node_local and world == dist.world_size() else None
     group = layout.my_group  # the ranks sharing this OUT split its download
 
     def wanted(manifest: dict) -> dict:
         """The manifest of what this OUT holds: all, or (node-local) this node's cut."""
-        return node_manifest(manifest, node) if node is not None else manifest
+        return node_manifest(manifest, cut) if cut is not None else manifest
+
+    def agreed(work):
+        def run():
+            try:
+                work()
+            except ConfigError:
+                raise
+            except Exception as e:  # noqa: BLE001 — the client's, the disk's: one line, every rank
+                raise ConfigError(
+                    f"--resume_from_checkpoint: fetching {tag} from {root} failed on rank "
+                    f"{dist.rank()} ({type(e).__name__}: {e})"
+                ) from None
+
+        return run
 
     def mine() -> None:
         remote = S3Storage(root)
         listed = wanted(json.loads(remote.read_bytes(f"{tag}/{MANIFEST}")))["files"]
         staged.mkdir(parents=True, exist_ok=True)
         for name in share_of(listed, group.index(dist.rank()), len(group)):
-            path = staged / name
-            path.parent.mkdir(parents=True, exist_ok=True)
-            remote.download_file(f"{tag}/{name}", path)
-            problems = check_file(path, name, listed[name], checksums=True)
-            if problems:
-                where = remote.describe(tag)
-                raise ConfigError(f"--resume_from_checkpoint: {where} downloaded: {problems[0]}")
-            fsync_path(path)
+            problem = fetch_file(remote, f"{tag}/{name}", staged / name, name, listed[name])
+            if problem:
+                raise ConfigError(f"--resume_from_checkpoint: {problem}")
+            fsync_path(staged / name)
 
     # an earlier download cut short
     dist.run_agreed(lambda: out.remove(f"{STAGING}/{tag}"), on=layout.leader)
     logger.info("downloading %s from %s (every rank its share)", tag, root)
-    dist.run_agreed(mine, step=f"downloading {tag}", deadline_s=None)
+    dist.run_agreed(agreed(mine), step=f"downloading {tag}", deadline_s=None)
 
     def commit() -> None:
         data = S3Storage(root).read_bytes(f"{tag}/{MANIFEST}")
-        if node is not None:
+        if cut is not None:
             data = (json.dumps(wanted(json.loads(data)), indent=2) + "\n").encode()
         write_bytes_durably(staged / MANIFEST, data)  # last: the folder is complete
         fsync_path(staged)
         out.publish(tag)
 
     # every node's leader, once every rank's download is complete (two phases)
-    dist.run_agreed(commit, on=layout.leader, step=f"committing {tag} locally")
+    dist.run_agreed(agreed(commit), on=layout.leader, step=f"committing {tag} locally")
     dist.log_main(logging.INFO, "fetched %s from %s into %s", tag, root, out.root)
 
 
@@ -175,11 +202,7 @@ def download_checkpoint(uri: str, into: Path) -> Path:
                     total / 1e6)  # fmt: skip
 
         def one(name: str) -> str | None:
-            path = folder / name
-            path.parent.mkdir(parents=True, exist_ok=True)
-            root.download_file(prefix + name, path)
-            problems = check_file(path, name, listed[name], checksums=True)
-            return f"{root.describe(prefix + name)} downloaded: {problems[0]}" if problems else None
+            return fetch_file(root, prefix + name, folder / name, name, listed[name])
 
         with ThreadPoolExecutor(PARALLEL) as pool:
             problems = [p for p in pool.map(one, sorted(listed)) if p]

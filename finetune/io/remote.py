@@ -156,14 +156,17 @@ class S3Storage:
         except self.client.exceptions.NoSuchKey:
             return None
 
-    def write_bytes(self, rel: str, data: bytes, checksum: str | None = None) -> None:
+    def write_bytes(
+        self, rel: str, data: bytes, checksum: str | None = None, metadata: dict | None = None
+    ) -> None:
+        """One PUT; ``metadata``: more object metadata besides the checksum."""
         from finetune.io.durable import hash_bytes
 
         self.client.put_object(
             Bucket=self.uri.bucket,
             Key=self.uri.key(rel),
             Body=data,
-            Metadata={CHECKSUM_KEY: checksum or hash_bytes(data)},
+            Metadata={CHECKSUM_KEY: checksum or hash_bytes(data), **(metadata or {})},
         )
 
     replace_bytes = write_bytes  # a PUT replaces atomically

@@ -65,16 +65,26 @@ def checkpoint_in(root: S3Storage) -> str | None:
     return newest_first(found)[0].tag if found else None
 
 
-def check(root: S3Storage, rel: str, full: bool) -> tuple[list[str], int, int]:
-    """(problems, files checked, bytes listed) of checkpoint ``rel`` under ``root``."""
+def check(
+    root: S3Storage, rel: str, full: bool, manifest: dict | None = None
+) -> tuple[list[str], int, int]:
+    """(problems, files checked, bytes listed) of checkpoint ``rel`` under ``root``; ``manifest``:
+    its manifest when the caller has read it already."""
     prefix = f"{rel}/" if rel else ""
-    data = root.read_bytes(prefix + MANIFEST)
-    if data is None:
-        return [f"{MANIFEST} missing: not committed remotely (a copy in progress or cut off)"], 0, 0
-    try:
-        manifest = json.loads(data)
-        listed = manifest["files"]
-    except (ValueError, KeyError, TypeError):
+    if manifest is None:
+        data = root.read_bytes(prefix + MANIFEST)
+        if data is None:
+            return (
+                [f"{MANIFEST} missing: not committed remotely (a copy in progress or cut off)"],
+                0,
+                0,
+            )
+        try:
+            manifest = json.loads(data)
+        except ValueError:
+            return [f"{MANIFEST} unreadable"], 0, 0
+    listed = manifest.get("files") if isinstance(manifest, dict) else None
+    if not isinstance(listed, dict):
         return [f"{MANIFEST} unreadable"], 0, 0
     problems = missing_rank_files(manifest)
 
@@ -150,7 +160,7 @@ def listing(uri: str, checksums: bool) -> tuple[str | None, list[dict], list[str
             if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), dict):
                 rows.append({"tag": tag, "step": step_of(tag), "manifest": None})
                 continue
-            problems, _, nbytes = check(root, tag, checksums)
+            problems, _, nbytes = check(root, tag, checksums, manifest)
             rows.append(
                 {"tag": tag, "step": step_of(tag), "manifest": manifest, "problems": problems,
                  "bytes": nbytes}
