@@ -35,6 +35,7 @@ from finetune.metrics import MetricsWriter
 from finetune.modeling import (
     DTYPES,
     EMBEDDED_MODEL_DIR,
+    accepts_loss_kwargs,
     count_parameters,
     load_model,
     load_tokenizer,
@@ -70,9 +71,11 @@ def build_trainer(
         t.gradient_accumulation_steps,
         tokenizer.pad_token_id,
         pin_memory=dist.device().type == "cuda",
+        flatten=(cfg.model.attn_implementation or "").startswith("flash_attention"),
     )
     total = t.max_steps or math.ceil(t.num_train_epochs * data.steps_per_epoch)
-    ds_config = finalize_ds_config(cfg.ds_config, total, t.warmup_steps, t.learning_rate)
+    warmup = warmup_steps(t.warmup_steps, total)
+    ds_config = finalize_ds_config(cfg.ds_config, total, warmup, t.learning_rate)
     storage = OutputDir(cfg.ckpt.output_dir)
     layout = Layout.discover(storage, cfg.ds_config, cfg.ckpt.save_checkpoint)
     tidy_storage(storage, layout)  # leftovers of crashed saves (this run holds OUT's lease)
@@ -108,11 +111,12 @@ def build_trainer(
     model = load_model(cfg.model, ds_config, t.precision, t.seed)
     scheduler = None
     if "scheduler" not in ds_config:
-        scheduler = lambda opt: get_scheduler(
+        scheduler = lambda opt: get_scheduler(  # noqa: E731
             t.lr_scheduler_type,
             opt,
-            num_warmup_steps=t.warmup_steps,  # noqa: E731
+            num_warmup_steps=warmup,
             num_training_steps=total,
+            scheduler_specific_kwargs=t.lr_scheduler_kwargs,
         )
     optimizer = None
     if "optimizer" not in ds_config:
@@ -202,7 +206,14 @@ def build_trainer(
         preemption or Preemption(()),
         plotter,
         lease_lost=lost,
+        loss_kwargs=accepts_loss_kwargs(engine.module),
     )
+
+
+def warmup_steps(value: float, total: int) -> int:
+    """--warmup_steps (or --warmup_ratio): whole steps, or below 1 a fraction of the run's steps,
+    rounded up (transformers' TrainingArguments.get_warmup_steps)."""
+    return math.ceil(total * value) if value < 1 else int(value)
 
 
 def set_seed(seed: int) -> None:

@@ -31,7 +31,40 @@ DATA_EXTENSIONS = {
     ".parquet": "parquet",
     ".txt": "text",
 }
-SCHEDULERS = ("linear", "cosine", "constant", "constant_with_warmup")
+SCHEDULERS = (
+    "linear",
+    "cosine",
+    "constant",
+    "constant_with_warmup",
+    "cosine_with_min_lr",
+    "warmup_stable_decay",
+)
+# Each schedule's own arguments (--lr_scheduler_kwargs): those of transformers' schedule function
+# (tests/test_schedules.py checks them against the installed version), and those it requires.
+SCHEDULER_KWARGS = {
+    "linear": (),
+    "cosine": ("num_cycles",),
+    "constant": (),
+    "constant_with_warmup": (),
+    "cosine_with_min_lr": ("num_cycles", "min_lr", "min_lr_rate"),
+    "warmup_stable_decay": (
+        "num_decay_steps",
+        "num_stable_steps",
+        "warmup_type",
+        "decay_type",
+        "min_lr_ratio",
+        "num_cycles",
+    ),
+}
+# Attention kernels transformers accepts by name (a hub kernel, "org/repo", also passes), and the
+# package each needs beyond transformers.
+ATTN_IMPLEMENTATIONS = {
+    "eager": None,
+    "sdpa": None,
+    "flex_attention": None,
+    "flash_attention_2": "flash_attn",
+    "flash_attention_3": "flash_attn_interface",
+}
 # A model folder's weights, in any layout transformers loads (single file or sharded with an index).
 WEIGHT_FILES = (
     "*.safetensors",
@@ -86,6 +119,25 @@ class ModelArgs:
         "Modules trained in full beside the adapters and saved with them (e.g. lm_head).",
         nargs="+",
     )
+    attn_implementation: str | None = _f(
+        None,
+        "Attention kernel, passed to from_pretrained / from_config: eager, sdpa, "
+        "flash_attention_2, flash_attention_3, flex_attention, or another the installed "
+        "transformers accepts (default: transformers' choice, sdpa where available). With "
+        "--packing and flash_attention_*, each micro-batch is one row of whole examples "
+        "(varlen, no padding).",
+    )
+    use_liger_kernel: bool = _f(
+        False,
+        "Patch the model with Liger's fused Triton kernels (RMSNorm, RoPE, SwiGLU, fused linear "
+        "cross-entropy): less memory, faster steps. Needs a CUDA GPU and "
+        "`pip install liger-kernel`.",
+    )
+    neftune_noise_alpha: float | None = _f(
+        None,
+        "NEFTune: add uniform noise of scale alpha / sqrt(sequence length x hidden size) to the "
+        "input embeddings while training (not in evaluation), as HF Trainer's flag; e.g. 5.",
+    )
 
 
 @dataclass(frozen=True)
@@ -107,7 +159,21 @@ class DataArgs:
         "Truncate (or pack) sequences to this many tokens (default "
         "512; 128 for the embedded model).",
     )
-    packing: bool = _f(False, "Concatenate examples and cut them into --max_seq_length blocks.")
+    packing: bool = _f(
+        False,
+        "Pack examples into blocks of up to --max_seq_length tokens, so fewer tokens are "
+        "padding. Examples stay whole and attend only to themselves (see --packing_strategy).",
+    )
+    packing_strategy: str = _f(
+        "bfd",
+        "How --packing builds blocks. bfd: whole examples placed by best-fit decreasing, "
+        "position ids restarting at each example, no attention across examples and no loss on "
+        "an example's first token from the previous one (an unpacked run's loss terms, exactly). "
+        "concat: the old way, every example concatenated and cut into full blocks; examples "
+        "attend to the ones before them and are cut across blocks: for continuation "
+        "(pretraining-style) text only.",
+        choices=("bfd", "concat"),
+    )
     validation_split_percentage: int = _f(
         5, "Percent of the training data held out for eval when there is no validation split."
     )
@@ -145,9 +211,31 @@ class TrainArgs:
     adam_beta2: float | None = _f(None, "AdamW beta2 (default 0.999).")
     adam_epsilon: float | None = _f(None, "AdamW epsilon (default 1e-8).")
     max_grad_norm: float | None = _f(None, "Gradient clipping norm, 0 disables (default 1.0).")
-    lr_scheduler_type: str = _f("linear", "Learning-rate decay after warmup.", choices=SCHEDULERS)
-    warmup_steps: int | None = _f(
-        None, "Linear warmup steps (default 0; 10 for the embedded model)."
+    lr_scheduler_type: str = _f(
+        "linear",
+        "Learning-rate schedule after warmup (transformers' get_scheduler, with its semantics). "
+        "cosine_with_min_lr needs min_lr or min_lr_rate in --lr_scheduler_kwargs; "
+        "warmup_stable_decay needs num_decay_steps (and takes min_lr_ratio, num_stable_steps, "
+        "decay_type, warmup_type).",
+        choices=SCHEDULERS,
+    )
+    lr_scheduler_kwargs: dict | None = _f(
+        None,
+        "The schedule's own arguments as a JSON dict (a mapping in a --config file), as HF's "
+        """flag: e.g. '{"min_lr_rate": 0.1}' for cosine_with_min_lr, """
+        """'{"num_decay_steps": 100, "min_lr_ratio": 0.1}' for warmup_stable_decay.""",
+        json=dict,
+    )
+    warmup_steps: float | None = _f(
+        None,
+        "Linear warmup: a whole number of steps, or a fraction of the run's steps when below 1 "
+        "(transformers 5's spelling of a ratio; rounded up) (default 0; 10 for the embedded "
+        "model).",
+    )
+    warmup_ratio: float | None = _f(
+        None,
+        "Linear warmup as a fraction of the run's steps (rounded up), in [0, 1): the same as "
+        "--warmup_steps below 1; exclusive with --warmup_steps.",
     )
     num_train_epochs: float | None = _f(
         None, "Epochs to train (default 3); exclusive with --max_steps."

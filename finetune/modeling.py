@@ -70,12 +70,17 @@ def load_model(args: ModelArgs, ds_config: dict, precision: str, seed: int):
     hf_ds = HfDeepSpeedConfig(ds_config) if zero_stage(ds_config) == 3 else None
     dtype = DTYPES[precision]
     torch.manual_seed(seed)
+    kernel = {"attn_implementation": args.attn_implementation} if args.attn_implementation else {}
     if args.model_name_or_path:
         try:
             model = AutoModelForCausalLM.from_pretrained(
-                args.model_name_or_path, dtype=dtype, trust_remote_code=args.trust_remote_code
+                args.model_name_or_path,
+                dtype=dtype,
+                trust_remote_code=args.trust_remote_code,
+                **kernel,
             )
-        except (OSError, ValueError) as e:
+        except (OSError, ValueError, ImportError) as e:
+            _attention_error(args, e)
             raise ConfigError(
                 f"--model_name_or_path: cannot load '{args.model_name_or_path}': {_first_line(e)}"
             ) from None
@@ -87,9 +92,13 @@ def load_model(args: ModelArgs, ds_config: dict, precision: str, seed: int):
             raise ConfigError(
                 f"--config_name: cannot load a config from '{source}': {_first_line(e)}"
             ) from None
-        model = AutoModelForCausalLM.from_config(
-            config, dtype=dtype, trust_remote_code=args.trust_remote_code
-        )
+        try:
+            model = AutoModelForCausalLM.from_config(
+                config, dtype=dtype, trust_remote_code=args.trust_remote_code, **kernel
+            )
+        except (ValueError, ImportError) as e:
+            _attention_error(args, e)
+            raise
     _KEEPALIVE.append(hf_ds)  # transformers checks it again later (generate, resize, checkpointing)
     if args.gradient_checkpointing:
         # transformers >= 5.2x; the old name warns
@@ -102,6 +111,12 @@ def load_model(args: ModelArgs, ds_config: dict, precision: str, seed: int):
             )
     # Training never reads the KV cache; building it costs time. (Restored in saved configs.)
     model.config.use_cache = False
+    if args.use_liger_kernel:  # resolve checked the package and the GPU
+        from liger_kernel.transformers import _apply_liger_kernel_to_instance
+
+        _apply_liger_kernel_to_instance(model=model)
+    if args.neftune_noise_alpha:
+        add_neftune(model, args.neftune_noise_alpha)
     if args.use_peft:  # the base frozen, LoRA adapters added (finetune/lora.py)
         from finetune.lora import apply_lora
 
@@ -112,6 +127,43 @@ def load_model(args: ModelArgs, ds_config: dict, precision: str, seed: int):
 
 
 _KEEPALIVE: list = []
+
+
+def _attention_error(args: ModelArgs, e: BaseException) -> None:
+    """transformers refusing --attn_implementation (this model has no such kernel) → exit 2."""
+    if args.attn_implementation and "attn" in str(e).lower():
+        raise ConfigError(
+            f"--attn_implementation {args.attn_implementation}: {_first_line(e)}"
+        ) from None
+
+
+def add_neftune(model, alpha: float) -> None:
+    """NEFTune (Jain et al. 2023, as HF Trainer's --neftune_noise_alpha): uniform noise of scale
+    alpha / sqrt(sequence length x hidden size) on the input embeddings, in training mode only.
+    Drawn from the torch RNG, whose state every checkpoint keeps: a resume draws the same noise."""
+    import math
+
+    def hook(module, args, output):
+        if module.training:
+            scale = alpha / math.sqrt(output.size(-2) * output.size(-1))
+            output = output + torch.zeros_like(output).uniform_(-scale, scale)
+        return output
+
+    model.get_input_embeddings().register_forward_hook(hook)
+
+
+def accepts_loss_kwargs(model) -> bool:
+    """Does the model's forward take transformers' loss kwargs (num_items_in_batch)? Its own
+    ``accepts_loss_kwargs`` where it says, else whether its forward takes **kwargs (what HF
+    Trainer checks). A peft model: its base model's."""
+    import inspect
+
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    said = getattr(base, "accepts_loss_kwargs", None)
+    if said is not None:
+        return bool(said)
+    params = inspect.signature(base.forward).parameters.values()
+    return any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
 
 
 def check_checkpoint_model(folder, args: ModelArgs) -> None:

@@ -129,6 +129,10 @@ def _typed(path: str, f: dataclasses.Field, value: Any) -> Any:
                 pass
         ok = isinstance(value, (int, float)) and not isinstance(value, bool)
         value = float(value) if ok else value
+    elif f.metadata.get("json"):
+        # a mapping or list in the file; the command line's JSON text is parsed by resolve
+        ok = isinstance(value, (f.metadata["json"], str))
+        kind = "a mapping" if f.metadata["json"] is dict else "a list"
     elif f.metadata.get("nargs") and isinstance(value, list):
         # lora_target_modules: [q_proj, v_proj]
         ok = all(isinstance(v, str) for v in value)

@@ -18,7 +18,7 @@ from finetune.checkpoint.checkpointer import Checkpointer
 from finetune.checkpoint.outdir import tag_for
 from finetune.checkpoint.state import TrainingState
 from finetune.config import RunConfig
-from finetune.data import IGNORE, TrainData, eval_batches
+from finetune.data import IGNORE, TrainData, eval_batches, model_inputs
 from finetune.distributed import logger
 from finetune.exit_status import EXIT_LEASE_LOST
 from finetune.lease import LeaseLost, describe, holder
@@ -70,6 +70,16 @@ def _loss_scale(engine) -> float | None:
     return float(scale) if scale is not None else None
 
 
+def _rescaled(out, labels: int, items: torch.Tensor) -> torch.Tensor:
+    """A model without loss kwargs: its mean over this micro-batch's ``labels`` label tokens, as
+    the sum over them / ``items``. No label token: a zero loss that still runs the backward (under
+    ZeRO-3 every rank must), not the NaN of an empty mean."""
+    if labels == 0:
+        logits = getattr(out, "logits", None)
+        return (logits.sum() if logits is not None else out.loss.nan_to_num()) * 0.0
+    return out.loss * (labels / items)
+
+
 def describe_holder(output_dir: str) -> str:
     """Who holds OUT's lease now, for the message of a run that lost it."""
     try:
@@ -98,6 +108,8 @@ class Trainer:
     lease_lost: Callable[[], bool] = lambda: False
     lost_lease: bool = False  # training stopped for that: nothing more may be written into OUT
     t_window: float = 0.0  # when the log window began (tokens/s)
+    # the model takes num_items_in_batch (transformers' loss kwargs); else its mean is rescaled
+    loss_kwargs: bool = False
 
     # --- the loop --------------------------------------------------------------------------
 
@@ -249,25 +261,38 @@ class Trainer:
         w.data_s += time.perf_counter() - t0
         # the rate this step uses (the scheduler steps inside engine.step)
         w.lr = float(engine.get_lr()[0])
-        for batch in batches:
-            w.tokens += int(batch["attention_mask"].sum())  # on the host copy: no device sync
-            batch = _to(batch, engine.device)  # DeepSpeed's forward does not move inputs
-            out = engine(**batch)
-            # DeepSpeed divides by the accumulation steps and only steps
-            # the optimizer at the boundary.
-            engine.backward(out.loss)
+        steps = [model_inputs(b) for b in batches]
+        # The step's loss is the mean over every label token of the step, across micro-batches
+        # and ranks (transformers' num_items_in_batch), not a mean of micro-batch means.
+        labels = [int((inputs["labels"][..., 1:] != IGNORE).sum()) for inputs, _, _ in steps]
+        items = self._items_per_micro_batch(sum(labels), len(steps))
+        for (inputs, tokens, _), n in zip(steps, labels, strict=True):
+            w.tokens += tokens  # counted on the host copy: no device sync
+            inputs = _to(inputs, engine.device)  # DeepSpeed's forward does not move inputs
+            out = engine(**inputs, **({"num_items_in_batch": items} if self.loss_kwargs else {}))
+            loss = out.loss if self.loss_kwargs else _rescaled(out, n, items)
+            # DeepSpeed divides by the accumulation steps (and averages gradients over ranks): with
+            # items = the step's label tokens / (accumulation steps x ranks), the gradient is
+            # that of the sum of token losses / the step's label tokens.
+            engine.backward(loss)
             engine.step()
-            w.loss_sum = w.loss_sum + out.loss.detach().to(_sum_dtype(engine.device))
+            w.loss_sum = w.loss_sum + loss.detach().to(_sum_dtype(engine.device))
             w.micro_batches += 1
         # Read after the last micro-batch's step(), the accumulation boundary: False means DeepSpeed
         # found non-finite gradients (an fp16 overflow, or a NaN/inf gradient norm under ZeRO-3) and
         # made neither an optimizer nor a scheduler step (engine.py _take_model_step).
         applied = engine.was_step_applied()
         w.steps += 1
-        self.state.samples_seen += sum(len(b["input_ids"]) for b in batches) * dist.world_size()
+        self.state.samples_seen += sum(rows for _, _, rows in steps) * dist.world_size()
         self.state.epoch = self.data.epoch_float
         self.state.sampler = self.data.sampler.state_dict()
         return applied
+
+    def _items_per_micro_batch(self, labels: int, micro_batches: int) -> torch.Tensor:
+        """The step's label tokens summed over ranks, / (accumulation steps x ranks): a device
+        tensor, summed without a host sync (the step's forwards queue behind the all-reduce)."""
+        total = dist.sum_on_device(labels, self.engine.device)
+        return total.float() / (micro_batches * dist.world_size())
 
     def _skipped(self) -> int | None:
         """Count an optimizer step DeepSpeed skipped (its batches stay consumed); the exit code when
@@ -370,8 +395,10 @@ class Trainer:
             dist.rank(),
             self.tokenizer.pad_token_id,
             pin_memory=self.data.pin_memory,
+            flatten=self.data.flatten,
         ):
-            n = int((batch["labels"][:, 1:] != IGNORE).sum())  # on the host copy: no device sync
+            batch, _, _ = model_inputs(batch)
+            n = int((batch["labels"][..., 1:] != IGNORE).sum())  # on the host copy: no device sync
             out = self.engine(**_to(batch, self.engine.device))
             if real:
                 loss_sum += out.loss.detach().double() * n

@@ -13,12 +13,13 @@ from finetune.data import (
     ResumableSampler,
     TrainData,
     collate,
+    model_inputs,
     encode_chat,
     encode_prompt_completion,
     encode_text,
     eval_batches,
     load_raw,
-    pack,
+    pack_concat,
 )
 
 EOS, PAD = 2, 3  # the embedded tokenizer's ids (finetune/resources/README.md)
@@ -133,7 +134,7 @@ def test_encode_chat_truncates_ids_and_labels_together(tok):
 # --- packing and collation -------------------------------------------------------------------
 
 
-def test_pack_makes_full_blocks_with_aligned_labels():
+def test_concat_packing_makes_full_blocks_with_aligned_labels():
     import datasets
 
     rows = [
@@ -144,7 +145,8 @@ def test_pack_makes_full_blocks_with_aligned_labels():
         for r, n in enumerate([5, 7, 3, 9])
     ]  # 24 tokens
     ds = datasets.Dataset.from_list(rows)
-    packed = pack(ds, max_len=10)
+    packed, stats = pack_concat(ds, max_len=10)
+    assert stats == {"strategy": "concat", "blocks": 2, "tokens": 24, "efficiency": 1.0}
     assert len(packed) == 2
     flat_ids = [x for r in rows for x in r["input_ids"]]
     flat_labels = [x for r in rows for x in r["labels"]]
@@ -153,12 +155,12 @@ def test_pack_makes_full_blocks_with_aligned_labels():
     assert [x for b in packed["labels"] for x in b] == flat_labels[:20]
 
 
-def test_pack_with_too_little_data_is_a_config_error():
+def test_concat_packing_with_too_little_data_is_a_config_error():
     import datasets
 
     ds = datasets.Dataset.from_list([{"input_ids": [1, 2, 3], "labels": [1, 2, 3]}])
     with pytest.raises(ConfigError, match="--packing.*--max_seq_length 8"):
-        pack(ds, max_len=8)
+        pack_concat(ds, max_len=8)
 
 
 def test_collate_pads_ids_labels_and_mask():
@@ -170,6 +172,9 @@ def test_collate_pads_ids_labels_and_mask():
     assert batch["labels"].tolist() == [[IGNORE, 6, 7], [8, IGNORE, IGNORE]]
     assert batch["attention_mask"].tolist() == [[1, 1, 1], [1, 0, 0]]
     assert all(t.dtype == torch.long for t in batch.values())
+    inputs, tokens, rows = model_inputs(batch)
+    assert (tokens, rows) == (4, 2)
+    assert set(inputs) == {"input_ids", "labels", "attention_mask"}
 
 
 # --- ResumableSampler ------------------------------------------------------------------------

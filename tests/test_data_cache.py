@@ -142,7 +142,11 @@ def test_a_changed_tokenizer_is_a_miss(tmp_path, tok):
 def test_packing_is_cached_too(tmp_path, tok, count_tokenize):
     cfg = _cfg(tmp_path, _write(tmp_path / "d.jsonl", _rows(300)), "--packing")
     train, _ = cache.prepare(cfg, tok)
-    assert all(len(r) == 32 for r in train["input_ids"])
+    # whole examples in blocks of up to 32, position ids restarting at each example
+    assert all(len(r) <= 32 for r in train["input_ids"])
+    assert all(
+        len(p) == len(r) and p[0] == 0 for p, r in zip(train["position_ids"], train["input_ids"])
+    )
     calls = len(count_tokenize)
     assert (
         cache.prepare(cfg, tok)[0]["input_ids"] == train["input_ids"]

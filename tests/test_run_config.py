@@ -91,7 +91,7 @@ def test_yaml_exponent_without_a_dot_is_still_a_number(tmp_path):
         (
             "lr_scheduler_type: wsd\n",
             r"`lr_scheduler_type` must be one of linear, cosine, constant, constant_with_warmup, "
-            r"got 'wsd'",
+            r"cosine_with_min_lr, warmup_stable_decay, got 'wsd'",
         ),
         ("- max_steps\n", r"must hold a mapping of flag names to values, got list"),
         ("max_steps: [\n", r"not valid YAML: while parsing"),

@@ -460,9 +460,9 @@ def test_evaluation_reads_the_device_once_and_pins_like_training(
     t.data.pin_memory = True  # what build_trainer sets on CUDA
     real, pinned = trainer_module.eval_batches, []
 
-    def spy(*args, pin_memory=False):
+    def spy(*args, pin_memory=False, flatten=False):
         pinned.append(pin_memory)
-        return real(*args)  # this machine may have no CUDA to pin with
+        return real(*args, flatten=flatten)  # this machine may have no CUDA to pin with
 
     monkeypatch.setattr(trainer_module, "eval_batches", spy)
     with HostReads() as mode:

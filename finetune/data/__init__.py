@@ -20,7 +20,9 @@ from finetune.data.formats import (
 )
 
 _LAZY = {
-    **dict.fromkeys(("EMBEDDED_DATA", "collate", "load_raw", "pack", "tokenize"), "load"),
+    **dict.fromkeys(
+        ("EMBEDDED_DATA", "collate", "load_raw", "model_inputs", "pack_concat", "tokenize"), "load"
+    ),
     **dict.fromkeys(("ResumableSampler", "SamplerState", "TrainData", "eval_batches"), "sampler"),
 }
 

@@ -36,15 +36,16 @@ from finetune.data.load import (
     load_raw,
     load_splits,
     nothing_to_learn,
-    pack,
+    pack_concat,
     tokenize,
 )
+from finetune.data.packing import pack_bfd
 from finetune.distributed import logger
 from finetune.io.durable import fsync_path, hash_file, write_json_durably
 from finetune.io.storage import LocalStorage
 from finetune.sharing import leads_storage
 
-CACHE_FORMAT = 1  # bump when what tokenize/pack produce changes for the same inputs
+CACHE_FORMAT = 2  # bump when what tokenize/pack produce changes for the same inputs
 SUBDIR = "finetune-tokenized"
 INFO = "info.json"  # written last inside the temporary folder: the entry's contents and provenance
 TMP_PREFIX = ".tmp-"
@@ -84,6 +85,18 @@ def prepare(cfg: RunConfig, tokenizer):
         f"{len(evalset):,}" if evalset is not None else 0,
         time.perf_counter() - start,
     )
+    packing = info.get("packing")
+    if packing:
+        dist.log_main(
+            logging.INFO,
+            "packing (%s): %s examples into %s blocks of up to %d tokens; efficiency %.1f%% "
+            "(real tokens / block tokens)",
+            packing["strategy"],
+            f"{packing.get('examples', '?'):,}" if "examples" in packing else "all",
+            f"{packing['blocks']:,}",
+            cfg.data.max_seq_length,
+            100 * packing["efficiency"],
+        )
     if info["dropped"]:
         dist.log_main(
             logging.WARNING,
@@ -116,6 +129,7 @@ def fingerprint(cfg: RunConfig, tokenizer) -> str:
             for k in (
                 "max_seq_length",
                 "packing",
+                "packing_strategy",
                 "validation_split_percentage",
                 "max_train_samples",
                 "max_eval_samples",
@@ -216,10 +230,12 @@ def _build(cfg: RunConfig, tokenizer, tmp: Path) -> dict:
         len(train_raw) - len(train) + (len(eval_raw) - len(evalset) if eval_raw is not None else 0)
     )
     raw_rows = len(train_raw) + (len(eval_raw) if eval_raw is not None else 0)
+    packing = None
     if d.packing:
-        train = pack(train, max_len, str(work / "train-packed.arrow"))
+        pack = pack_bfd if d.packing_strategy == "bfd" else pack_concat
+        train, packing = pack(train, max_len, str(work / "train-packed.arrow"))
         if evalset is not None and len(evalset):
-            evalset = pack(evalset, max_len, str(work / "eval-packed.arrow"))
+            evalset, _ = pack(evalset, max_len, str(work / "eval-packed.arrow"))
     train.save_to_disk(str(tmp / "train"))
     if evalset is not None:
         evalset.save_to_disk(str(tmp / "eval"))
@@ -231,6 +247,7 @@ def _build(cfg: RunConfig, tokenizer, tmp: Path) -> dict:
         "dropped": dropped,
         "raw_rows": raw_rows,
         "has_eval": eval_raw is not None,
+        "packing": packing,
         "built_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
 

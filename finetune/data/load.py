@@ -168,8 +168,11 @@ def nothing_to_learn(args: DataArgs, tokenizer, raw, max_len: int) -> str:
     return f"{source_flag(args)}: no training example has a token to learn from ({fmt.empty_rows})"
 
 
-def pack(ds, max_len: int, path: str | None = None, chunk_rows: int = 10_000):
-    """Concatenate all examples and cut into full blocks of ``max_len`` (the tail is dropped).
+def pack_concat(ds, max_len: int, path: str | None = None, chunk_rows: int = 10_000):
+    """``--packing_strategy concat``: concatenate all examples and cut into full blocks of
+    ``max_len`` (the tail is dropped). Examples attend to the ones before them in a block and are
+    cut across blocks: for continuation (pretraining-style) data only; packing.pack_bfd keeps
+    examples whole and apart. Returns (dataset, stats).
 
     Streams: a chunk of rows at a time through numpy, blocks written as they fill, so memory
     stays bounded by a chunk whatever the dataset's size. ``path``: the Arrow file to write
@@ -221,17 +224,54 @@ def pack(ds, max_len: int, path: str | None = None, chunk_rows: int = 10_000):
             f"--packing: the data has {tokens} tokens, fewer than one "
             f"block of --max_seq_length {max_len}"
         )
-    return datasets.Dataset.from_file(path)
+    stats = {"strategy": "concat", "blocks": blocks, "tokens": tokens, "efficiency": 1.0}
+    return datasets.Dataset.from_file(path), stats
 
 
-def collate(rows: list[dict], pad_id: int) -> dict[str, torch.Tensor]:
+# Keys of a collated batch that are counts for the trainer, not model inputs (``model_inputs``).
+NUM_TOKENS, NUM_ROWS = "num_tokens", "num_rows"
+
+
+def collate(rows: list[dict], pad_id: int, flatten: bool = False) -> dict[str, torch.Tensor]:
+    """Rows → a padded micro-batch, plus its counts (NUM_TOKENS real tokens, NUM_ROWS rows).
+
+    Rows with ``position_ids`` (packed blocks) get no ``attention_mask``: transformers then builds
+    the block-diagonal causal mask from the position ids (masking_utils), so packed examples do not
+    attend to each other; padding gets positions from 0 (a sequence of its own, after every real
+    token). ``flatten``: packed rows concatenated into one row with no padding, for
+    flash-attention's varlen path (which reads sequence boundaries from the position ids of a
+    single row).
+    """
+    packed = "position_ids" in rows[0]
+    n_tokens = sum(len(r["input_ids"]) for r in rows)
+    counts = {NUM_TOKENS: torch.tensor(n_tokens), NUM_ROWS: torch.tensor(len(rows))}
+    if packed and flatten:
+        return {
+            k: torch.tensor([x for r in rows for x in r[k]], dtype=torch.long).unsqueeze(0)
+            for k in ("input_ids", "labels", "position_ids")
+        } | counts
     width = max(len(r["input_ids"]) for r in rows)
     ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
     labels = torch.full((len(rows), width), IGNORE, dtype=torch.long)
-    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    if packed:
+        positions = torch.arange(width, dtype=torch.long).repeat(len(rows), 1)
+    else:
+        mask = torch.zeros((len(rows), width), dtype=torch.long)
     for i, r in enumerate(rows):
         n = len(r["input_ids"])
         ids[i, :n] = torch.tensor(r["input_ids"])
         labels[i, :n] = torch.tensor(r["labels"])
-        mask[i, :n] = 1
-    return {"input_ids": ids, "labels": labels, "attention_mask": mask}
+        if packed:
+            positions[i, :n] = torch.tensor(r["position_ids"])
+            positions[i, n:] = torch.arange(width - n)
+        else:
+            mask[i, :n] = 1
+    extra = {"position_ids": positions} if packed else {"attention_mask": mask}
+    return {"input_ids": ids, "labels": labels, **extra} | counts
+
+
+def model_inputs(batch: dict) -> tuple[dict, int, int]:
+    """A collated batch → (the model's inputs, real tokens, rows): the counts are read on the host
+    copy, before the inputs move to the device."""
+    inputs = dict(batch)
+    return inputs, int(inputs.pop(NUM_TOKENS)), int(inputs.pop(NUM_ROWS))

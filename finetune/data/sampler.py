@@ -120,8 +120,10 @@ class TrainData:
         pad_id: int,
         prefetch: bool = True,
         pin_memory: bool = False,
+        flatten: bool = False,
     ):
         self.dataset, self.sampler = dataset, sampler
+        self.flatten = flatten  # packed micro-batches as one row (flash-attention's varlen path)
         self.micro_batch, self.grad_accum, self.pad_id = micro_batch, grad_accum, pad_id
         self.pin_memory = pin_memory
         self.steps_per_epoch = sampler.samples_per_rank() // (micro_batch * grad_accum)
@@ -157,7 +159,7 @@ class TrainData:
             )
         rows = self._rows(idx)
         batches = [
-            collate(rows[i : i + self.micro_batch], self.pad_id)
+            collate(rows[i : i + self.micro_batch], self.pad_id, self.flatten)
             for i in range(0, len(rows), self.micro_batch)
         ]
         if self.pin_memory:
@@ -218,7 +220,13 @@ def _injected_failure(rank: int, step: int) -> None:
 
 
 def eval_batches(
-    dataset, batch_size: int, world_size: int, rank: int, pad_id: int, pin_memory: bool = False
+    dataset,
+    batch_size: int,
+    world_size: int,
+    rank: int,
+    pad_id: int,
+    pin_memory: bool = False,
+    flatten: bool = False,
 ) -> Iterator[tuple[dict, bool]]:
     """This rank's eval batches and whether each is real; pinned with ``pin_memory`` (GPUs), so
     the copy to the device is asynchronous, like the training batches'.
@@ -231,5 +239,5 @@ def eval_batches(
     for b in range(n_batches):
         idx = list(range(rank, len(dataset), world_size)[b * batch_size : (b + 1) * batch_size])
         real = bool(idx)
-        batch = collate([dataset[i] for i in (idx or [0])], pad_id)
+        batch = collate([dataset[i] for i in (idx or [0])], pad_id, flatten)
         yield ({k: v.pin_memory() for k, v in batch.items()} if pin_memory else batch), real

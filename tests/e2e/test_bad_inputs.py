@@ -492,6 +492,50 @@ CASES = [
         ("{tmp}/folder", "not a checkpoint"),
         _not_a_checkpoint,
     ),
+    # schedules and kernels
+    Case(
+        "scheduler_argument_of_another_scheduler",
+        ("--lr_scheduler_type", "cosine", "--lr_scheduler_kwargs", '{{"min_lr_rate": 0.1}}'),
+        ("--lr_scheduler_kwargs", "min_lr_rate", "--lr_scheduler_type cosine"),
+    ),
+    Case(
+        "cosine_with_min_lr_without_its_floor",
+        ("--lr_scheduler_type", "cosine_with_min_lr"),
+        ("cosine_with_min_lr", "min_lr", "--lr_scheduler_kwargs"),
+    ),
+    Case(
+        "warmup_stable_decay_without_decay_steps",
+        ("--lr_scheduler_type", "warmup_stable_decay", "--lr_scheduler_kwargs", "{{}}"),
+        ("warmup_stable_decay", "num_decay_steps"),
+    ),
+    Case(
+        "scheduler_kwargs_not_json",
+        ("--lr_scheduler_kwargs", "{{min_lr: 1"),
+        ("--lr_scheduler_kwargs", "JSON"),
+    ),
+    Case(
+        "warmup_steps_and_ratio",
+        ("--warmup_steps", "5", "--warmup_ratio", "0.1"),
+        ("--warmup_steps", "--warmup_ratio"),
+    ),
+    Case("warmup_steps_not_whole", ("--warmup_steps", "2.5"), ("--warmup_steps", "2.5")),
+    Case("warmup_ratio_of_one", ("--warmup_ratio", "1"), ("--warmup_ratio", "[0, 1)")),
+    Case(
+        "flash_attention_without_its_package",
+        ("--attn_implementation", "flash_attention_2"),
+        ("--attn_implementation flash_attention_2", "flash_attn"),
+    ),
+    Case(
+        "unknown_attention_kernel",
+        ("--attn_implementation", "fastest"),
+        ("--attn_implementation", "fastest", "sdpa"),
+    ),
+    Case(
+        "liger_without_its_package",
+        ("--use_liger_kernel",),
+        ("--use_liger_kernel", "liger-kernel"),
+    ),
+    Case("neftune_alpha_zero", ("--neftune_noise_alpha", "0"), ("--neftune_noise_alpha",)),
 ]
 SUBCOMMANDS = ("export", "verify", "exprot")
 
