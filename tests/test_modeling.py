@@ -63,3 +63,46 @@ def test_the_embedded_model_is_named_when_no_model_flag_was_given(tmp_path):
     ):
         check_checkpoint_model(ckpt, ModelArgs())
     check_checkpoint_model(str(EMBEDDED_MODEL_DIR), ModelArgs())
+
+
+# --- kernels and noise -----------------------------------------------------------------------
+
+
+def _load(**model_flags):
+    from finetune.modeling import load_model
+
+    return load_model(ModelArgs(**model_flags), {"train_batch_size": 1}, "fp32", seed=0)
+
+
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+def test_attn_implementation_reaches_the_model(attn):
+    assert _load(attn_implementation=attn).config._attn_implementation == attn
+
+
+def test_neftune_noises_embeddings_in_training_only():
+    import torch
+
+    model = _load(neftune_noise_alpha=5.0)
+    emb = model.get_input_embeddings()
+    ids = torch.tensor([[1, 2, 3, 4]])
+    clean = torch.nn.functional.embedding(ids, emb.weight)
+    model.train()
+    noisy = emb(ids)
+    bound = 5.0 / (ids.shape[1] * clean.shape[-1]) ** 0.5
+    assert 0 < (noisy - clean).abs().max() <= bound + 1e-6
+    model.eval()
+    assert torch.equal(emb(ids), clean)
+
+
+def test_loss_kwargs_are_passed_only_to_models_that_take_them():
+    import torch
+
+    from finetune.modeling import accepts_loss_kwargs
+
+    assert accepts_loss_kwargs(_load())
+
+    class Plain(torch.nn.Module):
+        def forward(self, input_ids, labels=None, attention_mask=None):
+            return None
+
+    assert not accepts_loss_kwargs(Plain())

@@ -221,3 +221,32 @@ def test_fused_adam_where_it_can_be_had(run_finetune, dropout_model, tmp_path):
     assert (
         json.loads((out / "global_step2" / "trainer_state.json").read_text())["adam"] == "FusedAdam"
     )
+
+
+def test_liger_kernel_trains_to_the_same_loss(run_finetune, dropout_model, tmp_path):
+    """--use_liger_kernel: Liger's Triton kernels patched in (fused linear cross-entropy: no
+    logits materialized) train the first step to the loss of the plain model, and the run saves."""
+    pytest.importorskip("liger_kernel", reason="needs `pip install liger-kernel`")
+    plain = _train(run_finetune, dropout_model, tmp_path / "plain", "--precision", "bf16", steps=2)
+    liger = _train(
+        run_finetune, dropout_model, tmp_path / "liger", "--precision", "bf16",
+        "--use_liger_kernel", steps=2,
+    )  # fmt: skip
+    first = [r.train_rows()[0]["loss"] for r in (plain, liger)]
+    assert math.isclose(first[0], first[1], rel_tol=2e-2), first
+    assert_verifies(tmp_path / "liger" / "global_step2")
+
+
+def test_packing_with_flash_attention_matches_sdpa(run_finetune, dropout_model, tmp_path):
+    """--packing with flash_attention_2 (one varlen row per micro-batch) and with sdpa (the
+    block-diagonal mask): the same first-step loss."""
+    pytest.importorskip("flash_attn", reason="needs `pip install flash-attn`")
+    runs = [
+        _train(
+            run_finetune, dropout_model, tmp_path / attn, "--precision", "bf16", "--packing",
+            "--attn_implementation", attn, steps=1,
+        )  # fmt: skip
+        for attn in ("sdpa", "flash_attention_2")
+    ]
+    first = [r.train_rows()[0]["loss"] for r in runs]
+    assert math.isclose(first[0], first[1], rel_tol=2e-2), first

@@ -1,0 +1,92 @@
+"""The loss of a step is the mean over every label token of the step, through the CLI: however the
+step's examples are split into micro-batches (gradient accumulation), ranks, padded rows or packed
+blocks, its first row's loss and gradient norm are those of the same tokens in one padded batch.
+(A mean of micro-batch means over-weights the short examples.)"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+pytestmark = pytest.mark.e2e
+
+# A long and a short example per pair: their micro-batch means differ from the token mean.
+TEXTS = [
+    "The quick brown fox jumps over the lazy dog near the river bank while the sun sets slowly "
+    "behind the distant hills and the birds return to their nests for the night.",
+    "Short one.",
+    "A second long example talks about checkpoints, partitions and the optimizer state that every "
+    "rank keeps for its own shard of the parameters during training.",
+    "Tiny.",
+]
+
+
+def _data(tmp_path, texts):
+    path = tmp_path / "train.jsonl"
+    path.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    return str(path)
+
+
+def _first_row(result) -> tuple[float, float]:
+    assert result.returncode == 0, result.output[-3000:]
+    row = result.train_rows()[0]
+    assert row["step"] == 1
+    return row["loss"], row["grad_norm"]
+
+
+COMMON = ("--max_steps", "1", "--logging_steps", "1", "--validation_split_percentage", "0")
+
+
+def test_micro_batches_and_ranks_of_different_lengths_weigh_every_token_alike(
+    tmp_path, run_finetune, tiny_models
+):
+    data = _data(tmp_path, TEXTS[:2])
+    base = ("--model_name_or_path", str(tiny_models["llama"]), "--train_file", data, *COMMON)
+    one = run_finetune(
+        *base, "--per_device_train_batch_size", "2", launcher="python", nprocs=1,
+        out_dir=tmp_path / "one",
+    )  # fmt: skip
+    accum = run_finetune(
+        *base, "--per_device_train_batch_size", "1", "--gradient_accumulation_steps", "2",
+        launcher="python", nprocs=1, out_dir=tmp_path / "accum",
+    )  # fmt: skip
+    ranks = run_finetune(
+        *base, "--per_device_train_batch_size", "1", launcher="deepspeed", nprocs=2,
+        out_dir=tmp_path / "ranks",
+    )  # fmt: skip
+    loss, norm = _first_row(one)
+    for other in (accum, ranks):
+        other_loss, other_norm = _first_row(other)
+        assert other_loss == pytest.approx(loss, rel=1e-5)
+        assert other_norm == pytest.approx(norm, rel=1e-4)
+
+
+def test_a_packed_step_has_the_padded_steps_loss_and_gradient(tmp_path, run_finetune, tiny_models):
+    """The same examples in one step, padded or packed into blocks: the same first-step loss."""
+    from finetune.cli import parse_train_args
+    from finetune.data.cache import prepare
+    from finetune.modeling import load_tokenizer
+
+    texts = [t + f" Number {i}." for i in range(3) for t in TEXTS]  # 12 examples
+    data = _data(tmp_path, texts)
+    base = (
+        "--model_name_or_path", str(tiny_models["llama"]), "--train_file", data,
+        "--max_seq_length", "64", *COMMON,
+    )  # fmt: skip
+    # how many blocks the 12 examples pack into: the step takes them all
+    cfg = parse_train_args([*base, "--packing", "--output_dir", str(tmp_path / "unused")])
+    blocks = len(prepare(cfg, load_tokenizer(cfg.model))[0])
+    assert 1 < blocks < len(texts)
+    padded = run_finetune(
+        *base, "--per_device_train_batch_size", str(len(texts)), launcher="python", nprocs=1,
+        out_dir=tmp_path / "padded",
+    )  # fmt: skip
+    packed = run_finetune(
+        *base, "--packing", "--per_device_train_batch_size", str(blocks), launcher="python",
+        nprocs=1, out_dir=tmp_path / "packed",
+    )  # fmt: skip
+    assert "efficiency" in packed.output
+    (loss, norm), (packed_loss, packed_norm) = _first_row(padded), _first_row(packed)
+    assert packed_loss == pytest.approx(loss, rel=1e-5)
+    assert packed_norm == pytest.approx(norm, rel=1e-4)
