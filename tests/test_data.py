@@ -13,12 +13,12 @@ from finetune.data import (
     ResumableSampler,
     TrainData,
     collate,
-    model_inputs,
     encode_chat,
     encode_prompt_completion,
     encode_text,
     eval_batches,
     load_raw,
+    model_inputs,
     pack_concat,
 )
 
