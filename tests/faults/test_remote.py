@@ -159,7 +159,8 @@ def test_remote_site(site, rank, kind, aws_env, tmp_path, request, fault_record)
 def test_a_copy_that_fails_at_every_try_ends_the_run_with_exit_1(aws_env, tmp_path, request):
     """The manifest upload fails whenever it is tried (every data object landed each time): the
     final checkpoint's copy fails its 6 tries (waits shortened by the seam), the run exits 1 as for
-    a failed final save, the bucket holds no checkpoint (no manifest), and every local checkpoint is kept."""
+    a failed final save, the bucket holds no checkpoint (no manifest), and every local checkpoint
+    is kept."""
     uri = uri_for(request)
     env = aws_env.env(**{seams.FAULT: "remote.commit:0:error", seams.REMOTE_RETRY_S: "0.1"})
     r = run_ranks(tmp_path, 2, args(uri), tmp_path / "out", env)
