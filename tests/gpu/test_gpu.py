@@ -243,8 +243,15 @@ def test_packing_with_flash_attention_matches_sdpa(run_finetune, dropout_model, 
     pytest.importorskip("flash_attn", reason="needs `pip install flash-attn`")
     runs = [
         _train(
-            run_finetune, dropout_model, tmp_path / attn, "--precision", "bf16", "--packing",
-            "--attn_implementation", attn, steps=1,
+            run_finetune,
+            dropout_model,
+            tmp_path / attn,
+            "--precision",
+            "bf16",
+            "--packing",
+            "--attn_implementation",
+            attn,
+            steps=1,
         )  # fmt: skip
         for attn in ("sdpa", "flash_attention_2")
     ]
