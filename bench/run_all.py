@@ -1,4 +1,4 @@
-"""The benchmark suite in one command: P1…P9, written to bench/results/latest.json and rendered
+"""The benchmark suite in one command: P1…P10, written to bench/results/latest.json and rendered
 into docs/BENCHMARKS.md and README.md (``make bench`` runs exactly this).
 
     .venv/bin/python bench/run_all.py [--out bench/results/latest.json] [--work DIR] [--no_docs]
@@ -83,6 +83,7 @@ FULL = {
         "steps": 20,
         "hf_sets": ["1m", "2k"],
     },
+    "P10": {"steps": 60, "rounds": 2},
 }
 SMOKE = {
     "P1": {
@@ -100,6 +101,7 @@ SMOKE = {
     "P7": {},
     "P8": {"saves": 2, "model": "embedded", "worlds": [1, 2]},
     "P9": {"rows": 160, "small_rows": 40, "repeats": 1, "steps": 3, "hf_sets": []},
+    "P10": {"steps": 6, "rounds": 1},
 }
 TIMEOUT_S = {"full": 1500, "smoke": 240}
 
@@ -131,6 +133,10 @@ WHAT = {
     ),
     "P8": "busiest rank's bytes written + read during a partitioned save, 4 ranks vs 2 ranks",
     "P9": "restart (resume) time to first step, 1M rows vs 2k rows",
+    "P10": (
+        "training tokens/s (real tokens) with --packing (best-fit decreasing) vs unpacked, "
+        "embedded model and data, 2 ranks"
+    ),
 }
 
 
@@ -144,6 +150,7 @@ GOALS = {
     "P7": "<= 0.6",
     "P8": "<= 0.6",
     "P9": "<= 1.3",
+    "P10": ">= 1.0",
 }
 
 
@@ -961,6 +968,29 @@ class Ctx:
         }
 
 
+def p10(ctx) -> dict:
+    s = ctx.sizes["P10"]
+    out = ctx.results / "packing.json"
+    ctx.run("P10", "packing.py", ["--steps", s["steps"], "--rounds", s["rounds"], "--out", out])
+    r = json.loads(out.read_text())
+    return entry(
+        "P10",
+        r["packed_tokens_per_s"],
+        r["unpacked_tokens_per_s"],
+        "tokens/s",
+        "the same run unpacked (rows padded per micro-batch)",
+        ">= 1.0",
+        r["runs"],
+        packing_efficiency=r["packing_efficiency"],
+        padded_efficiency=r["padded_efficiency"],
+        note=(
+            "packing_efficiency = real tokens / block tokens (logged at start); "
+            "padded_efficiency = real tokens / padded tokens of the unpacked micro-batches"
+        ),
+        settings={**s, **r["settings"], "ranks": r["settings"]["nprocs"]},
+    )
+
+
 MEASURES = [
     ("P1", p1),
     ("P2", p2),
@@ -970,12 +1000,13 @@ MEASURES = [
     ("P7", p7),
     ("P8", p8),
     ("P9", p9),
+    ("P10", p10),
 ]
 
 # --smoke --jobs N: the measures as N lanes side by side, the longest (in a smoke run on 2 cores)
 # first. A chain runs in order in one lane: P6 resumes from the checkpoint P5 creates in
 # work/export.
-SMOKE_CHAINS = [("P9",), ("P5", "P6"), ("P1",), ("P7",), ("P8",), ("P3",), ("P2",)]
+SMOKE_CHAINS = [("P9",), ("P5", "P6"), ("P1",), ("P7",), ("P8",), ("P3",), ("P2",), ("P10",)]
 SMOKE_JOBS = 2
 
 
@@ -1000,7 +1031,7 @@ def main(argv=None) -> int:
         "--only",
         nargs="+",
         default=None,
-        help="run only these measures (P1 … P9; P3 and P4 run together)",
+        help="run only these measures (P1 … P10; P3 and P4 run together)",
     )
     ap.add_argument(
         "--no_docs", action="store_true", help="don't rewrite docs/BENCHMARKS.md and README.md"

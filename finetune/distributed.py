@@ -461,18 +461,6 @@ def all_reduce_sum(values: list[float]) -> list[float]:
     return t.cpu().tolist()
 
 
-def sum_on_device(value: int, on: torch.device) -> torch.Tensor:
-    """``value`` summed over ranks, as a 0-dim int64 tensor on ``on``, never read back: no host
-    sync (work queued after it waits on the device, not the host). Collective."""
-    import torch
-
-    t = torch.tensor(value, dtype=torch.int64, device=on)
-    td = _initialized()
-    if td is not None and td.get_world_size() > 1:
-        td.all_reduce(t)
-    return t
-
-
 def log_main(level: int, msg: str, *args) -> None:
     """Log on rank 0 only, whatever the level: for facts every rank knows (an agreed failure)."""
     if rank() == 0:

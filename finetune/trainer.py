@@ -291,7 +291,9 @@ class Trainer:
     def _items_per_micro_batch(self, labels: int, micro_batches: int) -> torch.Tensor:
         """The step's label tokens summed over ranks, / (accumulation steps x ranks): a device
         tensor, summed without a host sync (the step's forwards queue behind the all-reduce)."""
-        total = dist.sum_on_device(labels, self.engine.device)
+        total = torch.tensor(labels, dtype=torch.int64, device=self.engine.device)
+        if dist.world_size() > 1:
+            torch.distributed.all_reduce(total)  # queued on the device: nothing reads it back here
         return total.float() / (micro_batches * dist.world_size())
 
     def _skipped(self) -> int | None:

@@ -1,4 +1,4 @@
-"""The benchmark suite (bench/run_all.py, `make bench`): its smoke mode runs every measure P1…P9 end
+"""The benchmark suite (bench/run_all.py, `make bench`): its smoke mode runs every measure P1…P10 end
 to end at tiny sizes and writes latest.json's shape; bench/table.py renders it into the docs' block.
 
 The smoke run takes ~2.5 min on 2 cores (~15 short DeepSpeed launches, two measures at a time), so
@@ -18,7 +18,7 @@ import pytest
 
 from conftest import REPO, child_env, run_group
 
-MEASURES = [f"P{i}" for i in range(1, 10)]
+MEASURES = [f"P{i}" for i in range(1, 11)]
 SUBS = {"P2": ("P2b", "P2c"), "P5": ("P5b",)}
 DOCS = [REPO / "docs" / "BENCHMARKS.md", REPO / "README.md"]
 LATEST = REPO / "bench" / "results" / "latest.json"
@@ -163,7 +163,7 @@ def test_table_renders_every_measure_and_replaces_only_the_block():
     table = _load("table")
     result = _fake_result()
     text = table.table(result)
-    assert text.count("\n") == 1 + 9 + 1  # header, rule, P1…P9 and P5b
+    assert text.count("\n") == 1 + 10 + 1  # header, rule, P1…P10 and P5b
     assert "| P2 | w | – |" in text and "not run: no async API" in text
     assert "| P5b |" in text and "| no |" in text
     doc = f"# T\n\nbefore\n{table.BEGIN}\nold\n{table.END}\nafter\n"
