@@ -68,6 +68,7 @@ OTHER_TOOLS: dict[str, str] = {
     "--repeats": "bench/data_path.py",
     "--rows": "bench/data_path.py",
     "--finetune_src": "bench/data_path.py",
+    "--rounds": "bench/packing.py",
     "--before": "bench/save_io.py",
     "--saves": "bench/save_io.py",
     "--checkpoint": "bench/remote_upload.py",
