@@ -73,6 +73,7 @@ _EITHER = (
     ({"max_steps"}, {"num_train_epochs"}),
     ({"train_file"}, {"dataset_name", "dataset_config_name"}),
     ({"model_name_or_path"}, {"config_name"}),
+    ({"train_file", "dataset_name"}, {"dataset_mixture"}),
 )
 
 
@@ -129,6 +130,10 @@ def _typed(path: str, f: dataclasses.Field, value: Any) -> Any:
                 pass
         ok = isinstance(value, (int, float)) and not isinstance(value, bool)
         value = float(value) if ok else value
+    elif f.metadata.get("json"):
+        # dataset_mixture: a list of mappings (checked entry by entry by resolve)
+        ok = isinstance(value, (list, str))
+        kind = "a list"
     elif f.metadata.get("nargs") and isinstance(value, list):
         # lora_target_modules: [q_proj, v_proj]
         ok = all(isinstance(v, str) for v in value)
