@@ -262,8 +262,13 @@ def test_cli_bad_entry_in_a_config_file_exits_2(files):
 
 
 def test_tokens_by_source_reads_a_checkpoint_state_and_old_ones_have_none():
-    assert tokens_by_source({"tokens_seen_by_source": {"a": 3, "b": 1}}) == {"a": 3, "b": 1}
-    assert tokens_by_source({"tokens_seen": 4}) is None
+    state = {
+        "sampler": {"sources": {"a": 10, "b": 20}},
+        "tokens_seen_by_source": {"a": 3, "b": 1},
+        "window": {"source_tokens": [5, 0]},  # since the last logged row
+    }
+    assert tokens_by_source(state) == {"a": 8, "b": 1}
+    assert tokens_by_source({"tokens_seen": 4, "sampler": {"epoch": 0}}) is None
 
 
 def test_an_old_trainer_state_loads_with_the_new_fields_defaulted():

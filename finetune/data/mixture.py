@@ -177,11 +177,38 @@ def probabilities(weights: list[float]) -> list[float]:
 
 
 def tokens_by_source(trainer_state: dict) -> dict[str, int] | None:
-    """A checkpoint's cumulative tokens per source (trainer_state.json); None without a mixture."""
-    by_source = trainer_state.get("tokens_seen_by_source")
-    return dict(by_source) if isinstance(by_source, dict) and by_source else None
+    """A checkpoint's tokens per source up to its step (trainer_state.json: those of the logged
+    rows, plus the log window's since the last one); None without a mixture."""
+    sampler = trainer_state.get("sampler")
+    names = list(sampler.get("sources") or {}) if isinstance(sampler, dict) else []
+    if not names:
+        return None
+    seen = trainer_state.get("tokens_seen_by_source") or {}
+    window = (trainer_state.get("window") or {}).get("source_tokens") or []
+    window = list(window) + [0] * (len(names) - len(window))
+    return {name: int(seen.get(name, 0)) + int(n) for name, n in zip(names, window)}
 
 
 def describe_tokens(by_source: dict[str, int]) -> str:
     total = sum(by_source.values()) or 1
     return ", ".join(f"{k} {n:,} ({100 * n / total:.1f}%)" for k, n in by_source.items())
+
+
+def read_tokens_by_source(folder: Path) -> dict[str, int] | None:
+    """``tokens_by_source`` of a local checkpoint's trainer_state.json (None if unreadable)."""
+    from finetune.checkpoint.state import TRAINER_STATE
+
+    try:
+        state = json.loads((folder / TRAINER_STATE).read_text())
+    except (OSError, ValueError):
+        return None
+    return tokens_by_source(state) if isinstance(state, dict) else None
+
+
+def source_lines(checkpoints) -> list[str]:
+    """``finetune ls``: a line per checkpoint of a mixture, its cumulative tokens per source."""
+    return [
+        f"{c.tag} tokens by source: {describe_tokens(c.tokens_by_source)}"
+        for c in checkpoints
+        if c.tokens_by_source
+    ]
