@@ -279,3 +279,46 @@ def test_an_old_trainer_state_loads_with_the_new_fields_defaulted():
     w = LogWindow(tokens=5, source_tokens=[2, 3])
     assert w.summed(w.world_sums()).source_tokens == [2, 3]
     assert torch.tensor(LogWindow().world_sums()).numel() == 3
+
+
+# --- each source cached as one dataset ----------------------------------------------------------
+
+
+def test_each_source_is_its_own_cache_entry_and_a_shared_source_is_a_hit(tmp_path, monkeypatch):
+    """Two mixtures sharing a source: the second tokenizes only its new source; the concatenated
+    set has every source's rows at the sampler's offsets, and the eval sets are concatenated."""
+    from finetune.cli import parse_train_args
+    from finetune.data import cache
+    from finetune.data.mixture_sampler import prepare_mixture, token_count
+    from finetune.modeling import load_tokenizer
+
+    calls = []
+    real = cache.tokenize
+    monkeypatch.setattr(
+        cache, "tokenize", lambda *a, **k: calls.append(a[0].num_rows) or real(*a, **k)
+    )
+    for name, n in (("a", 60), ("b", 40), ("c", 20)):
+        rows = [json.dumps({"text": f"{name} row {i} says {i * i}"}) for i in range(n)]
+        (tmp_path / f"{name}.jsonl").write_text("\n".join(rows) + "\n")
+
+    def mix(*names):
+        entries = [{"train_file": str(tmp_path / f"{n}.jsonl"), "weight": 1} for n in names]
+        return parse_train_args(
+            ["--dataset_mixture", json.dumps(entries), "--max_seq_length", "32"]
+            + ["--dataset_cache_dir", str(tmp_path / "cache"), "--output_dir", str(tmp_path / "o")]
+        )
+
+    first = mix("a", "b")
+    tok = load_tokenizer(first.model)
+    train, evalset, sampler = prepare_mixture(first, tok, world_size=1, rank=0)
+    assert len(calls) == 4  # each source's train and split-off eval set
+    assert sampler.names == ["a", "b"] and sampler.sizes == [57, 38]  # 5% held out of each
+    assert len(train) == 95 and len(evalset) == 5
+    assert token_count(train) == sum(len(r) for r in train["input_ids"])
+    a_rows = train.select(range(57))["input_ids"]
+    b_rows = train.select(range(57, 95))["input_ids"]
+    assert tok.decode(a_rows[0]).startswith("a row") and tok.decode(b_rows[0]).startswith("b row")
+    _, _, again = prepare_mixture(mix("a", "c"), tok, world_size=1, rank=0)
+    assert len(calls) == 6  # only c's two sets: a's entry is shared
+    assert len(list((tmp_path / "cache" / cache.SUBDIR).iterdir())) == 3
+    assert again.sizes[0] == 57
