@@ -322,3 +322,45 @@ def test_each_source_is_its_own_cache_entry_and_a_shared_source_is_a_hit(tmp_pat
     assert len(calls) == 6  # only c's two sets: a's entry is shared
     assert len(list((tmp_path / "cache" / cache.SUBDIR).iterdir())) == 3
     assert again.sizes[0] == 57
+
+
+def test_run_config_yaml_runs_the_same_mixture_again(files):
+    from finetune import run_config
+    from finetune.cli import parse_train_args
+
+    mix = [
+        {"train_file": str(files / "a.jsonl"), "weight": 3},
+        {"train_file": str(files / "b.jsonl"), "weight": 1},
+    ]
+    cfg = parse_train_args(["--dataset_mixture", json.dumps(mix), "--output_dir", str(files / "o")])
+    path = run_config.write(cfg, str(files), "test")
+    again = parse_train_args(["--config", str(path)])
+    assert again.to_json_dict() == cfg.to_json_dict()
+    assert [s.name for s in sources(again.data)] == ["a", "b"]
+
+
+def test_a_command_line_dataset_replaces_a_files_mixture_and_the_other_way_round():
+    from finetune.run_config import overridden
+
+    mix = [{"train_file": "a.jsonl", "weight": 1}]
+    assert overridden({"dataset_mixture": mix, "seed": 1}, {"train_file": "x"}) == {"seed": 1}
+    assert overridden({"dataset_name": "d", "seed": 1}, {"dataset_mixture": "[]"}) == {"seed": 1}
+
+
+def test_a_sources_data_error_names_its_entry(tmp_path):
+    from finetune.cli import parse_train_args
+    from finetune.data.mixture_sampler import prepare_mixture
+    from finetune.modeling import load_tokenizer
+
+    (tmp_path / "a.jsonl").write_text(json.dumps({"text": "one two"}) + "\n")
+    (tmp_path / "b.jsonl").write_text(json.dumps({"q": "x", "a": "y"}) + "\n")
+    mix = [
+        {"train_file": str(tmp_path / "a.jsonl"), "weight": 1},
+        {"train_file": str(tmp_path / "b.jsonl"), "weight": 1, "prompt_column": "question"}
+        | {"completion_column": "a"},
+    ]
+    cfg = parse_train_args(
+        ["--dataset_mixture", json.dumps(mix), "--dataset_cache_dir", str(tmp_path / "c")]
+    )
+    with pytest.raises(ConfigError, match=r"--dataset_mixture\[1\] \(b\): --prompt_column: no"):
+        prepare_mixture(cfg, load_tokenizer(cfg.model), world_size=1, rank=0)

@@ -30,7 +30,7 @@ import torch
 from finetune import distributed as dist
 from finetune.config import ConfigError, RunConfig
 from finetune.data.cache import prepare
-from finetune.data.mixture import Source, probabilities, sources
+from finetune.data.mixture import FLAG, Source, probabilities, sources
 
 CHUNK = 4096  # positions whose sources one generator call draws
 
@@ -211,11 +211,13 @@ def prepare_mixture(cfg: RunConfig, tokenizer, world_size: int, rank: int):
 
     mix = sources(cfg.data)
     trains, evals = [], []
-    for source in mix:
+    for i, source in enumerate(mix):
         # uses_embedded_data: a source is never the bundled data (the cache key's split seed)
-        train, evalset = prepare(
-            replace(cfg, data=source.args, uses_embedded_data=False), tokenizer
-        )
+        one = replace(cfg, data=source.args, uses_embedded_data=False)
+        try:
+            train, evalset = prepare(one, tokenizer)
+        except ConfigError as e:  # raised alike on every rank (prepare agrees): name the entry
+            raise ConfigError(f"{FLAG}[{i}] ({source.name}): {e}") from None
         trains.append(train)
         if evalset is not None and len(evalset):
             evals.append(evalset)
