@@ -132,7 +132,7 @@ class DataArgs:
         "max_eval_samples), a weight > 0 (normalized into sampling probabilities) and an "
         "optional unique name. A source that runs out starts its next epoch; an epoch of the "
         "mixture is as many samples as all sources hold. See docs/MIXTURES.md.",
-        json=True,
+        json=list,
     )
 
 

@@ -131,9 +131,9 @@ def _typed(path: str, f: dataclasses.Field, value: Any) -> Any:
         ok = isinstance(value, (int, float)) and not isinstance(value, bool)
         value = float(value) if ok else value
     elif f.metadata.get("json"):
-        # dataset_mixture: a list of mappings (checked entry by entry by resolve)
-        ok = isinstance(value, (list, str))
-        kind = "a list"
+        # a mapping or list in the file; the command line's JSON text is parsed by resolve
+        ok = isinstance(value, (f.metadata["json"], str))
+        kind = "a mapping" if f.metadata["json"] is dict else "a list"
     elif f.metadata.get("nargs") and isinstance(value, list):
         # lora_target_modules: [q_proj, v_proj]
         ok = all(isinstance(v, str) for v in value)
