@@ -52,7 +52,8 @@ class LogWindow:
         return cls(**{k: v for k, v in sd.items() if k in known})  # an older file lacks newer keys
 
     def summed(self, totals: list[float]) -> LogWindow:
-        """This window with the world's ``[loss_sum, micro_batches, tokens]`` (``world_sums``)."""
+        """This window with the world's ``[loss_sum, micro_batches, tokens, *source_tokens]``
+        (``world_sums``)."""
         loss_sum, micro, tokens = totals[:3]
         return LogWindow(
             loss_sum=loss_sum,
