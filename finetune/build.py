@@ -28,6 +28,7 @@ from finetune.checkpoint.state import TrainingState
 from finetune.config import RunConfig
 from finetune.data import ResumableSampler, TrainData
 from finetune.data.cache import prepare
+from finetune.data.mixture_sampler import prepare_mixture
 from finetune.distributed import logger
 from finetune.ds_config import check_precision, finalize_ds_config, zero_stage
 from finetune.lora import BASE_KEY, base_identity, trainable_parameters
@@ -62,8 +63,11 @@ def build_trainer(
     set_seed(t.seed)
     # Every rank loads its own copy; one that fails (a bad file on one node) fails them all.
     tokenizer = dist.run_agreed(lambda: load_tokenizer(cfg.model))
-    train, evalset = prepare(cfg, tokenizer)
-    sampler = ResumableSampler(len(train), dist.world_size(), dist.rank(), t.seed)
+    if cfg.data.dataset_mixture:  # each source cached on its own, sampled by weight
+        train, evalset, sampler = prepare_mixture(cfg, tokenizer, dist.world_size(), dist.rank())
+    else:
+        train, evalset = prepare(cfg, tokenizer)
+        sampler = ResumableSampler(len(train), dist.world_size(), dist.rank(), t.seed)
     data = TrainData(
         train,
         sampler,

@@ -189,6 +189,17 @@ class DataArgs:
         "Processes that tokenize a dataset not yet in the cache "
         "(default: the cores this process may use; 1 below 20,000 examples).",
     )
+    dataset_mixture: list | None = _f(
+        None,
+        "Train on several sources sampled by weight instead of one --train_file/--dataset_name: "
+        "a list (a --config file's dataset_mixture:, or JSON here) of sources, each with the "
+        "keys one dataset takes (train_file or dataset_name, dataset_config_name, "
+        "validation_file, the format's columns, validation_split_percentage, max_train_samples, "
+        "max_eval_samples), a weight > 0 (normalized into sampling probabilities) and an "
+        "optional unique name. A source that runs out starts its next epoch; an epoch of the "
+        "mixture is as many samples as all sources hold. See docs/MIXTURES.md.",
+        json=list,
+    )
 
 
 @dataclass(frozen=True)

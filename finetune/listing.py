@@ -32,6 +32,7 @@ from finetune.checkpoint.outdir import ABANDONED, LATEST, STAGING, OutputDir, st
 from finetune.checkpoint.resume import UNIVERSAL
 from finetune.commands import Parser
 from finetune.config import ConfigError
+from finetune.data.mixture import read_tokens_by_source, source_lines
 from finetune.exit_status import EXIT_STATUS
 from finetune.io.remote import is_remote
 from finetune.lease import LEASE
@@ -70,6 +71,7 @@ class Checkpoint:
     problems: list[str] = field(default_factory=list)
     latest: bool = False
     lora: bool = False  # LoRA adapters (--use_peft): "consolidated" means adapter_model.safetensors
+    tokens_by_source: dict | None = None  # --dataset_mixture: trainer_state.json's (local only)
 
 
 @dataclass
@@ -123,6 +125,7 @@ def collect(out: Path, checksums: bool = False) -> Listing:
     rows = [_checkpoint(out / tag, losses, checksums) for tag in storage.tags()]
     for row in rows:
         row.latest = row.tag == latest
+        row.tokens_by_source = read_tokens_by_source(out / row.tag)
     extra = _node_local_note(rows) + _set_aside_note(out) + _universal_notes(out, rows)
     return Listing(
         str(out), latest, rows, notes(out) + extra, storage.free_bytes(), sum(r.bytes for r in rows)
@@ -392,6 +395,7 @@ def render(listing: Listing) -> str:
     lines = _table(rows) if rows else ["no checkpoints"]
     if any(c.latest for c in listing.checkpoints):
         lines.append(f"* = named by {LATEST}")
+    lines += source_lines(listing.checkpoints)
     for c in listing.checkpoints:
         if c.problems and c.status != UNCOMMITTED:  # the table has room for the first one at most
             lines.append(f"{c.tag}: {len(c.problems)} problem(s)")

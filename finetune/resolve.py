@@ -32,7 +32,7 @@ from finetune.config import (
     resolve_ddp_timeout,
     split_names,
 )
-from finetune.data import formats
+from finetune.data import formats, mixture
 from finetune.ds_config import load_ds_json, reconcile_ds
 from finetune.lora import validate_lora_flags
 from finetune.preemption import parse_signals
@@ -57,7 +57,11 @@ def resolve(
         if v[name] is not None:
             v[name] = ",".join(split_names(v[name]))
     embedded_model = v["model_name_or_path"] is None and v["config_name"] is None
-    embedded_data = v["dataset_name"] is None and v["train_file"] is None
+    entries = mixture.parse(v["dataset_mixture"])  # JSON (command line) or a list (a file)
+    v["dataset_mixture"] = mixture.normalize(entries) if entries is not None else None
+    embedded_data = (
+        v["dataset_name"] is None and v["train_file"] is None and not v["dataset_mixture"]
+    )
     validate_flags(v)
     resolve_schedule(v)
     check_kernels(v)
@@ -107,6 +111,8 @@ def validate_flags(v: Mapping[str, Any]) -> None:
             "Can't give both `--config_name` (train from scratch) and "
             "`--model_name_or_path` (load weights)"
         )
+    if v["dataset_mixture"]:
+        mixture.check_flags_with(v)
     formats.check_flags(v)  # the data formats' flags, from their registry
     if v["validation_file"] and not (v["train_file"] or v["dataset_name"]):
         raise ConfigError("`--validation_file` needs `--train_file` or `--dataset_name`")

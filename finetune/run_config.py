@@ -73,6 +73,7 @@ _EITHER = (
     ({"max_steps"}, {"num_train_epochs"}),
     ({"train_file"}, {"dataset_name", "dataset_config_name"}),
     ({"model_name_or_path"}, {"config_name"}),
+    ({"train_file", "dataset_name"}, {"dataset_mixture"}),
 )
 
 

@@ -27,23 +27,9 @@ def validate_paths(v: Mapping[str, Any]) -> None:
             f"--output_dir: {latest} is not a file (remove it; finetune writes the tag of the "
             f"newest checkpoint there)"
         )
-    for flag in ("train_file", "validation_file"):
-        path = v[flag]
-        if path is None:
-            continue
-        if not Path(path).is_file():
-            raise ConfigError(f"--{flag}: file not found: {path}")
-        if data_format(path) is None:
-            raise ConfigError(
-                f"--{flag}: unsupported file type '{Path(path).suffix}' for {path} "
-                f"(use one of {', '.join(sorted(DATA_EXTENSIONS))})"
-            )
-    if (
-        v["train_file"]
-        and v["validation_file"]
-        and data_format(v["train_file"]) != data_format(v["validation_file"])
-    ):
-        raise ConfigError("--validation_file: must have the same format as --train_file")
+    check_data_files(v)
+    for i, entry in enumerate(v.get("dataset_mixture") or ()):
+        check_data_files(entry, f"--dataset_mixture[{i}] ({entry['name']}): ")
     for flag in ("model_name_or_path", "config_name", "tokenizer_name"):
         if v[flag]:
             check_model_source(flag, v[flag])
@@ -51,6 +37,29 @@ def validate_paths(v: Mapping[str, Any]) -> None:
     from finetune.ds_config import resolve_config_path
 
     resolve_config_path(v["deepspeed_config"])
+
+
+def check_data_files(v: Mapping[str, Any], where: str = "--") -> None:
+    """train_file and validation_file exist and are of a type datasets reads, the same one.
+    ``where`` prefixes the key in errors: "--" for the flags, a mixture entry for its keys."""
+    for flag in ("train_file", "validation_file"):
+        path = v.get(flag)
+        if path is None:
+            continue
+        if not Path(path).is_file():
+            raise ConfigError(f"{where}{flag}: file not found: {path}")
+        if data_format(path) is None:
+            raise ConfigError(
+                f"{where}{flag}: unsupported file type '{Path(path).suffix}' for {path} "
+                f"(use one of {', '.join(sorted(DATA_EXTENSIONS))})"
+            )
+    if (
+        v.get("train_file")
+        and v.get("validation_file")
+        and data_format(v["train_file"]) != data_format(v["validation_file"])
+    ):
+        other = "--train_file" if where == "--" else "its train_file"
+        raise ConfigError(f"{where}validation_file: must have the same format as {other}")
 
 
 def check_model_source(flag: str, name: str) -> None:

@@ -115,6 +115,10 @@ class Trainer:
 
     def train(self) -> int:
         resumed = self.checkpoints.load()
+        # The same length on every rank, for the all-reduces (a window restored on another world
+        # size is the world's on rank 0 and empty elsewhere; an older checkpoint's has none).
+        w, n = self.state.window, len(self.data.source_names)
+        w.source_tokens = (list(w.source_tokens) + [0] * n)[:n]
         self._started(resumed)
         if not resumed:
             self.evaluate()
@@ -259,6 +263,8 @@ class Trainer:
         t0 = time.perf_counter()
         batches = self.data.next_step()
         w.data_s += time.perf_counter() - t0
+        if self.data.source_tokens is not None:  # --dataset_mixture
+            w.source_tokens = [a + b for a, b in zip(w.source_tokens, self.data.source_tokens)]
         # the rate this step uses (the scheduler steps inside engine.step)
         w.lr = float(engine.get_lr()[0])
         steps = [model_inputs(b) for b in batches]
@@ -351,7 +357,7 @@ class Trainer:
         # A window restored from a checkpoint written before it recorded its lr: the next step's.
         lr = w.lr if w.lr is not None else float(self.engine.get_lr()[0])
         # float(): the window's one device sync; the all-reduce that follows is one anyway.
-        loss_sum, micro, tokens = dist.all_reduce_sum(w.world_sums())
+        loss_sum, micro, tokens, *by_source = dist.all_reduce_sum(w.world_sums())
         now = time.perf_counter()
         loss = loss_sum / max(micro, 1)  # over the window's micro-batches, skipped steps' included
         # of this step: a row is only written at an applied one
@@ -360,6 +366,9 @@ class Trainer:
         if grad_norm is None:
             grad_norm = w.grad_norm
         self.state.tokens_seen += int(tokens)
+        seen = self.state.tokens_seen_by_source
+        for name, n in zip(self.data.source_names, by_source):
+            seen[name] = seen.get(name, 0) + int(n)
         row = {
             "step": self.state.global_step,
             "epoch": round(self.state.epoch, 4),
@@ -372,10 +381,11 @@ class Trainer:
             "tokens_seen": self.state.tokens_seen,
             "skipped_steps": w.skipped_steps,
             "loss_scale": _loss_scale(self.engine),
+            **({"tokens_seen_by_source": dict(seen)} if self.data.source_names else {}),
         }
         self.metrics.write(row)
         self.state.last_losses = (self.state.last_losses + [loss])[-10:]
-        self.state.window = type(w)()
+        self.state.window = type(w)(source_tokens=[0] * len(self.data.source_names))
         self.t_window = now
         if bar is not None:
             bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}", tok_s=f"{row['tokens_per_s']:.0f}")

@@ -38,6 +38,8 @@ class LogWindow:
     lr: float | None = None  # the learning rate of the window's last step (its row's "lr")
     # set when saved: the last step's, for a row logged before any new step
     grad_norm: float | None = None
+    # --dataset_mixture: tokens per source, in the sources' order ([] = none yet, or no mixture)
+    source_tokens: list = field(default_factory=list)
 
     def state_dict(self) -> dict:
         sd = {f.name: getattr(self, f.name) for f in fields(self)}
@@ -50,8 +52,9 @@ class LogWindow:
         return cls(**{k: v for k, v in sd.items() if k in known})  # an older file lacks newer keys
 
     def summed(self, totals: list[float]) -> LogWindow:
-        """This window with the world's ``[loss_sum, micro_batches, tokens]`` (``world_sums``)."""
-        loss_sum, micro, tokens = totals
+        """This window with the world's ``[loss_sum, micro_batches, tokens, *source_tokens]``
+        (``world_sums``)."""
+        loss_sum, micro, tokens = totals[:3]
         return LogWindow(
             loss_sum=loss_sum,
             micro_batches=int(micro),
@@ -61,11 +64,13 @@ class LogWindow:
             skipped_steps=self.skipped_steps,
             lr=self.lr,
             grad_norm=self.grad_norm,
+            source_tokens=[int(n) for n in totals[3:]],
         )
 
     def world_sums(self) -> list[float]:
-        """What the ranks add up, for ``all_reduce_sum`` (one device sync)."""
-        return [float(self.loss_sum), self.micro_batches, self.tokens]
+        """What the ranks add up, for ``all_reduce_sum`` (one device sync). Every rank's
+        source_tokens has the same length (the trainer pads a restored window's)."""
+        return [float(self.loss_sum), self.micro_batches, self.tokens, *self.source_tokens]
 
 
 @dataclass
@@ -79,6 +84,8 @@ class TrainingState:
     sampler: dict = field(default_factory=dict)
     window: LogWindow = field(default_factory=LogWindow)
     last_losses: list = field(default_factory=list)
+    # --dataset_mixture: cumulative tokens per source name, summed over ranks (as tokens_seen)
+    tokens_seen_by_source: dict = field(default_factory=dict)
 
     def state_dict(self) -> dict:
         sd = {

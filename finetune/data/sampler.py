@@ -126,6 +126,10 @@ class TrainData:
         self.flatten = flatten  # packed micro-batches as one row (flash-attention's varlen path)
         self.micro_batch, self.grad_accum, self.pad_id = micro_batch, grad_accum, pad_id
         self.pin_memory = pin_memory
+        # A --dataset_mixture's sources (MixtureSampler); the step's tokens per source, as it
+        # was handed out (None without a mixture).
+        self.source_names: list[str] = list(getattr(sampler, "names", ()))
+        self.source_tokens: list[int] | None = None
         self.steps_per_epoch = sampler.samples_per_rank() // (micro_batch * grad_accum)
         if self.steps_per_epoch == 0:
             raise ConfigError(
@@ -151,20 +155,21 @@ class TrainData:
             after, idx = self.sampler.plan(SamplerState(state.epoch + 1, 0), per_rank)
         return after, idx
 
-    def _prepare(self, state: SamplerState) -> tuple[SamplerState, list[dict[str, torch.Tensor]]]:
+    def _prepare(self, state: SamplerState) -> tuple[SamplerState, list[dict], list[int] | None]:
         after, idx = self._plan(state)
         if after.epoch == 0:
             _injected_failure(
                 self.sampler.rank, after.consumed // (len(idx) * self.sampler.world_size)
             )
         rows = self._rows(idx)
+        by_source = self.sampler.tokens_by_source(idx, rows) if self.source_names else None
         batches = [
             collate(rows[i : i + self.micro_batch], self.pad_id, self.flatten)
             for i in range(0, len(rows), self.micro_batch)
         ]
         if self.pin_memory:
             batches = [{k: v.pin_memory() for k, v in b.items()} for b in batches]
-        return after, batches
+        return after, batches, by_source
 
     def _rows(self, idx: list[int]) -> list[dict]:
         # datasets: one Arrow take for all rows
@@ -189,7 +194,7 @@ class TrainData:
         state, ahead = self.sampler.state, self._ahead
         self._ahead = None
         # A prefetch from another state (the sampler was reloaded for a resume) is dropped.
-        after, batches = (
+        after, batches, self.source_tokens = (
             ahead[1].result() if ahead is not None and ahead[0] == state else self._prepare(state)
         )
         self.sampler.state = after
@@ -206,6 +211,8 @@ class TrainData:
         counts applied steps only, so a --num_train_epochs run with skips ends a few steps into
         the next epoch (which simply continues the next epoch's order)."""
         st = self.sampler.state
+        if self.source_names:  # a mixture: one endless stream; an epoch is all its sources' rows
+            return st.position / self.sampler.num_samples
         per_epoch = (
             self.steps_per_epoch * self.micro_batch * self.grad_accum * self.sampler.world_size
         )
