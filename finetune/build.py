@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from finetune import distributed as dist
+from finetune.checkpoint.best import BestPolicy, require_evaluation
 from finetune.checkpoint.checkpointer import Checkpointer
 from finetune.checkpoint.outdir import OutputDir
 from finetune.checkpoint.remote_copy import Prefix, RemoteCopy
@@ -62,6 +63,7 @@ def build_trainer(
     # Every rank loads its own copy; one that fails (a bad file on one node) fails them all.
     tokenizer = dist.run_agreed(lambda: load_tokenizer(cfg.model))
     train, evalset = prepare(cfg, tokenizer)
+    require_evaluation(t, evalset)  # early stopping without an eval set: exit 2, on every rank
     sampler = ResumableSampler(len(train), dist.world_size(), dist.rank(), t.seed)
     data = TrainData(
         train,
@@ -175,6 +177,7 @@ def build_trainer(
         consolidated_dtype=DTYPES[cfg.ckpt.consolidated_dtype or t.precision],
         still_ours=(lambda: lease.check()) if lease is not None else (lambda: True),
         remote=remote,
+        best=BestPolicy.from_args(t),
     )
     # Rank 0 writes nothing more into OUT from the moment its
     # heartbeat learns the lease is lost.

@@ -14,6 +14,7 @@ import torch
 from tqdm.auto import tqdm
 
 from finetune import distributed as dist
+from finetune.checkpoint import best
 from finetune.checkpoint.checkpointer import Checkpointer
 from finetune.checkpoint.outdir import tag_for
 from finetune.checkpoint.state import TrainingState
@@ -35,8 +36,9 @@ from finetune.trackers import run_name
 # gradients under bf16/fp32 or a static fp16 scale, where nothing changes between attempts.
 MAX_SKIPS_IN_A_ROW = 100
 
-# Why the loop stops before its last step: PREEMPTED, or an exit code (None: go on).
+# Why the loop stops before its last step: PREEMPTED, EARLY_STOPPED, or an exit code (None: go on).
 PREEMPTED = "preempted"
+EARLY_STOPPED = "early_stopped"  # --early_stopping_patience: the final save, then exit 0
 Stop = int | str | None
 
 
@@ -121,7 +123,8 @@ class Trainer:
         self.data.start()  # the first step's batches, prepared while the bar and the loop start
         try:
             # A signal during start-up, a first batch that failed, a lease lost while loading.
-            stop = self._boundary()
+            # an early-stopped run resumed from its final checkpoint stops again at once
+            stop = self._boundary() or self._early_stop()
             while stop is None and self.state.global_step < self.total_steps:
                 stop = self._iteration(bar)
             bar.close()
@@ -150,18 +153,21 @@ class Trainer:
         stop = self._boundary()  # collective; before any eval or periodic save of this step
         if stop is None and self.cfg.train.eval_steps and self._due(self.cfg.train.eval_steps):
             self.evaluate()
+            stop = self._early_stop()  # the final save of this step follows (in _end)
         return stop or self.checkpoints.at_step(self.state.global_step, self.total_steps)
 
     def _end(self, stop: Stop) -> int:
         """Where every run that did not lose its lease ends: the exit code. Collective."""
         if stop == PREEMPTED:
             return self._stop_preempted()
-        if stop is not None:
+        if stop is not None and stop != EARLY_STOPPED:
             # a failed periodic save under --on_save_error abort, or steps that kept failing
             return stop
         if self.state.window.steps:  # the steps since the last row (the same count on every rank)
             self._log(None)
-        if self._end_preempted():
+        if stop == EARLY_STOPPED:
+            pass  # this step was just evaluated: no second evaluation of it
+        elif self._end_preempted():
             dist.log_main(
                 logging.WARNING,
                 "preemption signal during the last step: final evaluation skipped, "
@@ -170,7 +176,52 @@ class Trainer:
         else:
             self.evaluate()
         maybe_probe(self.engine, self.tokenizer)  # test seam: FINETUNE_PROBE_LOGITS
-        return self.checkpoints.at_end(self.state.global_step)
+        code = self.checkpoints.at_end(self.state.global_step)
+        if stop == EARLY_STOPPED and code == 0:
+            self.stop_note = self._early_stop_note()
+        return code
+
+    # --- the best metric and early stopping (checkpoint/best.py) ------------------------------
+
+    @property
+    def policy(self) -> best.BestPolicy:
+        return best.BestPolicy.from_args(self.cfg.train)
+
+    def _evaluated(self, row: dict) -> None:
+        """After an evaluation: early stopping's counters (training state) and the row a save of
+        this step records in its manifest. Every rank alike (the row is all-reduced)."""
+        self.checkpoints.evaluated = row
+        best.record(self.state, self.policy, row)
+
+    def _early_stop(self) -> Stop:
+        """EARLY_STOPPED once --early_stopping_patience evaluations in a row did not improve, else
+        None. Every rank decides alike without a collective: the counters follow all-reduced
+        rows."""
+        policy, st = self.policy, self.state
+        if not best.exhausted(st, policy):
+            return None
+        dist.log_main(
+            logging.WARNING,
+            "early stopping at step %d: %d evaluations in a row without %s improving on %.6g "
+            "(step %s) by more than %g",
+            st.global_step,
+            st.evals_without_improvement,
+            policy.metric,
+            st.best_metric if st.best_metric is not None else float("nan"),
+            st.best_metric_step,
+            policy.threshold,
+        )
+        self.metrics.event("early_stopped", st.global_step, best_step=st.best_metric_step)
+        return EARLY_STOPPED
+
+    def _early_stop_note(self) -> dict:
+        """exit_status.json of an early-stopped run."""
+        st = self.state
+        note = {"reason": "early_stopped", "step": st.global_step}
+        note.update(best_metric=st.best_metric, best_metric_step=st.best_metric_step)
+        if self.cfg.ckpt.save_checkpoint:
+            note["best_checkpoint"] = best.protected(self.checkpoints.lineage.best)
+        return note
 
     def _lease_lost(self, e: LeaseLost) -> int:
         """Another run holds OUT now: stop at once and write nothing more there (no save, no
@@ -378,14 +429,14 @@ class Trainer:
                 n_tokens += n
         total, count = dist.all_reduce_sum([float(loss_sum), n_tokens])
         eval_loss = total / max(count, 1)
-        self.metrics.write(
-            {
-                "step": self.state.global_step,
-                "eval_loss": eval_loss,
-                "eval_perplexity": math.exp(min(eval_loss, 50.0)),
-                "eval_tokens": int(count),
-            }
-        )
+        row = {
+            "step": self.state.global_step,
+            "eval_loss": eval_loss,
+            "eval_perplexity": math.exp(min(eval_loss, 50.0)),
+            "eval_tokens": int(count),
+        }
+        self.metrics.write(row)
+        self._evaluated(row)
         logger.info(
             "step %d: eval_loss %.4f (perplexity %.2f)",
             self.state.global_step,

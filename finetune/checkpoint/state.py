@@ -79,6 +79,11 @@ class TrainingState:
     sampler: dict = field(default_factory=dict)
     window: LogWindow = field(default_factory=LogWindow)
     last_losses: list = field(default_factory=list)
+    # Early stopping (checkpoint/best.py): the best --metric_for_best_model of the evaluations so
+    # far, its step, and the evaluations since that did not beat it by the threshold.
+    best_metric: float | None = None
+    best_metric_step: int | None = None
+    evals_without_improvement: int = 0
 
     def state_dict(self) -> dict:
         sd = {
