@@ -160,6 +160,18 @@ def named_best(manifests: Mapping[str, Mapping | None]) -> dict | None:
     return None
 
 
+def mark_best(rows: Iterable[Any], manifests: Mapping[str, Mapping | None]) -> dict | None:
+    """`finetune ls`: each row (``tag``, ``eval``, ``best``) gets its manifest's eval row, and the
+    best one (``named_best``) its mark; returns the best record."""
+    record = named_best(manifests)
+    for row in rows:
+        manifest = manifests.get(row.tag)
+        evaluated = manifest.get(EVAL_KEY) if isinstance(manifest, Mapping) else None
+        row.eval = dict(evaluated) if isinstance(evaluated, Mapping) else None
+        row.best = record is not None and row.tag == record["tag"]
+    return record
+
+
 def _seq(manifest: Mapping) -> int | None:
     seq = manifest.get("commit_seq")
     return seq if isinstance(seq, int) else None

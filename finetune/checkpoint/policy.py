@@ -131,7 +131,8 @@ def select_for_deletion(
 ) -> list[str]:
     """The oldest of ``line`` (oldest first) beyond ``limit``, never a protected one; the ``best``
     checkpoint is kept besides the ``limit`` newest (not counted, never deleted)."""
-    line = [t for t in line if t != best]
+    if best not in line[max(len(line) - limit, 0) :]:  # among the newest it counts as one of them
+        line = [t for t in line if t != best]
     excess = len(line) - limit
     return [t for t in line if t not in protected][: max(excess, 0)]
 
