@@ -206,8 +206,8 @@ class TrainArgs:
     )
     greater_is_better: bool | None = _f(
         None,
-        "Whether a higher --metric_for_best_model is better (default: no for losses and "
-        "perplexity); --no_greater_is_better says no.",
+        "Whether a higher --metric_for_best_model is better; --no_greater_is_better says it is "
+        "not (default: off for losses and perplexity, else on)",
     )
     early_stopping_patience: int | None = _f(
         None,
