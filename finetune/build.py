@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from finetune import distributed as dist
+from finetune.checkpoint.best import BestPolicy, require_evaluation
 from finetune.checkpoint.checkpointer import Checkpointer
 from finetune.checkpoint.outdir import OutputDir
 from finetune.checkpoint.remote_copy import Prefix, RemoteCopy
@@ -68,6 +69,7 @@ def build_trainer(
     else:
         train, evalset = prepare(cfg, tokenizer)
         sampler = ResumableSampler(len(train), dist.world_size(), dist.rank(), t.seed)
+    require_evaluation(t, evalset)  # early stopping without an eval set: exit 2, on every rank
     data = TrainData(
         train,
         sampler,
@@ -183,6 +185,7 @@ def build_trainer(
         consolidated_dtype=DTYPES[cfg.ckpt.consolidated_dtype or t.precision],
         still_ours=(lambda: lease.check()) if lease is not None else (lambda: True),
         remote=remote,
+        best=BestPolicy.from_args(t),
     )
     # Rank 0 writes nothing more into OUT from the moment its
     # heartbeat learns the lease is lost.

@@ -58,14 +58,14 @@ def build_train_parser() -> argparse.ArgumentParser:
         group = p.add_argument_group(f"{title} arguments")
         for f in dataclasses.fields(cls):
             flag = f"--{f.name}"
-            if f.type in (bool, "bool"):
+            if f.type in (bool, "bool", "bool | None"):
                 group.add_argument(flag, action="store_true", help=_help(f))
                 # Every switch can be turned off too: to override a --config file that turns it on.
                 group.add_argument(
                     f"--no_{f.name}",
                     action="store_false",
                     dest=f.name,
-                    help=f"Turn off --{f.name}." if f.default else argparse.SUPPRESS,
+                    help=f"Turn off --{f.name}." if f.default is not False else argparse.SUPPRESS,
                 )
                 continue
             group.add_argument(

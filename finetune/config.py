@@ -293,6 +293,33 @@ class TrainArgs:
         "rename, a deletion, a verification read) may go without progress before it fails "
         "on every rank (a hung filesystem).",
     )
+    # The best checkpoint and early stopping (finetune/checkpoint/best.py).
+    metric_for_best_model: str | None = _f(
+        None,
+        "The evaluation metric that picks the best checkpoint (kept by --save_total_limit besides "
+        "the newest, marked by `finetune ls`, exported by `finetune export --best`) and that early "
+        "stopping watches: eval_loss or eval_perplexity, the eval_ prefix optional (default: "
+        "eval_loss). Given explicitly, or with --early_stopping_patience, --save_steps must be a "
+        "multiple of --eval_steps (as HF's load_best_model_at_end), so every checkpoint has its "
+        "evaluation; a checkpoint saved without one is never the best.",
+    )
+    greater_is_better: bool | None = _f(
+        None,
+        "Whether a higher --metric_for_best_model is better; --no_greater_is_better says it is "
+        "not (default: off for losses and perplexity, else on)",
+    )
+    early_stopping_patience: int | None = _f(
+        None,
+        "Stop after this many evaluations in a row (every --eval_steps, which it needs; the one "
+        "at step 0 is the baseline) without improving --metric_for_best_model: the final "
+        "checkpoint is saved (with --save_checkpoint), exit 0, exit_status.json reason "
+        "early_stopped. Off by default.",
+    )
+    early_stopping_threshold: float = _f(
+        0.0,
+        "How much an evaluation must beat the best so far by to count as an improvement for "
+        "--early_stopping_patience.",
+    )
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,7 @@ from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 
+from finetune.checkpoint.best import mark_best
 from finetune.checkpoint.manifest import (
     MANIFEST,
     looks_like_checkpoint,
@@ -41,6 +42,7 @@ from finetune.offline.adapter import ADAPTER_CONFIG, is_adapter_checkpoint
 from finetune.offline.verify import METRICS, notes
 
 WIDTH = 100  # the table fits a terminal this wide; full problem texts go below it
+BETTER = {True: "higher is better", False: "lower is better"}
 UNCOMMITTED = "uncommitted"
 RUN_FILES = (
     METRICS,
@@ -72,6 +74,8 @@ class Checkpoint:
     latest: bool = False
     lora: bool = False  # LoRA adapters (--use_peft): "consolidated" means adapter_model.safetensors
     tokens_by_source: dict | None = None  # --dataset_mixture: trainer_state.json's (local only)
+    eval: dict | None = None  # the evaluation of its step, from its manifest
+    best: bool = False  # the best checkpoint (--metric_for_best_model), as the newest commit says
 
 
 @dataclass
@@ -82,6 +86,7 @@ class Listing:
     notes: list[str]
     free_bytes: int | None  # None for a bucket
     checkpoint_bytes: int
+    best: dict | None = None  # the best checkpoint's tag, metric, value, greater_is_better
 
 
 def main(argv: list[str]) -> int:
@@ -122,14 +127,16 @@ def collect(out: Path, checksums: bool = False) -> Listing:
     _check_output_dir(out, storage)
     latest = storage.read_latest()
     losses = _Losses(read_metrics(str(out)))
-    rows = [_checkpoint(out / tag, losses, checksums) for tag in storage.tags()]
+    manifests: dict = {}  # each read once, by _checkpoint
+    rows = [_checkpoint(out / tag, losses, checksums, manifests) for tag in storage.tags()]
     for row in rows:
         row.latest = row.tag == latest
         row.tokens_by_source = read_tokens_by_source(out / row.tag)
     extra = _node_local_note(rows) + _set_aside_note(out) + _universal_notes(out, rows)
     return Listing(
-        str(out), latest, rows, notes(out) + extra, storage.free_bytes(), sum(r.bytes for r in rows)
-    )
+        str(out), latest, rows, notes(out) + extra, storage.free_bytes(),
+        sum(r.bytes for r in rows), mark_best(rows, manifests),
+    )  # fmt: skip
 
 
 def collect_remote(uri: str, checksums: bool = False) -> Listing:
@@ -139,9 +146,9 @@ def collect_remote(uri: str, checksums: bool = False) -> Listing:
     from finetune.offline.remote_verify import listing
 
     latest, rows, notes_ = listing(uri, checksums)
-    checkpoints = []
+    checkpoints, manifests = [], {}
     for row in rows:
-        manifest = row.pop("manifest")
+        manifest = manifests[row["tag"]] = row.pop("manifest")
         if manifest is None:
             checkpoints.append(Checkpoint(
                 row["tag"], row["step"], None, 0, None, None, None, None, None, None, None,
@@ -158,7 +165,8 @@ def collect_remote(uri: str, checksums: bool = False) -> Listing:
             f"DAMAGED: {problems[0]}" if problems else f"ok ({how})", problems,
             latest=row["tag"] == latest, lora=ADAPTER_CONFIG in manifest["files"],
         ))  # fmt: skip
-    return Listing(uri, latest, checkpoints, notes_, None, sum(c.bytes for c in checkpoints))
+    best = mark_best(checkpoints, manifests)
+    return Listing(uri, latest, checkpoints, notes_, None, sum(c.bytes for c in checkpoints), best)
 
 
 def _stamp(stamp) -> str | None:
@@ -185,11 +193,11 @@ def _check_output_dir(out: Path, storage: OutputDir) -> None:
         )
 
 
-def _checkpoint(folder: Path, losses: _Losses, checksums: bool) -> Checkpoint:
+def _checkpoint(folder: Path, losses: _Losses, checksums: bool, manifests: dict) -> Checkpoint:
     step = step_of(folder.name)
     train, train_step = losses.at(step, "loss")
     evaluated, eval_step = losses.at(step, "eval_loss")
-    manifest = read_manifest(folder)
+    manifest = manifests[folder.name] = read_manifest(folder)
     # a crash mid-copy, or a save from before manifests: resume never picks it
     if not isinstance(manifest, dict):
         return Checkpoint(
@@ -396,6 +404,11 @@ def render(listing: Listing) -> str:
     if any(c.latest for c in listing.checkpoints):
         lines.append(f"* = named by {LATEST}")
     lines += source_lines(listing.checkpoints)
+    if listing.best is not None and any(c.best for c in listing.checkpoints):
+        b = listing.best
+        lines.append(
+            f"+ = the best: {b['metric']} {b['value']:.4f} ({BETTER[b['greater_is_better']]})"
+        )
     for c in listing.checkpoints:
         if c.problems and c.status != UNCOMMITTED:  # the table has room for the first one at most
             lines.append(f"{c.tag}: {len(c.problems)} problem(s)")
@@ -444,7 +457,7 @@ def _cells(c: Checkpoint) -> list[str]:
     if c.lora:
         consolidated = "adapter" if c.consolidated else f"{consolidated} (LoRA)"
     return [
-        "*" if c.latest else "",
+        ("*" if c.latest else "") + ("+" if c.best else ""),
         str(c.step),
         when,
         _human(c.bytes),

@@ -15,6 +15,7 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
+from finetune.checkpoint.best import validate_flags as validate_best_flags
 from finetune.config import (
     ATTN_IMPLEMENTATIONS,
     EMBEDDED_MAX_STEPS,
@@ -173,6 +174,7 @@ def validate_flags(v: Mapping[str, Any]) -> None:
     if v["ignore_unverified_checkpoints"] and v["resume_from_checkpoint"] != "auto":
         raise ConfigError("`--ignore_unverified_checkpoints` needs `--resume_from_checkpoint auto`")
     validate_lora_flags(v)
+    validate_best_flags(v)
 
 
 def check_remote(v: Mapping[str, Any]) -> None:

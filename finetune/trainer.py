@@ -14,14 +14,22 @@ import torch
 from tqdm.auto import tqdm
 
 from finetune import distributed as dist
+from finetune.checkpoint import best
 from finetune.checkpoint.checkpointer import Checkpointer
 from finetune.checkpoint.outdir import tag_for
 from finetune.checkpoint.state import TrainingState
 from finetune.config import RunConfig
-from finetune.data import IGNORE, TrainData, eval_batches, model_inputs
+from finetune.data import TrainData, eval_batches, model_inputs
 from finetune.distributed import logger
 from finetune.exit_status import EXIT_LEASE_LOST
 from finetune.lease import LeaseLost, describe, holder
+from finetune.loss import (
+    items_per_micro_batch,
+    label_tokens,
+    loss_scale,
+    rescaled,
+    sum_dtype,
+)
 from finetune.metrics import MetricsWriter
 from finetune.plot import Plotter
 from finetune.preemption import EXIT_PREEMPTED, Preemption
@@ -35,8 +43,9 @@ from finetune.trackers import run_name
 # gradients under bf16/fp32 or a static fp16 scale, where nothing changes between attempts.
 MAX_SKIPS_IN_A_ROW = 100
 
-# Why the loop stops before its last step: PREEMPTED, or an exit code (None: go on).
+# Why the loop stops before its last step: PREEMPTED, EARLY_STOPPED, or an exit code (None: go on).
 PREEMPTED = "preempted"
+EARLY_STOPPED = "early_stopped"  # --early_stopping_patience: the final save, then exit 0
 Stop = int | str | None
 
 
@@ -45,39 +54,11 @@ def _reraise(error: BaseException | None) -> None:
         raise error
 
 
-def _sum_dtype(device: torch.device) -> torch.dtype:
-    """Loss sums kept on the device: float64 like the host sums they replace, where the device has
-    it (MPS and HPU do not)."""
-    return torch.float64 if device.type in ("cpu", "cuda") else torch.float32
-
-
 def _to(batch: dict, device) -> dict:
     # Asynchronous only from pinned memory (TrainData and eval_batches pin on GPUs); from pageable
     # memory CUDA copies synchronously, so correct either way. PyTorch's pinned-memory allocator
     # records the copy on its stream and reuses a block only after the copy has finished.
     return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
-
-
-def _loss_scale(engine) -> float | None:
-    """fp16's current loss scale; None in bf16/fp32 (no scaling). Where DeepSpeed's own monitor
-    reads it (engine._get_optimizer_loss_scale): the ZeRO optimizers' ``cur_scale`` property, or
-    FP16_Optimizer's ``loss_scale_config``. A Python number: no device sync."""
-    if not engine.fp16_enabled():
-        return None
-    optimizer = engine.optimizer
-    config = getattr(optimizer, "loss_scale_config", None)
-    scale = config.cur_scale if config is not None else getattr(optimizer, "cur_scale", None)
-    return float(scale) if scale is not None else None
-
-
-def _rescaled(out, labels: int, items: torch.Tensor) -> torch.Tensor:
-    """A model without loss kwargs: its mean over this micro-batch's ``labels`` label tokens, as
-    the sum over them / ``items``. No label token: a zero loss that still runs the backward (under
-    ZeRO-3 every rank must), not the NaN of an empty mean."""
-    if labels == 0:
-        logits = getattr(out, "logits", None)
-        return (logits.sum() if logits is not None else out.loss.nan_to_num()) * 0.0
-    return out.loss * (labels / items)
 
 
 def describe_holder(output_dir: str) -> str:
@@ -137,7 +118,8 @@ class Trainer:
         self.data.start()  # the first step's batches, prepared while the bar and the loop start
         try:
             # A signal during start-up, a first batch that failed, a lease lost while loading.
-            stop = self._boundary()
+            # an early-stopped run resumed from its final checkpoint stops again at once
+            stop = self._boundary() or self._early_stop()
             while stop is None and self.state.global_step < self.total_steps:
                 stop = self._iteration(bar)
             bar.close()
@@ -166,18 +148,21 @@ class Trainer:
         stop = self._boundary()  # collective; before any eval or periodic save of this step
         if stop is None and self.cfg.train.eval_steps and self._due(self.cfg.train.eval_steps):
             self.evaluate()
+            stop = self._early_stop()  # the final save of this step follows (in _end)
         return stop or self.checkpoints.at_step(self.state.global_step, self.total_steps)
 
     def _end(self, stop: Stop) -> int:
         """Where every run that did not lose its lease ends: the exit code. Collective."""
         if stop == PREEMPTED:
             return self._stop_preempted()
-        if stop is not None:
+        if stop is not None and stop != EARLY_STOPPED:
             # a failed periodic save under --on_save_error abort, or steps that kept failing
             return stop
         if self.state.window.steps:  # the steps since the last row (the same count on every rank)
             self._log(None)
-        if self._end_preempted():
+        if stop == EARLY_STOPPED:
+            pass  # this step was just evaluated: no second evaluation of it
+        elif self._end_preempted():
             dist.log_main(
                 logging.WARNING,
                 "preemption signal during the last step: final evaluation skipped, "
@@ -186,7 +171,52 @@ class Trainer:
         else:
             self.evaluate()
         maybe_probe(self.engine, self.tokenizer)  # test seam: FINETUNE_PROBE_LOGITS
-        return self.checkpoints.at_end(self.state.global_step)
+        code = self.checkpoints.at_end(self.state.global_step)
+        if stop == EARLY_STOPPED and code == 0:
+            self.stop_note = self._early_stop_note()
+        return code
+
+    # --- the best metric and early stopping (checkpoint/best.py) ------------------------------
+
+    @property
+    def policy(self) -> best.BestPolicy:
+        return best.BestPolicy.from_args(self.cfg.train)
+
+    def _evaluated(self, row: dict) -> None:
+        """After an evaluation: early stopping's counters (training state) and the row a save of
+        this step records in its manifest. Every rank alike (the row is all-reduced)."""
+        self.checkpoints.evaluated = row
+        best.record(self.state, self.policy, row)
+
+    def _early_stop(self) -> Stop:
+        """EARLY_STOPPED once --early_stopping_patience evaluations in a row did not improve, else
+        None. Every rank decides alike without a collective: the counters follow all-reduced
+        rows."""
+        policy, st = self.policy, self.state
+        if not best.exhausted(st, policy):
+            return None
+        dist.log_main(
+            logging.WARNING,
+            "early stopping at step %d: %d evaluations in a row without %s improving on %.6g "
+            "(step %s) by more than %g",
+            st.global_step,
+            st.evals_without_improvement,
+            policy.metric,
+            st.best_metric if st.best_metric is not None else float("nan"),
+            st.best_metric_step,
+            policy.threshold,
+        )
+        self.metrics.event("early_stopped", st.global_step, best_step=st.best_metric_step)
+        return EARLY_STOPPED
+
+    def _early_stop_note(self) -> dict:
+        """exit_status.json of an early-stopped run."""
+        st = self.state
+        note = {"reason": "early_stopped", "step": st.global_step}
+        note.update(best_metric=st.best_metric, best_metric_step=st.best_metric_step)
+        if self.cfg.ckpt.save_checkpoint:
+            note["best_checkpoint"] = best.protected(self.checkpoints.lineage.best)
+        return note
 
     def _lease_lost(self, e: LeaseLost) -> int:
         """Another run holds OUT now: stop at once and write nothing more there (no save, no
@@ -270,19 +300,19 @@ class Trainer:
         steps = [model_inputs(b) for b in batches]
         # The step's loss is the mean over every label token of the step, across micro-batches
         # and ranks (transformers' num_items_in_batch), not a mean of micro-batch means.
-        labels = [int((inputs["labels"][..., 1:] != IGNORE).sum()) for inputs, _, _ in steps]
-        items = self._items_per_micro_batch(sum(labels), len(steps))
+        labels = [label_tokens(inputs) for inputs, _, _ in steps]
+        items = items_per_micro_batch(sum(labels), len(steps), engine.device)
         for (inputs, tokens, _), n in zip(steps, labels, strict=True):
             w.tokens += tokens  # counted on the host copy: no device sync
             inputs = _to(inputs, engine.device)  # DeepSpeed's forward does not move inputs
             out = engine(**inputs, **({"num_items_in_batch": items} if self.loss_kwargs else {}))
-            loss = out.loss if self.loss_kwargs else _rescaled(out, n, items)
+            loss = out.loss if self.loss_kwargs else rescaled(out, n, items)
             # DeepSpeed divides by the accumulation steps (and averages gradients over ranks): with
             # items = the step's label tokens / (accumulation steps x ranks), the gradient is
             # that of the sum of token losses / the step's label tokens.
             engine.backward(loss)
             engine.step()
-            w.loss_sum = w.loss_sum + loss.detach().to(_sum_dtype(engine.device))
+            w.loss_sum = w.loss_sum + loss.detach().to(sum_dtype(engine.device))
             w.micro_batches += 1
         # Read after the last micro-batch's step(), the accumulation boundary: False means DeepSpeed
         # found non-finite gradients (an fp16 overflow, or a NaN/inf gradient norm under ZeRO-3) and
@@ -293,14 +323,6 @@ class Trainer:
         self.state.epoch = self.data.epoch_float
         self.state.sampler = self.data.sampler.state_dict()
         return applied
-
-    def _items_per_micro_batch(self, labels: int, micro_batches: int) -> torch.Tensor:
-        """The step's label tokens summed over ranks, / (accumulation steps x ranks): a device
-        tensor, summed without a host sync (the step's forwards queue behind the all-reduce)."""
-        total = torch.tensor(labels, dtype=torch.int64, device=self.engine.device)
-        if dist.world_size() > 1:
-            torch.distributed.all_reduce(total)  # queued on the device: nothing reads it back here
-        return total.float() / (micro_batches * dist.world_size())
 
     def _skipped(self) -> int | None:
         """Count an optimizer step DeepSpeed skipped (its batches stay consumed); the exit code when
@@ -313,7 +335,7 @@ class Trainer:
         st.skipped_steps += 1
         st.window.skipped_steps += 1
         self.skips_in_a_row += 1
-        scale = _loss_scale(self.engine)
+        scale = loss_scale(self.engine)
         what = (
             f"loss scale now {scale:g}"
             if scale is not None
@@ -380,7 +402,7 @@ class Trainer:
             "samples_seen": self.state.samples_seen,
             "tokens_seen": self.state.tokens_seen,
             "skipped_steps": w.skipped_steps,
-            "loss_scale": _loss_scale(self.engine),
+            "loss_scale": loss_scale(self.engine),
             **({"tokens_seen_by_source": dict(seen)} if self.data.source_names else {}),
         }
         self.metrics.write(row)
@@ -398,7 +420,7 @@ class Trainer:
             return None
         self.engine.eval()
         # Summed on the device, read once at the end: no host sync per batch.
-        loss_sum = torch.zeros((), dtype=_sum_dtype(self.engine.device), device=self.engine.device)
+        loss_sum = torch.zeros((), dtype=sum_dtype(self.engine.device), device=self.engine.device)
         n_tokens = 0
         for batch, real in eval_batches(
             self.evalset,
@@ -410,21 +432,21 @@ class Trainer:
             flatten=self.data.flatten,
         ):
             batch, _, _ = model_inputs(batch)
-            n = int((batch["labels"][..., 1:] != IGNORE).sum())  # on the host copy: no device sync
+            n = label_tokens(batch)  # on the host copy: no device sync
             out = self.engine(**_to(batch, self.engine.device))
             if real:
                 loss_sum += out.loss.detach().double() * n
                 n_tokens += n
         total, count = dist.all_reduce_sum([float(loss_sum), n_tokens])
         eval_loss = total / max(count, 1)
-        self.metrics.write(
-            {
-                "step": self.state.global_step,
-                "eval_loss": eval_loss,
-                "eval_perplexity": math.exp(min(eval_loss, 50.0)),
-                "eval_tokens": int(count),
-            }
-        )
+        row = {
+            "step": self.state.global_step,
+            "eval_loss": eval_loss,
+            "eval_perplexity": math.exp(min(eval_loss, 50.0)),
+            "eval_tokens": int(count),
+        }
+        self.metrics.write(row)
+        self._evaluated(row)
         logger.info(
             "step %d: eval_loss %.4f (perplexity %.2f)",
             self.state.global_step,

@@ -88,7 +88,8 @@ def _help_and_default(action: argparse.Action) -> tuple[str, str]:
         # the parser's default (finetune's own parser keeps them in the help)
         default = str(action.default)
     if isinstance(action, (argparse._StoreTrueAction, argparse.BooleanOptionalAction)):
-        return text, "on" if default == "True" else "off"
+        # a switch whose default is decided at start (None) names it in its help: shown as is
+        return text, {"True": "on", "False": "off", None: "off"}.get(default, default)
     if action.nargs == 0 or default is None:  # --no_X, --bf16, --version, --help: nothing to show
         return text, ""
     return text, f"`{default}`"

@@ -1,5 +1,6 @@
-"""The benchmark suite (bench/run_all.py, `make bench`): its smoke mode runs every measure P1…P10 end
-to end at tiny sizes and writes latest.json's shape; bench/table.py renders it into the docs' block.
+"""The benchmark suite (bench/run_all.py, `make bench`): its smoke mode runs every measure P1…P10
+end to end at tiny sizes and writes latest.json's shape; bench/table.py renders it into the docs'
+block.
 
 The smoke run takes ~2.5 min on 2 cores (~15 short DeepSpeed launches, two measures at a time), so
 it is a `distributed` test; the rendering tests are fast.

@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 
 from finetune import distributed as dist
+from finetune.checkpoint.best import eval_at
 from finetune.checkpoint.contents import (
     RANK_WINDOW,
     Clock,
@@ -78,6 +79,7 @@ class Checkpointer:
         still_ours=lambda: True,
         adapters: bool = False,
         remote=None,
+        best=None,
     ):
         """``states``: objects with ``state_dict``/``load_state_dict`` saved in trainer_state.json,
         "progress" (a TrainingState: its keys at the top level, as checkpoints have always had
@@ -86,7 +88,7 @@ class Checkpointer:
         run's save ids); ``still_ours``: whether this run still holds OUT's lease (rank 0 asks
         before each commit); ``adapters`` (--use_peft): the engine's module is a peft model whose
         frozen base is left out of its checkpoints (offline/adapter.py); ``remote``: where each
-        commit is copied (--remote_output_dir)."""
+        commit is copied (--remote_output_dir); ``best``: the BestPolicy of the best checkpoint."""
         from finetune.lora import trainable_parameters
         from finetune.modeling import count_parameters
 
@@ -107,11 +109,11 @@ class Checkpointer:
         self.committed_step: int | None = plan.saved["global_step"] if plan else None
         self.consolidation_error: str | None = None
         self.pending: Pending | None = None  # --async_save: written, not yet committed
-        # Where commits and failed saves are reported (MetricsWriter.event: events.jsonl and the
-        # trackers, rank 0); called on every rank, must not raise.
+        # Where commits and failed saves go (MetricsWriter.event); every rank calls it: no raising.
         self.on_event: Callable[..., None] = lambda kind, step, **fields: None
         head, seen = (plan.head, plan.max_seq) if plan else (None, 0)
-        self.lineage = Lineage(storage, self.leader, head, seen)  # collective
+        self.lineage = Lineage(storage, self.leader, head, seen, best)  # collective
+        self.evaluated: dict | None = None  # the last eval row (the trainer's), for the manifest
         # this storage's share: the last checkpoint's size, or an estimate from the parameters
         need = lambda: space_needed(self.lineage.last_bytes, self.parameters, layout.share)
         self.staging = Staging(storage, self.leader, self.lineage.deleter, need, still_ours)
@@ -199,9 +201,8 @@ class Checkpointer:
             return 0
         self.settle()
         if self.committed_step == step:
-            # Resumed at (or past) the last step: re-saving the same step would only swap a
-            # complete checkpoint for a copy of itself. What a crash after its rename may have
-            # left undone: `latest`, retention.
+            # Resumed at (or past) the last step: re-saving would swap a complete checkpoint for a
+            # copy of itself. A crash after its rename may have left `latest`, retention undone.
             logger.info("step %d is already saved as %s", step, self.out / tag_for(step))
             self.lineage.finish_commit(step, self.staging.ensure_lease)
         else:
@@ -213,7 +214,7 @@ class Checkpointer:
                 return 1
         copied = self.remote.drain(step)  # --remote_output_dir: the final copy too
         self.retain()  # then what waited for its copy can go
-        self.finish_deletions()
+        self.lineage.finish_deletions()
         return 0 if copied else 1
 
     # --- save: check → snapshot → write → agree, then commit ---------------------------------
@@ -245,7 +246,8 @@ class Checkpointer:
         self.write(tag, snap, consolidated)
         self.writer.start()
         clock.lap("write" if not background else "copy")
-        pending = Pending(step, tag, clock, io, consolidated, final, background)
+        evaluated = eval_at(self.evaluated, step)  # taken now: an --async_save commits later
+        pending = Pending(step, tag, clock, io, consolidated, final, background, evaluated)
         if background:
             self.pending = pending
             logger.info(
@@ -299,7 +301,7 @@ class Checkpointer:
             clock.lap("background")
         files = self.agree(tag)
         clock.lap("agree")
-        self.commit(tag, files, pending.consolidated and self.consolidation_error is None)
+        self.commit(tag, files, pending.consolidated and not self.consolidation_error, pending.eval)
         clock.lap("commit")
         self.retain()
         clock.lap("retain")
@@ -417,10 +419,11 @@ class Checkpointer:
             self.staging.drop_consolidated(tag, self.consolidation_error)
         return files
 
-    def commit(self, tag: str, files: dict[str, tuple[int, str]], consolidated: bool) -> None:
-        """Leaders: manifests into staging, agree, then rename and advance
-        ``latest``. Collective."""
-        identity = {**self.lineage.identity(tag, self.run_id), "consolidated": consolidated}
+    def commit(self, tag: str, files: dict, consolidated: bool, evaluated: dict | None = None):
+        """Leaders: manifests (``evaluated``: its step's eval row, best.py) into staging, agree,
+        then rename and advance ``latest``. Collective."""
+        identity = self.lineage.identity(tag, self.run_id, evaluated)
+        identity["consolidated"] = consolidated
         # what `finetune verify` holds the adapter file to
         if consolidated and self.adapter_summary is not None:
             identity["adapter"] = self.adapter_summary
@@ -485,9 +488,6 @@ class Checkpointer:
         # the lease unreadable: the save is committed; retention is retried after the next one
         except SaveError as e:
             dist.log_main(logging.WARNING, "save_total_limit %d: %s", self.ckpt.save_total_limit, e)
-
-    def finish_deletions(self) -> None:
-        self.lineage.finish_deletions()
 
     # --- load ----------------------------------------------------------------------------------
 

@@ -73,6 +73,7 @@ class Pending:
     consolidated: bool
     final: bool
     background: bool
+    eval: dict | None = None  # the evaluation of its step (the manifest's), taken with the save
 
 
 def trainer_state(states: dict, window: LogWindow, run_info: dict) -> dict:

@@ -18,7 +18,7 @@ checkpoint its run continued from (parent tag + parent save id). From these:
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 TAG_RE = re.compile(r"^global_step(\d+)$")
 
@@ -45,6 +45,9 @@ class Committed:
     parent_save_id: str | None = None
     total_bytes: int = 0
     world_size: int | None = None  # the ranks that saved it
+    # the evaluation of its step, and the best checkpoint of its line when it was committed
+    eval: dict | None = field(default=None, compare=False)
+    best: str | None = None
 
     # The manifest fields this reads (resume shares only these with every rank, not the file list).
     MANIFEST_KEYS = (
@@ -54,12 +57,15 @@ class Committed:
         "parent_save_id",
         "total_bytes",
         "world_size",
+        "eval",
+        "best",
     )
 
     @classmethod
     def from_manifest(cls, tag: str, manifest: dict) -> Committed:
         seq = manifest.get("commit_seq")
         world = manifest.get("world_size")
+        evaluated, best = manifest.get("eval"), manifest.get("best")
         return cls(
             tag,
             int(seq) if seq is not None else None,
@@ -68,6 +74,8 @@ class Committed:
             manifest.get("parent_save_id"),
             int(manifest.get("total_bytes", 0)),
             int(world) if world is not None else None,
+            dict(evaluated) if isinstance(evaluated, dict) else None,
+            best.get("tag") if isinstance(best, dict) else None,
         )
 
     @property
@@ -118,8 +126,13 @@ def newer_than(point: Committed, committed: list[Committed]) -> list[Committed]:
     return [c for c in committed if c.tag != point.tag and c.order_key > point.order_key]
 
 
-def select_for_deletion(line: list[str], limit: int, protected: set) -> list[str]:
-    """The oldest of ``line`` (oldest first) beyond ``limit``, never a protected one."""
+def select_for_deletion(
+    line: list[str], limit: int, protected: set, best: str | None = None
+) -> list[str]:
+    """The oldest of ``line`` (oldest first) beyond ``limit``, never a protected one; the ``best``
+    checkpoint is kept besides the ``limit`` newest (not counted, never deleted)."""
+    if best not in line[max(len(line) - limit, 0) :]:  # among the newest it counts as one of them
+        line = [t for t in line if t != best]
     excess = len(line) - limit
     return [t for t in line if t not in protected][: max(excess, 0)]
 

@@ -483,7 +483,8 @@ class RemoteCopy:
             for c in sorted(found, key=lambda c: c.order_key)
             if head and c.order_key <= head.order_key
         ]
-        doomed = select_for_deletion(line, self.limit, {head_tag}) if self.limit else []
+        best = head.best if head else None  # its line's best checkpoint: kept besides the limit
+        doomed = select_for_deletion(line, self.limit, {head_tag}, best) if self.limit else []
         at = step_of(head_tag) or 0
         partial = [t for t in uncommitted(OutputDir(self.remote), found) if step_of(t) < at]
         for tag in doomed:

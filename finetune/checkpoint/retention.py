@@ -6,6 +6,8 @@ next commit sequence number (above any on any storage), this storage's checkpoin
 commit's identity (sequence number, save id, parent) comes from it and each commit extends it.
 Retention keeps the K newest of the line and nothing else is counted or deleted: a leader renames
 the doomed folders out of the tag namespace (agreed, polled), a background thread purges them.
+The line's best checkpoint (best.py: the best evaluation among its commits, found from the
+manifests read here at start, then from each commit) is kept besides the K newest.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import threading
 from collections.abc import Callable
 
 from finetune import distributed as dist
+from finetune.checkpoint.best import BestPolicy, after_commit, best_of_line, protected
 from finetune.checkpoint.outdir import Deleter, OutputDir, committed, step_of, tag_for
 from finetune.checkpoint.policy import Committed, line_of, select_for_deletion
 from finetune.checkpoint.staging import SaveError
@@ -22,15 +25,28 @@ from finetune.io.faults import fault_point
 
 
 class Lineage:
-    def __init__(self, storage: OutputDir, leader: bool, head: Committed | None, seen_seq: int):
-        """Collective: the leaders read their storage's commit history; rank 0's view is shared."""
+    def __init__(
+        self,
+        storage: OutputDir,
+        leader: bool,
+        head: Committed | None,
+        seen_seq: int,
+        policy: BestPolicy | None = None,
+    ):
+        """Collective: the leaders read their storage's commit history; rank 0's view is shared.
+        ``policy``: which evaluation makes a checkpoint the best (default: the lowest eval_loss)."""
         self.storage, self.leader, self.head = storage, leader, head
+        self.policy = policy or BestPolicy()
         self.deleter = Deleter(storage)  # retention's deletions, in the background (leaders)
 
         def mine():
             fault_point("manager.history")
             found = committed(storage)
             line = line_of(head, found) if head else []
+            # the best, kept out of the count, breaks the parent links retention left: the head's
+            # manifest names it (and a newer best makes it one of the line again, to delete)
+            best = next((c for c in found if head and c.tag == head.best), None)
+            line = ([best] if best is not None and best not in line else []) + line
             mine_head = next(
                 (c for c in found if head and c.tag == head.tag and c.save_id == head.save_id), None
             )
@@ -39,6 +55,7 @@ class Lineage:
                 max((c.seq or 0 for c in found), default=0),
                 mine_head.total_bytes if mine_head else None,
                 {c.tag: c.total_bytes or 0 for c in found},
+                best_of_line(self.policy, [(c.tag, c.eval) for c in line]),
             )
 
         out = dist.gather_outcomes(
@@ -52,21 +69,26 @@ class Lineage:
         self.last_bytes: int | None = out.result[2] if out.result else None
         # this storage's, by tag: what deleting frees
         self.sizes: dict[str, int] = out.result[3] if out.result else {}
+        self.best: dict | None = views[0][4]  # the manifests' ``best`` record; never deleted
 
-    def identity(self, tag: str, run_id: str) -> dict:
-        """The next commit's sequence number, save id and parent. The number is consumed even if
-        the commit fails: a save id is never reused."""
+    def identity(self, tag: str, run_id: str, evaluated: dict | None = None) -> dict:
+        """The next commit's sequence number, save id and parent; ``evaluated``: its step's eval
+        row, recorded with the best checkpoint once it is committed (best.py). The number is
+        consumed even if the commit fails: a save id is never reused."""
         seq, self.next_seq = self.next_seq, self.next_seq + 1
         parent = self.head
         if parent is not None and parent.tag == tag:  # a same-tag re-commit replaces its parent
             parent = (
                 Committed(parent.parent, save_id=parent.parent_save_id) if parent.parent else None
             )
+        best = after_commit(self.policy, self.best, tag, evaluated)
         return {
             "commit_seq": seq,
             "save_id": f"{run_id}-{seq}",
             "parent": parent.tag if parent else None,
             "parent_save_id": parent.save_id if parent else None,
+            **({"eval": evaluated} if evaluated is not None else {}),
+            **({"best": best} if best is not None else {}),
         }
 
     def extend(self, tag: str, identity: dict, total_bytes: int) -> None:
@@ -75,6 +97,7 @@ class Lineage:
             tag, identity["commit_seq"], identity["save_id"], identity["parent"],
             identity["parent_save_id"], total_bytes,
         )  # fmt: skip
+        self.best = identity.get("best")
         self.line = [t for t in self.line if t != tag] + [tag]
         self.last_bytes = self.sizes[tag] = total_bytes
 
@@ -88,7 +111,10 @@ class Lineage:
         --remote_output_dir). Decided from facts every rank shares; leaders rename the rest to
         trash (polled), a thread purges it. ``ensure_lease`` raises (alike on every rank) when
         OUT is no longer this run's. Collective."""
-        doomed = select_for_deletion(self.line, limit, {self.head.tag} | keep) if limit else []
+        best = protected(self.best)  # kept besides the K newest
+        doomed = (
+            select_for_deletion(self.line, limit, {self.head.tag} | keep, best) if limit else []
+        )
         if not doomed:
             return
         ensure_lease("deleting older checkpoints", step_of(self.head.tag))

@@ -86,6 +86,11 @@ class TrainingState:
     last_losses: list = field(default_factory=list)
     # --dataset_mixture: cumulative tokens per source name, summed over ranks (as tokens_seen)
     tokens_seen_by_source: dict = field(default_factory=dict)
+    # Early stopping (checkpoint/best.py): the best --metric_for_best_model of the evaluations so
+    # far, its step, and the evaluations since that did not beat it by the threshold.
+    best_metric: float | None = None
+    best_metric_step: int | None = None
+    evals_without_improvement: int = 0
 
     def state_dict(self) -> dict:
         sd = {

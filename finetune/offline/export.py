@@ -34,9 +34,10 @@ from pathlib import Path
 
 import torch
 
+from finetune.checkpoint.best import named_best
 from finetune.checkpoint.consolidate import FROM_MASTER, SOURCE_KEY
 from finetune.checkpoint.manifest import read_manifest
-from finetune.checkpoint.outdir import find_checkpoint, step_of
+from finetune.checkpoint.outdir import OutputDir, find_checkpoint, step_of
 from finetune.commands import Parser
 from finetune.config import ConfigError, check_size
 from finetune.io.durable import fsync_path
@@ -200,6 +201,26 @@ def resolve_checkpoint(path: str | os.PathLike) -> Path:
             f"{path}: not a checkpoint (no DeepSpeed rank files or safetensors weights)"
         )
     return folder
+
+
+def best_checkpoint(location: str) -> str:
+    """``--best``: the best checkpoint of an output dir (or s3://BUCKET/PREFIX), as its newest
+    commit names it (checkpoint/best.py); ConfigError, one line, when none was evaluated."""
+    if is_remote(location):
+        from finetune.io.remote import S3Storage
+
+        storage = OutputDir(S3Storage(location))
+    elif Path(location).is_dir():
+        storage = OutputDir(location)
+    else:
+        raise ConfigError(f"{location}: no such output dir")
+    record = named_best({tag: storage.read_manifest(tag) for tag in storage.tags()})
+    if record is None:
+        raise ConfigError(
+            f"`--best`: {location} has no evaluated checkpoint (one saved at a step that was "
+            "evaluated: every --eval_steps and the last)"
+        )
+    return f"{location.rstrip('/')}/{record['tag']}"
 
 
 # --- checks and plain files -----------------------------------------------------------------------
@@ -392,6 +413,12 @@ def main(argv: list[str]) -> int:
         "fingerprint the checkpoint recorded).",
     )
     p.add_argument(
+        "--best",
+        action="store_true",
+        help="Export the best checkpoint of the output dir CKPT (--metric_for_best_model: the one "
+        "its newest commit names, marked + by `finetune ls`) instead of the newest.",
+    )
+    p.add_argument(
         "--no_verify",
         action="store_true",
         help="Don't check the files read against the checkpoint's manifest.json first (sizes "
@@ -399,6 +426,9 @@ def main(argv: list[str]) -> int:
         "with weights_only=True either way.",
     )
     ns = p.parse_args(argv)
+    if ns.best:  # then as if that checkpoint were named
+        best = best_checkpoint(ns.checkpoint)
+        return main([best if a == ns.checkpoint else a for a in argv if a != "--best"])
     if is_remote(ns.checkpoint):  # s3://: downloaded beside OUT, verified, exported, removed
         from finetune.checkpoint.remote_fetch import download_checkpoint
 

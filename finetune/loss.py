@@ -1,0 +1,58 @@
+"""The loss of a training step, weighted by tokens, and the numbers kept about it.
+
+A step's loss is the mean over every label token of the step, across its micro-batches (gradient
+accumulation) and its ranks: transformers' ``num_items_in_batch``. DeepSpeed divides each
+micro-batch's loss by the accumulation steps and averages gradients over ranks, so each micro-batch
+passes the model ``items`` = the step's label tokens / (accumulation steps x ranks): the gradient is
+then that of the sum of the step's token losses / its label tokens, however the tokens were split.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from finetune import distributed as dist
+from finetune.data.formats import IGNORE
+
+
+def label_tokens(inputs: dict) -> int:
+    """The tokens a micro-batch's loss is taken over (the model shifts labels: a row's first label
+    is never a target). Read on the host copy: no device sync."""
+    return int((inputs["labels"][..., 1:] != IGNORE).sum())
+
+
+def items_per_micro_batch(labels: int, micro_batches: int, device: torch.device) -> torch.Tensor:
+    """This rank's ``labels`` summed over ranks, / (``micro_batches`` x ranks): a device tensor,
+    summed without a host sync (the step's forwards queue behind the all-reduce). Collective."""
+    total = torch.tensor(labels, dtype=torch.int64, device=device)
+    if dist.world_size() > 1:
+        torch.distributed.all_reduce(total)  # queued on the device: nothing reads it back here
+    return total.float() / (micro_batches * dist.world_size())
+
+
+def rescaled(out, labels: int, items: torch.Tensor) -> torch.Tensor:
+    """A model without loss kwargs: its mean over this micro-batch's ``labels`` label tokens, as
+    the sum over them / ``items``. No label token: a zero loss that still runs the backward (under
+    ZeRO-3 every rank must), not the NaN of an empty mean."""
+    if labels == 0:
+        logits = getattr(out, "logits", None)
+        return (logits.sum() if logits is not None else out.loss.nan_to_num()) * 0.0
+    return out.loss * (labels / items)
+
+
+def sum_dtype(device: torch.device) -> torch.dtype:
+    """Loss sums kept on the device: float64 like the host sums they replace, where the device has
+    it (MPS and HPU do not)."""
+    return torch.float64 if device.type in ("cpu", "cuda") else torch.float32
+
+
+def loss_scale(engine) -> float | None:
+    """fp16's current loss scale; None in bf16/fp32 (no scaling). Where DeepSpeed's own monitor
+    reads it (engine._get_optimizer_loss_scale): the ZeRO optimizers' ``cur_scale`` property, or
+    FP16_Optimizer's ``loss_scale_config``. A Python number: no device sync."""
+    if not engine.fp16_enabled():
+        return None
+    optimizer = engine.optimizer
+    config = getattr(optimizer, "loss_scale_config", None)
+    scale = config.cur_scale if config is not None else getattr(optimizer, "cur_scale", None)
+    return float(scale) if scale is not None else None
