@@ -293,6 +293,22 @@ class Running:
         return ranks
 
 
+def run_cli(args: list[str], cwd) -> subprocess.CompletedProcess:
+    """`python -m finetune ARGS` as a user runs it: one plain process, no launcher's variables."""
+    from finetune.config import LEGACY_TIMEOUT_ENV
+
+    drop = ("WORLD_SIZE", "RANK", "LOCAL_RANK", LEGACY_TIMEOUT_ENV)
+    env = {k: v for k, v in os.environ.items() if k not in drop} | {"COLUMNS": "200"}
+    return subprocess.run(
+        [sys.executable, "-m", "finetune", *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
 def run_group(cmd: list[str], cwd: Path, env: dict, timeout: float) -> tuple[str, int]:
     """Run ``cmd`` to the end in its own process group (see Running); returns (output, exit
     code)."""

@@ -3,7 +3,6 @@ usage errors as the process reports them (exit 2, one line). Resolution itself: 
 
 from __future__ import annotations
 
-import os
 import re
 import subprocess
 import sys
@@ -14,7 +13,7 @@ from finetune.cli import build_train_parser, parse_train_args
 from finetune.config import LEGACY_TIMEOUT_ENV, ConfigError, flag_defaults
 
 from conftest import base_ds as _base_ds
-from conftest import write_ds
+from conftest import run_cli, write_ds
 
 
 @pytest.fixture(autouse=True)
@@ -204,23 +203,6 @@ def test_precision_flag_is_named_in_the_contradiction(tmp_path):
 # --- the CLI as a process ----------------------------------------------------------------
 
 
-def _run_cli(args: list[str], cwd) -> subprocess.CompletedProcess:
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK", LEGACY_TIMEOUT_ENV)
-    }
-    env["COLUMNS"] = "200"
-    return subprocess.run(
-        [sys.executable, "-m", "finetune", *args],
-        cwd=cwd,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-
-
 SUBPROCESS_CASES = [
     ("steps_and_epochs", ["--max_steps", "5", "--num_train_epochs", "1"], "--max_steps"),
     ("micro_batch_0", ["--per_device_train_batch_size", "0"], "--per_device_train_batch_size"),
@@ -233,7 +215,7 @@ SUBPROCESS_CASES = [
 @pytest.mark.parametrize("case, argv, name", SUBPROCESS_CASES, ids=[c[0] for c in SUBPROCESS_CASES])
 def test_cli_usage_error_exits_2_with_one_line(case, argv, name, tmp_path):
     (tmp_path / "bad.json").write_text('{"train_batch_size": 8,}')
-    proc = _run_cli([*argv, "--output_dir", "run_out"], tmp_path)
+    proc = run_cli([*argv, "--output_dir", "run_out"], tmp_path)
     assert proc.returncode == 2, proc.stderr
     assert "Traceback" not in proc.stderr
     last = [line for line in proc.stderr.splitlines() if line.strip()][-1]
@@ -244,7 +226,7 @@ def test_cli_usage_error_exits_2_with_one_line(case, argv, name, tmp_path):
 
 
 def test_cli_help_lists_design_flags_with_defaults(tmp_path):
-    proc = _run_cli(["--help"], tmp_path)
+    proc = run_cli(["--help"], tmp_path)
     assert proc.returncode == 0, proc.stderr
     text = " ".join(proc.stdout.split())  # undo argparse's line wrapping
     design_flags = """

@@ -5,9 +5,6 @@ token accounting through TrainData, and the listing's reading of it."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import time
 from collections import Counter
 
@@ -19,6 +16,8 @@ from finetune.data.mixture import sources, tokens_by_source
 from finetune.data.mixture_sampler import CHUNK, MixtureSampler, MixtureState
 from finetune.data.sampler import TrainData
 from finetune.resolve import resolve
+
+from conftest import run_cli
 
 
 def _stream(sampler: MixtureSampler, steps: int, per_rank: int) -> list[int]:
@@ -224,21 +223,9 @@ CLI_BAD = [
 ]
 
 
-def _cli(args, cwd) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK")}
-    return subprocess.run(
-        [sys.executable, "-m", "finetune", *args],
-        cwd=cwd,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-
-
 @pytest.mark.parametrize("case, mix, extra, name", CLI_BAD, ids=[c[0] for c in CLI_BAD])
 def test_cli_bad_mixture_exits_2_with_one_line_and_writes_nothing(case, mix, extra, name, files):
-    proc = _cli(["--dataset_mixture", mix, *extra, "--output_dir", "run_out"], files)
+    proc = run_cli(["--dataset_mixture", mix, *extra, "--output_dir", "run_out"], files)
     assert proc.returncode == 2, proc.stderr
     assert "Traceback" not in proc.stderr
     lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
@@ -252,7 +239,7 @@ def test_cli_bad_entry_in_a_config_file_exits_2(files):
         "dataset_mixture:\n  - train_file: a.jsonl\n    weight: 1\n  - train_file: b.jsonl\n"
         "    weight: 2\n    text_colum: text\n"
     )
-    proc = _cli(["--config", "run.yaml", "--output_dir", "run_out"], files)
+    proc = run_cli(["--config", "run.yaml", "--output_dir", "run_out"], files)
     assert proc.returncode == 2, proc.stderr
     assert "--dataset_mixture[1]: unknown key 'text_colum'" in proc.stderr
     assert not (files / "run_out").exists()
