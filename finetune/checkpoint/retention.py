@@ -43,6 +43,10 @@ class Lineage:
             fault_point("manager.history")
             found = committed(storage)
             line = line_of(head, found) if head else []
+            # the best, kept out of the count, breaks the parent links retention left: the head's
+            # manifest names it (and a newer best makes it one of the line again, to delete)
+            best = next((c for c in found if head and c.tag == head.best), None)
+            line = ([best] if best is not None and best not in line else []) + line
             mine_head = next(
                 (c for c in found if head and c.tag == head.tag and c.save_id == head.save_id), None
             )
