@@ -184,3 +184,129 @@ def test_greater_is_better_picks_the_other_checkpoint(tmp_path, tiny_module, gre
         save(m, progress, step, loss)
     kept = "global_step4" if greater else "global_step2"
     assert OutputDir(tmp_path).tags() == [kept, "global_step6"]
+
+
+# --- bad input: exit 2 at start, one line naming the flags, nothing written ---------------------
+
+BAD = [
+    ("unknown_metric", ["--metric_for_best_model", "accuracy"], "--metric_for_best_model"),
+    ("patience_0", ["--eval_steps", "2", "--early_stopping_patience", "0"], "patience"),
+    ("threshold_negative", ["--early_stopping_threshold", "-1"], "--early_stopping_threshold"),
+    ("threshold_alone", ["--early_stopping_threshold", "0.1"], "--early_stopping_patience"),
+    ("patience_no_eval_steps", ["--early_stopping_patience", "2"], "--eval_steps"),
+    (
+        "save_not_multiple_of_eval",
+        ["--eval_steps", "4", "--early_stopping_patience", "2", "--save_checkpoint"]
+        + ["--save_steps", "6"],
+        "--save_steps",
+    ),
+    (
+        "metric_save_without_eval_steps",
+        ["--metric_for_best_model", "loss", "--save_checkpoint", "--save_steps", "6"],
+        "--eval_steps",
+    ),
+    (
+        "no_eval_set",
+        ["--train_file", "t.jsonl", "--validation_split_percentage", "0"]
+        + ["--metric_for_best_model", "loss"],
+        "--validation_split_percentage",
+    ),
+]
+
+
+@pytest.mark.parametrize("case, argv, name", BAD, ids=[c[0] for c in BAD])
+def test_bad_flags_are_config_errors_naming_the_flag(case, argv, name, tmp_path, monkeypatch):
+    from finetune.cli import parse_train_args
+    from finetune.config import ConfigError
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "t.jsonl").write_text('{"text": "a b c"}\n')
+    with pytest.raises(ConfigError, match=name):
+        parse_train_args([*argv, "--output_dir", "out"])
+    assert not (tmp_path / "out").exists()
+
+
+def test_good_flags_resolve(tmp_path, monkeypatch):
+    from finetune.cli import parse_train_args
+
+    cfg = parse_train_args(
+        ["--eval_steps", "2", "--save_checkpoint", "--save_steps", "4"]
+        + ["--early_stopping_patience", "3", "--early_stopping_threshold", "0.01"]
+        + ["--metric_for_best_model", "perplexity", "--greater_is_better"]
+    )
+    assert BestPolicy.from_args(cfg.train) == BestPolicy("eval_perplexity", True, 3, 0.01)
+    cfg = parse_train_args(["--no_greater_is_better", "--metric_for_best_model", "eval_loss"])
+    assert cfg.train.greater_is_better is False
+    # not asked for explicitly: a save between evaluations is fine (that checkpoint has no metric)
+    parse_train_args(["--eval_steps", "4", "--save_checkpoint", "--save_steps", "6"])
+
+
+def test_no_eval_set_after_loading_is_a_config_error():
+    args = SimpleNamespace(early_stopping_patience=2, metric_for_best_model=None)
+    with pytest.raises(best.ConfigError, match="--early_stopping_patience.*eval set"):
+        best.require_evaluation(args, [])
+    best.require_evaluation(args, [1])
+    best.require_evaluation(
+        SimpleNamespace(early_stopping_patience=None, metric_for_best_model=None), None
+    )
+
+
+def test_the_cli_exits_2_with_one_line_and_writes_nothing(tmp_path):
+    import subprocess
+    import sys
+
+    proc = subprocess.run(
+        [sys.executable, "-m", "finetune", "--early_stopping_patience", "2"]
+        + ["--output_dir", str(tmp_path / "out")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 2, proc.stderr
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert lines[-1].startswith("finetune: error:") and "--eval_steps" in lines[-1]
+    assert proc.stderr.count("finetune: error:") == 1 and "Traceback" not in proc.stderr
+    assert not (tmp_path / "out").exists()
+
+
+# --- finetune ls and finetune export --best ------------------------------------------------------
+
+
+def test_ls_marks_the_best_and_json_carries_it(tmp_path, tiny_module, capsys):  # noqa: F811
+    import json
+
+    from finetune import listing
+    from finetune.offline.export import best_checkpoint
+
+    cfg = make_cfg(tmp_path, eval_steps=2, save_steps=2)
+    m, progress, _ = make_manager(cfg, tiny_module, best=BestPolicy())
+    for step, loss in [(2, 2.0), (4, 1.25), (6, 3.0)]:
+        save(m, progress, step, loss)
+    found = listing.collect(tmp_path)
+    assert [(c.tag, c.best) for c in found.checkpoints] == [
+        ("global_step2", False),
+        ("global_step4", True),
+        ("global_step6", False),
+    ]
+    assert found.checkpoints[0].eval == row(2, 2.0)
+    text = listing.render(found)
+    marked = next(ln for ln in text.splitlines() if ln.split()[1:2] == ["4"])
+    assert marked.startswith("+"), text
+    assert "+ = the best: eval_loss 1.2500 (lower is better)" in text
+    assert listing.main([str(tmp_path), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["best"]["tag"] == "global_step4"
+    assert [c["best"] for c in out["checkpoints"]] == [False, True, False]
+    assert best_checkpoint(str(tmp_path)) == f"{tmp_path}/global_step4"
+
+
+def test_export_best_without_an_evaluated_checkpoint_is_exit_2(tmp_path, tiny_module):  # noqa: F811
+    from finetune.config import ConfigError
+    from finetune.offline.export import main as export_main
+
+    cfg = make_cfg(tmp_path / "run")
+    m, progress, _ = make_manager(cfg, tiny_module, best=BestPolicy())
+    save(m, progress, 2)  # saved without an evaluation
+    with pytest.raises(ConfigError, match="`--best`: .* has no evaluated checkpoint"):
+        export_main([str(tmp_path / "run"), str(tmp_path / "exported"), "--best"])
+    assert not (tmp_path / "exported").exists()
