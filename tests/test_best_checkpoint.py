@@ -81,6 +81,14 @@ def test_early_stopping_stops_at_the_same_step_after_kill_9_and_resume(
     assert state["evals_without_improvement"] == 4
     assert state["best_metric"] == pytest.approx(min(r["eval_loss"] for r in whole.eval_rows()))
 
+    # Resumed again, from its final checkpoint: it stops at once, training nothing more.
+    again = run_finetune(
+        *flags, "--resume_from_checkpoint", "auto", launcher="python", nprocs=1, out_dir=out
+    )
+    assert again.returncode == 0, again.output[-3000:]
+    assert (exit_status(out)["reason"], exit_status(out)["step"]) == ("early_stopped", 8)
+    assert len(again.metrics()) == len(resumed.metrics())  # no new row
+
 
 def eval_loss_of(model_dir, val_file, max_len: int) -> float:
     """The token-weighted loss of a model folder on the eval file, computed here from scratch:
