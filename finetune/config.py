@@ -199,10 +199,10 @@ class TrainArgs:
         None,
         "The evaluation metric that picks the best checkpoint (kept by --save_total_limit besides "
         "the newest, marked by `finetune ls`, exported by `finetune export --best`) and that early "
-        "stopping watches: eval_loss or eval_perplexity, the eval_ prefix optional (default: "
-        "eval_loss). Given explicitly, or with --early_stopping_patience, --save_steps must be a "
-        "multiple of --eval_steps (as HF's load_best_model_at_end), so every checkpoint has its "
-        "evaluation; a checkpoint saved without one is never the best.",
+        "stopping watches: eval_loss or eval_perplexity, the eval_ prefix optional. Given "
+        "explicitly, or with --early_stopping_patience, --save_steps must be a multiple of "
+        "--eval_steps (as HF's load_best_model_at_end), so every checkpoint has its evaluation; "
+        "a checkpoint saved without one is never the best (default: eval_loss)",
     )
     greater_is_better: bool | None = _f(
         None,
