@@ -155,3 +155,18 @@ def test_the_best_checkpoint_survives_retention_and_exports_with_its_eval_loss(
         recomputed,
         evals[best_step],
     )
+
+
+def test_early_stopping_without_saving_checkpoints(run_finetune, files, tmp_path):
+    """No --save_checkpoint: early stopping still ends the run (exit 0, reason early_stopped),
+    with nothing saved."""
+    r = run_finetune(
+        *files, "--max_steps", "40", "--eval_steps", "3", "--early_stopping_patience", "2",
+        "--early_stopping_threshold", "0.5", "--warmup_steps", "100000", "--max_seq_length", "64",
+        launcher="python", nprocs=1,
+    )  # fmt: skip
+    assert r.returncode == 0, r.output[-3000:]
+    status = exit_status(r.out_dir)
+    assert (status["reason"], status["step"]) == ("early_stopped", 6)
+    assert "best_checkpoint" not in status and not list(r.out_dir.glob("global_step*"))
+    assert [row["step"] for row in r.eval_rows()] == [0, 3, 6]
