@@ -13,6 +13,9 @@ import pytest
 
 from conftest import Result
 
+pytestmark = (
+    pytest.mark.e2e
+)  # real runs (about 4 minutes on 2 cores): `make check`, not `make test`
 VALIDATION = 12  # examples in the eval set
 
 
