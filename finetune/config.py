@@ -231,7 +231,9 @@ class CheckpointArgs:
     )
     save_steps: int | None = _f(None, "Also save every N optimizer steps.")
     save_total_limit: int | None = _f(
-        None, "Keep at most K checkpoints (never deletes the newest complete one)."
+        None,
+        "Keep the K newest checkpoints, and the best one (--metric_for_best_model) besides; never "
+        "deletes the newest complete one.",
     )
     save_consolidated: bool = _f(
         False, "Also gather the weights into HF safetensors in the checkpoint folder."
