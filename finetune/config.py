@@ -39,32 +39,6 @@ SCHEDULERS = (
     "cosine_with_min_lr",
     "warmup_stable_decay",
 )
-# Each schedule's own arguments (--lr_scheduler_kwargs): those of transformers' schedule function
-# (tests/test_schedules.py checks them against the installed version), and those it requires.
-SCHEDULER_KWARGS = {
-    "linear": (),
-    "cosine": ("num_cycles",),
-    "constant": (),
-    "constant_with_warmup": (),
-    "cosine_with_min_lr": ("num_cycles", "min_lr", "min_lr_rate"),
-    "warmup_stable_decay": (
-        "num_decay_steps",
-        "num_stable_steps",
-        "warmup_type",
-        "decay_type",
-        "min_lr_ratio",
-        "num_cycles",
-    ),
-}
-# Attention kernels transformers accepts by name (a hub kernel, "org/repo", also passes), and the
-# package each needs beyond transformers.
-ATTN_IMPLEMENTATIONS = {
-    "eager": None,
-    "sdpa": None,
-    "flex_attention": None,
-    "flash_attention_2": "flash_attn",
-    "flash_attention_3": "flash_attn_interface",
-}
 # A model folder's weights, in any layout transformers loads (single file or sharded with an index).
 WEIGHT_FILES = (
     "*.safetensors",
@@ -298,10 +272,10 @@ class TrainArgs:
         None,
         "The evaluation metric that picks the best checkpoint (kept by --save_total_limit besides "
         "the newest, marked by `finetune ls`, exported by `finetune export --best`) and that early "
-        "stopping watches: eval_loss or eval_perplexity, the eval_ prefix optional (default: "
-        "eval_loss). Given explicitly, or with --early_stopping_patience, --save_steps must be a "
-        "multiple of --eval_steps (as HF's load_best_model_at_end), so every checkpoint has its "
-        "evaluation; a checkpoint saved without one is never the best.",
+        "stopping watches: eval_loss or eval_perplexity, the eval_ prefix optional. Given "
+        "explicitly, or with --early_stopping_patience, --save_steps must be a multiple of "
+        "--eval_steps (as HF's load_best_model_at_end), so every checkpoint has its evaluation; "
+        "a checkpoint saved without one is never the best (default: eval_loss)",
     )
     greater_is_better: bool | None = _f(
         None,
@@ -330,7 +304,9 @@ class CheckpointArgs:
     )
     save_steps: int | None = _f(None, "Also save every N optimizer steps.")
     save_total_limit: int | None = _f(
-        None, "Keep at most K checkpoints (never deletes the newest complete one)."
+        None,
+        "Keep the K newest checkpoints, and the best one (--metric_for_best_model) besides; never "
+        "deletes the newest complete one.",
     )
     save_consolidated: bool = _f(
         False, "Also gather the weights into HF safetensors in the checkpoint folder."

@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 
-from finetune.checkpoint.best import mark_best
+from finetune.checkpoint.best import best_legend, mark_best
 from finetune.checkpoint.manifest import (
     MANIFEST,
     looks_like_checkpoint,
@@ -42,7 +42,6 @@ from finetune.offline.adapter import ADAPTER_CONFIG, is_adapter_checkpoint
 from finetune.offline.verify import METRICS, notes
 
 WIDTH = 100  # the table fits a terminal this wide; full problem texts go below it
-BETTER = {True: "higher is better", False: "lower is better"}
 UNCOMMITTED = "uncommitted"
 RUN_FILES = (
     METRICS,
@@ -404,11 +403,7 @@ def render(listing: Listing) -> str:
     if any(c.latest for c in listing.checkpoints):
         lines.append(f"* = named by {LATEST}")
     lines += source_lines(listing.checkpoints)
-    if listing.best is not None and any(c.best for c in listing.checkpoints):
-        b = listing.best
-        lines.append(
-            f"+ = the best: {b['metric']} {b['value']:.4f} ({BETTER[b['greater_is_better']]})"
-        )
+    lines += best_legend(listing.best, listing.checkpoints)
     for c in listing.checkpoints:
         if c.problems and c.status != UNCOMMITTED:  # the table has room for the first one at most
             lines.append(f"{c.tag}: {len(c.problems)} problem(s)")

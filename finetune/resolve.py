@@ -11,20 +11,17 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
-import json
 from collections.abc import Mapping
 from typing import Any
 
 from finetune.checkpoint.best import validate_flags as validate_best_flags
 from finetune.config import (
-    ATTN_IMPLEMENTATIONS,
     EMBEDDED_MAX_STEPS,
     EMBEDDED_PRESET,
     FALLBACKS,
     GROUPS,
     LIST_FLAGS,
     MIN_DDP_TIMEOUT,
-    SCHEDULER_KWARGS,
     ConfigError,
     RunConfig,
     check_size,
@@ -38,6 +35,7 @@ from finetune.ds_config import load_ds_json, reconcile_ds
 from finetune.lora import validate_lora_flags
 from finetune.preemption import parse_signals
 from finetune.sources import validate_paths
+from finetune.training_flags import check_kernels, resolve_schedule
 
 
 def resolve(
@@ -180,7 +178,6 @@ def validate_flags(v: Mapping[str, Any]) -> None:
 def check_remote(v: Mapping[str, Any]) -> None:
     """--remote_output_dir: a URI of a supported scheme, its client installed, something to copy.
     (Whether the bucket and credentials work is the start-up probe's: checkpoint/remote_copy.)"""
-    import importlib.util
 
     from finetune.io.remote import CLIENT_PACKAGE, RemoteError, S3Uri
 
@@ -196,100 +193,3 @@ def check_remote(v: Mapping[str, Any]) -> None:
             f"`--remote_output_dir` {uri} needs the {CLIENT_PACKAGE} package: "
             f"pip install {CLIENT_PACKAGE} (or finetune[s3])"
         )
-
-
-def resolve_schedule(v: dict[str, Any]) -> None:
-    """--lr_scheduler_kwargs (JSON text on the command line, a mapping in a --config file) checked
-    against the schedule's own arguments; --warmup_ratio / a fractional --warmup_steps kept as a
-    fraction (resolved against the run's steps once the data is known: build.warmup_steps)."""
-    name, kw = v["lr_scheduler_type"], v["lr_scheduler_kwargs"]
-    example = """'{"min_lr_rate": 0.1}'"""
-    if isinstance(kw, str):
-        try:
-            kw = json.loads(kw)
-        except ValueError as e:
-            raise ConfigError(
-                f"`--lr_scheduler_kwargs` must be a JSON dict like {example}: {e}"
-            ) from None
-    if kw is not None and not isinstance(kw, dict):
-        raise ConfigError(f"`--lr_scheduler_kwargs` must be a JSON dict like {example}, got {kw!r}")
-    kw = kw or {}
-    allowed = SCHEDULER_KWARGS[name]
-    bad = sorted(set(kw) - set(allowed))
-    if bad:
-        raise ConfigError(
-            f"`--lr_scheduler_kwargs`: {', '.join(bad)} is not an argument of "
-            f"`--lr_scheduler_type {name}` (it takes: {', '.join(allowed) or 'none'})"
-        )
-    if name == "cosine_with_min_lr" and sum(k in kw for k in ("min_lr", "min_lr_rate")) != 1:
-        raise ConfigError(
-            "`--lr_scheduler_type cosine_with_min_lr` needs exactly one of min_lr, min_lr_rate "
-            f"in `--lr_scheduler_kwargs` (e.g. {example})"
-        )
-    if name == "warmup_stable_decay" and "num_decay_steps" not in kw:
-        raise ConfigError(
-            "`--lr_scheduler_type warmup_stable_decay` needs num_decay_steps in "
-            """`--lr_scheduler_kwargs` (e.g. '{"num_decay_steps": 100, "min_lr_ratio": 0.1}')"""
-        )
-    for key, low, high in (("min_lr", 0, None), ("min_lr_rate", 0, 1), ("min_lr_ratio", 0, 1)):
-        value = kw.get(key)
-        if value is not None and not (
-            isinstance(value, (int, float)) and low <= value and (high is None or value <= high)
-        ):
-            span = f"in [{low}, {high}]" if high is not None else "a number >= 0"
-            raise ConfigError(f"`--lr_scheduler_kwargs`: {key} must be {span}, got {value!r}")
-    for key in ("num_decay_steps", "num_stable_steps"):
-        value = kw.get(key)
-        if value is not None and not (isinstance(value, int) and value >= 0):
-            raise ConfigError(
-                f"`--lr_scheduler_kwargs`: {key} must be a whole number of steps, got {value!r}"
-            )
-    v["lr_scheduler_kwargs"] = kw or None
-    steps, ratio = v["warmup_steps"], v["warmup_ratio"]
-    if ratio is not None:
-        if steps is not None:
-            raise ConfigError("Can't give both `--warmup_steps` and `--warmup_ratio`")
-        if not 0 <= ratio < 1:
-            raise ConfigError(f"`--warmup_ratio` must be in [0, 1), got {ratio}")
-        v["warmup_steps"] = ratio
-    elif steps is not None and steps >= 1:
-        if steps != int(steps):
-            raise ConfigError(
-                "`--warmup_steps` must be a whole number of steps, or a fraction of the run's "
-                f"steps below 1, got {steps}"
-            )
-        v["warmup_steps"] = int(steps)
-
-
-def check_kernels(v: Mapping[str, Any]) -> None:
-    """--attn_implementation, --use_liger_kernel, --neftune_noise_alpha: what they need is here
-    (checked before anything is written; transformers would fail only once the model loads)."""
-    name = v["attn_implementation"]
-    if name is not None and "/" not in name:  # "org/repo": a hub kernel transformers fetches
-        if name not in ATTN_IMPLEMENTATIONS:
-            raise ConfigError(
-                f"`--attn_implementation`: unknown kernel {name!r} (choose from "
-                f"{', '.join(ATTN_IMPLEMENTATIONS)}, or a hub kernel org/repo)"
-            )
-        package = ATTN_IMPLEMENTATIONS[name]
-        if package is not None and importlib.util.find_spec(package) is None:
-            raise ConfigError(
-                f"`--attn_implementation {name}` needs the {package} package and a CUDA GPU "
-                f"(pip install {'flash-attn' if package == 'flash_attn' else package}); "
-                "sdpa needs nothing"
-            )
-    if v["use_liger_kernel"]:
-        if importlib.util.find_spec("liger_kernel") is None:
-            raise ConfigError(
-                "`--use_liger_kernel` needs the liger-kernel package: pip install liger-kernel"
-            )
-        import torch
-
-        if not torch.cuda.is_available():
-            raise ConfigError(
-                "`--use_liger_kernel` needs a CUDA GPU (Liger's kernels are Triton); none is "
-                "visible to this process"
-            )
-    alpha = v["neftune_noise_alpha"]
-    if alpha is not None and not alpha > 0:
-        raise ConfigError(f"`--neftune_noise_alpha` must be positive, got {alpha}")

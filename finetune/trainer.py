@@ -119,7 +119,8 @@ class Trainer:
         try:
             # A signal during start-up, a first batch that failed, a lease lost while loading.
             # an early-stopped run resumed from its final checkpoint stops again at once
-            stop = self._boundary() or self._early_stop()
+            unfinished = self.state.global_step < self.total_steps
+            stop = self._boundary() or (self._early_stop() if unfinished else None)
             while stop is None and self.state.global_step < self.total_steps:
                 stop = self._iteration(bar)
             bar.close()

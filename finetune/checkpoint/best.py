@@ -239,3 +239,11 @@ def require_evaluation(train: Any, evalset: Any) -> None:
             f"`{named}` needs an evaluation, and the data has no eval set: give "
             "`--validation_file` or a `--validation_split_percentage` above 0"
         )
+
+
+def best_legend(best: Mapping | None, rows: Iterable[Any]) -> list[str]:
+    """`finetune ls`'s line under the table for the row marked best (none without one)."""
+    if best is None or not any(r.best for r in rows):
+        return []
+    better = "higher is better" if best["greater_is_better"] else "lower is better"
+    return [f"+ = the best: {best['metric']} {best['value']:.4f} ({better})"]

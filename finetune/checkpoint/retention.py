@@ -50,6 +50,11 @@ class Lineage:
             mine_head = next(
                 (c for c in found if head and c.tag == head.tag and c.save_id == head.save_id), None
             )
+            # the best, kept out of the count, breaks the parent links retention left: the head's
+            # manifest names it (and a newer best makes it one of the line again, to delete); only
+            # when the head is this storage's (a checkpoint elsewhere names no folder here)
+            best = next((c for c in found if mine_head and c.tag == mine_head.best), None)
+            line = ([best] if best is not None and best not in line else []) + line
             return (
                 [c.tag for c in line],
                 max((c.seq or 0 for c in found), default=0),

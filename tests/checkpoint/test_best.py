@@ -310,3 +310,27 @@ def test_export_best_without_an_evaluated_checkpoint_is_exit_2(tmp_path, tiny_mo
     with pytest.raises(ConfigError, match="`--best`: .* has no evaluated checkpoint"):
         export_main([str(tmp_path / "run"), str(tmp_path / "exported"), "--best"])
     assert not (tmp_path / "exported").exists()
+
+
+def test_the_buckets_retention_keeps_the_best_the_newest_manifest_names():
+    """RemoteCopy._retain on an object store in memory: the best outlives --save_total_limit 1."""
+    import json
+
+    from memory_storage import MemoryStorage
+
+    from finetune.checkpoint.remote_copy import RemoteCopy
+
+    class Bucket(MemoryStorage):
+        def remove_tree(self, rel: str) -> None:
+            for name in [f for f in self.files if f.startswith(rel + "/")]:
+                del self.files[name]
+            self.dirs = {d for d in self.dirs if d != rel and not d.startswith(rel + "/")}
+
+    bucket = Bucket()
+    for seq, step in enumerate((2, 4, 6, 8), start=1):
+        manifest = {"commit_seq": seq, "tag": f"global_step{step}", "total_bytes": 1}
+        manifest["best"] = {"tag": "global_step4", "metric": "eval_loss", "value": 1.0}
+        bucket.put(f"global_step{step}/manifest.json", json.dumps(manifest).encode())
+        bucket.put(f"global_step{step}/model_states.pt")
+    RemoteCopy._retain(SimpleNamespace(remote=bucket, limit=1), "global_step8")
+    assert OutputDir(bucket).tags() == ["global_step4", "global_step8"]

@@ -202,6 +202,12 @@ def test_ls_and_export_take_s3_uris(copied, server, tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["from-bucket", "from-disk"], (
         "the download is removed"
     )
+    # the best checkpoint (the final one, evaluated at the end) is marked; export --best takes it
+    assert full["best"]["tag"] == "global_step6" and full["checkpoints"][0]["best"], full
+    best = _cli("export", COPIED, str(tmp_path / "best"), "--best", "--dtype", "fp32", env=env)
+    assert best.returncode == 0 and "global_step6" in best.stdout, best.stdout + best.stderr
+    c = load_file(tmp_path / "best" / "model.safetensors")
+    assert c.keys() == b.keys() and all(c[k].equal(b[k]) for k in c)
     missing = _cli("export", f"s3://{BUCKET}/copied/global_step4", str(tmp_path / "x"), env=env)
     assert missing.returncode == 2 and len(missing.stderr.strip().splitlines()) == 1, missing
     assert "not a committed checkpoint" in missing.stderr and not (tmp_path / "x").exists()
