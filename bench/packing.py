@@ -27,10 +27,10 @@ PY = sys.executable
 EFFICIENCY = re.compile(r"packing \(bfd\): .* efficiency ([\d.]+)%")
 
 
-def launch(out: Path, steps: int, nprocs: int, packing: bool, batch: int) -> dict:
+def launch(out: Path, steps: int, nprocs: int, packing: bool, batch: int, every: int) -> dict:
     cmd = [
         str(Path(PY).parent / "deepspeed"), "--num_gpus", str(nprocs), "--module", "finetune",
-        "--max_steps", str(steps), "--logging_steps", "5", "--per_device_train_batch_size",
+        "--max_steps", str(steps), "--logging_steps", str(every), "--per_device_train_batch_size",
         str(batch), "--output_dir", str(out), "--no_plot", "--eval_steps", str(10 * steps),
         "--log_level", "info", *(["--packing"] if packing else []),
     ]  # fmt: skip
@@ -49,6 +49,11 @@ def tokens_per_s(rows: list[dict], warmup_rows: int) -> float:
     """Real tokens over time of the rows after the warm-up: each row's tokens / its tokens_per_s
     is its window's seconds."""
     timed = rows[warmup_rows:]
+    if not timed or warmup_rows < 1:
+        raise SystemExit(
+            f"{len(rows)} metrics rows: more steps (or a smaller --logging_steps) are needed "
+            f"to time any after the first {warmup_rows} (at least 1)"
+        )
     tokens = [b["tokens_seen"] - a["tokens_seen"] for a, b in zip(rows[warmup_rows - 1 :], timed)]
     seconds = [t / r["tokens_per_s"] for t, r in zip(tokens, timed)]
     return sum(tokens) / sum(seconds)
@@ -80,6 +85,7 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--nprocs", type=int, default=2)
     ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--logging_steps", type=int, default=5)
     ap.add_argument("--warmup_rows", type=int, default=2)
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
@@ -89,7 +95,7 @@ def main(argv=None) -> int:
     for r in range(a.rounds):
         for packing in (False, True) if r % 2 == 0 else (True, False):
             name = "packed" if packing else "unpacked"
-            got = launch(work / f"{name}-{r}", a.steps, a.nprocs, packing, a.batch)
+            got = launch(work / f"{name}-{r}", a.steps, a.nprocs, packing, a.batch, a.logging_steps)
             tps = tokens_per_s(got["rows"], a.warmup_rows)
             runs[name].append(round(tps, 1))
             efficiency = got["efficiency"] if packing else efficiency

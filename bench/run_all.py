@@ -101,7 +101,7 @@ SMOKE = {
     "P7": {},
     "P8": {"saves": 2, "model": "embedded", "worlds": [1, 2]},
     "P9": {"rows": 160, "small_rows": 40, "repeats": 1, "steps": 3, "hf_sets": []},
-    "P10": {"steps": 6, "rounds": 1},
+    "P10": {"steps": 12, "rounds": 1, "logging_steps": 2},
 }
 TIMEOUT_S = {"full": 1500, "smoke": 240}
 
@@ -971,7 +971,10 @@ class Ctx:
 def p10(ctx) -> dict:
     s = ctx.sizes["P10"]
     out = ctx.results / "packing.json"
-    ctx.run("P10", "packing.py", ["--steps", s["steps"], "--rounds", s["rounds"], "--out", out])
+    every = ["--logging_steps", s["logging_steps"]] if "logging_steps" in s else []
+    ctx.run(
+        "P10", "packing.py", ["--steps", s["steps"], "--rounds", s["rounds"], *every, "--out", out]
+    )
     r = json.loads(out.read_text())
     return entry(
         "P10",
