@@ -175,6 +175,11 @@ with deepspeed.zero.GatheredParameters(list(engine.module.parameters())):
         torch.save({k: v.detach().clone() for k, v in engine.module.state_dict().items()}, \
 out + "/reference.pt")
         shutil.copy(model_dir + "/config.json", out + "/global_step1/config.json")
+torch.distributed.barrier()
+# Out without interpreter teardown, as finetune's entry does: gloo's threads can abort it
+# ("terminate called without an active exception", SIGABRT after the work is done).
+sys.stdout.flush(); sys.stderr.flush()
+import os; os._exit(0)
 """
 
 
