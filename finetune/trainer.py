@@ -9,6 +9,7 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 from tqdm.auto import tqdm
@@ -179,8 +180,9 @@ class Trainer:
 
     # --- the best metric and early stopping (checkpoint/best.py) ------------------------------
 
-    @property
+    @cached_property
     def policy(self) -> best.BestPolicy:
+        """The best metric's policy: the flags' (built once, not at every evaluation)."""
         return best.BestPolicy.from_args(self.cfg.train)
 
     def _evaluated(self, row: dict) -> None:
