@@ -97,6 +97,8 @@ def main() -> None:
         "--model_json", default=None, help="JSON object of config keys replacing the 134M Llama's"
     )
     ap.add_argument("--timeout", type=float, default=1800)
+    ap.add_argument("--num_gpus", type=int, default=2, help="ranks (1 on a one-GPU machine)")
+    ap.add_argument("--precision", choices=("fp32", "bf16"), default="fp32")
     ap.add_argument("--out", default=str(REPO / "bench" / "results" / "async_save.json"))
     a = ap.parse_args()
     missing = api_missing()
@@ -115,7 +117,7 @@ def main() -> None:
     cmd = [
         str(Path(sys.executable).parent / "deepspeed"),
         "--num_gpus",
-        "2",
+        str(a.num_gpus),
         "--master_port",
         str(free_port()),
         str(REPO / "bench" / "async_save_worker.py"),
@@ -135,6 +137,8 @@ def main() -> None:
         str(a.every),
         "--e2e_repeats",
         str(a.e2e_repeats),
+        "--precision",
+        a.precision,
     ]
     start = time.time()
     proc = subprocess.run(

@@ -99,6 +99,7 @@ def main() -> None:
     ap.add_argument("--e2e_repeats", type=int, default=2, help="(c): rounds of (none, sync, async)")
     ap.add_argument("--batch_size", type=int, default=1)
     ap.add_argument("--seq_len", type=int, default=32)
+    ap.add_argument("--precision", choices=("fp32", "bf16"), default="fp32")
     ap.add_argument("--local_rank", type=int, default=None)
     a = ap.parse_args()
     missing = async_api_missing()
@@ -129,6 +130,8 @@ def main() -> None:
             "--async_save",
             "--save_total_limit",
             "1",
+            "--precision",
+            a.precision,
         ]
     )
     dist.init(cfg.train.ddp_timeout)

@@ -39,6 +39,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--max_steps", type=int, required=True)
     p.add_argument("--logging_steps", type=int, required=True)
     p.add_argument("--seed", type=int, default=42)
+    p.add_argument("--bf16", action="store_true", help="bf16 mixed precision (GPU runs)")
     p.add_argument("--local_rank", "--local-rank", type=int, default=-1)
     return p.parse_args()
 
@@ -79,7 +80,7 @@ def main() -> None:
         save_strategy="no",
         report_to="none",
         seed=args.seed,
-        bf16=False,
+        bf16=args.bf16,
         fp16=False,
         dataloader_num_workers=0,
         dataloader_drop_last=True,  # finetune's sampler also drops the tail of an epoch

@@ -99,6 +99,8 @@ TOKENIZER_DIR = RES / "tokenizer"
 TRAIN_FILE = RES / "data" / "train.jsonl"
 DS_CONFIG = REPO / "configs" / "ds_zero3.json"
 HF_SCRIPT = Path(__file__).resolve().parent / "hf_trainer_run.py"
+sys.path.insert(0, str(REPO))
+from finetune.ops import parsable_cuda_arch_list  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -115,6 +117,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--hidden_size", type=int, default=256)
     p.add_argument("--num_layers", type=int, default=4)
     p.add_argument("--num_gpus", type=int, default=2, help="ranks per launch")
+    p.add_argument(
+        "--precision",
+        choices=("fp32", "bf16"),
+        default="fp32",
+        help="both tools: fp32, or bf16 mixed precision (GPU runs)",
+    )
     p.add_argument(
         "--rounds",
         type=int,
@@ -314,7 +322,7 @@ def finetune_cmd(a, inputs: dict, out_dir: Path) -> list[str]:
         "--lr_scheduler_type",
         "linear",
         "--precision",
-        "fp32",
+        a.precision,
         *common_flags(a),
     ]
 
@@ -339,6 +347,7 @@ def hf_cmd(a, inputs: dict, out_dir: Path) -> list[str]:
         str(out_dir / "trainer_out"),
         "--result",
         str(out_dir / "hf"),
+        *(["--bf16"] if a.precision == "bf16" else []),
         *common_flags(a),
     ]
 
@@ -514,6 +523,8 @@ def main(argv=None) -> int:
     logs_dir.mkdir()
     env = dict(os.environ)
     env["PATH"] = str(Path(sys.executable).parent) + os.pathsep + env.get("PATH", "")
+    # HF Trainer's FusedAdam needs the arch list DeepSpeed can parse, as finetune makes it itself
+    parsable_cuda_arch_list(env)
     if a.threads_per_rank:
         env["OMP_NUM_THREADS"] = str(a.threads_per_rank)
     started = _dt.datetime.now(_dt.timezone.utc)

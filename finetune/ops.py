@@ -24,6 +24,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -50,6 +51,7 @@ def use_venv_extensions_dir() -> None:
     TORCH_EXTENSIONS_DIR wins.
     """
     remember_cpu_info()
+    parsable_cuda_arch_list()
     if sys.prefix == sys.base_prefix:
         return
     if not os.environ.get("TORCH_EXTENSIONS_DIR") and os.access(sys.prefix, os.W_OK):
@@ -57,6 +59,29 @@ def use_venv_extensions_dir() -> None:
     venv_bin = Path(sys.prefix) / "bin"
     if (venv_bin / "ninja").exists() and shutil.which("ninja") != str(venv_bin / "ninja"):
         os.environ["PATH"] = os.pathsep.join([str(venv_bin), os.environ.get("PATH", "")])
+
+
+def parsable_cuda_arch_list(env=os.environ) -> str | None:
+    """Rewrite ``TORCH_CUDA_ARCH_LIST`` entries with an architecture-specific suffix (``9.0a``,
+    ``10.0f``) to their plain form, so DeepSpeed can build and load its ops; returns the old value
+    when it changed anything.
+
+    DeepSpeed 0.19.8 reads each entry as integers (``compute_capability_args`` in
+    op_builder/builder.py) and raises ``ValueError: invalid literal for int() ... '0a'`` on a
+    suffix, at every load of FusedAdam, prebuilt or not: seen on an H200 whose image sets
+    ``TORCH_CUDA_ARCH_LIST=9.0a``, where FusedAdam then fell back to torch_adam and HF Trainer
+    crashed. The ops use no architecture-specific instructions; JIT compiles in this process are
+    DeepSpeed's ops only."""
+    old = env.get("TORCH_CUDA_ARCH_LIST")
+    if not old or not re.search(r"\d\.\d+[a-z]", old):
+        return None
+    fixed = ";".join(
+        re.sub(r"^(\d+\.\d+)[a-z]+", r"\1", e.strip())
+        for e in old.replace(" ", ";").split(";")
+        if e.strip()
+    )
+    env["TORCH_CUDA_ARCH_LIST"] = fixed
+    return old
 
 
 def remember_cpu_info() -> None:

@@ -317,3 +317,29 @@ def test_the_cpu_key_is_what_identifies_the_cpu():
     if key is None:
         pytest.skip("no /proc/cpuinfo here")
     assert len(key) == 16 and key == _cpu_key()
+
+
+@pytest.mark.parametrize(
+    "given, want",
+    [("9.0a", "9.0"), ("8.0;9.0a+PTX", "8.0;9.0+PTX"), ("10.0f 12.0a", "10.0;12.0")],
+)
+def test_an_arch_list_deepspeed_cannot_parse_is_made_plain(monkeypatch, given, want):
+    """Seen on an H200 image with TORCH_CUDA_ARCH_LIST=9.0a: DeepSpeed's own parser raised at every
+    FusedAdam load (prebuilt or not), so runs fell back to torch_adam and HF Trainer crashed."""
+    from deepspeed.ops.op_builder.fused_adam import FusedAdamBuilder
+
+    builder = FusedAdamBuilder()
+    builder.jit_mode = True  # as in jit_load: the arch list then comes from the environment
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", given)
+    with pytest.raises(ValueError, match="invalid literal"):
+        builder.compute_capability_args()
+    assert ops.parsable_cuda_arch_list() == given
+    assert os.environ["TORCH_CUDA_ARCH_LIST"] == want
+    builder.compute_capability_args()  # parses now
+
+
+@pytest.mark.parametrize("given", ["9.0", "8.0;9.0+PTX", "7.5 8.0"])
+def test_a_plain_arch_list_is_left_alone(monkeypatch, given):
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", given)
+    assert ops.parsable_cuda_arch_list() is None
+    assert os.environ["TORCH_CUDA_ARCH_LIST"] == given
