@@ -155,14 +155,31 @@ def main() -> None:
     manager.wait()
     if dist.is_main():
         print(f"first async save (allocates its buffers): stall {first_stall:.3f}s", flush=True)
-    stall = []
+    stall, profile = [], []
     for i in range(a.repeats):
         train_step()
         step = state.global_step
         settle()
-        t_async = timed(lambda step=step: manager.save(step, background=True))
+        t_save = timed(lambda step=step: manager.save(step, background=True))
+        laps = dict(manager.pending.clock.laps) if manager.pending is not None else {}
         snapshot_bytes = manager.writer.snapshot_bytes
+        # The stall is everything training waits for: save() itself, and the next optimizer
+        # step's wait for the lazy copy (0 when the copy was done during forward and backward).
+        waited0 = getattr(manager, "copy_wait_s", 0.0)
+        t_step = timed(train_step)
+        copy_wait = getattr(manager, "copy_wait_s", 0.0) - waited0
+        t_async = t_save + copy_wait
+        record = manager.writer.record
         t_rest = timed(manager.wait)
+        profile.append(
+            {
+                "save_s": t_save,
+                "copy_wait_s": copy_wait,
+                "next_step_s": t_step,
+                "save_laps_s": laps,
+                "writer_s": dict(getattr(record, "stats", {})),
+            }
+        )
         ckpt_bytes = folder_bytes(out / f"global_step{step}") if dist.is_main() else 0
         ds_dir = out / "ds_plain"
         settle()
@@ -189,14 +206,18 @@ def main() -> None:
                 "async_rest_s": t_rest,
                 "deepspeed_sync_s": t_ds,
                 "finetune_sync_s": t_sync,
+                "save_s": t_save,
+                "copy_wait_s": copy_wait,
                 "checkpoint_bytes": ckpt_bytes,
                 "deepspeed_bytes": ds_bytes,
                 "snapshot_bytes_rank0": snapshot_bytes,
             }
         )
         if dist.is_main():
+            print(f"profile {i}: {json.dumps(profile[-1])}", flush=True)
             print(
-                f"stall {i}: async {t_async:.3f}s (+{t_rest:.3f}s to finish), "
+                f"stall {i}: async {t_async:.3f}s (save {t_save:.3f}s + copy wait "
+                f"{copy_wait:.3f}s; +{t_rest:.3f}s to finish), "
                 f"DeepSpeed sync {t_ds:.3f}s, "
                 f"finetune sync {t_sync:.3f}s",
                 flush=True,
@@ -279,6 +300,7 @@ def main() -> None:
                     "settings": {k: v for k, v in vars(a).items() if k not in ("local_rank",)},
                     "first_async_stall_s": first_stall,
                     "stall": stall,
+                    "profile": profile,
                     "background": per_save,
                     "inflight_steps_s": inflight,
                     "idle_steps_s": idle,

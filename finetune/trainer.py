@@ -86,6 +86,7 @@ class Trainer:
     plotter: Plotter | None = None  # rank 0's OUT/plots/training.png (--plot)
     stop_note: dict | None = None  # why and where training stopped, for exit_status.json
     skips_in_a_row: int = 0  # optimizer steps DeepSpeed skipped since the last applied one
+    all_written: bool | None = None  # the last boundary's: every rank wrote its --async_save part
     # rank 0: another run took OUT's lease (heartbeat)
     lease_lost: Callable[[], bool] = lambda: False
     lost_lease: bool = False  # training stopped for that: nothing more may be written into OUT
@@ -151,7 +152,8 @@ class Trainer:
         if stop is None and self.cfg.train.eval_steps and self._due(self.cfg.train.eval_steps):
             self.evaluate()
             stop = self._early_stop()  # the final save of this step follows (in _end)
-        return stop or self.checkpoints.at_step(self.state.global_step, self.total_steps)
+        step, total = self.state.global_step, self.total_steps
+        return stop or self.checkpoints.at_step(step, total, self.all_written)
 
     def _end(self, stop: Stop) -> int:
         """Where every run that did not lose its lease ends: the exit code. Collective."""
@@ -265,17 +267,20 @@ class Trainer:
 
     def _boundary(self) -> Stop:
         """One all-reduce per step boundary: did any rank get a preemption signal, fail to prepare
-        its next batch, or (rank 0) learn that another run took OUT's lease? A failed batch raises
+        its next batch, or (rank 0) learn that another run took OUT's lease; and has every rank
+        written its part of an --async_save in flight (``all_written``)? A failed batch raises
         on every rank (so none waits in the next forward's all-gather), a lost lease raises
         LeaseLost on every rank; returns PREEMPTED to stop for preemption, else None. Collective."""
         error = self.data.ready()  # the prefetch ran during this step: normally done already
-        signalled, failed, lost = dist.all_reduce_sum(
+        signalled, failed, lost, writing = dist.all_reduce_sum(
             [
                 1.0 if self.preemption.received else 0.0,
                 1.0 if error else 0.0,
                 1.0 if self.lease_lost() else 0.0,
+                1.0 if self.checkpoints.writing() else 0.0,
             ]
         )
+        self.all_written = writing == 0  # the save in flight's poll rides on this all-reduce
         if lost:
             raise LeaseLost(
                 f"another run took over {self.cfg.ckpt.output_dir}'s lease "
@@ -305,7 +310,7 @@ class Trainer:
         # and ranks (transformers' num_items_in_batch), not a mean of micro-batch means.
         labels = [label_tokens(inputs) for inputs, _, _ in steps]
         items = items_per_micro_batch(sum(labels), len(steps), engine.device)
-        for (inputs, tokens, _), n in zip(steps, labels, strict=True):
+        for i, ((inputs, tokens, _), n) in enumerate(zip(steps, labels, strict=True)):
             w.tokens += tokens  # counted on the host copy: no device sync
             inputs = _to(inputs, engine.device)  # DeepSpeed's forward does not move inputs
             out = engine(**inputs, **({"num_items_in_batch": items} if self.loss_kwargs else {}))
@@ -314,6 +319,8 @@ class Trainer:
             # items = the step's label tokens / (accumulation steps x ranks), the gradient is
             # that of the sum of token losses / the step's label tokens.
             engine.backward(loss)
+            if i == len(steps) - 1:  # the accumulation boundary: the optimizer step comes
+                self.checkpoints.before_update()  # --async_save: its snapshot copied first
             engine.step()
             w.loss_sum = w.loss_sum + loss.detach().to(sum_dtype(engine.device))
             w.micro_batches += 1

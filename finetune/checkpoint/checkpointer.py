@@ -109,6 +109,7 @@ class Checkpointer:
         self.committed_step: int | None = plan.saved["global_step"] if plan else None
         self.consolidation_error: str | None = None
         self.pending: Pending | None = None  # --async_save: written, not yet committed
+        self.copy_wait_s = 0.0  # --async_save: what optimizer steps waited for snapshot copies
         # Where commits and failed saves go (MetricsWriter.event); every rank calls it: no raising.
         self.on_event: Callable[..., None] = lambda kind, step, **fields: None
         head, seen = (plan.head, plan.max_seq) if plan else (None, 0)
@@ -120,15 +121,16 @@ class Checkpointer:
 
     # --- when: the trainer reports step boundaries; every method is collective ----------------
 
-    def at_step(self, step: int, total: int) -> int | None:
+    def at_step(self, step: int, total: int, written: bool | None = None) -> int | None:
         """At a step boundary: commit a background save whose writes are done (waiting for it when
-        a save is due), then start the periodic save if one is due. A failure is reported under the
-        step of the save that failed, and a failed background save never cancels the due one. An
-        exit code to stop with, or None. Collective."""
+        a save is due), then start the periodic save if one is due. ``written``: whether every rank
+        had written its part, agreed in the trainer's boundary all-reduce (None: ask, one more). A
+        failure is reported under the step of the save that failed, and a failed background save
+        never cancels the due one. An exit code to stop with, or None. Collective."""
         ck = self.ckpt
         self.remote.poll(step)  # an all-reduce while a copy to --remote_output_dir is outstanding
         due = ck.save_checkpoint and ck.save_steps and step % ck.save_steps == 0 and step < total
-        code = self._settle_in_flight(block=bool(due))
+        code = self._settle_in_flight(block=bool(due), written=written)
         if code is None and due:
             try:
                 self.save(step, background=ck.async_save)
@@ -136,14 +138,14 @@ class Checkpointer:
                 code = self._failed(step, e)
         return code
 
-    def _settle_in_flight(self, block: bool) -> int | None:
+    def _settle_in_flight(self, block: bool, written: bool | None = None) -> int | None:
         """Commit the background save if its writes are done (``block``: wait for them); its
         failure goes through the --on_save_error policy under its own step. Collective."""
         if self.pending is None:
             return None
         step = self.pending.step
         try:
-            self.wait() if block else self.poll()
+            self.wait() if block else self.poll(written)
         except SaveError as e:
             return self._failed(step, e)
         return None
@@ -232,11 +234,9 @@ class Checkpointer:
         ``background`` (--async_save): return once every rank has its snapshot in host memory, the
         rank files being written on a thread; ``poll``/``wait`` commit it later (returns None).
         """
-        # at most one save in flight (at_step reports its failure under its own step first)
-        self.wait()
+        self.wait()  # at most one save in flight (at_step reports its failure first)
         tag, clock, io = tag_for(step), Clock(), SaveIO()
-        # before its staging is cleared and written
-        self.staging.ensure_lease(f"saving {tag}", step)
+        self.staging.ensure_lease(f"saving {tag}", step)  # before its staging is touched
         consolidated = self.ckpt.save_consolidated if consolidated is None else consolidated
         self.staging.check_space(tag)
         clock.lap("check")
@@ -250,21 +250,25 @@ class Checkpointer:
         pending = Pending(step, tag, clock, io, consolidated, final, background, evaluated)
         if background:
             self.pending = pending
-            logger.info(
-                "Snapshot of %s in %.2f seconds (%s of host memory); writing it in the background.",
-                tag,
-                clock.total,
-                fmt_bytes(self.writer.snapshot_bytes),
-            )
+            held = fmt_bytes(self.writer.snapshot_bytes)
+            logger.info("Snapshot of %s in %.2f s (%s of host memory); copying and writing it in "
+                        "the background.", tag, clock.total, held)  # fmt: skip
             return None
         return self._complete(pending)
 
-    def poll(self) -> None:
-        """At a step boundary: commit the save in flight if every rank has written its files.
-        One all-reduce while a save is in flight, nothing otherwise. Collective."""
-        if self.pending is None:
-            return
-        if dist.all_reduce_sum([0.0 if self.writer.done() else 1.0])[0] == 0:  # none waiting
+    def before_update(self) -> None:
+        """Rank-local, before an optimizer step: wait for an --async_save snapshot's copy."""
+        self.copy_wait_s += self.writer.wait_copied()
+
+    def writing(self) -> bool:
+        return self.pending is not None and not self.writer.done()
+
+    def poll(self, written: bool | None = None) -> None:
+        """At a step boundary: commit the save in flight if every rank has written its files
+        (``written``: agreed already; None: one all-reduce). Collective."""
+        if self.pending is not None and (
+            dist.all_reduce_sum([float(self.writing())])[0] == 0 if written is None else written
+        ):
             self._complete(self.pending)
 
     def wait(self) -> Path | None:
@@ -289,8 +293,7 @@ class Checkpointer:
     def abandon(self) -> None:
         """This run lost its output dir's lease: a background write stops at its next piece and
         retention's deletions at their next file; nothing is committed or cleaned up."""
-        self.writer.cancel()
-        self.lineage.deleter.stop()
+        self.writer.cancel(), self.lineage.deleter.stop()
         self.pending = None
 
     def _complete(self, pending: Pending) -> Path:
@@ -481,13 +484,10 @@ class Checkpointer:
     # --- retain ----------------------------------------------------------------------------
 
     def retain(self) -> None:
-        """--save_total_limit over this run's line (retention.py). Collective."""
-        try:
-            keep = self.remote.unconfirmed()  # not yet copied to --remote_output_dir
-            self.lineage.retain(self.ckpt.save_total_limit, self.staging.ensure_lease, keep)
-        # the lease unreadable: the save is committed; retention is retried after the next one
-        except SaveError as e:
-            dist.log_main(logging.WARNING, "save_total_limit %d: %s", self.ckpt.save_total_limit, e)
+        """--save_total_limit over this run's line, less what --remote_output_dir has not yet
+        (retention.py). Collective."""
+        keep = self.remote.unconfirmed()
+        self.lineage.retain(self.ckpt.save_total_limit, self.staging.ensure_lease, keep)
 
     # --- load ----------------------------------------------------------------------------------
 

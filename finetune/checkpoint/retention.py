@@ -115,7 +115,14 @@ class Lineage:
         """--save_total_limit K: keep the K newest of the line, and ``keep`` (not yet copied to
         --remote_output_dir). Decided from facts every rank shares; leaders rename the rest to
         trash (polled), a thread purges it. ``ensure_lease`` raises (alike on every rank) when
-        OUT is no longer this run's. Collective."""
+        OUT is no longer this run's (an unreadable lease: logged, retried after the next save).
+        Collective."""
+        try:
+            self._retain(limit, ensure_lease, keep)
+        except SaveError as e:  # the lease unreadable: the save is committed all the same
+            dist.log_main(logging.WARNING, "save_total_limit %d: %s", limit, e)
+
+    def _retain(self, limit, ensure_lease, keep) -> None:
         best = protected(self.best)  # kept besides the K newest
         doomed = (
             select_for_deletion(self.line, limit, {self.head.tag} | keep, best) if limit else []

@@ -4,9 +4,12 @@
 written, and a failure is *recorded* instead of raised, so every rank still reaches the collectives
 inside ``engine.save_checkpoint``; the manager then agrees on the outcome across ranks.
 
-With ``reset(..., background=True)`` (--async_save) ``save`` only snapshots: the state dict is
-copied into host memory (``host_copy``, below) and written by ``start``'s thread with the same code;
-``done``/``join`` tell when, and the recorded error and files are read only after that.
+With ``reset(..., background=True)`` (--async_save) ``save`` only plans a snapshot (``host_plan``,
+below): host buffers are found or allocated and the state dict's structure copied, but no tensor
+byte is. ``start``'s thread then copies the tensors into those buffers (lazily: training's next
+forward and backward run meanwhile, since they change none of the saved state; the optimizer step
+first calls ``wait_copied``), and writes the copies with the same code as a synchronous save.
+``done``/``join`` tell when the writes are done; the recorded error and files are read only then.
 
 Fault sites (faults.py): ``save.makedirs``, ``save.write_rank_files``, ``save.fsync``,
 ``save.recovery_script``, ``save.host_copy``, at the save's step (``save.write_rank_files`` and
@@ -32,6 +35,7 @@ from __future__ import annotations
 import copy
 import os
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,6 +43,7 @@ from pathlib import Path
 import torch
 
 from finetune.io import seams
+from finetune.io.direct import finish, open_for_write
 from finetune.io.durable import HashingWriter, WriteCancelled
 from finetune.io.faults import fault_point
 from finetune.io.progress import progress
@@ -58,6 +63,8 @@ class SaveRecord:
     # set: stop at the next piece
     cancelled: threading.Event = field(default_factory=threading.Event)
     current: HashingWriter | None = None  # the file being written (its size: progress)
+    # seconds per phase (copy, hash, write, fsync, serialize, cpu: the writer thread's CPU time)
+    stats: dict = field(default_factory=dict)
 
     def fail(self, path, e: BaseException) -> None:
         if self.error is None:
@@ -85,7 +92,9 @@ class GuardedWriter:
     ) -> None:
         self.record = record = SaveRecord(staging, step)
         self.queue = (
-            Queue(lambda state, path: self._write(state, path, record)) if background else None
+            Queue(lambda state, path: self._write(state, path, record), record)
+            if background
+            else None
         )
 
     # This save's record, as the manager reads it (after the writes are done).
@@ -108,10 +117,18 @@ class GuardedWriter:
             self.queue.start()
         except Exception as e:  # noqa: BLE001 — reported to all ranks by the manager
             self.fail(self.staging, e)
+            self.queue.copied.set()
             self.queue.finished.set()
 
     def done(self) -> bool:
         return self.queue is None or self.queue.done()
+
+    def wait_copied(self) -> float:
+        """Before anything changes the saved state (the optimizer step): wait until the snapshot's
+        tensors are copied; returns the seconds waited (0 when nothing is being copied)."""
+        if self.queue is None or self.queue.copied.is_set():
+            return 0.0
+        return self.queue.wait_copied()
 
     def join(self) -> None:
         if self.queue is not None:
@@ -147,8 +164,8 @@ class GuardedWriter:
         if self.queue is not None:
             try:
                 fault_point("save.host_copy", self.step)
-                state, nbytes = host_copy(state_dict, self.buffers, os.path.basename(path))
-                self.queue.add(state, path, nbytes)
+                state, nbytes, copies = host_plan(state_dict, self.buffers, os.path.basename(path))
+                self.queue.add(state, path, nbytes, copies)
             except Exception as e:  # noqa: BLE001 — recorded like a write
                 self.fail(path, e)
             return
@@ -165,8 +182,9 @@ class GuardedWriter:
                 raise WriteCancelled(
                     "the save was given up (a lost lease, or a write past its deadline)"
                 )
-            with open(path, "wb") as f:
-                w = record.current = HashingWriter(f, record.cancelled)
+            with open_for_write(path) as f:  # O_DIRECT where the filesystem takes it
+                w = record.current = HashingWriter(f, record.cancelled, record.stats)
+                t0 = time.perf_counter()
                 torch.save(
                     state_dict,
                     w,
@@ -174,9 +192,12 @@ class GuardedWriter:
                         self.inner, "zipfile_serialization", True
                     ),
                 )
-                f.flush()
+                finish(f)
+                t1 = time.perf_counter()
                 fault_point("save.fsync", record.step)
                 os.fsync(f.fileno())
+                add_time(record.stats, "fsync", time.perf_counter() - t1)
+                add_time(record.stats, "torch_save", t1 - t0)
             record.files[os.path.relpath(path, record.staging)] = (w.size, w.digest())
             seams.pause(seams.SLOW_SAVE)
         except Exception as e:  # noqa: BLE001 — any failure is reported to all ranks by the manager
@@ -209,18 +230,28 @@ class GuardedWriter:
 
 
 def host_copy(obj, pool: dict | None = None, name: str = "") -> tuple[object, int]:
-    """A copy of ``obj`` whose tensors live in host memory; returns it and the bytes copied.
+    """A copy of ``obj`` whose tensors live in host memory, made now; returns it and the bytes
+    copied (``host_plan`` with its copies run at once)."""
+    state, nbytes, copies = host_plan(obj, pool, name)
+    run_copies(copies)
+    return state, nbytes
 
-    ``pool``: host buffers from earlier saves (page-locked for device tensors), keyed by (``name``,
-    storage position); updated in place. The device→host copies are waited for before returning.
+
+def host_plan(obj, pool: dict | None = None, name: str = "") -> tuple[object, int, list]:
+    """A copy of ``obj`` whose tensors are backed by host buffers not yet filled; returns it, the
+    bytes to copy and the copies, (destination, source) pairs that ``run_copies`` makes.
+
+    Everything but the tensors' bytes is copied now (param groups, counters: they change at the
+    next step). ``pool``: host buffers from earlier saves (page-locked for device tensors), keyed
+    by (``name``, storage position); updated in place.
     """
     storages: dict[int, torch.UntypedStorage] = {}
     memo: dict[int, object] = {}
+    copies: list[tuple[torch.Tensor, torch.Tensor]] = []
     copied = 0
-    on_device = False
 
     def storage_copy(st: torch.UntypedStorage) -> torch.UntypedStorage:
-        nonlocal copied, on_device
+        nonlocal copied
         # the storage's identity, as torch.save keys it (empty storages all have data_ptr 0)
         key = st._cdata
         if key not in storages:
@@ -235,8 +266,7 @@ def host_copy(obj, pool: dict | None = None, name: str = "") -> tuple[object, in
                 )
                 if pool is not None:
                     pool[slot] = dst
-            dst.copy_(src, non_blocking=st.device.type != "cpu")
-            on_device = on_device or st.device.type != "cpu"
+            copies.append((dst, src))
             storages[key] = dst.untyped_storage()
             copied += st.nbytes()
         return storages[key]
@@ -266,37 +296,94 @@ def host_copy(obj, pool: dict | None = None, name: str = "") -> tuple[object, in
                 seed(v)
 
     seed(obj)
-    if on_device:
-        torch.cuda.synchronize()
-    return copy.deepcopy(obj, memo), copied
+    return copy.deepcopy(obj, memo), copied, copies
+
+
+def run_copies(copies: list, cancelled: threading.Event | None = None, ready=None) -> None:
+    """Fill a plan's host buffers. Device tensors are copied on a side stream that first waits for
+    ``ready`` (an event recorded on the training stream when the save was planned), into
+    page-locked buffers, then synchronised; host tensors are copied in place, storage by storage
+    (torch releases the GIL for each)."""
+    device = [(d, s) for d, s in copies if s.device.type != "cpu"]
+    for dst, src in copies:
+        if cancelled is not None and cancelled.is_set():
+            raise WriteCancelled(
+                "the save was given up (a lost lease, or a write past its deadline)"
+            )
+        if src.device.type == "cpu":
+            dst.copy_(src)
+    if device:
+        stream = torch.cuda.Stream(device=device[0][1].device)
+        with torch.cuda.stream(stream):
+            if ready is not None:
+                stream.wait_event(ready)
+            for dst, src in device:
+                dst.copy_(src, non_blocking=True)
+        stream.synchronize()
+
+
+def add_time(stats: dict | None, key: str, seconds: float) -> None:
+    if stats is not None:
+        stats[key] = stats.get(key, 0.0) + seconds
 
 
 class Queue:
-    """Writes queued (state dict, path) pairs on one background thread, in order."""
+    """Copies then writes queued (state dict, path) snapshots on one background thread, in order:
+    every snapshot's tensors first (``copied`` is set then, failed or not), then the files."""
 
-    def __init__(self, write: Callable[[object, str], None]):
-        self.write = write
+    def __init__(self, write: Callable[[object, str], None], record: SaveRecord | None = None):
+        self.write, self.record = write, record
         self.items: list[tuple[object, str]] = []
+        self.copies: list = []
         self.bytes = 0
         self.thread: threading.Thread | None = None
         self.finished = threading.Event()
+        self.copied = threading.Event()
+        self.ready = None  # CUDA: the training stream's event the copies wait for
 
-    def add(self, state, path: str, nbytes: int) -> None:
+    def add(self, state, path: str, nbytes: int, copies: list | None = None) -> None:
         self.items.append((state, path))
+        self.copies += copies or []
         self.bytes += nbytes
 
     def start(self) -> None:
+        if any(src.device.type == "cuda" for _, src in self.copies):
+            self.ready = torch.cuda.Event()
+            self.ready.record()
         self.thread = threading.Thread(target=self._drain, name="finetune-async-save", daemon=True)
         self.thread.start()
 
+    def wait_copied(self) -> float:
+        t0 = time.perf_counter()
+        self.copied.wait()
+        return time.perf_counter() - t0
+
     def _drain(self) -> None:
+        record = self.record
+        stats = record.stats if record is not None else None
+        cpu0 = time.thread_time()
         try:
+            t0 = time.perf_counter()
+            try:
+                seams.pause(seams.SLOW_COPY)
+                run_copies(self.copies, record.cancelled if record else None, self.ready)
+            except Exception as e:  # noqa: BLE001 — recorded like a write; nothing is written
+                if record is None:
+                    raise
+                record.fail("the snapshot's host copy", e)
+                self.items.clear()
+            finally:
+                self.copies = []
+                self.copied.set()
+                add_time(stats, "copy", time.perf_counter() - t0)
             while self.items:
                 state, path = self.items.pop(0)
                 self.write(state, path)
                 del state  # the host copy goes as soon as it is on disk
         finally:
+            add_time(stats, "cpu", time.thread_time() - cpu0)
             self.items.clear()
+            self.copied.set()
             self.finished.set()
 
     def done(self) -> bool:

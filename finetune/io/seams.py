@@ -8,6 +8,8 @@ environment of the ranks it launches.
   FINETUNE_FAULT=<site>:<rank>[:<step>][:<kind>]   a named fault site fails (faults.py)
   FINETUNE_SLOW_SAVE=<s>          a pause after each checkpoint file a rank writes, and after each
                                   consolidated shard's header: time for a test to fill the disk
+  FINETUNE_SLOW_COPY=<s>          a pause before an --async_save snapshot's tensors are copied: the
+                                  optimizer steps after the save must wait for the copy
   FINETUNE_SLOW_COMMIT=<s>        a pause before the leader writes the manifest, same purpose
   FINETUNE_SLOW_UNIVERSAL=<s>     a pause before each piece of a universal conversion: time to
                                   interrupt one midway
@@ -16,6 +18,8 @@ environment of the ranks it launches.
   FINETUNE_REMOTE_RETRY_S=<s>     the first wait before a failed copy to --remote_output_dir is
                                   tried again (default 2 s, doubling to 60 s): a test of a copy
                                   that always fails ends in seconds
+  FINETUNE_BUFFERED_WRITES=1      checkpoint rank files written through the page cache, not with
+                                  O_DIRECT (io/direct.py): the path before it, for benchmarks
   FINETUNE_SKIP_SPACE_CHECK=1     no free-space check before a save: a real ENOSPC mid-write
   FINETUNE_STREAM_BYTES=<n>       parameters of at least n bytes are streamed to rank 0 in pieces
                                   by the consolidated save (default 8 MiB): tiny models take that
@@ -36,11 +40,13 @@ import time
 
 FAULT = "FINETUNE_FAULT"
 SLOW_SAVE = "FINETUNE_SLOW_SAVE"
+SLOW_COPY = "FINETUNE_SLOW_COPY"
 SLOW_COMMIT = "FINETUNE_SLOW_COMMIT"
 SLOW_UNIVERSAL = "FINETUNE_SLOW_UNIVERSAL"
 SLOW_UPLOAD = "FINETUNE_SLOW_UPLOAD"
 REMOTE_RETRY_S = "FINETUNE_REMOTE_RETRY_S"
 SKIP_SPACE_CHECK = "FINETUNE_SKIP_SPACE_CHECK"
+BUFFERED_WRITES = "FINETUNE_BUFFERED_WRITES"
 STREAM_BYTES = "FINETUNE_STREAM_BYTES"
 SAVE_IO = "FINETUNE_SAVE_IO"
 LEASE_RENEW_S = "FINETUNE_LEASE_RENEW_S"
@@ -50,11 +56,13 @@ FAIL_BATCH = "FINETUNE_FAIL_BATCH"
 ALL = (
     FAULT,
     SLOW_SAVE,
+    SLOW_COPY,
     SLOW_COMMIT,
     SLOW_UNIVERSAL,
     SLOW_UPLOAD,
     REMOTE_RETRY_S,
     SKIP_SPACE_CHECK,
+    BUFFERED_WRITES,
     STREAM_BYTES,
     SAVE_IO,
     LEASE_RENEW_S,

@@ -109,13 +109,34 @@ def test_a_background_write_equals_a_synchronous_one(tmp_path):
     background.reset(tmp_path / "async", 4, background=True)
     (tmp_path / "async").mkdir()
     background.save(state, str(tmp_path / "async" / "f.pt"))
-    assert background.snapshot_bytes > 0 and not (tmp_path / "async" / "f.pt").exists()
-    with torch.no_grad():
-        state["flat"].zero_()  # training goes on before the thread writes
+    # lazy: save() planned the snapshot and copied nothing; the thread copies
+    assert background.snapshot_bytes > 0 and not background.queue.copied.is_set()
+    assert not (tmp_path / "async" / "f.pt").exists()
+    live = {k: v.clone() for k, v in state.items() if isinstance(v, torch.Tensor)}
     background.start()
+    assert background.wait_copied() >= 0  # what the optimizer step waits for
+    # the copy changed nothing it should not: the live state is as it was
+    assert all(torch.equal(state[k], v) for k, v in live.items())
+    with torch.no_grad():
+        state["flat"].zero_()  # the optimizer step, while the thread still writes
     background.join()
     assert background.done() and background.error is None
     assert background.files == sync.files  # same size and checksum
+    assert background.record.stats["copy"] >= 0 and background.record.stats["fsync"] >= 0
+
+
+def test_the_optimizer_step_waits_for_the_copy_not_the_write(tmp_path, monkeypatch):
+    """wait_copied returns once the tensors are in host memory, while the file is still being
+    written (FINETUNE_SLOW_SAVE holds the write after each file)."""
+    monkeypatch.setenv("FINETUNE_SLOW_SAVE", "1.5")
+    w = GuardedWriter(_Inner())
+    w.reset(tmp_path, 4, background=True)
+    w.save(_state(), str(tmp_path / "f.pt"))
+    w.start()
+    w.wait_copied()
+    assert w.queue.copied.is_set() and not w.done()
+    w.join()
+    assert w.done() and w.error is None and "f.pt" in w.files
 
 
 def test_a_background_failure_is_recorded_not_raised(tmp_path, monkeypatch):

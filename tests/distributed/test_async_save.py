@@ -75,8 +75,15 @@ def test_async_checkpoints_equal_sync_ones_and_resume_bitwise(run_finetune, tiny
     model = ["--model_name_or_path", str(tiny_models["gpt2"])]
     sync = run_finetune(*model, *FLAGS, out_dir=tmp_path / "sync", timeout=TIMEOUT)
     _ok(sync)
+    # The snapshot is copied lazily, while the next step's forward and backward run: a copy held
+    # back 1 s must still be waited for by the optimizer step, or it would copy the changed state.
     background = run_finetune(
-        *model, *FLAGS, "--async_save", out_dir=tmp_path / "async", timeout=TIMEOUT
+        *model,
+        *FLAGS,
+        "--async_save",
+        out_dir=tmp_path / "async",
+        timeout=TIMEOUT,
+        env={"FINETUNE_SLOW_COPY": "1"},
     )
     _ok(background)
     assert "writing it in the background" in background.output

@@ -1,0 +1,141 @@
+"""Checkpoint files written with O_DIRECT (finetune/io/direct.py): the same bytes as a buffered
+write, whatever the pieces; a fallback where the filesystem refuses the flag; errors surface."""
+
+from __future__ import annotations
+
+import errno
+import os
+import random
+import shutil
+import subprocess
+import uuid
+
+import pytest
+import torch
+
+from finetune.io import direct
+from finetune.io.direct import DirectFile, finish, open_for_write
+from finetune.io.durable import HashingWriter, hash_file
+
+
+def _takes_o_direct(folder) -> bool:
+    try:
+        fd = os.open(folder / f".probe-{uuid.uuid4().hex}", os.O_WRONLY | os.O_CREAT | os.O_DIRECT)
+    except OSError:
+        return False
+    os.close(fd)
+    return True
+
+
+@pytest.fixture
+def folder(tmp_path):
+    if not hasattr(os, "O_DIRECT") or not _takes_o_direct(tmp_path):
+        pytest.skip(f"{tmp_path}'s filesystem does not take O_DIRECT")
+    return tmp_path
+
+
+def _pieces(seed: int) -> list[bytes]:
+    rnd = random.Random(seed)
+    sizes = [1, 4095, 4096, 4097, 16384, 40000, 3, 70000, 0, 12288, 5]
+    rnd.shuffle(sizes)
+    return [rnd.randbytes(n) for n in sizes]
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_any_pieces_give_the_bytes_written(folder, seed):
+    pieces = _pieces(seed)
+    path = folder / "f.bin"
+    with open_for_write(path) as f:
+        assert isinstance(f, DirectFile) and f.direct
+        f.view = None
+        f.buf.close()  # a small buffer, so pieces straddle it: 4 blocks
+        f.buf = direct.mmap.mmap(-1, 4 * 4096)
+        f.view = direct.np.frombuffer(f.buf, dtype=direct.np.uint8)
+        for p in pieces:
+            assert f.write(p) == len(p)
+            if seed % 2:
+                f.flush()  # whole blocks only: stays direct
+        assert f.direct
+        finish(f)
+        os.fsync(f.fileno())
+    assert path.read_bytes() == b"".join(pieces)
+
+
+def test_torch_save_through_it_equals_a_plain_torch_save(folder):
+    state = {"w": torch.randn(1000, 37), "step": 3, "b": torch.arange(7)}
+    with open(folder / "plain.pt", "wb") as f:  # as a save wrote before: a file object
+        torch.save(state, HashingWriter(f))
+    with open_for_write(folder / "direct.pt") as f:
+        w = HashingWriter(f)
+        torch.save(state, w)
+        finish(f)
+        os.fsync(f.fileno())
+    assert (folder / "direct.pt").read_bytes() == (folder / "plain.pt").read_bytes()
+    assert (w.size, w.digest()) == hash_file(folder / "direct.pt")
+
+
+def test_a_write_refused_with_einval_goes_on_buffered(folder, monkeypatch):
+    """A filesystem that takes O_DIRECT at open but refuses the aligned write."""
+    real, refused = os.write, []
+
+    def write(fd, data):
+        if not refused:
+            refused.append(1)
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real(fd, data)
+
+    monkeypatch.setattr(direct.os, "write", write)
+    data = os.urandom(3 * (8 << 20) + 123)
+    with open_for_write(folder / "f.bin") as f:
+        f.write(data)
+        finish(f)
+        assert not f.direct
+    assert refused and (folder / "f.bin").read_bytes() == data
+
+
+def test_where_o_direct_is_refused_at_open_a_buffered_file_is_used(monkeypatch, tmp_path):
+    real = os.open
+
+    def refuse(path, flags, *a):
+        if flags & os.O_DIRECT:
+            raise OSError(errno.EINVAL, "Invalid argument", str(path))
+        return real(path, flags, *a)
+
+    monkeypatch.setattr(direct.os, "open", refuse)
+    with open_for_write(tmp_path / "f.bin") as f:
+        assert not isinstance(f, DirectFile)
+        f.write(b"abc")
+        finish(f)
+    assert (tmp_path / "f.bin").read_bytes() == b"abc"
+
+
+@pytest.fixture
+def small_ext4(tmp_path):
+    """An 8 MB ext4 filesystem on a loop device (root only; skipped where it cannot be made)."""
+    img, mnt = tmp_path / "fs.img", tmp_path / "mnt"
+    mnt.mkdir()
+    if os.geteuid() != 0 or not shutil.which("mkfs.ext4"):
+        pytest.skip("needs root and mkfs.ext4 for a small loop-mounted ext4")
+    with open(img, "wb") as f:
+        f.truncate(8 << 20)
+    made = subprocess.run(["mkfs.ext4", "-q", str(img)], capture_output=True)
+    mounted = made.returncode == 0 and (
+        subprocess.run(["mount", "-o", "loop", str(img), str(mnt)], capture_output=True).returncode
+        == 0
+    )
+    if not mounted:
+        pytest.skip("could not loop-mount an ext4 image here")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", str(mnt)], capture_output=True)
+
+
+def test_a_full_disk_raises_enospc_from_the_direct_write(small_ext4):
+    with pytest.raises(OSError) as e:
+        with open_for_write(small_ext4 / "f.bin") as f:
+            assert isinstance(f, DirectFile)
+            for _ in range(4):
+                f.write(os.urandom(4 << 20))
+            finish(f)
+    assert e.value.errno == errno.ENOSPC
