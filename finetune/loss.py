@@ -21,16 +21,22 @@ def label_tokens(inputs: dict) -> int:
     return int((inputs["labels"][..., 1:] != IGNORE).sum())
 
 
-def items_per_micro_batch(labels: int, micro_batches: int, device: torch.device) -> torch.Tensor:
-    """This rank's ``labels`` summed over ranks, / (``micro_batches`` x ranks): a device tensor,
-    summed without a host sync (the step's forwards queue behind the all-reduce). Collective."""
+def items_per_micro_batch(
+    labels: int, micro_batches: int, device: torch.device, agreed: float | None = None
+) -> torch.Tensor | float:
+    """This rank's ``labels`` summed over ranks, / (``micro_batches`` x ranks). ``agreed``: that
+    sum when the trainer's step-boundary all-reduce carried it already (a float then, no
+    collective); else a device tensor, summed without a host sync (the step's forwards queue
+    behind the all-reduce). Collective when ``agreed`` is None."""
+    if agreed is not None:
+        return agreed / (micro_batches * dist.world_size())
     total = torch.tensor(labels, dtype=torch.int64, device=device)
     if dist.world_size() > 1:
         torch.distributed.all_reduce(total)  # queued on the device: nothing reads it back here
     return total.float() / (micro_batches * dist.world_size())
 
 
-def rescaled(out, labels: int, items: torch.Tensor) -> torch.Tensor:
+def rescaled(out, labels: int, items: torch.Tensor | float) -> torch.Tensor:
     """A model without loss kwargs: its mean over this micro-batch's ``labels`` label tokens, as
     the sum over them / ``items``. No label token: a zero loss that still runs the backward (under
     ZeRO-3 every rank must), not the NaN of an empty mean."""

@@ -87,6 +87,7 @@ class Trainer:
     stop_note: dict | None = None  # why and where training stopped, for exit_status.json
     skips_in_a_row: int = 0  # optimizer steps DeepSpeed skipped since the last applied one
     all_written: bool | None = None  # the last boundary's: every rank wrote its --async_save part
+    step_labels: float | None = None  # the next step's label tokens, all ranks (the boundary's)
     # rank 0: another run took OUT's lease (heartbeat)
     lease_lost: Callable[[], bool] = lambda: False
     lost_lease: bool = False  # training stopped for that: nothing more may be written into OUT
@@ -268,19 +269,23 @@ class Trainer:
     def _boundary(self) -> Stop:
         """One all-reduce per step boundary: did any rank get a preemption signal, fail to prepare
         its next batch, or (rank 0) learn that another run took OUT's lease; and has every rank
-        written its part of an --async_save in flight (``all_written``)? A failed batch raises
-        on every rank (so none waits in the next forward's all-gather), a lost lease raises
-        LeaseLost on every rank; returns PREEMPTED to stop for preemption, else None. Collective."""
+        written its part of an --async_save in flight (``all_written``); the next step's label
+        tokens (``step_labels``)? A failed batch raises on every rank (none waits in the next
+        forward's all-gather), a lost lease LeaseLost; PREEMPTED to stop, else None. Collective."""
         error = self.data.ready()  # the prefetch ran during this step: normally done already
-        signalled, failed, lost, writing = dist.all_reduce_sum(
+        labels = self.data.ahead_label_tokens()  # the next step's, for its loss (loss.py)
+        signalled, failed, lost, writing, counted, total = dist.all_reduce_sum(
             [
                 1.0 if self.preemption.received else 0.0,
                 1.0 if error else 0.0,
                 1.0 if self.lease_lost() else 0.0,
                 1.0 if self.checkpoints.writing() else 0.0,
+                0.0 if labels is None else 1.0,
+                float(labels or 0),
             ]
         )
         self.all_written = writing == 0  # the save in flight's poll rides on this all-reduce
+        self.step_labels = total if counted == dist.world_size() else None  # all ranks' ready
         if lost:
             raise LeaseLost(
                 f"another run took over {self.cfg.ckpt.output_dir}'s lease "
@@ -309,16 +314,14 @@ class Trainer:
         # The step's loss is the mean over every label token of the step, across micro-batches
         # and ranks (transformers' num_items_in_batch), not a mean of micro-batch means.
         labels = [label_tokens(inputs) for inputs, _, _ in steps]
-        items = items_per_micro_batch(sum(labels), len(steps), engine.device)
+        agreed, self.step_labels = self.step_labels, None  # summed at the boundary, if it could
+        items = items_per_micro_batch(sum(labels), len(steps), engine.device, agreed)
         for i, ((inputs, tokens, _), n) in enumerate(zip(steps, labels, strict=True)):
             w.tokens += tokens  # counted on the host copy: no device sync
             inputs = _to(inputs, engine.device)  # DeepSpeed's forward does not move inputs
             out = engine(**inputs, **({"num_items_in_batch": items} if self.loss_kwargs else {}))
             loss = out.loss if self.loss_kwargs else rescaled(out, n, items)
-            # DeepSpeed divides by the accumulation steps (and averages gradients over ranks): with
-            # items = the step's label tokens / (accumulation steps x ranks), the gradient is
-            # that of the sum of token losses / the step's label tokens.
-            engine.backward(loss)
+            engine.backward(loss)  # the gradient of the step's token-loss sum / its label tokens
             if i == len(steps) - 1:  # the accumulation boundary: the optimizer step comes
                 self.checkpoints.before_update()  # --async_save: its snapshot copied first
             engine.step()

@@ -493,3 +493,32 @@ def test_a_previous_exit_status_is_kept_on_bad_input_and_cleared_on_a_crash(
     with pytest.raises(ConfigError if error == "config" else ValueError):
         run_module.run(cfg)
     assert (out / EXIT_STATUS).exists() == kept
+
+
+def test_the_next_steps_label_tokens_ride_on_the_boundary_all_reduce(
+    tmp_path, make_trainer, monkeypatch
+):
+    """One all-reduce per step: the boundary's carries the next step's label tokens (counted on
+    the prefetched batches), so the step's loss weighting needs no collective of its own."""
+    import finetune.trainer as trainer_module
+
+    t = make_trainer(tmp_path / "out", max_steps=5)
+    seen = []
+    real = trainer_module.items_per_micro_batch
+    monkeypatch.setattr(
+        trainer_module,
+        "items_per_micro_batch",
+        lambda labels, micro, device, agreed=None: seen.append((labels, agreed))
+        or real(labels, micro, device, agreed),
+    )
+    t.data.start()
+    for _ in range(3):
+        t._boundary()
+        ahead = t.step_labels
+        t._train_step()
+        labels, agreed = seen[-1]
+        assert agreed == ahead == labels > 0  # world size 1: this rank's count is the sum
+        assert t.step_labels is None  # consumed: a step with no boundary before it asks anew
+    t._train_step()  # (the bench calls it so) no boundary: the count is all-reduced itself
+    assert seen[-1][1] is None
+    t.data.close()

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from finetune.config import ConfigError
+from finetune.data.formats import IGNORE
 from finetune.data.load import collate
 from finetune.io import seams
 
@@ -189,6 +190,16 @@ class TrainData:
         if self._ahead is None or self._ahead[0] != self.sampler.state:
             return None
         return self._ahead[1].exception()
+
+    def ahead_label_tokens(self) -> int | None:
+        """The label tokens of the step prefetched from the current state (what ``next_step``
+        will return), counted on the host; None when none is, or its preparation failed."""
+        if self._ahead is None or self._ahead[0] != self.sampler.state:
+            return None
+        future = self._ahead[1]
+        if not future.done() or future.exception() is not None:
+            return None
+        return sum(int((b["labels"][..., 1:] != IGNORE).sum()) for b in future.result()[1])
 
     def next_step(self) -> list[dict[str, torch.Tensor]]:
         state, ahead = self.sampler.state, self._ahead
