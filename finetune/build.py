@@ -42,7 +42,7 @@ from finetune.modeling import (
     load_model,
     load_tokenizer,
 )
-from finetune.ops import ADAM_KEY, adam_impl, ensure_adam
+from finetune.ops import ADAM_KEY, adam_impl, ensure_adam, import_muon_lazily
 from finetune.plot import Plotter
 from finetune.preemption import Preemption
 from finetune.trackers import open_trackers
@@ -132,6 +132,7 @@ def build_trainer(
             betas=(t.adam_beta1, t.adam_beta2),
             eps=t.adam_epsilon,
         )
+    import_muon_lazily()
     engine, *_ = deepspeed.initialize(
         model=model,
         optimizer=optimizer,

@@ -22,6 +22,7 @@ can't, every rank switches to torch_adam, and rank 0 says so in one log line.
 from __future__ import annotations
 
 import functools
+import importlib
 import logging
 import os
 import re
@@ -104,6 +105,52 @@ def remember_cpu_info() -> None:
     if not hasattr(cpuinfo.get_cpu_info, "cache_info"):
         ask = cpuinfo.get_cpu_info
         cpuinfo.get_cpu_info = functools.cache(lambda: _cpu_info_kept(ask))
+
+
+MUON_MODULE = "deepspeed.runtime.zero.muon.original_muon"
+
+
+def import_muon_lazily() -> None:
+    """Import DeepSpeed's Muon optimizer with its ``@torch.compile`` applied at the first call
+    instead of at import, before ``deepspeed.initialize`` imports it.
+
+    ZeRO's optimizer (``DeepSpeedZeroOptimizer_Stage3.__init__``, and before it
+    ``is_zero_supported_optimizer``) imports ``deepspeed.runtime.zero.muon.muon_optimizer`` for an
+    ``isinstance`` check, whatever the optimizer; its ``original_muon`` decorates two functions with
+    ``deepspeed.runtime.compiler.compile()``, i.e. ``torch.compile``, whose set-up imports torch's
+    inductor: ~1.5 s of CPU on every rank at every start (two ranks on 2 cores: about 1.5 s of a
+    restart's 11 s to its first step), for an optimizer no shipped config uses. ``torch.compile``
+    compiles at the first call anyway; here the decorator itself waits for that call, so a Muon
+    run compiles the same functions, a little later. Idempotent; nothing to do once imported.
+    """
+    if MUON_MODULE in sys.modules:
+        return
+    from deepspeed.runtime import compiler
+
+    eager = compiler.compile
+
+    def lazy():
+        def decorate(func):
+            compiled = None
+
+            @functools.wraps(func)
+            def call(*args, **kwargs):
+                nonlocal compiled
+                if compiled is None:
+                    compiled = eager()(func)
+                return compiled(*args, **kwargs)
+
+            return call
+
+        return decorate
+
+    compiler.compile = lazy  # original_muon looks the name up as its decorators run
+    try:
+        importlib.import_module("deepspeed.runtime.zero.muon.muon_optimizer")
+    except ImportError:
+        pass  # as DeepSpeed's own imports of it: no Muon here
+    finally:
+        compiler.compile = eager
 
 
 def _cpu_key() -> str | None:

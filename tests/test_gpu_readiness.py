@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import subprocess
 import sys
 
 import pytest
@@ -343,3 +344,36 @@ def test_a_plain_arch_list_is_left_alone(monkeypatch, given):
     monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", given)
     assert ops.parsable_cuda_arch_list() is None
     assert os.environ["TORCH_CUDA_ARCH_LIST"] == given
+
+
+LAZY_MUON = """
+import sys
+import torch
+from deepspeed.runtime import compiler
+from finetune.ops import import_muon_lazily
+
+eager = compiler.compile
+import_muon_lazily()
+import_muon_lazily()  # idempotent
+assert compiler.compile is eager  # put back
+from deepspeed.runtime.zero.muon import original_muon
+from deepspeed.runtime.zero.muon.muon_optimizer import MuonWithAuxAdam
+assert "torch._inductor.compile_fx" not in sys.modules, "torch.compile was set up at import"
+compiled = []
+torch.compile = lambda f: compiled.append(f.__name__) or f  # what compiler.compile() returns
+g = torch.randn(4, 3)
+first = original_muon.zeropower_via_newtonschulz5(g, 2)
+again = original_muon.zeropower_via_newtonschulz5(g, 2)
+assert compiled == ["zeropower_via_newtonschulz5"], compiled  # at the first call, once
+assert torch.equal(first, again) and first.shape == g.shape
+print("ok")
+"""
+
+
+def test_muon_is_imported_with_its_compile_deferred_to_the_first_call():
+    """ZeRO imports DeepSpeed's Muon module whatever the optimizer, and its ``@torch.compile``
+    set-up imports torch's inductor (~1.5 s per rank, every start): deferred to the first call."""
+    out = subprocess.run(
+        [sys.executable, "-c", LAZY_MUON], capture_output=True, text=True, timeout=300
+    )
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
