@@ -12,8 +12,9 @@ first calls ``wait_copied``), and writes the copies with the same code as a sync
 ``done``/``join`` tell when the writes are done; the recorded error and files are read only then.
 
 Fault sites (faults.py): ``save.makedirs``, ``save.write_rank_files``, ``save.fsync``,
-``save.recovery_script``, ``save.host_copy``, at the save's step (``save.write_rank_files`` and
-``save.fsync`` run on the background thread under --async_save). Test seam:
+``save.recovery_script``, ``save.host_copy``, ``save.copy``, at the save's step
+(``save.copy``, ``save.write_rank_files`` and ``save.fsync`` run on the background thread under
+--async_save). Test seam:
 ``FINETUNE_SLOW_SAVE=<seconds>`` sleeps after each file, so a test can act (send a signal, kill a
 rank) while a save is surely in flight.
 
@@ -366,6 +367,7 @@ class Queue:
             t0 = time.perf_counter()
             try:
                 seams.pause(seams.SLOW_COPY)
+                fault_point("save.copy", record.step if record else None)
                 run_copies(self.copies, record.cancelled if record else None, self.ready)
             except Exception as e:  # noqa: BLE001 — recorded like a write; nothing is written
                 if record is None:

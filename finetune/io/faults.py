@@ -54,7 +54,11 @@ SITES: dict[str, str] = {
     ),
     "save.makedirs": "the ranks DeepSpeed has create the staging folders (step)",
     "save.host_copy": (
-        "every rank, --async_save: copying one of its state dicts into host memory (step)"
+        "every rank, --async_save: planning the host copy of one of its state dicts (step)"
+    ),
+    "save.copy": (
+        "every rank, --async_save: the writer thread copying the snapshot's tensors into host "
+        "memory while the next step's forward and backward run (step)"
     ),
     "save.write_rank_files": (
         "every rank: opening and writing one of its checkpoint files (rank files, RNG); on the "

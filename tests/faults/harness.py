@@ -285,6 +285,7 @@ EXPECTED: dict[str, Site] = {
     "save.clear_staging": Site(FRESH, LEADER, 2, _codes(0), SAVE_FAILED),
     "save.makedirs": Site(FRESH, EVERY, 2, _codes(0), SAVE_FAILED),
     "save.host_copy": Site(FRESH, EVERY, 2, _codes(0), SAVE_FAILED, flags=ASYNC),
+    "save.copy": Site(FRESH, EVERY, 2, _codes(0), SAVE_FAILED, flags=ASYNC),
     "save.write_rank_files": Site(FRESH, EVERY, 2, _codes(0), SAVE_FAILED),
     "save.fsync": Site(FRESH, EVERY, 2, _codes(0), SAVE_FAILED),
     "save.recovery_script": Site(FRESH, LEADER, 2, _codes(0), SAVE_FAILED),
