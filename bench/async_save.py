@@ -145,7 +145,8 @@ def main() -> None:
         cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=a.timeout
     )
     for line in proc.stdout.splitlines():
-        if line.startswith(("stall ", "profile ", "background save ", "e2e ")) or "] stall " in line:
+        shown = ("stall ", "profile ", "background save ", "e2e ")
+        if line.startswith(shown) or "] stall " in line:
             print(line.split("] ")[-1] if "] " in line else line, flush=True)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     if proc.returncode != 0 or not lines:

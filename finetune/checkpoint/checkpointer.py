@@ -378,26 +378,26 @@ class Checkpointer:
             )
             self.writer.files.update(files)
 
-        def own_files() -> dict[str, tuple[int, str]]:
-            if snap.rng is not None:  # --async_save: its host copy, written by the writer's thread
-                self.writer.save(snap.rng, str(folder / f"rng_state_{dist.rank()}.pt"))
-            if self.leader and self.writer.error is None:
-                # config.json records the consolidated weights' dtype, when they were written
-                whole = consolidated and self.consolidation_error is None
-                cancelled = self.writer.record.cancelled
-                return write_shared(
-                    self.storage, module, self.tokenizer, folder, snap,
-                    dtype if whole else None, self.adapters, cancelled,
-                )  # fmt: skip
-            return {}
+        whole = consolidated and self.consolidation_error is None  # config.json records its dtype
+        args = (module, self.tokenizer, folder, snap, dtype if whole else None, self.adapters)
+        rng_file, record = str(folder / f"rng_state_{dist.rank()}.pt"), self.writer.record
+        # a leader's config, tokenizer and trainer_state.json
+        shared = lambda: write_shared(self.storage, *args, record.cancelled) if self.leader and record.error is None else {}  # noqa: E501,E731  # fmt: skip
 
+        def own() -> dict[str, tuple[int, str]]:
+            if snap.rng is not None:  # under --async_save, queued for the writer's thread
+                self.writer.save(snap.rng, rng_file)
+            return shared() if self.writer.queue is None else {}
+
+        if self.writer.queue is not None:  # --async_save: the shared files on the thread too,
+            own()
+            self.writer.queue.then(folder, lambda: record.files.update(shared()))  # after the rest
+            return
         # Rank-local I/O before the agree step's all-gather: polled, so a hung write fails the save.
         out = dist.gather_outcomes(
-            own_files,
-            step=f"writing {tag}'s RNG and shared files",
-            deadline_s=dist.io_deadline(),
-            cancel=self.writer.record.cancelled,
-        )
+            own, step=f"writing {tag}'s RNG and shared files", deadline_s=dist.io_deadline(),
+            cancel=record.cancelled,
+        )  # fmt: skip
         if out.own is not None:  # recorded; the agree step decides for all ranks
             self.writer.fail(folder, out.own)
         self.writer.files.update(out.result or {})

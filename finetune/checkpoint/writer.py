@@ -335,6 +335,7 @@ class Queue:
     def __init__(self, write: Callable[[object, str], None], record: SaveRecord | None = None):
         self.write, self.record = write, record
         self.items: list[tuple[object, str]] = []
+        self.tasks: list[tuple[str, Callable[[], None]]] = []  # (what, fn) after the files
         self.copies: list = []
         self.bytes = 0
         self.thread: threading.Thread | None = None
@@ -346,6 +347,11 @@ class Queue:
         self.items.append((state, path))
         self.copies += copies or []
         self.bytes += nbytes
+
+    def then(self, what: str, fn: Callable[[], None]) -> None:
+        """Run ``fn`` on the thread after the files are written (unless one failed); its failure
+        is recorded against ``what``."""
+        self.tasks.append((what, fn))
 
     def start(self) -> None:
         if any(src.device.type == "cuda" for _, src in self.copies):
@@ -382,9 +388,19 @@ class Queue:
                 state, path = self.items.pop(0)
                 self.write(state, path)
                 del state  # the host copy goes as soon as it is on disk
+            for what, fn in self.tasks:
+                if record is not None and record.error is not None:
+                    break
+                try:
+                    fn()
+                except Exception as e:  # noqa: BLE001 — recorded like a write
+                    if record is None:
+                        raise
+                    record.fail(what, e)
         finally:
             add_time(stats, "cpu", time.thread_time() - cpu0)
             self.items.clear()
+            self.tasks.clear()
             self.copied.set()
             self.finished.set()
 

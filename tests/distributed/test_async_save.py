@@ -152,6 +152,9 @@ def test_kill_during_a_background_write_keeps_latest_on_the_previous_checkpoint(
         # A save every step: the failure of step 2's background write used to cancel step 3's save
         # (reported under step 3): commits were 1, 4, 5, 6.
         ("save.write_rank_files:0:2", "continue", 1, 0, [1, 3, 4, 5, 6]),
+        # the leader's shared files and the lazy copy are written on the writer's thread too
+        ("save.shared_files:0:4", "continue", 2, 0, [2, 6]),
+        ("save.copy:1:2", "continue", 2, 0, [4, 6]),
     ],
 )
 def test_a_background_write_failure_is_agreed_and_follows_the_policy(
