@@ -508,8 +508,9 @@ def test_the_next_steps_label_tokens_ride_on_the_boundary_all_reduce(
     monkeypatch.setattr(
         trainer_module,
         "items_per_micro_batch",
-        lambda labels, micro, device, agreed=None: seen.append((labels, agreed))
-        or real(labels, micro, device, agreed),
+        lambda labels, micro, device, agreed=None: (
+            seen.append((labels, agreed)) or real(labels, micro, device, agreed)
+        ),
     )
     t.data.start()
     for _ in range(3):
