@@ -313,8 +313,9 @@ class CheckpointArgs:
     )
     async_save: bool = _f(
         False,
-        "Periodic saves block training only while each rank copies its shard into host memory "
-        "(~1x the shard); a thread writes it and the commit happens at a later step boundary. "
+        "Periodic saves barely pause training: each rank's shard is copied into host memory "
+        "(~1x the shard) by a thread while the next forward and backward run (the optimizer "
+        "step waits for the copy), then written; the commit happens at a later step boundary. "
         "Consolidated weights are still written before training goes on.",
     )
     max_shard_size: str = _f(

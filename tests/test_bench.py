@@ -255,3 +255,37 @@ def test_docs_have_the_bench_block():
         text = path.read_text()
         assert text.count(table.BEGIN) == 1 and text.count(table.END) == 1, path
         assert text.index(table.BEGIN) < text.index(table.END), path
+
+
+def test_p1_is_the_median_of_alternating_pairs(tmp_path):
+    """P1 (issue 26): the ratio of each pair of launches in a row, one per tool, then the median."""
+    run_all = _load("run_all")
+    order = ["finetune", "hf", "hf", "finetune", "finetune", "hf"]
+    rates = [100.0, 110.0, 90.0, 99.0, 80.0, 70.0]  # pairs: 0.909, 1.1, 1.143
+    launches = [
+        {"launch": i, "tool": t, "tokens_per_s": r, "seconds": 1.0, "tokens": r}
+        for i, (t, r) in enumerate(zip(order, rates))
+    ]
+
+    def summary(tool):
+        mine = [r for t, r in zip(order, rates) if t == tool]
+        return {"tokens_per_s": sum(mine) / len(mine)}
+
+    r = {
+        "summary": {"finetune": summary("finetune"), "hf": summary("hf")},
+        "launches": launches,
+        "model_config": {"num_hidden_layers": 4, "hidden_size": 256},
+        "settings": {"per_device_train_batch_size": 16},
+    }
+    ctx = _FakeCtx(tmp_path, {}, {})
+    ctx.sizes = {"P1": {"steps": 40, "warmup": 10, "logging_steps": 5, "rounds": 3}}
+
+    def run(name, script, args):
+        (tmp_path / "train_throughput.json").write_text(json.dumps(r))
+        return 0, ""
+
+    ctx.run = run
+    e = run_all.p1(ctx)
+    assert e["pair_ratios"] == [round(100 / 110, 4), round(99 / 90, 4), round(80 / 70, 4)]
+    assert e["ratio"] == pytest.approx(99 / 90) and e["met"] is True
+    assert e["ratio_total_tokens"] == pytest.approx((279 / 3) / (270 / 3))
