@@ -66,10 +66,39 @@ class SaveRecord:
     current: HashingWriter | None = None  # the file being written (its size: progress)
     # seconds per phase (copy, hash, write, fsync, serialize, cpu: the writer thread's CPU time)
     stats: dict = field(default_factory=dict)
+    pacer: Pacer | None = None  # --async_save: spreads the write over a few steps' time
+
+    def release(self) -> None:
+        if self.pacer is not None:
+            self.pacer.released.set()
 
     def fail(self, path, e: BaseException) -> None:
         if self.error is None:
             self.error = f"{type(e).__name__} writing {path}: {getattr(e, 'strerror', None) or e}"
+
+
+# A background write is spread over this many training steps' time (measured between optimizer
+# steps), so that no single step absorbs all of its CPU; anyone waiting for it ends the pacing.
+PACE_STEPS = 1
+PACE_MAX_S = 60.0
+
+
+class Pacer:
+    """Called with each piece's size: sleeps until that share of ``total`` bytes is due, the
+    write spread evenly over ``seconds``. ``released``: set, no more sleeping."""
+
+    def __init__(self, seconds: float, total: int):
+        self.seconds, self.total, self.done = min(seconds, PACE_MAX_S), max(total, 1), 0
+        self.start: float | None = None
+        self.released = threading.Event()
+
+    def __call__(self, nbytes: int) -> None:
+        now = time.perf_counter()
+        self.start = now if self.start is None else self.start
+        self.done += nbytes
+        delay = self.start + self.seconds * min(self.done / self.total, 1.0) - now
+        if delay > 0:
+            self.released.wait(delay)
 
 
 class GuardedWriter:
@@ -79,6 +108,8 @@ class GuardedWriter:
     def __init__(self, inner):
         self.inner = inner
         self.buffers: dict = {}  # --async_save: host buffers kept from one save to the next
+        self.pace_s: float | None = None  # --async_save: PACE_STEPS x the last step's time
+        self.last_update: float | None = None
         self.reset(None)
 
     def __getattr__(self, name):
@@ -114,6 +145,8 @@ class GuardedWriter:
         would leave the others in the next collective."""
         if self.queue is None:
             return
+        if self.pace_s:
+            self.record.pacer = Pacer(self.pace_s, self.queue.bytes)
         try:
             self.queue.start()
         except Exception as e:  # noqa: BLE001 — reported to all ranks by the manager
@@ -127,12 +160,17 @@ class GuardedWriter:
     def wait_copied(self) -> float:
         """Before anything changes the saved state (the optimizer step): wait until the snapshot's
         tensors are copied; returns the seconds waited (0 when nothing is being copied)."""
+        now = time.perf_counter()
+        if self.last_update is not None:  # a step's time: what the next write is paced by
+            self.pace_s = PACE_STEPS * (now - self.last_update)
+        self.last_update = now
         if self.queue is None or self.queue.copied.is_set():
             return 0.0
         return self.queue.wait_copied()
 
     def join(self) -> None:
         if self.queue is not None:
+            self.record.release()  # waited for: full speed
             self.queue.join()
 
     def join_progressing(self) -> None:
@@ -141,6 +179,7 @@ class GuardedWriter:
         if self.queue is None:
             return
         record, seen = self.record, None
+        record.release()  # waited for: full speed
         while not self.queue.finished.wait(0.5):
             now = (len(record.files), record.current.size if record.current is not None else 0)
             if now != seen:
@@ -150,6 +189,7 @@ class GuardedWriter:
     def cancel(self) -> None:
         """Stop this save's writes in progress at their next piece (recorded as its failure)."""
         self.record.cancelled.set()
+        self.record.release()
 
     def makedirs(self, path, exist_ok=False):
         try:
@@ -184,7 +224,8 @@ class GuardedWriter:
                     "the save was given up (a lost lease, or a write past its deadline)"
                 )
             with open_for_write(path) as f:  # O_DIRECT where the filesystem takes it
-                w = record.current = HashingWriter(f, record.cancelled, record.stats)
+                w = HashingWriter(f, record.cancelled, record.stats, record.pacer)
+                record.current = w
                 t0 = time.perf_counter()
                 torch.save(
                     state_dict,
@@ -323,6 +364,20 @@ def run_copies(copies: list, cancelled: threading.Event | None = None, ready=Non
         stream.synchronize()
 
 
+WRITER_NICE = 10
+
+
+def yield_to_training() -> None:
+    """Once the copy is made (training's optimizer step may wait for it), the writing and hashing
+    run at a lower priority: nice 10, where training threads have 0, so on a host whose cores
+    training keeps busy the writer takes their idle moments first (Linux: the nice value of this
+    thread alone). Nothing if the OS refuses."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), WRITER_NICE)
+    except (OSError, AttributeError):
+        pass
+
+
 def add_time(stats: dict | None, key: str, seconds: float) -> None:
     if stats is not None:
         stats[key] = stats.get(key, 0.0) + seconds
@@ -384,6 +439,7 @@ class Queue:
                 self.copies = []
                 self.copied.set()
                 add_time(stats, "copy", time.perf_counter() - t0)
+            yield_to_training()
             while self.items:
                 state, path = self.items.pop(0)
                 self.write(state, path)

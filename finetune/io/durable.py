@@ -47,10 +47,15 @@ class HashingWriter:
     set, the next piece raises WriteCancelled instead of being written."""
 
     def __init__(
-        self, f: BinaryIO, cancelled: threading.Event | None = None, stats: dict | None = None
+        self,
+        f: BinaryIO,
+        cancelled: threading.Event | None = None,
+        stats: dict | None = None,
+        pace=None,
     ):
         self.f, self.h, self.size, self.cancelled = f, xxhash.xxh3_128(), 0, cancelled
         self.stats = stats  # seconds spent hashing and writing, added up (a save's profile)
+        self.pace = pace  # called with each piece's size once written (a background save's Pacer)
         self.direct = getattr(f, "direct", False)
         # torch.save's C++ writer turns an exception from write() into an opaque RuntimeError;
         # keep the real one (ENOSPC, EIO…) so the report names it.
@@ -77,6 +82,8 @@ class HashingWriter:
                 if self.stats is not None:
                     self.stats["hash"] = self.stats.get("hash", 0.0) + t1 - t0
                     self.stats["write"] = self.stats.get("write", 0.0) + time.perf_counter() - t1
+                if self.pace is not None:
+                    self.pace(len(piece))
             return len(view)
         except OSError as e:
             self.os_error = self.os_error or e

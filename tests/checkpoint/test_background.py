@@ -190,3 +190,35 @@ def test_a_writer_thread_that_cannot_start_is_a_recorded_failure(tmp_path, monke
     w.start()
     w.join()  # returns: nothing to wait for
     assert w.done() and w.error is not None and "can't start new thread" in w.error
+
+
+def test_a_background_write_is_paced_over_the_steps_time_until_waited_for(tmp_path):
+    """The write is spread over PACE_STEPS x the last step's time (measured between optimizer
+    steps, at wait_copied); whoever waits for it (the next save, the end, a preemption) ends the
+    pacing."""
+    import time
+
+    from finetune.checkpoint import writer as writer_module
+
+    def paced_save(folder, step_s):
+        w = GuardedWriter(_Inner())
+        w.wait_copied()
+        time.sleep(step_s)
+        w.wait_copied()  # one "step" later: the pace is set from it
+        assert w.pace_s == pytest.approx(writer_module.PACE_STEPS * step_s, rel=0.5)
+        w.reset(folder, 4, background=True)
+        folder.mkdir()
+        w.save({"big": torch.zeros(40 << 20, dtype=torch.uint8)}, str(folder / "f.pt"))
+        w.start()
+        return w
+
+    w = paced_save(tmp_path / "paced", 0.6)
+    t0 = time.perf_counter()
+    while not w.done():
+        time.sleep(0.02)
+    assert time.perf_counter() - t0 > 0.6 and w.error is None  # spread over ~1.2 s
+
+    w = paced_save(tmp_path / "waited", 5.0)  # would take ~10 s
+    t0 = time.perf_counter()
+    w.join()  # waited for: full speed
+    assert time.perf_counter() - t0 < 3.0 and w.error is None and "f.pt" in w.files
