@@ -346,13 +346,13 @@ def run_copies(copies: list, cancelled: threading.Event | None = None, ready=Non
     ``ready`` (an event recorded on the training stream when the save was planned), into
     page-locked buffers, then synchronised; host tensors are copied in place, storage by storage
     (torch releases the GIL for each)."""
-    device = [(d, s) for d, s in copies if s.device.type != "cpu"]
+    device = [(d, s) for d, s in copies if s.device.type == "cuda"]
     for dst, src in copies:
         if cancelled is not None and cancelled.is_set():
             raise WriteCancelled(
                 "the save was given up (a lost lease, or a write past its deadline)"
             )
-        if src.device.type == "cpu":
+        if src.device.type != "cuda":  # host tensors; another accelerator's copy is blocking
             dst.copy_(src)
     if device:
         stream = torch.cuda.Stream(device=device[0][1].device)
