@@ -279,9 +279,16 @@ def host_copy(obj, pool: dict | None = None, name: str = "") -> tuple[object, in
     return state, nbytes
 
 
+# Storages this small are copied at the save itself, not lazily: a module's buffers (BatchNorm's
+# running statistics) may be changed in place by the next forward; the partitions and optimizer
+# states, changed only by the optimizer step, are far larger.
+EAGER_BYTES = 64 << 10
+
+
 def host_plan(obj, pool: dict | None = None, name: str = "") -> tuple[object, int, list]:
     """A copy of ``obj`` whose tensors are backed by host buffers not yet filled; returns it, the
-    bytes to copy and the copies, (destination, source) pairs that ``run_copies`` makes.
+    bytes to copy and the copies, (destination, source) pairs that ``run_copies`` makes. Storages
+    of at most EAGER_BYTES are copied now.
 
     Everything but the tensors' bytes is copied now (param groups, counters: they change at the
     next step). ``pool``: host buffers from earlier saves (page-locked for device tensors), keyed
@@ -290,6 +297,7 @@ def host_plan(obj, pool: dict | None = None, name: str = "") -> tuple[object, in
     storages: dict[int, torch.UntypedStorage] = {}
     memo: dict[int, object] = {}
     copies: list[tuple[torch.Tensor, torch.Tensor]] = []
+    eager: list[torch.device] = []
     copied = 0
 
     def storage_copy(st: torch.UntypedStorage) -> torch.UntypedStorage:
@@ -308,7 +316,11 @@ def host_plan(obj, pool: dict | None = None, name: str = "") -> tuple[object, in
                 )
                 if pool is not None:
                     pool[slot] = dst
-            copies.append((dst, src))
+            if st.nbytes() <= EAGER_BYTES:  # a buffer a forward may change in place: now
+                dst.copy_(src, non_blocking=st.device.type == "cuda")
+                eager.append(st.device)
+            else:
+                copies.append((dst, src))
             storages[key] = dst.untyped_storage()
             copied += st.nbytes()
         return storages[key]
@@ -338,6 +350,8 @@ def host_plan(obj, pool: dict | None = None, name: str = "") -> tuple[object, in
                 seed(v)
 
     seed(obj)
+    for device in {d for d in eager if d.type == "cuda"}:
+        torch.cuda.current_stream(device).synchronize()
     return copy.deepcopy(obj, memo), copied, copies
 
 

@@ -222,3 +222,22 @@ def test_a_background_write_is_paced_over_the_steps_time_until_waited_for(tmp_pa
     t0 = time.perf_counter()
     w.join()  # waited for: full speed
     assert time.perf_counter() - t0 < 3.0 and w.error is None and "f.pt" in w.files
+
+
+def test_small_tensors_are_copied_at_the_save_the_large_ones_lazily(tmp_path):
+    """A module buffer a forward changes in place (BatchNorm's running mean) must be saved as it
+    was at the save, although the copy of the partitions is lazy."""
+    from finetune.checkpoint.writer import EAGER_BYTES
+
+    running_mean = torch.arange(8, dtype=torch.float32)
+    big = torch.ones(EAGER_BYTES // 4 + 1)  # one storage over EAGER_BYTES
+    w = GuardedWriter(_Inner())
+    w.reset(tmp_path, 4, background=True)
+    w.save({"running_mean": running_mean, "big": big}, str(tmp_path / "f.pt"))
+    assert [src.nbytes for _, src in w.queue.copies] == [big.nbytes]  # only the big one waits
+    running_mean += 100  # the next forward, before the thread copies anything
+    w.start()
+    w.join()
+    saved = torch.load(tmp_path / "f.pt", weights_only=True)
+    assert torch.equal(saved["running_mean"], torch.arange(8, dtype=torch.float32))
+    assert torch.equal(saved["big"], big)
