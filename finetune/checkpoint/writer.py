@@ -124,7 +124,7 @@ class GuardedWriter:
     ) -> None:
         self.record = record = SaveRecord(staging, step)
         self.queue = (
-            Queue(lambda state, path: self._write(state, path, record), record)
+            Queue(lambda state, path: self._write(state, path, record, direct=True), record)
             if background
             else None
         )
@@ -212,8 +212,11 @@ class GuardedWriter:
             return
         self._write(state_dict, path, self.record)
 
-    def _write(self, state_dict, path, record: SaveRecord) -> None:
-        """Write one file of the save ``record`` is of (its own record: see SaveRecord)."""
+    def _write(self, state_dict, path, record: SaveRecord, direct: bool = False) -> None:
+        """Write one file of the save ``record`` is of (its own record: see SaveRecord).
+        ``direct`` (a background save's): with O_DIRECT where the filesystem takes it, for the
+        writer's CPU (what competes with training); a synchronous save, which training waits for,
+        through the page cache, the faster on the test machine (docs/BENCHMARKS.md, issue 26)."""
         if record.error is not None:
             return
         w = None
@@ -223,7 +226,7 @@ class GuardedWriter:
                 raise WriteCancelled(
                     "the save was given up (a lost lease, or a write past its deadline)"
                 )
-            with open_for_write(path) as f:  # O_DIRECT where the filesystem takes it
+            with open_for_write(path, direct) as f:
                 w = HashingWriter(f, record.cancelled, record.stats, record.pacer)
                 record.current = w
                 t0 = time.perf_counter()
