@@ -180,6 +180,14 @@ class TrainData:
     def _submit(self, state: SamplerState) -> None:
         if self._pool is not None:
             self._ahead = (state, self._pool.submit(self._prepare, state))
+            return
+        # No prefetch thread: prepared now, in this thread (its failure kept for ``ready``)
+        done: Future = Future()
+        try:
+            done.set_result(self._prepare(state))
+        except Exception as e:  # noqa: BLE001 — agreed at the boundary, like a prefetch's
+            done.set_exception(e)
+        self._ahead = (state, done)
 
     def start(self) -> None:
         """Begin preparing the step at the sampler's current state (after any resume)."""
