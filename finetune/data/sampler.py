@@ -106,10 +106,12 @@ class ResumableSampler:
 class TrainData:
     """Hands the trainer one optimizer step's micro-batches at a time.
 
-    With ``prefetch``, the step after the one handed out is fetched and collated on a background
-    thread (pinned on GPUs) while the trainer computes; the sampler's state only advances when a
-    step is handed out, so a checkpoint never records a prefetched step as consumed. A failure
-    while preparing is raised by the ``next_step`` (or ``ready``) that would have returned it.
+    The step after the one handed out is prepared one step ahead: with ``prefetch`` fetched and
+    collated on a background thread (pinned on GPUs) while the trainer computes, without it inline
+    (a CPU device, whose cores the thread would only take from training); either way its label
+    tokens are known at the next boundary. The sampler's state only advances when a step is handed
+    out, so a checkpoint never records a prepared step as consumed. A failure while preparing is
+    raised by the ``next_step`` (or reported by the ``ready``) that would have returned it.
     """
 
     def __init__(
