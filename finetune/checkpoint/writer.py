@@ -81,6 +81,7 @@ class SaveRecord:
 # steps), so that no single step absorbs all of its CPU; anyone waiting for it ends the pacing.
 PACE_STEPS = 1
 PACE_MAX_S = 60.0
+PACE_MIN_BYTES = 64 << 20  # a smaller write's CPU is too little to spread: at full speed
 
 
 class Pacer:
@@ -145,7 +146,7 @@ class GuardedWriter:
         would leave the others in the next collective."""
         if self.queue is None:
             return
-        if self.pace_s:
+        if self.pace_s and self.queue.bytes >= PACE_MIN_BYTES:
             self.record.pacer = Pacer(self.pace_s, self.queue.bytes)
         try:
             self.queue.start()
@@ -381,20 +382,6 @@ def run_copies(copies: list, cancelled: threading.Event | None = None, ready=Non
         stream.synchronize()
 
 
-WRITER_NICE = 10
-
-
-def yield_to_training() -> None:
-    """Once the copy is made (training's optimizer step may wait for it), the writing and hashing
-    run at a lower priority: nice 10, where training threads have 0, so on a host whose cores
-    training keeps busy the writer takes their idle moments first (Linux: the nice value of this
-    thread alone). Nothing if the OS refuses."""
-    try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), WRITER_NICE)
-    except (OSError, AttributeError):
-        pass
-
-
 def add_time(stats: dict | None, key: str, seconds: float) -> None:
     if stats is not None:
         stats[key] = stats.get(key, 0.0) + seconds
@@ -456,7 +443,6 @@ class Queue:
                 self.copies = []
                 self.copied.set()
                 add_time(stats, "copy", time.perf_counter() - t0)
-            yield_to_training()
             while self.items:
                 state, path = self.items.pop(0)
                 self.write(state, path)

@@ -208,7 +208,8 @@ def test_a_background_write_is_paced_over_the_steps_time_until_waited_for(tmp_pa
         assert w.pace_s == pytest.approx(writer_module.PACE_STEPS * step_s, rel=0.5)
         w.reset(folder, 4, background=True)
         folder.mkdir()
-        w.save({"big": torch.zeros(40 << 20, dtype=torch.uint8)}, str(folder / "f.pt"))
+        size = writer_module.PACE_MIN_BYTES + (8 << 20)  # a write big enough to be paced
+        w.save({"big": torch.zeros(size, dtype=torch.uint8)}, str(folder / "f.pt"))
         w.start()
         return w
 
