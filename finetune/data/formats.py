@@ -16,6 +16,14 @@ from typing import Any, ClassVar, TypeVar
 from finetune.config import ConfigError, DataArgs
 
 IGNORE = -100  # label value the loss skips
+
+
+def label_tokens(inputs: dict) -> int:
+    """The tokens a micro-batch's loss is taken over (the model shifts labels: a row's first label
+    is never a target). Read on the host copy: no device sync."""
+    return int((inputs["labels"][..., 1:] != IGNORE).sum())
+
+
 DEFAULT = "text"  # the format when no other one's flag is set
 
 

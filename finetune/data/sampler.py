@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from finetune.config import ConfigError
-from finetune.data.formats import IGNORE
+from finetune.data.formats import label_tokens
 from finetune.data.load import collate
 from finetune.io import seams
 
@@ -209,7 +209,7 @@ class TrainData:
         future = self._ahead[1]
         if not future.done() or future.exception() is not None:
             return None
-        return sum(int((b["labels"][..., 1:] != IGNORE).sum()) for b in future.result()[1])
+        return sum(label_tokens(b) for b in future.result()[1])
 
     def next_step(self) -> list[dict[str, torch.Tensor]]:
         state, ahead = self.sampler.state, self._ahead
