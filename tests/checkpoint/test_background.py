@@ -125,14 +125,20 @@ def test_a_background_write_equals_a_synchronous_one(tmp_path):
     assert background.record.stats["copy"] >= 0 and background.record.stats["fsync"] >= 0
 
 
+def _started(folder):
+    """A background save of _state() to folder/f.pt at step 4, its thread started."""
+    w = GuardedWriter(_Inner())
+    w.reset(folder, 4, background=True)
+    w.save(_state(), str(folder / "f.pt"))
+    w.start()
+    return w
+
+
 def test_the_optimizer_step_waits_for_the_copy_not_the_write(tmp_path, monkeypatch):
     """wait_copied returns once the tensors are in host memory, while the file is still being
     written (FINETUNE_SLOW_SAVE holds the write after each file)."""
     monkeypatch.setenv("FINETUNE_SLOW_SAVE", "1.5")
-    w = GuardedWriter(_Inner())
-    w.reset(tmp_path, 4, background=True)
-    w.save(_state(), str(tmp_path / "f.pt"))
-    w.start()
+    w = _started(tmp_path)
     w.wait_copied()
     assert w.queue.copied.is_set() and not w.done()
     w.join()
@@ -141,10 +147,7 @@ def test_the_optimizer_step_waits_for_the_copy_not_the_write(tmp_path, monkeypat
 
 def test_a_background_failure_is_recorded_not_raised(tmp_path, monkeypatch):
     monkeypatch.setenv("FINETUNE_FAULT", "save.fsync:0:4:enospc")
-    w = GuardedWriter(_Inner())
-    w.reset(tmp_path, 4, background=True)
-    w.save(_state(), str(tmp_path / "f.pt"))
-    w.start()
+    w = _started(tmp_path)
     w.join()
     assert w.error is not None and "No space left" in w.error and w.files == {}
 
