@@ -29,8 +29,8 @@ import psutil
 import torch
 
 from finetune import distributed as dist
-from finetune.checkpoint.consolidate import save_consolidated
 from finetune.cli import parse_train_args
+from finetune.weights.consolidate import save_consolidated
 
 try:  # build_trainer since issue 23; Trainer.build in the versions before (before/after runs)
     from finetune.build import build_trainer

@@ -24,11 +24,11 @@ from checkpoint_save_worker import (
 )
 
 from finetune import distributed as dist
-from finetune.checkpoint.consolidate import save_consolidated
 from finetune.lora import trainable_parameters
+from finetune.weights.consolidate import save_consolidated
 
 try:  # offline/ since issue 23; checkpoint/ in the versions before (before/after runs)
-    from finetune.offline.adapter import save_adapter
+    from finetune.weights.adapter import save_adapter
 except ImportError:
     from finetune.checkpoint.adapter import save_adapter
 

@@ -85,7 +85,7 @@ def theirs(ckpt: Path, out: Path) -> list[str]:
 def interrupted(ckpt: Path, out: Path) -> dict:
     """Ours killed once half its pieces are done, then rerun: the rerun's wall time and pieces."""
     try:  # offline/ since issue 23; checkpoint/ in the versions before
-        from finetune.offline.universal import PIECES
+        from finetune.weights.universal import PIECES
     except ImportError:
         from finetune.checkpoint.universal import PIECES
 

@@ -18,14 +18,12 @@ import numpy as np
 import torch
 
 from finetune import distributed as dist
-from finetune.checkpoint.best import BestPolicy, require_evaluation
 from finetune.checkpoint.checkpointer import Checkpointer
-from finetune.checkpoint.outdir import OutputDir
-from finetune.checkpoint.remote_copy import Prefix, RemoteCopy
-from finetune.checkpoint.remote_fetch import fetch_for_resume
 from finetune.checkpoint.resume import Resumer
 from finetune.checkpoint.staging import Layout, tidy_storage
-from finetune.checkpoint.state import TrainingState
+from finetune.checkpoint_format.best import BestPolicy, require_evaluation
+from finetune.checkpoint_format.outdir import OutputDir
+from finetune.checkpoint_format.state import TrainingState
 from finetune.config import RunConfig
 from finetune.data import ResumableSampler, TrainData
 from finetune.data.cache import prepare
@@ -45,6 +43,8 @@ from finetune.modeling import (
 from finetune.ops import ADAM_KEY, adam_impl, ensure_adam, import_muon_lazily
 from finetune.plot import Plotter
 from finetune.preemption import Preemption
+from finetune.remote.copy import Prefix, RemoteCopy
+from finetune.remote.fetch import fetch_for_resume
 from finetune.trackers import open_trackers
 from finetune.trainer import Trainer
 
@@ -107,9 +107,14 @@ def build_trainer(
     if spec != cfg.ckpt.resume_from_checkpoint:
         cfg = replace(cfg, ckpt=replace(cfg.ckpt, resume_from_checkpoint=spec))
     plan = Resumer(
-        cfg, storage, layout.node_local, layout.leader, base=base, signalled=signalled,
+        cfg,
+        storage,
+        layout.node_local,
+        layout.leader,
+        base=base,
+        signalled=signalled,
         group=layout.my_group,
-    ).plan_resume()  # fmt: skip
+    ).plan_resume()
     # Collective: FusedAdam / CPU Adam where every rank can load it, else torch_adam
     # (finetune/ops.py); a checkpoint trained with torch_adam resumes with it.
     ds_config = ensure_adam(ds_config, saved=plan.saved.get(ADAM_KEY) if plan is not None else None)

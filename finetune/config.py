@@ -143,7 +143,7 @@ class DataArgs:
         "How --packing builds blocks. bfd: whole examples placed by best-fit decreasing, "
         "position ids restarting at each example, no attention across examples and no loss on "
         "an example's first token from the previous one (an unpacked run's loss terms, exactly). "
-        "concat: the old way, every example concatenated and cut into full blocks; examples "
+        "concat: every example concatenated and cut into full blocks; examples "
         "attend to the ones before them and are cut across blocks: for continuation "
         "(pretraining-style) text only.",
         choices=("bfd", "concat"),
@@ -223,18 +223,24 @@ class TrainArgs:
         "--warmup_steps below 1; exclusive with --warmup_steps.",
     )
     num_train_epochs: float | None = _f(
-        None, "Epochs to train (default 3); exclusive with --max_steps."
+        None, "Epochs to train (default 3); exclusive with --max_steps.", resume_may_change=True
     )
-    max_steps: int | None = _f(None, "Optimizer steps to train; exclusive with --num_train_epochs.")
+    max_steps: int | None = _f(
+        None, "Optimizer steps to train; exclusive with --num_train_epochs.", resume_may_change=True
+    )
     seed: int = _f(42, "Seed for model init, data order and dropout.")
     precision: str = _f(
         "auto", "auto = bf16 where the accelerator supports it, else fp32.", choices=PRECISIONS
     )
     logging_steps: int | None = _f(
-        None, "Log train metrics every N optimizer steps (default 10; 5 for the embedded model)."
+        None,
+        "Log train metrics every N optimizer steps (default 10; 5 for the embedded model).",
+        resume_may_change=True,
     )
     eval_steps: int | None = _f(
-        None, "Evaluate every N steps; eval always runs at step 0 and at the end."
+        None,
+        "Evaluate every N steps; eval always runs at step 0 and at the end.",
+        resume_may_change=True,
     )
     report_to: str = _f(
         "none",
@@ -266,8 +272,9 @@ class TrainArgs:
         "peer goes unnoticed; it is also how long a checkpoint's storage step (a manifest, a "
         "rename, a deletion, a verification read) may go without progress before it fails "
         "on every rank (a hung filesystem).",
+        resume_may_change=True,
     )
-    # The best checkpoint and early stopping (finetune/checkpoint/best.py).
+    # The best checkpoint and early stopping (finetune/checkpoint_format/best.py).
     metric_for_best_model: str | None = _f(
         None,
         "The evaluation metric that picks the best checkpoint (kept by --save_total_limit besides "
@@ -298,15 +305,20 @@ class TrainArgs:
 
 @dataclass(frozen=True)
 class CheckpointArgs:
-    output_dir: str = _f("output", "Where metrics.jsonl and checkpoints go.")
-    save_checkpoint: bool = _f(
-        False, "Save checkpoints (always a final one; periodic with --save_steps)."
+    output_dir: str = _f(
+        "output", "Where metrics.jsonl and checkpoints go.", resume_may_change=True
     )
-    save_steps: int | None = _f(None, "Also save every N optimizer steps.")
+    save_checkpoint: bool = _f(
+        False,
+        "Save checkpoints (always a final one; periodic with --save_steps).",
+        resume_may_change=True,
+    )
+    save_steps: int | None = _f(None, "Also save every N optimizer steps.", resume_may_change=True)
     save_total_limit: int | None = _f(
         None,
         "Keep the K newest checkpoints, and the best one (--metric_for_best_model) besides; never "
         "deletes the newest complete one.",
+        resume_may_change=True,
     )
     save_consolidated: bool = _f(
         False, "Also gather the weights into HF safetensors in the checkpoint folder."
@@ -333,10 +345,10 @@ class CheckpointArgs:
         "Credentials and endpoint: the AWS chain (AWS_PROFILE, AWS_ENDPOINT_URL, ...).",
     )
     resume_from_checkpoint: str | None = _f(
-        None, "PATH, 'latest' or 'auto' (resume if a checkpoint exists)."
+        None, "PATH, 'latest' or 'auto' (resume if a checkpoint exists).", resume_may_change=True
     )
     resume_skip_checksum: bool = _f(
-        False, "Verify only file sizes (not checksums) before resuming."
+        False, "Verify only file sizes (not checksums) before resuming.", resume_may_change=True
     )
     ignore_unverified_checkpoints: bool = _f(
         False,
@@ -344,11 +356,13 @@ class CheckpointArgs:
         "--output_dir holds checkpoints of which none verifies (they are set "
         "aside under OUT/.abandoned, not deleted). Without it such a run exits 2 "
         "naming each checkpoint and its problem.",
+        resume_may_change=True,
     )
     on_save_error: str = _f(
         "continue",
         "What a failed periodic save does; a failed final save always exits 1.",
         choices=("continue", "abort"),
+        resume_may_change=True,
     )
     preempt_signals: str = _f(
         "SIGTERM,SIGUSR1",
@@ -423,6 +437,18 @@ def report_targets(value: str) -> tuple[str, ...]:
             f"(choose from {', '.join(TRACKERS)}, comma-separated, or none)"
         )
     return tuple(dict.fromkeys(names))
+
+
+def resume_may_change() -> frozenset[str]:
+    """The flags a resume may give another value than the checkpoint's run without a warning:
+    where the run goes and how long, how often it logs, evaluates and saves, and how it checks
+    what it resumes (declared on each field: ``resume_may_change=True``)."""
+    return frozenset(
+        f.name
+        for group in (ModelArgs, DataArgs, TrainArgs, CheckpointArgs)
+        for f in dataclasses.fields(group)
+        if f.metadata.get("resume_may_change")
+    )
 
 
 def flag_defaults() -> dict[str, Any]:

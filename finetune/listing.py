@@ -17,20 +17,21 @@ import json
 import os
 import textwrap
 from bisect import bisect_right
+from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import Any
 
-from finetune.checkpoint.best import best_legend, mark_best
-from finetune.checkpoint.manifest import (
+from finetune.checkpoint_format.best import EVAL_KEY, named_best
+from finetune.checkpoint_format.manifest import (
     MANIFEST,
     looks_like_checkpoint,
     read_manifest,
     stored_ranks,
     verify,
 )
-from finetune.checkpoint.outdir import ABANDONED, LATEST, STAGING, OutputDir, step_of
-from finetune.checkpoint.resume import UNIVERSAL
+from finetune.checkpoint_format.outdir import ABANDONED, LATEST, STAGING, OutputDir, step_of
 from finetune.commands import Parser
 from finetune.config import ConfigError
 from finetune.data.mixture import read_tokens_by_source, source_lines
@@ -38,8 +39,9 @@ from finetune.exit_status import EXIT_STATUS
 from finetune.io.remote import is_remote
 from finetune.lease import LEASE
 from finetune.metrics import read_metrics
-from finetune.offline.adapter import ADAPTER_CONFIG, is_adapter_checkpoint
 from finetune.offline.verify import METRICS, notes
+from finetune.weights.adapter import ADAPTER_CONFIG, is_adapter_checkpoint
+from finetune.weights.universal import UNIVERSAL
 
 WIDTH = 100  # the table fits a terminal this wide; full problem texts go below it
 UNCOMMITTED = "uncommitted"
@@ -133,37 +135,66 @@ def collect(out: Path, checksums: bool = False) -> Listing:
         row.tokens_by_source = read_tokens_by_source(out / row.tag)
     extra = _node_local_note(rows) + _set_aside_note(out) + _universal_notes(out, rows)
     return Listing(
-        str(out), latest, rows, notes(out) + extra, storage.free_bytes(),
-        sum(r.bytes for r in rows), mark_best(rows, manifests),
-    )  # fmt: skip
+        str(out),
+        latest,
+        rows,
+        notes(out) + extra,
+        storage.free_bytes(),
+        sum(r.bytes for r in rows),
+        mark_best(rows, manifests),
+    )
 
 
 def collect_remote(uri: str, checksums: bool = False) -> Listing:
-    """``finetune ls s3://BUCKET/PREFIX``: offline/remote_verify.py's rows (sizes and metadata
+    """``finetune ls s3://BUCKET/PREFIX``: remote/verify.py's rows (sizes and metadata
     checksums; ``--verify`` downloads) and notes. No losses (metrics.jsonl stays in OUT) and no
     free space (a bucket reports none)."""
-    from finetune.offline.remote_verify import listing
+    from finetune.remote.verify import listing
 
     latest, rows, notes_ = listing(uri, checksums)
     checkpoints, manifests = [], {}
     for row in rows:
         manifest = manifests[row["tag"]] = row.pop("manifest")
         if manifest is None:
-            checkpoints.append(Checkpoint(
-                row["tag"], row["step"], None, 0, None, None, None, None, None, None, None,
-                UNCOMMITTED, [f"{MANIFEST} missing or unreadable (never committed remotely)"],
-            ))  # fmt: skip
+            checkpoints.append(
+                Checkpoint(
+                    row["tag"],
+                    row["step"],
+                    None,
+                    0,
+                    None,
+                    None,
+                    None,
+                    None,
+                    None,
+                    None,
+                    None,
+                    UNCOMMITTED,
+                    [f"{MANIFEST} missing or unreadable (never committed remotely)"],
+                )
+            )
             continue
         problems, consolidated = row["problems"], manifest.get("consolidated")
         how = "checksums" if checksums else "sizes"
-        checkpoints.append(Checkpoint(
-            row["tag"], row["step"], _stamp(manifest.get("committed_at")), row["bytes"],
-            _int_or_none(manifest.get("world_size")),
-            manifest.get("ranks") if isinstance(manifest.get("ranks"), list) else None,
-            None, None, None, None, consolidated if isinstance(consolidated, bool) else None,
-            f"DAMAGED: {problems[0]}" if problems else f"ok ({how})", problems,
-            latest=row["tag"] == latest, lora=ADAPTER_CONFIG in manifest["files"],
-        ))  # fmt: skip
+        checkpoints.append(
+            Checkpoint(
+                row["tag"],
+                row["step"],
+                _stamp(manifest.get("committed_at")),
+                row["bytes"],
+                _int_or_none(manifest.get("world_size")),
+                manifest.get("ranks") if isinstance(manifest.get("ranks"), list) else None,
+                None,
+                None,
+                None,
+                None,
+                consolidated if isinstance(consolidated, bool) else None,
+                f"DAMAGED: {problems[0]}" if problems else f"ok ({how})",
+                problems,
+                latest=row["tag"] == latest,
+                lora=ADAPTER_CONFIG in manifest["files"],
+            )
+        )
     best = mark_best(checkpoints, manifests)
     return Listing(uri, latest, checkpoints, notes_, None, sum(c.bytes for c in checkpoints), best)
 
@@ -251,14 +282,14 @@ def _problems(folder: Path, manifest: dict, checksums: bool) -> list[str]:
         return [f"{MANIFEST}: malformed ({type(e).__name__}: {e})"]
     # as `finetune verify`: would resume's unpickling refuse it? (opcodes only)
     if not problems and checksums:
-        from finetune.offline.safe_load import (
+        from finetune.weights.safe_load import (
             refusals,  # imports torch: only when asked to verify
         )
 
         problems = refusals(folder, stored_ranks(manifest))
     # as `finetune verify`: adapters complete?
     if not problems and checksums and is_adapter_checkpoint(folder):
-        from finetune.offline.adapter import (
+        from finetune.weights.adapter import (
             verify_adapter,  # imports peft and transformers: only when asked
         )
 
@@ -496,3 +527,23 @@ def _human(n: int) -> str:
         if n >= scale:
             return f"{n / scale:.1f} {unit}"
     return f"{n} B"
+
+
+def mark_best(rows: Iterable[Any], manifests: Mapping[str, Mapping | None]) -> dict | None:
+    """`finetune ls`: each row (``tag``, ``eval``, ``best``) gets its manifest's eval row, and the
+    best one (``named_best``) its mark; returns the best record."""
+    record = named_best(manifests)
+    for row in rows:
+        manifest = manifests.get(row.tag)
+        evaluated = manifest.get(EVAL_KEY) if isinstance(manifest, Mapping) else None
+        row.eval = dict(evaluated) if isinstance(evaluated, Mapping) else None
+        row.best = record is not None and row.tag == record["tag"]
+    return record
+
+
+def best_legend(best: Mapping | None, rows: Iterable[Any]) -> list[str]:
+    """`finetune ls`'s line under the table for the row marked best (none without one)."""
+    if best is None or not any(r.best for r in rows):
+        return []
+    better = "higher is better" if best["greater_is_better"] else "lower is better"
+    return [f"+ = the best: {best['metric']} {best['value']:.4f} ({better})"]

@@ -12,7 +12,6 @@ from __future__ import annotations
 import torch
 
 from finetune import distributed as dist
-from finetune.data.formats import label_tokens  # noqa: F401 — imported from here by the trainer
 
 
 def items_per_micro_batch(

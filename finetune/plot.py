@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from finetune import distributed as dist
-from finetune.checkpoint.manifest import read_manifest
-from finetune.checkpoint.outdir import OutputDir, step_of
+from finetune.checkpoint_format.manifest import read_manifest
+from finetune.checkpoint_format.outdir import OutputDir, step_of
 from finetune.commands import Parser
 from finetune.config import ConfigError
 from finetune.metrics import json_rows, read_metrics

@@ -14,7 +14,7 @@ import importlib.util
 from collections.abc import Mapping
 from typing import Any
 
-from finetune.checkpoint.best import validate_flags as validate_best_flags
+from finetune.checkpoint_format.best import validate_flags as validate_best_flags
 from finetune.config import (
     EMBEDDED_MAX_STEPS,
     EMBEDDED_PRESET,

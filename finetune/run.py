@@ -12,11 +12,11 @@ from pathlib import Path
 from finetune import __version__, run_config
 from finetune import distributed as dist
 from finetune.build import build_trainer
-from finetune.checkpoint.remote_copy import open_remote
 from finetune.config import ConfigError, RunConfig
 from finetune.exit_status import EXIT_LEASE_LOST, clear_exit_status, write_exit_status
 from finetune.lease import acquire as acquire_lease
 from finetune.preemption import EXIT_PREEMPTED, Preempted, Preemption, parse_signals
+from finetune.remote.copy import open_remote
 
 
 def run(cfg: RunConfig) -> int:

@@ -115,14 +115,14 @@ def check_resume_path(spec: str | None) -> None:
         return
     from finetune.io.remote import RemoteError, S3Uri, is_remote
 
-    if is_remote(spec):  # read when the run starts (checkpoint/remote_fetch.py)
+    if is_remote(spec):  # read when the run starts (remote/fetch.py)
         try:
             S3Uri.parse(spec)
         except RemoteError as e:
             raise ConfigError(f"--resume_from_checkpoint: {e}") from None
         return
-    from finetune.checkpoint.manifest import looks_like_checkpoint
-    from finetune.checkpoint.outdir import find_checkpoint
+    from finetune.checkpoint_format.manifest import looks_like_checkpoint
+    from finetune.checkpoint_format.outdir import find_checkpoint
 
     folder = find_checkpoint(spec)
     if folder is None or not looks_like_checkpoint(folder):

@@ -15,18 +15,18 @@ import torch
 from tqdm.auto import tqdm
 
 from finetune import distributed as dist
-from finetune.checkpoint import best
 from finetune.checkpoint.checkpointer import Checkpointer
-from finetune.checkpoint.outdir import tag_for
-from finetune.checkpoint.state import TrainingState
+from finetune.checkpoint_format import best
+from finetune.checkpoint_format.outdir import tag_for
+from finetune.checkpoint_format.state import TrainingState
 from finetune.config import RunConfig
 from finetune.data import TrainData, eval_batches, model_inputs
+from finetune.data.formats import label_tokens
 from finetune.distributed import logger
 from finetune.exit_status import EXIT_LEASE_LOST
 from finetune.lease import LeaseLost, describe, holder
 from finetune.loss import (
     items_per_micro_batch,
-    label_tokens,
     loss_scale,
     rescaled,
     sum_dtype,
@@ -35,7 +35,7 @@ from finetune.metrics import MetricsWriter
 from finetune.plot import Plotter
 from finetune.preemption import EXIT_PREEMPTED, Preemption
 from finetune.probe import maybe_probe
-from finetune.remote_lease import RemoteLeaseLost
+from finetune.remote.lease import RemoteLeaseLost
 from finetune.trackers import run_name
 
 # Skipped optimizer steps in a row that stop a run: more than fp16's dynamic scaling ever needs
@@ -181,7 +181,7 @@ class Trainer:
             self.stop_note = self._early_stop_note()
         return code
 
-    # --- the best metric and early stopping (checkpoint/best.py) ------------------------------
+    # --- the best metric and early stopping (checkpoint_format/best.py) ---------------------------
 
     @cached_property
     def policy(self) -> best.BestPolicy:

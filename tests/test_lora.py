@@ -21,15 +21,15 @@ from finetune.lora import (
     lora_config,
     same_base,
 )
-from finetune.offline.adapter import (
+from finetune.resolve import resolve
+from finetune.run_config import load as load_run_config
+from finetune.weights.adapter import (
     ADAPTER_WEIGHTS,
     check_adapter_file,
     expected_tensors,
     verify_adapter,
 )
-from finetune.offline.shards import shard_header
-from finetune.resolve import resolve
-from finetune.run_config import load as load_run_config
+from finetune.weights.shards import shard_header
 
 
 def _resolve(**values):
@@ -317,7 +317,7 @@ def test_verify_adapter_names_an_empty_or_incomplete_adapter_file(adapter_folder
 def test_custom_model_code_is_never_run_to_check_an_adapter(adapter_folder, tiny_models):
     """config.json with auto_map (--trust_remote_code): the adapters are what rank 0's file lists,
     under peft's key renaming, and no model is built."""
-    from finetune.offline.adapter import _peft_key
+    from finetune.weights.adapter import _peft_key
 
     config = json.loads((adapter_folder / "config.json").read_text())
     (adapter_folder / "config.json").write_text(

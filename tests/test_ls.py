@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from finetune import cli, listing
-from finetune.checkpoint.manifest import MANIFEST, read_manifest
-from finetune.checkpoint.outdir import STAGING, OutputDir
+from finetune.checkpoint_format.manifest import MANIFEST, read_manifest
+from finetune.checkpoint_format.outdir import STAGING, OutputDir
 from finetune.io.durable import hash_file
 
 WORLD = 2
@@ -292,7 +292,7 @@ def test_a_malformed_manifest_is_one_damaged_row_not_a_crash(run):
 
 
 def test_a_cached_universal_conversion_is_noted_with_its_size(run):
-    from finetune.offline.universal import write_universal_manifest
+    from finetune.weights.universal import write_universal_manifest
 
     target = run / "global_step10" / "universal" / "zero" / "w"
     target.mkdir(parents=True)

@@ -259,7 +259,7 @@ def test_tokens_by_source_reads_a_checkpoint_state_and_old_ones_have_none():
 
 
 def test_an_old_trainer_state_loads_with_the_new_fields_defaulted():
-    from finetune.checkpoint.state import LogWindow, TrainingState
+    from finetune.checkpoint_format.state import LogWindow, TrainingState
 
     st = TrainingState.from_state_dict({"global_step": 3, "window": {"tokens": 5}})
     assert st.tokens_seen_by_source == {} and st.window.source_tokens == []

@@ -19,7 +19,7 @@ from finetune import lease as lease_mod
 from finetune.config import ConfigError
 from finetune.io.remote import S3Storage
 from finetune.lease import encode, identity
-from finetune.remote_lease import LEASE, RemoteLeaseHeld, acquire, held_by, holder
+from finetune.remote.lease import LEASE, RemoteLeaseHeld, acquire, held_by, holder
 
 require_s3()  # skips the module without boto3 or the `weed` binary
 

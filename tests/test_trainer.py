@@ -20,10 +20,10 @@ from torch.overrides import TorchFunctionMode
 import finetune.run as run_module
 import finetune.trainer as trainer_module
 from finetune.checkpoint.checkpointer import Checkpointer
-from finetune.checkpoint.outdir import OutputDir
 from finetune.checkpoint.resume import Resumer
 from finetune.checkpoint.staging import Layout
-from finetune.checkpoint.state import TRAINER_STATE, TrainingState
+from finetune.checkpoint_format.outdir import OutputDir
+from finetune.checkpoint_format.state import TRAINER_STATE, TrainingState
 from finetune.data import ResumableSampler, TrainData
 from finetune.metrics import MetricsWriter, read_metrics
 from finetune.preemption import Preemption

@@ -31,7 +31,6 @@ from pathlib import Path
 import torch
 
 from finetune import distributed as dist
-from finetune.checkpoint.best import eval_at
 from finetune.checkpoint.contents import (
     RANK_WINDOW,
     Clock,
@@ -48,18 +47,19 @@ from finetune.checkpoint.contents import (
     write_consolidated,
     write_shared,
 )
-from finetune.checkpoint.outdir import STAGING, OutputDir, tag_for
-from finetune.checkpoint.policy import space_needed
-from finetune.checkpoint.remote_copy import NoRemoteCopy
 from finetune.checkpoint.resume import ResumePlan
 from finetune.checkpoint.retention import Lineage
 from finetune.checkpoint.staging import Layout, SaveError, Staging
-from finetune.checkpoint.state import rng_state
 from finetune.checkpoint.writer import GuardedWriter
+from finetune.checkpoint_format.best import eval_at
+from finetune.checkpoint_format.outdir import STAGING, OutputDir, tag_for
+from finetune.checkpoint_format.policy import space_needed
+from finetune.checkpoint_format.state import rng_state
 from finetune.config import CheckpointArgs
 from finetune.distributed import logger
 from finetune.io import seams
 from finetune.io.faults import fault_point
+from finetune.remote.copy import NoRemoteCopy
 
 
 class Checkpointer:
@@ -87,7 +87,7 @@ class Checkpointer:
         records besides (zero stage, dtype, args); ``run_id``: the same on every rank (names this
         run's save ids); ``still_ours``: whether this run still holds OUT's lease (rank 0 asks
         before each commit); ``adapters`` (--use_peft): the engine's module is a peft model whose
-        frozen base is left out of its checkpoints (offline/adapter.py); ``remote``: where each
+        frozen base is left out of its checkpoints (weights/adapter.py); ``remote``: where each
         commit is copied (--remote_output_dir); ``best``: the BestPolicy of the best checkpoint."""
         from finetune.lora import trainable_parameters
         from finetune.modeling import count_parameters
@@ -251,8 +251,13 @@ class Checkpointer:
         if background:
             self.pending = pending
             held = fmt_bytes(self.writer.snapshot_bytes)
-            logger.info("Snapshot of %s in %.2f s (%s of host memory); copying and writing it in "
-                        "the background.", tag, clock.total, held)  # fmt: skip
+            logger.info(
+                "Snapshot of %s in %.2f s (%s of host memory); copying and writing it in "
+                "the background.",
+                tag,
+                clock.total,
+                held,
+            )
             return None
         return self._complete(pending)
 
@@ -382,7 +387,11 @@ class Checkpointer:
         args = (module, self.tokenizer, folder, snap, dtype if whole else None, self.adapters)
         rng_file, record = str(folder / f"rng_state_{dist.rank()}.pt"), self.writer.record
         # a leader's config, tokenizer and trainer_state.json
-        shared = lambda: write_shared(self.storage, *args, record.cancelled) if self.leader and record.error is None else {}  # noqa: E501,E731  # fmt: skip
+        shared = lambda: (
+            write_shared(self.storage, *args, record.cancelled)
+            if self.leader and record.error is None
+            else {}
+        )
 
         def own() -> dict[str, tuple[int, str]]:
             if snap.rng is not None:  # under --async_save, queued for the writer's thread
@@ -395,9 +404,11 @@ class Checkpointer:
             return
         # Rank-local I/O before the agree step's all-gather: polled, so a hung write fails the save.
         out = dist.gather_outcomes(
-            own, step=f"writing {tag}'s RNG and shared files", deadline_s=dist.io_deadline(),
+            own,
+            step=f"writing {tag}'s RNG and shared files",
+            deadline_s=dist.io_deadline(),
             cancel=record.cancelled,
-        )  # fmt: skip
+        )
         if out.own is not None:  # recorded; the agree step decides for all ranks
             self.writer.fail(folder, out.own)
         self.writer.files.update(out.result or {})

@@ -21,14 +21,14 @@ from pathlib import Path
 import torch
 
 from finetune import distributed as dist
-from finetune.checkpoint.outdir import STAGING, OutputDir
-from finetune.checkpoint.state import TRAINER_STATE, LogWindow, set_rng_state
+from finetune.checkpoint_format.outdir import STAGING, OutputDir
+from finetune.checkpoint_format.state import TRAINER_STATE, LogWindow, set_rng_state
 from finetune.distributed import logger
 from finetune.io import seams
 from finetune.io.durable import WriteCancelled, bytes_hashed
 from finetune.io.faults import fault_point
-from finetune.offline.adapter import ADAPTER_WEIGHTS, write_adapter_config
 from finetune.ops import replay_adam_steps
+from finetune.weights.adapter import ADAPTER_WEIGHTS, write_adapter_config
 
 RANK_WINDOW = "log_window"  # in rng_state_{r}.pt: rank r's own log window (state.py)
 CONSOLIDATED_PATTERNS = (
@@ -95,8 +95,8 @@ def write_consolidated(
 ) -> tuple[dict, dict | None, str | None]:
     """Collective: every rank gathers, even one whose own writes already failed. Returns (the
     files written, the adapter's summary for the manifest, the consolidation's error or None)."""
-    from finetune.checkpoint.consolidate import ConsolidationFailed, save_consolidated
-    from finetune.offline.adapter import save_adapter
+    from finetune.weights.adapter import save_adapter
+    from finetune.weights.consolidate import ConsolidationFailed, save_consolidated
 
     try:
         if adapters:  # the adapters alone, as peft saves them (the base is elsewhere, unchanged)

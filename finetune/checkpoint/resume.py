@@ -19,18 +19,23 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from finetune import distributed as dist
-from finetune.checkpoint.manifest import MANIFEST, looks_like_checkpoint, read_manifest, verify
-from finetune.checkpoint.outdir import OutputDir, committed, find_checkpoint, step_of
-from finetune.checkpoint.policy import Committed, newer_than, resume_order
-from finetune.checkpoint.state import TRAINER_STATE
-from finetune.config import ConfigError, RunConfig
+from finetune.checkpoint_format.manifest import (
+    MANIFEST,
+    looks_like_checkpoint,
+    read_manifest,
+    verify,
+)
+from finetune.checkpoint_format.outdir import OutputDir, committed, find_checkpoint, step_of
+from finetune.checkpoint_format.policy import Committed, newer_than, resume_order
+from finetune.checkpoint_format.state import TRAINER_STATE
+from finetune.config import ConfigError, RunConfig, resume_may_change
 from finetune.distributed import logger
 from finetune.io.faults import fault_point
 from finetune.lora import check_resumable
 from finetune.modeling import check_checkpoint_model
-from finetune.offline import safe_load
-from finetune.offline.universal import UNIVERSAL, to_universal, verify_universal
 from finetune.preemption import Preempted
+from finetune.weights import safe_load
+from finetune.weights.universal import UNIVERSAL, to_universal, verify_universal
 
 
 @dataclass
@@ -449,7 +454,7 @@ class Resumer:
         for group, now in self.cfg.to_json_dict().items():
             for key, value in now.items():
                 before = saved.get("args", {}).get(group, {}).get(key, value)
-                if before != value and key not in IGNORED_ON_RESUME:
+                if before != value and key not in resume_may_change():
                     dist.log_main(
                         logging.WARNING,
                         "resume: --%s is %r now, was %r in the checkpoint",
@@ -467,20 +472,3 @@ def _node_local_world(folder: Path, saved: int) -> str:
         "--remote_output_dir, which fetches the whole checkpoint to every node); nothing was "
         "changed"
     )
-
-
-IGNORED_ON_RESUME = {
-    "resume_from_checkpoint",
-    "output_dir",
-    "max_steps",
-    "num_train_epochs",
-    "save_steps",
-    "save_total_limit",
-    "logging_steps",
-    "eval_steps",
-    "on_save_error",
-    "save_checkpoint",
-    "resume_skip_checksum",
-    "ddp_timeout",
-    "ignore_unverified_checkpoints",
-}

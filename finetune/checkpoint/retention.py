@@ -17,10 +17,10 @@ import threading
 from collections.abc import Callable
 
 from finetune import distributed as dist
-from finetune.checkpoint.best import BestPolicy, after_commit, best_of_line, protected
-from finetune.checkpoint.outdir import Deleter, OutputDir, committed, step_of, tag_for
-from finetune.checkpoint.policy import Committed, line_of, select_for_deletion
 from finetune.checkpoint.staging import SaveError
+from finetune.checkpoint_format.best import BestPolicy, after_commit, best_of_line, protected
+from finetune.checkpoint_format.outdir import Deleter, OutputDir, committed, step_of, tag_for
+from finetune.checkpoint_format.policy import Committed, line_of, select_for_deletion
 from finetune.io.faults import fault_point
 
 
@@ -64,9 +64,12 @@ class Lineage:
             )
 
         out = dist.gather_outcomes(
-            mine, on=leader, share=True, step="reading the commit history",
+            mine,
+            on=leader,
+            share=True,
+            step="reading the commit history",
             deadline_s=dist.io_deadline(),
-        )  # fmt: skip
+        )
         out.raise_any()
         views = [v for v in out.results if v is not None]
         self.line: list[str] = views[0][0]  # tags, oldest first; what retention counts
@@ -99,9 +102,13 @@ class Lineage:
     def extend(self, tag: str, identity: dict, total_bytes: int) -> None:
         """``tag`` is committed (renamed into place everywhere): the new head of the line."""
         self.head = Committed(
-            tag, identity["commit_seq"], identity["save_id"], identity["parent"],
-            identity["parent_save_id"], total_bytes,
-        )  # fmt: skip
+            tag,
+            identity["commit_seq"],
+            identity["save_id"],
+            identity["parent"],
+            identity["parent_save_id"],
+            total_bytes,
+        )
         self.best = identity.get("best")
         self.line = [t for t in self.line if t != tag] + [tag]
         self.last_bytes = self.sizes[tag] = total_bytes
@@ -150,14 +157,17 @@ class Lineage:
         names = ", ".join(doomed)
         if out.ok:
             self.line = [t for t in self.line if t not in doomed]
-            dist.log_main(logging.INFO, "save_total_limit %d: deleting %s in the background",
-                          limit, names)  # fmt: skip
+            dist.log_main(
+                logging.INFO, "save_total_limit %d: deleting %s in the background", limit, names
+            )
         else:  # kept in the line: retried after the next save
             dist.log_main(
                 logging.WARNING,
                 "save_total_limit %d: could not delete %s (%s); retrying after the next save",
-                limit, names, out.describe(),
-            )  # fmt: skip
+                limit,
+                names,
+                out.describe(),
+            )
 
     def finish_commit(self, step: int, ensure_lease: Callable[[str, int | None], None]) -> None:
         """Resumed at its last step, already saved: what a crash after that checkpoint's rename may
@@ -195,9 +205,11 @@ class Lineage:
         """At the end of training: leaders wait for retention's background deletions (polled; one
         that makes no progress is left for the next start to tidy, with a warning). Collective."""
         out = dist.gather_outcomes(
-            self.deleter.drain, on=self.leader, step="deleting older checkpoints",
+            self.deleter.drain,
+            on=self.leader,
+            step="deleting older checkpoints",
             deadline_s=dist.io_deadline(),
-        )  # fmt: skip
+        )
         if not out.ok:
             self.deleter.stop()
             dist.log_main(

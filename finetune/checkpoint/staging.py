@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from finetune import distributed as dist
 from finetune.checkpoint.contents import CONSOLIDATED_PATTERNS, describe, fmt_bytes, space_report
-from finetune.checkpoint.outdir import STAGING, Deleter, OutputDir, step_of
+from finetune.checkpoint_format.outdir import STAGING, Deleter, OutputDir, step_of
 from finetune.config import ConfigError
 from finetune.distributed import logger
 from finetune.io import seams
@@ -85,8 +85,9 @@ class Staging:
             deadline_s=dist.io_deadline(),
         )
         if not out.ok:
-            dist.log_main(logging.WARNING, "could not remove partial safetensors files: %s",
-                          out.describe())  # fmt: skip
+            dist.log_main(
+                logging.WARNING, "could not remove partial safetensors files: %s", out.describe()
+            )
         dist.log_main(
             logging.WARNING,
             "consolidated weights of %s not written (%s); committing the partitioned "

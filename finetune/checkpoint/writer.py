@@ -48,7 +48,7 @@ from finetune.io.direct import finish, open_for_write
 from finetune.io.durable import HashingWriter, WriteCancelled
 from finetune.io.faults import fault_point
 from finetune.io.progress import progress
-from finetune.offline import safe_load
+from finetune.weights import safe_load
 
 
 @dataclass
@@ -217,7 +217,7 @@ class GuardedWriter:
         """Write one file of the save ``record`` is of (its own record: see SaveRecord).
         ``direct`` (a background save's): with O_DIRECT where the filesystem takes it, for the
         writer's CPU (what competes with training); a synchronous save, which training waits for,
-        through the page cache, the faster on the test machine (docs/BENCHMARKS.md, issue 26)."""
+        through the page cache, the faster on the test machine (docs/BENCHMARKS.md)."""
         if record.error is not None:
             return
         w = None

@@ -196,7 +196,7 @@ def describe_tokens(by_source: dict[str, int]) -> str:
 
 def read_tokens_by_source(folder: Path) -> dict[str, int] | None:
     """``tokens_by_source`` of a local checkpoint's trainer_state.json (None if unreadable)."""
-    from finetune.checkpoint.state import TRAINER_STATE
+    from finetune.checkpoint_format.state import TRAINER_STATE
 
     try:
         state = json.loads((folder / TRAINER_STATE).read_text())

@@ -1,4 +1,4 @@
-"""Object storage behind the ``Storage`` protocol: ``s3://bucket/prefix`` (issue 24).
+"""Object storage behind the ``Storage`` protocol: ``s3://bucket/prefix``.
 
 An object store has no folders, no rename and no fsync: a key ``prefix/rel`` is a file, a folder is
 the set of keys under ``prefix/rel/``, and a ``PUT`` that returned is durable and atomic (a reader

@@ -1,6 +1,7 @@
 """The offline tools: one plain process each, no launcher, no torch.distributed, no GPU.
 
-``finetune export`` (export.py, lora_export.py, over the rank files read by zero_files.py),
-``finetune verify`` (verify.py), and reading DeepSpeed's pickles without running code from them
-(safe_load.py, which the online resume uses too).
+``finetune export`` (export.py, lora_export.py, model_files.py) and ``finetune verify``
+(verify.py). What they share with the online component lives below them: the checkpoint's format
+(checkpoint_format/), the procedures on its tensors (weights/) and the bucket's fetch and verify
+(remote/).
 """

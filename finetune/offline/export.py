@@ -34,17 +34,15 @@ from pathlib import Path
 
 import torch
 
-from finetune.checkpoint.best import named_best
-from finetune.checkpoint.consolidate import FROM_MASTER, SOURCE_KEY
-from finetune.checkpoint.manifest import read_manifest
-from finetune.checkpoint.outdir import OutputDir, find_checkpoint, step_of
+from finetune.checkpoint_format.best import named_best
+from finetune.checkpoint_format.manifest import read_manifest
+from finetune.checkpoint_format.outdir import OutputDir, find_checkpoint, step_of
 from finetune.commands import Parser
 from finetune.config import ConfigError, check_size
 from finetune.io.durable import fsync_path
 from finetune.io.faults import fault_point
 from finetune.io.remote import is_remote
 from finetune.modeling import DTYPES
-from finetune.offline.adapter import is_adapter_checkpoint
 from finetune.offline.model_files import (
     DEFAULT_SHARD_SIZE,
     SAFE_TO_TORCH,
@@ -59,9 +57,11 @@ from finetune.offline.model_files import (
     verify_inputs,
     write_tensor,
 )
-from finetune.offline.shards import INDEX, plan_shards, read_header, shard_header
-from finetune.offline.universal import UNIVERSAL, to_universal
-from finetune.offline.zero_files import ZeroCheckpoint, rank_model_files
+from finetune.weights.adapter import is_adapter_checkpoint
+from finetune.weights.consolidate import FROM_MASTER, SOURCE_KEY
+from finetune.weights.shards import INDEX, plan_shards, read_header, shard_header
+from finetune.weights.universal import UNIVERSAL, to_universal
+from finetune.weights.zero_files import ZeroCheckpoint, rank_model_files
 
 # --- entry points ------------------------------------------------------------------------------
 
@@ -205,7 +205,7 @@ def resolve_checkpoint(path: str | os.PathLike) -> Path:
 
 def best_checkpoint(location: str) -> str:
     """``--best``: the best checkpoint of an output dir (or s3://BUCKET/PREFIX), as its newest
-    commit names it (checkpoint/best.py); ConfigError, one line, when none was evaluated."""
+    commit names it (checkpoint_format/best.py); ConfigError, one line, when none was evaluated."""
     if is_remote(location):
         from finetune.io.remote import S3Storage
 
@@ -430,7 +430,7 @@ def main(argv: list[str]) -> int:
         best = best_checkpoint(ns.checkpoint)
         return main([best if a == ns.checkpoint else a for a in argv if a != "--best"])
     if is_remote(ns.checkpoint):  # s3://: downloaded beside OUT, verified, exported, removed
-        from finetune.checkpoint.remote_fetch import download_checkpoint
+        from finetune.remote.fetch import download_checkpoint
 
         if ns.out is None:
             p.error("an s3:// CKPT needs OUT")

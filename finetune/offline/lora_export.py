@@ -28,14 +28,12 @@ from pathlib import Path
 
 import torch
 
-from finetune.checkpoint.consolidate import FROM_MASTER, SOURCE_KEY
-from finetune.checkpoint.outdir import step_of
+from finetune.checkpoint_format.outdir import step_of
 from finetune.config import ConfigError
 from finetune.io.durable import fsync_path
 from finetune.io.faults import fault_point
 from finetune.lora import BASE_KEY, describe_base, fingerprint, same_base, weights_folder
 from finetune.modeling import DTYPES
-from finetune.offline.adapter import ADAPTER_CONFIG, ADAPTER_WEIGHTS, expected_tensors
 from finetune.offline.model_files import (
     DEFAULT_SHARD_SIZE,
     ExportResult,
@@ -49,8 +47,10 @@ from finetune.offline.model_files import (
     verify_inputs,
     write_tensor,
 )
-from finetune.offline.shards import INDEX, SAFE_TO_DTYPE, plan_shards, shard_header
-from finetune.offline.zero_files import CHUNK_BYTES, ZeroCheckpoint
+from finetune.weights.adapter import ADAPTER_CONFIG, ADAPTER_WEIGHTS, expected_tensors
+from finetune.weights.consolidate import FROM_MASTER, SOURCE_KEY
+from finetune.weights.shards import INDEX, SAFE_TO_DTYPE, plan_shards, shard_header
+from finetune.weights.zero_files import CHUNK_BYTES, ZeroCheckpoint
 
 
 def export_lora(

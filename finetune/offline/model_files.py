@@ -19,12 +19,12 @@ from pathlib import Path
 
 import torch
 
-from finetune.checkpoint.manifest import MANIFEST, check_file, read_manifest
-from finetune.checkpoint.outdir import LATEST
+from finetune.checkpoint_format.manifest import MANIFEST, check_file, read_manifest
+from finetune.checkpoint_format.outdir import LATEST
 from finetune.config import ConfigError
 from finetune.modeling import DTYPES
-from finetune.offline.shards import INDEX
-from finetune.offline.zero_files import CHUNK_BYTES, ZeroCheckpoint
+from finetune.weights.shards import INDEX
+from finetune.weights.zero_files import CHUNK_BYTES, ZeroCheckpoint
 
 HF_DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
 

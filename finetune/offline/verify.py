@@ -19,14 +19,20 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from finetune.checkpoint.manifest import read_manifest, stored_ranks
-from finetune.checkpoint.manifest import verify as check_checkpoint
-from finetune.checkpoint.outdir import LATEST, OutputDir, committed, find_checkpoint, uncommitted
-from finetune.checkpoint.policy import newest_first
+from finetune.checkpoint_format.manifest import read_manifest, stored_ranks
+from finetune.checkpoint_format.manifest import verify as check_checkpoint
+from finetune.checkpoint_format.outdir import (
+    LATEST,
+    OutputDir,
+    committed,
+    find_checkpoint,
+    uncommitted,
+)
+from finetune.checkpoint_format.policy import newest_first
 from finetune.commands import Parser
 from finetune.config import ConfigError
 from finetune.io.remote import is_remote
-from finetune.offline.adapter import verify_adapter
+from finetune.weights.adapter import verify_adapter
 
 METRICS = "metrics.jsonl"
 
@@ -106,7 +112,7 @@ def _is_row(line: str) -> bool:
 
 def main(argv: list[str]) -> int:
     """``finetune verify CKPT|OUT``: exit 0 intact, 1 damaged, 2 not a checkpoint."""
-    from finetune.offline.safe_load import refusals  # imports torch: only here
+    from finetune.weights.safe_load import refusals  # imports torch: only here
 
     p = Parser(
         prog="finetune verify",
@@ -129,7 +135,7 @@ def main(argv: list[str]) -> int:
     )
     ns = p.parse_args(argv)
     if is_remote(ns.checkpoint):
-        from finetune.offline import remote_verify
+        from finetune.remote import verify as remote_verify
 
         return remote_verify.main(ns.checkpoint, full=ns.full)
     folder = find_checkpoint(ns.checkpoint)

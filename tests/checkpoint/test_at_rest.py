@@ -3,7 +3,7 @@
 as docs/CHECKPOINTS.md "Resume" and "Verify" say, and finishes. Nothing hangs: every run has a short
 --ddp_timeout and a wall-clock limit. Also: resume unpickles DeepSpeed's files only after they
 verified, and the real rank files need nothing beyond the allow-list
-(finetune/offline/safe_load.py).
+(finetune/weights/safe_load.py).
 
 One 2-rank run makes the checkpoints (global_step1 … global_step8); each test damages a copy. The
 kinds of damage share one resume: each is put into a checkpoint of its own, newest first, and one
@@ -21,9 +21,9 @@ from pathlib import Path
 
 import pytest
 
-from finetune.checkpoint.manifest import read_manifest
+from finetune.checkpoint_format.manifest import read_manifest
 from finetune.io.durable import hash_file
-from finetune.offline import safe_load
+from finetune.weights import safe_load
 
 from conftest import Running, child_env, launcher_cmd
 

@@ -1,5 +1,6 @@
-"""The best checkpoint and early stopping (checkpoint/best.py): the comparison, the counters, the
-manifest fields, and retention keeping the best (a real Checkpointer on a fake engine)."""
+"""The best checkpoint and early stopping (checkpoint_format/best.py): the comparison, the
+counters, the manifest fields, and retention keeping the best (a real Checkpointer on a fake
+engine)."""
 
 from __future__ import annotations
 
@@ -13,12 +14,12 @@ from checkpoint.test_manager import (  # noqa: F401
     tiny_module,
 )
 
-from finetune.checkpoint import best
-from finetune.checkpoint.best import BestPolicy
-from finetune.checkpoint.manifest import read_manifest
-from finetune.checkpoint.outdir import OutputDir
-from finetune.checkpoint.policy import Committed, select_for_deletion
-from finetune.checkpoint.state import TrainingState
+from finetune.checkpoint_format import best
+from finetune.checkpoint_format.best import BestPolicy
+from finetune.checkpoint_format.manifest import read_manifest
+from finetune.checkpoint_format.outdir import OutputDir
+from finetune.checkpoint_format.policy import Committed, select_for_deletion
+from finetune.checkpoint_format.state import TrainingState
 
 
 def row(step: int, loss: float) -> dict:
@@ -318,7 +319,7 @@ def test_the_buckets_retention_keeps_the_best_the_newest_manifest_names():
 
     from memory_storage import MemoryStorage
 
-    from finetune.checkpoint.remote_copy import RemoteCopy
+    from finetune.remote.copy import RemoteCopy
 
     class Bucket(MemoryStorage):
         def remove_tree(self, rel: str) -> None:

@@ -16,8 +16,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from finetune.checkpoint import consolidate
-from finetune.checkpoint.consolidate import (
+from finetune.io import seams
+from finetune.weights import consolidate, shards
+from finetune.weights.consolidate import (
     FROM_MASTER,
     FROM_MODULE,
     SOURCE_KEY,
@@ -30,9 +31,7 @@ from finetune.checkpoint.consolidate import (
     tensor_entries,
     weights_source,
 )
-from finetune.io import seams
-from finetune.offline import shards
-from finetune.offline.shards import INDEX, ShardWriter, plan_shards
+from finetune.weights.shards import INDEX, ShardWriter, plan_shards
 
 from conftest import free_port
 

@@ -10,7 +10,7 @@ import pytest
 from checkpoint.test_manager import make_cfg, make_manager, run_saves, tiny_module
 
 from finetune.checkpoint.contents import fmt_bytes, space_report
-from finetune.checkpoint.outdir import LATEST, STAGING, OutputDir
+from finetune.checkpoint_format.outdir import LATEST, STAGING, OutputDir
 
 FIXTURES = (tiny_module,)  # test_manager's, found by pytest under this name
 

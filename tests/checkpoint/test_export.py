@@ -16,14 +16,14 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from finetune.checkpoint.consolidate import FROM_MASTER, FROM_MODULE, SOURCE_KEY
-from finetune.checkpoint.manifest import build_manifest
+from finetune.checkpoint_format.manifest import build_manifest
 from finetune.cli import main
 from finetune.io.durable import hash_file
 from finetune.offline import export as ex
-from finetune.offline import safe_load
-from finetune.offline import zero_files as zf
-from finetune.offline.shards import INDEX
+from finetune.weights import safe_load
+from finetune.weights import zero_files as zf
+from finetune.weights.consolidate import FROM_MASTER, FROM_MODULE, SOURCE_KEY
+from finetune.weights.shards import INDEX
 
 VOCAB = 97
 

@@ -8,9 +8,9 @@ import json
 import pytest
 import torch
 
-from finetune.checkpoint.manifest import MANIFEST, read_manifest
-from finetune.checkpoint.outdir import STAGING, OutputDir
 from finetune.checkpoint.writer import GuardedWriter
+from finetune.checkpoint_format.manifest import MANIFEST, read_manifest
+from finetune.checkpoint_format.outdir import STAGING, OutputDir
 from finetune.io import seams
 from finetune.io.durable import hash_file
 
@@ -192,7 +192,7 @@ def make_manager(cfg, module, run_id="run1", **kw):
     from finetune.checkpoint.checkpointer import Checkpointer
     from finetune.checkpoint.resume import Resumer
     from finetune.checkpoint.staging import Layout
-    from finetune.checkpoint.state import TrainingState
+    from finetune.checkpoint_format.state import TrainingState
 
     storage = OutputDir(cfg.ckpt.output_dir)
     plan = Resumer(cfg, storage).plan_resume()
@@ -297,7 +297,7 @@ def test_auto_refuses_to_start_fresh_over_checkpoints_that_do_not_verify(tmp_pat
 
 
 def test_consolidation_failure_drops_only_the_safetensors(tmp_path, tiny_module, monkeypatch):
-    import finetune.checkpoint.consolidate as consolidate
+    import finetune.weights.consolidate as consolidate
 
     def broken(model, folder, dtype, max_shard_size):
         (folder / "model.safetensors").write_bytes(b"partial")
@@ -318,7 +318,7 @@ def test_consolidation_failure_drops_only_the_safetensors(tmp_path, tiny_module,
 def test_an_error_escaping_mid_gather_stops_the_run_instead_of_agreeing(
     tmp_path, tiny_module, monkeypatch
 ):
-    import finetune.checkpoint.consolidate as consolidate
+    import finetune.weights.consolidate as consolidate
 
     def transport_error(model, folder, dtype, max_shard_size):
         raise RuntimeError("Connection reset by peer (simulated)")
@@ -400,7 +400,7 @@ def test_torn_metrics_line_is_dropped_on_resume(tmp_path):
 
 
 def test_a_universal_conversion_is_reused_only_if_it_verifies(tmp_path):
-    from finetune.offline.universal import verify_universal, write_universal_manifest
+    from finetune.weights.universal import verify_universal, write_universal_manifest
 
     target = tmp_path / "universal"
     (target / "zero" / "w").mkdir(parents=True)
@@ -482,8 +482,8 @@ def test_resaving_the_committed_step_at_the_end_is_skipped(tmp_path, tiny_module
 
 
 def test_a_same_tag_recommit_keeps_the_line_intact(tmp_path, tiny_module):
-    from finetune.checkpoint.outdir import committed
-    from finetune.checkpoint.policy import line_of
+    from finetune.checkpoint_format.outdir import committed
+    from finetune.checkpoint_format.policy import line_of
 
     m, progress, _ = make_manager(make_cfg(tmp_path), tiny_module)
     run_saves(m, progress, [2, 4, 4])

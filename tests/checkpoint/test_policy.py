@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import json
 
-from finetune.checkpoint.outdir import (
+from finetune.checkpoint_format.outdir import (
     ABANDONED,
     STAGING,
     OutputDir,
     committed,
     find_checkpoint,
 )
-from finetune.checkpoint.policy import (
+from finetune.checkpoint_format.policy import (
     Committed,
     line_of,
     newer_than,

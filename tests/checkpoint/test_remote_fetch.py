@@ -3,7 +3,7 @@ holding what this OUT needs, a node's cut or the whole checkpoint. No server nee
 
 from __future__ import annotations
 
-from finetune.checkpoint.remote_fetch import _holds
+from finetune.remote.fetch import _holds
 
 WHOLE = {"save_id": "run-7", "world_size": 2}
 CUT0 = {**WHOLE, "ranks": [0]}

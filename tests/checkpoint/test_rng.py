@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from finetune.checkpoint import state as rng
-from finetune.checkpoint.state import rng_state, set_rng_state
+from finetune.checkpoint_format import state as rng
+from finetune.checkpoint_format.state import rng_state, set_rng_state
 
 
 class FakeCuda:

@@ -7,7 +7,7 @@ import json
 
 import torch
 
-from finetune.checkpoint.state import LogWindow, TrainingState
+from finetune.checkpoint_format.state import LogWindow, TrainingState
 
 
 def test_training_state_round_trips_through_json():

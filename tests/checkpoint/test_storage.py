@@ -9,7 +9,14 @@ import errno
 import pytest
 from memory_storage import MemoryStorage
 
-from finetune.checkpoint.outdir import ABANDONED, LATEST, MANIFEST, STAGING, OutputDir, committed
+from finetune.checkpoint_format.outdir import (
+    ABANDONED,
+    LATEST,
+    MANIFEST,
+    STAGING,
+    OutputDir,
+    committed,
+)
 from finetune.io.storage import LocalStorage, Storage
 
 

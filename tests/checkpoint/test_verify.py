@@ -12,8 +12,8 @@ import sys
 import pytest
 import torch
 
-from finetune.checkpoint.manifest import verify
-from finetune.checkpoint.outdir import STAGING, OutputDir
+from finetune.checkpoint_format.manifest import verify
+from finetune.checkpoint_format.outdir import STAGING, OutputDir
 from finetune.io.durable import hash_file
 
 WORLD = 2
@@ -207,7 +207,7 @@ def test_intact_but_naming_a_class_off_the_allow_list_is_refused(ckpt):
 
 
 def test_a_directory_where_a_listed_file_should_be_is_named_as_such(tmp_path):
-    from finetune.checkpoint.manifest import check_file
+    from finetune.checkpoint_format.manifest import check_file
 
     (tmp_path / "zero_pp_rank_0_mp_rank_00_optim_states.pt").mkdir()
     problems = check_file(

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from finetune import cli
-from finetune.checkpoint.consolidate import save_consolidated
+from finetune.weights.consolidate import save_consolidated
 from finetune.trainer import Trainer
 
 extra, train = Path(sys.argv[1]), Trainer.train

@@ -94,8 +94,8 @@ def test_a_preemption_during_the_conversion_exits_75_and_the_next_start_finishes
     import os
     import signal
 
-    from finetune.offline.universal import PIECES
     from finetune.preemption import EXIT_PREEMPTED
+    from finetune.weights.universal import PIECES
 
     from conftest import wait_until
 

@@ -141,7 +141,7 @@ def test_universal(runs, tmp_path):
     r = export(part, "--universal")
     assert r.returncode == 0, r.stderr[-4000:]
     assert (part / "universal" / "zero").is_dir() and any((part / "universal" / "zero").iterdir())
-    from finetune.offline.universal import verify_universal
+    from finetune.weights.universal import verify_universal
 
     source = json.loads((part / "manifest.json").read_text()).get("save_id")
     # a resume on another world size reuses it
@@ -258,7 +258,7 @@ def test_an_interrupted_conversion_keeps_its_pieces_and_ends_equal_to_deepspeeds
 
     import torch
 
-    from finetune.offline.universal import PIECES, Interrupted, to_universal
+    from finetune.weights.universal import PIECES, Interrupted, to_universal
 
     part = partitioned_only(runs["llama"] / "global_step2", tmp_path / "part")
     target, pieces = part / "universal", part / "universal.tmp" / PIECES

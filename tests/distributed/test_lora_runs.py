@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from finetune.io import seams
-from finetune.offline import safe_load
 from finetune.probe import probe_input
+from finetune.weights import safe_load
 
 from conftest import (
     assert_verifies,

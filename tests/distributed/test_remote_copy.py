@@ -334,7 +334,7 @@ def test_one_run_per_prefix_a_second_is_exit_2_and_a_run_that_lost_the_prefix_st
     nothing more there and stops with exit 3; OUT's exit_status.json says why, and its release
     leaves the other run's lease in place."""
     from finetune.lease import encode, identity
-    from finetune.remote_lease import LEASE, holder
+    from finetune.remote.lease import LEASE, holder
 
     uri = f"s3://{BUCKET}/leased"
     first = start_finetune(
@@ -372,7 +372,7 @@ def test_a_step_saved_again_on_a_new_timeline_is_uncommitted_before_its_objects_
     abandoned timeline: that commit's manifest is deleted before any of its objects is
     overwritten, so at no instant does the bucket hold a manifest whose objects do not match it;
     the new commit then lands under the same tag."""
-    from finetune.offline.remote_verify import check
+    from finetune.remote.verify import check
 
     uri, out = f"s3://{BUCKET}/timelines", tmp_path / "out"
     saves = ("--save_checkpoint", "--save_steps", "2", "--logging_steps", "1")

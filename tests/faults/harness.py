@@ -17,8 +17,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from finetune.checkpoint.manifest import MANIFEST, read_manifest
-from finetune.checkpoint.outdir import ABANDONED, LATEST, TRASH, step_of, tag_for
+from finetune.checkpoint_format.manifest import MANIFEST, read_manifest
+from finetune.checkpoint_format.outdir import ABANDONED, LATEST, TRASH, step_of, tag_for
 from finetune.io import seams
 from finetune.io.faults import HANG, KINDS
 
@@ -162,7 +162,7 @@ def output_dir_problems(out: Path) -> list[str]:
     """What no crash, failure or kill may ever leave in an output dir: a `latest` naming anything
     but a checkpoint that verifies; a folder with a manifest (committed, set aside, or staged and
     committed but never renamed) that does not verify; a checkpoint's name without a manifest."""
-    from finetune.offline.universal import verify_universal
+    from finetune.weights.universal import verify_universal
 
     problems = []
     latest = out / LATEST

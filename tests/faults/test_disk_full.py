@@ -33,9 +33,9 @@ from pathlib import Path
 
 import pytest
 
-from finetune.checkpoint.manifest import MANIFEST, read_manifest
-from finetune.checkpoint.outdir import LATEST, STAGING, tag_for
-from finetune.checkpoint.policy import SPACE_MARGIN
+from finetune.checkpoint_format.manifest import MANIFEST, read_manifest
+from finetune.checkpoint_format.outdir import LATEST, STAGING, tag_for
+from finetune.checkpoint_format.policy import SPACE_MARGIN
 from finetune.io import seams
 
 from harness import (

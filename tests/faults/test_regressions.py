@@ -7,8 +7,8 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "checkpoint"))
-from finetune.checkpoint.manifest import read_manifest  # noqa: E402
-from finetune.checkpoint.outdir import OutputDir  # noqa: E402
+from finetune.checkpoint_format.manifest import read_manifest  # noqa: E402
+from finetune.checkpoint_format.outdir import OutputDir  # noqa: E402
 from finetune.io import seams  # noqa: E402
 
 from test_manager import (  # noqa: E402

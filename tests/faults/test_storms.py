@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from finetune.checkpoint.outdir import LATEST, STAGING, step_of
+from finetune.checkpoint_format.outdir import LATEST, STAGING, step_of
 from finetune.metrics import read_metrics
 from finetune.preemption import EXIT_PREEMPTED
 

@@ -160,18 +160,6 @@ def named_best(manifests: Mapping[str, Mapping | None]) -> dict | None:
     return None
 
 
-def mark_best(rows: Iterable[Any], manifests: Mapping[str, Mapping | None]) -> dict | None:
-    """`finetune ls`: each row (``tag``, ``eval``, ``best``) gets its manifest's eval row, and the
-    best one (``named_best``) its mark; returns the best record."""
-    record = named_best(manifests)
-    for row in rows:
-        manifest = manifests.get(row.tag)
-        evaluated = manifest.get(EVAL_KEY) if isinstance(manifest, Mapping) else None
-        row.eval = dict(evaluated) if isinstance(evaluated, Mapping) else None
-        row.best = record is not None and row.tag == record["tag"]
-    return record
-
-
 def _seq(manifest: Mapping) -> int | None:
     seq = manifest.get("commit_seq")
     return seq if isinstance(seq, int) else None
@@ -239,11 +227,3 @@ def require_evaluation(train: Any, evalset: Any) -> None:
             f"`{named}` needs an evaluation, and the data has no eval set: give "
             "`--validation_file` or a `--validation_split_percentage` above 0"
         )
-
-
-def best_legend(best: Mapping | None, rows: Iterable[Any]) -> list[str]:
-    """`finetune ls`'s line under the table for the row marked best (none without one)."""
-    if best is None or not any(r.best for r in rows):
-        return []
-    better = "higher is better" if best["greater_is_better"] else "lower is better"
-    return [f"+ = the best: {best['metric']} {best['value']:.4f} ({better})"]

@@ -1,4 +1,4 @@
-"""One run per ``--remote_output_dir`` prefix: ``PREFIX/.lease`` in the bucket (issue 24).
+"""One run per ``--remote_output_dir`` prefix: ``PREFIX/.lease`` in the bucket.
 
 The same record and the same rules as ``OUT/.lease`` (finetune/lease.py: who holds it, and how a
 holder is judged dead: a SLURM requeue, a gone pid on the same machine, a heartbeat that stops
@@ -173,8 +173,9 @@ class RemoteLease:
                     if found is not None and is_ours(found[0], self.info):
                         self.remote.delete_if(LEASE, found[1])
         except Exception as e:  # noqa: BLE001 — the next run judges a leftover lease dead
-            logger.warning("could not remove this run's lease %s: %s",
-                           self.remote.describe(LEASE), e)  # fmt: skip
+            logger.warning(
+                "could not remove this run's lease %s: %s", self.remote.describe(LEASE), e
+            )
 
     def _lose(self, other: dict | None) -> None:
         if not self._lost:
@@ -199,8 +200,10 @@ class RemoteLease:
             if etag is None:  # not the object we last wrote: whose is it now?
                 found = self.remote.read_tagged(LEASE)
                 if found is None:
-                    logger.warning("%s vanished while this run held it; creating it again",
-                                   self.remote.describe(LEASE))  # fmt: skip
+                    logger.warning(
+                        "%s vanished while this run held it; creating it again",
+                        self.remote.describe(LEASE),
+                    )
                     etag = self.remote.put_if(LEASE, encode(info), None)
                 elif is_ours(found[0], self.info):
                     etag = self.remote.put_if(LEASE, encode(info), found[1])
@@ -212,8 +215,12 @@ class RemoteLease:
             self.info, self._etag = info, etag
         except Exception as e:  # noqa: BLE001 — the network: retried at the next beat
             if not self._failing:
-                logger.warning("cannot renew %s (retrying every %g s): %s",
-                               self.remote.describe(LEASE), self.info["renew_s"], e)  # fmt: skip
+                logger.warning(
+                    "cannot renew %s (retrying every %g s): %s",
+                    self.remote.describe(LEASE),
+                    self.info["renew_s"],
+                    e,
+                )
             self._failing = True
             return True
         if self._failing:

@@ -86,8 +86,8 @@ class TrainingState:
     last_losses: list = field(default_factory=list)
     # --dataset_mixture: cumulative tokens per source name, summed over ranks (as tokens_seen)
     tokens_seen_by_source: dict = field(default_factory=dict)
-    # Early stopping (checkpoint/best.py): the best --metric_for_best_model of the evaluations so
-    # far, its step, and the evaluations since that did not beat it by the threshold.
+    # Early stopping (checkpoint_format/best.py): the best --metric_for_best_model of the
+    # evaluations so far, its step, and the evaluations since that did not beat it by the threshold.
     best_metric: float | None = None
     best_metric_step: int | None = None
     evals_without_improvement: int = 0
@@ -185,8 +185,8 @@ def set_rng_state(state: dict) -> None:
     if saved is not None and saved["type"] == acc.device_name():
         acc.set_rng_state(saved["state"])
     elif "cuda" in state and acc.device_name() == "cuda":
-        # Checkpoints before issue 10: every visible GPU's generator, by device index. This rank's
-        # own is the one at its current device, when the node still has that many GPUs.
+        # Checkpoints that saved every visible GPU's generator, by device index ("cuda"). This
+        # rank's own is the one at its current device, when the node still has that many GPUs.
         index, saved_all = acc.current_device(), state["cuda"]
         if index < len(saved_all):
             acc.set_rng_state(saved_all[index])

@@ -13,9 +13,9 @@ import json
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from finetune.checkpoint.manifest import MANIFEST, missing_rank_files
-from finetune.checkpoint.outdir import LATEST, OutputDir, committed, uncommitted
-from finetune.checkpoint.policy import newest_first, step_of
+from finetune.checkpoint_format.manifest import MANIFEST, missing_rank_files
+from finetune.checkpoint_format.outdir import LATEST, OutputDir, committed, uncommitted
+from finetune.checkpoint_format.policy import newest_first, step_of
 from finetune.config import ConfigError
 from finetune.io.remote import CHECKSUM_KEY, RemoteError, S3Storage
 
@@ -162,9 +162,14 @@ def listing(uri: str, checksums: bool) -> tuple[str | None, list[dict], list[str
                 continue
             problems, _, nbytes = check(root, tag, checksums, manifest)
             rows.append(
-                {"tag": tag, "step": step_of(tag), "manifest": manifest, "problems": problems,
-                 "bytes": nbytes}
-            )  # fmt: skip
+                {
+                    "tag": tag,
+                    "step": step_of(tag),
+                    "manifest": manifest,
+                    "problems": problems,
+                    "bytes": nbytes,
+                }
+            )
         return out.read_latest(), rows, notes(root)
     except (ConfigError, RemoteError) as e:
         raise ConfigError(str(e)) from None

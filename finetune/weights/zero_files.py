@@ -47,11 +47,11 @@ from pathlib import Path
 
 import torch
 
-from finetune.checkpoint.manifest import RANK_FILE_PATTERNS, read_manifest
-from finetune.checkpoint.outdir import step_of
+from finetune.checkpoint_format.manifest import RANK_FILE_PATTERNS, read_manifest
+from finetune.checkpoint_format.outdir import step_of
 from finetune.config import ConfigError
 from finetune.io.faults import fault_point
-from finetune.offline import safe_load
+from finetune.weights import safe_load
 
 CHUNK_BYTES = 8 << 20  # read, converted and written at a time
 MODEL_FILE = RANK_FILE_PATTERNS[0]

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 
-from finetune.checkpoint.policy import step_of
+from finetune.checkpoint_format.policy import step_of
 from finetune.io.durable import hash_file
 from finetune.io.faults import fault_point
 

@@ -110,7 +110,7 @@ def _refusal(path, what: str) -> UnsafePickle:
     return UnsafePickle(
         path,
         f"refused to unpickle {what}: not on the allow-list of what DeepSpeed pickles "
-        "into a checkpoint (finetune/offline/safe_load.py); loading it could run code",
+        "into a checkpoint (finetune/weights/safe_load.py); loading it could run code",
     )
 
 

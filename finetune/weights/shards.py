@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from finetune.checkpoint.outdir import step_of
+from finetune.checkpoint_format.outdir import step_of
 from finetune.io import seams
 from finetune.io.durable import HashingWriter, write_json_durably
 from finetune.io.faults import fault_point

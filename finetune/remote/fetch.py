@@ -1,4 +1,4 @@
-"""Resume from object storage (issue 24): before the resume plan, a remote checkpoint the run is to
+"""Resume from object storage: before the resume plan, a remote checkpoint the run is to
 resume from is brought into the local output dir and committed there, so the resume that follows
 is the local one, with its verification, its world-size conversion and its commit order.
 
@@ -18,10 +18,10 @@ import logging
 from pathlib import Path
 
 from finetune import distributed as dist
-from finetune.checkpoint.manifest import MANIFEST, check_file, node_manifest, share_of
-from finetune.checkpoint.outdir import STAGING, OutputDir, committed
-from finetune.checkpoint.policy import newest_first, step_of
 from finetune.checkpoint.staging import Layout
+from finetune.checkpoint_format.manifest import MANIFEST, check_file, node_manifest, share_of
+from finetune.checkpoint_format.outdir import STAGING, OutputDir, committed
+from finetune.checkpoint_format.policy import newest_first, step_of
 from finetune.config import CheckpointArgs, ConfigError
 from finetune.distributed import logger
 from finetune.io.durable import fsync_path, write_bytes_durably
@@ -37,8 +37,11 @@ def fetch_for_resume(ckpt: CheckpointArgs, out: OutputDir, layout: Layout) -> st
     if spec is None or not (is_remote(spec) or (spec == "auto" and ckpt.remote_output_dir)):
         return spec
     where = spec if is_remote(spec) else ckpt.remote_output_dir
-    chosen = dist.share_from(0, lambda: _choose(where, out, explicit=is_remote(spec)),
-                             step=f"looking for checkpoints in {where}")  # fmt: skip
+    chosen = dist.share_from(
+        0,
+        lambda: _choose(where, out, explicit=is_remote(spec)),
+        step=f"looking for checkpoints in {where}",
+    )
     if chosen is None:
         return spec
     root, tag, save_id, world = chosen
@@ -57,8 +60,14 @@ def fetch_for_resume(ckpt: CheckpointArgs, out: OutputDir, layout: Layout) -> st
                 raise
             # auto: a remote copy that does not download intact is passed over, as a damaged
             # local checkpoint is; the resume goes on from what is local
-            dist.log_main(logging.WARNING, "fetching %s from %s failed (%s); resuming from %s",
-                          tag, root, e, out.root)  # fmt: skip
+            dist.log_main(
+                logging.WARNING,
+                "fetching %s from %s failed (%s); resuming from %s",
+                tag,
+                root,
+                e,
+                out.root,
+            )
     return str(out.root / tag) if is_remote(spec) else spec
 
 
@@ -120,8 +129,10 @@ def _remote_choice(where: str, out: OutputDir, explicit: bool) -> tuple[str, str
             return None  # the local one is as new: resume as usual
         logger.info(
             "the newest checkpoint is %s in %s (%s locally): fetching it",
-            found[0].tag, where, local[0].tag if local else "none",
-        )  # fmt: skip
+            found[0].tag,
+            where,
+            local[0].tag if local else "none",
+        )
     return where.rstrip("/"), found[0].tag
 
 
@@ -185,7 +196,7 @@ def download_checkpoint(uri: str, into: Path) -> Path:
     a committed checkpoint or a file does not download intact."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from finetune.offline.remote_verify import PARALLEL, locate
+    from finetune.remote.verify import PARALLEL, locate
 
     try:
         root, rel = locate(uri)
@@ -198,8 +209,9 @@ def download_checkpoint(uri: str, into: Path) -> Path:
         folder = Path(into) / tag
         folder.mkdir(parents=True, exist_ok=True)
         total = sum(int(m["size"]) for m in listed.values())
-        logger.info("downloading %s (%d files, %.1f MB)", root.describe(rel), len(listed),
-                    total / 1e6)  # fmt: skip
+        logger.info(
+            "downloading %s (%d files, %.1f MB)", root.describe(rel), len(listed), total / 1e6
+        )
 
         def one(name: str) -> str | None:
             return fetch_file(root, prefix + name, folder / name, name, listed[name])

@@ -24,8 +24,8 @@ from pathlib import Path
 
 import xxhash
 
-from finetune.checkpoint.manifest import build_manifest
-from finetune.checkpoint.policy import (
+from finetune.checkpoint_format.manifest import build_manifest
+from finetune.checkpoint_format.policy import (
     TAG_RE,  # noqa: F401
     Committed,
     resume_order,
@@ -42,7 +42,7 @@ TRASH = ".trash-"
 ABANDONED = ".abandoned"
 MANIFEST = "manifest.json"
 UNIVERSAL_TMP = (
-    "universal.tmp"  # an interrupted universal conversion's pieces (offline/universal.py): kept
+    "universal.tmp"  # an interrupted universal conversion's pieces (weights/universal.py): kept
 )
 
 logger = logging.getLogger("finetune")
@@ -218,7 +218,7 @@ class OutputDir:
             if e.name.startswith((TRASH, ".storage-probe-"))
             or e.name in (f".{LATEST}.tmp", "metrics.jsonl.tmp", ".exit_status.json.tmp")
         ]
-        # <tag>/universal.tmp is kept: an interrupted conversion's pieces (offline/universal.py).
+        # <tag>/universal.tmp is kept: an interrupted conversion's pieces (weights/universal.py).
         found += [
             f"{t}/{e.name}"
             for t in self.tags()

@@ -42,11 +42,11 @@ import threading
 import time
 from pathlib import Path
 
-from finetune.checkpoint.manifest import MANIFEST, check_file, read_manifest
+from finetune.checkpoint_format.manifest import MANIFEST, check_file, read_manifest
 from finetune.io import seams
 from finetune.io.durable import fsync_path, hash_file, sync_filesystem, write_json_durably
 from finetune.io.faults import fault_point
-from finetune.offline import safe_load
+from finetune.weights import safe_load
 
 UNIVERSAL = "universal"
 PIECES = ".pieces"  # inside <target>.tmp: source.json and one marker per finished piece
@@ -149,7 +149,7 @@ _CHILD = (
     "except (OSError, AttributeError):\n    pass\n"
     "if os.getppid() != int(sys.argv[1]):\n"
     "    os._exit(1)  # the parent died before the line above\n"
-    "from finetune.offline.safe_load import run_module\n"
+    "from finetune.weights.safe_load import run_module\n"
     "run_module(sys.argv[2], sys.argv[3:])\n"
 )
 

@@ -47,10 +47,10 @@ from pathlib import Path
 import torch
 
 from finetune import distributed as dist
-from finetune.checkpoint.outdir import step_of
+from finetune.checkpoint_format.outdir import step_of
 from finetune.io import seams
 from finetune.io.faults import fault_point
-from finetune.offline.shards import ConsolidationError, ShardWriter, plan_shards
+from finetune.weights.shards import ConsolidationError, ShardWriter, plan_shards
 
 # Backends that move CPU tensors; any other one (nccl, hccl, ...) moves only accelerator tensors.
 CPU_BACKENDS = frozenset({"gloo", "mpi", "ccl"})
@@ -328,7 +328,7 @@ def save_consolidated(
     every rank must call it.
 
     ``select`` picks (and may rename) the entries written, from ``tensor_entries(model)``, alike
-    on every rank (the adapters alone: offline/adapter.py); ``basename`` names the files.
+    on every rank (the adapters alone: weights/adapter.py); ``basename`` names the files.
     Returns {file name: (size, checksum)} on rank 0, {} elsewhere. Any error a rank hits while
     writing or staging is raised only after every gather has been done, so the other ranks are
     never left waiting.

@@ -1,5 +1,5 @@
 """--remote_output_dir: every checkpoint committed in OUT copied to object storage in the
-background, committed there by its manifest uploaded last, then a remote ``latest`` (issue 24).
+background, committed there by its manifest uploaded last, then a remote ``latest``.
 
 Each rank uploads the files it wrote (``Checkpointer``'s writer files: its rank files and RNG; the
 leader also the shared files), one checkpoint at a time, on a thread: training never waits for the
@@ -28,14 +28,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from finetune import distributed as dist
-from finetune.checkpoint.manifest import (
+from finetune.checkpoint_format.manifest import (
     merge_node_manifests,
     rank_of_file,
     share_of,
     stored_ranks,
 )
-from finetune.checkpoint.outdir import LATEST, MANIFEST, OutputDir, committed, uncommitted
-from finetune.checkpoint.policy import newest_first, select_for_deletion, step_of
+from finetune.checkpoint_format.outdir import LATEST, MANIFEST, OutputDir, committed, uncommitted
+from finetune.checkpoint_format.policy import newest_first, select_for_deletion, step_of
 from finetune.config import ConfigError
 from finetune.distributed import logger
 from finetune.io import seams
@@ -43,8 +43,8 @@ from finetune.io.durable import hash_file
 from finetune.io.faults import fault_point
 from finetune.io.remote import CHECKSUM_KEY, RemoteError, S3Storage
 from finetune.lease import describe
-from finetune.remote_lease import RemoteLease, RemoteLeaseLost, held_by, holder
-from finetune.remote_lease import acquire as acquire_remote_lease
+from finetune.remote.lease import RemoteLease, RemoteLeaseLost, held_by, holder
+from finetune.remote.lease import acquire as acquire_remote_lease
 
 FILES = dict[str, tuple[int, str]]  # name → (size, xxh3)
 SAVE_ID_KEY = "saveid"  # a remote manifest's metadata: the commit's save id (x-amz-meta-saveid)
@@ -236,11 +236,13 @@ class RemoteCopy:
         try:
             files, save_id = dist.run_agreed(share, step=f"reading {tag}'s manifest")
         except (RemoteError, dist.RankError) as e:  # the rank that failed, the others
-            dist.log_main(logging.WARNING, "not copying %s to %s: %s", tag,
-                          self.remote.describe(), e)  # fmt: skip
+            dist.log_main(
+                logging.WARNING, "not copying %s to %s: %s", tag, self.remote.describe(), e
+            )
             return
-        dist.log_main(logging.INFO, "%s is not yet committed in %s: copying it", tag,
-                      self.remote.describe())  # fmt: skip
+        dist.log_main(
+            logging.INFO, "%s is not yet committed in %s: copying it", tag, self.remote.describe()
+        )
         self._offer(tag, files, save_id)
 
     def unconfirmed(self) -> set[str]:
@@ -283,8 +285,10 @@ class RemoteCopy:
                 dist.log_main(
                     logging.WARNING,
                     "copying %s to %s failed on %d rank(s); kept locally, trying again",
-                    t, self.remote.describe(), int(failed + commit_failed),
-                )  # fmt: skip
+                    t,
+                    self.remote.describe(),
+                    int(failed + commit_failed),
+                )
                 with self._lock:
                     self._committed.pop(t, None)
                     self._uploaded.pop(t, None)
@@ -316,13 +320,18 @@ class RemoteCopy:
                 break
             if time.monotonic() - said > 30:
                 said = time.monotonic()
-                dist.log_main(logging.INFO, "waiting for %s to reach %s", newest,
-                              self.remote.describe())  # fmt: skip
+                dist.log_main(
+                    logging.INFO, "waiting for %s to reach %s", newest, self.remote.describe()
+                )
             time.sleep(0.2)
         if newest is None or self.remote_head == newest:
             return True
-        dist.log_main(logging.ERROR, "the final checkpoint %s did not reach %s", newest,
-                      self.remote.describe())  # fmt: skip
+        dist.log_main(
+            logging.ERROR,
+            "the final checkpoint %s did not reach %s",
+            newest,
+            self.remote.describe(),
+        )
         return False
 
     def _lost_why(self) -> str:
@@ -492,8 +501,12 @@ class RemoteCopy:
         for tag in doomed + partial:
             self.remote.remove_tree(tag)
         if doomed or partial:
-            logger.info("save_total_limit %s in %s: deleted %s", self.limit,
-                        self.remote.describe(), ", ".join(doomed + partial))  # fmt: skip
+            logger.info(
+                "save_total_limit %s in %s: deleted %s",
+                self.limit,
+                self.remote.describe(),
+                ", ".join(doomed + partial),
+            )
 
 
 def _step(tag: str) -> int:

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from finetune.offline.shards import read_header
+from finetune.weights.shards import read_header
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
@@ -56,7 +56,7 @@ def save_adapter(
     """adapter_model.safetensors of ``model`` (a peft model under ZeRO-3), gathered and written by
     rank 0. Collective: every rank must call it. Returns (rank 0's {file: (size, checksum)}, {}
     elsewhere; {"tensors", "bytes"} of the file, on every rank)."""
-    from finetune.checkpoint.consolidate import ConsolidationFailed, save_consolidated
+    from finetune.weights.consolidate import ConsolidationFailed, save_consolidated
 
     try:  # from the module structure, alike on every rank: raises before any collective or nowhere
         keys = saved_keys(model)
@@ -127,7 +127,7 @@ def _peft_key(name: str, adapter: str = "default") -> str:
 def rank_shapes(folder: Path) -> dict[str, tuple[int, ...]] | None:
     """{name: shape} of the optimizer's parameters in rank 0's model-states file (the same on every
     rank; for adapters the file is small); None without rank files."""
-    from finetune.offline import safe_load
+    from finetune.weights import safe_load
 
     path = folder / "zero_pp_rank_0_mp_rank_00_model_states.pt"
     if not path.is_file():
