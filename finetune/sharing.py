@@ -26,7 +26,7 @@ PROBE = ".storage-probe"  # marker files that show which ranks share a folder
 
 
 def _touch(storage: Storage, marker: str) -> None:
-    fault_point("layout.probe")
+    fault_point("sharing.probe")
     storage.makedirs("")
     storage.write_bytes(marker, b"")
 

@@ -40,7 +40,7 @@ class Lineage:
         self.deleter = Deleter(storage)  # retention's deletions, in the background (leaders)
 
         def mine():
-            fault_point("manager.history")
+            fault_point("retention.history")
             found = committed(storage)
             line = line_of(head, found) if head else []
             # the best, kept out of the count, breaks the parent links retention left: the head's

@@ -248,7 +248,7 @@ def tidy_storage(storage: OutputDir, layout: Layout) -> None:
     files) and logs it. Collective. Only safe while this run holds OUT's lease."""
 
     def tidy():
-        fault_point("layout.tidy")
+        fault_point("staging.tidy")
         return storage.housekeeping()
 
     out = dist.gather_outcomes(

@@ -38,12 +38,12 @@ HANG = "hang"  # not in KINDS: the sweep uses it only at sites it polls with a d
 SITES: dict[str, str] = {
     # start-up, before training
     "lease.acquire": "rank 0: taking OUT/.lease (agreed: run_agreed in run.run)",
-    "layout.probe": (
+    "sharing.probe": (
         "the ranks that write a marker file to find who shares OUT (agreed: "
         "sharing.sharing_groups / leads_storage)"
     ),
-    "layout.tidy": "leader: removing crashed saves' leftovers at start (agreed, then a warning)",
-    "manager.history": (
+    "staging.tidy": "leader: removing crashed saves' leftovers at start (agreed, then a warning)",
+    "retention.history": (
         "leader: listing OUT's committed checkpoints for the commit order (agreed, at start)"
     ),
     # save: check → snapshot → write → agree → commit → retain (step)
@@ -160,6 +160,13 @@ class Fault:
         return self.site == site and self.rank == rank and (self.step is None or self.step == step)
 
 
+# Names a site had before its module was renamed: a FINETUNE_FAULT spec may still use them.
+ALIASES: dict[str, str] = {
+    "layout.probe": "sharing.probe",
+    "layout.tidy": "staging.tidy",
+    "manager.history": "retention.history",
+}
+
 _cache: dict[str, tuple[Fault, ...]] = {}
 
 
@@ -171,7 +178,7 @@ def parse(spec: str) -> tuple[Fault, ...]:
         try:
             if not 2 <= len(parts) <= 4:
                 raise ValueError("expected <site>:<rank>[:<step>][:<kind>]")
-            site, rank, rest = parts[0], int(parts[1]), parts[2:]
+            site, rank, rest = ALIASES.get(parts[0], parts[0]), int(parts[1]), parts[2:]
             step = int(rest.pop(0)) if rest and rest[0].lstrip("-").isdigit() else None
             kind = rest.pop(0) if rest else "eio"
             if rest:

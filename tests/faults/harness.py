@@ -277,9 +277,9 @@ class Site:
 # whose lease or probe file cannot be written).
 EXPECTED: dict[str, Site] = {
     "lease.acquire": Site(FRESH, LEADER, None, {"eio": 2, "enospc": 2, "error": 1}),
-    "layout.probe": Site(FRESH, LEADER, None, _codes(2), "cannot write"),
-    "layout.tidy": Site(FRESH, LEADER, None, _codes(0), "could not tidy leftovers"),
-    "manager.history": Site(FRESH, LEADER, None, _codes(1)),
+    "sharing.probe": Site(FRESH, LEADER, None, _codes(2), "cannot write"),
+    "staging.tidy": Site(FRESH, LEADER, None, _codes(0), "could not tidy leftovers"),
+    "retention.history": Site(FRESH, LEADER, None, _codes(1)),
     "save.check_space": Site(FRESH, LEADER, 2, _codes(0), SAVE_FAILED),
     "save.snapshot": Site(FRESH, EVERY, 2, _codes(0), SAVE_FAILED),
     "save.clear_staging": Site(FRESH, LEADER, 2, _codes(0), SAVE_FAILED),
@@ -470,8 +470,8 @@ REMOTE: dict[str, str] = {"remote.upload": EVERY, "remote.commit": LEADER}
 # Polled with a deadline (--ddp_timeout): a syscall that never returns there (a dead mount) fails on
 # every rank within the deadline, with the site's documented outcome for an I/O error.
 HANG_SITES = (
-    "layout.tidy",
-    "manager.history",
+    "staging.tidy",
+    "retention.history",
     "save.check_space",
     "save.clear_staging",
     "lease.check",

@@ -100,6 +100,15 @@ def test_reliability_md_lists_every_site():
             [("save.fsync", 0, 3, "enospc"), ("commit.rename", 0, None, "error")],
         ),
         ("", []),
+        # a site's former name still selects it
+        (
+            "layout.tidy:0, manager.history:1:kill",
+            [
+                ("staging.tidy", 0, None, "eio"),
+                ("retention.history", 1, None, "kill"),
+            ],
+        ),
+        ("layout.probe:1", [("sharing.probe", 1, None, "eio")]),
     ],
 )
 def test_parse(spec, expected):
