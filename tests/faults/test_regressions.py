@@ -1,5 +1,5 @@
 """Bugs the fault sweep found, each pinned by a test that runs in one process (world size 1, the
-checkpoint manager's fake engine from tests/checkpoint/test_manager.py)."""
+checkpoint manager's fake engine from tests/checkpoint/test_checkpointer.py)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from finetune.checkpoint_format.manifest import read_manifest  # noqa: E402
 from finetune.checkpoint_format.outdir import OutputDir  # noqa: E402
 from finetune.io import seams  # noqa: E402
 
-from test_manager import (  # noqa: E402
+from test_checkpointer import (  # noqa: E402
     _fake_engines_model_is_not_checked,
     make_cfg,
     make_manager,
@@ -19,7 +19,7 @@ from test_manager import (  # noqa: E402
     tiny_module,
 )
 
-# test_manager's, found by pytest under these names
+# test_checkpointer's, found by pytest under these names
 FIXTURES = (tiny_module, _fake_engines_model_is_not_checked)
 
 
@@ -100,7 +100,7 @@ def test_a_save_never_replaces_a_folder_finetune_did_not_commit(tmp_path, caplog
     """A folder under a checkpoint's name without a manifest (a plain DeepSpeed save, a copy by
     hand) was deleted by the same-tag swap of a save of that step; it is now set aside, intact."""
 
-    from test_manager import stage
+    from test_checkpointer import stage
 
     (tmp_path / "global_step4").mkdir()
     (tmp_path / "global_step4" / "mp_rank_00_model_states.pt").write_bytes(b"someone else's")
