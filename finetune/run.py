@@ -14,9 +14,10 @@ from finetune import distributed as dist
 from finetune.build import build_trainer
 from finetune.config import ConfigError, RunConfig
 from finetune.exit_status import EXIT_LEASE_LOST, clear_exit_status, write_exit_status
+from finetune.lease import Lease
 from finetune.lease import acquire as acquire_lease
 from finetune.preemption import EXIT_PREEMPTED, Preempted, Preemption, parse_signals
-from finetune.remote.copy import open_remote
+from finetune.remote.prefix import Prefix, open_remote
 
 
 def run(cfg: RunConfig) -> int:
@@ -24,7 +25,8 @@ def run(cfg: RunConfig) -> int:
     # Before anything slow: from here on a preemption signal is recorded, never fatal.
     preemption = Preemption(parse_signals(cfg.ckpt.preempt_signals))
     dist.init(cfg.train.ddp_timeout)
-    lease = prefix = None
+    lease: Lease | None = None
+    prefix: Prefix | None = None
     try:
         # One live run per --output_dir, before anything is written there (exit 2 naming the other).
         out = Path(cfg.ckpt.output_dir)

@@ -24,8 +24,9 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
+from typing import TypeAlias
 
 from finetune import distributed as dist
 from finetune.checkpoint_format.manifest import (
@@ -36,85 +37,31 @@ from finetune.checkpoint_format.manifest import (
 )
 from finetune.checkpoint_format.outdir import LATEST, MANIFEST, OutputDir, committed, uncommitted
 from finetune.checkpoint_format.policy import newest_first, select_for_deletion, step_of
-from finetune.config import ConfigError
 from finetune.distributed import logger
 from finetune.io import seams
 from finetune.io.durable import hash_file
 from finetune.io.faults import fault_point
-from finetune.io.remote import CHECKSUM_KEY, RemoteError, S3Storage
+from finetune.io.remote import CHECKSUM_KEY, RemoteError
 from finetune.lease import describe
-from finetune.remote.lease import RemoteLease, RemoteLeaseLost, held_by, holder
-from finetune.remote.lease import acquire as acquire_remote_lease
+from finetune.remote.lease import RemoteLeaseLost, held_by, holder
+from finetune.remote.prefix import Prefix
 
-FILES = dict[str, tuple[int, str]]  # name → (size, xxh3)
+Files: TypeAlias = dict[str, tuple[int, str]]  # name → (size, xxh3)
 SAVE_ID_KEY = "saveid"  # a remote manifest's metadata: the commit's save id (x-amz-meta-saveid)
+NODE_MANIFEST = "manifest.node-"  # node-local storage: each node's own manifest, by first rank
 # A failed copy (every try is already the client's own retries) is tried again while it is the
 # newest, after RETRY_S, doubling up to MAX_RETRY_S; the final checkpoint's copy is tried this often
 # before the run exits 1: 2+4+8+16+32 s between 6 tries, an outage of about a minute at the end.
 FINAL_TRIES = 6
 RETRY_S = 2.0
 MAX_RETRY_S = 60.0
-
-
-@dataclass
-class Prefix:
-    """``--remote_output_dir`` opened: its storage, and (rank 0) this run's lease on it."""
-
-    storage: S3Storage
-    run_id: str
-    lease: RemoteLease | None = None
-
-    def release(self) -> None:
-        if self.lease is not None:
-            self.lease.release()
-
-
-def open_remote(uri: str, run_id: str) -> Prefix:
-    """The remote storage, after every rank wrote, read back and deleted a probe object under it
-    (a wrong bucket, endpoint or credential is exit 2 naming the flag, before training), and rank
-    0 took the prefix's lease (another live run there is exit 2 naming it). Agreed: every rank
-    probes (each uploads its own files), all fail alike. Collective."""
-
-    def probe() -> S3Storage:
-        try:
-            remote = S3Storage(uri)
-            rel = f".probe-{run_id}-{dist.rank()}"
-            remote.write_bytes(rel, b"finetune probe\n")
-            if remote.read_bytes(rel) != b"finetune probe\n":
-                raise RemoteError("a probe object read back different bytes")
-            remote.remove(rel)
-            return remote
-        except RemoteError as e:
-            raise ConfigError(f"--remote_output_dir {uri}: {e}") from None
-        except Exception as e:  # noqa: BLE001 — the client's errors (credentials, endpoint, bucket)
-            raise ConfigError(
-                f"--remote_output_dir {uri}: cannot write there ({_why(e)})"
-            ) from None
-
-    storage = dist.run_agreed(probe, step="checking --remote_output_dir")
-
-    def take() -> RemoteLease:
-        try:
-            return acquire_remote_lease(storage, run_id)
-        except ConfigError:
-            raise
-        except Exception as e:  # noqa: BLE001 — the client's errors
-            raise ConfigError(
-                f"--remote_output_dir {uri}: cannot take its lease ({_why(e)})"
-            ) from None
-
-    lease = dist.run_agreed(take, on=dist.is_main(), step="taking --remote_output_dir's lease")
-    return Prefix(storage, run_id, lease)
-
-
-def _why(e: Exception) -> str:
-    return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+WAITING_NOTE_S = 30.0  # drain: how often it says which checkpoint it still waits for
 
 
 class NoRemoteCopy:
     """No --remote_output_dir: nothing to copy, nothing kept for it."""
 
-    def offer(self, tag: str, written: FILES, committed: FILES, save_id: str | None = None) -> None:
+    def offer(self, tag: str, written: Files, committed: Files, save_id: str | None = None) -> None:
         pass
 
     def unconfirmed(self) -> set[str]:
@@ -129,10 +76,64 @@ class NoRemoteCopy:
 
 def node_manifest_name(node: list[int]) -> str:
     """Node-local storage: the object under which a node's own manifest is uploaded."""
-    return f"manifest.node-{node[0]}.json"
+    return f"{NODE_MANIFEST}{node[0]}.json"
+
+
+# --- the poll's all-reduce ------------------------------------------------------------------------
+
+
+@dataclass
+class TagTally:
+    """One outstanding checkpoint in a poll: on one rank each field is 1 or 0; summed over the
+    ranks, how many ranks."""
+
+    uploaded: int = 0  # this rank's files of it are in the bucket
+    upload_failed: int = 0  # this rank's upload of it failed
+    committed: int = 0  # the leader's remote commit of it (manifest, then latest) is done
+    commit_failed: int = 0  # the leader's remote commit of it failed
+
+    @property
+    def failed(self) -> int:
+        """The ranks whose upload or commit of it failed."""
+        return self.upload_failed + self.commit_failed
+
+
+@dataclass
+class PollTally:
+    """A poll's one all-reduce: whether a rank found another run holding the prefix, and a
+    ``TagTally`` per outstanding checkpoint (in the order of ``RemoteCopy.outstanding``, the same
+    on every rank). Encoded as ``[lost, then each tag's fields in TagTally's order]``: encode and
+    decode are the only code that knows it."""
+
+    lost: int  # ranks that found another run's lease on the prefix
+    tags: list[TagTally]
+
+    def encode(self) -> list[float]:
+        values = [float(self.lost)]
+        for tally in self.tags:
+            values += [float(getattr(tally, f.name)) for f in fields(TagTally)]
+        return values
+
+    @classmethod
+    def decode(cls, values: list[float]) -> PollTally:
+        counts = [round(v) for v in values]
+        width = len(fields(TagTally))
+        tags = [TagTally(*counts[i : i + width]) for i in range(1, len(counts), width)]
+        return cls(counts[0], tags)
+
+    def summed(self) -> PollTally:
+        """Every rank's tally added up. Collective."""
+        return PollTally.decode(dist.all_reduce_sum(self.encode()))
+
+
+# --- the copy -------------------------------------------------------------------------------------
 
 
 class RemoteCopy:
+    """The running job's copy to the bucket: the trainer's side (offer, poll, drain, catch_up,
+    unconfirmed; every rank calls each) and a thread per rank that uploads and, on the leader,
+    commits. What the thread did reaches the trainer's side through the poll's all-reduce."""
+
     def __init__(
         self,
         prefix: Prefix,
@@ -145,20 +146,27 @@ class RemoteCopy:
         the manifest and ``latest`` (rank 0: on shared storage the manifest lists every rank's
         files), then applies ``limit`` (--save_total_limit) to the bucket. ``groups``: node-local
         storage's nodes (the ranks sharing each OUT); None for one shared OUT."""
-        self.remote, self.out, self.leader, self.limit = prefix.storage, out, leader, limit
+        self.remote = prefix.storage
+        self.out = out
+        self.leader = leader
+        self.limit = limit
         self.groups = groups
         self.node = next((g for g in groups if dist.rank() in g), None) if groups else None
-        self.run_id, self.lease = prefix.run_id, prefix.lease
-        self._foreign = False  # this rank found another run's lease on the prefix
+        self.run_id = prefix.run_id
+        self.lease = prefix.lease
+        self.on_event: Callable[..., None] = lambda kind, step, **details: None
+        # The trainer's side, the same on every rank: only calls every rank makes change it.
+        self.outstanding: list[str] = []  # committed locally, not remotely, oldest first
+        self.failures: dict[str, int] = {}  # outstanding tag → failed tries
+        self.remote_head: str | None = None  # the newest remotely committed
+        # The trainer's side, this rank's own.
         self._save_ids: dict[str, str | None] = {}  # tag → the local commit's save id
+        self._files: dict[str, Files] = {}  # outstanding tag → what this rank uploads of it
         self._retry_at: dict[str, float] = {}  # failed newest → when this rank tries it again
-        self.outstanding: list[str] = []  # committed locally, not remotely; the same on every rank
-        self._files: dict[str, FILES] = {}  # outstanding tag → what this rank uploads of it
-        self.failures: dict[str, int] = {}  # outstanding tag → failed tries (every rank alike)
-        self.remote_head: str | None = None  # the newest remotely committed, every rank alike
-        self.on_event: Callable[..., None] = lambda kind, step, **fields: None
+        # Shared with the thread, under the lock.
         self._lock = threading.Condition()
-        self._waiting: tuple[str, FILES] | None = None  # the newest offered, not started
+        self._foreign = False  # this rank found another run's lease on the prefix
+        self._waiting: tuple[str, Files] | None = None  # the newest offered, not started
         self._uploaded: dict[str, str | None] = {}  # tag → None (done) or the error
         self._commit: str | None = None  # leader: the tag whose manifest to upload next
         self._publishing: str | None = None  # leader: the tag whose manifest is uploading now
@@ -168,73 +176,35 @@ class RemoteCopy:
 
     # --- the trainer's side: every method is called on every rank ---------------------------
 
-    def offer(self, tag: str, written: FILES, committed: FILES, save_id: str | None = None) -> None:
+    def offer(self, tag: str, written: Files, committed: Files, save_id: str | None = None) -> None:
         """``tag`` was committed locally: this rank uploads what it wrote of the ``committed``
         files (a consolidation dropped at the agree step is not among them). Node-local storage:
         the shared files only from rank 0 (every node's leader wrote them), and each node's
         leader its node's manifest too."""
-        files = {n: v for n, v in written.items() if n in committed}
+        files = {name: entry for name, entry in written.items() if name in committed}
         if self.node is not None and not self.leader:
-            files = {n: v for n, v in files.items() if rank_of_file(n) is not None}
+            files = {name: entry for name, entry in files.items() if rank_of_file(name) is not None}
         self._offer(tag, files, save_id)
-
-    def _offer(self, tag: str, files: FILES, save_id: str | None) -> None:
-        self._save_ids[tag] = save_id
-        if self.node is not None and dist.rank() == self.node[0]:
-            files = {**files, node_manifest_name(self.node): hash_file(self.out / tag / MANIFEST)}
-        self.outstanding = [t for t in self.outstanding if t != tag] + [tag]
-        self._files[tag] = files
-        self._queue(tag)
-
-    def _queue(self, tag: str) -> None:
-        with self._lock:
-            self._uploaded.pop(tag, None)
-            self._waiting = (tag, self._files[tag])  # a newer offer replaces one not started
-            self._lock.notify_all()
 
     def catch_up(self, out: OutputDir) -> None:
         """At start: OUT's newest committed checkpoint, when the bucket holds no commit as new (a
         run stopped while copying it), is copied now; objects already there with their checksum
         are not uploaded again. Decided from both sides, not from memory. Collective."""
-
-        def newest() -> str | None:
-            local = newest_first(committed(out))
-            if not local:
-                return None
-            there = newest_first(committed(OutputDir(self.remote)))
-            if there and there[0].order_key >= local[0].order_key:
-                return None
-            return local[0].tag
-
-        tag = dist.share_from(0, newest, step=f"comparing OUT with {self.remote.describe()}")
+        step = f"comparing OUT with {self.remote.describe()}"
+        tag = dist.share_from(0, lambda: self._not_yet_copied(out), step=step)
         if tag is None:
             return
 
-        def share() -> tuple[FILES, str | None]:
+        def my_share() -> tuple[Files, str | None]:
             try:
-                return split(out.read_manifest(tag))
+                return self._share_of(tag, out.read_manifest(tag))
             except RemoteError:
                 raise
             except Exception as e:  # noqa: BLE001 — a missing or odd manifest: every rank skips
                 raise RemoteError(f"{tag}'s manifest: {type(e).__name__}: {e}") from None
 
-        def split(manifest: dict) -> tuple[FILES, str | None]:
-            listed = manifest["files"]
-            if self.node is None:  # the manifest may be another world size's: split it anew
-                names = share_of(listed, dist.rank(), dist.world_size())
-            else:  # this node's files (the shared ones from rank 0's node), split in the node
-                if (manifest.get("world_size"), stored_ranks(manifest)) != (
-                    dist.world_size(),
-                    self.node,
-                ):
-                    raise RemoteError(f"{tag} was saved by another layout of ranks")
-                wanted = [n for n in listed if rank_of_file(n) is not None or 0 in self.node]
-                names = share_of(wanted, self.node.index(dist.rank()), len(self.node))
-            files = {n: (listed[n]["size"], listed[n]["checksum"]) for n in names}
-            return files, manifest.get("save_id")
-
         try:
-            files, save_id = dist.run_agreed(share, step=f"reading {tag}'s manifest")
+            files, save_id = dist.run_agreed(my_share, step=f"reading {tag}'s manifest")
         except (RemoteError, dist.RankError) as e:  # the rank that failed, the others
             dist.log_main(
                 logging.WARNING, "not copying %s to %s: %s", tag, self.remote.describe(), e
@@ -251,74 +221,43 @@ class RemoteCopy:
         return set(self.outstanding)
 
     def poll(self, step: int = 0) -> None:
-        """At step boundary ``step``: one all-reduce while anything is outstanding. Collective."""
+        """At step boundary ``step``, while anything is outstanding: one all-reduce of what every
+        rank's thread did. A lost prefix stops the run (RemoteLeaseLost, exit 3); the newest
+        checkpoint committed remotely is confirmed (older ones with it); a failed copy is counted
+        and tried again; a checkpoint every rank uploaded is the leader's to commit. Collective."""
         if not self.outstanding:
             return
         tags = list(self.outstanding)
-        with self._lock:
-            mine = [
-                (
-                    1.0 if t in self._uploaded and self._uploaded[t] is None else 0.0,
-                    1.0 if self._uploaded.get(t) else 0.0,
-                    1.0 if self.leader and t in self._committed and not self._committed[t] else 0.0,
-                    1.0 if self.leader and self._committed.get(t) else 0.0,
-                )
-                for t in tags
-            ]
-            lost = self._foreign or (self.lease is not None and self.lease.lost)
-        sums = dist.all_reduce_sum([1.0 if lost else 0.0] + [x for row in mine for x in row])
-        if sums[0]:  # every rank alike: stop, as for a lost OUT lease (exit 3)
+        seen = self._tally(tags).summed()
+        if seen.lost:  # every rank alike: stop, as for a lost OUT lease (exit 3)
             raise RemoteLeaseLost(self._lost_why())
-        world = dist.world_size()
-        rows = [sums[1 + 4 * i : 5 + 4 * i] for i in range(len(tags))]
-        done = [t for t, r in zip(tags, rows) if r[2] > 0]
+        done = [tag for tag, tally in zip(tags, seen.tags) if tally.committed]
         if done:
             self._confirmed(done[-1], tags, step)
-        for t, (ok, failed, _, commit_failed) in zip(tags, rows):
-            if t not in self.outstanding:
-                continue
-            if failed or commit_failed:
-                # Kept locally (retention keeps what is not copied) and tried again while it is
-                # the newest; an older one is given up once a newer one is copied.
-                self.failures[t] = self.failures.get(t, 0) + 1
-                self.on_event("remote_upload_failed", _step(t), tag=t, tries=self.failures[t])
-                dist.log_main(
-                    logging.WARNING,
-                    "copying %s to %s failed on %d rank(s); kept locally, trying again",
-                    t,
-                    self.remote.describe(),
-                    int(failed + commit_failed),
-                )
-                with self._lock:
-                    self._committed.pop(t, None)
-                    self._uploaded.pop(t, None)
-                if t == self.outstanding[-1]:  # tried again after a wait (the next boundaries)
-                    first = seams.number(seams.REMOTE_RETRY_S, RETRY_S)
-                    wait = min(first * 2 ** (self.failures[t] - 1), MAX_RETRY_S)
-                    self._retry_at[t] = time.monotonic() + wait
-            elif ok == world and self.leader:
-                with self._lock:
-                    if t not in self._committed and t not in (self._commit, self._publishing):
-                        self._commit = t  # the newest complete wins
-                        self._lock.notify_all()
-        for t, when in list(self._retry_at.items()):
-            if not self.outstanding or t != self.outstanding[-1]:  # copied, or a newer one came
-                del self._retry_at[t]
-            elif time.monotonic() >= when:  # rank-local: each rank re-uploads on its own clock
-                del self._retry_at[t]
-                self._queue(t)
+        for tag, tally in zip(tags, seen.tags):
+            if tag not in self.outstanding:
+                continue  # confirmed with a newer one
+            if tally.failed:
+                self._failed(tag, tally.failed)
+            elif tally.uploaded == dist.world_size() and self.leader:
+                self._commit_next(tag)
+        self._retry_due()
 
     def drain(self, step: int = 0, tries: int = FINAL_TRIES) -> bool:
         """At the end of training: poll until the newest checkpoint is copied, or its copy failed
         ``tries`` times (each try is the client's own retries with backoff); False then.
         Collective."""
         newest = self.outstanding[-1] if self.outstanding else None
+
+        def waiting() -> bool:
+            return bool(self.outstanding) and self.failures.get(newest, 0) < tries
+
         said = time.monotonic()
-        while self.outstanding and self.failures.get(newest, 0) < tries:
+        while waiting():
             self.poll(step)
-            if not self.outstanding or self.failures.get(newest, 0) >= tries:
+            if not waiting():
                 break
-            if time.monotonic() - said > 30:
+            if time.monotonic() - said > WAITING_NOTE_S:
                 said = time.monotonic()
                 dist.log_main(
                     logging.INFO, "waiting for %s to reach %s", newest, self.remote.describe()
@@ -334,6 +273,126 @@ class RemoteCopy:
         )
         return False
 
+    # --- what offer and catch_up hand the thread ---------------------------------------------
+
+    def _offer(self, tag: str, files: Files, save_id: str | None) -> None:
+        self._save_ids[tag] = save_id
+        if self.node is not None and dist.rank() == self.node[0]:
+            node_manifest = hash_file(self.out / tag / MANIFEST)
+            files = {**files, node_manifest_name(self.node): node_manifest}
+        self.outstanding = [t for t in self.outstanding if t != tag] + [tag]
+        self._files[tag] = files
+        self._queue(tag)
+
+    def _queue(self, tag: str) -> None:
+        with self._lock:
+            self._uploaded.pop(tag, None)
+            self._waiting = (tag, self._files[tag])  # a newer offer replaces one not started
+            self._lock.notify_all()
+
+    def _not_yet_copied(self, out: OutputDir) -> str | None:
+        """OUT's newest committed checkpoint, when the bucket holds no commit as new; else None."""
+        local = newest_first(committed(out))
+        if not local:
+            return None
+        there = newest_first(committed(OutputDir(self.remote)))
+        if there and there[0].order_key >= local[0].order_key:
+            return None
+        return local[0].tag
+
+    def _share_of(self, tag: str, manifest: dict) -> tuple[Files, str | None]:
+        """What this rank uploads of the committed checkpoint ``tag`` (its ``manifest``), and the
+        commit's save id."""
+        listed = manifest["files"]
+        if self.node is None:  # the manifest may be another world size's: split it anew
+            names = share_of(listed, dist.rank(), dist.world_size())
+        else:  # this node's files (the shared ones from rank 0's node), split in the node
+            saved_by = (manifest.get("world_size"), stored_ranks(manifest))
+            if saved_by != (dist.world_size(), self.node):
+                raise RemoteError(f"{tag} was saved by another layout of ranks")
+            wanted = [n for n in listed if rank_of_file(n) is not None or 0 in self.node]
+            names = share_of(wanted, self.node.index(dist.rank()), len(self.node))
+        files = {name: (listed[name]["size"], listed[name]["checksum"]) for name in names}
+        return files, manifest.get("save_id")
+
+    # --- the poll's steps ----------------------------------------------------------------------
+
+    def _tally(self, tags: list[str]) -> PollTally:
+        """What this rank's thread has done of ``tags``, read under its lock."""
+        with self._lock:
+            lost = self._foreign or (self.lease is not None and self.lease.lost)
+            return PollTally(int(lost), [self._tag_tally(tag) for tag in tags])
+
+    def _tag_tally(self, tag: str) -> TagTally:
+        """Called under the lock. Only the leader commits, so only it counts commits."""
+        upload_error = self._uploaded.get(tag)
+        commit_error = self._committed.get(tag) if self.leader else None
+        return TagTally(
+            uploaded=int(tag in self._uploaded and upload_error is None),
+            upload_failed=int(bool(upload_error)),
+            committed=int(self.leader and tag in self._committed and not commit_error),
+            commit_failed=int(bool(commit_error)),
+        )
+
+    def _confirmed(self, tag: str, tags: list[str], step: int) -> None:
+        """``tag`` is committed remotely: it and every older one of ``tags`` stop being
+        outstanding (the older ones still outstanding were skipped: an event says so)."""
+        i = tags.index(tag)
+        for older in tags[:i]:
+            if older in self.outstanding:
+                self.on_event("remote_skipped", _step(older), tag=older, newer=tag)
+        settled = tags[: i + 1]
+        self.outstanding = [t for t in self.outstanding if t not in settled]
+        self._files = {t: files for t, files in self._files.items() if t in self.outstanding}
+        self.failures = {t: n for t, n in self.failures.items() if t in self.outstanding}
+        self.remote_head = tag
+        self.on_event(
+            "remote_checkpoint", _step(tag), tag=tag, uri=self.remote.describe(tag), seen_at=step
+        )
+        dist.log_main(logging.INFO, "%s committed to %s", tag, self.remote.describe(tag))
+        with self._lock:
+            for t in settled:
+                self._uploaded.pop(t, None)
+                self._committed.pop(t, None)
+
+    def _failed(self, tag: str, ranks: int) -> None:
+        """The copy of ``tag`` failed on ``ranks`` ranks: kept locally (retention keeps what is
+        not copied) and tried again while it is the newest; an older one is given up once a newer
+        one is copied."""
+        self.failures[tag] = self.failures.get(tag, 0) + 1
+        self.on_event("remote_upload_failed", _step(tag), tag=tag, tries=self.failures[tag])
+        dist.log_main(
+            logging.WARNING,
+            "copying %s to %s failed on %d rank(s); kept locally, trying again",
+            tag,
+            self.remote.describe(),
+            ranks,
+        )
+        with self._lock:
+            self._committed.pop(tag, None)
+            self._uploaded.pop(tag, None)
+        if tag == self.outstanding[-1]:  # tried again after a wait (the next boundaries)
+            first = seams.number(seams.REMOTE_RETRY_S, RETRY_S)
+            wait = min(first * 2 ** (self.failures[tag] - 1), MAX_RETRY_S)
+            self._retry_at[tag] = time.monotonic() + wait
+
+    def _commit_next(self, tag: str) -> None:
+        """Leader: every rank uploaded ``tag``; its thread commits it next, unless it has or
+        is doing so already."""
+        with self._lock:
+            if tag not in self._committed and tag not in (self._commit, self._publishing):
+                self._commit = tag  # the newest complete wins
+                self._lock.notify_all()
+
+    def _retry_due(self) -> None:
+        """A failed newest checkpoint whose wait is over is offered to the thread again."""
+        for tag, when in list(self._retry_at.items()):
+            if not self.outstanding or tag != self.outstanding[-1]:  # copied, or a newer one came
+                del self._retry_at[tag]
+            elif time.monotonic() >= when:  # rank-local: each rank re-uploads on its own clock
+                del self._retry_at[tag]
+                self._queue(tag)
+
     def _lost_why(self) -> str:
         try:
             other = holder(self.remote) if dist.is_main() else None
@@ -344,47 +403,39 @@ class RemoteCopy:
             f"({describe(other) if other else 'holder unknown'}); nothing more is copied there"
         )
 
-    def _confirmed(self, tag: str, tags: list[str], step: int) -> None:
-        i = tags.index(tag)
-        skipped = [t for t in tags[:i] if t in self.outstanding]
-        for t in skipped:
-            self.on_event("remote_skipped", _step(t), tag=t, newer=tag)
-        self.outstanding = [t for t in self.outstanding if t not in tags[: i + 1]]
-        self._files = {t: f for t, f in self._files.items() if t in self.outstanding}
-        self.failures = {t: n for t, n in self.failures.items() if t in self.outstanding}
-        self.remote_head = tag
-        self.on_event(
-            "remote_checkpoint", _step(tag), tag=tag, uri=self.remote.describe(tag), seen_at=step
-        )
-        dist.log_main(logging.INFO, "%s committed to %s", tag, self.remote.describe(tag))
-        with self._lock:
-            for t in tags[: i + 1]:
-                self._uploaded.pop(t, None)
-                self._committed.pop(t, None)
-
     # --- the thread ----------------------------------------------------------------------------
 
     def _run(self) -> None:
         while True:
-            with self._lock:
-                while self._waiting is None and self._commit is None:
-                    self._lock.wait()
-                if self._commit is not None:  # a manifest first: it is small and completes a copy
-                    job, self._commit = ("commit", self._commit), None
-                    self._publishing = job[1]
-                else:
-                    job, self._waiting = ("upload", self._waiting), None
-            if job[0] == "commit":
-                error = self._guarded(self._publish, job[1])
+            commit, upload = self._next_job()
+            if commit is not None:
+                error = self._guarded(self._publish, commit)
                 with self._lock:
-                    self._committed[job[1]], self._publishing = error, None
-            else:
-                tag, files = job[1]
+                    self._committed[commit] = error
+                    self._publishing = None
+            elif upload is not None:
+                tag, files = upload
                 error = self._guarded(self._upload, tag, files)
                 with self._lock:
                     self._uploaded[tag] = error
 
-    def _guarded(self, work, *args) -> str | None:
+    def _next_job(self) -> tuple[str | None, tuple[str, Files] | None]:
+        """Waits for work: (a tag to commit, None), else (None, the newest upload offered). A
+        commit goes first: a manifest is small and completes a copy."""
+        with self._lock:
+            while self._waiting is None and self._commit is None:
+                self._lock.wait()
+            if self._commit is not None:
+                commit = self._commit
+                self._commit = None
+                self._publishing = commit
+                return commit, None
+            upload = self._waiting
+            self._waiting = None
+            return None, upload
+
+    def _guarded(self, work: Callable[..., None], *args: object) -> str | None:
+        """``work(*args)``: None when it succeeded, else its error in one line."""
         try:
             work(*args)
             return None
@@ -392,7 +443,7 @@ class RemoteCopy:
             logger.warning("remote copy: %s: %s", type(e).__name__, e)
             return f"{type(e).__name__}: {e}"
 
-    def _upload(self, tag: str, files: FILES) -> None:
+    def _upload(self, tag: str, files: Files) -> None:
         if not held_by(self.remote, self.run_id):  # never over another run's objects
             self._foreign = True
             raise RemoteError(f"{self.remote.describe()}'s lease belongs to another run")
@@ -405,9 +456,10 @@ class RemoteCopy:
                     continue  # already there (a copy resumed after an interruption)
             seams.pause(seams.SLOW_UPLOAD)
             fault_point("remote.upload", _step(tag))
-            local = (
-                MANIFEST if self.node is not None and name.startswith("manifest.node-") else name
-            )
+            if self.node is not None and name.startswith(NODE_MANIFEST):
+                local = MANIFEST  # this node's manifest, uploaded under the node's own name
+            else:
+                local = name
             self.remote.upload_file(self.out / tag / local, rel, digest)
 
     def _uncommit_other(self, tag: str) -> None:
@@ -423,11 +475,7 @@ class RemoteCopy:
             return
         theirs = head.get("Metadata", {}).get(SAVE_ID_KEY)
         if theirs is None:  # a manifest uploaded without it (before this key existed)
-            try:
-                theirs = json.loads(self.remote.read_bytes(f"{tag}/{MANIFEST}") or b"{}")
-                theirs = theirs.get("save_id")
-            except (ValueError, AttributeError):
-                theirs = None
+            theirs = self._save_id_inside(tag)
         if theirs != save_id and self.remote.delete_if(f"{tag}/{MANIFEST}", head["ETag"]):
             logger.warning(
                 "%s in %s was another commit of that step (save %s); un-committed it before "
@@ -436,6 +484,14 @@ class RemoteCopy:
                 self.remote.describe(),
                 theirs,
             )
+
+    def _save_id_inside(self, tag: str) -> str | None:
+        """The save id written in ``tag``'s remote manifest (None: none, or unreadable)."""
+        try:
+            manifest = json.loads(self.remote.read_bytes(f"{tag}/{MANIFEST}") or b"{}")
+            return manifest.get("save_id")
+        except (ValueError, AttributeError):
+            return None
 
     def _publish(self, tag: str) -> None:
         """The remote commit: the manifest, uploaded last (every file it lists is there), then
@@ -447,8 +503,8 @@ class RemoteCopy:
         self._ensure_lease(f"committing {tag}")
         fault_point("remote.commit", _step(tag))  # every data object of the copy has landed
         save_id = json.loads(data).get("save_id")
-        meta = {SAVE_ID_KEY: save_id} if save_id else None
-        self.remote.write_bytes(f"{tag}/{MANIFEST}", data, metadata=meta)
+        metadata = {SAVE_ID_KEY: save_id} if save_id else None
+        self.remote.write_bytes(f"{tag}/{MANIFEST}", data, metadata=metadata)
         self.remote.replace_bytes(LATEST, f"{tag}\n".encode())
         try:
             self._ensure_lease("deleting older checkpoints")
@@ -461,7 +517,7 @@ class RemoteCopy:
         first) merged into the whole checkpoint's, which commits it (two phases, as a
         node-local save commits: no node's files count until every node's are there)."""
         manifests = []
-        for node in self.groups:
+        for node in self.groups or []:
             data = self.remote.read_bytes(f"{tag}/{node_manifest_name(node)}")
             if data is None:
                 raise RemoteError(f"{tag}: the manifest of ranks {node} is not in the bucket")
