@@ -15,10 +15,13 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 from finetune import distributed as dist
-from finetune.checkpoint.staging import Layout
 from finetune.checkpoint_format.manifest import MANIFEST, check_file, node_manifest, share_of
 from finetune.checkpoint_format.outdir import STAGING, OutputDir, committed
 from finetune.checkpoint_format.policy import newest_first, step_of
@@ -26,9 +29,40 @@ from finetune.config import CheckpointArgs, ConfigError
 from finetune.distributed import logger
 from finetune.io.durable import fsync_path, write_bytes_durably
 from finetune.io.remote import RemoteError, S3Storage, is_remote
+from finetune.remote.verify import PARALLEL, locate
 
 
-def fetch_for_resume(ckpt: CheckpointArgs, out: OutputDir, layout: Layout) -> str | None:
+class OutSharing(Protocol):
+    """Which ranks share this rank's OUT: what a fetch needs of the run's layout (the online
+    component's ``Layout`` is one)."""
+
+    @property
+    def node_local(self) -> bool:
+        """Each node has its own OUT (node-local checkpoints)."""
+        ...
+
+    @property
+    def my_group(self) -> list[int]:
+        """The ranks that share this rank's OUT."""
+        ...
+
+    @property
+    def leader(self) -> bool:
+        """This rank does rank 0's part for its OUT."""
+        ...
+
+
+@dataclass(frozen=True)
+class Chosen:
+    """The remote checkpoint a resume fetches."""
+
+    root: str  # the remote output dir that holds it
+    tag: str
+    save_id: str | None  # its commit's, from its manifest
+    world_size: int | None  # the world size that saved it
+
+
+def fetch_for_resume(ckpt: CheckpointArgs, out: OutputDir, layout: OutSharing) -> str | None:
     """The --resume_from_checkpoint spec the resume plan should use: a local folder for an s3://
     one, the same spec otherwise (None: no resume). Node-local storage: each node fetches its
     ranks' files and the shared ones into its own OUT (at another world size the whole
@@ -36,27 +70,29 @@ def fetch_for_resume(ckpt: CheckpointArgs, out: OutputDir, layout: Layout) -> st
     spec = ckpt.resume_from_checkpoint
     if spec is None or not (is_remote(spec) or (spec == "auto" and ckpt.remote_output_dir)):
         return spec
-    where = spec if is_remote(spec) else ckpt.remote_output_dir
-    chosen = dist.share_from(
+    explicit = is_remote(spec)
+    where = spec if explicit else ckpt.remote_output_dir
+    chosen: Chosen | None = dist.share_from(
         0,
-        lambda: _choose(where, out, explicit=is_remote(spec)),
+        lambda: _choose(where, out, explicit),
         step=f"looking for checkpoints in {where}",
     )
     if chosen is None:
         return spec
-    root, tag, save_id, world = chosen
+    tag = chosen.tag
     # What each OUT needs: node-local at the same world size its node's cut; else (shared storage,
     # or node-local at another world size, which converts on each node) the whole checkpoint.
-    cut = layout.my_group if layout.node_local and world == dist.world_size() else None
+    same_world = chosen.world_size == dist.world_size()
+    cut = layout.my_group if layout.node_local and same_world else None
     # Every OUT (each node's) already holds that very commit, as much of it as it needs?
-    held = _holds(out.read_manifest(tag) or {}, save_id, cut) if layout.leader else True
-    if save_id is not None and not dist.any_rank(not held):
+    held = holds(out.read_manifest(tag) or {}, chosen.save_id, cut) if layout.leader else True
+    if chosen.save_id is not None and not dist.any_rank(not held):
         logger.info("%s is already in %s", tag, out.root)
     else:
         try:
-            _download(root, tag, out, layout, cut)
+            _download(chosen.root, tag, out, layout, cut)
         except (ConfigError, dist.RankError) as e:
-            if is_remote(spec):
+            if explicit:
                 raise
             # auto: a remote copy that does not download intact is passed over, as a damaged
             # local checkpoint is; the resume goes on from what is local
@@ -64,14 +100,14 @@ def fetch_for_resume(ckpt: CheckpointArgs, out: OutputDir, layout: Layout) -> st
                 logging.WARNING,
                 "fetching %s from %s failed (%s); resuming from %s",
                 tag,
-                root,
+                chosen.root,
                 e,
                 out.root,
             )
-    return str(out.root / tag) if is_remote(spec) else spec
+    return str(out.root / tag) if explicit else spec
 
 
-def _holds(local: dict, save_id: str | None, cut: list[int] | None) -> bool:
+def holds(local: dict, save_id: str | None, cut: list[int] | None) -> bool:
     """Whether a local manifest is of commit ``save_id`` and holds ``cut``'s ranks (None: all)."""
     ranks = local.get("ranks")  # absent: the whole checkpoint
     return local.get("save_id") == save_id and (ranks is None or ranks == cut)
@@ -86,9 +122,8 @@ def fetch_file(remote: S3Storage, key: str, path: Path, name: str, want: dict) -
     return f"{remote.describe(key)} downloaded: {problems[0]}" if problems else None
 
 
-def _choose(where: str, out: OutputDir, explicit: bool) -> tuple[str, str, str, int] | None:
-    """(the remote root, the checkpoint to fetch, its save id, its world size) or None (nothing
-    newer than what is local)."""
+def _choose(where: str, out: OutputDir, explicit: bool) -> Chosen | None:
+    """The remote checkpoint to fetch, or None (nothing newer than what is local)."""
     try:
         found = _remote_choice(where, out, explicit)
         if found is None:
@@ -100,11 +135,14 @@ def _choose(where: str, out: OutputDir, explicit: bool) -> tuple[str, str, str, 
     except Exception as e:  # noqa: BLE001 — the client's (credentials, endpoint, bucket)
         flag = "--resume_from_checkpoint" if explicit else "--remote_output_dir"
         raise ConfigError(f"{flag} {where}: cannot read it ({type(e).__name__}: {e})") from None
-    remote = json.loads(data) if data is not None else {}
-    return root, tag, remote.get("save_id"), remote.get("world_size")
+    manifest = json.loads(data) if data is not None else {}
+    return Chosen(root, tag, manifest.get("save_id"), manifest.get("world_size"))
 
 
 def _remote_choice(where: str, out: OutputDir, explicit: bool) -> tuple[str, str] | None:
+    """(the remote output dir, the checkpoint's tag) ``where`` names: itself when it is a
+    checkpoint, else its newest committed one (with ``auto``, only when newer than every local
+    one); None when there is none to fetch."""
     try:
         remote = S3Storage(where)
     except RemoteError as e:
@@ -136,7 +174,9 @@ def _remote_choice(where: str, out: OutputDir, explicit: bool) -> tuple[str, str
     return where.rstrip("/"), found[0].tag
 
 
-def _download(root: str, tag: str, out: OutputDir, layout: Layout, cut: list[int] | None) -> None:
+def _download(
+    root: str, tag: str, out: OutputDir, layout: OutSharing, cut: list[int] | None
+) -> None:
     """Every rank its share of what this OUT needs (``cut``'s ranks' files and the shared ones,
     or all), then each OUT's leader commits it. Any failure is a ConfigError on the rank that had
     it (RankError on the others): every rank falls back, or stops, alike."""
@@ -147,8 +187,10 @@ def _download(root: str, tag: str, out: OutputDir, layout: Layout, cut: list[int
         """The manifest of what this OUT holds: all, or (node-local) this node's cut."""
         return node_manifest(manifest, cut) if cut is not None else manifest
 
-    def agreed(work):
-        def run():
+    def one_line(work: Callable[[], None]) -> Callable[[], None]:
+        """``work`` with any failure but a ConfigError made one, naming the rank."""
+
+        def run() -> None:
             try:
                 work()
             except ConfigError:
@@ -171,11 +213,6 @@ def _download(root: str, tag: str, out: OutputDir, layout: Layout, cut: list[int
                 raise ConfigError(f"--resume_from_checkpoint: {problem}")
             fsync_path(staged / name)
 
-    # an earlier download cut short
-    dist.run_agreed(lambda: out.remove(f"{STAGING}/{tag}"), on=layout.leader)
-    logger.info("downloading %s from %s (every rank its share)", tag, root)
-    dist.run_agreed(agreed(mine), step=f"downloading {tag}", deadline_s=None)
-
     def commit() -> None:
         data = S3Storage(root).read_bytes(f"{tag}/{MANIFEST}")
         if cut is not None:
@@ -184,8 +221,12 @@ def _download(root: str, tag: str, out: OutputDir, layout: Layout, cut: list[int
         fsync_path(staged)
         out.publish(tag)
 
+    # an earlier download cut short
+    dist.run_agreed(lambda: out.remove(f"{STAGING}/{tag}"), on=layout.leader)
+    logger.info("downloading %s from %s (every rank its share)", tag, root)
+    dist.run_agreed(one_line(mine), step=f"downloading {tag}", deadline_s=None)
     # every node's leader, once every rank's download is complete (two phases)
-    dist.run_agreed(agreed(commit), on=layout.leader, step=f"committing {tag} locally")
+    dist.run_agreed(one_line(commit), on=layout.leader, step=f"committing {tag} locally")
     dist.log_main(logging.INFO, "fetched %s from %s into %s", tag, root, out.root)
 
 
@@ -194,10 +235,6 @@ def download_checkpoint(uri: str, into: Path) -> Path:
     s3:// output dir's newest) downloaded into ``into/<tag>``, every file checked against the
     manifest's size and checksum, the manifest written last. ConfigError, one line, when it is not
     a committed checkpoint or a file does not download intact."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    from finetune.remote.verify import PARALLEL, locate
-
     try:
         root, rel = locate(uri)
         prefix = f"{rel}/" if rel else ""
