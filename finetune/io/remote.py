@@ -22,6 +22,7 @@ import os
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 from finetune.io.storage import Entry, Stat
 
@@ -65,9 +66,9 @@ class S3Uri:
         return f"s3://{self.bucket}/{self.prefix}" if self.prefix else f"s3://{self.bucket}"
 
 
-def make_client():
-    """A boto3 S3 client configured by the AWS chain, with retries (standard mode, 5 tries) and a
-    connection pool large enough for parallel parts."""
+def make_client() -> Any:
+    """A boto3 S3 client (typed by boto3 at run time only) configured by the AWS chain, with
+    retries (standard mode, 5 tries) and a connection pool large enough for parallel parts."""
     try:
         import boto3
         from botocore.config import Config
@@ -79,12 +80,15 @@ def make_client():
     return boto3.session.Session().client("s3", config=config)
 
 
-def _missing(error) -> bool:
+def _missing(error: Exception) -> bool:
+    """A client error that says the object is not there."""
     code = getattr(error, "response", {}).get("Error", {}).get("Code", "")
     return code in ("404", "NoSuchKey", "NotFound")
 
 
-def _condition_failed(error) -> bool:
+def _condition_failed(error: Exception) -> bool:
+    """A client error that says a conditional write's condition did not hold (412), or that a
+    concurrent conditional write to the same key won (409)."""
     response = getattr(error, "response", {})
     code = response.get("Error", {}).get("Code", "")
     status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
@@ -94,7 +98,7 @@ def _condition_failed(error) -> bool:
 class S3Storage:
     """``Storage`` over ``s3://bucket/prefix``; ``rel`` paths are ``/``-separated keys under it."""
 
-    def __init__(self, uri: str, client=None):
+    def __init__(self, uri: str, client: Any = None):
         self.uri = S3Uri.parse(uri)
         self.client = client or make_client()
 
@@ -150,14 +154,17 @@ class S3Storage:
 
     def read_bytes(self, rel: str) -> bytes | None:
         try:
-            return self.client.get_object(Bucket=self.uri.bucket, Key=self.uri.key(rel))[
-                "Body"
-            ].read()
+            found = self.client.get_object(Bucket=self.uri.bucket, Key=self.uri.key(rel))
         except self.client.exceptions.NoSuchKey:
             return None
+        return found["Body"].read()
 
     def write_bytes(
-        self, rel: str, data: bytes, checksum: str | None = None, metadata: dict | None = None
+        self,
+        rel: str,
+        data: bytes,
+        checksum: str | None = None,
+        metadata: dict[str, str] | None = None,
     ) -> None:
         """One PUT; ``metadata``: more object metadata besides the checksum."""
         from finetune.io.durable import hash_bytes
@@ -185,12 +192,13 @@ class S3Storage:
         """Download and hash (``verify --full``): the bytes as stored, not what metadata says."""
         import xxhash
 
-        h, size = xxhash.xxh3_128(), 0
+        digest = xxhash.xxh3_128()
+        size = 0
         body = self.client.get_object(Bucket=self.uri.bucket, Key=self.uri.key(rel))["Body"]
         for chunk in body.iter_chunks(8 * _MB):
-            h.update(chunk)
+            digest.update(chunk)
             size += len(chunk)
-        return size, h.hexdigest()
+        return size, digest.hexdigest()
 
     def makedirs(self, rel: str) -> None:
         pass  # folders are key prefixes
@@ -230,6 +238,7 @@ class S3Storage:
     # --- object-store operations beyond the protocol ---------------------------------------------
 
     def head(self, rel: str) -> dict | None:
+        """The object's HEAD (size, ETag, metadata), or None when there is none."""
         from botocore.exceptions import ClientError
 
         try:
@@ -307,7 +316,7 @@ class S3Storage:
         return f"{key}/" if key else ""
 
     def _pages(self, prefix: str, delimiter: str | None = None) -> Iterator[dict]:
-        kw = {"Bucket": self.uri.bucket, "Prefix": prefix}
+        query = {"Bucket": self.uri.bucket, "Prefix": prefix}
         if delimiter:
-            kw["Delimiter"] = delimiter
-        yield from self.client.get_paginator("list_objects_v2").paginate(**kw)
+            query["Delimiter"] = delimiter
+        yield from self.client.get_paginator("list_objects_v2").paginate(**query)

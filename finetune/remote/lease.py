@@ -47,7 +47,7 @@ from finetune.lease import (
 logger = logging.getLogger("finetune")
 
 LEASE = ".lease"
-_JOIN_S = 10.0
+_JOIN_S = 10.0  # release() waits this long for a heartbeat write in flight
 
 
 class RemoteLeaseLost(LeaseLost):
@@ -115,24 +115,35 @@ def acquire(
             f"--remote_output_dir {where}: its lease changed hands {MAX_TRIES} times while this "
             "run tried to take it; are several runs starting on it at once?"
         )
-    if remote.put_if(LEASE, encode(me), None) is not None:  # must fail: the lease exists
+    _require_conditional_writes(remote, encode(me), where)
+    return RemoteLease(remote, me, etag)
+
+
+def _require_conditional_writes(remote: S3Storage, data: bytes, where: str) -> None:
+    """Once the lease is taken, a second ``If-None-Match`` create must fail: a server that lets it
+    through would let two runs both take a prefix, so the lease is removed and the bucket
+    refused."""
+    if remote.put_if(LEASE, data, None) is not None:
         remote.delete_if(LEASE, remote.read_tagged(LEASE)[1])
         raise ConfigError(
             f"--remote_output_dir {where}: the server ignores conditional writes "
             "(PUT If-None-Match), which keep two runs from sharing a prefix; use a server that "
             "supports them (AWS S3, SeaweedFS, MinIO, GCS and R2 do)"
         )
-    return RemoteLease(remote, me, etag)
 
 
 class RemoteLease:
     """This process's hold on ``PREFIX/.lease``, renewed by a daemon thread until ``release()``."""
 
     def __init__(self, remote: S3Storage, info: dict, etag: str):
-        self.remote, self.info, self._etag = remote, info, etag
+        self.remote = remote
+        self.info = info  # the record as last written (its beat counts up)
+        self._etag = etag  # of our last write: every conditional step goes by it
         self._stop = threading.Event()
         self._lock = threading.Lock()
-        self._released = self._lost = self._failing = False
+        self._released = False
+        self._lost = False
+        self._failing = False  # renewing fails now (said once, and once when it works again)
         self._thread = threading.Thread(target=self._run, name="finetune-remote-lease", daemon=True)
         self._thread.start()
 
@@ -212,7 +223,8 @@ class RemoteLease:
                     return False
                 if etag is None:
                     return True  # raced: the next beat says whose it is
-            self.info, self._etag = info, etag
+            self.info = info
+            self._etag = etag
         except Exception as e:  # noqa: BLE001 — the network: retried at the next beat
             if not self._failing:
                 logger.warning(

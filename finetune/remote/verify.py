@@ -74,11 +74,8 @@ def check(
     if manifest is None:
         data = root.read_bytes(prefix + MANIFEST)
         if data is None:
-            return (
-                [f"{MANIFEST} missing: not committed remotely (a copy in progress or cut off)"],
-                0,
-                0,
-            )
+            missing = f"{MANIFEST} missing: not committed remotely (a copy in progress or cut off)"
+            return [missing], 0, 0
         try:
             manifest = json.loads(data)
         except ValueError:
