@@ -1,6 +1,6 @@
 """The docs agree with the code: README.md and docs/*.md name only flags and commands that exist,
-their relative links resolve, docs/FLAGS.md is what scripts/gen_flags_doc.py generates now, and the
-README fits on a screen.
+their relative links resolve, the repository paths they cite exist, they cite no issue numbers,
+docs/FLAGS.md is what scripts/gen_flags_doc.py generates now, and the README fits on a screen.
 
 Fast (a few `python -m finetune CMD --help` subprocesses); no training.
 """
@@ -63,15 +63,15 @@ OTHER_TOOLS: dict[str, str] = {
     "--only": "bench/run_all.py",
     "--smoke": "bench/run_all.py",
     "--out": "bench/run_all.py",
-    "--steps": "bench/train_throughput.py",
-    "--wait_quiet": "bench/train_throughput.py",
-    "--repeats": "bench/data_path.py",
-    "--rows": "bench/data_path.py",
-    "--finetune_src": "bench/data_path.py",
-    "--rounds": "bench/packing.py",
-    "--before": "bench/save_io.py",
-    "--saves": "bench/save_io.py",
-    "--checkpoint": "bench/remote_upload.py",
+    "--steps": "bench/train/train_throughput.py",
+    "--wait_quiet": "bench/train/train_throughput.py",
+    "--repeats": "bench/data/data_path.py",
+    "--rows": "bench/data/data_path.py",
+    "--finetune_src": "bench/data/data_path.py",
+    "--rounds": "bench/data/packing.py",
+    "--before": "bench/save/save_io.py",
+    "--saves": "bench/save/save_io.py",
+    "--checkpoint": "bench/remote/remote_upload.py",
 }
 
 
@@ -191,9 +191,11 @@ def test_allow_listed_flags_are_mentioned_and_those_of_repo_tools_exist_there():
         sorted(set(OTHER_TOOLS) - mentioned),
     )
     for flag, tool in OTHER_TOOLS.items():
+        if not re.fullmatch(r"(bench|scripts)/\S+", tool):
+            continue  # another program's flag: nothing here to look in
         path = REPO / tool
-        if path.is_file():
-            assert re.search(rf"{re.escape(flag)}\b", path.read_text()), f"{flag} is not in {tool}"
+        assert path.is_file(), f"{flag}: {tool} does not exist (moved? update OTHER_TOOLS)"
+        assert re.search(rf"{re.escape(flag)}\b", path.read_text()), f"{flag} is not in {tool}"
 
 
 # --- (3) every `finetune COMMAND` the docs mention exists ----------------------------------------
@@ -268,7 +270,70 @@ def test_relative_links_point_at_files_and_headings_that_exist():
 def test_slugs_follow_github():
     assert slug("Shell wrapper: `scripts/launch.sh`") == "shell-wrapper-scriptslaunchsh"
     assert slug("Exit codes") == "exit-codes"
-    assert slug("`--async_save` (2026-11-25)") == "--async_save-2026-11-25"
+    assert slug("11. `--async_save` keeps every promise above") == (
+        "11---async_save-keeps-every-promise-above"
+    )
+
+
+# --- (6) the docs say what is, not when it happened, and cite paths that exist -------------------
+
+# An issue number as a doc would cite one: "issue 24", "issues 3 and 4", "(issue", "issue #12".
+# History belongs in git; a doc describes the product as it is.
+ISSUE = re.compile(r"\bissues? #?\d+|\(issue\b|\bissue #", re.IGNORECASE)
+
+# A path of this repository wherever a doc cites it (prose, a code span, a link's target written
+# from the root): it starts at one of these folders and runs to the next space, quote, bracket,
+# comma, semicolon or colon (`tests/x.py::test_y` is tests/x.py). Placeholders and globs
+# (`tests/faults/test_*.py`, `bench/<name>.py`) are not checked; relative links such as
+# `../finetune/x.py` are the link test's (5).
+REPO_PATH = re.compile(r"(?<![\w./-])(?:finetune|tests|bench|scripts)/[^\s`'\"()\[\],;:]*")
+PLACEHOLDER = re.compile(r"[*?<>{}]")
+# written by `make bench`, not part of the repository
+GENERATED = ("bench/results",)
+
+
+def test_the_docs_cite_no_issue_numbers():
+    cited = [
+        f"{_rel(doc)}:{n}: {m.group(0)!r}"
+        for doc in DOCS
+        for n, line in enumerate(doc.read_text().splitlines(), 1)
+        for m in ISSUE.finditer(line)
+    ]
+    assert not cited, (
+        "docs cite issue numbers (say what the product does; history belongs in git): "
+        + "; ".join(cited)
+    )
+
+
+def repo_paths(text: str) -> list[str]:
+    """The repository paths a doc's text cites, as written (a sentence's final period dropped)."""
+    found = (m.group(0).rstrip(".") for m in REPO_PATH.finditer(text))
+    return [p for p in found if not PLACEHOLDER.search(p)]
+
+
+def test_repo_paths_are_found_in_text_and_code():
+    text = (
+        "`finetune/checkpoint_format/policy.py` keeps it (tests/checkpoint/test_at_rest.py).\n"
+        "see tests/x.py::test_y, `bench/<name>.py`, tests/faults/test_*.py, OUT/finetune/x,\n"
+        "[a](../finetune/io/faults.py) and bench/run_all.py."
+    )
+    assert repo_paths(text) == [
+        "finetune/checkpoint_format/policy.py",
+        "tests/checkpoint/test_at_rest.py",
+        "tests/x.py",
+        "bench/run_all.py",
+    ]
+
+
+def test_every_repository_path_the_docs_cite_exists():
+    missing = [
+        f"{_rel(doc)}:{n}: {path}"
+        for doc in DOCS
+        for n, line in enumerate(doc.read_text().splitlines(), 1)
+        for path in repo_paths(line)
+        if not path.startswith(GENERATED) and not (REPO / path).exists()
+    ]
+    assert not missing, f"paths cited in the docs that do not exist (moved or renamed?): {missing}"
 
 
 if __name__ == "__main__":
