@@ -60,8 +60,9 @@ faults: setup
 	FINETUNE_FAULTS_LONG=1 FINETUNE_FAULTS_SUMMARY=output/faults/summary.json \
 		PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(PY) -m pytest -ra -m faults tests/faults tests/slurm
 
-# The benchmark suite (P1…P9, ~30 min on 2 cores): writes bench/results/latest.json and rewrites the
-# tables in docs/BENCHMARKS.md and README.md. Each bench/*.py also runs on its own (docs/BENCHMARKS.md).
+# The benchmark suite (P1…P10, ~30 min on 2 cores): writes bench/results/latest.json and rewrites the
+# tables in docs/BENCHMARKS.md and README.md. Each script under bench/<subject>/ also runs on its own
+# (docs/BENCHMARKS.md).
 bench: setup
 	PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(PY) bench/run_all.py
 

@@ -7,8 +7,8 @@
 # WHEELDIR (default .whl) holds the wheels the machine lacks (deepspeed, datasets and their needs,
 # the transformers finetune is tested with); they go into a venv that sees the system's torch.
 # Parts: versions; DeepSpeed's ops built side by side (FusedAdam, CPU Adam); the GPU suite
-# (tests/gpu); tokens/s of finetune vs HF Trainer in bf16 (bench/train_throughput.py); the
-# --async_save stall and interference (bench/async_save.py). Logs and JSON go to OUTDIR.
+# (tests/gpu); tokens/s of finetune vs HF Trainer in bf16 (bench/train/train_throughput.py); the
+# --async_save stall and interference (bench/save/async_save.py). Logs and JSON go to OUTDIR.
 set -u
 OUT=${1:?usage: gpu_session.sh OUTDIR [WHEELDIR]}
 WHL=${2:-.whl}
@@ -49,14 +49,14 @@ timeout 220 python -m pytest -q -ra -m gpu tests/gpu -p no:cacheprovider --durat
 echo "gpu suite rc=$?"; grep -E "passed|failed|PASSED|FAILED|SKIPPED|Error|s call" "$OUT/gpu_suite.log" | tail -30
 
 stamp throughput
-timeout 160 python bench/train_throughput.py --num_gpus 1 --precision bf16 --rounds 1 \
+timeout 160 python bench/train/train_throughput.py --num_gpus 1 --precision bf16 --rounds 1 \
     --hidden_size 2048 --num_layers 16 --steps 30 --warmup 10 --logging_steps 5 \
     --per_device_train_batch_size 16 --max_seq_length 512 --threads_per_rank 0 \
     --out "$OUT/train_throughput.json" >"$OUT/throughput.log" 2>&1
 echo "throughput rc=$?"; tail -25 "$OUT/throughput.log"
 
 stamp async-save
-timeout 110 python bench/async_save.py --num_gpus 1 --precision bf16 --repeats 2 --bg_saves 2 \
+timeout 110 python bench/save/async_save.py --num_gpus 1 --precision bf16 --repeats 2 --bg_saves 2 \
     --e2e_steps 20 --every 5 --e2e_repeats 1 --dir /tmp/async \
     --out "$OUT/async_save.json" >"$OUT/async.log" 2>&1
 echo "async rc=$?"; tail -25 "$OUT/async.log"

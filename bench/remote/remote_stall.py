@@ -1,11 +1,11 @@
-"""What a copy to object storage costs training (issue 24): step time while a checkpoint uploads to
+"""What a copy to object storage costs training: step time while a checkpoint uploads to
 --remote_output_dir vs while none does, and the whole run against the same run without a bucket.
 
     pip install -e '.[test]'     # boto3 and SeaweedFS
-    python bench/remote_stall.py [--steps 16] [--every 4] [--out FILE]
+    python bench/remote/remote_stall.py [--steps 16] [--every 4] [--out FILE]
 
-bench/checkpoint_save.py's ~134M Llama on 2 ranks (DeepSpeed launcher), a partitioned save every
-``--every`` steps (~1.6 GB each), logged every step; the bucket is a SeaweedFS S3 server on
+bench/save/checkpoint_save.py's ~134M Llama on 2 ranks (DeepSpeed launcher), a partitioned save
+every ``--every`` steps (~1.6 GB each), logged every step; the bucket is a SeaweedFS S3 server on
 loopback sharing the machine's cores (on this 2-vCPU machine the upload's CPU competes with
 training; a GPU node's spare cores would not). Two runs, same flags: with ``--remote_output_dir``
 and without. A step's seconds come from its metrics row (tokens / tokens_per_s). In the copying
@@ -26,10 +26,10 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-BIN = Path(sys.executable).parent
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository: bench.*
+from bench.harness import BIN, REPO  # noqa: E402
+
 sys.path.insert(0, str(REPO / "tests"))
-sys.path.insert(0, str(REPO / "bench"))
 
 from s3_server import SeaweedS3, free_ports  # noqa: E402
 
@@ -37,7 +37,7 @@ BUCKET = "bench-stall"
 
 
 def run(work: Path, name: str, steps: int, every: int, extra: list[str], env: dict) -> dict:
-    from checkpoint_save import write_inputs
+    from bench.save.checkpoint_save import write_inputs
 
     cfg_dir, ds_path = write_inputs(work / "model")
     out = work / name

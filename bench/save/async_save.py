@@ -1,5 +1,5 @@
 """--async_save benchmark (P2): one 2-rank run on the ~134M-parameter Llama of \
-bench/checkpoint_save.py.
+bench/save/checkpoint_save.py.
 
 (a) training stall per checkpoint: ``Checkpointer.save(step, background=True)`` (snapshot into
     host memory, write on a thread) / DeepSpeed's synchronous ``engine.save_checkpoint`` of the same
@@ -8,11 +8,12 @@ bench/checkpoint_save.py.
 (c) end-to-end overhead of saving every k steps, (t_with_saves - t_none) / t_none, synchronous
     and async (goal for async <= 3.5%).
 
-    .venv/bin/python bench/async_save.py [--repeats 3] [--e2e_steps 40 --every 10 --e2e_repeats 2]
+    .venv/bin/python bench/save/async_save.py [--repeats 3]
+                                         [--e2e_steps 40 --every 10 --e2e_repeats 2]
                                          [--dir DIR] [--model_json '{...}']
                                          [--out bench/results/async_save.json]
 
-bench/async_save_worker.py's docstring says exactly what each number times. Exits 3 without
+bench/save/async_save_worker.py's docstring says exactly what each number times. Exits 3 without
 running anything when this finetune has no background save API yet.
 """
 
@@ -29,10 +30,11 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from checkpoint_save import REPO, free_port, machine, write_inputs  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository: bench.*
+from bench.harness import REPO, free_port, machine, write_json  # noqa: E402
+from bench.save.checkpoint_save import write_inputs  # noqa: E402
 
-# checkpointer.py since issue 23; manager.py in the versions before (before/after runs)
+# checkpointer.py now; manager.py in older versions (before/after runs)
 MANAGER = next(
     p
     for p in (REPO / "finetune" / "checkpoint" / n for n in ("checkpointer.py", "manager.py"))
@@ -120,7 +122,7 @@ def main() -> None:
         str(a.num_gpus),
         "--master_port",
         str(free_port()),
-        str(REPO / "bench" / "async_save_worker.py"),
+        str(Path(__file__).resolve().parent / "async_save_worker.py"),
         "--config_dir",
         str(cfg_dir),
         "--ds_config",
@@ -185,9 +187,7 @@ def main() -> None:
         directory=str(work),
         command=" ".join(sys.argv),
     )
-    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out).write_text(json.dumps(r, indent=2))
-    print(f"wrote {a.out}")
+    write_json(a.out, r)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """The data path at a real dataset size: time to first step, per-step data time, tokens/s and
 per-rank memory at 1M rows vs 2k rows, finetune vs HF Trainer + datasets' cache.
 
-    .venv/bin/python bench/data_path.py [--rows 1000000] [--repeats 3] [--first_repeats_1m 1]
+    .venv/bin/python bench/data/data_path.py [--rows 1000000] [--repeats 3] [--first_repeats_1m 1]
         [--steps 40] [--skip_hf] [--finetune_src DIR] [--out bench/results/data_path.json]
         [--small_rows 2000] [--sets 1m 2k embedded] [--hf_sets 1m 2k] [--first_repeats N]
         [--skip_microbench]
@@ -46,8 +46,9 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-BIN = Path(sys.executable).parent
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository: bench.*
+from bench.harness import BIN, REPO, med  # noqa: E402
+
 SMALL_ROWS = 2000  # --small_rows
 
 
@@ -258,7 +259,7 @@ def hf(data: Path, out: Path, cache: Path, steps: int, log: Path, resume: bool) 
         "2",
         "--master_port",
         str(29700 + random.randrange(200)),
-        str(REPO / "bench/hf_data_path_run.py"),
+        str(Path(__file__).resolve().parent / "hf_data_path_run.py"),
         "--train_file",
         str(data),
         "--output_dir",
@@ -313,8 +314,8 @@ def microbench(cache: Path, data: Path, rows: int) -> dict:
         order[16:32][0::2]
         old.append(1000 * (time.perf_counter() - t))
     return {
-        "next_step_ms": statistics.median(times),
-        "original_sampler_take_ms": statistics.median(old),
+        "next_step_ms": statistics.med(times),
+        "original_sampler_take_ms": statistics.med(old),
         "overlap": overlap(train, tok.pad_token_id),
     }
 
@@ -374,10 +375,6 @@ def overlap(train, pad_id: int, steps: int = 150, compute_ms: float = 20.0) -> d
     )
     out["dataloader_worker_exposed_ms"] = timed(lambda: next(it))
     return out
-
-
-def median(values: list[float]) -> float | None:
-    return statistics.median(values) if values else None
 
 
 def main() -> None:
@@ -465,18 +462,16 @@ def summarize(runs: dict, micro: dict | None) -> dict:
     s: dict = {}
     for key, r in runs.items():
         s[key] = {
-            "ttfs_first_s": median([x["ttfs_s"] for x in r["first"]]),
-            "ttfs_restart_s": median([x["ttfs_s"] for x in r["restart"]]),
-            "tokens_per_s": median([x["tokens_per_s"] for x in r["first"] if "tokens_per_s" in x]),
-            "data_ms_median": median(
+            "ttfs_first_s": med([x["ttfs_s"] for x in r["first"]]),
+            "ttfs_restart_s": med([x["ttfs_s"] for x in r["restart"]]),
+            "tokens_per_s": med([x["tokens_per_s"] for x in r["first"] if "tokens_per_s" in x]),
+            "data_ms_median": med(
                 [m for x in r["first"] + r["restart"] for m in x.get("data_ms", [])]
             ),
             "data_ms_max": max(
                 [m for x in r["first"] + r["restart"] for m in x.get("data_ms", [])], default=None
             ),
-            "rss_mb_at_first_step": median(
-                [m["rss_mb"] for x in r["restart"] for m in x["memory"]]
-            ),
+            "rss_mb_at_first_step": med([m["rss_mb"] for x in r["restart"] for m in x["memory"]]),
             "hwm_mb_first_run": max(
                 [m["hwm_mb"] for x in r["first"] for m in x["memory"]], default=None
             ),

@@ -2,11 +2,13 @@
 ``ds_to_universal``, wall time per GB of rank files, the longest piece, and the time left after an
 interruption.
 
-    .venv/bin/python bench/universal_convert.py [--workdir /tmp/finetune_bench_export] [--repeats 3]
+    .venv/bin/python bench/resume/universal_convert.py [--workdir /tmp/finetune_bench_export]
+                                                [--repeats 3]
                                                 [--out bench/results/universal.json]
 
-The checkpoint is bench/export.py's (a ~134M-parameter Llama after one step on 2 ranks, 1.6 GB of
-rank files; created once under ``--workdir``). Each round, alternating, as one plain process each:
+The checkpoint is bench/resume/export.py's (a ~134M-parameter Llama after one step on 2 ranks,
+1.6 GB of rank files; created once under ``--workdir``). Each round, alternating, as one plain
+process each:
 
 * ours:   ``python -m finetune export RUN/global_step1 OUT --universal --no_verify`` (the pieces,
   each fsynced and marked done; the manifest written at the end);
@@ -33,11 +35,9 @@ import sys
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-from export import ensure_checkpoint, env  # noqa: E402 — bench/export.py's 134M checkpoint
-
-PY = sys.executable
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository: bench.*
+from bench.harness import PY, REPO, rank_env  # noqa: E402
+from bench.resume.export import ensure_checkpoint  # noqa: E402 — export.py's 134M checkpoint
 
 
 def drop_caches() -> None:
@@ -51,7 +51,7 @@ def drop_caches() -> None:
 def timed(cmd: list[str]) -> tuple[float, str]:
     drop_caches()
     start = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env())
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=rank_env())
     wall = time.perf_counter() - start
     if proc.returncode != 0:
         raise SystemExit(
@@ -84,7 +84,7 @@ def theirs(ckpt: Path, out: Path) -> list[str]:
 
 def interrupted(ckpt: Path, out: Path) -> dict:
     """Ours killed once half its pieces are done, then rerun: the rerun's wall time and pieces."""
-    try:  # offline/ since issue 23; checkpoint/ in the versions before
+    try:  # offline/ now; checkpoint/ in older versions
         from finetune.weights.universal import PIECES
     except ImportError:
         from finetune.checkpoint.universal import PIECES
@@ -95,7 +95,7 @@ def interrupted(ckpt: Path, out: Path) -> dict:
         ours(ckpt, out),
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
-        env=env(),
+        env=rank_env(),
         start_new_session=True,
     )
     total = None
@@ -131,7 +131,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--workdir", default="/tmp/finetune_bench_export")
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--out", default=str(HERE / "results" / "universal.json"))
+    ap.add_argument("--out", default=str(REPO / "bench" / "results" / "universal.json"))
     args = ap.parse_args()
     ckpt = ensure_checkpoint(Path(args.workdir)) / "global_step1"
     gb = sum(p.stat().st_size for p in ckpt.glob("*_states.pt")) / 1e9

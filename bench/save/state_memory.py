@@ -1,18 +1,18 @@
 """Per-rank training-state memory under ZeRO-3 at 2 ranks vs 1 rank (P7): does it shrink with \
 the world size?
 
-    .venv/bin/python bench/state_memory.py [--worlds 1 2] [--model_json '{...}']
+    .venv/bin/python bench/save/state_memory.py [--worlds 1 2] [--model_json '{...}']
                                            [--out bench/results/state_memory.json]
 
-For each world size, one run of ``bench/state_memory_worker.py`` under ``deepspeed --num_gpus N``:
-the ~134M-parameter Llama of bench/checkpoint_save.py (hidden 768, 12 layers, vocab 32000, untied
-head, fp32) built through finetune's ``build_trainer`` with the shipped ZeRO-3 config, one optimizer
-step, then each rank sums the bytes of its parameter partitions, fp32 master partitions, Adam
-state and gradient partitions, each storage counted once (the worker's docstring has the details).
-Reported: the busiest rank's total at each size and the ratio between the last and first size
-(goal for 2 vs 1 ranks: <= 0.6; the ideal is 0.5). DeepSpeed's fixed-size buffers (bucket buffers,
-prefetch), activations and the framework itself are not training state and are not counted; the
-process RSS is recorded beside it.
+For each world size, one run of ``bench/save/state_memory_worker.py`` under ``deepspeed --num_gpus
+N``: the ~134M-parameter Llama of bench/save/checkpoint_save.py (hidden 768, 12 layers, vocab 32000,
+untied head, fp32) built through finetune's ``build_trainer`` with the shipped ZeRO-3 config, one
+optimizer step, then each rank sums the bytes of its parameter partitions, fp32 master partitions,
+Adam state and gradient partitions, each storage counted once (the worker's docstring has the
+details). Reported: the busiest rank's total at each size and the ratio between the last and first
+size (goal for 2 vs 1 ranks: <= 0.6; the ideal is 0.5). DeepSpeed's fixed-size buffers (bucket
+buffers, prefetch), activations and the framework itself are not training state and are not counted;
+the process RSS is recorded beside it.
 """
 
 from __future__ import annotations
@@ -26,8 +26,9 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from checkpoint_save import REPO, free_port, write_inputs  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository: bench.*
+from bench.harness import REPO, free_port, write_json  # noqa: E402
+from bench.save.checkpoint_save import write_inputs  # noqa: E402
 
 
 def run(world: int, cfg_dir: Path, ds_path: Path, work: Path, timeout: float) -> dict:
@@ -43,7 +44,7 @@ def run(world: int, cfg_dir: Path, ds_path: Path, work: Path, timeout: float) ->
         str(world),
         "--master_port",
         str(free_port()),
-        str(REPO / "bench" / "state_memory_worker.py"),
+        str(Path(__file__).resolve().parent / "state_memory_worker.py"),
         "--config_dir",
         str(cfg_dir),
         "--ds_config",
@@ -107,9 +108,7 @@ def main() -> None:
         "model_overrides": a.model_json,
         "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
-    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out).write_text(json.dumps(result, indent=2))
-    print(f"wrote {a.out}")
+    write_json(a.out, result)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """Preemption: how long from a signal to a committed checkpoint and exit, and what the per-step \
 check costs.
 
-    .venv/bin/python bench/preemption.py [--repeats 3] [--out bench/results/preemption.json]
+    .venv/bin/python bench/resume/preemption.py [--repeats 3] [--out bench/results/preemption.json]
 
 1. Latency: the embedded default on 2 ranks through the DeepSpeed launcher with
    ``--max_steps 100000 --save_checkpoint --logging_steps 1``; once 20 steps are logged, SIGTERM
@@ -27,8 +27,8 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from export import PY, REPO, env, free_port  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository: bench.*
+from bench.harness import PY, REPO, free_port, rank_env  # noqa: E402
 
 BIN = Path(PY).parent
 
@@ -88,7 +88,7 @@ def latency_once(work: Path) -> dict:
     proc = subprocess.Popen(
         cmd,
         cwd=work,
-        env=env(),
+        env=rank_env(),
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
         start_new_session=True,
@@ -129,7 +129,9 @@ def check_cost() -> float:
             str(free_port()),
             str(script),
         ]
-        proc = subprocess.run(cmd, env=env(), capture_output=True, text=True, timeout=300, cwd=d)
+        proc = subprocess.run(
+            cmd, env=rank_env(), capture_output=True, text=True, timeout=300, cwd=d
+        )
         line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("PER_CALL_US"))
         return float(line.split()[1])
 

@@ -1,8 +1,9 @@
 """cProfile rank 0 of a multi-rank run, for looking into where a training step's time goes.
 
-    deepspeed --num_gpus 2 bench/profile_rank0.py --stats /tmp/ft.prof --module finetune \
+    deepspeed --num_gpus 2 bench/train/profile_rank0.py --stats /tmp/ft.prof --module finetune \
 [finetune flags]
-    deepspeed --num_gpus 2 bench/profile_rank0.py --stats /tmp/hf.prof bench/hf_trainer_run.py \
+    deepspeed --num_gpus 2 bench/train/profile_rank0.py --stats /tmp/hf.prof \
+        bench/train/hf_trainer_run.py \
 [its flags]
     python -c "import pstats; pstats.Stats('/tmp/ft.prof').sort_stats('cumulative').print_stats(40)"
 

@@ -1,6 +1,6 @@
-"""HF ``Trainer`` side of ``bench/data_path.py``; run by it under the DeepSpeed launcher.
+"""HF ``Trainer`` side of ``bench/data/data_path.py``; run by it under the DeepSpeed launcher.
 
-    deepspeed --num_gpus 2 bench/hf_data_path_run.py --train_file F --output_dir O --stamp S \
+    deepspeed --num_gpus 2 bench/data/hf_data_path_run.py --train_file F --output_dir O --stamp S \
         --max_steps N [--resume]
 
 What a user of HF Trainer would write for prompt/completion SFT on a JSONL file: ``load_dataset``
@@ -20,7 +20,7 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def main() -> None:

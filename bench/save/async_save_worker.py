@@ -1,4 +1,4 @@
-"""Worker for bench/async_save.py: runs under `deepspeed --num_gpus 2`, prints one JSON line.
+"""Worker for bench/save/async_save.py: runs under `deepspeed --num_gpus 2`, prints one JSON line.
 
 Builds the model through finetune itself (``build_trainer`` with ``--save_checkpoint --async_save``:
 zero.Init, our DeepSpeed config), trains one step, then measures with its ``Checkpointer``:
@@ -40,13 +40,13 @@ from checkpoint_save_worker import exit_now, folder_bytes, timed  # noqa: E402 â
 
 from finetune import distributed as dist
 
-try:  # Checkpointer since issue 23; CheckpointManager in the versions before
+try:  # Checkpointer now; CheckpointManager in older versions
     from finetune.checkpoint.checkpointer import Checkpointer as CheckpointManager
 except ImportError:
     from finetune.checkpoint.manager import CheckpointManager
 from finetune.cli import parse_train_args
 
-try:  # build_trainer since issue 23; Trainer.build in the versions before (before/after runs)
+try:  # build_trainer now; Trainer.build in older versions (before/after runs)
     from finetune.build import build_trainer
 except ImportError:
     from finetune.trainer import Trainer
@@ -107,7 +107,7 @@ def main() -> None:
         print("ERROR " + missing, flush=True)
         sys.exit(3)
     out = Path(a.out)
-    tokenizer = str(Path(__file__).resolve().parents[1] / "finetune" / "resources" / "tokenizer")
+    tokenizer = str(Path(__file__).resolve().parents[2] / "finetune" / "resources" / "tokenizer")
     cfg = parse_train_args(
         [
             "--config_name",

@@ -1,4 +1,4 @@
-"""Verify throughput and resume time-to-first-step (issue 4), on bench/export.py's ~134M 2-rank \
+"""Verify throughput and resume time-to-first-step, on bench/resume/export.py's ~134M 2-rank \
 checkpoint.
 
 * verify: `finetune verify CKPT` (sizes + xxh3 checksums of every file) → GB/s; `--quick`
@@ -10,10 +10,11 @@ checkpoint.
   fresh ≤ 1.2. Runs alternate fresh, resume, fresh, resume, … (--repeats each), after one untimed
   warm-up launch.
 
-    .venv/bin/python bench/resume_verify.py [--repeats 3] [--workdir /tmp/finetune_bench_export]
+    .venv/bin/python bench/resume/resume_verify.py [--repeats 3]
+                                            [--workdir /tmp/finetune_bench_export]
                                             [--warmup_launches 1] [--model_json '{...}']
 
-``--workdir`` is bench/export.py's (the checkpoint is shared, created there if missing).
+``--workdir`` is bench/resume/export.py's (the checkpoint is shared, created there if missing).
 """
 
 from __future__ import annotations
@@ -27,17 +28,18 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from export import PY, REPO, ensure_checkpoint, env, free_port  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository: bench.*
+from bench.harness import PY, REPO, free_port, rank_env  # noqa: E402
+from bench.resume.export import ensure_checkpoint  # noqa: E402
 
-# bench/export.py's default --workdir; --workdir replaces it
+# bench/resume/export.py's default --workdir; --workdir replaces it
 WORK = Path("/tmp/finetune_bench_export")
 
 
 def verify_rate(ckpt: Path, quick: bool) -> dict:
     cmd = [PY, "-m", "finetune", "verify", str(ckpt)] + (["--quick"] if quick else [])
     start = time.perf_counter()
-    out = subprocess.run(cmd, capture_output=True, text=True, env=env())
+    out = subprocess.run(cmd, capture_output=True, text=True, env=rank_env())
     wall = time.perf_counter() - start
     if out.returncode != 0:
         sys.exit(f"verify failed: {out.stdout}{out.stderr}")
@@ -85,7 +87,7 @@ def time_to_first_step(run: Path, out: Path, resume: Path | None) -> float:
         cmd += ["--resume_from_checkpoint", str(resume)]
     start = time.perf_counter()
     proc = subprocess.Popen(
-        cmd, cwd=WORK, env=env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        cmd, cwd=WORK, env=rank_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
     )
     metrics, first = out / "metrics.jsonl", None
     while first is None and proc.poll() is None:
@@ -103,7 +105,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument(
-        "--workdir", default=str(WORK), help="bench/export.py's --workdir (holds the checkpoint)"
+        "--workdir",
+        default=str(WORK),
+        help="bench/resume/export.py's --workdir (holds the checkpoint)",
     )
     ap.add_argument(
         "--warmup_launches", type=int, default=1, help="untimed launches before the timed ones"

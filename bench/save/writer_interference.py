@@ -42,10 +42,10 @@ overlapping steps of (step - the none median; for _1t rows the none_1t median) (
 has it against none alone and against each repeat's own pre-write steps). The _nice variants run
 only on request.
 
-    .venv/bin/python bench/writer_interference.py [--repeats 5] [--snapshot_mb 300]
+    .venv/bin/python bench/save/writer_interference.py [--repeats 5] [--snapshot_mb 300]
         [--model llama|mlp] [--variants none,thread,process,...] [--dir DIR]
         [--out bench/results/writer_interference.json]
-    .venv/bin/python bench/writer_interference.py --smoke      # tiny sizes, 1 repeat, < 30 s
+    .venv/bin/python bench/save/writer_interference.py --smoke      # tiny sizes, 1 repeat, < 30 s
 """
 
 from __future__ import annotations
@@ -53,7 +53,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shutil
 import statistics
 import sys
@@ -65,9 +64,8 @@ from pathlib import Path
 import torch
 import torch.multiprocessing as mp
 
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository: bench.*
+from bench.harness import REPO, machine  # noqa: E402
 from finetune.checkpoint.writer import GuardedWriter  # noqa: E402
 
 VARIANTS = (
@@ -458,24 +456,6 @@ def summarize(records: list[dict], variants: list[str]) -> dict:
             e["lost_vs_pre_s_each"] = lost_pre
         out[v] = e
     return out
-
-
-def machine() -> dict:
-    cpu = next(
-        (
-            ln.split(":", 1)[1].strip()
-            for ln in open("/proc/cpuinfo")
-            if ln.startswith("model name")
-        ),
-        "?",
-    )
-    return {
-        "cores": os.cpu_count(),
-        "cpu": cpu,
-        "kernel": platform.release(),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-    }
 
 
 def print_table(summary: dict) -> None:

@@ -1,4 +1,4 @@
-"""Worker for bench/state_memory.py: runs under `deepspeed --num_gpus N`, prints one JSON line.
+"""Worker for bench/save/state_memory.py: runs under `deepspeed --num_gpus N`, prints one JSON line.
 
 Builds the model through finetune itself (``build_trainer``: zero.Init, the shipped ZeRO-3 config),
 trains one optimizer step (so Adam's state and the gradient partitions exist), then sums, on each
@@ -30,7 +30,7 @@ from checkpoint_save_worker import exit_now  # noqa: E402 — this script's fold
 from finetune import distributed as dist
 from finetune.cli import parse_train_args
 
-try:  # build_trainer since issue 23; Trainer.build in the versions before (before/after runs)
+try:  # build_trainer now; Trainer.build in older versions (before/after runs)
     from finetune.build import build_trainer
 except ImportError:
     from finetune.trainer import Trainer
@@ -96,7 +96,7 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--local_rank", type=int, default=None)
     a = ap.parse_args()
-    tokenizer = str(Path(__file__).resolve().parents[1] / "finetune" / "resources" / "tokenizer")
+    tokenizer = str(Path(__file__).resolve().parents[2] / "finetune" / "resources" / "tokenizer")
     cfg = parse_train_args(
         [
             "--config_name",

@@ -1,11 +1,12 @@
-"""Worker for bench/lora_checkpoint.py: runs under `deepspeed --num_gpus 2`, prints one JSON line.
+"""Worker for bench/lora/lora_checkpoint.py: runs under `deepspeed --num_gpus 2`, prints one JSON
+line.
 
-Builds bench/checkpoint_save.py's ~134M-parameter Llama through finetune itself (build_trainer),
-full fine-tuning or, with ``--lora``, LoRA adapters on it (r 16 on every linear layer but the head,
-TRL's usual choice), trains one step, then times ``--repeats`` partitioned saves
-(Checkpointer.save: DeepSpeed's rank files + ours + fsync + manifest + commit) and one
-consolidated save (the model's safetensors, or the adapter's). Times are rank 0's wall clock
-between barriers (the slowest rank included); bytes are what the manifest lists.
+Builds bench/save/checkpoint_save.py's ~134M-parameter Llama through finetune itself
+(build_trainer), full fine-tuning or, with ``--lora``, LoRA adapters on it (r 16 on every linear
+layer but the head, TRL's usual choice), trains one step, then times ``--repeats`` partitioned saves
+(Checkpointer.save: DeepSpeed's rank files + ours + fsync + manifest + commit) and one consolidated
+save (the model's safetensors, or the adapter's). Times are rank 0's wall clock between barriers
+(the slowest rank included); bytes are what the manifest lists.
 """
 
 from __future__ import annotations
@@ -15,24 +16,24 @@ import shutil
 from pathlib import Path
 
 import torch
-from checkpoint_save_worker import (
+
+from bench.save.checkpoint_save_worker import (
     exit_now,
     folder_bytes,
     one_step_config,
     timed,
     worker_args,
 )
-
 from finetune import distributed as dist
 from finetune.lora import trainable_parameters
 from finetune.weights.consolidate import save_consolidated
 
-try:  # offline/ since issue 23; checkpoint/ in the versions before (before/after runs)
+try:  # offline/ now; checkpoint/ in older versions (before/after runs)
     from finetune.weights.adapter import save_adapter
 except ImportError:
     from finetune.checkpoint.adapter import save_adapter
 
-try:  # build_trainer since issue 23; Trainer.build in the versions before (before/after runs)
+try:  # build_trainer now; Trainer.build in older versions (before/after runs)
     from finetune.build import build_trainer
 except ImportError:
     from finetune.trainer import Trainer

@@ -1,6 +1,8 @@
-"""HF ``Trainer`` side of ``bench/train_throughput.py``; run by it under the DeepSpeed launcher.
+"""HF ``Trainer`` side of ``bench/train/train_throughput.py``; run by it under the DeepSpeed
+launcher.
 
-    deepspeed --num_gpus 2 bench/hf_trainer_run.py --config_dir D --tokenizer_dir T --train_file F \
+    deepspeed --num_gpus 2 bench/train/hf_trainer_run.py --config_dir D --tokenizer_dir T \
+        --train_file F \
         --ds_config ds_hf.json --output_dir O --result R --max_steps N ...
 
 Builds the same model (``from_config`` of the bench's config, fp32, same seed, partitioned by

@@ -1,11 +1,11 @@
-"""LoRA vs full fine-tuning checkpoints (issue 14): bytes and save seconds of the same ~134M Llama.
+"""LoRA vs full fine-tuning checkpoints: bytes and save seconds of the same ~134M Llama.
 
-Two 2-rank runs of bench/lora_checkpoint_worker.py on bench/checkpoint_save.py's model: full
-fine-tuning, then LoRA (r 16, alpha 32, every linear layer but the head). Each times ``--repeats``
-partitioned saves (sync, fsync'd, committed) and one consolidated save (model safetensors vs
-adapter_model.safetensors). Prints both, and LoRA / full for each figure.
+Two 2-rank runs of bench/lora/lora_checkpoint_worker.py on bench/save/checkpoint_save.py's model:
+full fine-tuning, then LoRA (r 16, alpha 32, every linear layer but the head). Each times
+``--repeats`` partitioned saves (sync, fsync'd, committed) and one consolidated save (model
+safetensors vs adapter_model.safetensors). Prints both, and LoRA / full for each figure.
 
-    .venv/bin/python bench/lora_checkpoint.py [--repeats 3] [--dir DIR] [--model_json '{...}']
+    .venv/bin/python bench/lora/lora_checkpoint.py [--repeats 3] [--dir DIR] [--model_json '{...}']
 
 Writes bench/results/lora_checkpoint.json.
 """
@@ -23,7 +23,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from checkpoint_save import REPO, free_port, machine, write_inputs
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository: bench.*
+from bench.harness import REPO, free_port, machine, write_json  # noqa: E402
+from bench.save.checkpoint_save import write_inputs  # noqa: E402
 
 
 def run(work: Path, cfg_dir: Path, ds_path: Path, repeats: int, lora: bool) -> dict:
@@ -31,7 +33,7 @@ def run(work: Path, cfg_dir: Path, ds_path: Path, repeats: int, lora: bool) -> d
         os.environ,
         OMP_NUM_THREADS="1",
         PATH=f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}",
-        PYTHONPATH=str(REPO / "bench"),
+        PYTHONPATH=str(REPO),  # the worker imports bench.save.checkpoint_save_worker
     )
     env.setdefault("TORCH_EXTENSIONS_DIR", str(Path(sys.prefix) / "torch_extensions"))
     out = work / ("lora" if lora else "full")
@@ -41,7 +43,7 @@ def run(work: Path, cfg_dir: Path, ds_path: Path, repeats: int, lora: bool) -> d
         "2",
         "--master_port",
         str(free_port()),
-        str(REPO / "bench" / "lora_checkpoint_worker.py"),
+        str(Path(__file__).resolve().parent / "lora_checkpoint_worker.py"),
         "--config_dir",
         str(cfg_dir),
         "--ds_config",
@@ -113,9 +115,7 @@ def main() -> None:
         "directory": str(work),
         "command": " ".join(sys.argv),
     }
-    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out).write_text(json.dumps(result, indent=2))
-    print(f"wrote {a.out}")
+    write_json(a.out, result)
 
 
 if __name__ == "__main__":

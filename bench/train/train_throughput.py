@@ -1,13 +1,13 @@
 """Training throughput: ``finetune`` vs HF ``Trainer --deepspeed``, same model/data/batch/ZeRO-3 \
 config.
 
-    .venv/bin/python bench/train_throughput.py [--steps 60]
+    .venv/bin/python bench/train/train_throughput.py [--steps 60]
                                                [--out bench/results/train_throughput.json]
 
 One invocation launches, one after the other, each as 2 ranks through the DeepSpeed launcher:
 
 * ``deepspeed --num_gpus 2 --module finetune ...``            (our CLI, unmodified)
-* ``deepspeed --num_gpus 2 bench/hf_trainer_run.py ...``      (transformers ``Trainer``,
+* ``deepspeed --num_gpus 2 bench/train/hf_trainer_run.py ...``      (transformers ``Trainer``,
                                                               ``deepspeed=<json>``)
 
 in the order finetune, HF, HF, finetune (``--rounds 2``; ABBA so that a drift in machine load
@@ -60,9 +60,9 @@ tool does per step: batch collation, forward/backward/step, its logging every ``
   ``tokens_seen`` (all ranks, cumulative) and ``tokens_per_s`` (window tokens / window wall time
   between consecutive log points). Window time = window tokens / tokens_per_s; the timed span is the
   sum over the windows after step W, i.e. the time between the log points at steps W and N.
-* HF: ``bench/hf_trainer_run.py`` records ``perf_counter`` in ``TrainerCallback.on_step_end`` and
-  counts ``attention_mask.sum()`` of every micro-batch in ``training_step`` on each rank; tokens are
-  summed over ranks, times taken from rank 0.
+* HF: ``bench/train/hf_trainer_run.py`` records ``perf_counter`` in ``TrainerCallback.on_step_end``
+  and counts ``attention_mask.sum()`` of every micro-batch in ``training_step`` on each rank; tokens
+  are summed over ranks, times taken from rank 0.
 
 Both spans therefore cover (N - W) optimizer steps and (N - W) / logging_steps log events.
 
@@ -83,24 +83,23 @@ import argparse
 import datetime as _dt
 import json
 import os
-import platform
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository: bench.*
+from bench.harness import REPO, free_port, machine, versions  # noqa: E402
+from finetune.ops import parsable_cuda_arch_list  # noqa: E402
+
 RES = REPO / "finetune" / "resources"
 MODEL_CONFIG = RES / "model" / "config.json"
 TOKENIZER_DIR = RES / "tokenizer"
 TRAIN_FILE = RES / "data" / "train.jsonl"
 DS_CONFIG = REPO / "configs" / "ds_zero3.json"
 HF_SCRIPT = Path(__file__).resolve().parent / "hf_trainer_run.py"
-sys.path.insert(0, str(REPO))
-from finetune.ops import parsable_cuda_arch_list  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -159,71 +158,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     return a
 
 
-# --- environment description ---------------------------------------------------------------
-
-
-def machine() -> dict:
-    cpu = ""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    mem_gib = None
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemTotal:"):
-                mem_gib = round(int(line.split()[1]) / 2**20, 1)
-    except OSError:
-        pass
-    return {
-        "hostname": socket.gethostname(),
-        "nproc": os.cpu_count(),
-        "cpus_usable": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
-        "cpu_model": cpu or platform.processor(),
-        "ram_gib": mem_gib,
-        "platform": platform.platform(),
-        "python": platform.python_version(),
-        "accelerator": "none (CPU, gloo)",
-    }
-
-
-def versions() -> dict:
-    from importlib.metadata import PackageNotFoundError, version
-
-    out = {}
-    for name in (
-        "finetune",
-        "torch",
-        "deepspeed",
-        "transformers",
-        "accelerate",
-        "datasets",
-        "tokenizers",
-    ):
-        try:
-            out[name] = version(name)
-        except PackageNotFoundError:
-            out[name] = None
-    return out
-
-
-def git_state() -> dict:
-    def run(*cmd):
-        try:
-            return subprocess.run(
-                ["git", *cmd], cwd=REPO, capture_output=True, text=True, timeout=10
-            ).stdout.strip()
-        except (OSError, subprocess.SubprocessError):
-            return None
-
-    status = run("status", "--porcelain")
-    return {
-        "commit": run("rev-parse", "HEAD"),
-        "dirty": bool(status) if status is not None else None,
-    }
+# --- the launcher --------------------------------------------------------------------------
 
 
 def deepspeed_launcher() -> str:
@@ -232,12 +167,6 @@ def deepspeed_launcher() -> str:
     if not found:
         sys.exit("bench: no `deepspeed` launcher next to this python or on PATH")
     return found
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # --- inputs --------------------------------------------------------------------------------
@@ -607,7 +536,6 @@ def main(argv=None) -> int:
         "command": " ".join([Path(sys.executable).name, *sys.argv]) if argv is None else argv,
         "machine": machine(),
         "versions": versions(),
-        "git": git_state(),
         "settings": {
             **vars(a),
             "omp_num_threads": env.get("OMP_NUM_THREADS"),

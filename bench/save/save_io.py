@@ -1,17 +1,18 @@
-"""Per-rank save work at 2 and 4 ranks (issue 9): does any rank's save cost grow with the world \
+"""Per-rank save work at 2 and 4 ranks: does any rank's save cost grow with the world \
 size?
 
-    .venv/bin/python bench/save_io.py [--worlds 2 4] [--saves 4] [--before REF]
+    .venv/bin/python bench/save/save_io.py [--worlds 2 4] [--saves 4] [--before REF]
                                       [--out bench/results/save_io.json]
                                       [--config_name DIR] [--extra "--max_seq_length 32 ..."]
 
 For each world size, one run of the embedded model through the DeepSpeed launcher saving a
 partitioned checkpoint at every step (``--saves`` saves). Each rank records, per save, the seconds
 and the deltas of /proc/self/io's ``rchar`` (everything the process read: files, and the sockets of
-the gloo collectives) over ``Checkpointer.save`` (bench/save_io_probe.py). Reported per rank:
+the gloo collectives) over ``Checkpointer.save`` (bench/save/save_io_probe.py). Reported per rank:
 the median over the saves of rchar, the bytes of checkpoint files that rank wrote (from the
 manifest), and seconds. ``--config_name DIR`` runs another model config instead of the embedded
-model (e.g. bench/checkpoint_save.py's 134M Llama); ``--extra`` adds finetune flags to every run.
+model (e.g. bench/save/checkpoint_save.py's 134M Llama); ``--extra`` adds finetune flags to every
+run.
 ``--before REF`` runs the same at a git ref (a worktree in a temp dir) for a
 before/after table. The claim checked: rank 0's read bytes ≈ its shared files, not the whole
 checkpoint.
@@ -23,29 +24,23 @@ import argparse
 import json
 import os
 import shlex
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-BIN = Path(sys.executable).parent
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository: bench.*
+from bench.harness import BIN, REPO, free_port, write_json  # noqa: E402
+
 RANK_FILE = "zero_pp_rank_"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run(src: Path, world: int, saves: int, work: Path, extra: list[str] = ()) -> dict:
     out, probe = work / f"out-{world}", work / f"probe-{world}"
     env = {
         **os.environ,
-        "PYTHONPATH": f"{REPO / 'bench'}:{src}",
+        "PYTHONPATH": f"{Path(__file__).resolve().parent}:{src}",
         "SAVE_IO_PROBE_DIR": str(probe),
         "PATH": f"{BIN}:{os.environ['PATH']}",
     }
@@ -124,7 +119,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
     ap.add_argument("--saves", type=int, default=4)
-    ap.add_argument("--before", help="a git ref to measure too (e.g. the commit before issue 9)")
+    ap.add_argument("--before", help="a git ref to measure too (e.g. a commit before a change)")
     ap.add_argument(
         "--config_name", default=None, help="a model config folder (default: the embedded model)"
     )
@@ -172,9 +167,7 @@ def main() -> None:
                     f"{label:>6} {res['world']:>5} {res['checkpoint_mb']:>8.2f} {r['rank']:>4} "
                     f"{r['wrote_mb']:>9.3f} {r['read_mb']:>8.3f} {r['seconds']:>7.3f}"
                 )
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(results, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    write_json(args.out, results)
 
 
 if __name__ == "__main__":

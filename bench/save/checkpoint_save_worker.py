@@ -1,4 +1,5 @@
-"""Worker for bench/checkpoint_save.py: runs under `deepspeed --num_gpus 2`, prints one JSON line.
+"""Worker for bench/save/checkpoint_save.py: runs under `deepspeed --num_gpus 2`, prints one JSON
+line.
 
 Builds a ~134M-parameter Llama through finetune itself (build_trainer: zero.Init, our DeepSpeed
 config), trains one step, then measures, `--repeats` times, interleaved:
@@ -32,7 +33,7 @@ from finetune import distributed as dist
 from finetune.cli import parse_train_args
 from finetune.weights.consolidate import save_consolidated
 
-try:  # build_trainer since issue 23; Trainer.build in the versions before (before/after runs)
+try:  # build_trainer now; Trainer.build in older versions (before/after runs)
     from finetune.build import build_trainer
 except ImportError:
     from finetune.trainer import Trainer
@@ -119,7 +120,7 @@ def worker_args() -> argparse.ArgumentParser:
 def one_step_config(a: argparse.Namespace, *extra: str):
     """finetune's config for the model in ``a.config_dir``: one step, tiny batches, saving into
     ``a.out``."""
-    tokenizer = str(Path(__file__).resolve().parents[1] / "finetune" / "resources" / "tokenizer")
+    tokenizer = str(Path(__file__).resolve().parents[2] / "finetune" / "resources" / "tokenizer")
     return parse_train_args(
         [
             "--config_name",
@@ -235,7 +236,8 @@ def exit_now() -> None:
     """Everything is recorded: skip interpreter teardown, which with DeepSpeed's and gloo's C++
     threads still alive sometimes aborts a finished rank ("terminate called without an active
     exception", exit -6, pytorch/pytorch#179291; more often on a loaded machine) and fails the
-    launch after the fact (what finetune's own entry point and bench/hf_trainer_run.py do too)."""
+    launch after the fact (what finetune's own entry point and bench/train/hf_trainer_run.py do
+    too)."""
     import sys
 
     sys.stdout.flush()

@@ -1,12 +1,12 @@
 """``python -m save_io_probe ARGS`` = ``python -m finetune ARGS`` with each rank's save I/O
 recorded.
 
-Wraps ``Checkpointer.save`` (``CheckpointManager.save`` before issue 23: one of them is in every
+Wraps ``Checkpointer.save`` (``CheckpointManager.save`` in older versions: one of them is in every
 version of finetune, so a before/after comparison measures both the same way) and appends one
 JSON line per save to
 ``$SAVE_IO_PROBE_DIR/rank<r>.jsonl``: seconds, and the deltas of /proc/self/io's ``rchar`` (bytes
 the process read through read(2)-like calls: files and sockets) and ``read_bytes`` (bytes fetched
-from the storage layer) over the save. Used by bench/save_io.py.
+from the storage layer) over the save. Used by bench/save/save_io.py.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ def _io() -> dict[str, int]:
 
 
 def _install() -> None:
-    try:  # Checkpointer since issue 23; CheckpointManager in the versions before
+    try:  # Checkpointer now; CheckpointManager in older versions
         from finetune.checkpoint.checkpointer import Checkpointer as cls
     except ImportError:
         from finetune.checkpoint.manager import CheckpointManager as cls

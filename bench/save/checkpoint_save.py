@@ -1,4 +1,4 @@
-"""Checkpoint save benchmark (issue 3): one 2-rank run on a ~134M-parameter Llama.
+"""Checkpoint save benchmark: one 2-rank run on a ~134M-parameter Llama.
 
 (a) partitioned save throughput of finetune (DeepSpeed rank files + our files + fsync + manifest +
     commit) as a fraction of the raw write bandwidth of the same directory, measured in the same
@@ -6,7 +6,7 @@
 (b) rank 0's peak RSS increase during finetune's consolidated save, divided by the model's fp32
     bytes (goal ≤ 0.3); DeepSpeed's save_16bit_model alongside.
 
-    .venv/bin/python bench/checkpoint_save.py [--repeats 3] [--dir /tmp/finetune-bench-ckpt]
+    .venv/bin/python bench/save/checkpoint_save.py [--repeats 3] [--dir /tmp/finetune-bench-ckpt]
                                               [--model_json '{"hidden_size": 64, ...}']
 
 The directory should be on the disk you care about (default: a temp dir on /tmp's filesystem).
@@ -18,9 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -28,7 +26,9 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository: bench.*
+from bench.harness import REPO, free_port, machine, write_json  # noqa: E402
+
 MODEL = dict(
     model_type="llama",
     hidden_size=768,
@@ -45,12 +45,6 @@ MODEL = dict(
 )
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def write_inputs(work: Path, overrides: dict | None = None) -> tuple[Path, Path]:
     """The model's config folder and the DeepSpeed JSON; ``overrides`` replace keys of MODEL."""
     from transformers import AutoConfig
@@ -64,21 +58,6 @@ def write_inputs(work: Path, overrides: dict | None = None) -> tuple[Path, Path]
     ds_path = work / "ds.json"
     ds_path.write_text(json.dumps(ds))
     return cfg_dir, ds_path
-
-
-def machine() -> dict:
-    cpu = next(
-        (
-            ln.split(":", 1)[1].strip()
-            for ln in open("/proc/cpuinfo")
-            if ln.startswith("model name")
-        ),
-        "?",
-    )
-    mem = next(
-        (int(ln.split()[1]) * 1024 for ln in open("/proc/meminfo") if ln.startswith("MemTotal")), 0
-    )
-    return {"cpus": os.cpu_count(), "cpu": cpu, "ram_bytes": mem, "kernel": platform.release()}
 
 
 def main() -> None:
@@ -112,7 +91,7 @@ def main() -> None:
         "2",
         "--master_port",
         str(free_port()),
-        str(REPO / "bench" / "checkpoint_save_worker.py"),
+        str(Path(__file__).resolve().parent / "checkpoint_save_worker.py"),
         "--config_dir",
         str(cfg_dir),
         "--ds_config",
@@ -141,9 +120,7 @@ def main() -> None:
         directory=str(work),
         command=" ".join(sys.argv),
     )
-    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out).write_text(json.dumps(r, indent=2))
-    print(f"wrote {a.out}")
+    write_json(a.out, r)
 
 
 def report(r: dict) -> None:
