@@ -71,7 +71,10 @@ _NO_HARDLINKS = {errno.EPERM, errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOSYS}
 # Two leases with these equal were written by the same process of the same run.
 _OWNER_KEYS = ("run_id", "host", "boot_id", "pid_ns", "pid", "pid_start", "started")
 
-ALIVE, DEAD, CHANGED = "alive", "dead", "changed"
+# judge's verdicts on a lease's holder
+ALIVE = "alive"
+DEAD = "dead"
+CHANGED = "changed"  # the lease changed while it was judged: judge it again
 
 
 class LeaseLost(RuntimeError):
@@ -83,7 +86,7 @@ class LeaseLost(RuntimeError):
 class LeaseHeld(ConfigError):
     """A live run holds the lease of ``where`` (the value of ``flag``); ``holder`` is its lease."""
 
-    def __init__(self, where, holder: dict, flag: str = "--output_dir"):
+    def __init__(self, where: str | os.PathLike, holder: dict, flag: str = "--output_dir"):
         self.holder = holder
         super().__init__(
             f"{flag} {where} is in use by another run ({describe(holder)}); "
@@ -102,6 +105,15 @@ def describe(info: dict) -> str:
 def holder(out: str | os.PathLike) -> dict | None:
     """The output dir's lease, or None when it has none (or only an unreadable one)."""
     return parse(_read(Path(out) / LEASE))
+
+
+def describe_holder(out: str | os.PathLike) -> str:
+    """Who holds the output dir's lease now, for the message of a run that lost it."""
+    try:
+        info = holder(out)
+    except OSError as e:
+        return f"its lease is unreadable: {e}"
+    return describe(info) if info else "its lease is gone"
 
 
 def acquire(
@@ -141,7 +153,9 @@ class Lease:
         self._tag = _tag(info["run_id"])
         self._stop = threading.Event()
         self._lock = threading.Lock()
-        self._released = self._lost = self._failing = False
+        self._released = False  # release() has begun
+        self._lost = False  # another run holds the lease now
+        self._failing = False  # the last renewal failed (logged once until one succeeds)
         self._thread = threading.Thread(target=self._run, name="finetune-lease", daemon=True)
         self._thread.start()
 
@@ -189,7 +203,7 @@ class Lease:
     def __enter__(self) -> Lease:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.release()
 
     def _run(self) -> None:
@@ -286,14 +300,8 @@ def judge(
             return CHANGED, again, ""
         return DEAD, raw, "its lease is unreadable, left by a crash mid-write"
     if requeued_predecessor(info, me):
-        return (
-            DEAD,
-            raw,
-            (
-                f"SLURM requeued job {me['slurm_job_id']}: restart "
-                f"{info.get('slurm_restart_count') or 0} → {me['slurm_restart_count']}"
-            ),
-        )
+        restarts = f"{info.get('slurm_restart_count') or 0} → {me['slurm_restart_count']}"
+        return DEAD, raw, f"SLURM requeued job {me['slurm_job_id']}: restart {restarts}"
     if same_machine(info, me):
         why = process_gone(info["pid"], info.get("pid_start"))
         return (DEAD, raw, why) if why else (ALIVE, raw, "")
@@ -350,10 +358,9 @@ def _evict(path: Path, raw: bytes, me: dict, observe_s: float | None) -> bool:
     except FileNotFoundError:  # NFS: a retried rename whose first reply was lost
         if not is_ours(_read(path), me):
             raise
+    # markers of replaced leases only: nobody can have judged ours dead yet
     for leftover in path.parent.glob(f"{TAKING}.*"):
-        leftover.unlink(
-            missing_ok=True
-        )  # markers of replaced leases only: nobody can have judged ours dead yet
+        leftover.unlink(missing_ok=True)
     return True
 
 
@@ -405,7 +412,8 @@ def parse(raw: bytes | None) -> dict | None:
         return None
     if not isinstance(info, dict):
         return None
-    pid, beat = info.get("pid"), info.get("beat")
+    pid = info.get("pid")
+    beat = info.get("beat")
     if (
         not isinstance(info.get("run_id"), str)
         or not isinstance(info.get("host"), str)
@@ -478,7 +486,9 @@ def requeued_predecessor(info: dict, me: dict) -> bool:
 
 
 def identity(run_id: str, renew_s: float) -> dict:
-    pid, job, env = os.getpid(), os.environ.get("SLURM_JOB_ID") or None, os.environ
+    pid = os.getpid()
+    env = os.environ
+    job = env.get("SLURM_JOB_ID") or None
     stat = proc_stat(pid)
     return {
         "run_id": run_id,
@@ -494,7 +504,9 @@ def identity(run_id: str, renew_s: float) -> dict:
     }
 
 
-def as_int(value) -> int:
+def as_int(value: object) -> int:
+    """A SLURM count as the environment or a lease holds it (an int or a string of digits); 0
+    otherwise."""
     return (
         int(value) if isinstance(value, int) or (isinstance(value, str) and value.isdigit()) else 0
     )

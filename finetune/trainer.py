@@ -24,7 +24,7 @@ from finetune.data import TrainData, eval_batches, model_inputs
 from finetune.data.formats import label_tokens
 from finetune.distributed import logger
 from finetune.exit_status import EXIT_LEASE_LOST
-from finetune.lease import LeaseLost, describe, holder
+from finetune.lease import LeaseLost, describe_holder
 from finetune.loss import (
     items_per_micro_batch,
     loss_scale,
@@ -55,20 +55,11 @@ def _reraise(error: BaseException | None) -> None:
         raise error
 
 
-def _to(batch: dict, device) -> dict:
+def _to(batch: dict, device: torch.device) -> dict:
     # Asynchronous only from pinned memory (TrainData and eval_batches pin on GPUs); from pageable
     # memory CUDA copies synchronously, so correct either way. PyTorch's pinned-memory allocator
     # records the copy on its stream and reuses a block only after the copy has finished.
     return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
-
-
-def describe_holder(output_dir: str) -> str:
-    """Who holds OUT's lease now, for the message of a run that lost it."""
-    try:
-        info = holder(output_dir)
-    except OSError as e:
-        return f"its lease is unreadable: {e}"
-    return describe(info) if info else "its lease is gone"
 
 
 @dataclass
@@ -88,9 +79,10 @@ class Trainer:
     skips_in_a_row: int = 0  # optimizer steps DeepSpeed skipped since the last applied one
     all_written: bool | None = None  # the last boundary's: every rank wrote its --async_save part
     step_labels: float | None = None  # the next step's label tokens, all ranks (the boundary's)
-    # rank 0: another run took OUT's lease (heartbeat)
-    lease_lost: Callable[[], bool] = lambda: False
-    lost_lease: bool = False  # training stopped for that: nothing more may be written into OUT
+    # rank 0's heartbeat: has another run taken OUT's lease over? (asked at every boundary)
+    lease_taken_over: Callable[[], bool] = lambda: False
+    # training stopped because another run took OUT over: nothing more may be written into OUT
+    out_given_up: bool = False
     t_window: float = 0.0  # when the log window began (tokens/s)
     # the model takes num_items_in_batch (transformers' loss kwargs); else its mean is rescaled
     loss_kwargs: bool = False
@@ -101,7 +93,8 @@ class Trainer:
         resumed = self.checkpoints.load()
         # The same length on every rank, for the all-reduces (a window restored on another world
         # size is the world's on rank 0 and empty elsewhere; an older checkpoint's has none).
-        w, n = self.state.window, len(self.data.source_names)
+        w = self.state.window
+        n = len(self.data.source_names)
         w.source_tokens = (list(w.source_tokens) + [0] * n)[:n]
         self._started(resumed)
         if not resumed:
@@ -131,9 +124,9 @@ class Trainer:
         except LeaseLost as e:
             # raised alike on every rank (the boundary's all-reduce, or an agreed check)
             bar.close()
-            return self._lease_lost(e)
+            return self._stop_lease_lost(e)
 
-    def _iteration(self, bar) -> Stop:
+    def _iteration(self, bar: tqdm) -> Stop:
         """One pass of the loop: an optimizer step, then its row, boundary, eval and save. Returns
         why training stops (a Stop), or None to go on. Collective."""
         if not self._train_step():
@@ -153,8 +146,8 @@ class Trainer:
         if stop is None and self.cfg.train.eval_steps and self._due(self.cfg.train.eval_steps):
             self.evaluate()
             stop = self._early_stop()  # the final save of this step follows (in _end)
-        step, total = self.state.global_step, self.total_steps
-        return stop or self.checkpoints.at_step(step, total, self.all_written)
+        step = self.state.global_step
+        return stop or self.checkpoints.at_step(step, self.total_steps, self.all_written)
 
     def _end(self, stop: Stop) -> int:
         """Where every run that did not lose its lease ends: the exit code. Collective."""
@@ -198,7 +191,8 @@ class Trainer:
         """EARLY_STOPPED once --early_stopping_patience evaluations in a row did not improve, else
         None. Every rank decides alike without a collective: the counters follow all-reduced
         rows."""
-        policy, st = self.policy, self.state
+        policy = self.policy
+        st = self.state
         if not best.exhausted(st, policy):
             return None
         dist.log_main(
@@ -224,12 +218,12 @@ class Trainer:
             note["best_checkpoint"] = best.protected(self.checkpoints.lineage.best)
         return note
 
-    def _lease_lost(self, e: LeaseLost) -> int:
+    def _stop_lease_lost(self, e: LeaseLost) -> int:
         """Another run holds OUT now: stop at once and write nothing more there (no save, no
         commit, no metrics, no exit_status.json: they are the other run's). Every rank, agreed."""
         # --remote_output_dir's lease lost: OUT is still this run's (its exit_status.json says so)
         remote = isinstance(e, RemoteLeaseLost)
-        self.lost_lease = not remote
+        self.out_given_up = not remote
         # a background write stops at its next piece; its staging is left as is
         self.checkpoints.abandon()
         dist.log_main(
@@ -278,7 +272,7 @@ class Trainer:
             [
                 1.0 if self.preemption.received else 0.0,
                 1.0 if error else 0.0,
-                1.0 if self.lease_lost() else 0.0,
+                1.0 if self.lease_taken_over() else 0.0,
                 1.0 if self.checkpoints.writing() else 0.0,
                 0.0 if labels is None else 1.0,
                 float(labels or 0),
@@ -302,7 +296,8 @@ class Trainer:
         """One optimizer step over gradient-accumulation micro-batches; returns whether DeepSpeed
         applied it (the lr it used goes into the log window). No host sync of its own: the loss
         stays on the device."""
-        engine, w = self.engine, self.state.window
+        engine = self.engine
+        w = self.state.window
         t0 = time.perf_counter()
         batches = self.data.next_step()
         w.data_s += time.perf_counter() - t0
@@ -314,7 +309,8 @@ class Trainer:
         # The step's loss is the mean over every label token of the step, across micro-batches
         # and ranks (transformers' num_items_in_batch), not a mean of micro-batch means.
         labels = [label_tokens(inputs) for inputs, _, _ in steps]
-        agreed, self.step_labels = self.step_labels, None  # summed at the boundary, if it could
+        agreed = self.step_labels  # summed at the boundary, if it could
+        self.step_labels = None
         items = items_per_micro_batch(sum(labels), len(steps), engine.device, agreed)
         for i, ((inputs, tokens, _), n) in enumerate(zip(steps, labels, strict=True)):
             w.tokens += tokens  # counted on the host copy: no device sync
@@ -386,9 +382,9 @@ class Trainer:
         self.checkpoints.settle()  # an --async_save save in flight is of good weights: committed
         return 1
 
-    def _log(self, bar) -> None:
+    def _log(self, bar: tqdm | None) -> None:
         """Reduce the window over ranks and write one metrics row. Collective."""
-        w, t_window = self.state.window, self.t_window
+        w = self.state.window
         # A window restored from a checkpoint written before it recorded its lr: the next step's.
         lr = w.lr if w.lr is not None else float(self.engine.get_lr()[0])
         # float(): the window's one device sync; the all-reduce that follows is one anyway.
@@ -410,7 +406,7 @@ class Trainer:
             "loss": loss,
             "lr": lr,
             "grad_norm": float(grad_norm) if grad_norm is not None else None,
-            "tokens_per_s": round(tokens / max(now - t_window, 1e-9), 2),
+            "tokens_per_s": round(tokens / max(now - self.t_window, 1e-9), 2),
             "data_ms": round(1000 * w.data_s / max(w.steps, 1), 3),
             "samples_seen": self.state.samples_seen,
             "tokens_seen": self.state.tokens_seen,
@@ -466,7 +462,7 @@ class Trainer:
             eval_loss,
             math.exp(min(eval_loss, 50.0)),
         )
-        if self.plotter is not None and not self.lease_lost():
+        if self.plotter is not None and not self.lease_taken_over():
             self.plotter.request()  # drawn on a thread; training goes on
         self.engine.train()
         return eval_loss
