@@ -16,7 +16,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any
+from types import ModuleType
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from finetune import launchers
 from finetune.config import DEFAULT_DDP_TIMEOUT, ConfigError
@@ -28,8 +29,10 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("finetune")
 
+T = TypeVar("T")
 
-def _initialized():
+
+def _initialized() -> ModuleType | None:
     """torch.distributed once a process group exists, else None. Without importing torch: the CLI
     reports bad flags (and their rank) before torch is loaded, and no group exists before then."""
     td = sys.modules.get("torch.distributed")
@@ -174,21 +177,12 @@ def barrier() -> None:
         td.barrier()
 
 
-def agree(flag: bool) -> bool:
-    """True on every rank iff ``flag`` is true on every rank. Every rank must call this.
-
-    Local facts (a failed write, a signal, a file that verifies) go through here before any
-    branch that leads to different collectives, so no rank is left waiting in one alone.
-    """
-    return not any_rank(not flag)
-
-
 def any_rank(flag: bool) -> bool:
     """True on every rank iff ``flag`` is true on at least one rank. Every rank must call this."""
     return bool(all_gather_object(bool(flag)).count(True))
 
 
-def all_gather_object(obj):
+def all_gather_object(obj: T) -> list[T]:
     """Every rank's ``obj`` as a list indexed by rank. Every rank must call this."""
     td = _initialized()
     if td is None or td.get_world_size() == 1:
@@ -426,13 +420,13 @@ def _on_this_device(fn: Callable[[], None]) -> Callable[[], None]:
 
 
 def run_agreed(
-    fn: Callable[[], Any],
+    fn: Callable[[], T],
     on: bool = True,
     poll_s: float | None = None,
     *,
     step: str = "",
     deadline_s: float | None = None,
-):
+) -> T | None:
     """``gather_outcomes`` that raises the same error on every rank if ``fn`` failed on any.
 
     Returns ``fn``'s result where it ran (None elsewhere).
@@ -442,7 +436,9 @@ def run_agreed(
     return out.result
 
 
-def share_from(src: int, fn: Callable[[], Any], *, step: str = "", deadline_s: float | None = None):
+def share_from(
+    src: int, fn: Callable[[], T], *, step: str = "", deadline_s: float | None = None
+) -> T:
     """``fn``'s result computed on rank ``src`` only, on every rank; its failure raised on all."""
     out = gather_outcomes(fn, on=rank() == src, share=True, step=step, deadline_s=deadline_s)
     out.raise_any()
@@ -461,7 +457,7 @@ def all_reduce_sum(values: list[float]) -> list[float]:
     return t.cpu().tolist()
 
 
-def log_main(level: int, msg: str, *args) -> None:
+def log_main(level: int, msg: str, *args: object) -> None:
     """Log on rank 0 only, whatever the level: for facts every rank knows (an agreed failure)."""
     if rank() == 0:
         logger.log(level, msg, *args)

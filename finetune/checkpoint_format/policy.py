@@ -98,10 +98,6 @@ def resume_order(tags: list[str], committed: list[Committed]) -> list[str]:
     return [c.tag for c in newest_first(committed)] + rest
 
 
-def next_seq(committed: list[Committed]) -> int:
-    return 1 + max((c.seq for c in committed if c.seq is not None), default=0)
-
-
 def line_of(head: Committed | None, committed: list[Committed]) -> list[Committed]:
     """``head`` and its ancestors on disk, oldest first: follow parent links while the parent's
     save id matches (a same-tag folder of another save is not an ancestor)."""

@@ -16,7 +16,6 @@ from finetune.checkpoint_format.policy import (
     Committed,
     line_of,
     newer_than,
-    next_seq,
     resume_order,
     select_for_deletion,
     space_needed,
@@ -66,7 +65,6 @@ def test_legacy_and_unreadable_checkpoints_come_after_numbered_ones(tmp_path):
     save(s, 2, 1)
     (tmp_path / "global_step9").mkdir()  # no manifest at all
     assert resume_order(s.tags(), committed(s)) == ["global_step2", "global_step8", "global_step9"]
-    assert next_seq(committed(s)) == 2
 
 
 def test_the_line_follows_parents_with_matching_save_ids():
