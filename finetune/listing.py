@@ -17,11 +17,10 @@ import json
 import os
 import textwrap
 from bisect import bisect_right
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
 
 from finetune.checkpoint_format.best import EVAL_KEY, named_best
 from finetune.checkpoint_format.manifest import (
@@ -45,31 +44,27 @@ from finetune.weights.universal import UNIVERSAL
 
 WIDTH = 100  # the table fits a terminal this wide; full problem texts go below it
 UNCOMMITTED = "uncommitted"
-RUN_FILES = (
-    METRICS,
-    LATEST,
-    EXIT_STATUS,
-    STAGING,
-    ABANDONED,
-    LEASE,
-)  # what only a run writes into OUT
+# what only a run writes into OUT
+RUN_FILES = (METRICS, LATEST, EXIT_STATUS, STAGING, ABANDONED, LEASE)
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Checkpoint:
-    """One row: what the manifest, the metrics and the check say about one checkpoint folder."""
+    """One row: what the manifest, the metrics and the check say about one checkpoint folder.
+    None: not known (no manifest, no metrics, or a bucket's row)."""
 
     tag: str
     step: int
-    committed_at: str | None  # UTC ISO-8601; None for a folder that was never committed
+    committed_at: str | None = None  # UTC ISO-8601; None for a folder that was never committed
     bytes: int
-    world_size: int | None
-    ranks: list[int] | None  # node-local storage: the ranks whose files this folder holds
-    train_loss: float | None
-    train_loss_step: int | None  # the step it was logged at: the checkpoint's, or the last before
-    eval_loss: float | None
-    eval_loss_step: int | None
-    consolidated: bool | None
+    world_size: int | None = None
+    ranks: list[int] | None = None  # node-local storage: the ranks whose files this folder holds
+    train_loss: float | None = None
+    # the step it was logged at: the checkpoint's, or the last before
+    train_loss_step: int | None = None
+    eval_loss: float | None = None
+    eval_loss_step: int | None = None
+    consolidated: bool | None = None
     status: str
     problems: list[str] = field(default_factory=list)
     latest: bool = False
@@ -81,6 +76,8 @@ class Checkpoint:
 
 @dataclass
 class Listing:
+    """Everything ``finetune ls`` shows (``--json`` prints it as is)."""
+
     output_dir: str
     latest: str | None
     checkpoints: list[Checkpoint]
@@ -141,7 +138,7 @@ def collect(out: Path, checksums: bool = False) -> Listing:
         notes(out) + extra,
         storage.free_bytes(),
         sum(r.bytes for r in rows),
-        mark_best(rows, manifests),
+        _mark_best(rows, manifests),
     )
 
 
@@ -152,54 +149,71 @@ def collect_remote(uri: str, checksums: bool = False) -> Listing:
     from finetune.remote.verify import listing
 
     latest, rows, notes_ = listing(uri, checksums)
-    checkpoints, manifests = [], {}
+    checkpoints: list[Checkpoint] = []
+    manifests: dict[str, dict | None] = {}
     for row in rows:
-        manifest = manifests[row["tag"]] = row.pop("manifest")
+        manifest = row.pop("manifest")
+        manifests[row["tag"]] = manifest
         if manifest is None:
             checkpoints.append(
                 Checkpoint(
-                    row["tag"],
-                    row["step"],
-                    None,
-                    0,
-                    None,
-                    None,
-                    None,
-                    None,
-                    None,
-                    None,
-                    None,
-                    UNCOMMITTED,
-                    [f"{MANIFEST} missing or unreadable (never committed remotely)"],
+                    tag=row["tag"],
+                    step=row["step"],
+                    bytes=0,
+                    status=UNCOMMITTED,
+                    problems=[f"{MANIFEST} missing or unreadable (never committed remotely)"],
                 )
             )
             continue
-        problems, consolidated = row["problems"], manifest.get("consolidated")
-        how = "checksums" if checksums else "sizes"
+        problems = row["problems"]
         checkpoints.append(
             Checkpoint(
-                row["tag"],
-                row["step"],
-                _stamp(manifest.get("committed_at")),
-                row["bytes"],
-                _int_or_none(manifest.get("world_size")),
-                manifest.get("ranks") if isinstance(manifest.get("ranks"), list) else None,
-                None,
-                None,
-                None,
-                None,
-                consolidated if isinstance(consolidated, bool) else None,
-                f"DAMAGED: {problems[0]}" if problems else f"ok ({how})",
-                problems,
+                tag=row["tag"],
+                step=row["step"],
+                committed_at=_stamp(manifest.get("committed_at")),
+                bytes=row["bytes"],
+                world_size=_int_or_none(manifest.get("world_size")),
+                ranks=_ranks(manifest),
+                consolidated=_bool_or_none(manifest.get("consolidated")),
+                status=_status(problems, checksums),
+                problems=problems,
                 latest=row["tag"] == latest,
                 lora=ADAPTER_CONFIG in manifest["files"],
             )
         )
-    best = mark_best(checkpoints, manifests)
+    best = _mark_best(checkpoints, manifests)
     return Listing(uri, latest, checkpoints, notes_, None, sum(c.bytes for c in checkpoints), best)
 
 
-def _stamp(stamp) -> str | None:
+def _mark_best(rows: list[Checkpoint], manifests: Mapping[str, Mapping | None]) -> dict | None:
+    """Each row gets its manifest's eval row, and the best one (``named_best``) its mark; returns
+    the best record."""
+    record = named_best(manifests)
+    for row in rows:
+        manifest = manifests.get(row.tag)
+        evaluated = manifest.get(EVAL_KEY) if isinstance(manifest, Mapping) else None
+        row.eval = dict(evaluated) if isinstance(evaluated, Mapping) else None
+        row.best = record is not None and row.tag == record["tag"]
+    return record
+
+
+def _status(problems: list[str], checksums: bool) -> str:
+    """The status column of a committed checkpoint: its first problem, or what was checked."""
+    return (
+        f"DAMAGED: {problems[0]}" if problems else f"ok ({'checksums' if checksums else 'sizes'})"
+    )
+
+
+def _ranks(manifest: dict) -> list[int] | None:
+    ranks = manifest.get("ranks")
+    return ranks if isinstance(ranks, list) else None
+
+
+def _bool_or_none(value: object) -> bool | None:
+    return value if isinstance(value, bool) else None
+
+
+def _stamp(stamp: object) -> str | None:
     if not isinstance(stamp, str):
         return None
     try:
@@ -227,45 +241,36 @@ def _checkpoint(folder: Path, losses: _Losses, checksums: bool, manifests: dict)
     step = step_of(folder.name)
     train, train_step = losses.at(step, "loss")
     evaluated, eval_step = losses.at(step, "eval_loss")
-    manifest = manifests[folder.name] = read_manifest(folder)
+    manifest = read_manifest(folder)
+    manifests[folder.name] = manifest
     # a crash mid-copy, or a save from before manifests: resume never picks it
     if not isinstance(manifest, dict):
         return Checkpoint(
-            folder.name,
-            step,
-            None,
-            _folder_bytes(folder),
-            None,
-            None,
-            train,
-            train_step,
-            evaluated,
-            eval_step,
-            None,
-            UNCOMMITTED,
-            [f"{MANIFEST} missing or unreadable (never committed)"],
+            tag=folder.name,
+            step=step,
+            bytes=_folder_bytes(folder),
+            train_loss=train,
+            train_loss_step=train_step,
+            eval_loss=evaluated,
+            eval_loss_step=eval_step,
+            status=UNCOMMITTED,
+            problems=[f"{MANIFEST} missing or unreadable (never committed)"],
         )
     problems = _problems(folder, manifest, checksums)
-    status = (
-        f"DAMAGED: {problems[0]}" if problems else f"ok ({'checksums' if checksums else 'sizes'})"
-    )
-    world = _int_or_none(manifest.get("world_size"))
-    ranks = manifest.get("ranks") if isinstance(manifest.get("ranks"), list) else None
-    consolidated = manifest.get("consolidated")
     return Checkpoint(
-        folder.name,
-        step,
-        _committed_at(folder, manifest),
-        _int_or_none(manifest.get("total_bytes")) or _folder_bytes(folder),
-        world,
-        ranks,
-        train,
-        train_step,
-        evaluated,
-        eval_step,
-        consolidated if isinstance(consolidated, bool) else None,
-        status,
-        problems,
+        tag=folder.name,
+        step=step,
+        committed_at=_committed_at(folder, manifest),
+        bytes=_int_or_none(manifest.get("total_bytes")) or _folder_bytes(folder),
+        world_size=_int_or_none(manifest.get("world_size")),
+        ranks=_ranks(manifest),
+        train_loss=train,
+        train_loss_step=train_step,
+        eval_loss=evaluated,
+        eval_loss_step=eval_step,
+        consolidated=_bool_or_none(manifest.get("consolidated")),
+        status=_status(problems, checksums),
+        problems=problems,
         lora=is_adapter_checkpoint(folder),
     )
 
@@ -274,24 +279,19 @@ def _problems(folder: Path, manifest: dict, checksums: bool) -> list[str]:
     """What ``finetune verify`` (``--quick`` without ``checksums``) finds wrong with ``folder``."""
     try:
         problems = verify(folder, checksums=checksums).problems
-    except (
-        TypeError,
-        ValueError,
-        AttributeError,
-    ) as e:  # a hand-edited manifest: one damaged row, not a crash
+    except (TypeError, ValueError, AttributeError) as e:
+        # a hand-edited manifest: one damaged row, not a crash
         return [f"{MANIFEST}: malformed ({type(e).__name__}: {e})"]
     # as `finetune verify`: would resume's unpickling refuse it? (opcodes only)
     if not problems and checksums:
-        from finetune.weights.safe_load import (
-            refusals,  # imports torch: only when asked to verify
-        )
+        # imports torch: only when asked to verify
+        from finetune.weights.safe_load import refusals
 
         problems = refusals(folder, stored_ranks(manifest))
     # as `finetune verify`: adapters complete?
     if not problems and checksums and is_adapter_checkpoint(folder):
-        from finetune.weights.adapter import (
-            verify_adapter,  # imports peft and transformers: only when asked
-        )
+        # imports peft and transformers: only when asked
+        from finetune.weights.adapter import verify_adapter
 
         problems = verify_adapter(folder, manifest)
     return problems
@@ -310,7 +310,7 @@ def _committed_at(folder: Path, manifest: dict) -> str | None:
     return datetime.fromtimestamp(mtime, timezone.utc).isoformat(timespec="seconds")
 
 
-def _int_or_none(value) -> int | None:
+def _int_or_none(value: object) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
@@ -434,7 +434,7 @@ def render(listing: Listing) -> str:
     if any(c.latest for c in listing.checkpoints):
         lines.append(f"* = named by {LATEST}")
     lines += source_lines(listing.checkpoints)
-    lines += best_legend(listing.best, listing.checkpoints)
+    lines += _best_legend(listing.best, listing.checkpoints)
     for c in listing.checkpoints:
         if c.problems and c.status != UNCOMMITTED:  # the table has room for the first one at most
             lines.append(f"{c.tag}: {len(c.problems)} problem(s)")
@@ -470,12 +470,18 @@ def _wrap(text: str, lead: str) -> str:
     )
 
 
+def _best_legend(best: Mapping | None, rows: list[Checkpoint]) -> list[str]:
+    """The line under the table for the row marked best (none without one)."""
+    if best is None or not any(r.best for r in rows):
+        return []
+    better = "higher is better" if best["greater_is_better"] else "lower is better"
+    return [f"+ = the best: {best['metric']} {best['value']:.4f} ({better})"]
+
+
 def _cells(c: Checkpoint) -> list[str]:
-    when = (
-        "-"
-        if c.committed_at is None
-        else datetime.fromisoformat(c.committed_at).astimezone().strftime("%Y-%m-%d %H:%M")
-    )  # the reader's local time
+    when = "-"
+    if c.committed_at is not None:  # in the reader's local time
+        when = datetime.fromisoformat(c.committed_at).astimezone().strftime("%Y-%m-%d %H:%M")
     world = "-" if c.world_size is None else str(c.world_size)
     if c.ranks is not None and c.ranks != list(range(c.world_size or 0)):
         world = f"{len(c.ranks)}/{world}"  # node-local: ranks held here / world size
@@ -527,23 +533,3 @@ def _human(n: int) -> str:
         if n >= scale:
             return f"{n / scale:.1f} {unit}"
     return f"{n} B"
-
-
-def mark_best(rows: Iterable[Any], manifests: Mapping[str, Mapping | None]) -> dict | None:
-    """`finetune ls`: each row (``tag``, ``eval``, ``best``) gets its manifest's eval row, and the
-    best one (``named_best``) its mark; returns the best record."""
-    record = named_best(manifests)
-    for row in rows:
-        manifest = manifests.get(row.tag)
-        evaluated = manifest.get(EVAL_KEY) if isinstance(manifest, Mapping) else None
-        row.eval = dict(evaluated) if isinstance(evaluated, Mapping) else None
-        row.best = record is not None and row.tag == record["tag"]
-    return record
-
-
-def best_legend(best: Mapping | None, rows: Iterable[Any]) -> list[str]:
-    """`finetune ls`'s line under the table for the row marked best (none without one)."""
-    if best is None or not any(r.best for r in rows):
-        return []
-    better = "higher is better" if best["greater_is_better"] else "lower is better"
-    return [f"+ = the best: {best['metric']} {best['value']:.4f} ({better})"]
