@@ -1,9 +1,9 @@
-"""The data path: the data formats (formats.py), load and tokenize (load.py), cache the tokenized
-sets (cache.py), and deal rows to ranks step by step (sampler.py).
+"""The data path: the data formats (formats.py), load and tokenize (load.py), pack (packing.py),
+cache the tokenized sets (cache.py), and deal rows to ranks step by step (sampler.py).
 
-load.py and sampler.py import torch; their names load on first use (PEP 562), so that the CLI,
-which reads the formats' flags while it parses arguments, reports a bad flag without importing
-torch (~3 s) first.
+load.py and sampler.py import torch (packing.py numpy); their names load on first use (PEP 562),
+so that the CLI, which reads the formats' flags while it parses arguments, reports a bad flag
+without importing torch (~3 s) first.
 """
 
 import importlib
@@ -20,9 +20,8 @@ from finetune.data.formats import (
 )
 
 _LAZY = {
-    **dict.fromkeys(
-        ("EMBEDDED_DATA", "collate", "load_raw", "model_inputs", "pack_concat", "tokenize"), "load"
-    ),
+    **dict.fromkeys(("EMBEDDED_DATA", "collate", "load_raw", "model_inputs", "tokenize"), "load"),
+    "pack_concat": "packing",
     **dict.fromkeys(("ResumableSampler", "SamplerState", "TrainData", "eval_batches"), "sampler"),
 }
 

@@ -31,15 +31,8 @@ import xxhash
 from finetune import distributed as dist
 from finetune.config import ConfigError, RunConfig
 from finetune.data.formats import choose
-from finetune.data.load import (
-    EMBEDDED_DATA,
-    load_raw,
-    load_splits,
-    nothing_to_learn,
-    pack_concat,
-    tokenize,
-)
-from finetune.data.packing import pack_bfd
+from finetune.data.load import EMBEDDED_DATA, load_raw, load_splits, nothing_to_learn, tokenize
+from finetune.data.packing import pack_sets
 from finetune.distributed import logger
 from finetune.io.durable import fsync_path, hash_file, write_json_durably
 from finetune.io.storage import LocalStorage
@@ -230,12 +223,7 @@ def _build(cfg: RunConfig, tokenizer, tmp: Path) -> dict:
         len(train_raw) - len(train) + (len(eval_raw) - len(evalset) if eval_raw is not None else 0)
     )
     raw_rows = len(train_raw) + (len(eval_raw) if eval_raw is not None else 0)
-    packing = None
-    if d.packing:
-        pack = pack_bfd if d.packing_strategy == "bfd" else pack_concat
-        train, packing = pack(train, max_len, str(work / "train-packed.arrow"))
-        if evalset is not None and len(evalset):
-            evalset, _ = pack(evalset, max_len, str(work / "eval-packed.arrow"))
+    train, evalset, packing = pack_sets(d, train, evalset, str(work))
     train.save_to_disk(str(tmp / "train"))
     if evalset is not None:
         evalset.save_to_disk(str(tmp / "eval"))

@@ -1,4 +1,4 @@
-"""Datasets: loading, tokenization, packing, collation.
+"""Datasets: loading, tokenization, collation (packing is packing.py's).
 
 Rows are encoded by the data format the flags choose (formats.py: plain text, prompt + completion
 with the prompt masked, chat through the template); nothing here depends on which one it is.
@@ -166,66 +166,6 @@ def nothing_to_learn(args: DataArgs, tokenizer, raw, max_len: int) -> str:
             f"({source_flag(args)}); raise --max_seq_length"
         )
     return f"{source_flag(args)}: no training example has a token to learn from ({fmt.empty_rows})"
-
-
-def pack_concat(ds, max_len: int, path: str | None = None, chunk_rows: int = 10_000):
-    """``--packing_strategy concat``: concatenate all examples and cut into full blocks of
-    ``max_len`` (the tail is dropped). Examples attend to the ones before them in a block and are
-    cut across blocks: for continuation (pretraining-style) data only; packing.pack_bfd keeps
-    examples whole and apart. Returns (dataset, stats).
-
-    Streams: a chunk of rows at a time through numpy, blocks written as they fill, so memory
-    stays bounded by a chunk whatever the dataset's size. ``path``: the Arrow file to write
-    (default: a temporary one), memory-mapped back.
-    """
-    import tempfile
-
-    import datasets
-    import numpy as np
-    import pyarrow as pa
-
-    schema = pa.schema([("input_ids", pa.list_(pa.int32())), ("labels", pa.list_(pa.int32()))])
-    if path is None:
-        path = os.path.join(tempfile.mkdtemp(prefix="finetune-pack-"), "packed.arrow")
-    carry = {k: np.zeros(0, np.int32) for k in ("input_ids", "labels")}
-    blocks = tokens = 0
-    with pa.OSFile(path, "wb") as sink, pa.ipc.new_stream(sink, schema) as writer:
-        for table in ds.with_format("arrow").iter(batch_size=chunk_rows):
-            flat = {
-                k: np.concatenate(
-                    [
-                        carry[k],
-                        table.column(k)
-                        .combine_chunks()
-                        .flatten()
-                        .to_numpy(zero_copy_only=False)
-                        .astype(np.int32, copy=False),
-                    ]
-                )
-                for k in carry
-            }
-            tokens += len(flat["input_ids"]) - len(carry["input_ids"])
-            n = len(flat["input_ids"]) // max_len
-            if n:
-                offsets = pa.array(np.arange(0, n * max_len + 1, max_len, dtype=np.int32))
-                writer.write_table(
-                    pa.table(
-                        {
-                            k: pa.ListArray.from_arrays(offsets, pa.array(v[: n * max_len]))
-                            for k, v in flat.items()
-                        },
-                        schema=schema,
-                    )
-                )
-                blocks += n
-            carry = {k: v[n * max_len :] for k, v in flat.items()}
-    if blocks == 0:
-        raise ConfigError(
-            f"--packing: the data has {tokens} tokens, fewer than one "
-            f"block of --max_seq_length {max_len}"
-        )
-    stats = {"strategy": "concat", "blocks": blocks, "tokens": tokens, "efficiency": 1.0}
-    return datasets.Dataset.from_file(path), stats
 
 
 # Keys of a collated batch that are counts for the trainer, not model inputs (``model_inputs``).

@@ -1,4 +1,7 @@
-"""Packing that keeps examples apart: whole examples placed into blocks by best-fit decreasing.
+"""--packing: whether the tokenized sets are packed into blocks of --max_seq_length tokens, and
+how (--packing_strategy): ``pack_sets`` is the one place that decides.
+
+bfd keeps examples apart: whole examples placed into blocks by best-fit decreasing.
 
 Each block is a row of at most ``--max_seq_length`` tokens holding whole examples; its
 ``position_ids`` restart at 0 with every example. transformers builds the block-diagonal causal
@@ -16,20 +19,36 @@ into the open block with the least room that fits it, a new block when none does
 counts, not examples: blocks with the same room are interchangeable, so all examples of one length
 are placed with a few numpy operations per (length, room) pair. 10M examples of up to 4,096 tokens
 pack in seconds; the blocks are then written a chunk at a time, memory bounded by the chunk.
+
+concat (``pack_concat``) concatenates every example and cuts full blocks, for continuation text.
 """
 
 from __future__ import annotations
 
 import os
 import tempfile
+from typing import Any
 
 import numpy as np
 
-from finetune.config import ConfigError
+from finetune.config import ConfigError, DataArgs
 from finetune.data.formats import IGNORE
 
-STRATEGIES = ("bfd", "concat")
 COLUMNS = ("input_ids", "labels", "position_ids")
+
+
+def pack_sets(args: DataArgs, train, evalset, folder: str) -> tuple[Any, Any, dict | None]:
+    """The tokenized train and eval sets as --packing wants them: without it, unchanged (and no
+    stats); with it, each packed by --packing_strategy into an Arrow file under ``folder``.
+    Returns (train, evalset, the train set's packing stats)."""
+    if not args.packing:
+        return train, evalset, None
+    pack = STRATEGIES[args.packing_strategy]
+    max_len = args.max_seq_length
+    train, stats = pack(train, max_len, os.path.join(folder, "train-packed.arrow"))
+    if evalset is not None and len(evalset):
+        evalset, _ = pack(evalset, max_len, os.path.join(folder, "eval-packed.arrow"))
+    return train, evalset, stats
 
 
 def plan_bfd(lengths: np.ndarray, capacity: int) -> tuple[np.ndarray, int]:
@@ -155,3 +174,64 @@ def _blocks(table, examples_per_block: np.ndarray, schema):
         },
         schema=schema,
     )
+
+
+def pack_concat(ds, max_len: int, path: str | None = None, chunk_rows: int = 10_000):
+    """``--packing_strategy concat``: concatenate all examples and cut into full blocks of
+    ``max_len`` (the tail is dropped). Examples attend to the ones before them in a block and are
+    cut across blocks: for continuation (pretraining-style) data only; packing.pack_bfd keeps
+    examples whole and apart. Returns (dataset, stats).
+
+    Streams: a chunk of rows at a time through numpy, blocks written as they fill, so memory
+    stays bounded by a chunk whatever the dataset's size. ``path``: the Arrow file to write
+    (default: a temporary one), memory-mapped back.
+    """
+    import datasets
+    import pyarrow as pa
+
+    schema = pa.schema([("input_ids", pa.list_(pa.int32())), ("labels", pa.list_(pa.int32()))])
+    if path is None:
+        path = os.path.join(tempfile.mkdtemp(prefix="finetune-pack-"), "packed.arrow")
+    carry = {k: np.zeros(0, np.int32) for k in ("input_ids", "labels")}
+    blocks = tokens = 0
+    with pa.OSFile(path, "wb") as sink, pa.ipc.new_stream(sink, schema) as writer:
+        for table in ds.with_format("arrow").iter(batch_size=chunk_rows):
+            flat = {
+                k: np.concatenate(
+                    [
+                        carry[k],
+                        table.column(k)
+                        .combine_chunks()
+                        .flatten()
+                        .to_numpy(zero_copy_only=False)
+                        .astype(np.int32, copy=False),
+                    ]
+                )
+                for k in carry
+            }
+            tokens += len(flat["input_ids"]) - len(carry["input_ids"])
+            n = len(flat["input_ids"]) // max_len
+            if n:
+                offsets = pa.array(np.arange(0, n * max_len + 1, max_len, dtype=np.int32))
+                writer.write_table(
+                    pa.table(
+                        {
+                            k: pa.ListArray.from_arrays(offsets, pa.array(v[: n * max_len]))
+                            for k, v in flat.items()
+                        },
+                        schema=schema,
+                    )
+                )
+                blocks += n
+            carry = {k: v[n * max_len :] for k, v in flat.items()}
+    if blocks == 0:
+        raise ConfigError(
+            f"--packing: the data has {tokens} tokens, fewer than one "
+            f"block of --max_seq_length {max_len}"
+        )
+    stats = {"strategy": "concat", "blocks": blocks, "tokens": tokens, "efficiency": 1.0}
+    return datasets.Dataset.from_file(path), stats
+
+
+# --packing_strategy's values (DataArgs' choices) → the packer.
+STRATEGIES = {"bfd": pack_bfd, "concat": pack_concat}
