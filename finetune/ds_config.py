@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from finetune.config import CONFIGS_DIR, ConfigError
+from finetune.config import CONFIGS_DIR, ConfigError, report_targets
 
 
 def resolve_config_path(path: str) -> Path:
@@ -142,6 +142,11 @@ def reconcile_ds(
     ``fallbacks`` fill what neither sets; ``precision_flag`` is how errors name the precision flag.
     """
     path = v["deepspeed_config"]
+    if isinstance(ds.get("scheduler"), dict) and v["lr_scheduler_kwargs"]:
+        raise ConfigError(
+            f"`--lr_scheduler_kwargs` configures --lr_scheduler_type, but {path} has its own "
+            "scheduler section, which replaces it: drop one of them"
+        )
     _check_shape(ds, path)
     _refuse_nvme_checkpoints(v, ds, path)
     for flag, key in (
@@ -214,7 +219,6 @@ def _reconcile_report_to(v: dict[str, Any], ds: dict, path: str) -> None:
     """--report_to's tensorboard and csv are DeepSpeed's own monitor (rank 0 only), switched on here
     with its files in OUT/tensorboard/finetune and OUT/csv/finetune; wandb is finetune's own tracker
     (finetune/trackers.py), so DeepSpeed's must stay off beside it: both would init a run."""
-    from finetune.config import report_targets
     from finetune.trackers import check_available
 
     targets = report_targets(v["report_to"])

@@ -25,12 +25,11 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-from collections.abc import Mapping
 from pathlib import Path
 
 import xxhash
 
-from finetune.config import ConfigError, ModelArgs, flag_defaults, split_names
+from finetune.config import ConfigError, ModelArgs, split_names
 from finetune.distributed import log_main, logger
 
 FINGERPRINT_METHOD = "xxh3-sampled-v1"
@@ -39,29 +38,6 @@ RAW_BLOCKS, RAW_BLOCK = 16, 64 << 10  # other weight files: evenly spaced blocks
 WEIGHT_PATTERNS = ("*.safetensors", "pytorch_model*.bin")
 # trainer_state.json: the base model's identity (None: a full fine-tuning checkpoint).
 BASE_KEY = "base_model"
-LORA_FLAGS = ("lora_r", "lora_alpha", "lora_dropout", "lora_target_modules", "lora_modules_to_save")
-
-
-def validate_lora_flags(v: Mapping) -> None:
-    """The LoRA flags: meaningful only with --use_peft (a value other than the default without it is
-    a mistake), and in range."""
-    defaults = flag_defaults()
-    if not v["use_peft"]:
-        given = [f"--{k}" for k in LORA_FLAGS if v[k] != defaults[k]]
-        if given:
-            raise ConfigError(
-                f"{', '.join(f'`{g}`' for g in given)} "
-                f"need{'s' if len(given) == 1 else ''} `--use_peft`"
-            )
-        return
-    for name in ("lora_r", "lora_alpha"):
-        if v[name] <= 0:
-            raise ConfigError(f"`--{name}` must be positive, got {v[name]}")
-    if not 0 <= v["lora_dropout"] < 1:
-        raise ConfigError(f"`--lora_dropout` must be in [0, 1), got {v['lora_dropout']}")
-    for name in ("lora_target_modules", "lora_modules_to_save"):
-        if v[name] is not None and not split_names(v[name]):
-            raise ConfigError(f"`--{name}` names no module, got {v[name]!r}")
 
 
 # The LoRA flags whose values decide the adapters' tensors: a resume

@@ -10,9 +10,8 @@ import math
 import pytest
 
 from finetune.build import warmup_steps
-from finetune.config import SCHEDULERS, ConfigError
+from finetune.config import SCHEDULER_KWARGS, SCHEDULERS, ConfigError
 from finetune.resolve import resolve
-from finetune.training_flags import SCHEDULER_KWARGS
 
 
 def test_each_schedules_arguments_are_transformers_own():

@@ -25,19 +25,9 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from finetune.config import ConfigError
+from finetune.config import DEFAULT_METRIC, ConfigError, metric_name
 
-# What Trainer.evaluate writes into an eval row besides "step" and "eval_tokens".
-METRICS = ("eval_loss", "eval_perplexity")
-DEFAULT_METRIC = "eval_loss"
 EVAL_KEY, BEST_KEY = "eval", "best"  # the manifest's fields
-
-
-def metric_name(name: str | None) -> str:
-    """--metric_for_best_model as the eval row spells it: "loss" is "eval_loss" (HF's rule)."""
-    if not name:
-        return DEFAULT_METRIC
-    return name if name.startswith("eval_") else f"eval_{name}"
 
 
 def lower_is_better(metric: str) -> bool:
@@ -54,7 +44,7 @@ class BestPolicy:
 
     @classmethod
     def from_args(cls, train: Any) -> BestPolicy:
-        """From TrainArgs (validated by ``validate_flags``)."""
+        """From TrainArgs (checked by ``TrainArgs.check``)."""
         metric = metric_name(train.metric_for_best_model)
         greater = train.greater_is_better
         return cls(
@@ -169,43 +159,7 @@ def protected(best: dict | None) -> str | None:
     return best.get("tag") if isinstance(best, Mapping) else None
 
 
-# --- flags ---------------------------------------------------------------------------------------
-
-
-def validate_flags(v: Mapping[str, Any]) -> None:
-    """The flags' checks that need no data: each failure names its flags."""
-    metric, patience = v["metric_for_best_model"], v["early_stopping_patience"]
-    if metric is not None and metric_name(metric) not in METRICS:
-        raise ConfigError(
-            f"`--metric_for_best_model` {metric}: evaluation produces "
-            f"{', '.join(METRICS)} (the eval_ prefix may be left out)"
-        )
-    if patience is not None and patience <= 0:
-        raise ConfigError(f"`--early_stopping_patience` must be positive, got {patience}")
-    threshold = v["early_stopping_threshold"]
-    if threshold is not None and not threshold >= 0:
-        raise ConfigError(f"`--early_stopping_threshold` must not be negative, got {threshold}")
-    if threshold and patience is None:
-        raise ConfigError("`--early_stopping_threshold` needs `--early_stopping_patience`")
-    if patience is not None and not v["eval_steps"]:
-        raise ConfigError(
-            "`--early_stopping_patience` counts periodic evaluations: it needs `--eval_steps`"
-        )
-    named = explicit(v)
-    if not named:
-        return
-    if v["train_file"] and not v["validation_file"] and not v["validation_split_percentage"]:
-        raise ConfigError(
-            f"`{named}` needs an evaluation: `--validation_split_percentage 0` without "
-            "`--validation_file` leaves no eval set"
-        )
-    save_steps, eval_steps = v["save_steps"], v["eval_steps"]
-    if v["save_checkpoint"] and save_steps and (not eval_steps or save_steps % eval_steps):
-        raise ConfigError(
-            f"`{named}`: `--save_steps` ({save_steps}) must be a multiple of `--eval_steps` "
-            f"({eval_steps or 'not given'}), so that every checkpoint has its evaluation "
-            "(as HF's load_best_model_at_end)"
-        )
+# --- which flag asks for the best metric ------------------------------------------------------
 
 
 def explicit(v: Any) -> str | None:

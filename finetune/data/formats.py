@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import json
+from collections.abc import Mapping
 from typing import Any, ClassVar, TypeVar
 
 from finetune.config import ConfigError, DataArgs
@@ -88,7 +89,7 @@ def exclusive_flags() -> list[tuple[set[str], set[str]]]:
     return [(set(a.flags), set(b.flags)) for a, b in itertools.combinations(picking, 2)]
 
 
-def check_flags(values) -> None:
+def check_flags(values: Mapping[str, Any]) -> None:
     """The format flags' values alone (no data read), from the registry: a format's flags go
     together, and no two formats' flags are given at once (the default format's flag has a default
     value, so it picks nothing). Raises ConfigError naming the flags."""

@@ -17,15 +17,16 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from finetune.config import ConfigError, DataArgs
+from finetune.config import SINGLE_DATASET_FLAGS, ConfigError, DataArgs
 from finetune.data.formats import FORMATS, check_flags
 
 FLAG = "--dataset_mixture"
-# Where a source's data comes from.
-LOCATION_KEYS = ("train_file", "dataset_name", "dataset_config_name", "validation_file")
+# Where a source's data comes from: the flags that name a single dataset's.
+LOCATION_KEYS = SINGLE_DATASET_FLAGS
 # The data formats' column keys (formats.py): a source that gives any of them has its own format;
 # one that gives none inherits the top-level format flags.
 FORMAT_KEYS = tuple(dict.fromkeys(f for cls in FORMATS.values() for f in cls.flags))
@@ -131,14 +132,9 @@ def default_name(entry: dict) -> str:
     return f"{name}-{config}" if config else name
 
 
-def check_flags_with(v: dict) -> None:
-    """Flag values that cannot go with a mixture, and each source's own format keys."""
-    for flag in ("train_file", "dataset_name", "dataset_config_name", "validation_file"):
-        if v.get(flag):
-            raise ConfigError(
-                f"Can't give both `{FLAG}` and `--{flag}` (a mixture's sources each name "
-                "their own data)"
-            )
+def check_source_formats(v: Mapping[str, Any]) -> None:
+    """Each source's format flags as a single dataset's (its own keys over the top-level flags),
+    from the formats' registry; ConfigError names the entry."""
     for i, entry in enumerate(v["dataset_mixture"]):
         try:
             check_flags(source_values(v, entry))
@@ -146,7 +142,7 @@ def check_flags_with(v: dict) -> None:
             raise ConfigError(f"{FLAG}[{i}] ({entry['name']}): {e}") from None
 
 
-def source_values(top: dict, entry: dict) -> dict:
+def source_values(top: Mapping[str, Any], entry: dict) -> dict:
     """A source's flag values as a single dataset: the top-level data flags, less the mixture and
     the location, with the source's keys over them (its format keys replacing the top-level
     format when it gives any)."""

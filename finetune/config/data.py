@@ -1,0 +1,128 @@
+"""The data's flags (``DataArgs``): where the data comes from, its format's columns, lengths and
+packing, the tokenized cache, a mixture of sources; and their checks, on the values alone (the
+formats' own rules are the format registry's: data/formats.check_flags)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from finetune.config.fields import ConfigError, flag, require_positive
+
+DATA_EXTENSIONS = {
+    ".json": "json",
+    ".jsonl": "json",
+    ".csv": "csv",
+    ".parquet": "parquet",
+    ".txt": "text",
+}
+# The flags that name a single dataset's data, which a mixture's sources each name for themselves.
+SINGLE_DATASET_FLAGS = ("train_file", "dataset_name", "dataset_config_name", "validation_file")
+
+
+def data_format(path: str) -> str | None:
+    """The `datasets` builder for a local data file, from its extension."""
+    return DATA_EXTENSIONS.get(Path(path).suffix.lower())
+
+
+@dataclass(frozen=True)
+class DataArgs:
+    dataset_name: str | None = flag(None, "Hub dataset id (loaded with datasets.load_dataset).")
+    dataset_config_name: str | None = flag(None, "Hub dataset configuration name.")
+    train_file: str | None = flag(
+        None, "Local training file: .json, .jsonl, .csv, .parquet or .txt."
+    )
+    validation_file: str | None = flag(
+        None, "Local validation file (same formats as --train_file)."
+    )
+    text_column: str = flag("text", "Column holding plain text.")
+    prompt_column: str | None = flag(
+        None, "Column holding prompts (loss masked); needs --completion_column."
+    )
+    completion_column: str | None = flag(None, "Column holding completions (trained on).")
+    messages_column: str | None = flag(
+        None, "Column holding chat messages, rendered with the tokenizer's chat template."
+    )
+    max_seq_length: int | None = flag(
+        None,
+        "Truncate (or pack) sequences to this many tokens (default "
+        "512; 128 for the embedded model).",
+    )
+    packing: bool = flag(
+        False,
+        "Pack examples into blocks of up to --max_seq_length tokens, so fewer tokens are "
+        "padding. Examples stay whole and attend only to themselves (see --packing_strategy).",
+    )
+    packing_strategy: str = flag(
+        "bfd",
+        "How --packing builds blocks. bfd: whole examples placed by best-fit decreasing, "
+        "position ids restarting at each example, no attention across examples and no loss on "
+        "an example's first token from the previous one (an unpacked run's loss terms, exactly). "
+        "concat: every example concatenated and cut into full blocks; examples "
+        "attend to the ones before them and are cut across blocks: for continuation "
+        "(pretraining-style) text only.",
+        choices=("bfd", "concat"),
+    )
+    validation_split_percentage: int = flag(
+        5, "Percent of the training data held out for eval when there is no validation split."
+    )
+    max_train_samples: int | None = flag(None, "Truncate the training set to this many examples.")
+    max_eval_samples: int | None = flag(None, "Truncate the eval set to this many examples.")
+    dataset_cache_dir: str | None = flag(
+        None,
+        "Where tokenized datasets are cached and reused by later runs "
+        "(default: datasets' cache, $HF_DATASETS_CACHE).",
+    )
+    preprocessing_num_workers: int | None = flag(
+        None,
+        "Processes that tokenize a dataset not yet in the cache "
+        "(default: the cores this process may use; 1 below 20,000 examples).",
+    )
+    dataset_mixture: list | None = flag(
+        None,
+        "Train on several sources sampled by weight instead of one --train_file/--dataset_name: "
+        "a list (a --config file's dataset_mixture:, or JSON here) of sources, each with the "
+        "keys one dataset takes (train_file or dataset_name, dataset_config_name, "
+        "validation_file, the format's columns, validation_split_percentage, max_train_samples, "
+        "max_eval_samples), a weight > 0 (normalized into sampling probabilities) and an "
+        "optional unique name. A source that runs out starts its next epoch; an epoch of the "
+        "mixture is as many samples as all sources hold. See docs/MIXTURES.md.",
+        json=list,
+    )
+
+    @classmethod
+    def check(cls, v: Mapping[str, Any]) -> None:
+        """The data flags' own rules, on the flag values before any file is read (a mixture's
+        entries already normalized: data/mixture.normalize): each failure names its flag."""
+        if v["dataset_name"] and v["train_file"]:
+            raise ConfigError("Can't give both `--dataset_name` and `--train_file`")
+        if v["dataset_mixture"]:
+            for name in SINGLE_DATASET_FLAGS:
+                if v[name]:
+                    raise ConfigError(
+                        f"Can't give both `--dataset_mixture` and `--{name}` (a mixture's "
+                        "sources each name their own data)"
+                    )
+        if v["validation_file"] and not (v["train_file"] or v["dataset_name"]):
+            raise ConfigError("`--validation_file` needs `--train_file` or `--dataset_name`")
+        require_positive(
+            v,
+            (
+                "max_seq_length",
+                "max_train_samples",
+                "max_eval_samples",
+                "preprocessing_num_workers",
+            ),
+        )
+        if v["max_seq_length"] is not None and v["max_seq_length"] < 2:
+            raise ConfigError(
+                f"`--max_seq_length` must be at least 2 (a token to predict the next one from), "
+                f"got {v['max_seq_length']}"
+            )
+        if not 0 <= v["validation_split_percentage"] < 100:
+            raise ConfigError(
+                "`--validation_split_percentage` must be in [0, 100), got "
+                f"{v['validation_split_percentage']}"
+            )

@@ -1,0 +1,82 @@
+"""Every check of the flag values before a file is read, in one call: ``check``.
+
+Each group checks its own flags (``ModelArgs.check`` … ``CheckpointArgs.check``, in config/).
+What no group can check alone is here: the rules that read flags of more than one group, and those
+that need another module's knowledge, which config (importing nothing of finetune's) cannot ask:
+
+  across groups   --metric_for_best_model / --early_stopping_patience with the data (an eval set)
+                  and the checkpoints (--save_steps a multiple of --eval_steps)
+  the formats     the format flags, from the formats' registry (data/formats.check_flags), for
+                  the top-level flags and each --dataset_mixture source
+  the bucket      --remote_output_dir's URI and client package (io/remote.py)
+  the signals     --preempt_signals, as preemption parses them
+
+resolve calls ``check`` first, then sources.validate_paths (the files the flags name); each failure
+is a ConfigError naming its flag (exit 2 before anything is written).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Mapping
+from typing import Any
+
+from finetune.checkpoint_format.best import explicit
+from finetune.config import GROUPS, ConfigError
+from finetune.data import formats, mixture
+from finetune.preemption import parse_signals
+
+
+def check(v: Mapping[str, Any]) -> None:
+    """Every group's own rules, in GROUPS' order, then the ones here."""
+    for _, group in GROUPS:
+        group.check(v)
+    formats.check_flags(v)
+    if v["dataset_mixture"]:
+        mixture.check_source_formats(v)
+    if v["remote_output_dir"]:
+        check_remote(v["remote_output_dir"])
+    try:
+        parse_signals(v["preempt_signals"])
+    except ValueError as e:
+        raise ConfigError(
+            f"`--preempt_signals`: {e} is not a signal that can be caught "
+            "(e.g. SIGTERM,SIGUSR1 or none)"
+        ) from None
+    check_best_across_groups(v)
+
+
+def check_best_across_groups(v: Mapping[str, Any]) -> None:
+    """An explicit --metric_for_best_model or --early_stopping_patience needs an evaluation: an
+    eval set (the data's flags), and one at every periodic checkpoint (the checkpoints' flags)."""
+    named = explicit(v)
+    if not named:
+        return
+    if v["train_file"] and not v["validation_file"] and not v["validation_split_percentage"]:
+        raise ConfigError(
+            f"`{named}` needs an evaluation: `--validation_split_percentage 0` without "
+            "`--validation_file` leaves no eval set"
+        )
+    save_steps, eval_steps = v["save_steps"], v["eval_steps"]
+    if v["save_checkpoint"] and save_steps and (not eval_steps or save_steps % eval_steps):
+        raise ConfigError(
+            f"`{named}`: `--save_steps` ({save_steps}) must be a multiple of `--eval_steps` "
+            f"({eval_steps or 'not given'}), so that every checkpoint has its evaluation "
+            "(as HF's load_best_model_at_end)"
+        )
+
+
+def check_remote(uri: str) -> None:
+    """--remote_output_dir: a URI of a supported scheme, its client installed. (Whether the
+    bucket and credentials work is the start-up probe's: remote/copy.py.)"""
+    from finetune.io.remote import CLIENT_PACKAGE, RemoteError, S3Uri
+
+    try:
+        S3Uri.parse(uri)
+    except RemoteError as e:
+        raise ConfigError(f"`--remote_output_dir`: {e}") from None
+    if importlib.util.find_spec(CLIENT_PACKAGE) is None:
+        raise ConfigError(
+            f"`--remote_output_dir` {uri} needs the {CLIENT_PACKAGE} package: "
+            f"pip install {CLIENT_PACKAGE} (or finetune[s3])"
+        )
