@@ -195,7 +195,9 @@ def _split_entries(nodelist: str, source: str) -> list[str]:
     """The comma-separated entries outside brackets (an empty one is skipped, as scontrol does)."""
     if re.search(r"\s", nodelist):
         raise _bad_nodelist(nodelist, source, "whitespace inside")
-    entries, depth, start = [], 0, 0
+    entries: list[str] = []
+    depth = 0  # brackets open at this character
+    start = 0  # where the current entry begins
     for i, ch in enumerate(nodelist):
         depth += {"[": 1, "]": -1}.get(ch, 0)
         if depth not in (0, 1):
@@ -215,7 +217,8 @@ def _expand_group(group: str, nodelist: str, source: str) -> list[str]:
         m = re.fullmatch(r"(\d+)(?:-(\d+))?", item)
         if not m or int(m.group(2) or m.group(1)) < int(m.group(1)):
             raise _bad_nodelist(nodelist, source, f"bad range {item!r}")
-        lo, hi = m.group(1), m.group(2) or m.group(1)
+        lo = m.group(1)
+        hi = m.group(2) or lo
         values += [f"{n:0{len(lo)}d}" for n in range(int(lo), int(hi) + 1)]
     return values
 
@@ -317,7 +320,8 @@ def _from_slurm(env: Mapping[str, str]) -> Launch | None:
     """One srun task per rank. MASTER_ADDR: the step's first host, where srun starts task 0."""
     if "SLURM_PROCID" not in env or "SLURM_NTASKS" not in env:
         return None
-    rank, world = _int(env, "SLURM_PROCID"), _int(env, "SLURM_NTASKS")
+    rank = _int(env, "SLURM_PROCID")
+    world = _int(env, "SLURM_NTASKS")
     step = env.get("SLURM_STEP_ID", env.get("SLURM_STEPID"))
     if world > 1 and (step is None or step in BATCH_STEP_IDS):
         # The batch script itself (one process) also has SLURM_PROCID=0 and the job's SLURM_NTASKS:

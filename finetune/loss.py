@@ -9,9 +9,15 @@ then that of the sum of the step's token losses / its label tokens, however the 
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from finetune import distributed as dist
+
+if TYPE_CHECKING:
+    from deepspeed import DeepSpeedEngine
+    from transformers.utils import ModelOutput
 
 
 def items_per_micro_batch(
@@ -29,7 +35,7 @@ def items_per_micro_batch(
     return total.float() / (micro_batches * dist.world_size())
 
 
-def rescaled(out, labels: int, items: torch.Tensor | float) -> torch.Tensor:
+def rescaled(out: ModelOutput, labels: int, items: torch.Tensor | float) -> torch.Tensor:
     """A model without loss kwargs: its mean over this micro-batch's ``labels`` label tokens, as
     the sum over them / ``items``. No label token: a zero loss that still runs the backward (under
     ZeRO-3 every rank must), not the NaN of an empty mean."""
@@ -45,7 +51,7 @@ def sum_dtype(device: torch.device) -> torch.dtype:
     return torch.float64 if device.type in ("cpu", "cuda") else torch.float32
 
 
-def loss_scale(engine) -> float | None:
+def loss_scale(engine: DeepSpeedEngine) -> float | None:
     """fp16's current loss scale; None in bf16/fp32 (no scaling). Where DeepSpeed's own monitor
     reads it (engine._get_optimizer_loss_scale): the ZeRO optimizers' ``cur_scale`` property, or
     FP16_Optimizer's ``loss_scale_config``. A Python number: no device sync."""

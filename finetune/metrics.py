@@ -9,9 +9,13 @@ import os
 from collections.abc import Callable, Sequence
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from finetune import distributed as dist
 from finetune.trackers import Failures, MonitorTracker, Tracker
+
+if TYPE_CHECKING:
+    from deepspeed.monitor.monitor import MonitorMaster
 
 EVENTS = "events.jsonl"
 
@@ -29,7 +33,7 @@ class MetricsWriter:
     def __init__(
         self,
         output_dir: str,
-        monitor=None,
+        monitor: MonitorMaster | None = None,
         *,
         run_id: str | None = None,
         trackers: Sequence[Tracker] = (),
@@ -62,7 +66,7 @@ class MetricsWriter:
                 )
         self._forward("write", row)
 
-    def event(self, kind: str, step: int, **fields) -> None:
+    def event(self, kind: str, step: int, **fields: object) -> None:
         """One event to events.jsonl and every tracker: {"time", "event": kind, "step", "run_id",
         **fields}. A field named with a trailing underscore (``from_``) is written without it."""
         if not dist.is_main() or not self.may_write():
@@ -93,7 +97,7 @@ class MetricsWriter:
         self.closed = True
         self._forward("close", exit_code)
 
-    def _forward(self, method: str, arg) -> None:
+    def _forward(self, method: str, arg: dict | int) -> None:
         for tracker in self.trackers:
             # Third-party code (wandb's service, tensorboard's writer): whatever it raises on rank 0
             # alone is logged, not raised; see the class docstring.

@@ -7,11 +7,17 @@ the full model (and weights are loaded shard by shard into the partitions).
 
 from __future__ import annotations
 
+import os
+from typing import TYPE_CHECKING
+
 import torch
 
 from finetune.config import RESOURCES_DIR, ConfigError, ModelArgs
 from finetune.distributed import logger
 from finetune.ds_config import zero_stage
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 EMBEDDED_MODEL_DIR = RESOURCES_DIR / "model"
 EMBEDDED_TOKENIZER_DIR = RESOURCES_DIR / "tokenizer"
@@ -22,7 +28,7 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 SHAPE_KEYS = ("model_type", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads")
 
 
-def load_tokenizer(args: ModelArgs):
+def load_tokenizer(args: ModelArgs) -> PreTrainedTokenizerBase:
     from transformers import AutoTokenizer
 
     name = (
@@ -61,7 +67,7 @@ def _is_embedded_name(name: str) -> bool:
     return str(name) == str(EMBEDDED_MODEL_DIR)
 
 
-def load_model(args: ModelArgs, ds_config: dict, precision: str, seed: int):
+def load_model(args: ModelArgs, ds_config: dict, precision: str, seed: int) -> PreTrainedModel:
     """Build or load the model; partitioned at construction when the config is ZeRO-3."""
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.integrations import HfDeepSpeedConfig
@@ -137,13 +143,13 @@ def _attention_error(args: ModelArgs, e: BaseException) -> None:
         ) from None
 
 
-def add_neftune(model, alpha: float) -> None:
+def add_neftune(model: PreTrainedModel, alpha: float) -> None:
     """NEFTune (Jain et al. 2023, as HF Trainer's --neftune_noise_alpha): uniform noise of scale
     alpha / sqrt(sequence length x hidden size) on the input embeddings, in training mode only.
     Drawn from the torch RNG, whose state every checkpoint keeps: a resume draws the same noise."""
     import math
 
-    def hook(module, args, output):
+    def hook(module: torch.nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
         if module.training:
             scale = alpha / math.sqrt(output.size(-2) * output.size(-1))
             output = output + torch.zeros_like(output).uniform_(-scale, scale)
@@ -152,7 +158,7 @@ def add_neftune(model, alpha: float) -> None:
     model.get_input_embeddings().register_forward_hook(hook)
 
 
-def accepts_loss_kwargs(model) -> bool:
+def accepts_loss_kwargs(model: torch.nn.Module) -> bool:
     """Does the model's forward take transformers' loss kwargs (num_items_in_batch)? Its own
     ``accepts_loss_kwargs`` where it says, else whether its forward takes **kwargs (what HF
     Trainer checks). A peft model: its base model's."""
@@ -166,7 +172,7 @@ def accepts_loss_kwargs(model) -> bool:
     return any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
 
 
-def check_checkpoint_model(folder, args: ModelArgs) -> None:
+def check_checkpoint_model(folder: str | os.PathLike, args: ModelArgs) -> None:
     """The model this run builds is the one ``folder`` (a checkpoint) was saved from: the same
     architecture and shapes. Otherwise loading its partitions fails deep inside DeepSpeed (missing
     keys, size mismatches), after the engine is built; this says which flag and which value."""
@@ -206,7 +212,7 @@ def _model_source(args: ModelArgs) -> tuple[str, str, str]:
     return "--model_name_or_path", str(EMBEDDED_MODEL_DIR), "(not given: the embedded model)"
 
 
-def count_parameters(model) -> int:
+def count_parameters(model: torch.nn.Module) -> int:
     # Under ZeRO-3 a parameter's local tensor is a shard; ds_numel is the full size.
     return sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
 

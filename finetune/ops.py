@@ -28,9 +28,14 @@ import os
 import re
 import shutil
 import sys
+from collections.abc import Callable, MutableMapping
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from finetune.config import ConfigError
+
+if TYPE_CHECKING:
+    from deepspeed import DeepSpeedEngine
 
 logger = logging.getLogger("finetune")
 
@@ -62,7 +67,7 @@ def use_venv_extensions_dir() -> None:
         os.environ["PATH"] = os.pathsep.join([str(venv_bin), os.environ.get("PATH", "")])
 
 
-def parsable_cuda_arch_list(env=os.environ) -> str | None:
+def parsable_cuda_arch_list(env: MutableMapping[str, str] = os.environ) -> str | None:
     """Rewrite ``TORCH_CUDA_ARCH_LIST`` entries with an architecture-specific suffix (``9.0a``,
     ``10.0f``) to their plain form, so DeepSpeed can build and load its ops; returns the old value
     when it changed anything.
@@ -172,10 +177,11 @@ def _cpu_key() -> str | None:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-def _cpu_info_kept(ask) -> dict:
+def _cpu_info_kept(ask: Callable[[], dict]) -> dict:
     import json
 
-    where, key = os.environ.get("TORCH_EXTENSIONS_DIR"), _cpu_key()
+    where = os.environ.get("TORCH_EXTENSIONS_DIR")
+    key = _cpu_key()
     if not where or key is None:
         return ask()
     path = Path(where) / f"cpuinfo-{key}.json"
@@ -291,7 +297,9 @@ def adam_impl(ds_config: dict) -> str | None:
     return op.removesuffix("Builder") if op else None
 
 
-def ensure_adam(ds_config: dict, saved: str | None = None, load=load_op) -> dict:
+def ensure_adam(
+    ds_config: dict, saved: str | None = None, load: Callable[[str], None] = load_op
+) -> dict:
     """The config to hand ``deepspeed.initialize``: as given when its Adam op loads on every rank,
     else with ``torch_adam``. ``saved``: what the checkpoint being resumed was trained with; one
     trained with torch_adam resumes with it (torch's param groups lack the ``bias_correction``
@@ -340,7 +348,7 @@ def ensure_adam(ds_config: dict, saved: str | None = None, load=load_op) -> dict
     return use_torch_adam(ds_config)
 
 
-def replay_adam_steps(engine) -> int:
+def replay_adam_steps(engine: DeepSpeedEngine) -> int:
     """Make DeepSpeed's CPU Adam kernel continue a resumed run bit for bit;
     returns the steps replayed.
 

@@ -19,8 +19,10 @@ import os
 import sys
 import threading
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from finetune import distributed as dist
 from finetune.checkpoint_format.manifest import read_manifest
@@ -28,6 +30,11 @@ from finetune.checkpoint_format.outdir import OutputDir, step_of
 from finetune.commands import Parser
 from finetune.config import ConfigError
 from finetune.metrics import json_rows, read_metrics
+
+if TYPE_CHECKING:
+    from matplotlib.artist import Artist
+    from matplotlib.axes import Axes
+    from matplotlib.figure import Figure
 
 DEFAULT_DEST = Path("plots") / "training.png"  # under OUT
 EVENTS = "events.jsonl"
@@ -103,13 +110,13 @@ def _committed_steps(out: Path) -> list[int]:
     return [step_of(tag) for tag in OutputDir(out).tags() if read_manifest(out / tag) is not None]
 
 
-def _last_per_step(rows) -> list[dict]:
+def _last_per_step(rows: Iterable[dict]) -> list[dict]:
     """Sorted by step, the last row written for each step (a resumed run may repeat one)."""
     by_step = {r["step"]: r for r in rows if _is_int(r.get("step"))}
     return [by_step[s] for s in sorted(by_step)]
 
 
-def _is_int(v) -> bool:
+def _is_int(v: object) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
@@ -138,7 +145,8 @@ def ema(values: list[float], span: float) -> list[float]:
     """Exponential moving average, bias-corrected (TensorBoard's smoothing): the first points
     are not pulled towards zero."""
     beta = 1.0 - 2.0 / (span + 1.0)
-    out, avg = [], 0.0
+    out = []
+    avg = 0.0
     for i, v in enumerate(values, 1):
         avg = beta * avg + (1.0 - beta) * v
         out.append(avg / (1.0 - beta**i))
@@ -175,7 +183,7 @@ def write_png(run: Run, dest: Path) -> Path:
     return dest
 
 
-def _draw(run: Run):
+def _draw(run: Run) -> Figure:
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -196,7 +204,7 @@ def _draw(run: Run):
     return fig
 
 
-def _loss_panel(ax, run: Run) -> list:
+def _loss_panel(ax: Axes, run: Run) -> list[Artist]:
     """Train loss raw (thin) and smoothed (thick), eval loss; the legend handles."""
     handles = []
     steps, loss = _series(run.train, "loss")
@@ -220,7 +228,7 @@ def _loss_panel(ax, run: Run) -> list:
     return handles
 
 
-def _line_panel(ax, rows: list[dict], key: str, label: str, color: str, smooth: bool) -> None:
+def _line_panel(ax: Axes, rows: list[dict], key: str, label: str, color: str, smooth: bool) -> None:
     """One series; with ``smooth``, raw (thin, light) under its EMA (thick), as
     in the loss panel."""
     steps, values = _series(rows, key)
@@ -244,7 +252,7 @@ def _line_panel(ax, rows: list[dict], key: str, label: str, color: str, smooth: 
     ax.set_ylabel(label, fontsize=11)
 
 
-def _marks(axes, run: Run) -> list:
+def _marks(axes: list[Axes], run: Run) -> list[Artist]:
     """Each MARKS kind as vertical lines in every panel (markers on the top panel's upper edge);
     one legend handle per kind present."""
     from matplotlib.lines import Line2D
@@ -440,7 +448,8 @@ class Plotter:
     def _fail(self, e: BaseException) -> None:
         with self._lock:
             first = not self.disabled
-            self.disabled, self._running = True, False
+            self.disabled = True
+            self._running = False
         if first:
             dist.logger.warning(
                 "plotting %s failed (%s: %s); no more plots this run",

@@ -7,10 +7,16 @@ fp32, CPU). tests/distributed/test_lora_runs.py holds the adapter and merged exp
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from finetune import distributed as dist
 from finetune.io import seams
+
+if TYPE_CHECKING:
+    from deepspeed import DeepSpeedEngine
+    from transformers import PreTrainedTokenizerBase
 
 
 def probe_input(vocab_size: int) -> torch.Tensor:
@@ -19,7 +25,7 @@ def probe_input(vocab_size: int) -> torch.Tensor:
 
 
 @torch.no_grad()
-def maybe_probe(engine, tokenizer) -> None:
+def maybe_probe(engine: DeepSpeedEngine, tokenizer: PreTrainedTokenizerBase) -> None:
     """Every rank, when the seam is set (an environment every rank shares). Collective."""
     path = seams.value(seams.PROBE_LOGITS)
     if not path:

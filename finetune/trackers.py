@@ -30,10 +30,14 @@ import math
 import os
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from finetune import distributed as dist
 from finetune.config import ConfigError, RunConfig, report_targets
+
+if TYPE_CHECKING:
+    from deepspeed.monitor.monitor import MonitorMaster
+    from wandb.sdk.wandb_run import Run as WandbRun
 
 STEP_METRIC = "train/global_step"  # wandb's x axis for everything we log (HF Trainer's name)
 WANDB_ID_FILE = "wandb_run_id"  # under OUT: the wandb run a resumed run continues
@@ -91,7 +95,8 @@ class Failures:
     """A tracker's failed calls: the first and every 100th logged with the call and the error."""
 
     def __init__(self, name: str):
-        self.name, self.count = name, 0
+        self.name = name
+        self.count = 0
 
     def record(self, what: str, error: BaseException) -> None:
         self.count += 1
@@ -113,8 +118,9 @@ class MonitorTracker:
     scalars; the monitor's own writes (the engine's too) made unable to raise, and dropped once
     ``may_write`` says this run may no longer write into OUT (a lost lease)."""
 
-    def __init__(self, monitor, may_write: Callable[[], bool] = lambda: True):
-        self.monitor, self.may_write = monitor, may_write
+    def __init__(self, monitor: MonitorMaster, may_write: Callable[[], bool] = lambda: True):
+        self.monitor = monitor
+        self.may_write = may_write
         self.name = (
             "+".join(
                 n
@@ -170,7 +176,7 @@ class WandbTracker:
 
     name = "wandb"
 
-    def __init__(self, run):
+    def __init__(self, run: WandbRun):
         self.run = run
         self.last_step = 0
 
@@ -219,7 +225,8 @@ class WandbTracker:
         self.run.log({**scalars(row), STEP_METRIC: step})
 
     def event(self, record: dict) -> None:
-        kind, step = record["event"], record["step"]
+        kind = record["event"]
+        step = record["step"]
         data = {f"events/{kind}": step}
         data.update(
             (f"events/{kind}_{k}", v)
@@ -268,13 +275,11 @@ def open_trackers(cfg: RunConfig, run_id: str, resumed: bool) -> list[Tracker]:
     a failure (not logged in to wandb) raises on every rank."""
     if "wandb" not in report_targets(cfg.train.report_to):
         return []
-    start = lambda: WandbTracker.start(
-        Path(cfg.ckpt.output_dir),
-        run_name(cfg),
-        tracker_config(cfg),  # noqa: E731
-        run_id,
-        resumed,
-    )
+
+    def start() -> WandbTracker:
+        out = Path(cfg.ckpt.output_dir)
+        return WandbTracker.start(out, run_name(cfg), tracker_config(cfg), run_id, resumed)
+
     tracker = dist.run_agreed(start, on=dist.is_main())
     if tracker is not None:
         dist.logger.info(

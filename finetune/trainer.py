@@ -10,6 +10,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property
+from typing import TYPE_CHECKING
 
 import torch
 from tqdm.auto import tqdm
@@ -38,6 +39,11 @@ from finetune.probe import maybe_probe
 from finetune.remote.lease import RemoteLeaseLost
 from finetune.trackers import run_name
 
+if TYPE_CHECKING:
+    from datasets import Dataset
+    from deepspeed import DeepSpeedEngine
+    from transformers import PreTrainedTokenizerBase
+
 # Skipped optimizer steps in a row that stop a run: more than fp16's dynamic scaling ever needs
 # (from the largest initial scale, 2**32, to 1 is 32 halvings plus its hysteresis; DeepSpeed itself
 # raises at its minimum scale), so what trips this is a run that cannot recover: non-finite
@@ -65,10 +71,10 @@ def _to(batch: dict, device: torch.device) -> dict:
 @dataclass
 class Trainer:
     cfg: RunConfig
-    engine: object
-    tokenizer: object
+    engine: DeepSpeedEngine
+    tokenizer: PreTrainedTokenizerBase
     data: TrainData
-    evalset: object
+    evalset: Dataset | None
     total_steps: int
     checkpoints: Checkpointer
     metrics: MetricsWriter
