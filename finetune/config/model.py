@@ -96,30 +96,30 @@ class ModelArgs:
                 "Can't give both `--config_name` (train from scratch) and "
                 "`--model_name_or_path` (load weights)"
             )
-        cls._check_lora(v)
+        _check_lora(v)
         _check_kernels(v)
 
-    @classmethod
-    def _check_lora(cls, v: Mapping[str, Any]) -> None:
-        """The LoRA flags: meaningful only with --use_peft (a value other than the default without
-        it is a mistake), and in range."""
-        if not v["use_peft"]:
-            defaults = {f.name: f.default for f in dataclasses.fields(cls)}
-            given = [f"--{k}" for k in LORA_FLAGS if v[k] != defaults[k]]
-            if given:
-                raise ConfigError(
-                    f"{', '.join(f'`{g}`' for g in given)} "
-                    f"need{'s' if len(given) == 1 else ''} `--use_peft`"
-                )
-            return
-        for name in ("lora_r", "lora_alpha"):
-            if v[name] <= 0:
-                raise ConfigError(f"`--{name}` must be positive, got {v[name]}")
-        if not 0 <= v["lora_dropout"] < 1:
-            raise ConfigError(f"`--lora_dropout` must be in [0, 1), got {v['lora_dropout']}")
-        for name in ("lora_target_modules", "lora_modules_to_save"):
-            if v[name] is not None and not split_names(v[name]):
-                raise ConfigError(f"`--{name}` names no module, got {v[name]!r}")
+
+def _check_lora(v: Mapping[str, Any]) -> None:
+    """The LoRA flags: meaningful only with --use_peft (a value other than the default without
+    it is a mistake), and in range."""
+    if not v["use_peft"]:
+        defaults = {f.name: f.default for f in dataclasses.fields(ModelArgs)}
+        given = [f"--{k}" for k in LORA_FLAGS if v[k] != defaults[k]]
+        if given:
+            raise ConfigError(
+                f"{', '.join(f'`{g}`' for g in given)} "
+                f"need{'s' if len(given) == 1 else ''} `--use_peft`"
+            )
+        return
+    for name in ("lora_r", "lora_alpha"):
+        if v[name] <= 0:
+            raise ConfigError(f"`--{name}` must be positive, got {v[name]}")
+    if not 0 <= v["lora_dropout"] < 1:
+        raise ConfigError(f"`--lora_dropout` must be in [0, 1), got {v['lora_dropout']}")
+    for name in ("lora_target_modules", "lora_modules_to_save"):
+        if v[name] is not None and not split_names(v[name]):
+            raise ConfigError(f"`--{name}` names no module, got {v[name]!r}")
 
 
 def _check_kernels(v: Mapping[str, Any]) -> None:

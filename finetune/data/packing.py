@@ -27,17 +27,22 @@ from __future__ import annotations
 
 import os
 import tempfile
-from typing import Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from finetune.config import ConfigError, DataArgs
 from finetune.data.formats import IGNORE
 
+if TYPE_CHECKING:
+    from datasets import Dataset
+
 COLUMNS = ("input_ids", "labels", "position_ids")
 
 
-def pack_sets(args: DataArgs, train, evalset, folder: str) -> tuple[Any, Any, dict | None]:
+def pack_sets(
+    args: DataArgs, train: Dataset, evalset: Dataset | None, folder: str
+) -> tuple[Dataset, Dataset | None, dict | None]:
     """The tokenized train and eval sets as --packing wants them: without it, unchanged (and no
     stats); with it, each packed by --packing_strategy into an Arrow file under ``folder``.
     Returns (train, evalset, the train set's packing stats)."""
@@ -109,7 +114,9 @@ def _take(chunks: list[np.ndarray], k: int) -> np.ndarray:
     return np.concatenate(out) if len(out) > 1 else out[0]
 
 
-def pack_bfd(ds, max_len: int, path: str | None = None, chunk_blocks: int = 8192):
+def pack_bfd(
+    ds: Dataset, max_len: int, path: str | None = None, chunk_blocks: int = 8192
+) -> tuple[Dataset, dict]:
     """``ds`` ({'input_ids', 'labels'}, rows of 1..max_len tokens) → a dataset of blocks with
     'input_ids', 'labels' and 'position_ids', memory-mapped from the Arrow file ``path`` (default:
     a temporary one). Returns (dataset, stats)."""
@@ -176,7 +183,9 @@ def _blocks(table, examples_per_block: np.ndarray, schema):
     )
 
 
-def pack_concat(ds, max_len: int, path: str | None = None, chunk_rows: int = 10_000):
+def pack_concat(
+    ds: Dataset, max_len: int, path: str | None = None, chunk_rows: int = 10_000
+) -> tuple[Dataset, dict]:
     """``--packing_strategy concat``: concatenate all examples and cut into full blocks of
     ``max_len`` (the tail is dropped). Examples attend to the ones before them in a block and are
     cut across blocks: for continuation (pretraining-style) data only; packing.pack_bfd keeps
