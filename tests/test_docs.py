@@ -292,7 +292,7 @@ PLACEHOLDER = re.compile(r"[*?<>{}]")
 GENERATED = ("bench/results",)
 
 
-def test_the_docs_cite_no_issue_numbers():
+def test_the_docs_cite_no_issue_numbers() -> None:
     cited = [
         f"{_rel(doc)}:{n}: {m.group(0)!r}"
         for doc in DOCS
@@ -311,7 +311,7 @@ def repo_paths(text: str) -> list[str]:
     return [p for p in found if not PLACEHOLDER.search(p)]
 
 
-def test_repo_paths_are_found_in_text_and_code():
+def test_repo_paths_are_found_in_text_and_code() -> None:
     text = (
         "`finetune/checkpoint_format/policy.py` keeps it (tests/checkpoint/test_at_rest.py).\n"
         "see tests/x.py::test_y, `bench/<name>.py`, tests/faults/test_*.py, OUT/finetune/x,\n"
@@ -325,7 +325,7 @@ def test_repo_paths_are_found_in_text_and_code():
     ]
 
 
-def test_every_repository_path_the_docs_cite_exists():
+def test_every_repository_path_the_docs_cite_exists() -> None:
     missing = [
         f"{_rel(doc)}:{n}: {path}"
         for doc in DOCS
