@@ -2,14 +2,15 @@
 
 ``GuardedWriter`` replaces the engine's checkpoint engine: each file is fsynced and hashed as it is
 written, and a failure is *recorded* instead of raised, so every rank still reaches the collectives
-inside ``engine.save_checkpoint``; the manager then agrees on the outcome across ranks.
+inside ``engine.save_checkpoint``; the Checkpointer then agrees on the outcome across ranks.
 
 With ``reset(..., background=True)`` (--async_save) ``save`` only plans a snapshot (``host_plan``,
 below): host buffers are found or allocated and the state dict's structure copied, but no tensor
-byte is. ``start``'s thread then copies the tensors into those buffers (lazily: training's next
-forward and backward run meanwhile, since they change none of the saved state; the optimizer step
-first calls ``wait_copied``), and writes the copies with the same code as a synchronous save.
-``done``/``join`` tell when the writes are done; the recorded error and files are read only then.
+byte is. ``start``'s thread then copies the tensors into those buffers (``run_copies``, lazily:
+training's next forward and backward run meanwhile, since they change none of the saved state; the
+optimizer step first calls ``wait_copied``), and writes the copies with the same code as a
+synchronous save. ``done``/``join`` tell when the writes are done; the recorded error and files
+are read only then.
 
 Fault sites (faults.py): ``save.makedirs``, ``save.write_rank_files``, ``save.fsync``,
 ``save.recovery_script``, ``save.host_copy``, ``save.copy``, at the save's step
@@ -18,17 +19,18 @@ Fault sites (faults.py): ``save.makedirs``, ``save.write_rank_files``, ``save.fs
 ``FINETUNE_SLOW_SAVE=<seconds>`` sleeps after each file, so a test can act (send a signal, kill a
 rank) while a save is surely in flight.
 
---async_save's snapshot: ``host_copy`` copies a state dict's tensors into host memory *storage by
-storage*: tensors that share a storage (views, DeepSpeed's flat partitions) still share one in the
-copy, so ``torch.save`` of the copy writes the same bytes as ``torch.save`` of the original would
-have at that instant (tests compare the manifests' checksums). Everything else in the dict is
-deep-copied: optimizer param groups, the scheduler's counters and the like change at the next step.
-On a GPU the copies go into page-locked buffers. Either way the buffers are kept from one save to
-the next (keyed by file name and position, reused when the storage's size matches), so a save
-after the first allocates nothing and faults in no pages: the host memory stays allocated between
-saves. ``Queue`` holds the copies and the paths and writes them on one thread, in order, with the
-same write function as a synchronous save (fsync, checksums, failures recorded). Its host memory
-is the sum of the copied storages: the bytes this rank's rank files hold, about 1x its shard.
+--async_save's snapshot: ``host_plan`` and ``run_copies`` copy a state dict's tensors into host
+memory *storage by storage*: tensors that share a storage (views, DeepSpeed's flat partitions)
+still share one in the copy, so ``torch.save`` of the copy writes the same bytes as ``torch.save``
+of the original would have at that instant (tests compare the manifests' checksums). Everything
+else in the dict is deep-copied: optimizer param groups, the scheduler's counters and the like
+change at the next step. On a GPU the copies go into page-locked buffers. Either way the buffers
+are kept from one save to the next (keyed by file name and position, reused when the storage's
+size matches), so a save after the first allocates nothing and faults in no pages: the host
+memory stays allocated between saves. ``Queue`` holds the copies and the paths and writes them on
+one thread, in order, with the same write function as a synchronous save (fsync, checksums,
+failures recorded). Its host memory is the sum of the copied storages: the bytes this rank's rank
+files hold, about 1x its shard.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -49,6 +52,16 @@ from finetune.io.durable import HashingWriter, WriteCancelled
 from finetune.io.faults import fault_point
 from finetune.io.progress import progress
 from finetune.weights import safe_load
+
+if TYPE_CHECKING:
+    from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointEngine
+
+# What a save wrote: {path relative to its staging folder: (size, xxh3)}.
+Files = dict[str, tuple[int, str]]
+# Host buffers kept from one save to the next: (file name, storage position) -> a byte buffer.
+Pool = dict[tuple[str, int], torch.Tensor]
+# A planned snapshot's copies still to make: (host buffer, live storage as bytes) pairs.
+Copies = list[tuple[torch.Tensor, torch.Tensor]]
 
 
 @dataclass
@@ -60,19 +73,20 @@ class SaveRecord:
     staging: Path | None
     step: int | None
     error: str | None = None
-    files: dict = field(default_factory=dict)  # {path relative to staging: (size, xxh3)}
+    files: Files = field(default_factory=dict)
     # set: stop at the next piece
     cancelled: threading.Event = field(default_factory=threading.Event)
     current: HashingWriter | None = None  # the file being written (its size: progress)
     # seconds per phase (copy, hash, write, fsync, serialize, cpu: the writer thread's CPU time)
-    stats: dict = field(default_factory=dict)
+    stats: dict[str, float] = field(default_factory=dict)
     pacer: Pacer | None = None  # --async_save: spreads the write over a few steps' time
 
     def release(self) -> None:
         if self.pacer is not None:
             self.pacer.released.set()
 
-    def fail(self, path, e: BaseException) -> None:
+    def fail(self, path: str | Path | None, e: BaseException) -> None:
+        """Keep the first failure: the one every rank is told of."""
         if self.error is None:
             self.error = f"{type(e).__name__} writing {path}: {getattr(e, 'strerror', None) or e}"
 
@@ -89,13 +103,16 @@ class Pacer:
     write spread evenly over ``seconds``. ``released``: set, no more sleeping."""
 
     def __init__(self, seconds: float, total: int):
-        self.seconds, self.total, self.done = min(seconds, PACE_MAX_S), max(total, 1), 0
+        self.seconds = min(seconds, PACE_MAX_S)
+        self.total = max(total, 1)
+        self.done = 0  # bytes written so far
         self.start: float | None = None
         self.released = threading.Event()
 
     def __call__(self, nbytes: int) -> None:
         now = time.perf_counter()
-        self.start = now if self.start is None else self.start
+        if self.start is None:
+            self.start = now
         self.done += nbytes
         delay = self.start + self.seconds * min(self.done / self.total, 1.0) - now
         if delay > 0:
@@ -106,14 +123,15 @@ class GuardedWriter:
     """Wraps DeepSpeed's checkpoint engine: durable, checksummed writes; failures
     recorded, not raised."""
 
-    def __init__(self, inner):
+    def __init__(self, inner: CheckpointEngine):
         self.inner = inner
-        self.buffers: dict = {}  # --async_save: host buffers kept from one save to the next
+        self.buffers: Pool = {}  # --async_save: host buffers kept from one save to the next
         self.pace_s: float | None = None  # --async_save: PACE_STEPS x the last step's time
-        self.last_update: float | None = None
-        self.reset(None)
+        self.last_update: float | None = None  # when the last optimizer step began
+        self.record = SaveRecord(None, None)
+        self.queue: Queue | None = None  # --async_save: the snapshot's copies and writes
 
-    def __getattr__(self, name):
+    def __getattr__(self, name: str) -> object:
         return getattr(self.inner, name)
 
     # DeepSpeed's engine loads every rank file through its checkpoint engine: restricted to tensors,
@@ -123,18 +141,34 @@ class GuardedWriter:
     def reset(
         self, staging: Path | None, step: int | None = None, background: bool = False
     ) -> None:
-        self.record = record = SaveRecord(staging, step)
-        self.queue = (
-            Queue(lambda state, path: self._write(state, path, record, direct=True), record)
-            if background
-            else None
-        )
+        """A new save into ``staging``; ``background``: its writes queued for a thread."""
+        record = SaveRecord(staging, step)
+        self.record = record
+        self.queue = None
+        if background:
 
-    # This save's record, as the manager reads it (after the writes are done).
-    staging = property(lambda self: self.record.staging)
-    step = property(lambda self: self.record.step)
-    error = property(lambda self: self.record.error)
-    files = property(lambda self: self.record.files)
+            def write(state: object, path: str) -> None:
+                self._write(state, path, record, direct=True)  # into this save's record
+
+            self.queue = Queue(write, record)
+
+    # This save's record, as the Checkpointer reads it (after the writes are done).
+
+    @property
+    def staging(self) -> Path | None:
+        return self.record.staging
+
+    @property
+    def step(self) -> int | None:
+        return self.record.step
+
+    @property
+    def error(self) -> str | None:
+        return self.record.error
+
+    @property
+    def files(self) -> Files:
+        return self.record.files
 
     @property
     def snapshot_bytes(self) -> int:
@@ -150,12 +184,13 @@ class GuardedWriter:
             self.record.pacer = Pacer(self.pace_s, self.queue.bytes)
         try:
             self.queue.start()
-        except Exception as e:  # noqa: BLE001 — reported to all ranks by the manager
+        except Exception as e:  # noqa: BLE001 — reported to all ranks at the agree step
             self.fail(self.staging, e)
             self.queue.copied.set()
             self.queue.finished.set()
 
     def done(self) -> bool:
+        """Whether this save's writes are over (always, for a synchronous save)."""
         return self.queue is None or self.queue.done()
 
     def wait_copied(self) -> float:
@@ -170,6 +205,7 @@ class GuardedWriter:
         return self.queue.wait_copied()
 
     def join(self) -> None:
+        """Wait for this save's writes, at full speed."""
         if self.queue is not None:
             self.record.release()  # waited for: full speed
             self.queue.join()
@@ -179,7 +215,8 @@ class GuardedWriter:
         write that hangs (a dead mount) trips the step's deadline and a slow one does not."""
         if self.queue is None:
             return
-        record, seen = self.record, None
+        record = self.record
+        seen: tuple[int, int] | None = None  # (files written, bytes of the current one)
         record.release()  # waited for: full speed
         while not self.queue.finished.wait(0.5):
             now = (len(record.files), record.current.size if record.current is not None else 0)
@@ -192,7 +229,7 @@ class GuardedWriter:
         self.record.cancelled.set()
         self.record.release()
 
-    def makedirs(self, path, exist_ok=False):
+    def makedirs(self, path: str, exist_ok: bool = False) -> None:
         try:
             fault_point("save.makedirs", self.step)
             os.makedirs(path, exist_ok=exist_ok)
@@ -200,7 +237,9 @@ class GuardedWriter:
             # recorded like a write: rank 0 calls this just before a barrier
             self.fail(path, e)
 
-    def save(self, state_dict, path) -> None:
+    def save(self, state_dict: object, path: str) -> None:
+        """DeepSpeed's call for each rank file: written now, or (--async_save) its snapshot
+        planned and queued; a failure is recorded."""
         if self.error is not None:
             return
         if self.queue is not None:
@@ -213,7 +252,9 @@ class GuardedWriter:
             return
         self._write(state_dict, path, self.record)
 
-    def _write(self, state_dict, path, record: SaveRecord, direct: bool = False) -> None:
+    def _write(
+        self, state_dict: object, path: str, record: SaveRecord, direct: bool = False
+    ) -> None:
         """Write one file of the save ``record`` is of (its own record: see SaveRecord).
         ``direct`` (a background save's): with O_DIRECT where the filesystem takes it, for the
         writer's CPU (what competes with training); a synchronous save, which training waits for,
@@ -246,10 +287,10 @@ class GuardedWriter:
                 add_time(record.stats, "torch_save", t1 - t0)
             record.files[os.path.relpath(path, record.staging)] = (w.size, w.digest())
             seams.pause(seams.SLOW_SAVE)
-        except Exception as e:  # noqa: BLE001 — any failure is reported to all ranks by the manager
+        except Exception as e:  # noqa: BLE001 — any failure is reported to all ranks at the agree step
             record.fail(path, w.os_error if w is not None and w.os_error else e)
 
-    def guard(self, fn):
+    def guard(self, fn: Callable[..., object]) -> Callable[..., object]:
         """Wrap a DeepSpeed write helper so it records a failure instead of raising.
 
         DeepSpeed's rank-0-only ``_copy_recovery_script`` runs *before* the barrier that ends
@@ -257,16 +298,17 @@ class GuardedWriter:
         ranks would fall out of step (seen here as a gloo collective mismatch).
         """
 
-        def guarded(path, *args, **kwargs):
+        def guarded(path: str, *args: object, **kwargs: object) -> object:
             try:
                 fault_point("save.recovery_script", self.step)
                 return fn(path, *args, **kwargs)
-            except Exception as e:  # noqa: BLE001 — reported to all ranks by the manager
+            except Exception as e:  # noqa: BLE001 — reported to all ranks at the agree step
                 self.fail(path, e)
+                return None
 
         return guarded
 
-    def fail(self, path, e: BaseException) -> None:
+    def fail(self, path: str | Path | None, e: BaseException) -> None:
         """Record that writing ``path`` failed (the save fails at its commit;
         nothing raises here)."""
         self.record.fail(path, e)
@@ -275,21 +317,13 @@ class GuardedWriter:
 # ---------- --async_save: the host-memory snapshot and its writer thread ----------
 
 
-def host_copy(obj, pool: dict | None = None, name: str = "") -> tuple[object, int]:
-    """A copy of ``obj`` whose tensors live in host memory, made now; returns it and the bytes
-    copied (``host_plan`` with its copies run at once)."""
-    state, nbytes, copies = host_plan(obj, pool, name)
-    run_copies(copies)
-    return state, nbytes
-
-
 # Storages this small are copied at the save itself, not lazily: a module's buffers (BatchNorm's
 # running statistics) may be changed in place by the next forward; the partitions and optimizer
 # states, changed only by the optimizer step, are far larger.
 EAGER_BYTES = 64 << 10
 
 
-def host_plan(obj, pool: dict | None = None, name: str = "") -> tuple[object, int, list]:
+def host_plan(obj: object, pool: Pool | None = None, name: str = "") -> tuple[object, int, Copies]:
     """A copy of ``obj`` whose tensors are backed by host buffers not yet filled; returns it, the
     bytes to copy and the copies, (destination, source) pairs that ``run_copies`` makes. Storages
     of at most EAGER_BYTES are copied now.
@@ -300,7 +334,7 @@ def host_plan(obj, pool: dict | None = None, name: str = "") -> tuple[object, in
     """
     storages: dict[int, torch.UntypedStorage] = {}
     memo: dict[int, object] = {}
-    copies: list[tuple[torch.Tensor, torch.Tensor]] = []
+    copies: Copies = []
     eager: list[torch.device] = []
     copied = 0
 
@@ -342,7 +376,7 @@ def host_plan(obj, pool: dict | None = None, name: str = "") -> tuple[object, in
             new.__dict__.update(copy.deepcopy(t.__dict__, memo))
         return new
 
-    def seed(o) -> None:
+    def seed(o: object) -> None:
         if isinstance(o, torch.Tensor):
             if id(o) not in memo and o.layout == torch.strided and o.device.type != "meta":
                 memo[id(o)] = tensor_copy(o)
@@ -359,7 +393,11 @@ def host_plan(obj, pool: dict | None = None, name: str = "") -> tuple[object, in
     return copy.deepcopy(obj, memo), copied, copies
 
 
-def run_copies(copies: list, cancelled: threading.Event | None = None, ready=None) -> None:
+def run_copies(
+    copies: Copies,
+    cancelled: threading.Event | None = None,
+    ready: torch.cuda.Event | None = None,
+) -> None:
     """Fill a plan's host buffers. Device tensors are copied on a side stream that first waits for
     ``ready`` (an event recorded on the training stream when the save was planned), into
     page-locked buffers, then synchronised; host tensors are copied in place, storage by storage
@@ -382,7 +420,7 @@ def run_copies(copies: list, cancelled: threading.Event | None = None, ready=Non
         stream.synchronize()
 
 
-def add_time(stats: dict | None, key: str, seconds: float) -> None:
+def add_time(stats: dict[str, float] | None, key: str, seconds: float) -> None:
     if stats is not None:
         stats[key] = stats.get(key, 0.0) + seconds
 
@@ -392,22 +430,23 @@ class Queue:
     every snapshot's tensors first (``copied`` is set then, failed or not), then the files."""
 
     def __init__(self, write: Callable[[object, str], None], record: SaveRecord | None = None):
-        self.write, self.record = write, record
+        self.write = write
+        self.record = record
         self.items: list[tuple[object, str]] = []
-        self.tasks: list[tuple[str, Callable[[], None]]] = []  # (what, fn) after the files
-        self.copies: list = []
+        self.tasks: list[tuple[str | Path, Callable[[], None]]] = []  # (what, fn): after the files
+        self.copies: Copies = []
         self.bytes = 0
         self.thread: threading.Thread | None = None
         self.finished = threading.Event()
         self.copied = threading.Event()
-        self.ready = None  # CUDA: the training stream's event the copies wait for
+        self.ready: torch.cuda.Event | None = None  # CUDA: the training stream's, copies wait
 
-    def add(self, state, path: str, nbytes: int, copies: list | None = None) -> None:
+    def add(self, state: object, path: str, nbytes: int, copies: Copies | None = None) -> None:
         self.items.append((state, path))
         self.copies += copies or []
         self.bytes += nbytes
 
-    def then(self, what: str, fn: Callable[[], None]) -> None:
+    def then(self, what: str | Path, fn: Callable[[], None]) -> None:
         """Run ``fn`` on the thread after the files are written (unless one failed); its failure
         is recorded against ``what``."""
         self.tasks.append((what, fn))
@@ -420,6 +459,7 @@ class Queue:
         self.thread.start()
 
     def wait_copied(self) -> float:
+        """Wait until the snapshot's tensors are copied; the seconds waited."""
         t0 = time.perf_counter()
         self.copied.wait()
         return time.perf_counter() - t0

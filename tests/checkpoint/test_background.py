@@ -1,4 +1,5 @@
-"""--async_save's snapshot (host_copy) and background queue, in one process."""
+"""--async_save's snapshot (host_plan, then run_copies on the writer's thread) and background
+queue, in one process."""
 
 from __future__ import annotations
 
@@ -6,8 +7,17 @@ import io
 
 import pytest
 import torch
+from checkpoint.fake_engine import Inner
 
-from finetune.checkpoint.writer import GuardedWriter, Queue, host_copy
+from finetune.checkpoint.writer import GuardedWriter, Pool, Queue, host_plan, run_copies
+
+
+def copied_now(obj: object, pool: Pool | None = None, name: str = "") -> tuple[object, int]:
+    """The snapshot of ``obj`` as a background save makes it: planned, then its copies run (here,
+    at once); returns it and the bytes copied."""
+    state, nbytes, copies = host_plan(obj, pool, name)
+    run_copies(copies)
+    return state, nbytes
 
 
 def _saved(obj) -> bytes:
@@ -38,13 +48,13 @@ def _state():
 def test_the_copy_serialises_to_the_same_bytes_as_the_original():
     state = _state()
     before = _saved(state)
-    copied, nbytes = host_copy(state)
+    copied, nbytes = copied_now(state)
     assert _saved(copied) == before
     assert nbytes == 12 * 4 + 6 * 4 + 4 + 5 * 2  # each storage once: the views add nothing
 
 
 def test_views_still_share_one_storage_and_types_are_kept():
-    copied, _ = host_copy(_state())
+    copied, _ = copied_now(_state())
     flat, (head, tail) = copied["flat"], copied["views"]
     assert (
         head.untyped_storage().data_ptr()
@@ -59,7 +69,7 @@ def test_views_still_share_one_storage_and_types_are_kept():
 
 def test_later_changes_to_the_live_state_do_not_reach_the_copy():
     state = _state()
-    copied, _ = host_copy(state)
+    copied, _ = copied_now(state)
     expected = _saved(copied)
     with torch.no_grad():
         state["flat"].mul_(-1)
@@ -73,11 +83,11 @@ def test_later_changes_to_the_live_state_do_not_reach_the_copy():
 def test_a_second_copy_reuses_the_first_ones_buffers():
     pool: dict = {}
     state = _state()
-    first, _ = host_copy(state, pool, "f.pt")
+    first, _ = copied_now(state, pool, "f.pt")
     kept = {slot: buf.data_ptr() for slot, buf in pool.items()}
     with torch.no_grad():
         state["flat"].add_(100)
-    second, _ = host_copy(state, pool, "f.pt")
+    second, _ = copied_now(state, pool, "f.pt")
     assert {slot: buf.data_ptr() for slot, buf in pool.items()} == kept
     assert second["flat"].untyped_storage().data_ptr() == kept[("f.pt", 0)]
     assert torch.equal(second["flat"], state["flat"]) and _saved(second) == _saved(state)
@@ -94,18 +104,14 @@ def test_the_queue_writes_in_order_on_its_thread_and_reports_done():
     assert q.done() and written == [("first", {"a": 1}), ("second", {"b": 2})]
 
 
-class _Inner:
-    zipfile_serialization = True
-
-
 def test_a_background_write_equals_a_synchronous_one(tmp_path):
     state = _state()
-    sync = GuardedWriter(_Inner())
+    sync = GuardedWriter(Inner())
     sync.reset(tmp_path / "sync", 4)
     (tmp_path / "sync").mkdir()
     sync.save(state, str(tmp_path / "sync" / "f.pt"))
 
-    background = GuardedWriter(_Inner())
+    background = GuardedWriter(Inner())
     background.reset(tmp_path / "async", 4, background=True)
     (tmp_path / "async").mkdir()
     background.save(state, str(tmp_path / "async" / "f.pt"))
@@ -127,7 +133,7 @@ def test_a_background_write_equals_a_synchronous_one(tmp_path):
 
 def _started(folder):
     """A background save of _state() to folder/f.pt at step 4, its thread started."""
-    w = GuardedWriter(_Inner())
+    w = GuardedWriter(Inner())
     w.reset(folder, 4, background=True)
     w.save(_state(), str(folder / "f.pt"))
     w.start()
@@ -154,7 +160,7 @@ def test_a_background_failure_is_recorded_not_raised(tmp_path, monkeypatch):
 
 def test_a_failed_copy_is_recorded_and_nothing_is_queued(tmp_path, monkeypatch):
     monkeypatch.setenv("FINETUNE_FAULT", "save.host_copy:0:4:error")
-    w = GuardedWriter(_Inner())
+    w = GuardedWriter(Inner())
     w.reset(tmp_path, 4, background=True)
     w.save(_state(), str(tmp_path / "f.pt"))
     assert w.error is not None and "injected fault" in w.error and w.snapshot_bytes == 0
@@ -164,10 +170,10 @@ def test_a_failed_copy_is_recorded_and_nothing_is_queued(tmp_path, monkeypatch):
 def test_device_tensors_go_to_reused_pinned_buffers():
     pool: dict = {}
     state = {"w": torch.randn(1000, device="cuda")}
-    first, _ = host_copy(state, pool, "f.pt")
+    first, _ = copied_now(state, pool, "f.pt")
     assert first["w"].device.type == "cpu" and first["w"].is_pinned()
     buffer = next(iter(pool.values())).data_ptr()
-    second, _ = host_copy(state, pool, "f.pt")
+    second, _ = copied_now(state, pool, "f.pt")
     assert second["w"].untyped_storage().data_ptr() == buffer
     assert torch.equal(second["w"], state["w"].cpu())
 
@@ -176,13 +182,13 @@ def test_distinct_empty_storages_stay_distinct():
     """ZeRO-3's partitioned parameters are empty tensors, each with a storage of its own: torch.save
     writes one record per storage, and so must the copy's."""
     state = {f"p{i}": torch.empty(0) for i in range(3)}
-    copied, nbytes = host_copy(state)
+    copied, nbytes = copied_now(state)
     assert nbytes == 0 and _saved(copied) == _saved(state)
 
 
 def test_a_writer_thread_that_cannot_start_is_a_recorded_failure(tmp_path, monkeypatch):
     """Raised on one rank, it would leave the others waiting in the next collective."""
-    w = GuardedWriter(_Inner())
+    w = GuardedWriter(Inner())
     w.reset(tmp_path, 4, background=True)
     w.save(_state(), str(tmp_path / "f.pt"))
 
@@ -204,7 +210,7 @@ def test_a_background_write_is_paced_over_the_steps_time_until_waited_for(tmp_pa
     from finetune.checkpoint import writer as writer_module
 
     def paced_save(folder, step_s):
-        w = GuardedWriter(_Inner())
+        w = GuardedWriter(Inner())
         w.wait_copied()
         time.sleep(step_s)
         w.wait_copied()  # one "step" later: the pace is set from it
@@ -235,7 +241,7 @@ def test_small_tensors_are_copied_at_the_save_the_large_ones_lazily(tmp_path):
 
     running_mean = torch.arange(8, dtype=torch.float32)
     big = torch.ones(EAGER_BYTES // 4 + 1)  # one storage over EAGER_BYTES
-    w = GuardedWriter(_Inner())
+    w = GuardedWriter(Inner())
     w.reset(tmp_path, 4, background=True)
     w.save({"running_mean": running_mean, "big": big}, str(tmp_path / "f.pt"))
     assert [src.nbytes for _, src in w.queue.copies] == [big.nbytes]  # only the big one waits
