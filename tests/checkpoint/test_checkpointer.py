@@ -7,12 +7,24 @@ import json
 
 import pytest
 import torch
+from checkpoint.fake_engine import (
+    Inner,
+    _fake_engines_model_is_not_checked,
+    make_cfg,
+    make_manager,
+    run_saves,
+    stage,
+    tiny_module,
+)
 
 from finetune.checkpoint.writer import GuardedWriter
 from finetune.checkpoint_format.manifest import MANIFEST, read_manifest
 from finetune.checkpoint_format.outdir import STAGING, OutputDir
 from finetune.io import seams
 from finetune.io.durable import hash_file
+
+# fake_engine's, found by pytest under these names
+FIXTURES = (tiny_module, _fake_engines_model_is_not_checked)
 
 
 class FakeStorage(OutputDir):
@@ -33,17 +45,6 @@ class FakeStorage(OutputDir):
     def write_latest(self, tag):
         self._maybe_crash("write_latest")
         super().write_latest(tag)
-
-
-def stage(storage: OutputDir, tag: str, payload: bytes = b"weights") -> dict:
-    folder = storage.root / STAGING / tag
-    folder.mkdir(parents=True)
-    (folder / "zero_pp_rank_0_mp_rank_00_model_states.pt").write_bytes(payload)
-    return {
-        "zero_pp_rank_0_mp_rank_00_model_states.pt": hash_file(
-            folder / "zero_pp_rank_0_mp_rank_00_model_states.pt"
-        )
-    }
 
 
 def complete(storage: OutputDir, tag: str) -> bool:
@@ -90,12 +91,8 @@ def test_tags_sort_by_step_not_by_name_or_mtime(tmp_path):
     assert OutputDir(tmp_path).tags() == ["global_step9", "global_step10", "global_step100"]
 
 
-class _Inner:
-    zipfile_serialization = True
-
-
 def test_guarded_writer_checksums_what_it_wrote(tmp_path):
-    w = GuardedWriter(_Inner())
+    w = GuardedWriter(Inner())
     w.reset(tmp_path, step=3)
     w.save({"x": torch.arange(10)}, str(tmp_path / "a.pt"))
     assert w.error is None
@@ -105,7 +102,7 @@ def test_guarded_writer_checksums_what_it_wrote(tmp_path):
 
 def test_guarded_writer_records_failures_instead_of_raising(tmp_path, monkeypatch):
     monkeypatch.setenv(seams.FAULT, "save.write_rank_files:0:3")
-    w = GuardedWriter(_Inner())
+    w = GuardedWriter(Inner())
     w.reset(tmp_path, step=3)
     w.save({"x": torch.ones(2)}, str(tmp_path / "a.pt"))
     w.save({"x": torch.ones(2)}, str(tmp_path / "b.pt"))
@@ -118,7 +115,7 @@ def test_guarded_writer_records_failures_instead_of_raising(tmp_path, monkeypatc
 
 def test_guarded_writer_reports_a_directory_in_the_way(tmp_path):
     (tmp_path / "a.pt").mkdir()
-    w = GuardedWriter(_Inner())
+    w = GuardedWriter(Inner())
     w.reset(tmp_path)
     w.save({"x": torch.ones(2)}, str(tmp_path / "a.pt"))
     assert w.error and "IsADirectoryError" in w.error
@@ -131,91 +128,7 @@ def test_manifest_json_is_plain_json(tmp_path):
     assert data["algorithm"] == "xxh3_128" and data["total_bytes"] == len(b"weights")
 
 
-# --- the manager and the resume planner in one process (world size 1, a fake engine) -----------
-
-
-class FakeEngine:
-    """What the manager needs of DeepSpeed's engine: save_checkpoint through checkpoint_engine."""
-
-    def __init__(self, module):
-        self.module, self.checkpoint_engine = module, _Inner()
-
-    def save_checkpoint(self, save_dir, tag, save_latest):
-        folder = f"{save_dir}/{tag}"
-        self.checkpoint_engine.makedirs(folder, exist_ok=True)
-        for kind in ("model", "optim"):
-            self.checkpoint_engine.save(
-                {"x": torch.ones(64)}, f"{folder}/zero_pp_rank_0_mp_rank_00_{kind}_states.pt"
-            )
-
-
-class FakeTokenizer:
-    def save_pretrained(self, folder):
-        path = f"{folder}/tokenizer.json"
-        with open(path, "w") as f:
-            f.write("{}")
-        # transformers lists files it may not write
-        return (path, f"{folder}/special_tokens_map.json")
-
-
-class FakeSampler:
-    def state_dict(self):
-        return {}
-
-    def load_state_dict(self, sd):
-        self.loaded = sd
-
-
-@pytest.fixture(scope="module")
-def tiny_module():
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    return GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=8, n_head=2, vocab_size=32, n_positions=16))
-
-
-@pytest.fixture(autouse=True)
-def _fake_engines_model_is_not_checked(monkeypatch):
-    """The fake engine saves a tiny GPT-2 while the flags name the embedded model: a resume's
-    architecture check (tested in test_modeling) would rightly refuse every checkpoint here."""
-    monkeypatch.setattr(
-        "finetune.checkpoint.resume.check_checkpoint_model", lambda folder, args: None
-    )
-
-
-def make_cfg(out, **flags):
-    from finetune.resolve import resolve
-
-    return resolve({"output_dir": str(out), "save_checkpoint": True, **flags}, world_size=1)
-
-
-def make_manager(cfg, module, run_id="run1", **kw):
-    from finetune.checkpoint.checkpointer import Checkpointer
-    from finetune.checkpoint.resume import Resumer
-    from finetune.checkpoint.staging import Layout
-    from finetune.checkpoint_format.state import TrainingState
-
-    storage = OutputDir(cfg.ckpt.output_dir)
-    plan = Resumer(cfg, storage).plan_resume()
-    progress = TrainingState()
-    manager = Checkpointer(
-        storage,
-        cfg.ckpt,
-        Layout([[0]], False),
-        engine=FakeEngine(module),
-        states={"progress": progress, "sampler": FakeSampler()},
-        tokenizer=FakeTokenizer(),
-        run_info={"args": {}},
-        run_id=run_id,
-        plan=plan,
-        **kw,
-    )
-    return manager, progress, plan
-
-
-def run_saves(manager, progress, steps):
-    for step in steps:
-        progress.global_step = step
-        manager.save(step)
+# --- the Checkpointer and the resume planner in one process (fake_engine.py) ------------------
 
 
 def test_a_save_lists_exactly_the_files_written_and_rank0_reads_back_only_its_own(
@@ -770,7 +683,7 @@ def test_a_write_that_returns_after_its_save_was_given_up_touches_only_that_save
     """--async_save: the writer thread of a save given up at its deadline wakes after the next save
     began. Its file must not be recorded in, nor its failure fail, the next save (one record per
     save)."""
-    w = GuardedWriter(_Inner())
+    w = GuardedWriter(Inner())
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
     w.reset(tmp_path / "a", step=2, background=True)

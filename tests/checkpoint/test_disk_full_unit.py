@@ -7,12 +7,12 @@ import errno
 import re
 
 import pytest
-from checkpoint.test_checkpointer import make_cfg, make_manager, run_saves, tiny_module
+from checkpoint.fake_engine import make_cfg, make_manager, run_saves, tiny_module
 
 from finetune.checkpoint.contents import fmt_bytes, space_report
 from finetune.checkpoint_format.outdir import LATEST, STAGING, OutputDir
 
-FIXTURES = (tiny_module,)  # test_checkpointer's, found by pytest under this name
+FIXTURES = (tiny_module,)  # fake_engine's, found by pytest under this name
 
 FREED = re.compile(
     r"removing its staging freed ([\d.]+) MB; ([\d.]+) MB free now, a save needs ~([\d.]+) MB"

@@ -1,25 +1,23 @@
 """Bugs the fault sweep found, each pinned by a test that runs in one process (world size 1, the
-checkpoint manager's fake engine from tests/checkpoint/test_checkpointer.py)."""
+Checkpointer on the fake engine of tests/checkpoint/fake_engine.py)."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "checkpoint"))
-from finetune.checkpoint_format.manifest import read_manifest  # noqa: E402
-from finetune.checkpoint_format.outdir import OutputDir  # noqa: E402
-from finetune.io import seams  # noqa: E402
-
-from test_checkpointer import (  # noqa: E402
+from checkpoint.fake_engine import (
+    Inner,
     _fake_engines_model_is_not_checked,
     make_cfg,
     make_manager,
     run_saves,
+    stage,
     tiny_module,
 )
 
-# test_checkpointer's, found by pytest under these names
+from finetune.checkpoint_format.manifest import read_manifest
+from finetune.checkpoint_format.outdir import OutputDir
+from finetune.io import seams
+
+# fake_engine's, found by pytest under these names
 FIXTURES = (tiny_module, _fake_engines_model_is_not_checked)
 
 
@@ -67,9 +65,6 @@ def test_makedirs_records_any_failure_instead_of_raising(tmp_path, monkeypatch):
     broken connection instead of agreeing on a failed save and training on."""
     from finetune.checkpoint.writer import GuardedWriter
 
-    class Inner:
-        zipfile_serialization = True
-
     monkeypatch.setenv(seams.FAULT, "save.makedirs:0:3:error")
     monkeypatch.delenv("RANK", raising=False)
     w = GuardedWriter(Inner())
@@ -99,8 +94,6 @@ def test_a_run_resumed_at_its_last_step_finishes_the_commit_a_crash_cut_short(
 def test_a_save_never_replaces_a_folder_finetune_did_not_commit(tmp_path, caplog):
     """A folder under a checkpoint's name without a manifest (a plain DeepSpeed save, a copy by
     hand) was deleted by the same-tag swap of a save of that step; it is now set aside, intact."""
-
-    from test_checkpointer import stage
 
     (tmp_path / "global_step4").mkdir()
     (tmp_path / "global_step4" / "mp_rank_00_model_states.pt").write_bytes(b"someone else's")
