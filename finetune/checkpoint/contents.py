@@ -14,13 +14,16 @@ from __future__ import annotations
 
 import copy
 import json
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from finetune import distributed as dist
+from finetune.checkpoint.writer import Files
 from finetune.checkpoint_format.outdir import STAGING, OutputDir
 from finetune.checkpoint_format.state import TRAINER_STATE, LogWindow, set_rng_state
 from finetune.distributed import logger
@@ -29,6 +32,13 @@ from finetune.io.durable import WriteCancelled, bytes_hashed
 from finetune.io.faults import fault_point
 from finetune.ops import replay_adam_steps
 from finetune.weights.adapter import ADAPTER_WEIGHTS, write_adapter_config
+
+if TYPE_CHECKING:
+    from deepspeed import DeepSpeedEngine
+    from torch.distributed.checkpoint.stateful import Stateful
+    from transformers import PreTrainedTokenizerBase
+
+    from finetune.checkpoint.resume import ResumePlan
 
 RANK_WINDOW = "log_window"  # in rng_state_{r}.pt: rank r's own log window (state.py)
 CONSOLIDATED_PATTERNS = (
@@ -39,7 +49,8 @@ CONSOLIDATED_PATTERNS = (
 )
 
 
-def versions() -> dict:
+def versions() -> dict[str, str]:
+    """The versions a checkpoint was written with (its manifest and trainer_state.json)."""
     import deepspeed
     import transformers
 
@@ -58,8 +69,8 @@ class Snapshot:
     """What a save captures before writing: this rank's RNG, and (leaders) the trainer state."""
 
     step: int
-    rng: dict | None = None
-    trainer_state: dict | None = None
+    rng: dict[str, object] | None = None
+    trainer_state: dict[str, object] | None = None
 
 
 @dataclass
@@ -73,10 +84,12 @@ class Pending:
     consolidated: bool
     final: bool
     background: bool
-    eval: dict | None = None  # the evaluation of its step (the manifest's), taken with the save
+    eval: dict[str, float] | None = None  # its step's evaluation (the manifest's), taken then
 
 
-def trainer_state(states: dict, window: LogWindow, run_info: dict) -> dict:
+def trainer_state(
+    states: dict[str, Stateful], window: LogWindow, run_info: dict[str, object]
+) -> dict[str, object]:
     """trainer_state.json: ``states["progress"]``'s keys at the top level (where checkpoints have
     always had them), every other state under its name, the world's log window, ``run_info``."""
     others = {name: state.state_dict() for name, state in states.items() if name != "progress"}
@@ -91,8 +104,12 @@ def trainer_state(states: dict, window: LogWindow, run_info: dict) -> dict:
 
 
 def write_consolidated(
-    module, folder: Path, dtype: torch.dtype, max_shard_size: str | None, adapters: bool
-) -> tuple[dict, dict | None, str | None]:
+    module: torch.nn.Module,
+    folder: Path,
+    dtype: torch.dtype,
+    max_shard_size: str | None,
+    adapters: bool,
+) -> tuple[Files, dict[str, object] | None, str | None]:
     """Collective: every rank gathers, even one whose own writes already failed. Returns (the
     files written, the adapter's summary for the manifest, the consolidation's error or None)."""
     from finetune.weights.adapter import save_adapter
@@ -117,14 +134,14 @@ def write_consolidated(
 
 def write_shared(
     storage: OutputDir,
-    module,
-    tokenizer,
+    module: torch.nn.Module,
+    tokenizer: PreTrainedTokenizerBase,
     folder: Path,
     snap: Snapshot,
     consolidated_dtype: torch.dtype | None,
     adapters: bool,
-    cancelled,
-) -> dict[str, tuple[int, str]]:
+    cancelled: threading.Event,
+) -> Files:
     """A leader's files: config, tokenizer, trainer_state.json; hashes only what it wrote here.
     ``consolidated_dtype``: the consolidated weights' dtype, which config.json then records (None:
     no consolidated weights). Returns the files (never records them: a write that hung past its
@@ -144,7 +161,8 @@ def write_shared(
         written.append(write_adapter_config(module, folder))
     if cancelled.is_set():  # given up on (a hung write above): write no more
         raise WriteCancelled(f"{folder}: the save was given up")
-    files, staged = {}, f"{STAGING}/{folder.name}"
+    files: Files = {}
+    staged = f"{STAGING}/{folder.name}"
     for name in dict.fromkeys(path.name for path in written):
         if storage.is_file(f"{staged}/{name}"):
             files[name] = storage.storage.checksum(f"{staged}/{name}")
@@ -153,7 +171,7 @@ def write_shared(
     return files
 
 
-def restored_window(world: LogWindow, own: dict | None, same_world: bool) -> LogWindow:
+def restored_window(world: LogWindow, own: dict[str, object] | None, same_world: bool) -> LogWindow:
     """This rank's log window after a resume. ``world``: trainer_state.json's (the world's sum;
     rank 0's own in checkpoints written before rank files kept theirs); ``own``: the rank file's.
     At the same world size each rank takes its own, so the next row sums exactly what the
@@ -170,25 +188,36 @@ def restored_window(world: LogWindow, own: dict | None, same_world: bool) -> Log
 
 
 def is_consolidated(name: str) -> bool:
+    """Whether ``name`` is one of the consolidated weights' files (CONSOLIDATED_PATTERNS)."""
     return name in ("model.safetensors", "model.safetensors.index.json", ADAPTER_WEIGHTS) or (
         name.startswith("model-") and name.endswith(".safetensors")
     )
 
 
 def describe(bad: dict[int, str]) -> str:
+    """Each failing rank's error, for a save's error line."""
     return "; ".join(f"rank {r}: {e}" for r, e in sorted(bad.items()))
 
 
-def restore(plan, engine, states: dict, out: Path, adapters: bool) -> None:
+def restore(
+    plan: ResumePlan,
+    engine: DeepSpeedEngine,
+    states: dict[str, Stateful],
+    out: Path,
+    adapters: bool,
+) -> None:
     """Restore the engine, the states (``states["progress"]``: trainer_state.json's top level;
     each other one its own key) and this rank's RNG and log window (``restored_window``) from
     ``plan``, and trim metrics.jsonl after its step. Collective."""
     progress = states["progress"]
-
-    start, folder = time.perf_counter(), plan.folder
-    load_dir, tag = (
-        (str(folder), plan.universal.name) if plan.universal else (str(folder.parent), folder.name)
-    )
+    start = time.perf_counter()
+    folder = plan.folder
+    if plan.universal is not None:  # converted for this world size: its own folder inside
+        load_dir = str(folder)
+        tag = plan.universal.name
+    else:
+        load_dir = str(folder.parent)
+        tag = folder.name
     # --use_peft: the rank files hold no frozen base weight, so the module's state
     # is partial (the adapters' own weights come from the optimizer's fp32
     # partitions, as in full fine-tuning).
@@ -209,7 +238,7 @@ def restore(plan, engine, states: dict, out: Path, adapters: bool) -> None:
             state.load_state_dict(plan.saved[name])
     rng_file = folder / f"rng_state_{dist.rank()}.pt"
 
-    def load_rng():
+    def load_rng() -> dict[str, object] | None:
         fault_point("resume.load_rng")
         if not rng_file.exists():  # (the plan's folder may be outside OUT: a local path)
             return None
@@ -234,7 +263,7 @@ def restore(plan, engine, states: dict, out: Path, adapters: bool) -> None:
     )
     from finetune.metrics import truncate_after
 
-    def truncate():
+    def truncate() -> None:
         fault_point("resume.truncate_metrics")
         truncate_after(out / "metrics.jsonl", progress.global_step)
 
@@ -262,17 +291,20 @@ class SaveIO:
     kernel's read counters for the whole process (/proc/self/io), as deltas over one save."""
 
     def __init__(self):
-        self.start = (_proc_io(), bytes_hashed())
+        self.io0 = _proc_io()
+        self.hashed0 = bytes_hashed()
 
-    def finish(self, tag: str, files: dict[str, tuple[int, str]], seconds: float) -> dict:
-        (io0, hashed0), io1 = self.start, _proc_io()
+    def finish(self, tag: str, files: Files, seconds: float) -> dict[str, int | float | str]:
+        """This rank's record of the save of ``tag`` (FINETUNE_SAVE_IO: also written there)."""
+        io0 = self.io0
+        io1 = _proc_io()
         record = {
             "tag": tag,
             "rank": dist.rank(),
             "world_size": dist.world_size(),
             "seconds": round(seconds, 4),
             "own_bytes": sum(size for size, _ in files.values()),
-            "hashed_bytes": bytes_hashed() - hashed0,
+            "hashed_bytes": bytes_hashed() - self.hashed0,
             **{f"{k}_delta": io1[k] - io0[k] for k in io1 if k in io0},
         }
         folder = seams.value(seams.SAVE_IO)
@@ -301,7 +333,8 @@ class Clock:
     """Per-phase timings of one save, for the log line."""
 
     def __init__(self):
-        self.start = self.last = time.perf_counter()
+        self.start = time.perf_counter()
+        self.last = self.start  # the end of the last lap
         self.laps: list[tuple[str, float]] = []
 
     def lap(self, name: str) -> None:
@@ -338,7 +371,9 @@ def space_report(freed: dict[int, tuple[int, int | None]], need: int) -> str:
     return "; ".join(parts)
 
 
-def finished(tag: str, clock: Clock, total: int, own: dict, final: bool) -> str:
+def finished(
+    tag: str, clock: Clock, total: int, own: dict[str, int | float | str], final: bool
+) -> str:
     """The log line of a committed save: its time, size, rate, phases and rank 0's own I/O."""
     return (
         f"Finished saving the checkpoint {tag} in {clock.total:.2f} seconds "

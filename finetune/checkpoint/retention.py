@@ -25,6 +25,8 @@ from finetune.io.faults import fault_point
 
 
 class Lineage:
+    """The line of commits this run continues and extends, and the retention over it."""
+
     def __init__(
         self,
         storage: OutputDir,
@@ -35,18 +37,16 @@ class Lineage:
     ):
         """Collective: the leaders read their storage's commit history; rank 0's view is shared.
         ``policy``: which evaluation makes a checkpoint the best (default: the lowest eval_loss)."""
-        self.storage, self.leader, self.head = storage, leader, head
+        self.storage = storage
+        self.leader = leader
+        self.head = head  # the newest commit of the line (None: nothing committed yet)
         self.policy = policy or BestPolicy()
         self.deleter = Deleter(storage)  # retention's deletions, in the background (leaders)
 
-        def mine():
+        def mine() -> tuple[list[str], int, int | None, dict[str, int], dict[str, object] | None]:
             fault_point("retention.history")
             found = committed(storage)
             line = line_of(head, found) if head else []
-            # the best, kept out of the count, breaks the parent links retention left: the head's
-            # manifest names it (and a newer best makes it one of the line again, to delete)
-            best = next((c for c in found if head and c.tag == head.best), None)
-            line = ([best] if best is not None and best not in line else []) + line
             mine_head = next(
                 (c for c in found if head and c.tag == head.tag and c.save_id == head.save_id), None
             )
@@ -73,17 +73,21 @@ class Lineage:
         out.raise_any()
         views = [v for v in out.results if v is not None]
         self.line: list[str] = views[0][0]  # tags, oldest first; what retention counts
-        self.next_seq = 1 + max([seen_seq] + [v[1] for v in views])
+        self.next_seq = 1 + max([seen_seq] + [v[1] for v in views])  # above every storage's
         self.last_bytes: int | None = out.result[2] if out.result else None
         # this storage's, by tag: what deleting frees
         self.sizes: dict[str, int] = out.result[3] if out.result else {}
-        self.best: dict | None = views[0][4]  # the manifests' ``best`` record; never deleted
+        # the manifests' ``best`` record: never deleted
+        self.best: dict[str, object] | None = views[0][4]
 
-    def identity(self, tag: str, run_id: str, evaluated: dict | None = None) -> dict:
+    def identity(
+        self, tag: str, run_id: str, evaluated: dict[str, float] | None = None
+    ) -> dict[str, object]:
         """The next commit's sequence number, save id and parent; ``evaluated``: its step's eval
         row, recorded with the best checkpoint once it is committed (best.py). The number is
         consumed even if the commit fails: a save id is never reused."""
-        seq, self.next_seq = self.next_seq, self.next_seq + 1
+        seq = self.next_seq
+        self.next_seq += 1
         parent = self.head
         if parent is not None and parent.tag == tag:  # a same-tag re-commit replaces its parent
             parent = (
@@ -99,7 +103,7 @@ class Lineage:
             **({"best": best} if best is not None else {}),
         }
 
-    def extend(self, tag: str, identity: dict, total_bytes: int) -> None:
+    def extend(self, tag: str, identity: dict[str, object], total_bytes: int) -> None:
         """``tag`` is committed (renamed into place everywhere): the new head of the line."""
         self.head = Committed(
             tag,
@@ -111,13 +115,14 @@ class Lineage:
         )
         self.best = identity.get("best")
         self.line = [t for t in self.line if t != tag] + [tag]
-        self.last_bytes = self.sizes[tag] = total_bytes
+        self.last_bytes = total_bytes
+        self.sizes[tag] = total_bytes
 
     def retain(
         self,
         limit: int | None,
         ensure_lease: Callable[[str, int | None], None],
-        keep: set[str] = frozenset(),
+        keep: set[str] | frozenset[str] = frozenset(),
     ) -> None:
         """--save_total_limit K: keep the K newest of the line, and ``keep`` (not yet copied to
         --remote_output_dir). Decided from facts every rank shares; leaders rename the rest to
@@ -129,7 +134,12 @@ class Lineage:
         except SaveError as e:  # the lease unreadable: the save is committed all the same
             dist.log_main(logging.WARNING, "save_total_limit %d: %s", limit, e)
 
-    def _retain(self, limit, ensure_lease, keep) -> None:
+    def _retain(
+        self,
+        limit: int | None,
+        ensure_lease: Callable[[str, int | None], None],
+        keep: set[str] | frozenset[str],
+    ) -> None:
         best = protected(self.best)  # kept besides the K newest
         doomed = (
             select_for_deletion(self.line, limit, {self.head.tag} | keep, best) if limit else []
@@ -140,7 +150,7 @@ class Lineage:
         # (tag, its trash): what this leader renamed, even if a later one failed
         moved: list[tuple[str, str]] = []
 
-        def retire():
+        def retire() -> None:
             fault_point("retention.delete", step_of(self.head.tag))
             # The one atomic step: out of the tag namespace. The files go in the background.
             for tag in doomed:
@@ -177,7 +187,7 @@ class Lineage:
             return  # resumed from a checkpoint outside OUT: nothing of this output dir to finish
         tag = self.head.tag
 
-        def point_latest():
+        def point_latest() -> None:
             fault_point("resume.finish_commit", step)
             if self.storage.read_latest() != tag:
                 self.storage.write_latest(tag)

@@ -31,6 +31,9 @@ class SaveError(RuntimeError):
 
 
 class Staging:
+    """A save's steps around its staging folder and OUT's lease, each done by the storage's
+    leader alone and agreed."""
+
     def __init__(
         self,
         storage: OutputDir,
@@ -41,15 +44,18 @@ class Staging:
     ):
         """``space_needed``: what a save needs on this storage; ``still_ours``: whether this run
         still holds OUT's lease (rank 0 asks it)."""
-        self.storage, self.leader, self.deleter = storage, leader, deleter
-        self.space_needed, self.still_ours = space_needed, still_ours
+        self.storage = storage
+        self.leader = leader
+        self.deleter = deleter  # retention's purges: what they free counts as free space
+        self.space_needed = space_needed
+        self.still_ours = still_ours
 
     def ensure_lease(self, before: str, step: int | None) -> None:
         """Right before a commit, a publish, retention or a cleanup: rank 0 re-reads OUT's lease
         (``still_ours``). LeaseLost on every rank if another run holds it; SaveError on every rank
         if it could not be read (nothing is done then either). Polled. Collective."""
 
-        def check():
+        def check() -> bool:
             fault_point("lease.check", step)
             return self.still_ours()
 
@@ -101,7 +107,7 @@ class Staging:
         every rank if not."""
         need = self.space_needed()
 
-        def problem():
+        def problem() -> str | None:
             fault_point("save.check_space", step_of(tag))
             if seams.enabled(seams.SKIP_SPACE_CHECK):
                 return None  # lets tests hit a real ENOSPC mid-write
@@ -130,7 +136,7 @@ class Staging:
         """Leaders remove what a crashed save of the same step left in staging, before DeepSpeed's
         collective write. Polled; SaveError on every rank if it failed. Collective."""
 
-        def clear():
+        def clear() -> None:
             fault_point("save.clear_staging", step_of(tag))
             self.storage.remove(f"{STAGING}/{tag}")
 
@@ -151,7 +157,7 @@ class Staging:
             dist.log_main(logging.WARNING, "%s", e)
             return ""
 
-        def remove():
+        def remove() -> tuple[int, int | None]:
             fault_point("save.drop_staging", step_of(tag))
             freed = self.storage.remove(f"{STAGING}/{tag}") or 0
             freed += self.storage.finish_staging(saved=written) or 0
@@ -197,7 +203,8 @@ class Staging:
 # -------------------- who leads which storage, and the start-of-run tidy-up --------------------
 
 
-def node_local(ds_config: dict) -> bool:
+def node_local(ds_config: dict[str, object]) -> bool:
+    """Whether DeepSpeed's ``checkpoint.use_node_local_storage`` is on."""
     return bool((ds_config.get("checkpoint") or {}).get("use_node_local_storage", False))
 
 
@@ -210,7 +217,7 @@ class Layout:
     node_local: bool
 
     @classmethod
-    def discover(cls, out: OutputDir, ds_config: dict, saving: bool = True) -> Layout:
+    def discover(cls, out: OutputDir, ds_config: dict[str, object], saving: bool = True) -> Layout:
         """Collective. Node-local: found out with marker files, not guessed from host names. Shared
         (the default) and saving: checked with one marker, since rank 0 alone writes the manifest
         of every rank's files: an OUT that is in fact local to each node would give checkpoints
@@ -240,6 +247,7 @@ class Layout:
 
     @property
     def share(self) -> float:
+        """This storage's share of a save: its ranks' fraction of the world."""
         return len(self.my_group) / max(dist.world_size(), 1)
 
 
@@ -247,7 +255,7 @@ def tidy_storage(storage: OutputDir, layout: Layout) -> None:
     """At start, each storage's leader removes what crashed saves left (staging, trash, temp
     files) and logs it. Collective. Only safe while this run holds OUT's lease."""
 
-    def tidy():
+    def tidy() -> list[tuple[str, int]]:
         fault_point("staging.tidy")
         return storage.housekeeping()
 
