@@ -18,8 +18,9 @@ import numpy as np
 import torch
 
 from finetune import distributed as dist
+from finetune.checkpoint.bucket import BucketCopy, NoRemoteCopy
 from finetune.checkpoint.checkpointer import Checkpointer
-from finetune.checkpoint.resume import Resumer
+from finetune.checkpoint.resume import ConversionStopped, Resumer
 from finetune.checkpoint.staging import Layout, tidy_storage
 from finetune.checkpoint_format.best import BestPolicy, require_evaluation
 from finetune.checkpoint_format.outdir import OutputDir
@@ -30,6 +31,7 @@ from finetune.data.cache import prepare
 from finetune.data.mixture_sampler import prepare_mixture
 from finetune.distributed import logger
 from finetune.ds_config import check_precision, finalize_ds_config, zero_stage
+from finetune.lease import Lease
 from finetune.lora import BASE_KEY, base_identity, trainable_parameters
 from finetune.metrics import MetricsWriter
 from finetune.modeling import (
@@ -42,9 +44,10 @@ from finetune.modeling import (
 )
 from finetune.ops import ADAM_KEY, adam_impl, ensure_adam, import_muon_lazily
 from finetune.plot import Plotter
-from finetune.preemption import Preemption
-from finetune.remote.copy import Prefix, RemoteCopy
+from finetune.preemption import Preempted, Preemption
+from finetune.remote.copy import RemoteCopy
 from finetune.remote.fetch import fetch_for_resume
+from finetune.remote.prefix import Prefix
 from finetune.trackers import open_trackers
 from finetune.trainer import Trainer
 
@@ -53,13 +56,16 @@ def build_trainer(
     cfg: RunConfig,
     preemption: Preemption | None = None,
     run_id: str | None = None,
-    lease=None,
+    lease: Lease | None = None,
     prefix: Prefix | None = None,
 ) -> Trainer:
+    """Everything a run builds before its loop, in order. Collective. A universal conversion
+    stopped for a preemption signal raises Preempted (exit 75)."""
     import deepspeed
     from transformers import get_scheduler
 
-    t, start = cfg.train, time.perf_counter()
+    t = cfg.train
+    start = time.perf_counter()
     check_precision(t.precision)
     set_seed(t.seed)
     # Every rank loads its own copy; one that fails (a bad file on one node) fails them all.
@@ -98,7 +104,7 @@ def build_trainer(
     )
     signalled = (lambda: bool(preemption.received)) if preemption is not None else (lambda: False)
     run_id = run_id or uuid.uuid4().hex[:12]
-    remote = None
+    remote: BucketCopy = NoRemoteCopy()
     if prefix is not None:  # --remote_output_dir, probed and leased by run()
         groups = layout.groups if layout.node_local else None
         remote = RemoteCopy(prefix, storage.root, dist.is_main(), cfg.ckpt.save_total_limit, groups)
@@ -106,7 +112,7 @@ def build_trainer(
     spec = fetch_for_resume(cfg.ckpt, storage, layout)
     if spec != cfg.ckpt.resume_from_checkpoint:
         cfg = replace(cfg, ckpt=replace(cfg.ckpt, resume_from_checkpoint=spec))
-    plan = Resumer(
+    resumer = Resumer(
         cfg,
         storage,
         layout.node_local,
@@ -114,7 +120,11 @@ def build_trainer(
         base=base,
         signalled=signalled,
         group=layout.my_group,
-    ).plan_resume()
+    )
+    try:
+        plan = resumer.plan_resume()
+    except ConversionStopped as e:  # a preemption at start-up: the run exits 75 (run.py)
+        raise Preempted(str(e)) from e
     # Collective: FusedAdam / CPU Adam where every rank can load it, else torch_adam
     # (finetune/ops.py); a checkpoint trained with torch_adam resumes with it.
     ds_config = ensure_adam(ds_config, saved=plan.saved.get(ADAM_KEY) if plan is not None else None)
@@ -124,15 +134,18 @@ def build_trainer(
     # before the model loads.
     trackers = open_trackers(cfg, run_id, resumed=plan is not None)
     model = load_model(cfg.model, ds_config, t.precision, t.seed)
-    scheduler = None
-    if "scheduler" not in ds_config:
-        scheduler = lambda opt: get_scheduler(  # noqa: E731
+
+    def lr_schedule(opt: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRScheduler:
+        return get_scheduler(
             t.lr_scheduler_type,
             opt,
             num_warmup_steps=warmup,
             num_training_steps=total,
             scheduler_specific_kwargs=t.lr_scheduler_kwargs,
         )
+
+    # the DeepSpeed JSON's own scheduler, where it names one
+    scheduler = lr_schedule if "scheduler" not in ds_config else None
     optimizer = None
     if "optimizer" not in ds_config:
         optimizer = torch.optim.AdamW(
@@ -169,8 +182,8 @@ def build_trainer(
     )
     monitor = getattr(engine, "monitor", None)
     state = TrainingState()
-    # rank 0 holds the lease
-    lost = (lambda: lease.lost) if lease is not None else (lambda: False)
+    # rank 0's heartbeat: has another run taken OUT's lease over?
+    taken_over = (lambda: lease.lost) if lease is not None else (lambda: False)
     run_info = {
         "zero_stage": zero_stage(cfg.ds_config),
         "dtype": t.precision,
@@ -179,8 +192,6 @@ def build_trainer(
         "lr_scheduler": "in DeepSpeed's model_states files (lr_scheduler key)",
         BASE_KEY: base,
     }
-    if remote is not None:  # a copy a stopped run left unfinished
-        remote.catch_up(storage)
     checkpoints = Checkpointer(
         storage,
         cfg.ckpt,
@@ -204,10 +215,10 @@ def build_trainer(
         monitor,
         run_id=checkpoints.run_id,
         trackers=trackers,
-        may_write=lambda: not lost(),
+        may_write=lambda: not taken_over(),
     )
     checkpoints.on_event = metrics.event
-    if remote is not None:
+    if isinstance(remote, RemoteCopy):
         remote.on_event = metrics.event
     plotter = Plotter(cfg.ckpt.output_dir) if cfg.train.plot and dist.is_main() else None
     return Trainer(
@@ -222,7 +233,7 @@ def build_trainer(
         state,
         preemption or Preemption(()),
         plotter,
-        lease_lost=lost,
+        lease_taken_over=taken_over,
         loss_kwargs=accepts_loss_kwargs(engine.module),
     )
 
@@ -239,9 +250,10 @@ def set_seed(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def _param_groups(model, weight_decay: float) -> list[dict]:
+def _param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, object]]:
     """No weight decay on biases and norm weights (1-D); under ZeRO-3 the full shape is ds_shape."""
-    decay, no_decay = [], []
+    decay: list[torch.nn.Parameter] = []
+    no_decay: list[torch.nn.Parameter] = []
     for _, p in model.named_parameters():
         if not p.requires_grad:
             continue

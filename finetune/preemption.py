@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import signal
+from types import FrameType
 
 from finetune.exit_status import EXIT_PREEMPTED
 
@@ -22,7 +23,7 @@ _EARLY_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 _early: list[int] = []
 
 
-def _record_early(signum, frame) -> None:
+def _record_early(signum: int, frame: FrameType | None) -> None:
     _early.append(signum)
 
 
@@ -34,7 +35,7 @@ def catch_early() -> None:
         signal.signal(sig, _record_early)
 
 
-def release_early(keep: tuple = ()) -> list[str]:
+def release_early(keep: tuple[signal.Signals, ...] = ()) -> list[str]:
     """Give the early signals back their default action, except those in ``keep``; a signal that
     already arrived and is not kept is delivered again now (a SIGTERM still terminates). Returns
     the names of the kept signals that arrived."""
@@ -64,7 +65,8 @@ def parse_signals(text: str) -> tuple[signal.Signals, ...]:
 
 class Preempted(Exception):
     """Start-up work that can take hours (a universal conversion) was stopped for a preemption
-    signal, what it finished kept; raised alike on every rank: the run exits 75 (requeue)."""
+    signal, what it finished kept; raised alike on every rank: the run exits 75 (requeue). The
+    build raises it for the resume's own ``ConversionStopped``."""
 
 
 class Preemption:
@@ -78,7 +80,7 @@ class Preemption:
             signal.signal(sig, self._handle)
         self.received[:0] = release_early(keep=signals)
 
-    def _handle(self, signum, frame) -> None:
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
         from finetune import distributed as dist
 
         name = signal.Signals(signum).name

@@ -1,11 +1,14 @@
 """Resume planning: pick a checkpoint (commit order, verified, with fallback), set aside the
 timeline it abandons, convert it for another world size. Runs before the engine exists; the
-manager's ``load`` then restores from the plan.
+Checkpointer's ``load`` then restores from the plan.
 
 Every decision that leads to a collective is made from facts all ranks share: rank 0 (or, on
 node-local storage, every node's leader) reads the filesystem and every rank receives the same
 candidates; verification splits the files between ranks and all-gathers the problems found; a
 failure on any rank reaches all of them (``dist.gather_outcomes``).
+
+A universal conversion stopped for a preemption signal raises ``ConversionStopped`` on every
+rank; what the run does then (exit 75, requeue) is the loop's to decide (build.py).
 """
 
 from __future__ import annotations
@@ -15,8 +18,10 @@ import logging
 import shutil
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from finetune import distributed as dist
 from finetune.checkpoint_format.manifest import (
@@ -33,15 +38,21 @@ from finetune.distributed import logger
 from finetune.io.faults import fault_point
 from finetune.lora import check_resumable
 from finetune.modeling import check_checkpoint_model
-from finetune.preemption import Preempted
 from finetune.weights import safe_load
 from finetune.weights.universal import UNIVERSAL, to_universal, verify_universal
 
 
+class ConversionStopped(Exception):
+    """The universal conversion was stopped for a preemption signal (``signalled``), the pieces
+    it finished kept for the next start; raised alike on every rank."""
+
+
 @dataclass
 class ResumePlan:
+    """What to resume from, chosen before the engine exists (the Checkpointer's ``load``)."""
+
     folder: Path
-    saved: dict  # trainer_state.json
+    saved: dict[str, Any]  # trainer_state.json
     universal: Path | None  # set when the world size changed
     # the resumed-from checkpoint in OUT's commit order (None: outside OUT)
     head: Committed | None = None
@@ -50,27 +61,27 @@ class ResumePlan:
 
 
 class Resumer:
+    """Plans a run's resume (``plan_resume``); collective, before the engine exists."""
+
     def __init__(
         self,
         cfg: RunConfig,
         storage: OutputDir,
         node_local: bool = False,
         leader: bool | None = None,
-        base: dict | None = None,
-        signalled=lambda: False,
+        base: dict[str, Any] | None = None,
+        signalled: Callable[[], bool] = lambda: False,
         group: list[int] | None = None,
     ):
         """``node_local``: each node has its own OUT; ``leader``: this rank does rank 0's part for
         its OUT (rank 0, or each node's first rank; default rank 0); ``base``: with --use_peft, the
         base model's identity (lora.base_identity), the same on every rank; ``signalled``: whether
         this rank got a preemption signal (stops a universal conversion)."""
-        self.cfg, self.storage, self.out, self.base, self.signalled = (
-            cfg,
-            storage,
-            storage.root,
-            base,
-            signalled,
-        )
+        self.cfg = cfg
+        self.storage = storage
+        self.out = storage.root
+        self.base = base
+        self.signalled = signalled
         self.node_local = node_local
         self.leader = dist.is_main() if leader is None else leader
         # the ranks sharing this rank's OUT (node-local: its node's)
@@ -90,7 +101,7 @@ class Resumer:
             self._set_aside_other_timelines()
             return None
 
-        def read_state():
+        def read_state() -> tuple[dict[str, Any], dict[str, Any] | None, bool]:
             fault_point("resume.read_state")
             manifest = read_manifest(folder)
             # Only its identity travels to every rank: the file list is O(world size) entries.
@@ -117,7 +128,8 @@ class Resumer:
         check_resumable(folder, saved, self.cfg.model, self.base)
         # Before anything is set aside or built: another architecture or vocabulary is bad input.
         dist.run_agreed(lambda: check_checkpoint_model(folder, self.cfg.model), on=dist.is_main())
-        head, max_seq = None, 0
+        head = None
+        max_seq = 0
         if in_out:
             head = Committed.from_manifest(folder.name, manifest or {})
             max_seq = self._set_aside_newer(head)
@@ -215,7 +227,7 @@ class Resumer:
         """
         if spec not in ("latest", "auto"):
 
-            def explicit():
+            def explicit() -> str:
                 path = find_checkpoint(spec)
                 if path is None or not looks_like_checkpoint(path):
                     raise ConfigError(f"--resume_from_checkpoint: no checkpoint at {spec}")
@@ -229,7 +241,7 @@ class Resumer:
                 )
             ]
 
-        def listing():
+        def listing() -> tuple[list[str], dict[str, str | None]]:
             fault_point("resume.list")
             found = committed(self.storage)
             return resume_order(self.storage.tags(), found), {c.tag: c.save_id for c in found}
@@ -240,7 +252,7 @@ class Resumer:
             )
             return [self.out / t for t in order]
 
-        def node_listing():
+        def node_listing() -> tuple[list[str], dict[str, str | None], dict[str, int | None]]:
             order, ids = listing()
             return order, ids, {c.tag: c.world_size for c in committed(self.storage)}
 
@@ -296,7 +308,7 @@ class Resumer:
         """Every rank checks a share of the rank files (rank 0 also the shared ones). Collective.
         Any error while checking (EIO, ESTALE, …) is a problem found, reported by every rank."""
 
-        def mine():
+        def mine() -> list[str]:
             fault_point("resume.verify", step_of(folder.name))
             manifest = read_manifest(folder)
             if manifest is None:
@@ -337,7 +349,7 @@ class Resumer:
         neither overwrite them nor count them. Leaders, agreed. Returns the highest commit number
         seen."""
 
-        def newer():
+        def newer() -> list[tuple[str, int]]:
             return [(c.tag, c.seq or 0) for c in newer_than(point, committed(self.storage))]
 
         out = dist.gather_outcomes(
@@ -375,7 +387,7 @@ class Resumer:
             )
 
     def _set_aside(self, tags: list[str], label: str, why: str) -> None:
-        def move():
+        def move() -> list[tuple[str, str]]:
             fault_point("resume.set_aside")
             return [
                 (t, self.storage.set_aside(t, f"{label}-{time.strftime('%Y%m%d-%H%M%S')}"))
@@ -403,17 +415,17 @@ class Resumer:
 
     # --- another world size ----------------------------------------------------------------------
 
-    def _universal(self, folder: Path, manifest: dict) -> Path:
+    def _universal(self, folder: Path, manifest: dict[str, Any]) -> Path:
         """Rank 0 converts with DeepSpeed's ZeRO-3 conversion in resumable pieces (universal.py),
         staged, then renamed, with a manifest of its own; an existing conversion is reused only if
         it verifies against that manifest. The other ranks wait in short polling collectives,
         however long it takes. A preemption signal on any rank stops it (the pieces done are kept
-        for the next start): Preempted on every rank."""
+        for the next start): ConversionStopped on every rank."""
         target = folder / UNIVERSAL
         checksums = not self.cfg.ckpt.resume_skip_checksum
         cancel = threading.Event()
 
-        def convert():
+        def convert() -> str:
             fault_point("resume.universal", step_of(folder.name))
             if target.is_dir():
                 problems = verify_universal(target, manifest.get("save_id"), checksums, cancel)
@@ -441,8 +453,8 @@ class Resumer:
             cancel=cancel,
         )
         if not out.ok and (cancel.is_set() or "Interrupted" in out.kinds.values()):
-            # Stopped for a signal (or its converter died of one first): exit 75, the pieces kept.
-            raise Preempted(
+            # Stopped for a signal (or its converter died of one first): the pieces are kept.
+            raise ConversionStopped(
                 f"preempted while converting {folder.name} to the universal format: "
                 f"{out.describe()}"
             )
@@ -450,7 +462,9 @@ class Resumer:
         out.raise_any()
         return target
 
-    def _check_compatible(self, saved: dict) -> None:
+    def _check_compatible(self, saved: dict[str, Any]) -> None:
+        """Warn of each flag the checkpoint was saved with another value of (unless a resume may
+        change it), naming both."""
         for group, now in self.cfg.to_json_dict().items():
             for key, value in now.items():
                 before = saved.get("args", {}).get(group, {}).get(key, value)
