@@ -4,6 +4,10 @@ presence marks completion.
 The checksum is xxh3-128 (xxhash ships with `datasets`): it runs at memory speed, so hashing while
 writing costs little, and it detects truncation and bit flips (sha256 runs at a fraction of
 that speed).
+
+Written by the commit (outdir.py's ``prepare_commit``); read by resume, the bucket (remote/),
+``finetune verify`` and ``finetune export`` (before anything is read), ``finetune ls`` and
+``finetune plot``.
 """
 
 from __future__ import annotations
@@ -190,7 +194,8 @@ def verify(
 def missing_rank_files(manifest: dict, ranks: list[int] | None = None) -> list[str]:
     """A problem per rank file the manifest should list and does not (every stored rank's, or
     ``ranks``')."""
-    world, listed = int(manifest.get("world_size", 0)), manifest.get("files", {})
+    world = int(manifest.get("world_size", 0))
+    listed = manifest.get("files", {})
     problems = []
     for r in stored_ranks(manifest) if ranks is None else ranks:
         for pattern in RANK_FILE_PATTERNS:

@@ -1,6 +1,6 @@
 """The output dir as the checkpoint code sees it (``OutputDir``): checkpoint folders, ``latest``,
 staging, trash and what crashes leave, every operation through a ``Storage`` (io/storage.py), so
-the policy is tested on an in-memory storage that fails on cue (tests/checkpoint/memory_storage.py).
+the policy is tested on an in-memory storage that fails on cue (tests/memory_storage.py).
 
 Names under OUT that are not checkpoints, all of them out of the tag namespace:
   .staging/<tag>          a save in progress (``<tag>.replaced``: the old folder of a same-tag swap)
@@ -9,6 +9,10 @@ Names under OUT that are not checkpoints, all of them out of the tag namespace:
   .latest.tmp             ``latest`` being replaced
 Everything but ``.abandoned`` is a crashed save's leftover once no run holds OUT's lease:
 ``housekeeping`` removes it at start.
+
+Used by every reader and writer of OUT: the online component (checkpoint/: staging, commit,
+retention, resume), the bucket (remote/, over an S3Storage), the exports and ``finetune verify``,
+``finetune ls`` and ``finetune plot``, and the flag checks that find a checkpoint to resume.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import os
 import posixpath
 import threading
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 import xxhash
@@ -116,7 +121,12 @@ class OutputDir:
         self.rename(rel, trash)
         return trash
 
-    def purge(self, rel: str, stop: threading.Event | None = None, on_file=None) -> int:
+    def purge(
+        self,
+        rel: str,
+        stop: threading.Event | None = None,
+        on_file: Callable[[], None] | None = None,
+    ) -> int:
         """Remove a folder already out of the tag namespace, file by file, until ``stop`` is set;
         the bytes freed. ``on_file`` is called after each file (default: ``progress.progress``,
         so a polled step's deadline counts from the last file removed). Failures are logged: what
@@ -125,7 +135,8 @@ class OutputDir:
         st = self.storage.stat(rel)
         if st is None:
             return 0
-        freed, failures = 0, []
+        freed = 0
+        failures: list[str] = []
         if not st.is_dir:
             failures += self._remove_one(rel)
             freed = 0 if failures else st.allocated
@@ -186,7 +197,7 @@ class OutputDir:
                     removed.append(entry.name)
         return removed
 
-    def write_json(self, rel: str, obj) -> tuple[int, str]:
+    def write_json(self, rel: str, obj: object) -> tuple[int, str]:
         """A JSON file written durably (sorted keys, indented); its (size, xxh3-128)."""
         data = (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode()
         self.storage.write_bytes(rel, data)
@@ -292,7 +303,7 @@ class OutputDir:
 
     # --- a leader's commit: the manifest into staging, then the rename and `latest` ----------
     # Each step is atomic; a crash between any two leaves `latest` naming a complete checkpoint
-    # (the old one, or the new one once in place). The manager runs the two phases as separate
+    # (the old one, or the new one once in place). The Checkpointer runs the two phases as separate
     # agreed steps so that node-local storage publishes only after every node prepared.
 
     def commit(

@@ -13,6 +13,9 @@ checkpoint its run continued from (parent tag + parent save id). From these:
                  links whose save ids match: retention counts only this line, so checkpoints of an
                  abandoned timeline never push out the one a run resumed from;
   abandoned      committed checkpoints newer than the resume point: set aside, never counted.
+
+Used by the online component (checkpoint/: resume order, the line, retention, the space a save
+needs), by the bucket's copy, fetch and verify (remote/) and by ``finetune verify``.
 """
 
 from __future__ import annotations
@@ -65,7 +68,8 @@ class Committed:
     def from_manifest(cls, tag: str, manifest: dict) -> Committed:
         seq = manifest.get("commit_seq")
         world = manifest.get("world_size")
-        evaluated, best = manifest.get("eval"), manifest.get("best")
+        evaluated = manifest.get("eval")
+        best = manifest.get("best")
         return cls(
             tag,
             int(seq) if seq is not None else None,
@@ -104,7 +108,8 @@ def line_of(head: Committed | None, committed: list[Committed]) -> list[Committe
     if head is None:
         return []
     by_tag = {c.tag: c for c in committed}
-    line, seen = [head], {head.tag}
+    line = [head]
+    seen = {head.tag}
     node = head
     while node.parent and node.parent in by_tag and node.parent not in seen:
         parent = by_tag[node.parent]

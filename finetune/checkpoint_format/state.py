@@ -4,6 +4,10 @@ The log window (train metrics since the last logged step) is each rank's own: a 
 every rank's in that rank's file (``rank_state``) and the world's sum in trainer_state.json, so the
 first row after a resume from a save between two logged steps is the row the uninterrupted run
 logs (bit for bit at the same world size; on another world size rank 0 takes the world's sum).
+
+The Trainer updates ``TrainingState``; the Checkpointer saves and restores it as the "progress"
+entry of its states registry (trainer_state.json, checkpoint/contents.py), with each rank's RNG
+file; resume and ``finetune ls`` read trainer_state.json.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     import torch
+    from deepspeed.accelerator.abstract_accelerator import DeepSpeedAccelerator
 
 logger = logging.getLogger("finetune")
 
@@ -100,7 +105,8 @@ class TrainingState:
         return sd
 
     def load_state_dict(self, sd: dict) -> None:
-        """Restore in place (the trainer and the manager hold the same object)."""
+        """Restore in place (the Trainer and the Checkpointer's states registry hold the same
+        object)."""
         loaded = self.from_state_dict(sd)
         for name in self.__dataclass_fields__:
             setattr(self, name, getattr(loaded, name))
@@ -117,7 +123,7 @@ class TrainingState:
 # -------------------- RNG streams --------------------
 
 
-def _device_accelerator():
+def _device_accelerator() -> DeepSpeedAccelerator | None:
     """DeepSpeed's accelerator when training runs on one (CUDA, XPU, ...); None on CPU."""
     from deepspeed.accelerator import get_accelerator
 
@@ -187,7 +193,8 @@ def set_rng_state(state: dict) -> None:
     elif "cuda" in state and acc.device_name() == "cuda":
         # Checkpoints that saved every visible GPU's generator, by device index ("cuda"). This
         # rank's own is the one at its current device, when the node still has that many GPUs.
-        index, saved_all = acc.current_device(), state["cuda"]
+        index = acc.current_device()
+        saved_all = state["cuda"]
         if index < len(saved_all):
             acc.set_rng_state(saved_all[index])
         else:

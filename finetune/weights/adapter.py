@@ -13,6 +13,10 @@ partitioned parameters without gathering them writes) cannot pass verification: 
 rebuilds the tensors the adapters must have, from config.json and adapter_config.json on the meta
 device (no weights, no memory), and holds the rank files' trainable parameters, and the adapter file
 with the tensor count and bytes its manifest records, to them.
+
+Used by the online save (checkpoint/contents.py: the config and, consolidated, the adapter file),
+by ``finetune export`` of a LoRA checkpoint (offline/lora_export.py) and by ``finetune verify`` and
+``finetune ls --verify`` (offline/verify.py, listing.py).
 """
 
 from __future__ import annotations
@@ -22,17 +26,23 @@ import json
 import re
 import warnings
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from finetune.weights.shards import read_header
+
+if TYPE_CHECKING:
+    from peft import PeftModel
+
+    from finetune.weights.consolidate import TensorEntry
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
 UNSHARDED = 1 << 62  # peft writes one adapter file, whatever its size; so do we
 
 
-def saved_keys(peft_model) -> dict[str, str]:
+def saved_keys(peft_model: PeftModel) -> dict[str, str]:
     """{trainable parameter's name in ``peft_model``: its key in
     adapter_model.safetensors}, as peft's ``get_peft_model_state_dict`` names them (asked
     with placeholders: nothing is gathered)."""
@@ -51,7 +61,7 @@ def saved_keys(peft_model) -> dict[str, str]:
 
 
 def save_adapter(
-    model, folder: Path, dtype: torch.dtype
+    model: PeftModel, folder: Path, dtype: torch.dtype
 ) -> tuple[dict[str, tuple[int, str]], dict]:
     """adapter_model.safetensors of ``model`` (a peft model under ZeRO-3), gathered and written by
     rank 0. Collective: every rank must call it. Returns (rank 0's {file: (size, checksum)}, {}
@@ -66,7 +76,7 @@ def save_adapter(
     if not keys:
         raise ConsolidationFailed("the model has no trainable adapter parameters to save")
 
-    def select(entries):
+    def select(entries: list[TensorEntry]) -> list[TensorEntry]:
         return [
             (keys[name], module, attr, True)
             for name, module, attr, is_param in entries
@@ -81,7 +91,7 @@ def save_adapter(
     return files, {"tensors": len(keys), "bytes": size * torch.empty(0, dtype=dtype).element_size()}
 
 
-def write_adapter_config(model, folder: Path) -> Path:
+def write_adapter_config(model: PeftModel, folder: Path) -> Path:
     """adapter_config.json of the active adapter, as PeftModel.save_pretrained writes it."""
     config = copy.copy(model.peft_config[model.active_adapter])
     config.inference_mode = True
@@ -217,7 +227,8 @@ def _check_rank_file(folder: Path, expected: dict[str, tuple[int, ...]]) -> list
         return []
     if got == expected:
         return []
-    missing, extra = sorted(set(expected) - set(got)), sorted(set(got) - set(expected))
+    missing = sorted(set(expected) - set(got))
+    extra = sorted(set(got) - set(expected))
     if missing or extra:
         what = f"{len(missing)} adapter tensors missing" + (
             f" (e.g. {missing[0]})" if missing else ""

@@ -35,13 +35,16 @@ and raised only after the last gather, so no rank is left waiting in a collectiv
 
 Tied parameters are written once, under the first name ``named_parameters`` gives them (what
 ``save_pretrained`` does; ``from_pretrained`` re-ties them). Frozen parameters are written too.
+
+Used by the online save (checkpoint/contents.py, --save_consolidated) and by adapter.py (a LoRA
+checkpoint's adapter file); the exports read ``SOURCE_KEY`` to decide whether a copy is exact.
 """
 
 from __future__ import annotations
 
 import functools
 import itertools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 import torch
@@ -63,6 +66,9 @@ SOURCE_KEY = "finetune_weights_from"
 FROM_MASTER = "fp32 master"
 FROM_MODULE = "module weights"
 
+# One tensor of the model: (full name, owning module, attribute name, is_param).
+TensorEntry = tuple[str, torch.nn.Module, str, bool]
+
 
 class ConsolidationFailed(RuntimeError):
     """The consolidated save failed *after* every rank finished its collectives (or before the
@@ -70,7 +76,7 @@ class ConsolidationFailed(RuntimeError):
     ``save_consolidated`` means the ranks may be out of step."""
 
 
-def tensor_entries(model) -> list[tuple[str, torch.nn.Module, str, bool]]:
+def tensor_entries(model: torch.nn.Module) -> list[TensorEntry]:
     """(full name, owning module, attribute name, is_param) in module order, each tensor once."""
     seen: set[int] = set()
     out = []
@@ -105,7 +111,7 @@ class _FirstError:
     def ok(self) -> bool:
         return self.error is None
 
-    def attempt(self, fn: Callable, *args) -> None:
+    def attempt(self, fn: Callable[..., object], *args: object) -> None:
         """``fn(*args)`` unless an error is already held; any exception it raises is held."""
         if self.error is not None:
             return
@@ -125,9 +131,9 @@ class _FirstError:
             raise ConsolidationFailed(f"{type(self.error).__name__}: {self.error}") from self.error
 
 
-def _module_groups(entries) -> Iterator[list[tuple[str, torch.nn.Module, str, bool]]]:
+def _module_groups(entries: Iterable[TensorEntry]) -> Iterator[list[TensorEntry]]:
     """Consecutive entries of the same module: gathered together, one collective per module."""
-    group: list = []
+    group: list[TensorEntry] = []
     for e in entries:
         if group and group[-1][1] is not e[1]:
             yield group
@@ -147,7 +153,7 @@ def _stream_bytes() -> int:
     return int(seams.number(seams.STREAM_BYTES, STREAM_BYTES))
 
 
-def _streamable(p) -> bool:
+def _streamable(p: torch.nn.Parameter) -> bool:
     """Decided from facts every rank shares (full size, offload config), never from a rank's own
     partition: the answer picks send/recv or all-gather, and all ranks must pick the same."""
     on_nvme = str(getattr(getattr(p, "ds_tensor", None), "final_location", "")).endswith("nvme")
@@ -156,7 +162,7 @@ def _streamable(p) -> bool:
     )
 
 
-def master_dtype(p) -> torch.dtype | None:
+def master_dtype(p: torch.nn.Parameter) -> torch.dtype | None:
     """The dtype of ``p``'s master weights in DeepSpeed's ZeRO-3 optimizer, or None when no
     optimizer holds it (frozen, or an engine built without one)."""
     optimizer = getattr(p, "_z3_optimizer", None)
@@ -165,7 +171,7 @@ def master_dtype(p) -> torch.dtype | None:
     return getattr(optimizer, "master_weights_and_grads_dtype", torch.float32)
 
 
-def reads_master(p, dtype: torch.dtype) -> bool:
+def reads_master(p: torch.nn.Parameter, dtype: torch.dtype) -> bool:
     """Whether ``p`` is written from its master weights rather than its module weights.
 
     The module weights are the master cast to ``p.dtype`` (DeepSpeed copies the fp32 partitions
@@ -177,7 +183,7 @@ def reads_master(p, dtype: torch.dtype) -> bool:
     return master is not None and p.dtype not in (dtype, master)
 
 
-def weights_source(params) -> str:
+def weights_source(params: Iterable[torch.nn.Parameter]) -> str:
     """What consolidated trainable parameters are written from (``SOURCE_KEY``): FROM_MASTER when
     every one has master weights (read from them, or exact module weights), else FROM_MODULE."""
     trainable = [p for p in params if p.requires_grad and hasattr(p, "ds_id")]
@@ -205,14 +211,16 @@ def recv_window(partition_bytes: int, peers: int, budget: int) -> int:
     return min(peers, max(1, budget // max(1, partition_bytes)))
 
 
-def _p2p(ops) -> None:
+def _p2p(ops: list[torch.distributed.P2POp]) -> None:
     import torch.distributed as tdist
 
     for req in tdist.batch_isend_irecv(ops):
         req.wait()
 
 
-def _local_partition(p, name: str, spec: torch.Tensor, master: bool) -> torch.Tensor:
+def _local_partition(
+    p: torch.nn.Parameter, name: str, spec: torch.Tensor, master: bool
+) -> torch.Tensor:
     """This rank's ZeRO-3 partition of ``p``, flat: of its master weights, or of
     its module weights."""
     if master:
@@ -231,7 +239,7 @@ def _local_partition(p, name: str, spec: torch.Tensor, master: bool) -> torch.Te
     return part.detach().reshape(-1)
 
 
-def _partition_spec(p, master: bool) -> torch.Tensor:
+def _partition_spec(p: torch.nn.Parameter, master: bool) -> torch.Tensor:
     """Shape and dtype of every rank's partition of ``p`` (a meta tensor), from metadata every rank
     shares: ZeRO-3 pads each parameter to a multiple of the world size and splits it evenly."""
     numel = -(-p.ds_numel // dist.world_size())
@@ -284,7 +292,7 @@ def _received_partitions(
 
 
 def _stream_partitions(
-    p, writer: ShardWriter | None, name: str, failed: _FirstError, master: bool
+    p: torch.nn.Parameter, writer: ShardWriter | None, name: str, failed: _FirstError, master: bool
 ) -> None:
     """Every rank must call this: the ZeRO-3 partitions of ``p`` (of its master weights when
     ``master``), in rank order, to rank 0.
@@ -316,12 +324,12 @@ def _stream_partitions(
 
 
 def save_consolidated(
-    model,
+    model: torch.nn.Module,
     folder: Path,
     dtype: torch.dtype,
     max_shard_size: str | int,
     *,
-    select: Callable[[list], list] | None = None,
+    select: Callable[[list[TensorEntry]], list[TensorEntry]] | None = None,
     basename: str = "model",
 ) -> dict[str, tuple[int, str]]:
     """Write HF safetensors shards of ``model`` into ``folder``. Collective:

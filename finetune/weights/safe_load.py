@@ -31,6 +31,10 @@ the checkpoint engine's ``load``) they are DeepSpeed's own classes, which its ``
 needs. ``check_globals``/``refusals`` read a file's pickle opcodes without unpickling anything (for
 verification: every rank refuses alike, before a load); ``run_module`` runs DeepSpeed's
 ds_to_universal with every ``torch.load`` in it restricted.
+
+Used wherever a rank file is read: resume (the checkpoint engine in checkpoint/writer.py, and
+checkpoint/resume.py), the exports (zero_files.py), the universal conversion (universal.py), and
+``finetune verify`` and ``finetune ls --verify`` (opcodes only).
 """
 
 from __future__ import annotations
@@ -41,8 +45,10 @@ import pickle
 import re
 import zipfile
 from pathlib import Path
+from typing import Any
 
 import torch
+from torch.serialization import MAP_LOCATION
 
 from finetune.config import ConfigError
 
@@ -58,7 +64,7 @@ DEEPSPEED_GLOBALS = (
 class UnsafePickle(ConfigError):
     """A rank file names something outside the allow-list (or is not a torch file): not loaded."""
 
-    def __init__(self, path, reason: str):
+    def __init__(self, path: str | os.PathLike, reason: str):
         super().__init__(f"{path}: {reason}")
         self.reason = reason
 
@@ -67,13 +73,13 @@ class Placeholder:
     """Stands in for one of DeepSpeed's classes when loading ``inert``: keeps the constructor
     arguments (an enum's value: ``args[0]``) and the pickled state, runs nothing."""
 
-    def __new__(cls, *args, **kwargs):
+    def __new__(cls, *args: object, **kwargs: object) -> Placeholder:
         return super().__new__(cls)
 
-    def __init__(self, *args, **kwargs):
+    def __init__(self, *args: object, **kwargs: object):
         self.args = args
 
-    def __setstate__(self, state):
+    def __setstate__(self, state: object) -> None:
         self.state = state
 
 
@@ -94,7 +100,13 @@ def allowed_globals(inert: bool = False) -> list[tuple[type, str]]:
     return found
 
 
-def load(path: str | os.PathLike, map_location=None, *, mmap: bool = False, inert: bool = False):
+def load(
+    path: str | os.PathLike,
+    map_location: MAP_LOCATION = None,
+    *,
+    mmap: bool = False,
+    inert: bool = False,
+) -> Any:
     """``torch.load`` of a DeepSpeed rank file, restricted to tensors, plain data and the
     allow-list. Raises ``UnsafePickle`` naming the file and the refused class. The signature of
     DeepSpeed's ``CheckpointEngine.load`` (``path, map_location``), so a checkpoint engine can
@@ -106,7 +118,7 @@ def load(path: str | os.PathLike, map_location=None, *, mmap: bool = False, iner
         raise _refusal(path, refused(str(e))) from e
 
 
-def _refusal(path, what: str) -> UnsafePickle:
+def _refusal(path: str | os.PathLike, what: str) -> UnsafePickle:
     return UnsafePickle(
         path,
         f"refused to unpickle {what}: not on the allow-list of what DeepSpeed pickles "
@@ -179,8 +191,14 @@ def refusals(folder: str | os.PathLike, ranks: list[int]) -> list[str]:
 
 
 def _restricted_torch_load(
-    f, map_location=None, pickle_module=None, *, weights_only=None, mmap=None, **kwargs
-):
+    f: str | os.PathLike,
+    map_location: MAP_LOCATION = None,
+    pickle_module: object = None,
+    *,
+    weights_only: bool | None = None,
+    mmap: bool | None = None,
+    **kwargs: object,
+) -> Any:
     """``torch.load`` as DeepSpeed's tools call it, whatever ``weights_only`` they ask for."""
     return load(f, map_location, mmap=bool(mmap))
 

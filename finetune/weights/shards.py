@@ -10,8 +10,10 @@ from __future__ import annotations
 import json
 import os
 import struct
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, BinaryIO
 
 import torch
 
@@ -67,10 +69,16 @@ class ShardPlan:
 
 
 def plan_shards(
-    entries, dtype: torch.dtype, max_shard_size: str | int, basename: str = "model"
-) -> tuple[ShardPlan, dict]:
+    entries: Iterable[tuple[str, Any, str, bool]],
+    dtype: torch.dtype,
+    max_shard_size: str | int,
+    basename: str = "model",
+) -> tuple[ShardPlan, dict[str, torch.Tensor]]:
     """Fill shards in gather order (a new shard when the next tensor would overflow), HF file names
-    (``basename``.safetensors, or ``basename``-0000i-of-0000n.safetensors).
+    (``basename``.safetensors, or ``basename``-0000i-of-0000n.safetensors). ``entries``: (name,
+    owner, attribute, is_param), the tensor being ``getattr(owner, attribute)`` (a module's
+    parameter or buffer, or a holder of a tensor rebuilt from rank files). Returns the plan and
+    each tensor's written shape and dtype (meta tensors).
 
     Order matters: tensors are streamed as they are gathered, so each shard must hold a
     contiguous run of the gather order (huggingface_hub's planner may reorder). Raises ValueError
@@ -84,7 +92,9 @@ def plan_shards(
         if isinstance(max_shard_size, str)
         else int(max_shard_size)
     )
-    meta, shards, size = {}, [[]], 0
+    meta: dict[str, torch.Tensor] = {}
+    shards: list[list[str]] = [[]]
+    size = 0  # bytes in the last shard
     for name, module, attr, _ in entries:
         t = getattr(module, attr)
         out = _out_dtype(t, dtype)
@@ -141,13 +151,23 @@ def shard_header(
 class ShardWriter:
     """Rank 0's open shard files; tensors must arrive in the planned order."""
 
-    def __init__(self, folder: Path, split, meta, metadata: dict[str, str] | None = None):
-        self.folder, self.split, self.meta, self.metadata = folder, split, meta, metadata
+    def __init__(
+        self,
+        folder: Path,
+        split: ShardPlan,
+        meta: dict[str, torch.Tensor],
+        metadata: dict[str, str] | None = None,
+    ):
+        self.folder = folder
+        self.split = split
+        self.meta = meta
+        self.metadata = metadata
         self.order = [
             (fname, name) for fname, names in split.filename_to_tensors.items() for name in names
         ]
         self.pos = 0
-        self.file = self.writer = None
+        self.file: BinaryIO | None = None  # the open shard
+        self.writer: HashingWriter | None = None  # hashes what goes into it
         self.current: str | None = None
         self.files: dict[str, tuple[int, str]] = {}
         self.created: list[Path] = []  # every shard file opened, for abandon()
@@ -228,7 +248,8 @@ class ShardWriter:
         a file whose buffer cannot be flushed (ENOSPC, EIO) fails again, and it is this failure's
         second report; a file that cannot be deleted is left for the caller's cleanup."""
         if self.file is not None:
-            file, self.file = self.file, None
+            file = self.file
+            self.file = None
             try:
                 # the buffered bytes are flushed once more and fail; the descriptor is closed anyway
                 file.close()
@@ -239,7 +260,8 @@ class ShardWriter:
                 path.unlink(missing_ok=True)
             except OSError:
                 pass  # removed with the staging, or by the agree step's cleanup
-        self.created, self.files = [], {}
+        self.created = []
+        self.files = {}
 
     def finish(self) -> dict[str, tuple[int, str]]:
         self._close()

@@ -25,8 +25,11 @@ stop, and kills it) and dies with its parent. Where the installed DeepSpeed lack
 this calls, or the checkpoint has tensor-parallel or AutoEP files, DeepSpeed's ``ds_to_universal``
 runs whole instead (not resumable).
 
-Fault site (faults.py): ``resume.universal_piece``, before each piece, in the child. Test seam:
+Fault site (io/faults.py): ``resume.universal_piece``, before each piece, in the child. Test seam:
 ``FINETUNE_SLOW_UNIVERSAL=<seconds>`` sleeps before each piece.
+
+Used by resume on another world size (checkpoint/resume.py) and by ``finetune export --universal``
+(offline/export.py); ``finetune ls`` reports a cached conversion's size from its manifest.
 """
 
 from __future__ import annotations
@@ -40,13 +43,19 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
+from types import ModuleType
+from typing import TYPE_CHECKING
 
 from finetune.checkpoint_format.manifest import MANIFEST, check_file, read_manifest
 from finetune.io import seams
 from finetune.io.durable import fsync_path, hash_file, sync_filesystem, write_json_durably
 from finetune.io.faults import fault_point
 from finetune.weights import safe_load
+
+if TYPE_CHECKING:
+    import torch
 
 UNIVERSAL = "universal"
 PIECES = ".pieces"  # inside <target>.tmp: source.json and one marker per finished piece
@@ -229,7 +238,8 @@ class Pieces:
     """``<out>/.pieces``: which pieces of this conversion are done, for which saved checkpoint."""
 
     def __init__(self, out: Path, source: str):
-        self.out, self.dir = out, out / PIECES
+        self.out = out
+        self.dir = out / PIECES
         known = _read_json(self.dir / "source.json")
         if known is not None and known.get("source") != source:
             # Another save's conversion (the folder was replaced): nothing of it is ours.
@@ -242,7 +252,13 @@ class Pieces:
     def done(self, name: str) -> bool:
         return (self.dir / name).is_file()
 
-    def run(self, name: str, work, written, final: bool = True) -> float:
+    def run(
+        self,
+        name: str,
+        work: Callable[[], None],
+        written: Callable[[], list[Path]],
+        final: bool = True,
+    ) -> float:
         """``work()``; then what ``written()`` lists made durable, then the piece marked done (a
         marker lost in a crash only means the piece is done again), with the size and checksum of
         each file ``final`` (part of the conversion, not a fragment): hashed now, from the page
@@ -268,10 +284,14 @@ class Pieces:
 _JOB: dict = {}
 
 
-def _piece(kind: str, arg) -> float:
+def _piece(kind: str, arg: int | str) -> float:
     """One piece in a worker: ("extract", rank) or ("merge", parameter name)."""
-    ds, job = _JOB["ds"], _JOB
-    fragments, zero, shapes, dp = job["fragments"], job["zero"], job["shapes"], job["dp"]
+    job = _JOB
+    ds = job["ds"]
+    fragments = job["fragments"]
+    zero = job["zero"]
+    shapes = job["shapes"]
+    dp = job["dp"]
     if kind == "extract":
         return job["pieces"].run(
             f"extract-{arg:06d}",
@@ -369,7 +389,9 @@ def convert(folder: Path, out: Path, source: str) -> None:
     )
 
 
-def _merge(ds, fragments: Path, zero: Path, name: str, shape, dp: int) -> None:
+def _merge(
+    ds: ModuleType, fragments: Path, zero: Path, name: str, shape: torch.Size, dp: int
+) -> None:
     """One parameter: DeepSpeed's merge (it concatenates whatever fragments it finds, and merges
     start only once every rank's extraction is marked done), then the merged size checked against
     the parameter's: a fragment missing or short fails here, never in the resumed run."""
@@ -388,7 +410,7 @@ def _merge(ds, fragments: Path, zero: Path, name: str, shape, dp: int) -> None:
             )
 
 
-def _can_split(ds, folder: Path) -> bool:
+def _can_split(ds: ModuleType, folder: Path) -> bool:
     """DeepSpeed has what the pieces call, and the checkpoint is plain ZeRO-3 data parallel (no
     tensor-parallel grid, no AutoEP expert files)."""
     needed = (
@@ -412,7 +434,7 @@ def _can_split(ds, folder: Path) -> bool:
     return tp == 1
 
 
-def _whole(ds, folder: Path, out: Path) -> None:
+def _whole(ds: ModuleType, folder: Path, out: Path) -> None:
     shutil.rmtree(out, ignore_errors=True)
     workers = str(max(1, min(4, os.cpu_count() or 1)))
     sys.argv = [
@@ -454,8 +476,7 @@ def _die_with_parent() -> None:
 
 
 def main(argv: list[str]) -> None:
-    folder, out, source = Path(argv[0]), Path(argv[1]), argv[2]
-    convert(folder, out, source)
+    convert(Path(argv[0]), Path(argv[1]), argv[2])
 
 
 if __name__ == "__main__":

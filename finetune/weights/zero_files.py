@@ -30,6 +30,8 @@ The rank files are DeepSpeed pickles: they are read with ``torch.load(weights_on
 allow-list of ``safe_load`` (anything else is refused, named), DeepSpeed's classes in them (an enum,
 the loss scaler) as inert placeholders, so reading never runs code from the files nor imports
 DeepSpeed.
+
+Used by the offline exports (offline/export.py, lora_export.py, model_files.py).
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ import mmap
 import os
 import re
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -94,13 +96,15 @@ class _Pager:
         self.enabled = self.span is not None
 
     @classmethod
-    def _libc(cls):
+    def _libc(cls) -> Callable[[int, int, int], int] | None:
+        """libc's madvise, once; None where there is none (not Linux)."""
         if cls._madvise is None and sys.platform.startswith("linux"):
             try:
                 fn = ctypes.CDLL(None, use_errno=True).madvise
             except (OSError, AttributeError):
                 return None
-            fn.argtypes, fn.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
+            fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+            fn.restype = ctypes.c_int
             cls._madvise = fn
         return cls._madvise
 
@@ -141,7 +145,9 @@ def _chunks(flat: torch.Tensor, pager: _Pager) -> Iterator[torch.Tensor]:
 
 
 @dataclass
-class _Entry:
+class Entry:
+    """One tensor to write, as the rank files describe it; ``ZeroCheckpoint.pieces`` streams it."""
+
     name: str
     shape: torch.Size
     dtype: torch.dtype  # as stored
@@ -153,7 +159,8 @@ class _Flat:
     """One rank's fp32 flat groups, addressed as if they were one tensor end to end."""
 
     def __init__(self, groups: list[torch.Tensor], pager: _Pager):
-        self.groups, self.pager = [g.reshape(-1) for g in groups], pager
+        self.groups = [g.reshape(-1) for g in groups]
+        self.pager = pager
         self.starts = [0]
         for g in self.groups:
             self.starts.append(self.starts[-1] + g.numel())
@@ -200,7 +207,8 @@ class ZeroCheckpoint:
                 f"{folder}: not a partitioned checkpoint (no {MODEL_FILE.format(r=0)})"
             )
         world = _declared_world(folder) or max(found) + 1
-        models, optims = [], []
+        models: list[Path] = []
+        optims: list[Path] = []
         for r in range(world):
             model = folder / MODEL_FILE.format(r=r)
             optim = next(
@@ -233,14 +241,14 @@ class ZeroCheckpoint:
         # Adam's moments: never needed (and never read: mapped)
         osd.pop("optimizer_state_dict", None)
 
-    def _entries(self) -> list[_Entry]:
+    def _entries(self) -> list[Entry]:
         """Every tensor to write, in the model's state-dict order; tied aliases left out."""
         meta = self.models[0]
-        found: dict[str, _Entry] = {}
+        found: dict[str, Entry] = {}
         offset = 0
         for group in meta["param_shapes"]:
             for name, shape in group.items():
-                found[name] = _Entry(name, torch.Size(shape), torch.float32, "trainable", offset)
+                found[name] = Entry(name, torch.Size(shape), torch.float32, "trainable", offset)
                 offset += math.ceil(torch.Size(shape).numel() / self.world)
         for r, flat in enumerate(self.flats):
             if flat.numel != offset:
@@ -252,16 +260,16 @@ class ZeroCheckpoint:
         for name, shape in (meta.get("frozen_param_shapes") or {}).items():
             if name not in frozen:
                 raise ConfigError(f"{self.folder}: frozen parameter {name} has no saved fragments")
-            found[name] = _Entry(name, torch.Size(shape), frozen[name].dtype, "frozen")
+            found[name] = Entry(name, torch.Size(shape), frozen[name].dtype, "frozen")
         module = meta.get("module") or {}
         for name in meta.get("buffer_names") or []:
             if name in module:
-                found[name] = _Entry(name, module[name].shape, module[name].dtype, "buffer")
+                found[name] = Entry(name, module[name].shape, module[name].dtype, "buffer")
         aliases = set(meta.get("shared_params") or {})
         order = [n for n in module if n in found] + [n for n in found if n not in module]
         return [found[n] for n in order if n not in aliases]
 
-    def pieces(self, e: _Entry) -> Iterator[torch.Tensor]:
+    def pieces(self, e: Entry) -> Iterator[torch.Tensor]:
         """The flattened tensor's bytes in order, as 1-D slices of the mapped files."""
         if e.kind == "buffer":
             yield from _chunks(self.models[0]["module"][e.name].reshape(-1), self.model_pagers[0])
@@ -295,7 +303,7 @@ def _first_fragment(state: dict) -> torch.Tensor | None:
     return next((t for t in tensors if isinstance(t, torch.Tensor) and t.numel()), None)
 
 
-def _stage(value) -> int | None:
+def _stage(value: object) -> int | None:
     value = value.args[0] if isinstance(value, safe_load.Placeholder) and value.args else value
     return int(value) if isinstance(value, int) else None
 
