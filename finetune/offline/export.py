@@ -10,9 +10,9 @@ so the same command gives the same weights whether or not the run saved them.
 Tied parameters are written once, under the name DeepSpeed stored (the one ``save_pretrained``
 keeps, e.g. ``model.embed_tokens.weight``; ``from_pretrained`` re-ties ``lm_head.weight``).
 
-``export_universal`` converts with DeepSpeed's own ZeRO-3 conversion (universal.py, resumable):
-the format resume loads on another world size, which reuses a ``universal/`` folder found inside
-the checkpoint.
+``export_universal`` converts with DeepSpeed's own ZeRO-3 conversion (weights/universal.py,
+resumable): the format resume loads on another world size, which reuses a ``universal/`` folder
+found inside the checkpoint.
 
 Safe loading: before any file of the checkpoint is read, it is checked against the checkpoint's
 manifest (size and checksum; ``verify_inputs``): every file export reads must be listed there and
@@ -295,7 +295,8 @@ def _copy_or_rebuild(
 
 
 def _copy_weights(folder: Path, staging: Path, files: list[str]) -> tuple[int, int, list[str]]:
-    tensors = size = 0
+    tensors = 0
+    size = 0
     for name in files:
         fault_point("export.write", step_of(folder.name))
         shutil.copyfile(folder / name, staging / name)  # kernel-side copy: no RSS growth

@@ -25,6 +25,7 @@ import sys
 import time
 import types
 from pathlib import Path
+from typing import TYPE_CHECKING, BinaryIO
 
 import torch
 
@@ -50,7 +51,15 @@ from finetune.offline.model_files import (
 from finetune.weights.adapter import ADAPTER_CONFIG, ADAPTER_WEIGHTS, expected_tensors
 from finetune.weights.consolidate import FROM_MASTER, SOURCE_KEY
 from finetune.weights.shards import INDEX, SAFE_TO_DTYPE, plan_shards, shard_header
-from finetune.weights.zero_files import CHUNK_BYTES, ZeroCheckpoint
+from finetune.weights.zero_files import CHUNK_BYTES, Entry, ZeroCheckpoint
+
+if TYPE_CHECKING:
+    from safetensors import safe_open
+
+# The base's tensors in file order: (file, key, shape, dtype).
+BaseTensors = list[tuple[str, str, torch.Size, torch.dtype]]
+# What one file export writes: (tensors, bytes, the files written).
+Written = tuple[int, int, list[str]]
 
 
 def export_lora(
@@ -153,7 +162,7 @@ def _read_adapter_config(folder: Path) -> dict:
         raise ConfigError(f"{folder / ADAPTER_CONFIG}: unreadable ({type(e).__name__})") from e
 
 
-def _adapter_entries(folder: Path, source: ZeroCheckpoint) -> dict[str, object]:
+def _adapter_entries(folder: Path, source: ZeroCheckpoint) -> dict[str, Entry]:
     """{adapter file key: the rank files' entry}, for exactly the tensors the adapters must have."""
     try:
         expected = expected_tensors(folder)
@@ -178,7 +187,9 @@ def _adapter_entries(folder: Path, source: ZeroCheckpoint) -> dict[str, object]:
     return {key: trainable[name] for name, (key, _) in expected.items()}
 
 
-def _write_adapter(source: ZeroCheckpoint, adapters: dict, staging: Path, dtype: torch.dtype):
+def _write_adapter(
+    source: ZeroCheckpoint, adapters: dict[str, Entry], staging: Path, dtype: torch.dtype
+) -> Written:
     holders = {
         k: types.SimpleNamespace(t=torch.empty(e.shape, dtype=torch.float32, device="meta"))
         for k, e in adapters.items()
@@ -187,7 +198,7 @@ def _write_adapter(source: ZeroCheckpoint, adapters: dict, staging: Path, dtype:
         [(k, holders[k], "t", True) for k in adapters], dtype, 1 << 62, "adapter_model"
     )
     fault_point("export.write", step_of(source.folder.name))
-    buffers: dict = {}
+    buffers: dict[torch.dtype, torch.Tensor] = {}
     with open(staging / ADAPTER_WEIGHTS, "wb") as f:
         f.write(shard_header(list(adapters), meta, {SOURCE_KEY: FROM_MASTER}))
         for key, entry in adapters.items():
@@ -257,7 +268,10 @@ class _Delta:
     or columns each)."""
 
     def __init__(self, a: torch.Tensor, b: torch.Tensor, scaling: float, transposed: bool):
-        self.a, self.b, self.scaling, self.transposed = a, b, scaling, transposed
+        self.a = a
+        self.b = b
+        self.scaling = scaling
+        self.transposed = transposed
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -273,12 +287,14 @@ class _Delta:
         return (self.b[lo:hi] @ self.a) * self.scaling
 
 
-def _plan_merge(base_dir: Path, adapters: dict, config: dict):
+def _plan_merge(
+    base_dir: Path, adapters: dict[str, Entry], config: dict
+) -> tuple[dict[str, tuple], BaseTensors]:
     """{base key: _Delta factory or full replacement key} for every adapted tensor, and the base's
     tensors in order with their shapes. Every adapter tensor must land on a base tensor."""
     from safetensors import safe_open
 
-    order: list[tuple[str, str, torch.Size, torch.dtype]] = []
+    order: BaseTensors = []
     for fname in _base_files(base_dir):
         with safe_open(base_dir / fname, framework="pt") as f:
             for key in f.keys():
@@ -287,7 +303,8 @@ def _plan_merge(base_dir: Path, adapters: dict, config: dict):
                     (fname, key, torch.Size(sl.get_shape()), _dtype_of(sl.get_dtype(), key, fname))
                 )
     keys = {key for _, key, _, _ in order}
-    r, alpha = config["r"], config["lora_alpha"]
+    r = config["r"]
+    alpha = config["lora_alpha"]
     if config.get("rank_pattern") or config.get("alpha_pattern") or config.get("use_dora"):
         raise ConfigError(
             "--merge_lora: per-module ranks, alphas or DoRA are not supported by this merge"
@@ -301,13 +318,13 @@ def _plan_merge(base_dir: Path, adapters: dict, config: dict):
         if ".lora_B." in rest or rest.endswith(".lora_embedding_B"):
             continue  # taken with its A
         if ".lora_A." in rest:
-            module, b_key, transposed = (
-                rest.split(".lora_A.")[0],
-                key.replace(".lora_A.", ".lora_B."),
-                bool(config.get("fan_in_fan_out")),
-            )
+            module = rest.split(".lora_A.")[0]
+            b_key = key.replace(".lora_A.", ".lora_B.")
+            transposed = bool(config.get("fan_in_fan_out"))
         elif rest.endswith(".lora_embedding_A"):
-            module, b_key, transposed = rest.removesuffix(".lora_embedding_A"), key[:-1] + "B", True
+            module = rest.removesuffix(".lora_embedding_A")
+            b_key = key[:-1] + "B"
+            transposed = True
         else:  # modules_to_save: the trained copy replaces the base tensor
             plan[_match(rest, keys)] = ("replace", key)
             continue
@@ -340,20 +357,20 @@ def _dtype_of(name: str, key: str, fname: str) -> torch.dtype:
     return SAFE_TO_DTYPE[name]
 
 
-def _read_whole(source: ZeroCheckpoint, entry) -> torch.Tensor:
+def _read_whole(source: ZeroCheckpoint, entry: Entry) -> torch.Tensor:
     return torch.cat([p.to(torch.float32) for p in source.pieces(entry)]).reshape(entry.shape)
 
 
 def _write_merged(
     base_dir: Path,
     source: ZeroCheckpoint,
-    adapters: dict,
+    adapters: dict[str, Entry],
     config: dict,
     staging: Path,
     dtype: torch.dtype,
     max_shard_size: str,
     progress: bool,
-):
+) -> Written:
     from safetensors import safe_open
     from tqdm.auto import tqdm
 
@@ -375,7 +392,7 @@ def _write_merged(
         file=sys.stderr,
         mininterval=0.5 if sys.stderr.isatty() else 30,
     )
-    handles: dict[str, object] = {}
+    handles: dict[str, safe_open] = {}
     try:
         with bar:
             for fname, names in split.filename_to_tensors.items():
@@ -405,7 +422,13 @@ def _write_merged(
 
 
 def _write_merged_tensor(
-    f, handle, key: str, out: torch.Tensor, how: tuple | None, source, adapters
+    f: BinaryIO,
+    handle: safe_open,
+    key: str,
+    out: torch.Tensor,
+    how: tuple | None,
+    source: ZeroCheckpoint,
+    adapters: dict[str, Entry],
 ) -> int:
     """One output tensor: the base's rows, plus the delta's (or the trained copy),
     cast and appended."""

@@ -16,6 +16,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 import torch
 
@@ -24,7 +25,7 @@ from finetune.checkpoint_format.outdir import LATEST
 from finetune.config import ConfigError
 from finetune.modeling import DTYPES
 from finetune.weights.shards import INDEX
-from finetune.weights.zero_files import CHUNK_BYTES, ZeroCheckpoint
+from finetune.weights.zero_files import CHUNK_BYTES, Entry, ZeroCheckpoint
 
 HF_DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
 
@@ -96,7 +97,8 @@ def verify_inputs(folder: Path, names: list[str]) -> tuple[int, float]:
             f"an incomplete save); pass --no_verify to export it unverified"
         )
     listed = manifest.get("files") if isinstance(manifest.get("files"), dict) else {}
-    problems, checked = [], 0
+    problems: list[str] = []
+    checked = 0
     for name in dict.fromkeys(names):
         meta = listed.get(name)
         if not (
@@ -197,7 +199,13 @@ def copy_model_files(folder: Path, staging: Path, dtype: torch.dtype, config: di
     return copied
 
 
-def write_tensor(source: ZeroCheckpoint, f, entry, out: torch.Tensor, buffers: dict) -> int:
+def write_tensor(
+    source: ZeroCheckpoint,
+    f: BinaryIO,
+    entry: Entry,
+    out: torch.Tensor,
+    buffers: dict[torch.dtype, torch.Tensor],
+) -> int:
     """Append one tensor's bytes, converted to the planned dtype, chunk by chunk."""
     written = 0
     for piece in source.pieces(entry):
@@ -213,8 +221,11 @@ def write_tensor(source: ZeroCheckpoint, f, entry, out: torch.Tensor, buffers: d
     return written
 
 
-def _buffer(buffers: dict, dtype: torch.dtype, numel: int) -> torch.Tensor:
+def _buffer(
+    buffers: dict[torch.dtype, torch.Tensor], dtype: torch.dtype, numel: int
+) -> torch.Tensor:
     buf = buffers.get(dtype)
     if buf is None or buf.numel() < numel:
-        buf = buffers[dtype] = torch.empty(max(numel, CHUNK_BYTES // 4), dtype=dtype)
+        buf = torch.empty(max(numel, CHUNK_BYTES // 4), dtype=dtype)
+        buffers[dtype] = buf
     return buf
