@@ -37,8 +37,8 @@ from finetune.data.mixture import read_tokens_by_source, source_lines
 from finetune.exit_status import EXIT_STATUS
 from finetune.io.remote import is_remote
 from finetune.lease import LEASE
-from finetune.metrics import read_metrics
-from finetune.offline.verify import METRICS, notes
+from finetune.metrics import METRICS, read_metrics
+from finetune.offline.verify import notes
 from finetune.weights.adapter import ADAPTER_CONFIG, is_adapter_checkpoint
 from finetune.weights.universal import UNIVERSAL
 

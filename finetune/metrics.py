@@ -17,6 +17,7 @@ from finetune.trackers import Failures, MonitorTracker, Tracker
 if TYPE_CHECKING:
     from deepspeed.monitor.monitor import MonitorMaster
 
+METRICS = "metrics.jsonl"
 EVENTS = "events.jsonl"
 
 
@@ -39,7 +40,7 @@ class MetricsWriter:
         trackers: Sequence[Tracker] = (),
         may_write: Callable[[], bool] = lambda: True,
     ):
-        self.path = Path(output_dir) / "metrics.jsonl"
+        self.path = Path(output_dir) / METRICS
         self.events_path = Path(output_dir) / EVENTS
         self.run_id = run_id
         self.trackers: list[Tracker] = list(trackers)
@@ -121,17 +122,23 @@ def _append(path: Path, obj: dict) -> str | None:
         return dist.describe_error(e)
 
 
+def _row(line: str) -> dict | None:
+    """The JSON object on ``line``; None for a torn line (a crash mid-append) or anything else."""
+    try:
+        row = json.loads(line)
+    except ValueError:
+        return None
+    return row if isinstance(row, dict) else None
+
+
 def json_rows(text: str) -> list[tuple[str, dict]]:
     """(line, row) of every whole JSON object; a torn line (a crash mid-append) is skipped."""
-    out = []
-    for line in text.splitlines():
-        try:
-            row = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(row, dict):
-            out.append((line, row))
-    return out
+    return [(line, row) for line in text.splitlines() if (row := _row(line)) is not None]
+
+
+def torn_lines(text: str) -> list[int]:
+    """The numbers (from 1) of the lines ``json_rows`` skips: torn by a crash mid-append."""
+    return [n for n, line in enumerate(text.splitlines(), 1) if _row(line) is None]
 
 
 def truncate_after(path: Path, step: int) -> None:
@@ -162,7 +169,8 @@ def truncate_after(path: Path, step: int) -> None:
 
 
 def read_metrics(output_dir: str) -> list[dict]:
-    path = Path(output_dir) / "metrics.jsonl"
+    """OUT/metrics.jsonl's rows, torn lines skipped; none when there is no file."""
+    path = Path(output_dir) / METRICS
     if not path.exists():
         return []
     return [row for _, row in json_rows(path.read_text())]

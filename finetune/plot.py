@@ -29,7 +29,7 @@ from finetune.checkpoint_format.manifest import read_manifest
 from finetune.checkpoint_format.outdir import OutputDir, step_of
 from finetune.commands import Parser
 from finetune.config import ConfigError
-from finetune.metrics import json_rows, read_metrics
+from finetune.metrics import EVENTS, METRICS, json_rows, read_metrics
 
 if TYPE_CHECKING:
     from matplotlib.artist import Artist
@@ -37,7 +37,6 @@ if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
 DEFAULT_DEST = Path("plots") / "training.png"  # under OUT
-EVENTS = "events.jsonl"
 FIGSIZE = (12.0, 9.0)  # inches; at DPI: 1200x900 px
 DPI = 100
 MAX_POINTS = 5000  # per drawn series (see _thin)
@@ -70,7 +69,7 @@ def load_run(output_dir: str | os.PathLike) -> Run:
     """Metrics, events and checkpoints of ``output_dir``; ConfigError when there
     is nothing to plot."""
     out = Path(output_dir)
-    if not (out / "metrics.jsonl").is_file():
+    if not (out / METRICS).is_file():
         raise ConfigError(
             f"{out}: no metrics.jsonl (not a run's output dir, or no step logged yet)"
         )

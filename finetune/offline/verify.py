@@ -16,7 +16,6 @@ Nothing here reads a pickle or writes anything.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from finetune.checkpoint_format.manifest import read_manifest, stored_ranks
@@ -32,9 +31,8 @@ from finetune.checkpoint_format.policy import newest_first
 from finetune.commands import Parser
 from finetune.config import ConfigError
 from finetune.io.remote import is_remote
+from finetune.metrics import METRICS, torn_lines
 from finetune.weights.adapter import verify_adapter
-
-METRICS = "metrics.jsonl"
 
 
 def notes(out: Path) -> list[str]:
@@ -93,7 +91,7 @@ def _metrics(path: Path) -> list[str]:
         text = path.read_text(errors="replace")
     except OSError as e:
         return [f"{METRICS}: unreadable ({type(e).__name__}: {e.strerror or e})"]
-    torn = [n for n, line in enumerate(text.splitlines(), 1) if not _is_row(line)]
+    torn = torn_lines(text)
     if not torn:
         return []
     shown = ", ".join(map(str, torn[:5])) + (", …" if len(torn) > 5 else "")
@@ -101,13 +99,6 @@ def _metrics(path: Path) -> list[str]:
         f"{METRICS}: {len(torn)} torn line(s) (line {shown}; a crash "
         "mid-append); dropped at the next resume"
     ]
-
-
-def _is_row(line: str) -> bool:
-    try:
-        return isinstance(json.loads(line), dict)
-    except ValueError:
-        return False
 
 
 def main(argv: list[str]) -> int:
