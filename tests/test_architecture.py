@@ -115,8 +115,16 @@ def test_the_cycle_finder_finds_a_cycle_through_a_function_level_import():
 
 
 def test_the_leaves_import_nothing_of_finetune():
+    """A leaf may be a package: its modules import each other, nothing else of finetune's."""
     edges = graph()
-    assert {leaf: sorted(edges[leaf]) for leaf in LEAVES} == {leaf: [] for leaf in LEAVES}
+    found = {
+        mod: sorted(t for t in out if not _under(t, leaf))
+        for leaf in LEAVES
+        for mod, out in edges.items()
+        if _under(mod, leaf)
+    }
+    assert set(LEAVES) <= set(found)
+    assert found == {mod: [] for mod in found}
 
 
 def test_finetune_io_imports_nothing_above_it():
