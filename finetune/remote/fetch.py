@@ -39,17 +39,14 @@ class OutSharing(Protocol):
     @property
     def node_local(self) -> bool:
         """Each node has its own OUT (node-local checkpoints)."""
-        ...
 
     @property
     def my_group(self) -> list[int]:
         """The ranks that share this rank's OUT."""
-        ...
 
     @property
     def leader(self) -> bool:
         """This rank does rank 0's part for its OUT."""
-        ...
 
 
 @dataclass(frozen=True)
