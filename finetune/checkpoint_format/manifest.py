@@ -21,6 +21,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from finetune.checkpoint_format.policy import step_of
+from finetune.checkpoint_format.state import TRAINER_STATE
 from finetune.io.durable import hash_file
 from finetune.io.faults import fault_point
 
@@ -150,7 +151,7 @@ def looks_like_checkpoint(folder: Path) -> bool:
     return folder.is_dir() and (
         (folder / MANIFEST).exists()
         or any(folder.glob("zero_pp_rank_*_model_states.pt"))
-        or (folder / "trainer_state.json").exists()
+        or (folder / TRAINER_STATE).exists()
     )
 
 
@@ -246,12 +247,11 @@ def check_file(path: Path, name: str, meta: dict, checksums: bool) -> list[str]:
 
 def _check_trainer_state(folder: Path, world: int) -> list[str]:
     try:
-        state = json.loads((folder / "trainer_state.json").read_text())
+        state = json.loads((folder / TRAINER_STATE).read_text())
     except (OSError, ValueError) as e:
-        return [f"trainer_state.json: unreadable ({type(e).__name__})"]
+        return [f"{TRAINER_STATE}: unreadable ({type(e).__name__})"]
     if state.get("world_size") != world:
         return [
-            "trainer_state.json: world_size "
-            f"{state.get('world_size')} but the manifest says {world}"
+            f"{TRAINER_STATE}: world_size {state.get('world_size')} but the manifest says {world}"
         ]
     return []

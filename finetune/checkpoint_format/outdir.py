@@ -29,7 +29,7 @@ from pathlib import Path
 
 import xxhash
 
-from finetune.checkpoint_format.manifest import build_manifest
+from finetune.checkpoint_format.manifest import MANIFEST, build_manifest
 from finetune.checkpoint_format.policy import (
     TAG_RE,  # noqa: F401
     Committed,
@@ -45,10 +45,8 @@ LATEST = "latest"
 STAGING = ".staging"
 TRASH = ".trash-"
 ABANDONED = ".abandoned"
-MANIFEST = "manifest.json"
-UNIVERSAL_TMP = (
-    "universal.tmp"  # an interrupted universal conversion's pieces (weights/universal.py): kept
-)
+# an interrupted universal conversion's pieces (weights/universal.py): kept
+UNIVERSAL_TMP = "universal.tmp"
 
 logger = logging.getLogger("finetune")
 

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, BinaryIO
 import torch
 
 from finetune.checkpoint_format.outdir import step_of
+from finetune.checkpoint_format.state import TRAINER_STATE
 from finetune.config import ConfigError
 from finetune.io.durable import fsync_path
 from finetune.io.faults import fault_point
@@ -148,11 +149,9 @@ def export_lora(
 
 def _trainer_state(folder: Path) -> dict:
     try:
-        return json.loads((folder / "trainer_state.json").read_text())
+        return json.loads((folder / TRAINER_STATE).read_text())
     except (OSError, ValueError) as e:
-        raise ConfigError(
-            f"{folder / 'trainer_state.json'}: unreadable ({type(e).__name__})"
-        ) from e
+        raise ConfigError(f"{folder / TRAINER_STATE}: unreadable ({type(e).__name__})") from e
 
 
 def _read_adapter_config(folder: Path) -> dict:

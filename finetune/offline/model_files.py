@@ -22,8 +22,10 @@ import torch
 
 from finetune.checkpoint_format.manifest import MANIFEST, check_file, read_manifest
 from finetune.checkpoint_format.outdir import LATEST
+from finetune.checkpoint_format.state import TRAINER_STATE
 from finetune.config import ConfigError
 from finetune.modeling import DTYPES
+from finetune.weights.adapter import ADAPTER_WEIGHTS
 from finetune.weights.shards import INDEX
 from finetune.weights.zero_files import CHUNK_BYTES, Entry, ZeroCheckpoint
 
@@ -41,7 +43,7 @@ WEIGHTS_RE = re.compile(r"^model(-\d{5}-of-\d{5})?\.safetensors$")
 
 # What a checkpoint holds that is not part of a HF model folder: DeepSpeed's and our own files.
 # (A LoRA checkpoint's consolidated adapter_model.safetensors is weights too: export rebuilds it.)
-INTERNAL_NAMES = {MANIFEST, "trainer_state.json", LATEST, "adapter_model.safetensors"}
+INTERNAL_NAMES = {MANIFEST, TRAINER_STATE, LATEST, ADAPTER_WEIGHTS}
 
 
 INTERNAL_RE = re.compile(r"(\.pt$)|(^zero_to_.*\.py$)")
@@ -135,7 +137,7 @@ def plain_inputs(folder: Path) -> list[str]:
     (those present, and those the manifest lists: a missing tokenizer is damage too) and, unless
     the manifest says the consolidated save failed, the consolidated weights present."""
     manifest = read_manifest(folder) or {}
-    names = [n for n in ("trainer_state.json",) if (folder / n).exists()]
+    names = [n for n in (TRAINER_STATE,) if (folder / n).exists()]
     listed = {n for n in manifest.get("files") or {} if is_model_file(n)}
     names += sorted({p.name for p in model_files(folder)} | listed)
     if manifest.get("consolidated") is not False:
@@ -148,7 +150,7 @@ def plain_inputs(folder: Path) -> list[str]:
 def training_dtype(folder: Path) -> torch.dtype:
     """The training precision trainer_state.json records; fp32 when absent or fp32."""
     try:
-        saved = json.loads((folder / "trainer_state.json").read_text()).get("dtype")
+        saved = json.loads((folder / TRAINER_STATE).read_text()).get("dtype")
     except (OSError, ValueError):
         saved = None
     return DTYPES.get(saved, torch.float32)

@@ -51,6 +51,7 @@ import torch
 
 from finetune.checkpoint_format.manifest import RANK_FILE_PATTERNS, read_manifest
 from finetune.checkpoint_format.outdir import step_of
+from finetune.checkpoint_format.state import TRAINER_STATE
 from finetune.config import ConfigError
 from finetune.io.faults import fault_point
 from finetune.weights import safe_load
@@ -313,6 +314,6 @@ def _declared_world(folder: Path) -> int | None:
     if manifest and manifest.get("world_size"):
         return int(manifest["world_size"])
     try:
-        return int(json.loads((folder / "trainer_state.json").read_text())["world_size"])
+        return int(json.loads((folder / TRAINER_STATE).read_text())["world_size"])
     except (OSError, ValueError, KeyError, TypeError):
         return None

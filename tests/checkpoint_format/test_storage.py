@@ -9,10 +9,10 @@ import errno
 import pytest
 from memory_storage import MemoryStorage
 
+from finetune.checkpoint_format.manifest import MANIFEST
 from finetune.checkpoint_format.outdir import (
     ABANDONED,
     LATEST,
-    MANIFEST,
     STAGING,
     OutputDir,
     committed,
