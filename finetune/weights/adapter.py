@@ -39,6 +39,8 @@ if TYPE_CHECKING:
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
+# peft's name for the one adapter get_peft_model adds (lora.py adds no other)
+ADAPTER_NAME = "default"
 UNSHARDED = 1 << 62  # peft writes one adapter file, whatever its size; so do we
 
 
@@ -128,10 +130,10 @@ def expected_tensors(folder: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
     return {n: (keys[n], tuple(p.shape)) for n, p in model.named_parameters() if p.requires_grad}
 
 
-def _peft_key(name: str, adapter: str = "default") -> str:
+def _peft_key(name: str) -> str:
     """The adapter file's key of a trainable parameter: peft drops the adapter's name."""
-    name = name.replace(f".modules_to_save.{adapter}.", ".")
-    return re.sub(rf"\.(lora_\w+)\.{adapter}(?=\.|$)", r".\1", name)
+    name = name.replace(f".modules_to_save.{ADAPTER_NAME}.", ".")
+    return re.sub(rf"\.(lora_\w+)\.{ADAPTER_NAME}(?=\.|$)", r".\1", name)
 
 
 def rank_shapes(folder: Path) -> dict[str, tuple[int, ...]] | None:
