@@ -84,10 +84,10 @@ def run(cfg: RunConfig) -> int:
             trainer.data.close()
         # Collective: the heartbeat may have learned after the last check that another run took
         # OUT over (during the final eval, or in a run that never saves).
-        if trainer.lost_lease or dist.any_rank(not ours()):
+        if trainer.out_given_up or dist.any_rank(not ours()):
             # OUT belongs to the run that took the lease over: its exit_status.json, its events,
             # its plot. Nothing of this run's end is written there.
-            if not trainer.lost_lease:
+            if not trainer.out_given_up:
                 dist.log_main(
                     logging.ERROR,
                     "another run took over %s's lease during the run's last steps; "
