@@ -49,10 +49,6 @@ def adopt_launcher_env() -> None:
         return  # init() raises it
 
 
-# for ds_config (before init): the device this rank drives
-local_device_index = launchers.local_device_index
-
-
 def env_rank() -> int:
     """The rank from the environment, usable before the process group exists."""
     return int(os.environ.get("RANK", "0"))

@@ -402,7 +402,7 @@ def auto_precision() -> str:
     are slow and lossy).
 
     Runs while the flags are resolved, before ``distributed.init`` sets the device, so it asks
-    about this rank's own device by index (``distributed.local_device_index``: LOCAL_RANK, modulo
+    about this rank's own device by index (``launchers.local_device_index``: LOCAL_RANK, modulo
     the GPUs this task sees) and only reads its properties: ``torch.cuda.is_bf16_supported()``
     would look at the current device (GPU 0 on every rank at this point) and, by default, also
     accept bf16 emulated in software (pre-Ampere GPUs: V100, T4), allocating a tensor on GPU 0
@@ -416,7 +416,7 @@ def auto_precision() -> str:
     if acc.device_name() == "cuda":
         import torch
 
-        from finetune.distributed import local_device_index
+        from finetune.launchers import local_device_index
 
         if torch.version.hip is not None:
             return "bf16"  # what torch.cuda.is_bf16_supported answers for every ROCm device

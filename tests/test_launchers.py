@@ -337,7 +337,8 @@ def test_local_device_index(monkeypatch, local, count, device):
 def test_local_device_index_before_adoption_reads_the_launchers_variables(monkeypatch):
     # srun --gpus-per-task=1: one GPU each
     setenv(monkeypatch, **SRUN, SLURM_STEP_NODELIST="node[01-04]")
-    assert dist.local_device_index(1) == 0 and dist.local_device_index(8) == 3
+    assert local_device_index(1) == 0
+    assert local_device_index(8) == 3
     assert "LOCAL_RANK" not in os.environ
 
 
