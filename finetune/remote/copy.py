@@ -160,7 +160,7 @@ class RemoteCopy:
         self.failures: dict[str, int] = {}  # outstanding tag → failed tries
         self.remote_head: str | None = None  # the newest remotely committed
         # The trainer's side, this rank's own.
-        self._save_ids: dict[str, str | None] = {}  # tag → the local commit's save id
+        self._save_ids: dict[str, str | None] = {}  # tag → its commit's save id (the thread's too)
         self._files: dict[str, Files] = {}  # outstanding tag → what this rank uploads of it
         self._retry_at: dict[str, float] = {}  # failed newest → when this rank tries it again
         # Shared with the thread, under the lock.
