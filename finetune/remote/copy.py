@@ -58,22 +58,6 @@ MAX_RETRY_S = 60.0
 WAITING_NOTE_S = 30.0  # drain: how often it says which checkpoint it still waits for
 
 
-class NoRemoteCopy:
-    """No --remote_output_dir: nothing to copy, nothing kept for it."""
-
-    def offer(self, tag: str, written: Files, committed: Files, save_id: str | None = None) -> None:
-        pass
-
-    def unconfirmed(self) -> set[str]:
-        return set()
-
-    def poll(self, step: int = 0) -> None:
-        pass
-
-    def drain(self, step: int = 0) -> bool:
-        return True
-
-
 def node_manifest_name(node: list[int]) -> str:
     """Node-local storage: the object under which a node's own manifest is uploaded."""
     return f"{NODE_MANIFEST}{node[0]}.json"
