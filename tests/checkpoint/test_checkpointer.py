@@ -561,7 +561,7 @@ def test_with_adapters_the_space_a_first_save_needs_is_estimated_from_the_traina
     assert lora.staging.space_needed() < full.staging.space_needed() / 3
 
 
-# --- the review's defects (issue 22): deadlines, a failed background save, retention off the path
+# --- deadlines, a failed background save, retention off the path
 
 
 @pytest.fixture

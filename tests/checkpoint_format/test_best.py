@@ -7,7 +7,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pytest
-from checkpoint.test_checkpointer import (  # noqa: F401
+from checkpoint.fake_engine import (  # noqa: F401
     _fake_engines_model_is_not_checked,
     make_cfg,
     make_manager,
