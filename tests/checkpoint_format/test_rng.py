@@ -77,7 +77,8 @@ def test_only_the_current_devices_generator_is_saved_and_restored(
 
 def test_a_checkpoint_with_every_gpus_generator_resumes_on_fewer_gpus(monkeypatch, caplog):
     """The format that saved every visible GPU's generator (``cuda``): restores the current
-    device's entry where there is one, and warns instead of raising IndexError where there is not."""
+    device's entry where there is one, and warns instead of raising IndexError where there is
+    not."""
     old = {**rng_state(), "cuda": [torch.tensor([i], dtype=torch.uint8) for i in range(4)]}
     two = FakeCuda(2, current=1)
     monkeypatch.setattr(rng, "_device_accelerator", lambda: two)
