@@ -1,10 +1,10 @@
 """A checkpoint written by an earlier layout of the code (commit 5164e7b: one rank, a 27k-parameter
 Llama config, saved at step 2 of a 4-step run) still resumes with today's code, and the resumed
-steps are the rows that run logged uninterrupted (tests/fixtures/pre_reshape/expected.json): counters exact,
-floats to 1e-6 relative. Bit for bit holds on the CPU that wrote the fixture; another CPU's vector
-width rounds a reduction differently (an AMD EPYC gave grad_norm 0.9398303396 for 0.9398303361,
-loss equal), while a resume that lost state (data position, RNG, optimizer moments) moves the
-rows by far more than 1e-6.
+steps are the rows that run logged uninterrupted (tests/fixtures/pre_reshape/expected.json):
+counters exact, floats to 1e-6 relative. Bit for bit holds on the CPU that wrote the fixture;
+another CPU's vector width rounds a reduction differently (an AMD EPYC gave grad_norm 0.9398303396
+for 0.9398303361, loss equal), while a resume that lost state (data position, RNG, optimizer
+moments) moves the rows by far more than 1e-6.
 
 Real DeepSpeed in one plain process (~20 s): the format on disk is the contract under test.
 """
