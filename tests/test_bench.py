@@ -37,7 +37,9 @@ def _load(name: str) -> ModuleType:
 
 
 def async_api_present() -> bool:
-    return "def poll" in (REPO / "finetune" / "checkpoint" / "checkpointer.py").read_text()
+    """The Checkpointer's modules have a background save's poll."""
+    modules = (REPO / "finetune" / "checkpoint").glob("*.py")
+    return any("def poll" in path.read_text() for path in modules)
 
 
 def _digest(path: Path) -> str | None:

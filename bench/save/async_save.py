@@ -34,21 +34,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository: 
 from bench.harness import REPO, free_port, machine, write_json  # noqa: E402
 from bench.save.checkpoint_save import write_inputs  # noqa: E402
 
-# checkpointer.py now; manager.py in older versions (before/after runs)
-MANAGER = next(
-    p
-    for p in (REPO / "finetune" / "checkpoint" / n for n in ("checkpointer.py", "manager.py"))
-    if p.exists()
-)
+# The Checkpointer's modules (the manager's, in older versions: before/after runs).
+CHECKPOINT = REPO / "finetune" / "checkpoint"
 
 
 def api_missing() -> str | None:
     """Cheap check (no imports) that finetune has the background save API."""
-    src = MANAGER.read_text()
+    src = "\n".join(p.read_text() for p in sorted(CHECKPOINT.glob("*.py")))
     if "def poll" not in src or "background" not in src:
         return (
             "the --async_save API (save(background=True), poll, wait) "
-            f"is not in {MANAGER.relative_to(REPO)} yet"
+            f"is not in {CHECKPOINT.relative_to(REPO)}/ yet"
         )
     return None
 
