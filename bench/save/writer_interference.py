@@ -9,11 +9,12 @@ exp_avg, exp_avg_sq) is written, durably and checksummed, by one of these writer
   none           no write: the reference step time.
   thread         finetune's own --async_save path:
                  ``GuardedWriter.reset(dir, step, background=True)``, ``.save(state, path)``
-                 (``host_copy`` into fresh host memory, on the training thread: the stall),
+                 (``host_plan``: the snapshot planned on the training thread, the stall; its
+                 tensors copied into host memory by ``run_copies``),
                  ``.start()`` (``Queue`` thread: torch.save into a ``HashingWriter``,
                  sync_file_range kicks, fsync), ``.done()`` polled after each step.
-  thread_reused  ``thread`` minus ``host_copy``: the live tensors are copied into host buffers kept
-                 from one save to the next (as ``host_copy`` does with its page-locked pool on a
+  thread_reused  ``thread`` minus the planned copy: the live tensors are copied into host buffers
+                 kept from one save to the next (as the writer's page-locked pool does on a
                  GPU), then ``GuardedWriter``'s own ``Queue`` writes them: tells buffer reuse from
                  thread-vs-process.
   process        a writer process (torch.multiprocessing, spawn) started before the loop, mapping
@@ -360,7 +361,7 @@ def run_variant(
                 dst.copy_(src)
             w.queue.add(kept[0], path, sum(t.numel() * t.element_size() for t in tensors(kept[0])))
         else:
-            w.save(snapshot, path)  # host_copy on this thread
+            w.save(snapshot, path)  # host_plan on this thread
         stall = time.monotonic() - t_issue
         w.start()
         done = w.done
