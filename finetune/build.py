@@ -218,8 +218,7 @@ def build_trainer(
         may_write=lambda: not taken_over(),
     )
     checkpoints.on_event = metrics.event
-    if isinstance(remote, RemoteCopy):
-        remote.on_event = metrics.event
+    remote.on_event = metrics.event
     plotter = Plotter(cfg.ckpt.output_dir) if cfg.train.plot and dist.is_main() else None
     return Trainer(
         cfg,

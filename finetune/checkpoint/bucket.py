@@ -9,6 +9,7 @@ before retention, ``poll`` at each step boundary and ``drain`` at the end.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol
 
 from finetune.checkpoint.writer import Files
@@ -17,6 +18,10 @@ from finetune.checkpoint_format.outdir import OutputDir
 
 class BucketCopy(Protocol):
     """Every method is called on every rank."""
+
+    # Where the copy's events go (MetricsWriter.event: remote_checkpoint, remote_upload_failed,
+    # remote_skipped); build.py sets it once the metrics exist.
+    on_event: Callable[..., None]
 
     def catch_up(self, out: OutputDir) -> None:
         """At start: copy OUT's newest committed checkpoint when the bucket holds none as new (a
@@ -41,6 +46,9 @@ class BucketCopy(Protocol):
 
 class NoRemoteCopy:
     """No --remote_output_dir: nothing to copy, nothing kept for it."""
+
+    def __init__(self) -> None:
+        self.on_event: Callable[..., None] = lambda kind, step, **details: None
 
     def catch_up(self, out: OutputDir) -> None:
         pass
