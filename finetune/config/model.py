@@ -9,7 +9,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from finetune.config.fields import ConfigError, flag, split_names
+from finetune.config.fields import ConfigError, flag, require_positive, split_names
 
 # A model folder's weights, in any layout transformers loads (single file or sharded with an index).
 WEIGHT_FILES = (
@@ -112,9 +112,7 @@ def _check_lora(v: Mapping[str, Any]) -> None:
                 f"need{'s' if len(given) == 1 else ''} `--use_peft`"
             )
         return
-    for name in ("lora_r", "lora_alpha"):
-        if v[name] <= 0:
-            raise ConfigError(f"`--{name}` must be positive, got {v[name]}")
+    require_positive(v, ("lora_r", "lora_alpha"))
     if not 0 <= v["lora_dropout"] < 1:
         raise ConfigError(f"`--lora_dropout` must be in [0, 1), got {v['lora_dropout']}")
     for name in ("lora_target_modules", "lora_modules_to_save"):
@@ -151,6 +149,4 @@ def _check_kernels(v: Mapping[str, Any]) -> None:
                 "`--use_liger_kernel` needs a CUDA GPU (Liger's kernels are Triton); none is "
                 "visible to this process"
             )
-    alpha = v["neftune_noise_alpha"]
-    if alpha is not None and not alpha > 0:
-        raise ConfigError(f"`--neftune_noise_alpha` must be positive, got {alpha}")
+    require_positive(v, ("neftune_noise_alpha",))

@@ -225,8 +225,7 @@ def _check_best(v: Mapping[str, Any]) -> None:
             f"`--metric_for_best_model` {metric}: evaluation produces "
             f"{', '.join(METRICS)} (the eval_ prefix may be left out)"
         )
-    if patience is not None and patience <= 0:
-        raise ConfigError(f"`--early_stopping_patience` must be positive, got {patience}")
+    require_positive(v, ("early_stopping_patience",))
     threshold = v["early_stopping_threshold"]
     if threshold is not None and not threshold >= 0:
         raise ConfigError(f"`--early_stopping_threshold` must not be negative, got {threshold}")
