@@ -2,7 +2,10 @@
 # One GPU session's measurements, as one script (docs/BENCHMARKS.md, "GPU"): a lent GPU machine has
 # minutes, not hours, so everything runs in one call, each part under its own time limit.
 #
-#   bash bench/gpu_session.sh OUTDIR [WHEELDIR]
+#   [PARTS="ops gpu-suite throughput async-save"] bash bench/gpu_session.sh OUTDIR [WHEELDIR]
+#
+# PARTS (default all four) picks the parts after setup, so a session with little device time left
+# runs what it needs most.
 #
 # WHEELDIR (default .whl) holds the wheels the machine lacks (deepspeed, datasets and their needs,
 # the transformers finetune is tested with); they go into a venv that sees the system's torch.
@@ -14,7 +17,9 @@ OUT=${1:?usage: gpu_session.sh OUTDIR [WHEELDIR]}
 WHL=${2:-.whl}
 mkdir -p "$OUT"
 T0=$(date +%s)
+PARTS=" ${PARTS:-ops gpu-suite throughput async-save} "
 stamp() { echo "=== +$(($(date +%s) - T0))s $*"; }
+want() { [[ $PARTS == *" $1 "* ]] && stamp "$1"; }
 
 stamp setup
 # python3 there is itself a venv, so --system-site-packages would not see its torch: a .pth does.
@@ -39,25 +44,29 @@ print("cuda", torch.version.cuda, torch.cuda.get_device_name(0), torch.cuda.get_
 import deepspeed, datasets, transformers, finetune  # noqa: F401  (fails the session early)
 EOF
 
-stamp ops
-timeout 200 python scripts/build_ops.py >"$OUT/ops.log" 2>&1
-echo "build_ops rc=$?"; tail -8 "$OUT/ops.log"
+if want ops; then
+    timeout 200 python scripts/build_ops.py >"$OUT/ops.log" 2>&1
+    echo "build_ops rc=$?"; tail -8 "$OUT/ops.log"
+fi
 
-stamp gpu-suite
-timeout 220 python -m pytest -q -ra -m gpu tests/gpu -p no:cacheprovider --durations=0 \
-    --timeout 120 >"$OUT/gpu_suite.log" 2>&1
-echo "gpu suite rc=$?"; grep -E "passed|failed|PASSED|FAILED|SKIPPED|Error|s call" "$OUT/gpu_suite.log" | tail -30
+if want gpu-suite; then
+    timeout 220 python -m pytest -q -ra -m gpu tests/gpu -p no:cacheprovider --durations=0 \
+        --timeout 120 >"$OUT/gpu_suite.log" 2>&1
+    echo "gpu suite rc=$?"; grep -E "passed|failed|PASSED|FAILED|SKIPPED|Error|s call" "$OUT/gpu_suite.log" | tail -30
+fi
 
-stamp throughput
-timeout 160 python bench/train/train_throughput.py --num_gpus 1 --precision bf16 --rounds 1 \
-    --hidden_size 2048 --num_layers 16 --steps 30 --warmup 10 --logging_steps 5 \
-    --per_device_train_batch_size 16 --max_seq_length 512 --threads_per_rank 0 \
-    --out "$OUT/train_throughput.json" >"$OUT/throughput.log" 2>&1
-echo "throughput rc=$?"; tail -25 "$OUT/throughput.log"
+if want throughput; then
+    timeout 160 python bench/train/train_throughput.py --num_gpus 1 --precision bf16 --rounds 1 \
+        --hidden_size 2048 --num_layers 16 --steps 30 --warmup 10 --logging_steps 5 \
+        --per_device_train_batch_size 16 --max_seq_length 512 --threads_per_rank 0 \
+        --out "$OUT/train_throughput.json" >"$OUT/throughput.log" 2>&1
+    echo "throughput rc=$?"; tail -25 "$OUT/throughput.log"
+fi
 
-stamp async-save
-timeout 110 python bench/save/async_save.py --num_gpus 1 --precision bf16 --repeats 2 --bg_saves 2 \
-    --e2e_steps 20 --every 5 --e2e_repeats 1 --dir /tmp/async \
-    --out "$OUT/async_save.json" >"$OUT/async.log" 2>&1
-echo "async rc=$?"; tail -25 "$OUT/async.log"
+if want async-save; then
+    timeout 110 python bench/save/async_save.py --num_gpus 1 --precision bf16 --repeats 2 --bg_saves 2 \
+        --e2e_steps 20 --every 5 --e2e_repeats 1 --dir /tmp/async \
+        --out "$OUT/async_save.json" >"$OUT/async.log" 2>&1
+    echo "async rc=$?"; tail -25 "$OUT/async.log"
+fi
 stamp done

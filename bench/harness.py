@@ -128,6 +128,16 @@ def disk_of(path: Path) -> dict:
     return out
 
 
+def accelerator() -> str:
+    """The GPU this machine's torch sees and its CUDA, or that there is none (CPU ranks, gloo)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return "none (CPU, gloo)"
+    n = torch.cuda.device_count()
+    return f"{n} x {torch.cuda.get_device_name(0)} (CUDA {torch.version.cuda}, NCCL)"
+
+
 def machine(work: Path | None = None) -> dict:
     """The CPU, cores, RAM, kernel, virtualization and accelerator of this machine, the load on
     it now, and (given ``work``) the filesystem the benchmark writes to."""
@@ -165,7 +175,7 @@ def machine(work: Path | None = None) -> dict:
         "ram_gib": round(mem / 2**30, 1),
         "kernel": platform.release(),
         "virtualization": virt,
-        "accelerator": "none (CPU, gloo)",
+        "accelerator": accelerator(),
         "loadavg_at_start": [round(x, 2) for x in os.getloadavg()],
     }
     if work is not None:

@@ -542,7 +542,6 @@ def main(argv=None) -> int:
             "order": order,
             "tokenizer": str(TOKENIZER_DIR.relative_to(REPO)),
             "train_file": str(TRAIN_FILE.relative_to(REPO)),
-            "precision": "fp32",
             "gradient_accumulation_steps": 1,
             "zero_stage": 3,
         },
@@ -565,7 +564,7 @@ def main(argv=None) -> int:
 
     print()
     print(
-        f"Training throughput, {a.num_gpus} ranks, ZeRO-3, fp32, "
+        f"Training throughput, {a.num_gpus} ranks, ZeRO-3, {a.precision}, "
         f"{inputs['model_config']['num_hidden_layers']} layers "
         f"x {inputs['model_config']['hidden_size']}, batch {a.per_device_train_batch_size}/rank, "
         f"OMP_NUM_THREADS={env.get('OMP_NUM_THREADS', 'unset')}"
