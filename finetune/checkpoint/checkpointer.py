@@ -12,7 +12,8 @@ from top to bottom:
            DeepSpeed's rank files through a writer that fsyncs and checksums each file as it is
            written and records a failure instead of raising (every rank still reaches
            DeepSpeed's barriers; writer.py), the RNG file, the leaders' shared files
-           (contents.py); then one all-gather of every rank's outcome;
+           (contents.py), then --save_consolidated's weights, last (an optional file never
+           takes the space a mandatory one needs); then one all-gather of every rank's outcome;
   commit   leaders write manifest.json into the staged folder, agree, then rename it into place
            and replace ``latest`` (node-local storage: every node's leader, in two phases;
            checkpoint_format/outdir.py);
@@ -250,20 +251,13 @@ class Checkpointer(SaveBoundaries):
             ) from e
         module = self.engine.module
         dtype = self.consolidated_dtype
-        if consolidated:  # collective: every rank gathers, even one whose writes failed
-            shards = self.ckpt.max_shard_size
-            files, self.adapter_summary, self.consolidation_error = write_consolidated(
-                module, folder, dtype, shards, self.adapters
-            )
-            self.writer.files.update(files)
-
-        # config.json records the consolidated weights' dtype, where they were written
-        whole = consolidated and self.consolidation_error is None
         record = self.writer.record
         rng_file = str(folder / f"rng_state_{dist.rank()}.pt")
 
         def shared() -> Files:
-            """A leader's config, tokenizer and trainer_state.json."""
+            """A leader's config, tokenizer and trainer_state.json. config.json records the
+            dtype of the consolidated weights to be written beside it (a consolidation that
+            fails drops only them: export rebuilds them from the rank files in any dtype)."""
             if not self.leader or record.error is not None:
                 return {}
             return write_shared(
@@ -272,7 +266,7 @@ class Checkpointer(SaveBoundaries):
                 self.tokenizer,
                 folder,
                 snap,
-                dtype if whole else None,
+                dtype if consolidated else None,
                 self.adapters,
                 record.cancelled,
             )
@@ -285,17 +279,31 @@ class Checkpointer(SaveBoundaries):
         if self.writer.queue is not None:  # --async_save: the shared files on the thread too,
             own()
             self.writer.queue.then(folder, lambda: record.files.update(shared()))  # after the rest
-            return
-        # Rank-local I/O before the agree step's all-gather: polled, so a hung write fails the save.
-        out = dist.gather_outcomes(
-            own,
-            step=f"writing {tag}'s RNG and shared files",
-            deadline_s=dist.io_deadline(),
-            cancel=record.cancelled,
+        else:
+            # Rank-local I/O before the agree step's all-gather: polled, so a hung write fails
+            # the save.
+            out = dist.gather_outcomes(
+                own,
+                step=f"writing {tag}'s RNG and shared files",
+                deadline_s=dist.io_deadline(),
+                cancel=record.cancelled,
+            )
+            if out.own is not None:  # recorded; the agree step decides for all ranks
+                self.writer.fail(folder, out.own)
+            self.writer.files.update(out.result or {})
+        if consolidated:
+            self.write_consolidated(folder, module)
+
+    def write_consolidated(self, folder: Path, module: torch.nn.Module) -> None:
+        """The optional consolidated weights, last: every rank's partitioned files, RNG and the
+        shared files are on disk first (the gather is collective, so every rank is past its own
+        writes), so they never lose the space they need to a file the checkpoint can do
+        without. Under --async_save the background writes go on meanwhile: there they share the
+        free space. Every rank gathers, even one whose writes failed. Collective."""
+        files, self.adapter_summary, self.consolidation_error = write_consolidated(
+            module, folder, self.consolidated_dtype, self.ckpt.max_shard_size, self.adapters
         )
-        if out.own is not None:  # recorded; the agree step decides for all ranks
-            self.writer.fail(folder, out.own)
-        self.writer.files.update(out.result or {})
+        self.writer.files.update(files)
 
     # --- commit: agree → commit → retain → copy -----------------------------------------------
 

@@ -147,11 +147,7 @@ def write_shared(
     no consolidated weights). Returns the files (never records them: a write that hung past its
     deadline and returns later must not touch a later save's list)."""
     fault_point("save.shared_files", snap.step)
-    config = copy.deepcopy(module.config)
-    config.use_cache = True  # turned off for training only; inference wants it
-    if consolidated_dtype is not None:
-        config.dtype = consolidated_dtype  # config.json describes the safetensors beside it
-    config.save_pretrained(folder)
+    _save_config(module, folder, consolidated_dtype)
     written = [folder / "config.json"]
     if getattr(module, "generation_config", None) is not None and module.can_generate():
         module.generation_config.save_pretrained(folder)
@@ -169,6 +165,14 @@ def write_shared(
             storage.storage.sync(f"{staged}/{name}")
     files[TRAINER_STATE] = storage.write_json(f"{staged}/{TRAINER_STATE}", snap.trainer_state)
     return files
+
+
+def _save_config(module: torch.nn.Module, folder: Path, dtype: torch.dtype | None) -> None:
+    config = copy.deepcopy(module.config)
+    config.use_cache = True  # turned off for training only; inference wants it
+    if dtype is not None:
+        config.dtype = dtype  # config.json describes the safetensors beside it
+    config.save_pretrained(folder)
 
 
 def restored_window(world: LogWindow, own: dict[str, object] | None, same_world: bool) -> LogWindow:
