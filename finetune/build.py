@@ -47,6 +47,7 @@ from finetune.plot import Plotter
 from finetune.preemption import Preempted, Preemption
 from finetune.remote.copy import RemoteCopy
 from finetune.remote.fetch import fetch_for_resume
+from finetune.remote.lineage import check_at_start, leave_later
 from finetune.remote.prefix import Prefix
 from finetune.trackers import open_trackers
 from finetune.trainer import Trainer
@@ -108,6 +109,14 @@ def build_trainer(
     if prefix is not None:  # --remote_output_dir, probed and leased by run()
         groups = layout.groups if layout.node_local else None
         remote = RemoteCopy(prefix, storage.root, dist.is_main(), cfg.ckpt.save_total_limit, groups)
+    # The prefix's history: refused (exit 2) if it is another run's; this run's commit numbers
+    # go above its highest.
+    named = cfg.ckpt.resume_from_checkpoint not in (None, "auto")
+    bucket_seq, continued = 0, None
+    if prefix is not None:
+        bucket_seq, continued = check_at_start(
+            prefix.storage, storage, cfg.ckpt.resume_from_checkpoint
+        )
     # A remote checkpoint to resume from is fetched into OUT first; the resume is then local.
     spec = fetch_for_resume(cfg.ckpt, storage, layout)
     if spec != cfg.ckpt.resume_from_checkpoint:
@@ -125,6 +134,11 @@ def build_trainer(
         plan = resumer.plan_resume()
     except ConversionStopped as e:  # a preemption at start-up: the run exits 75 (run.py)
         raise Preempted(str(e)) from e
+    point = (plan.head or continued) if plan is not None else None
+    if (
+        prefix is not None and named and point is not None
+    ):  # a rollback: as in OUT, so in the bucket
+        leave_later(prefix.storage, point)
     # Collective: FusedAdam / CPU Adam where every rank can load it, else torch_adam
     # (finetune/ops.py); a checkpoint trained with torch_adam resumes with it.
     ds_config = ensure_adam(ds_config, saved=plan.saved.get(ADAM_KEY) if plan is not None else None)
@@ -202,6 +216,7 @@ def build_trainer(
         run_info=run_info,
         run_id=run_id,
         plan=plan,
+        seen_seq=bucket_seq,
         adapters=base is not None,
         consolidated_dtype=DTYPES[cfg.ckpt.consolidated_dtype or t.precision],
         still_ours=(lambda: lease.check()) if lease is not None else (lambda: True),

@@ -96,6 +96,7 @@ class Checkpointer(SaveBoundaries):
         run_info: dict[str, object],
         run_id: str,
         plan: ResumePlan | None = None,
+        seen_seq: int = 0,
         consolidated_dtype: torch.dtype = torch.float32,
         still_ours: Callable[[], bool] = lambda: True,
         adapters: bool = False,
@@ -106,11 +107,13 @@ class Checkpointer(SaveBoundaries):
         "progress" (a TrainingState: its keys at the top level, as checkpoints have always had
         them) and one key per other state ("sampler"). ``run_info``: what trainer_state.json
         records besides (zero stage, dtype, args); ``run_id``: the same on every rank (names this
-        run's save ids); ``still_ours``: whether this run still holds OUT's lease (rank 0 asks
-        before each commit); ``adapters`` (--use_peft): the engine's module is a peft model whose
-        frozen base is left out of its checkpoints (weights/adapter.py); ``remote``: where each
-        commit is copied (--remote_output_dir; None: nowhere); ``best``: the BestPolicy of the
-        best checkpoint. Collective: the copy catches up, the leaders read the commit history."""
+        run's save ids); ``seen_seq``: the highest commit number the bucket holds (this run's go
+        above it and above OUT's); ``still_ours``: whether this run still holds OUT's lease (rank
+        0 asks before each commit); ``adapters`` (--use_peft): the engine's module is a peft
+        model whose frozen base is left out of its checkpoints (weights/adapter.py); ``remote``:
+        where each commit is copied (--remote_output_dir; None: nowhere); ``best``: the
+        BestPolicy of the best checkpoint. Collective: the copy catches up, the leaders read the
+        commit history."""
         from finetune.lora import trainable_parameters
         from finetune.modeling import count_parameters
 
@@ -147,7 +150,7 @@ class Checkpointer(SaveBoundaries):
         self.remote = remote if remote is not None else NoRemoteCopy()
         self.remote.catch_up(storage)  # a copy a stopped run left unfinished
         head = plan.head if plan else None
-        seen_seq = plan.max_seq if plan else 0
+        seen_seq = max(seen_seq, plan.max_seq if plan else 0)
         self.lineage = Lineage(storage, self.leader, head, seen_seq, best)
         self.staging = Staging(
             storage, self.leader, self.lineage.deleter, self._space_needed, still_ours

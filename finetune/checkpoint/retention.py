@@ -40,6 +40,9 @@ class Lineage:
         self.storage = storage
         self.leader = leader
         self.head = head  # the newest commit of the line (None: nothing committed yet)
+        # the history this run extends: the head's, else (a fresh start, or a head saved before
+        # lineages were recorded) this run's id, from its first commit on
+        self.id: str | None = head.lineage if head else None
         self.policy = policy or BestPolicy()
         self.deleter = Deleter(storage)  # retention's deletions, in the background (leaders)
 
@@ -88,6 +91,7 @@ class Lineage:
         consumed even if the commit fails: a save id is never reused."""
         seq = self.next_seq
         self.next_seq += 1
+        self.id = self.id or run_id
         parent = self.head
         if parent is not None and parent.tag == tag:  # a same-tag re-commit replaces its parent
             parent = (
@@ -99,6 +103,7 @@ class Lineage:
             "save_id": f"{run_id}-{seq}",
             "parent": parent.tag if parent else None,
             "parent_save_id": parent.save_id if parent else None,
+            "lineage": self.id,
             **({"eval": evaluated} if evaluated is not None else {}),
             **({"best": best} if best is not None else {}),
         }
@@ -112,6 +117,7 @@ class Lineage:
             identity["parent"],
             identity["parent_save_id"],
             total_bytes,
+            lineage=identity["lineage"],
         )
         self.best = identity.get("best")
         self.line = [t for t in self.line if t != tag] + [tag]

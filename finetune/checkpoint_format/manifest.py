@@ -27,7 +27,7 @@ from finetune.io.faults import fault_point
 
 MANIFEST = "manifest.json"
 ALGORITHM = "xxh3_128"
-FORMAT_VERSION = 2  # 2: commit_seq, parent, parent_save_id, save_id
+FORMAT_VERSION = 3  # 2: commit_seq, parent, parent_save_id, save_id; 3: lineage
 
 
 def build_manifest(
@@ -39,7 +39,7 @@ def build_manifest(
     identity: dict | None = None,
 ) -> dict:
     """``ranks``: node-local storage holds only these ranks' files (absent = all of them);
-    ``identity``: commit_seq, save_id, parent, parent_save_id (policy.py reads them)."""
+    ``identity``: commit_seq, save_id, parent, parent_save_id, lineage (policy.py reads them)."""
     # committed_at: for people (`finetune ls`); ordering goes by commit_seq, never by clocks.
     manifest = {
         **(identity or {}),

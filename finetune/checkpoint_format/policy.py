@@ -1,8 +1,9 @@
 """Checkpoint policy as pure functions of what the manifests say: no processes, no collectives.
 
 Commit order is the truth. Every manifest records a commit sequence number (one higher than any
-checkpoint the output dir held when the run started, then +1 per commit), its save id, and the
-checkpoint its run continued from (parent tag + parent save id). From these:
+checkpoint the output dir or the bucket held when the run started, then +1 per commit), its save
+id, the checkpoint its run continued from (parent tag + parent save id) and its lineage (the run
+that started the history: a fresh start begins one, a resume carries it on). From these:
 
   resume order   newest commit first (never what ``latest`` names, nor the highest step):
                  a stale ``latest`` (a crash between the rename and its update) cannot hide a newer
@@ -51,6 +52,9 @@ class Committed:
     # the evaluation of its step, and the best checkpoint of its line when it was committed
     eval: dict | None = field(default=None, compare=False)
     best: str | None = None
+    # the run that started its history (a fresh start); its resumes carry it on. None: saved
+    # before lineages were recorded
+    lineage: str | None = None
 
     # The manifest fields this reads (resume shares only these with every rank, not the file list).
     MANIFEST_KEYS = (
@@ -62,6 +66,7 @@ class Committed:
         "world_size",
         "eval",
         "best",
+        "lineage",
     )
 
     @classmethod
@@ -80,6 +85,7 @@ class Committed:
             int(world) if world is not None else None,
             dict(evaluated) if isinstance(evaluated, dict) else None,
             best.get("tag") if isinstance(best, dict) else None,
+            manifest.get("lineage"),
         )
 
     @property

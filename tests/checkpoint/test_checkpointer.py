@@ -700,3 +700,17 @@ def test_a_write_that_returns_after_its_save_was_given_up_touches_only_that_save
         and "WriteCancelled" in first.error
         and not (tmp_path / "a" / "late.pt").exists()
     )
+
+
+def test_a_fresh_start_begins_a_lineage_its_resumes_carry_on_and_numbers_go_above_the_buckets(
+    tmp_path, tiny_module
+):
+    m, progress, _ = make_manager(make_cfg(tmp_path), tiny_module, run_id="first")
+    run_saves(m, progress, [2])
+    assert read_manifest(tmp_path / "global_step2")["lineage"] == "first"
+    cfg = make_cfg(tmp_path, resume_from_checkpoint="auto")
+    # the bucket holds commit number 9 (another allocation's): this run's commits go above it
+    m, progress, _ = make_manager(cfg, tiny_module, run_id="second", seen_seq=9)
+    run_saves(m, progress, [4])
+    four = read_manifest(tmp_path / "global_step4")
+    assert (four["lineage"], four["commit_seq"], four["save_id"]) == ("first", 10, "second-10")

@@ -369,9 +369,9 @@ def test_a_step_saved_again_on_a_new_timeline_is_uncommitted_before_its_objects_
     server, run_finetune, start_finetune, tmp_path, aws_env
 ):
     """A run resumed from an older checkpoint saves a step the bucket already holds from the
-    abandoned timeline: that commit's manifest is deleted before any of its objects is
-    overwritten, so at no instant does the bucket hold a manifest whose objects do not match it;
-    the new commit then lands under the same tag."""
+    abandoned timeline: that commit was set aside at the start (its manifest moved to
+    .abandoned/), before any of its objects is overwritten, so at no instant does the bucket hold
+    a manifest whose objects do not match it; the new commit then lands under the same tag."""
     from finetune.remote.verify import check
 
     uri, out = f"s3://{BUCKET}/timelines", tmp_path / "out"
@@ -397,7 +397,8 @@ def test_a_step_saved_again_on_a_new_timeline_is_uncommitted_before_its_objects_
     r = again.finish(60)
     assert r.returncode == 0, r.output[-6000:]
     assert polls > 5 and not seen_mismatch, seen_mismatch[:2]
-    assert "un-committed it before copying this run's" in r.output
+    assert f"set aside in {uri}, a timeline this resume leaves: global_step4-{old}" in r.output
+    assert remote.read_bytes(f".abandoned/global_step4-{old}/manifest.json") is not None
     new = json.loads((out / "global_step4" / "manifest.json").read_text())["save_id"]
     assert (
         new != old and json.loads(remote.read_bytes("global_step4/manifest.json"))["save_id"] == new
