@@ -3,7 +3,10 @@
 torchrun reports any rank's non-zero exit as 1, and ``srun --kill-on-bad-exit`` can turn the
 ranks still shutting down into signal deaths; the file keeps finetune's own code (75 =
 preempted after a committed checkpoint). ``run_id`` echoes $FINETUNE_RUN_ID, which the scripts
-set per launch, so a stale file from an earlier run is never mistaken for this one.
+set per launch, so a stale file from an earlier run is never mistaken for this one. ``reason``
+tells ends with the same code apart: a run whose copy to --remote_output_dir was given up exits 1
+like a crash, but says ``"remote copy failed"`` (its checkpoints committed in OUT, ``error``
+naming the copy), so a job script can tell it from a crash.
 
 For shell scripts (no torch import; fast)::
 
@@ -23,6 +26,9 @@ from pathlib import Path
 EXIT_PREEMPTED = 75  # sysexits.h EX_TEMPFAIL: "a temporary failure; the user is invited to retry"
 # another run took over the output dir's lease: this one stopped and wrote nothing more
 EXIT_LEASE_LOST = 3
+# exit 1 because the bucket's copy was given up (its tries failed, or no progress within its
+# deadline); the local checkpoint is committed
+REMOTE_COPY_FAILED = "remote copy failed"
 EXIT_STATUS = "exit_status.json"
 RUN_ID_ENV = "FINETUNE_RUN_ID"
 

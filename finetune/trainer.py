@@ -24,7 +24,7 @@ from finetune.config import RunConfig
 from finetune.data import TrainData, eval_batches, model_inputs
 from finetune.data.formats import label_tokens
 from finetune.distributed import logger
-from finetune.exit_status import EXIT_LEASE_LOST
+from finetune.exit_status import EXIT_LEASE_LOST, REMOTE_COPY_FAILED
 from finetune.lease import LeaseLost, describe_holder
 from finetune.loss import (
     items_per_micro_batch,
@@ -160,7 +160,9 @@ class Trainer:
         if stop == PREEMPTED:
             return self._stop_preempted()
         if stop is not None and stop != EARLY_STOPPED:
-            # a failed periodic save under --on_save_error abort, or steps that kept failing
+            # a failed periodic save under --on_save_error abort, steps that kept failing, or the
+            # bucket's copy given up
+            self._note_copy_failure()
             return stop
         if self.state.window.steps:  # the steps since the last row (the same count on every rank)
             self._log(None)
@@ -178,7 +180,23 @@ class Trainer:
         code = self.checkpoints.at_end(self.state.global_step)
         if stop == EARLY_STOPPED and code == 0:
             self.stop_note = self._early_stop_note()
+        elif code != 0:
+            self._note_copy_failure()
         return code
+
+    def _note_copy_failure(self) -> None:
+        """exit_status.json of a run whose copy to --remote_output_dir was given up: the bucket
+        copy named, not a crash; OUT's newest checkpoint is committed."""
+        why = self.checkpoints.remote.failed
+        if why is None or self.stop_note is not None:
+            return
+        committed = self.checkpoints.committed_step
+        self.stop_note = {
+            "reason": REMOTE_COPY_FAILED,
+            "error": why,
+            "step": self.state.global_step,
+            "checkpoint": tag_for(committed) if committed is not None else None,
+        }
 
     # --- the best metric and early stopping (checkpoint_format/best.py) ---------------------------
 

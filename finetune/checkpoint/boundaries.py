@@ -8,7 +8,8 @@ the run exit 1, then the bucket's copy drained. A failed save goes through --on_
 (``_failed``). Under --async_save a save's rank files are written on the writer's thread and the
 save is committed at a later boundary: ``poll`` when every rank has written its files, ``wait``
 when a save is due or training stops (``settle``). The bucket's copy (--remote_output_dir) is
-polled at every boundary. Every method is collective unless it says rank-local.
+polled at every boundary; a copy given up (no progress within its deadline) stops the run with
+exit 1. Every method is collective unless it says rank-local.
 """
 
 from __future__ import annotations
@@ -70,7 +71,9 @@ class SaveBoundaries(ABC):
         a save is due), then start the periodic save if one is due. ``written``: whether every rank
         had written its part, agreed in the trainer's boundary all-reduce (None: ask, one more). A
         failure is reported under the step of the save that failed, and a failed background save
-        never cancels the due one. An exit code to stop with, or None. Collective."""
+        never cancels the due one. A copy to the bucket given up (at a commit's offer) stops the
+        run: its checkpoints stay committed in OUT. An exit code to stop with, or None.
+        Collective."""
         ck = self.ckpt
         self.remote.poll(step)  # an all-reduce while a copy to --remote_output_dir is outstanding
         due = ck.save_checkpoint and ck.save_steps and step % ck.save_steps == 0 and step < total
@@ -80,6 +83,11 @@ class SaveBoundaries(ABC):
                 self.save(step, background=ck.async_save)
             except SaveError as e:
                 code = self._failed(step, e)
+        if code is None and self.remote.failed is not None:  # agreed on every rank
+            dist.log_main(
+                logging.ERROR, "stopping: %s; OUT's checkpoints are kept", self.remote.failed
+            )
+            code = 1
         return code
 
     def _failed(self, step: int, e: SaveError) -> int | None:
@@ -123,7 +131,8 @@ class SaveBoundaries(ABC):
 
     def at_end(self, step: int) -> int:
         """The final save: its failure always makes the run exit 1; so does a final checkpoint
-        that did not reach --remote_output_dir. Collective."""
+        that did not reach --remote_output_dir (the copy's ``failed`` says why: its tries failed,
+        or it made no progress within its deadline). Collective."""
         if not self.ckpt.save_checkpoint:
             return 0
         self.settle()

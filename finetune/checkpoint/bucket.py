@@ -4,7 +4,9 @@ The copy itself (uploads on a thread, the remote commit, the bucket's lease and 
 ``finetune.remote.copy.RemoteCopy``; build.py makes one when --remote_output_dir is given and
 ``NoRemoteCopy`` otherwise, and hands it to the Checkpointer, which never imports the bucket. The
 Checkpointer calls ``catch_up`` when it is built, ``offer`` after each commit, ``unconfirmed``
-before retention, ``poll`` at each step boundary and ``drain`` at the end.
+before retention, ``poll`` at each step boundary and ``drain`` at the end. A copy that makes no
+progress within its deadline, or whose final checkpoint fails every try, is given up on every rank
+alike: ``failed`` says why, and the run stops with exit 1.
 """
 
 from __future__ import annotations
@@ -22,6 +24,9 @@ class BucketCopy(Protocol):
     # Where the copy's events go (MetricsWriter.event: remote_checkpoint, remote_upload_failed,
     # remote_skipped); build.py sets it once the metrics exist.
     on_event: Callable[..., None]
+    # Why the copy was given up (the same on every rank: "remote copy of global_step4 did not
+    # finish: …"); None while it goes on.
+    failed: str | None
 
     def catch_up(self, out: OutputDir) -> None:
         """At start: copy OUT's newest committed checkpoint when the bucket holds none as new (a
@@ -29,7 +34,8 @@ class BucketCopy(Protocol):
 
     def offer(self, tag: str, written: Files, committed: Files, save_id: str | None = None) -> None:
         """``tag`` was committed in OUT: copy, in the background, the files of ``committed``
-        this rank wrote (``written``); ``save_id``: the commit's."""
+        this rank wrote (``written``); ``save_id``: the commit's. A copy stuck past its deadline on
+        any rank is given up here (``failed``). Collective."""
 
     def poll(self, step: int = 0) -> None:
         """At step boundary ``step``: learn which copies every rank finished, commit the newest
@@ -40,8 +46,8 @@ class BucketCopy(Protocol):
         keeps them."""
 
     def drain(self, step: int = 0) -> bool:
-        """At the end of training: wait for the newest checkpoint's copy; False when it failed.
-        Collective."""
+        """At the end of training: wait for the newest checkpoint's copy, within its deadline;
+        False when it failed (``failed`` says why). Collective."""
 
 
 class NoRemoteCopy:
@@ -49,6 +55,7 @@ class NoRemoteCopy:
 
     def __init__(self) -> None:
         self.on_event: Callable[..., None] = lambda kind, step, **details: None
+        self.failed: str | None = None
 
     def catch_up(self, out: OutputDir) -> None:
         pass

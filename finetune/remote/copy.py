@@ -15,6 +15,9 @@ and which were skipped (an event says so).
 Every object carries its xxh3 in its metadata (the manifest's checksum), so the remote copy is
 verified from sizes and metadata without a download. At the end of training the run waits for the
 final checkpoint's remote commit (exit 1 if it failed, like a failed final save).
+
+Every wait has a deadline: a thread without progress for --ddp_timeout on any rank gives the copy
+up on every rank (``failed``: the run exits 1); the stuck thread, a daemon, is left behind.
 """
 
 from __future__ import annotations
@@ -56,6 +59,7 @@ FINAL_TRIES = 6
 RETRY_S = 2.0
 MAX_RETRY_S = 60.0
 WAITING_NOTE_S = 30.0  # drain: how often it says which checkpoint it still waits for
+SLOWEST_UPLOAD = float(1 << 20)  # bytes/s: a transfer's size at this rate adds to its deadline
 
 
 def node_manifest_name(node: list[int]) -> str:
@@ -139,7 +143,9 @@ class RemoteCopy:
         self.run_id = prefix.run_id
         self.lease = prefix.lease
         self.on_event: Callable[..., None] = lambda kind, step, **details: None
+        self.deadline_s = dist.io_deadline()  # a copy without progress this long is given up
         # The trainer's side, the same on every rank: only calls every rank makes change it.
+        self.failed: str | None = None  # why the copy was given up: the run stops, exit 1
         self.outstanding: list[str] = []  # committed locally, not remotely, oldest first
         self.failures: dict[str, int] = {}  # outstanding tag → failed tries
         self.remote_head: str | None = None  # the newest remotely committed
@@ -155,6 +161,10 @@ class RemoteCopy:
         self._commit: str | None = None  # leader: the tag whose manifest to upload next
         self._publishing: str | None = None  # leader: the tag whose manifest is uploading now
         self._committed: dict[str, str | None] = {}  # leader: tag → None (done) or the error
+        # The thread's own: what it is doing (None: idle), its last sign of life, its last error.
+        self._doing: str | None = None
+        self._alive_at = time.monotonic()
+        self._last_error: str | None = None
         self._thread = threading.Thread(target=self._run, name="remote-copy", daemon=True)
         self._thread.start()
 
@@ -164,10 +174,13 @@ class RemoteCopy:
         """``tag`` was committed locally: this rank uploads what it wrote of the ``committed``
         files (a consolidation dropped at the agree step is not among them). Node-local storage:
         the shared files only from rank 0 (every node's leader wrote them), and each node's
-        leader its node's manifest too."""
+        leader its node's manifest too. A copy stuck on any rank is given up first (``failed``).
+        Collective."""
         files = {name: entry for name, entry in written.items() if name in committed}
         if self.node is not None and not self.leader:
             files = {name: entry for name, entry in files.items() if rank_of_file(name) is not None}
+        if self.failed is None:
+            self._stalled(self.outstanding[-1] if self.outstanding else tag)
         self._offer(tag, files, save_id)
 
     def catch_up(self, out: OutputDir) -> None:
@@ -175,7 +188,9 @@ class RemoteCopy:
         run stopped while copying it), is copied now; objects already there with their checksum
         are not uploaded again. Decided from both sides, not from memory. Collective."""
         step = f"comparing OUT with {self.remote.describe()}"
-        tag = dist.share_from(0, lambda: self._not_yet_copied(out), step=step)
+        tag = dist.share_from(
+            0, lambda: self._not_yet_copied(out), step=step, deadline_s=self.deadline_s
+        )
         if tag is None:
             return
 
@@ -228,18 +243,20 @@ class RemoteCopy:
         self._retry_due()
 
     def drain(self, step: int = 0, tries: int = FINAL_TRIES) -> bool:
-        """At the end of training: poll until the newest checkpoint is copied, or its copy failed
-        ``tries`` times (each try is the client's own retries with backoff); False then.
-        Collective."""
-        newest = self.outstanding[-1] if self.outstanding else None
+        """At the end of training: poll until the newest checkpoint is copied, its copy failed
+        ``tries`` times (each try is the client's own retries with backoff), or a rank's copy
+        made no progress for ``deadline_s``: False then, and ``failed`` says why. Collective."""
+        if not self.outstanding:
+            return True
+        newest = self.outstanding[-1]
 
         def waiting() -> bool:
             return bool(self.outstanding) and self.failures.get(newest, 0) < tries
 
         said = time.monotonic()
-        while waiting():
+        while not self.failed and waiting():
             self.poll(step)
-            if not waiting():
+            if not waiting() or self._stalled(newest):
                 break
             if time.monotonic() - said > WAITING_NOTE_S:
                 said = time.monotonic()
@@ -247,15 +264,33 @@ class RemoteCopy:
                     logging.INFO, "waiting for %s to reach %s", newest, self.remote.describe()
                 )
             time.sleep(0.2)
-        if newest is None or self.remote_head == newest:
+        if self.remote_head == newest:
             return True
+        if self.failed is None:  # its tries are spent
+            self._give_up(newest, f"{tries} tries failed", dist.all_gather_object(self._last_error))
         dist.log_main(
             logging.ERROR,
-            "the final checkpoint %s did not reach %s",
+            "the final checkpoint %s did not reach %s: %s",
             newest,
             self.remote.describe(),
+            self.failed,
         )
         return False
+
+    def _stalled(self, tag: str) -> bool:
+        """Whether a rank's thread went ``deadline_s`` without progress: then the copy of ``tag``
+        is given up on every rank alike, from what each says it is stuck on. Collective."""
+        stuck = time.monotonic() - self._alive_at >= self.deadline_s
+        views = dist.all_gather_object(self._doing if stuck else None)
+        if not any(views):
+            return False
+        self._give_up(tag, f"no progress for {self.deadline_s:g} s", views)
+        return True
+
+    def _give_up(self, tag: str, why: str, views: list[str | None]) -> None:
+        """``failed``, the same on every rank: ``tag``, ``why`` and each rank's view of it."""
+        said = "; ".join(f"rank {r}: {view}" for r, view in enumerate(views) if view)
+        self.failed = f"remote copy of {tag} did not finish: {why}" + (f" ({said})" if said else "")
 
     # --- what offer and catch_up hand the thread ---------------------------------------------
 
@@ -393,15 +428,23 @@ class RemoteCopy:
         while True:
             commit, upload = self._next_job()
             if commit is not None:
+                self._moving(f"committing {commit}")
                 error = self._guarded(self._publish, commit)
                 with self._lock:
                     self._committed[commit] = error
                     self._publishing = None
             elif upload is not None:
                 tag, files = upload
+                self._moving(f"uploading {tag}")
                 error = self._guarded(self._upload, tag, files)
                 with self._lock:
                     self._uploaded[tag] = error
+            self._moving(None)
+
+    def _moving(self, doing: str | None, allow: float = 0.0) -> None:
+        """The thread is alive, doing ``doing`` (None: idle), which may take ``allow`` s more."""
+        self._alive_at = time.monotonic() + allow
+        self._doing = doing
 
     def _next_job(self) -> tuple[str | None, tuple[str, Files] | None]:
         """Waits for work: (a tag to commit, None), else (None, the newest upload offered). A
@@ -425,6 +468,7 @@ class RemoteCopy:
             return None
         except Exception as e:  # noqa: BLE001 — reported through poll's all-reduce
             logger.warning("remote copy: %s: %s", type(e).__name__, e)
+            self._last_error = dist.describe_error(e)
             return f"{type(e).__name__}: {e}"
 
     def _upload(self, tag: str, files: Files) -> None:
@@ -434,6 +478,7 @@ class RemoteCopy:
         self._uncommit_other(tag)
         for name, (size, digest) in sorted(files.items()):
             rel = f"{tag}/{name}"
+            self._moving(f"uploading {rel}")
             head = self.remote.head(rel)
             if head is not None and head["ContentLength"] == size:
                 if head.get("Metadata", {}).get(CHECKSUM_KEY) == digest:
@@ -444,6 +489,7 @@ class RemoteCopy:
                 local = MANIFEST  # this node's manifest, uploaded under the node's own name
             else:
                 local = name
+            self._moving(f"uploading {rel}", allow=size / SLOWEST_UPLOAD)  # no bytes reported
             self.remote.upload_file(self.out / tag / local, rel, digest)
 
     def _uncommit_other(self, tag: str) -> None:
@@ -490,6 +536,7 @@ class RemoteCopy:
         metadata = {SAVE_ID_KEY: save_id} if save_id else None
         self.remote.write_bytes(f"{tag}/{MANIFEST}", data, metadata=metadata)
         self.remote.replace_bytes(LATEST, f"{tag}\n".encode())
+        self._moving(f"deleting older checkpoints in {self.remote.describe()}")
         try:
             self._ensure_lease("deleting older checkpoints")
             self._retain(tag)

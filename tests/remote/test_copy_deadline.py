@@ -1,0 +1,121 @@
+"""Every wait of the running job's copy has a deadline, in one process against a real S3 server
+(SeaweedFS on loopback), the all-gather of one rank being its own view: an upload that hangs
+(FINETUNE_FAULT's ``hang``: the thread sleeps for good, as in D-state) gives the copy up in the
+final drain and at the next offer, naming the checkpoint and what the rank was stuck on; a copy
+that fails every try says so; a slow upload (each file paused, but moving) is not given up. The
+multi-rank runs, their exit code and exit_status.json, are
+tests/distributed/test_remote_deadline.py's."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+from s3_server import require_s3
+
+from finetune import distributed as dist
+from finetune.checkpoint_format.manifest import MANIFEST
+from finetune.io import seams
+from finetune.io.durable import hash_bytes
+from finetune.remote.copy import Files, RemoteCopy
+from finetune.remote.prefix import Prefix
+
+BUCKET = "deadlines"
+DEADLINE_S = 1.0  # the copy's deadline here (a run's is --ddp_timeout)
+
+
+@pytest.fixture
+def copy_of(server, monkeypatch, request, tmp_path):
+    """A RemoteCopy of ``tmp_path/out`` to a prefix of its own with a short deadline, this process
+    as the only rank."""
+    require_s3()
+    for k, v in server.env().items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setattr(dist, "all_reduce_sum", list)
+    monkeypatch.delenv("RANK", raising=False)
+    from finetune.io.remote import S3Storage
+
+    storage = S3Storage(f"s3://{BUCKET}/{request.node.name}")
+    copy = RemoteCopy(Prefix(storage, "run-1"), tmp_path / "out", leader=True)
+    copy.deadline_s = DEADLINE_S
+    return copy
+
+
+def commit_locally(out: Path, step: int, save_id: str, **contents: bytes) -> Files:
+    """A committed checkpoint in ``out`` holding ``contents``; its files as a writer lists them."""
+    folder = out / f"global_step{step}"
+    folder.mkdir(parents=True)
+    files = {}
+    for name, data in contents.items():
+        (folder / name).write_bytes(data)
+        files[name] = (len(data), hash_bytes(data))
+    listed = {name: {"size": size, "checksum": digest} for name, (size, digest) in files.items()}
+    manifest = {"commit_seq": step, "tag": folder.name, "save_id": save_id, "files": listed}
+    (folder / MANIFEST).write_text(json.dumps(manifest))
+    return files
+
+
+def test_a_hung_upload_fails_the_final_drain_within_its_deadline(copy_of, monkeypatch):
+    monkeypatch.setenv(seams.FAULT, "remote.upload:0:4:hang")
+    copy = copy_of
+    files = commit_locally(copy.out, 4, "save-a", **{"model_states.pt": b"w" * 10})
+    copy.offer("global_step4", files, files, "save-a")
+    t0 = time.monotonic()
+    assert copy.drain(4) is False
+    waited = time.monotonic() - t0
+    assert DEADLINE_S - 0.1 <= waited < DEADLINE_S + 5, waited
+    assert copy.failed == (
+        f"remote copy of global_step4 did not finish: no progress for {DEADLINE_S:g} s "
+        "(rank 0: uploading global_step4/model_states.pt)"
+    )
+    assert copy.unconfirmed() == {"global_step4"}, "kept locally"
+    assert copy.remote.read_bytes(f"global_step4/{MANIFEST}") is None
+    # the thread is still stuck in the upload: a daemon, so the process can exit past it
+    assert copy._thread.is_alive() and copy._thread.daemon
+
+
+def test_a_hung_upload_is_given_up_at_the_next_offer(copy_of, monkeypatch):
+    monkeypatch.setenv(seams.FAULT, "remote.upload:0:2:hang")
+    copy = copy_of
+    two = commit_locally(copy.out, 2, "save-b", **{"model_states.pt": b"w"})
+    copy.offer("global_step2", two, two, "save-b")
+    stuck_on = "uploading global_step2/model_states.pt"
+    deadline = time.monotonic() + 10
+    while copy._doing != stuck_on and time.monotonic() < deadline:  # the thread reaches the hang
+        time.sleep(0.01)
+    four = commit_locally(copy.out, 4, "save-c", **{"model_states.pt": b"v"})
+    copy.offer("global_step4", four, four, "save-c")
+    assert copy.failed is None, "within its deadline, a copy is not given up"
+    time.sleep(DEADLINE_S + 0.2)
+    six = commit_locally(copy.out, 6, "save-d", **{"model_states.pt": b"u"})
+    copy.offer("global_step6", six, six, "save-d")
+    assert copy.failed is not None
+    assert copy.failed.startswith("remote copy of global_step4 did not finish: no progress")
+    assert f"(rank 0: {stuck_on})" in copy.failed
+    assert copy.unconfirmed() == {"global_step2", "global_step4", "global_step6"}
+    assert copy.drain(6) is False, "a copy given up is not waited for again"
+
+
+def test_a_copy_that_fails_every_try_names_the_tries_and_the_error(copy_of, monkeypatch):
+    monkeypatch.setenv(seams.REMOTE_RETRY_S, "0.05")
+    copy = copy_of
+    files = commit_locally(copy.out, 4, "save-e", **{"model_states.pt": b"w"})
+    (copy.out / "global_step4" / "model_states.pt").unlink()  # the upload cannot read it
+    copy.offer("global_step4", files, files, "save-e")
+    assert copy.drain(4, tries=2) is False
+    assert copy.failed is not None
+    assert copy.failed.startswith(
+        "remote copy of global_step4 did not finish: 2 tries failed (rank 0: FileNotFoundError"
+    ), copy.failed
+
+
+def test_a_slow_upload_that_moves_is_not_given_up(copy_of, monkeypatch):
+    monkeypatch.setenv(seams.SLOW_UPLOAD, "0.4")  # each file: 0.4 s, three files past 1 s
+    copy = copy_of
+    names = {f"file{i}.pt": b"w" * 10 for i in range(3)}
+    files = commit_locally(copy.out, 2, "save-f", **names)
+    copy.offer("global_step2", files, files, "save-f")
+    assert copy.drain(2) is True
+    assert copy.failed is None and copy.remote_head == "global_step2"
