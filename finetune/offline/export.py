@@ -207,14 +207,15 @@ def best_checkpoint(location: str) -> str:
     """``--best``: the best checkpoint of an output dir (or s3://BUCKET/PREFIX), as its newest
     commit names it (checkpoint_format/best.py); ConfigError, one line, when none was evaluated."""
     if is_remote(location):
-        from finetune.io.remote import S3Storage
+        from finetune.remote.verify import manifests
 
-        storage = OutputDir(S3Storage(location))
+        found = manifests(location)  # a bucket that cannot be read: one line, exit 2
     elif Path(location).is_dir():
         storage = OutputDir(location)
+        found = {tag: storage.read_manifest(tag) for tag in storage.tags()}
     else:
         raise ConfigError(f"{location}: no such output dir")
-    record = named_best({tag: storage.read_manifest(tag) for tag in storage.tags()})
+    record = named_best(found)
     if record is None:
         raise ConfigError(
             f"`--best`: {location} has no evaluated checkpoint (one saved at a step that was "

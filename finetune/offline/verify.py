@@ -102,7 +102,8 @@ def _metrics(path: Path) -> list[str]:
 
 
 def main(argv: list[str]) -> int:
-    """``finetune verify CKPT|OUT``: exit 0 intact, 1 damaged, 2 not a checkpoint."""
+    """``finetune verify CKPT|OUT``: exit 0 intact, 1 damaged, 2 not a checkpoint (or an output
+    dir with no committed checkpoint)."""
     from finetune.weights.safe_load import refusals  # imports torch: only here
 
     p = Parser(
@@ -130,6 +131,13 @@ def main(argv: list[str]) -> int:
 
         return remote_verify.main(ns.checkpoint, full=ns.full)
     folder = find_checkpoint(ns.checkpoint)
+    if folder is not None and folder != Path(ns.checkpoint) and read_manifest(folder) is None:
+        # an output dir whose folders are all uncommitted holds no checkpoint to check, as a
+        # bucket's prefix does not (find_checkpoint fell back to its highest folder)
+        raise ConfigError(
+            f"{ns.checkpoint}: no committed checkpoint ({folder.name} has no readable "
+            "manifest.json: a save or copy that never finished)"
+        )
     report = check_checkpoint(folder, checksums=not ns.quick) if folder else None
     if report is None or not report.is_checkpoint:
         raise ConfigError(

@@ -4,33 +4,40 @@ download; ``--full`` downloads every object and hashes its bytes.
 
 A remote checkpoint is committed when its ``manifest.json`` is there (uploaded last, after every
 file it lists): a folder without one is a copy in progress, skipped or interrupted, never resumed
-from. Exit codes as for a local folder: 0 intact, 1 damaged, 2 not a checkpoint.
+from. What counts as a checkpoint, an output dir or neither is what counts locally (a prefix is a
+checkpoint when it holds a manifest, a rank's model states or ``trainer_state.json``, as
+``looks_like_checkpoint`` says of a folder), so every exit code is a local folder's: 0 intact,
+1 damaged, 2 not a checkpoint, an output dir with no committed checkpoint, or a bucket that cannot
+be read (docs/CHECKPOINTS.md "Exit codes").
 """
 
 from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from fnmatch import fnmatch
+from typing import TypeVar
 
-from finetune.checkpoint_format.manifest import MANIFEST, missing_rank_files
+from finetune.checkpoint_format.manifest import MANIFEST, RANK_FILE_PATTERNS, missing_rank_files
 from finetune.checkpoint_format.outdir import LATEST, OutputDir, committed, uncommitted
 from finetune.checkpoint_format.policy import newest_first, step_of
+from finetune.checkpoint_format.state import TRAINER_STATE
 from finetune.config import ConfigError
 from finetune.io.remote import CHECKSUM_KEY, RemoteError, S3Storage
+from finetune.remote.lease import LEASE
 
+T = TypeVar("T")
 PARALLEL = 8  # objects checked at a time (HEAD requests; downloads with --full)
+# a rank's model states: with the manifest and trainer_state.json, what makes a folder a checkpoint
+MODEL_STATES = RANK_FILE_PATTERNS[0].format(r="*")
 
 
 def main(uri: str, full: bool) -> int:
-    try:
-        root, rel = locate(uri)
-        start = time.perf_counter()
-        problems, files, nbytes = check(root, rel, full)
-    except (ConfigError, RemoteError) as e:
-        raise ConfigError(str(e)) from None
-    except Exception as e:  # noqa: BLE001 — the client's (endpoint, credentials, bucket): one line
-        raise ConfigError(f"{uri}: cannot read it ({type(e).__name__}: {e})") from None
+    root, rel = _one_line(uri, lambda: locate(uri))
+    start = time.perf_counter()
+    problems, files, nbytes = _one_line(uri, lambda: check(root, rel, full))
     seconds = time.perf_counter() - start
     where = root.describe(rel)
     if not problems:
@@ -41,9 +48,20 @@ def main(uri: str, full: bool) -> int:
         for problem in problems:
             print(f"  - {problem}")
     if rel:  # an output dir: what else is in it
-        for note in notes(root):
+        for note in _one_line(uri, lambda: notes(root)):
             print(f"  note: {note}")
     return 0 if not problems else 1
+
+
+def _one_line(uri: str, work: Callable[[], T]) -> T:
+    """``work()``, with whatever the client raises (a wrong endpoint, credential or bucket) made a
+    one-line ConfigError naming ``uri``: exit 2, as for a local path that cannot be read."""
+    try:
+        return work()
+    except (ConfigError, RemoteError) as e:
+        raise ConfigError(str(e)) from None
+    except Exception as e:  # noqa: BLE001 — the client's (endpoint, credentials, bucket): one line
+        raise ConfigError(f"{uri}: cannot read it ({type(e).__name__}: {e})") from None
 
 
 def locate(uri: str) -> tuple[S3Storage, str]:
@@ -51,18 +69,34 @@ def locate(uri: str) -> tuple[S3Storage, str]:
     newest committed one); ConfigError when there is none."""
     root = S3Storage(uri)
     rel = checkpoint_in(root)
-    if rel is None:
-        raise ConfigError(f"{uri}: not a checkpoint (no manifest.json, no committed checkpoint)")
-    return root, rel
+    if rel is not None:
+        return root, rel
+    if step_of(root.uri.prefix.rsplit("/", 1)[-1]) is not None:
+        raise ConfigError(
+            f"{uri}: not a committed checkpoint (no {MANIFEST}, {TRAINER_STATE} or rank files)"
+        )
+    raise ConfigError(f"{uri}: not a checkpoint (no {MANIFEST}, no committed checkpoint)")
 
 
 def checkpoint_in(root: S3Storage) -> str | None:
-    """ "" when ``root`` is a checkpoint (its manifest is there, or it is named like one), else its
-    newest committed checkpoint (commit order), else None."""
-    if root.stat(MANIFEST) is not None or step_of(root.uri.prefix.rsplit("/", 1)[-1]) is not None:
+    """ "" when ``root`` is a checkpoint (``looks_like_checkpoint``), else, unless it is named like
+    one, its newest committed checkpoint (commit order), else None: the folder a local
+    ``find_checkpoint`` and ``verify`` check."""
+    if root.stat(MANIFEST) is not None:
         return ""
-    found = committed(OutputDir(root))
-    return newest_first(found)[0].tag if found else None
+    if step_of(root.uri.prefix.rsplit("/", 1)[-1]) is None:
+        found = committed(OutputDir(root))
+        if found:
+            return newest_first(found)[0].tag
+    return "" if looks_like_checkpoint(root) else None
+
+
+def looks_like_checkpoint(root: S3Storage) -> bool:
+    """What a local folder's ``looks_like_checkpoint`` asks: a manifest, ``trainer_state.json`` or
+    a rank's model states."""
+    if root.stat(MANIFEST) is not None or root.stat(TRAINER_STATE) is not None:
+        return True
+    return any(not e.is_dir and fnmatch(e.name, MODEL_STATES) for e in root.list())
 
 
 def check(
@@ -139,36 +173,56 @@ def listing(uri: str, checksums: bool) -> tuple[str | None, list[dict], list[str
     """``finetune ls s3://…``: (latest, a row per checkpoint folder: tag, step, manifest (None:
     not committed remotely), problems, bytes; the notes). ConfigError, one line, when ``uri``
     holds no output dir or cannot be read."""
+    return _one_line(uri, lambda: _listing(uri, checksums))
+
+
+def _listing(uri: str, checksums: bool) -> tuple[str | None, list[dict], list[str]]:
+    root = S3Storage(uri)
+    out = OutputDir(root)
+    if looks_like_checkpoint(root):
+        raise ConfigError(f"{uri}: a checkpoint, not an output dir (list the prefix above)")
+    tags = out.tags()
+    if not tags and root.stat(LATEST) is None and root.stat(LEASE) is None:
+        raise ConfigError(
+            f"{uri}: not a finetune output dir (no checkpoints, no {LATEST} or {LEASE} there)"
+        )
+    rows = []
+    for tag in tags:
+        manifest = _manifest(root, tag)
+        if manifest is None:
+            rows.append({"tag": tag, "step": step_of(tag), "manifest": None})
+            continue
+        problems, _, nbytes = check(root, tag, checksums, manifest)
+        rows.append(
+            {
+                "tag": tag,
+                "step": step_of(tag),
+                "manifest": manifest,
+                "problems": problems,
+                "bytes": nbytes,
+            }
+        )
+    return out.read_latest(), rows, notes(root)
+
+
+def _manifest(root: S3Storage, tag: str) -> dict | None:
+    """Checkpoint ``tag``'s manifest, None when there is none or it is not one."""
+    data = root.read_bytes(f"{tag}/{MANIFEST}")
     try:
+        manifest = json.loads(data) if data is not None else None
+    except ValueError:
+        return None
+    if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), dict):
+        return None
+    return manifest
+
+
+def manifests(uri: str) -> dict[str, dict | None]:
+    """``finetune export --best s3://…``: each checkpoint folder's manifest (None: not committed
+    remotely). ConfigError, one line, when ``uri`` cannot be read."""
+
+    def read() -> dict[str, dict | None]:
         root = S3Storage(uri)
-        out = OutputDir(root)
-        tags = out.tags()
-        if not tags and root.read_bytes(LATEST) is None:
-            if root.stat(MANIFEST) is not None:
-                raise ConfigError(f"{uri}: a checkpoint, not an output dir (list the prefix above)")
-            raise ConfigError(f"{uri}: no checkpoints and no {LATEST} there")
-        rows = []
-        for tag in tags:
-            data = root.read_bytes(f"{tag}/{MANIFEST}")
-            try:
-                manifest = json.loads(data) if data is not None else None
-            except ValueError:
-                manifest = None
-            if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), dict):
-                rows.append({"tag": tag, "step": step_of(tag), "manifest": None})
-                continue
-            problems, _, nbytes = check(root, tag, checksums, manifest)
-            rows.append(
-                {
-                    "tag": tag,
-                    "step": step_of(tag),
-                    "manifest": manifest,
-                    "problems": problems,
-                    "bytes": nbytes,
-                }
-            )
-        return out.read_latest(), rows, notes(root)
-    except (ConfigError, RemoteError) as e:
-        raise ConfigError(str(e)) from None
-    except Exception as e:  # noqa: BLE001 — the client's (endpoint, credentials, bucket): one line
-        raise ConfigError(f"{uri}: cannot read it ({type(e).__name__}: {e})") from None
+        return {tag: _manifest(root, tag) for tag in OutputDir(root).tags()}
+
+    return _one_line(uri, read)
