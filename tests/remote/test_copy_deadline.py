@@ -2,8 +2,9 @@
 (SeaweedFS on loopback), the all-gather of one rank being its own view: an upload that hangs
 (FINETUNE_FAULT's ``hang``: the thread sleeps for good, as in D-state) gives the copy up in the
 final drain and at the next offer, naming the checkpoint and what the rank was stuck on; a copy
-that fails every try says so; a slow upload (each file paused, but moving) is not given up. The
-multi-rank runs, their exit code and exit_status.json, are
+that fails every try says so; a slow upload (each file paused, but moving) is not given up; a copy
+given up mid-run stops the Checkpointer's step with exit 1, the step's checkpoint committed in
+OUT. The multi-rank runs, their exit code and exit_status.json, are
 tests/distributed/test_remote_deadline.py's."""
 
 from __future__ import annotations
@@ -13,10 +14,17 @@ import time
 from pathlib import Path
 
 import pytest
+from checkpoint.fake_engine import (
+    _fake_engines_model_is_not_checked,
+    make_cfg,
+    make_manager,
+    tiny_module,
+)
 from s3_server import require_s3
 
 from finetune import distributed as dist
 from finetune.checkpoint_format.manifest import MANIFEST
+from finetune.checkpoint_format.outdir import OutputDir
 from finetune.io import seams
 from finetune.io.durable import hash_bytes
 from finetune.remote.copy import Files, RemoteCopy
@@ -24,6 +32,8 @@ from finetune.remote.prefix import Prefix
 
 BUCKET = "deadlines"
 DEADLINE_S = 1.0  # the copy's deadline here (a run's is --ddp_timeout)
+# fake_engine's, found by pytest under these names
+FIXTURES = (tiny_module, _fake_engines_model_is_not_checked)
 
 
 @pytest.fixture
@@ -57,6 +67,13 @@ def commit_locally(out: Path, step: int, save_id: str, **contents: bytes) -> Fil
     return files
 
 
+def wait_stuck(copy: RemoteCopy, doing: str) -> None:
+    """Until the copy's thread reaches the hang (its deadline counts from there)."""
+    deadline = time.monotonic() + 10
+    while not (copy._doing or "").startswith(doing) and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
 def test_a_hung_upload_fails_the_final_drain_within_its_deadline(copy_of, monkeypatch):
     monkeypatch.setenv(seams.FAULT, "remote.upload:0:4:hang")
     copy = copy_of
@@ -82,9 +99,7 @@ def test_a_hung_upload_is_given_up_at_the_next_offer(copy_of, monkeypatch):
     two = commit_locally(copy.out, 2, "save-b", **{"model_states.pt": b"w"})
     copy.offer("global_step2", two, two, "save-b")
     stuck_on = "uploading global_step2/model_states.pt"
-    deadline = time.monotonic() + 10
-    while copy._doing != stuck_on and time.monotonic() < deadline:  # the thread reaches the hang
-        time.sleep(0.01)
+    wait_stuck(copy, stuck_on)
     four = commit_locally(copy.out, 4, "save-c", **{"model_states.pt": b"v"})
     copy.offer("global_step4", four, four, "save-c")
     assert copy.failed is None, "within its deadline, a copy is not given up"
@@ -119,3 +134,21 @@ def test_a_slow_upload_that_moves_is_not_given_up(copy_of, monkeypatch):
     copy.offer("global_step2", files, files, "save-f")
     assert copy.drain(2) is True
     assert copy.failed is None and copy.remote_head == "global_step2"
+
+
+def test_a_copy_given_up_mid_run_stops_the_step_with_exit_1_its_checkpoint_committed(
+    copy_of, tiny_module, monkeypatch
+):
+    monkeypatch.setenv(seams.FAULT, "remote.upload:0:2:hang")
+    copy = copy_of
+    m, progress, _ = make_manager(make_cfg(copy.out, save_steps=1), tiny_module, remote=copy)
+    for step in (1, 2):
+        progress.global_step = step
+        assert m.at_step(step, 6) is None
+    wait_stuck(copy, "uploading global_step2/")
+    time.sleep(DEADLINE_S + 0.2)
+    progress.global_step = 3
+    assert m.at_step(3, 6) == 1, "the copy given up at step 3's offer stops the run"
+    assert copy.failed is not None
+    assert copy.failed.startswith("remote copy of global_step2 did not finish: no progress")
+    assert "global_step3" in OutputDir(copy.out).tags()
