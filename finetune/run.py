@@ -17,7 +17,7 @@ from finetune.exit_status import EXIT_LEASE_LOST, clear_exit_status, write_exit_
 from finetune.lease import Lease
 from finetune.lease import acquire as acquire_lease
 from finetune.preemption import EXIT_PREEMPTED, Preempted, Preemption, parse_signals
-from finetune.remote.prefix import Prefix, open_remote
+from finetune.remote.prefix import Prefix, RemoteUnavailable, open_remote
 
 
 def run(cfg: RunConfig) -> int:
@@ -35,24 +35,17 @@ def run(cfg: RunConfig) -> int:
         try:
             # --remote_output_dir: probed on every rank, then one live run per prefix (exit 2)
             if cfg.ckpt.remote_output_dir:
-                prefix = open_remote(cfg.ckpt.remote_output_dir, run_id)
+                prefix = open_remote(cfg.ckpt.remote_output_dir, run_id, out)
             # bad input stops here, before anything is written
             trainer = build_trainer(cfg, preemption, run_id, lease, prefix)
         except ConfigError:
             raise  # OUT as it was, a previous run's exit_status.json included
         except Preempted as e:
             # during a long start-up step (a universal conversion): what it did is kept
-            dist.log_main(
-                logging.WARNING, "%s; exiting with %d so the job is requeued", e, EXIT_PREEMPTED
-            )
-            if dist.is_main() and not lease.lost:
-                write_exit_status(
-                    cfg.ckpt.output_dir,
-                    EXIT_PREEMPTED,
-                    {"reason": "preempted", "step": None, "during": "start-up", "error": str(e)},
-                )
-            dist.barrier()
-            return EXIT_PREEMPTED
+            return _requeue(cfg, lease, "preempted", e)
+        except RemoteUnavailable as e:
+            # a restart that waited for the bucket in vain: the job comes back later
+            return _requeue(cfg, lease, "remote unavailable", e)
         except BaseException:
             if dist.is_main():  # a crash must not leave a previous run's "75" behind
                 clear_exit_status(cfg.ckpt.output_dir)
@@ -114,6 +107,21 @@ def run(cfg: RunConfig) -> int:
             if created and dist.is_main() and not lease.lost:
                 _remove_if_empty(out)  # bad input: the lease was all this run wrote
         dist.shutdown()
+
+
+def _requeue(cfg: RunConfig, lease: Lease | None, reason: str, e: Exception) -> int:
+    """Start-up stopped for a reason that passes (``reason`` in exit_status.json): exit 75, so the
+    job is requeued. Collective."""
+    dist.log_main(logging.WARNING, "%s; exiting with %d so the job is requeued", e, EXIT_PREEMPTED)
+    if lease is not None and not lease.lost:  # rank 0's
+        write_exit_status(
+            cfg.ckpt.output_dir,
+            EXIT_PREEMPTED,
+            {"reason": reason, "step": None, "during": "start-up", "error": str(e)},
+        )
+    # Nobody exits before the file is written: under `srun --kill-on-bad-exit` it tells 75.
+    dist.barrier()
+    return EXIT_PREEMPTED
 
 
 def _remove_if_empty(folder: Path) -> None:

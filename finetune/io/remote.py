@@ -80,6 +80,36 @@ def make_client() -> Any:
     return boto3.session.Session().client("s3", config=config)
 
 
+# Error codes of a service failing on its side, or asking the client to slow down.
+TRANSIENT_CODES = (
+    "InternalError",
+    "ServiceUnavailable",
+    "SlowDown",
+    "RequestTimeout",
+    "Throttling",
+)
+
+
+def transient(error: BaseException) -> bool:
+    """A client error that says the service did not answer (connection refused or reset, a
+    timeout) or failed on its side (5xx, throttling): an outage, as distinct from a wrong bucket,
+    an access denied or a bad credential, which the service answered. A TLS failure is a
+    configuration's, not an outage's."""
+    try:
+        from botocore.exceptions import ConnectionError as NoConnection
+        from botocore.exceptions import HTTPClientError, SSLError
+    except ImportError:
+        return False
+    if isinstance(error, SSLError):
+        return False
+    if isinstance(error, (NoConnection, HTTPClientError, ConnectionError, TimeoutError)):
+        return True
+    response = getattr(error, "response", None) or {}
+    status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+    code = response.get("Error", {}).get("Code", "")
+    return (isinstance(status, int) and status >= 500) or code in TRANSIENT_CODES
+
+
 def _missing(error: Exception) -> bool:
     """A client error that says the object is not there."""
     code = getattr(error, "response", {}).get("Error", {}).get("Code", "")

@@ -18,6 +18,9 @@ environment of the ranks it launches.
   FINETUNE_REMOTE_RETRY_S=<s>     the first wait before a failed copy to --remote_output_dir is
                                   tried again (default 2 s, doubling to 60 s): a test of a copy
                                   that always fails ends in seconds
+  FINETUNE_REMOTE_WAIT_S=<s>      how long a restart waits for an unreachable --remote_output_dir
+                                  before it exits 75 (default 300 s, remote/prefix.py): a test of
+                                  an outage at start ends in seconds
   FINETUNE_BUFFERED_WRITES=1      checkpoint rank files written through the page cache, not with
                                   O_DIRECT (io/direct.py): the path before it, for benchmarks
   FINETUNE_SKIP_SPACE_CHECK=1     no free-space check before a save: a real ENOSPC mid-write
@@ -45,6 +48,7 @@ SLOW_COMMIT = "FINETUNE_SLOW_COMMIT"
 SLOW_UNIVERSAL = "FINETUNE_SLOW_UNIVERSAL"
 SLOW_UPLOAD = "FINETUNE_SLOW_UPLOAD"
 REMOTE_RETRY_S = "FINETUNE_REMOTE_RETRY_S"
+REMOTE_WAIT_S = "FINETUNE_REMOTE_WAIT_S"
 SKIP_SPACE_CHECK = "FINETUNE_SKIP_SPACE_CHECK"
 BUFFERED_WRITES = "FINETUNE_BUFFERED_WRITES"
 STREAM_BYTES = "FINETUNE_STREAM_BYTES"
@@ -61,6 +65,7 @@ ALL = (
     SLOW_UNIVERSAL,
     SLOW_UPLOAD,
     REMOTE_RETRY_S,
+    REMOTE_WAIT_S,
     SKIP_SPACE_CHECK,
     BUFFERED_WRITES,
     STREAM_BYTES,

@@ -9,6 +9,8 @@ gone). Rank 0 decides; every rank downloads its share of the files (every world-
 manifest: no rank's work grows with the world size) into ``.staging/<tag>``, checked against the
 manifest's sizes and checksums; then rank 0 writes the manifest, last, and renames the folder into
 place, as a save commits. A download cut short leaves only staging, removed at the next start.
+A bucket that does not answer when rank 0 looks is exit 2 on a first start; a restart waits for
+it, then exits 75 (prefix.py's ``reach``).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from finetune.config import CheckpointArgs, ConfigError
 from finetune.distributed import logger
 from finetune.io.durable import fsync_path, write_bytes_durably
 from finetune.io.remote import RemoteError, S3Storage, is_remote
+from finetune.remote.prefix import client_error, reach
 from finetune.remote.verify import PARALLEL, locate
 
 
@@ -69,9 +72,13 @@ def fetch_for_resume(ckpt: CheckpointArgs, out: OutputDir, layout: OutSharing) -
         return spec
     explicit = is_remote(spec)
     where = spec if explicit else ckpt.remote_output_dir
-    chosen: Chosen | None = dist.share_from(
-        0,
+    # Rank 0 looks; a restart that finds the bucket unreachable waits for it (prefix.reach).
+    chosen: Chosen | None = reach(
         lambda: _choose(where, out, explicit),
+        where,
+        out.root,
+        on=dist.rank() == 0,
+        share=True,
         step=f"looking for checkpoints in {where}",
     )
     if chosen is None:
@@ -131,7 +138,7 @@ def _choose(where: str, out: OutputDir, explicit: bool) -> Chosen | None:
         raise
     except Exception as e:  # noqa: BLE001 — the client's (credentials, endpoint, bucket)
         flag = "--resume_from_checkpoint" if explicit else "--remote_output_dir"
-        raise ConfigError(f"{flag} {where}: cannot read it ({type(e).__name__}: {e})") from None
+        raise client_error(e, f"{flag} {where}: cannot read it") from None
     manifest = json.loads(data) if data is not None else {}
     return Chosen(root, tag, manifest.get("save_id"), manifest.get("world_size"))
 

@@ -96,6 +96,14 @@ def acquire(
         if found is None:
             continue  # released between our attempt and our read
         raw, theirs = found
+        if (parse(raw) or {}).get("run_id") == run_id:
+            # this run's own, from an attempt the network cut off after its PUT (a restart tries
+            # again while the bucket is unreachable; the run id is this launch's alone): written
+            # again as this attempt's record, which the heartbeat and check() go by
+            etag = remote.put_if(LEASE, encode(me), theirs)
+            if etag is not None:
+                break
+            continue
         verdict, now, why = judge(read, remote.describe(LEASE), raw, me, observe_s)
         if verdict == ALIVE:
             raise RemoteLeaseHeld(where, parse(now) or {})
