@@ -142,12 +142,12 @@ def reach(
         if not restart:
             raise ConfigError(why)
         left = wait_s - (time.monotonic() - start)
-        if dist.any_rank(left <= 0):  # rank 0's clock and the others' alike
+        if dist.any_rank(left <= 0):  # agreed: every rank gives up at the same attempt
             raise RemoteUnavailable(f"{why}; still unreachable after {wait_s:g} s")
         pause = min(delay, max(left, 0.0))
         dist.log_main(
             logging.WARNING,
-            "%s; a restart waits for the bucket (%.0f s left): trying again in %g s",
+            "%s; a restart waits for the bucket (%.0f s left): trying again in %.1f s",
             why,
             max(left, 0.0),
             pause,
