@@ -35,6 +35,7 @@ from finetune.checkpoint_format.policy import Committed, newest_first
 from finetune.config import ConfigError
 from finetune.distributed import logger
 from finetune.io.remote import S3Storage, is_remote
+from finetune.remote.prefix import client_error, reach
 
 
 @dataclass(frozen=True)
@@ -156,21 +157,25 @@ def check_at_start(
     prefix holds (this run numbers its commits above it) and the checkpoint the run continues as
     far as OUT and the spec show it. Rank 0 reads. Collective."""
 
+    where = remote.describe()
+
     def decide() -> tuple[int, Committed | None]:
         try:
             history = read_history(remote)
             fresh, head = lineage_of(out, spec)
         except ConfigError:
             raise
-        except Exception as e:  # noqa: BLE001 — the client's, a manifest that does not parse
+        except ValueError as e:  # a manifest that does not parse
             raise ConfigError(
-                f"--remote_output_dir {remote.describe()}: cannot read its checkpoints "
-                f"({type(e).__name__}: {e})"
+                f"--remote_output_dir {where}: cannot read its history ({e})"
             ) from None
-        check_prefix(history, fresh, head, remote.describe())
+        except Exception as e:  # noqa: BLE001 — the client's: an outage is waited for on a restart
+            raise client_error(e, f"--remote_output_dir {where}: cannot read its history") from None
+        check_prefix(history, fresh, head, where)
         return history.max_seq, head
 
-    return dist.share_from(0, decide, step=f"reading {remote.describe()}'s history")
+    # a restart that finds the bucket unreachable waits for it (prefix.reach)
+    return reach(decide, where, out.root, on=dist.is_main(), share=True, step=f"reading {where}")
 
 
 def leave_later(remote: S3Storage, point: Committed) -> None:
