@@ -21,7 +21,7 @@ from fnmatch import fnmatch
 from typing import TypeVar
 
 from finetune.checkpoint_format.manifest import MANIFEST, RANK_FILE_PATTERNS, missing_rank_files
-from finetune.checkpoint_format.outdir import LATEST, OutputDir, committed, uncommitted
+from finetune.checkpoint_format.outdir import ABANDONED, LATEST, OutputDir, committed, uncommitted
 from finetune.checkpoint_format.policy import newest_first, step_of
 from finetune.checkpoint_format.state import TRAINER_STATE
 from finetune.config import ConfigError
@@ -154,11 +154,25 @@ def notes(root: S3Storage) -> list[str]:
     """What a remote output dir holds besides its newest committed checkpoint."""
     out = OutputDir(root)
     found = committed(out)
-    lines = [
-        f"{t}: no manifest.json, so not committed remotely (a copy in progress, skipped or cut "
-        "off); resume ignores it"
-        for t in uncommitted(out, found)
-    ]
+    aside = [e.name for e in root.list(ABANDONED) if e.is_dir]
+    lines = []
+    for t in uncommitted(out, found):
+        entry = next((name for name in aside if name.startswith(f"{t}-")), None)
+        if entry is not None:
+            lines.append(
+                f"{t}: the data of a commit set aside ({ABANDONED}/{entry}: a timeline a rollback "
+                "left); kept until this history saves that step again; resume ignores it"
+            )
+        else:
+            lines.append(
+                f"{t}: no manifest.json, so not committed remotely (a copy in progress, skipped "
+                "or cut off, or not this history's); resume ignores it"
+            )
+    if aside:
+        lines.append(
+            f"{ABANDONED}: {len(aside)} commit(s) set aside ({', '.join(sorted(aside))}): "
+            "never deleted by finetune (remove them by hand when not needed)"
+        )
     latest = out.read_latest()
     newest = newest_first(found)[0].tag if found else None
     if latest is not None and latest != newest:

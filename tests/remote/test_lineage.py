@@ -140,3 +140,18 @@ def test_a_rollback_leaves_other_lineages_and_the_resume_point_alone(prefix):
     for c in (ours, theirs):
         upload_commit(prefix, c)
     assert later_commits(read_history(prefix), ours) == []
+
+
+def test_ls_notes_name_the_set_aside_commits_and_their_data(prefix):
+    from finetune.remote.verify import notes
+
+    commits = [commit(seq) for seq in (1, 2, 3)]
+    for c in commits:
+        upload_commit(prefix, c)
+    set_aside(prefix, later_commits(read_history(prefix), commits[0]))
+    said = notes(prefix)
+    assert any(
+        line.startswith("global_step6: the data of a commit set aside (.abandoned/global_step6-A-3")
+        for line in said
+    ), said
+    assert f"{ABANDONED}: 2 commit(s) set aside (global_step4-A-2, global_step6-A-3)" in said[-1]
