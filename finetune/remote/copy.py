@@ -27,7 +27,6 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import TypeAlias
 
@@ -48,6 +47,7 @@ from finetune.io.remote import CHECKSUM_KEY, RemoteError
 from finetune.lease import describe
 from finetune.remote.lease import RemoteLeaseLost, held_by, holder
 from finetune.remote.prefix import Prefix
+from finetune.remote.tally import PollTally, TagTally
 
 Files: TypeAlias = dict[str, tuple[int, str]]  # name → (size, xxh3)
 SAVE_ID_KEY = "saveid"  # a remote manifest's metadata: the commit's save id (x-amz-meta-saveid)
@@ -65,53 +65,6 @@ SLOWEST_UPLOAD = float(1 << 20)  # bytes/s: a transfer's size at this rate adds 
 def node_manifest_name(node: list[int]) -> str:
     """Node-local storage: the object under which a node's own manifest is uploaded."""
     return f"{NODE_MANIFEST}{node[0]}.json"
-
-
-# --- the poll's all-reduce ------------------------------------------------------------------------
-
-
-@dataclass
-class TagTally:
-    """One outstanding checkpoint in a poll: on one rank each field is 1 or 0; summed over the
-    ranks, how many ranks."""
-
-    uploaded: int = 0  # this rank's files of it are in the bucket
-    upload_failed: int = 0  # this rank's upload of it failed
-    committed: int = 0  # the leader's remote commit of it (manifest, then latest) is done
-    commit_failed: int = 0  # the leader's remote commit of it failed
-
-    @property
-    def failed(self) -> int:
-        """The ranks whose upload or commit of it failed."""
-        return self.upload_failed + self.commit_failed
-
-
-@dataclass
-class PollTally:
-    """A poll's one all-reduce: whether a rank found another run holding the prefix, and a
-    ``TagTally`` per outstanding checkpoint (in the order of ``RemoteCopy.outstanding``, the same
-    on every rank). Encoded as ``[lost, then each tag's fields in TagTally's order]``: encode and
-    decode are the only code that knows it."""
-
-    lost: int  # ranks that found another run's lease on the prefix
-    tags: list[TagTally]
-
-    def encode(self) -> list[float]:
-        values = [float(self.lost)]
-        for tally in self.tags:
-            values += [float(getattr(tally, f.name)) for f in fields(TagTally)]
-        return values
-
-    @classmethod
-    def decode(cls, values: list[float]) -> PollTally:
-        counts = [round(v) for v in values]
-        width = len(fields(TagTally))
-        tags = [TagTally(*counts[i : i + width]) for i in range(1, len(counts), width)]
-        return cls(counts[0], tags)
-
-    def summed(self) -> PollTally:
-        """Every rank's tally added up. Collective."""
-        return PollTally.decode(dist.all_reduce_sum(self.encode()))
 
 
 # --- the copy -------------------------------------------------------------------------------------

@@ -17,9 +17,10 @@ from finetune.checkpoint_format.manifest import MANIFEST
 from finetune.io import seams
 from finetune.io.durable import hash_bytes
 from finetune.lease import encode, identity
-from finetune.remote.copy import SAVE_ID_KEY, Files, PollTally, RemoteCopy, TagTally
+from finetune.remote.copy import SAVE_ID_KEY, Files, RemoteCopy
 from finetune.remote.lease import LEASE, RemoteLeaseLost
 from finetune.remote.prefix import Prefix
+from finetune.remote.tally import PollTally, TagTally
 
 BUCKET = "copies"
 AT_ONCE = 10.0
