@@ -22,6 +22,7 @@ import os
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Any
 
 from finetune.io.storage import Entry, Stat
@@ -110,6 +111,18 @@ def transient(error: BaseException) -> bool:
     return (isinstance(status, int) and status >= 500) or code in TRANSIENT_CODES
 
 
+def refusal(error: BaseException) -> str | None:
+    """The error code of a request the service answered and refused (``AccessDenied``,
+    ``NotImplemented``…): a client error that is not ``transient``; None for any other error."""
+    try:
+        from botocore.exceptions import ClientError
+    except ImportError:
+        return None
+    if not isinstance(error, ClientError) or transient(error):
+        return None
+    return error.response.get("Error", {}).get("Code") or "refused"
+
+
 def _missing(error: Exception) -> bool:
     """A client error that says the object is not there."""
     code = getattr(error, "response", {}).get("Error", {}).get("Code", "")
@@ -123,6 +136,16 @@ def _condition_failed(error: Exception) -> bool:
     code = response.get("Error", {}).get("Code", "")
     status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
     return code in ("PreconditionFailed", "ConditionalRequestConflict") or status in (409, 412)
+
+
+@dataclass(frozen=True)
+class PendingUpload:
+    """A multipart upload begun and neither completed nor aborted: its parts are stored (and
+    billed) though no listing of objects shows them."""
+
+    rel: str  # the key it uploads to, under the storage's prefix
+    upload_id: str
+    initiated: datetime  # by the server's clock
 
 
 class S3Storage:
@@ -278,9 +301,19 @@ class S3Storage:
                 return None
             raise
 
-    def upload_file(self, local: str | os.PathLike, rel: str, checksum: str) -> None:
+    def upload_file(
+        self,
+        local: str | os.PathLike,
+        rel: str,
+        checksum: str,
+        metadata: dict[str, str] | None = None,
+    ) -> None:
         """One file, multipart with parallel parts above 16 MiB (retried by the client), its
-        checksum in the object's metadata."""
+        checksum in the object's metadata; ``metadata``: more of it. A multipart transfer that
+        fails, or that an exception in this thread interrupts, is aborted by the transfer manager
+        itself (s3transfer's failure cleanup, registered when it creates the upload); one cut off
+        with its process stays pending until ``abort_upload`` (the next run's start:
+        remote/prefix.py)."""
         from boto3.s3.transfer import TransferConfig
 
         config = TransferConfig(
@@ -290,7 +323,7 @@ class S3Storage:
             os.fspath(local),
             self.uri.bucket,
             self.uri.key(rel),
-            ExtraArgs={"Metadata": {CHECKSUM_KEY: checksum}},
+            ExtraArgs={"Metadata": {CHECKSUM_KEY: checksum, **(metadata or {})}},
             Config=config,
         )
 
@@ -301,6 +334,31 @@ class S3Storage:
         self.client.download_file(
             self.uri.bucket, self.uri.key(rel), os.fspath(local), Config=config
         )
+
+    def pending_uploads(self, rel: str = "") -> list[PendingUpload]:
+        """The multipart uploads pending under folder ``rel``, oldest first (every page)."""
+        base = self._folder("")
+        pages = self.client.get_paginator("list_multipart_uploads").paginate(
+            Bucket=self.uri.bucket, Prefix=self._folder(rel)
+        )
+        found = [
+            PendingUpload(u["Key"][len(base) :], u["UploadId"], u["Initiated"])
+            for page in pages
+            for u in page.get("Uploads", [])
+        ]
+        return sorted(found, key=lambda u: (u.initiated, u.rel))
+
+    def abort_upload(self, upload: PendingUpload) -> None:
+        """Abort ``upload``, its stored parts deleted; one already gone is no error."""
+        from botocore.exceptions import ClientError
+
+        try:
+            self.client.abort_multipart_upload(
+                Bucket=self.uri.bucket, Key=self.uri.key(upload.rel), UploadId=upload.upload_id
+            )
+        except ClientError as e:
+            if e.response.get("Error", {}).get("Code") != "NoSuchUpload":
+                raise
 
     # --- conditional writes: the remote lease's atomic steps -------------------------------------
 

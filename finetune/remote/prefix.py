@@ -1,6 +1,8 @@
 """``--remote_output_dir`` opened at the start of a run, before training: every rank writes, reads
 back and deletes a probe object there (a wrong bucket, endpoint or credential is exit 2 naming the
-flag), then rank 0 takes the prefix's lease (another live run there is exit 2 naming it).
+flag), then rank 0 takes the prefix's lease (another live run there is exit 2 naming it) and
+aborts the multipart uploads an earlier run left pending there (``abort_stale_uploads``: a run
+killed in the middle of an upload leaves its parts stored, billed and invisible to listings).
 
 A bucket whose service does not answer (connection refused, timeouts, 5xx: ``io.remote.transient``)
 is exit 2 too on a first start, where it is most likely a wrong endpoint. On a restart (a requeued
@@ -18,6 +20,7 @@ import os
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from datetime import datetime, timedelta
 from pathlib import Path
 from typing import TypeVar
 
@@ -25,8 +28,8 @@ from finetune import distributed as dist
 from finetune.checkpoint_format.outdir import OutputDir, committed
 from finetune.config import ConfigError
 from finetune.io import seams
-from finetune.io.remote import RemoteError, S3Storage, transient
-from finetune.remote.lease import RemoteLease, acquire
+from finetune.io.remote import PendingUpload, RemoteError, S3Storage, transient
+from finetune.remote.lease import LEASE, RemoteLease, acquire
 from finetune.run_config import FILE_NAME as RUN_CONFIG
 
 PROBE = b"finetune probe\n"
@@ -40,6 +43,10 @@ MAX_RETRY_S = 30.0  # …to this
 RESTART_COUNTS = ("SLURM_RESTART_COUNT", "TORCHELASTIC_RESTART_COUNT")
 # The flags whose value in OUT's run_config.yaml says an earlier run used this bucket prefix.
 REMOTE_FLAGS = ("remote_output_dir", "resume_from_checkpoint")
+# A multipart upload is left alone unless it began at least this long before the lease was taken
+# (both by the server's clock, whose timestamps may be whole seconds, and whose hosts' clocks may
+# differ a little): one that began nearer the lease may be this run's own.
+UPLOAD_MARGIN_S = 5.0
 
 T = TypeVar("T")
 logger = logging.getLogger("finetune")
@@ -97,7 +104,52 @@ def open_remote(uri: str, run_id: str, output_dir: str | os.PathLike) -> Prefix:
     lease = reach(
         take, uri, output_dir, on=dist.is_main(), step="taking --remote_output_dir's lease"
     )
+    _tidy_uploads(storage)
     return Prefix(storage, run_id, lease)
+
+
+def abort_stale_uploads(storage: S3Storage, taken: datetime) -> list[PendingUpload]:
+    """Abort the multipart uploads pending under the prefix that began ``UPLOAD_MARGIN_S``
+    or more before ``taken`` (when this run took the prefix's lease, by the server's clock, as
+    the uploads' start times are): an earlier run's, cut off with it, since no other run writes
+    here while this one holds the lease. The ones aborted."""
+    cutoff = taken - timedelta(seconds=UPLOAD_MARGIN_S)
+    stale = [u for u in storage.pending_uploads() if u.initiated < cutoff]
+    for upload in stale:
+        storage.abort_upload(upload)
+    return stale
+
+
+def _tidy_uploads(storage: S3Storage) -> None:
+    """Rank 0 aborts the prefix's stale multipart uploads, dated by the lease it has just taken
+    (the lease object's last write, which the server dates). Housekeeping: a failure (a bucket
+    that refuses to list or abort them) is a warning, and the run goes on. Collective."""
+
+    def tidy() -> list[PendingUpload]:
+        lease = storage.head(LEASE)
+        if lease is None:
+            raise RemoteError(f"{storage.describe(LEASE)} is not there to date them by")
+        return abort_stale_uploads(storage, lease["LastModified"])
+
+    step = "aborting the multipart uploads an earlier run left pending"
+    out = dist.gather_outcomes(tidy, dist.is_main(), step=step, deadline_s=dist.io_deadline())
+    if not out.ok:
+        dist.log_main(
+            logging.WARNING,
+            "%s: could not abort the multipart uploads an earlier run left pending (%s); the "
+            "run goes on, and `finetune ls %s` lists them",
+            storage.describe(),
+            out.describe(),
+            storage.describe(),
+        )
+    elif out.result:
+        keys = ", ".join(u.rel for u in out.result[:3]) + (", …" if len(out.result) > 3 else "")
+        logger.info(
+            "%s: aborted %d multipart upload(s) an earlier run left pending (%s)",
+            storage.describe(),
+            len(out.result),
+            keys,
+        )
 
 
 def client_error(e: Exception, what: str) -> Exception:

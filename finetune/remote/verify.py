@@ -17,6 +17,7 @@ import json
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from datetime import datetime, timezone
 from fnmatch import fnmatch
 from typing import TypeVar
 
@@ -25,11 +26,12 @@ from finetune.checkpoint_format.outdir import ABANDONED, LATEST, OutputDir, comm
 from finetune.checkpoint_format.policy import newest_first, step_of
 from finetune.checkpoint_format.state import TRAINER_STATE
 from finetune.config import ConfigError
-from finetune.io.remote import CHECKSUM_KEY, RemoteError, S3Storage
+from finetune.io.remote import CHECKSUM_KEY, RemoteError, S3Storage, refusal
 from finetune.remote.lease import LEASE
 
 T = TypeVar("T")
 PARALLEL = 8  # objects checked at a time (HEAD requests; downloads with --full)
+NAMED_UPLOADS = 3  # pending multipart uploads a note names (the oldest); the rest are counted
 # a rank's model states: with the manifest and trainer_state.json, what makes a folder a checkpoint
 MODEL_STATES = RANK_FILE_PATTERNS[0].format(r="*")
 
@@ -180,7 +182,41 @@ def notes(root: S3Storage) -> list[str]:
             f"{LATEST}: names {latest}, but the newest committed checkpoint is {newest}; resume "
             "goes by the commit order"
         )
-    return lines
+    return lines + _pending_uploads_note(root)
+
+
+def _pending_uploads_note(root: S3Storage) -> list[str]:
+    """A note naming the multipart uploads pending under the prefix, if any: a run cut off in the
+    middle of an upload leaves its parts stored (and billed) where no listing of objects shows
+    them. A bucket that refuses to list them gets a note saying so, not an error."""
+    try:
+        pending = root.pending_uploads()
+    except Exception as e:  # noqa: BLE001 — a refusal is a note; any other error is raised again
+        code = refusal(e)
+        if code is None:
+            raise
+        return [f"multipart uploads: the bucket refuses to list them ({code})"]
+    if not pending:
+        return []
+    now = datetime.now(timezone.utc)
+    named = ", ".join(
+        f"{u.rel} ({_age((now - u.initiated).total_seconds())} old)"
+        for u in pending[:NAMED_UPLOADS]
+    )
+    more = len(pending) - NAMED_UPLOADS
+    return [
+        f"multipart uploads: {len(pending)} pending, never completed (stored and billed, not "
+        f"listed as objects): {named}{f' and {more} more' if more > 0 else ''}; the next run "
+        "on this prefix aborts those begun before it took the lease"
+    ]
+
+
+def _age(seconds: float) -> str:
+    """A duration in its largest whole unit: "40 s", "12 min", "5 h", "3 d"."""
+    for unit, size in (("d", 86400), ("h", 3600), ("min", 60)):
+        if seconds >= size:
+            return f"{int(seconds // size)} {unit}"
+    return f"{max(int(seconds), 0)} s"
 
 
 def listing(uri: str, checksums: bool) -> tuple[str | None, list[dict], list[str]]:
