@@ -117,8 +117,9 @@ def build_trainer(
         bucket_seq, continued = check_at_start(
             prefix.storage, storage, cfg.ckpt.resume_from_checkpoint
         )
-    # A remote checkpoint to resume from is fetched into OUT first; the resume is then local.
-    spec = fetch_for_resume(cfg.ckpt, storage, layout)
+    # The bucket's commits join the resume plan's candidates; one it takes that an OUT lacks or
+    # holds damaged is fetched into that OUT, and the resume is then local.
+    spec, source = fetch_for_resume(cfg.ckpt, storage, layout)
     if spec != cfg.ckpt.resume_from_checkpoint:
         cfg = replace(cfg, ckpt=replace(cfg.ckpt, resume_from_checkpoint=spec))
     resumer = Resumer(
@@ -129,6 +130,7 @@ def build_trainer(
         base=base,
         signalled=signalled,
         group=layout.my_group,
+        source=source,
     )
     try:
         plan = resumer.plan_resume()

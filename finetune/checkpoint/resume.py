@@ -2,6 +2,11 @@
 timeline it abandons, convert it for another world size. Runs before the engine exists; the
 Checkpointer's ``load`` then restores from the plan.
 
+With a bucket (a ``Source``: --remote_output_dir, or an s3:// --resume_from_checkpoint), its
+commits join the candidates in the one commit order, and a commit the bucket holds is never passed
+over for an older one: where it does not verify on some rank (missing, damaged, another save), the
+OUTs of those ranks fetch it, their copy set aside, and the plan resumes from it.
+
 Every decision that leads to a collective is made from facts all ranks share: rank 0 (or, on
 node-local storage, every node's leader) reads the filesystem and every rank receives the same
 candidates; verification splits the files between ranks and all-gathers the problems found; a
@@ -21,7 +26,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from finetune import distributed as dist
 from finetune.checkpoint_format.manifest import (
@@ -40,6 +45,20 @@ from finetune.lora import check_resumable
 from finetune.modeling import check_checkpoint_model
 from finetune.weights import safe_load
 from finetune.weights.universal import UNIVERSAL, to_universal, verify_universal
+
+
+class Source(Protocol):
+    """Where a resume may take a commit that OUT lacks or holds damaged: the bucket of
+    --remote_output_dir, or of an s3:// --resume_from_checkpoint (remote/fetch.py's
+    ``BucketSource``)."""
+
+    def commits(self) -> list[Committed]:
+        """The commits it offers, the same on every rank."""
+
+    def fetch(self, commit: Committed, need: bool) -> None:
+        """Bring ``commit`` into this rank's OUT where ``need`` (the same on the ranks sharing
+        it), the copy there set aside first; ConfigError or RankError on every rank when it
+        fails. Collective."""
 
 
 class ConversionStopped(Exception):
@@ -72,11 +91,13 @@ class Resumer:
         base: dict[str, Any] | None = None,
         signalled: Callable[[], bool] = lambda: False,
         group: list[int] | None = None,
+        source: Source | None = None,
     ):
         """``node_local``: each node has its own OUT; ``leader``: this rank does rank 0's part for
         its OUT (rank 0, or each node's first rank; default rank 0); ``base``: with --use_peft, the
         base model's identity (lora.base_identity), the same on every rank; ``signalled``: whether
-        this rank got a preemption signal (stops a universal conversion)."""
+        this rank got a preemption signal (stops a universal conversion); ``source``: the bucket
+        a commit missing or damaged in OUT is fetched from."""
         self.cfg = cfg
         self.storage = storage
         self.out = storage.root
@@ -86,7 +107,11 @@ class Resumer:
         self.leader = dist.is_main() if leader is None else leader
         # the ranks sharing this rank's OUT (node-local: its node's)
         self.group = group or list(range(dist.world_size()))
-        self.saved_worlds: dict[str, int | None] = {}  # node-local: each candidate's world size
+        self.source = source
+        self.saved_worlds: dict[str, int | None] = {}
+        # the candidates' save ids and places in the commit order (rank 0's listing)
+        self.local_ids: dict[str, str | None] = {}
+        self.local_keys: dict[str, tuple] = {}  # node-local: each candidate's world size
 
     def plan_resume(self) -> ResumePlan | None:
         """Pick (and verify) what to resume from, before the engine exists. Collective.
@@ -154,16 +179,18 @@ class Resumer:
     # --- choosing ------------------------------------------------------------------------------
 
     def _resolve(self, spec: str) -> Path | None:
-        """The folder to resume from: verified (collectively), falling back past damaged ones."""
-        candidates = self._agreed_candidates(spec)
+        """The folder to resume from: verified (collectively), falling back past damaged ones; a
+        commit the bucket offers (``source``) is fetched into every OUT that lacks it or holds it
+        damaged, and taken, rather than passed over."""
+        candidates = self._with_bucket(spec)
         tried: list[tuple[Path, list[str]]] = []
-        for folder in candidates:
-            if self.node_local:
+        for folder, offered in candidates:
+            if self.node_local and offered is None:
                 # Before verifying it: a rank the checkpoint has no files for would fail every
                 # candidate (and --ignore_unverified_checkpoints set healthy ones aside).
                 self._refuse_another_world(folder)
-            problems = self._verify_collectively(folder)
-            if not problems:
+            problems, bad = self._verify_collectively(folder, offered)
+            if not problems or (offered is not None and self._fetched(folder, offered, bad, spec)):
                 if tried:
                     dist.log_main(
                         logging.WARNING,
@@ -192,6 +219,39 @@ class Resumer:
                 "--resume_from_checkpoint %s: no checkpoint in %s, starting fresh", spec, self.out
             )
             return None
+        return self._none_verifies(spec, tried)
+
+    def _fetched(self, folder: Path, commit: Committed, bad: set[int], spec: str) -> bool:
+        """Whether ``commit``, missing or damaged on the ranks ``bad``, is now in every OUT, fetched
+        from the bucket where those ranks' OUT needed it, and checked there. A fetch that fails
+        stops an explicit resume and passes ``auto`` on to an older checkpoint. Collective."""
+        dist.log_main(
+            logging.WARNING,
+            "%s does not verify in %s on rank %s: fetching it from the bucket",
+            folder.name,
+            self.out,
+            ", ".join(map(str, sorted(bad))),
+        )
+        try:
+            self.source.fetch(commit, need=any(r in bad for r in self.group))
+        except (ConfigError, dist.RankError) as e:
+            if spec not in ("latest", "auto"):
+                raise
+            dist.log_main(logging.WARNING, "fetching %s failed (%s)", folder.name, e)
+            return False
+        # Every file was checked against the manifest's checksum as it came down: the rest of the
+        # verification (sizes, what DeepSpeed's unpickling would refuse) is read once more.
+        problems, _ = self._verify_collectively(folder, commit, checksums=False)
+        if problems and spec not in ("latest", "auto"):
+            raise ConfigError(
+                f"--resume_from_checkpoint: {folder} does not verify once fetched: "
+                f"{'; '.join(problems[:3])}"
+            )
+        return not problems
+
+    def _none_verifies(self, spec: str, tried: list[tuple[Path, list[str]]]) -> None:
+        """No candidate verifies: --ignore_unverified_checkpoints sets them aside and starts fresh
+        (None); otherwise a ConfigError naming them. Collective."""
         if self.node_local:
             # Failing everywhere usually means ranks now sit on other nodes (or in another order)
             # than when they saved; starting fresh would silently redo the work.
@@ -241,20 +301,25 @@ class Resumer:
                 )
             ]
 
-        def listing() -> tuple[list[str], dict[str, str | None]]:
+        def listing() -> tuple[list[str], dict[str, str | None], dict[str, tuple]]:
             fault_point("resume.list")
             found = committed(self.storage)
-            return resume_order(self.storage.tags(), found), {c.tag: c.save_id for c in found}
+            return (
+                resume_order(self.storage.tags(), found),
+                {c.tag: c.save_id for c in found},
+                {c.tag: c.order_key for c in found},
+            )
 
         if not self.node_local:
-            order, _ = dist.share_from(
+            order, self.local_ids, self.local_keys = dist.share_from(
                 0, listing, step="listing checkpoints", deadline_s=dist.io_deadline()
             )
             return [self.out / t for t in order]
 
-        def node_listing() -> tuple[list[str], dict[str, str | None], dict[str, int | None]]:
-            order, ids = listing()
-            return order, ids, {c.tag: c.world_size for c in committed(self.storage)}
+        def node_listing() -> tuple[list[str], dict[str, str | None], dict[str, int | None], dict]:
+            order, ids, keys = listing()
+            worlds = {c.tag: c.world_size for c in committed(self.storage)}
+            return order, ids, worlds, keys
 
         out = dist.gather_outcomes(
             node_listing,
@@ -266,13 +331,16 @@ class Resumer:
         out.raise_any()
         views = [v[:2] for v in out.results if v is not None]
         self.saved_worlds = next(v[2] for v in out.results if v is not None)
+        self.local_ids = views[0][1]
+        self.local_keys = next(v[3] for v in out.results if v is not None)
         common = [
             t
             for t in views[0][0]
             if all(t in ids and ids[t] == views[0][1].get(t) for _, ids in views[1:])
             and all(t in order for order, _ in views[1:])
         ]
-        if not common and any(order for order, _ in views):
+        offered = self.source is not None and self.source.commits()
+        if not common and any(order for order, _ in views) and not offered:
             raise ConfigError(
                 f"--resume_from_checkpoint {spec}: the nodes hold no checkpoint in common "
                 f"({', '.join(str(len(o)) for o, _ in views)} per node, compared by save id): "
@@ -280,6 +348,31 @@ class Resumer:
                 "on the same nodes, in the same order"
             )
         return [self.out / t for t in common]
+
+    def _with_bucket(self, spec: str) -> list[tuple[Path, Committed | None]]:
+        """The candidates (``_agreed_candidates``), each with the bucket's commit of it when the
+        bucket offers that very save, and the bucket's other commits among them in the one commit
+        order (a prefix holds one lineage): best first, the same on every rank. Collective."""
+        offered = self.source.commits() if self.source is not None else []
+        named = Path(spec)
+        mine = [c for c in offered if c.tag == named.name and named.parent == self.out]
+        if spec not in ("latest", "auto") and mine:
+            # an s3:// checkpoint: fetched into OUT where no copy of it there verifies
+            return [(named, mine[0])]
+        local = self._agreed_candidates(spec)
+        if not offered:
+            return [(f, None) for f in local]
+        bucket = {(c.tag, c.save_id): c for c in offered}
+        readable = [f for f in local if f.name in self.local_keys]
+        ranked = [
+            (self.local_keys[f.name], f, bucket.pop((f.name, self.local_ids.get(f.name)), None))
+            for f in readable
+        ]
+        ranked += [(c.order_key, self.out / c.tag, c) for c in bucket.values()]
+        ranked.sort(key=lambda r: r[0], reverse=True)
+        taken = {f.name for _, f, _ in ranked}
+        # then the folders whose manifest does not read
+        return [(f, c) for _, f, c in ranked] + [(f, None) for f in local if f.name not in taken]
 
     def _refuse_another_world(self, folder: Path) -> None:
         """Node-local checkpoints resume only on the world size that saved them: ConfigError (exit
@@ -304,9 +397,15 @@ class Resumer:
         if dist.any_rank(self.leader and not whole()):
             raise ConfigError(_node_local_world(folder, saved))
 
-    def _verify_collectively(self, folder: Path) -> list[str]:
-        """Every rank checks a share of the rank files (rank 0 also the shared ones). Collective.
-        Any error while checking (EIO, ESTALE, …) is a problem found, reported by every rank."""
+    def _verify_collectively(
+        self, folder: Path, commit: Committed | None = None, checksums: bool | None = None
+    ) -> tuple[list[str], set[int]]:
+        """Every rank checks a share of the rank files (rank 0 also the shared ones): the problems
+        found, and the ranks that found them, the same on every rank. ``commit``: the copy must be
+        of that save. Collective. Any error while checking (EIO, ESTALE, …) is a problem found,
+        reported by every rank."""
+        if checksums is None:
+            checksums = not self.cfg.ckpt.resume_skip_checksum
 
         def mine() -> list[str]:
             fault_point("resume.verify", step_of(folder.name))
@@ -315,18 +414,25 @@ class Resumer:
                 return [
                     f"{MANIFEST} missing or unreadable (an incomplete save?) on rank {dist.rank()}"
                 ]
+            if commit is not None and manifest.get("save_id") != commit.save_id:
+                return [
+                    f"on rank {dist.rank()}, a copy of another save ({manifest.get('save_id')}) "
+                    f"than the bucket's ({commit.save_id})"
+                ]
             # Node-local: each rank its own files on its node, each leader its node's shared files;
             # a whole checkpoint (shared storage, or a node's copy of one saved by another world
             # size): the ranks sharing it split its ranks' files.
             saved = int(manifest.get("world_size", 1))
             if self.node_local and "ranks" in manifest:
+                if saved != dist.world_size():  # (a bucket's commit: fetched whole)
+                    return [f"on rank {dist.rank()}, a node's files of a {saved}-rank checkpoint"]
                 ranks = [dist.rank()]
             else:
                 me = self.group.index(dist.rank())
                 ranks = list(range(me, saved, len(self.group)))
             problems = verify(
                 folder,
-                checksums=not self.cfg.ckpt.resume_skip_checksum,
+                checksums=checksums,
                 ranks=ranks,
                 shared=self.leader,
             ).problems
@@ -337,9 +443,10 @@ class Resumer:
             mine, share=True, step=f"verifying {folder.name}", deadline_s=dist.io_deadline()
         )
         problems = [p for rank_problems in out.results if rank_problems for p in rank_problems]
+        bad = {r for r, rank_problems in enumerate(out.results) if rank_problems} | set(out.errors)
         return problems + [
             f"rank {r} could not check it: {e}" for r, e in sorted(out.errors.items())
-        ]
+        ], bad
 
     # --- the abandoned timeline -------------------------------------------------------------------
 

@@ -1,32 +1,34 @@
-"""Resume from object storage: before the resume plan, a remote checkpoint the run is to
-resume from is brought into the local output dir and committed there, so the resume that follows
-is the local one, with its verification, its world-size conversion and its commit order.
+"""Resume from object storage: the bucket offers the resume plan (checkpoint/resume.py) the
+commits it holds, and fetches one into the local output dir, committed there, when an OUT lacks it
+or holds it damaged; the resume that follows is the local one, with its world-size conversion and
+its commit order.
 
-Which one: ``--resume_from_checkpoint s3://…/global_stepN`` (or an s3:// output dir: its newest
-committed checkpoint), or, with ``auto`` and ``--remote_output_dir``, the newest remote checkpoint
-when it is newer in the commit order than every local one (a new allocation, the local disks
-gone). Rank 0 decides; every rank downloads its share of the files (every world-th file of the
-manifest: no rank's work grows with the world size) into ``.staging/<tag>``, checked against the
-manifest's sizes and checksums; then rank 0 writes the manifest, last, and renames the folder into
-place, as a save commits. A download cut short leaves only staging, removed at the next start.
-A bucket that does not answer when rank 0 looks is exit 2 on a first start; a restart waits for
-it, then exits 75 (prefix.py's ``reach``).
+Which commits: ``--resume_from_checkpoint s3://…/global_stepN`` (or an s3:// output dir: its newest
+committed checkpoint) offers that one; ``auto`` with ``--remote_output_dir`` offers every commit of
+the prefix (one lineage, remote/lineage.py), and the plan takes the newest commit, local or in the
+bucket, that verifies wherever it is: a copy missing or damaged on any node is fetched, never
+passed over for an older local one. Rank 0 reads the bucket; every rank of an OUT that needs the
+commit downloads its share of the files (every world-th file of the manifest: no rank's work grows
+with the world size) into ``.staging/<tag>``, checked against the manifest's sizes and checksums;
+then that OUT's leader sets aside the damaged copy (``.abandoned/<tag>-unverified-…``), writes the
+manifest, last, and renames the folder into place, as a save commits. A download cut short leaves
+only staging, removed at the next start. A bucket that does not answer when rank 0 looks is exit 2
+on a first start; a restart waits for it, then exits 75 (prefix.py's ``reach``).
 """
 
 from __future__ import annotations
 
 import json
-import logging
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
 from finetune import distributed as dist
 from finetune.checkpoint_format.manifest import MANIFEST, check_file, node_manifest, share_of
 from finetune.checkpoint_format.outdir import STAGING, OutputDir, committed
-from finetune.checkpoint_format.policy import newest_first, step_of
+from finetune.checkpoint_format.policy import Committed, newest_first, step_of
 from finetune.config import CheckpointArgs, ConfigError
 from finetune.distributed import logger
 from finetune.io.durable import fsync_path, write_bytes_durably
@@ -52,63 +54,55 @@ class OutSharing(Protocol):
         """This rank does rank 0's part for its OUT."""
 
 
-@dataclass(frozen=True)
-class Chosen:
-    """The remote checkpoint a resume fetches."""
+class BucketSource:
+    """The commits a bucket offers a resume, the same on every rank, and their fetch into OUT (the
+    resume plan's ``Source``)."""
 
-    root: str  # the remote output dir that holds it
-    tag: str
-    save_id: str | None  # its commit's, from its manifest
-    world_size: int | None  # the world size that saved it
+    def __init__(self, root: str, offered: list[Committed], out: OutputDir, layout: OutSharing):
+        self.root = root  # the remote output dir that holds them
+        self.offered = offered
+        self.out = out
+        self.layout = layout
+
+    def commits(self) -> list[Committed]:
+        """The commits this resume may take from the bucket, newest first."""
+        return list(self.offered)
+
+    def fetch(self, commit: Committed, need: bool) -> None:
+        """Bring ``commit`` into every OUT where ``need`` (the same on the ranks sharing an OUT):
+        node-local at the world size that saved it, that node's cut; else the whole checkpoint
+        (another world size converts on each node). A copy already there is set aside first.
+        ConfigError or RankError on every rank when a download fails. Collective."""
+        same_world = commit.world_size == dist.world_size()
+        cut = self.layout.my_group if self.layout.node_local and same_world else None
+        _download(self.root, commit.tag, self.out, self.layout, cut, need)
 
 
-def fetch_for_resume(ckpt: CheckpointArgs, out: OutputDir, layout: OutSharing) -> str | None:
-    """The --resume_from_checkpoint spec the resume plan should use: a local folder for an s3://
-    one, the same spec otherwise (None: no resume). Node-local storage: each node fetches its
-    ranks' files and the shared ones into its own OUT (at another world size the whole
-    checkpoint, converted on each node). Collective."""
+def fetch_for_resume(
+    ckpt: CheckpointArgs, out: OutputDir, layout: OutSharing
+) -> tuple[str | None, BucketSource | None]:
+    """The --resume_from_checkpoint spec the resume plan should use (a folder in OUT for an s3://
+    checkpoint, the same spec otherwise; None: no resume) and the bucket it may fetch from (None
+    without one). Rank 0 reads the bucket; nothing is downloaded here: the plan fetches what an OUT
+    lacks or holds damaged. Collective."""
     spec = ckpt.resume_from_checkpoint
     if spec is None or not (is_remote(spec) or (spec == "auto" and ckpt.remote_output_dir)):
-        return spec
+        return spec, None
     explicit = is_remote(spec)
     where = spec if explicit else ckpt.remote_output_dir
     # Rank 0 looks; a restart that finds the bucket unreachable waits for it (prefix.reach).
-    chosen: Chosen | None = reach(
-        lambda: _choose(where, out, explicit),
+    root, offered = reach(
+        lambda: _offered(where, explicit),
         where,
         out.root,
         on=dist.rank() == 0,
         share=True,
         step=f"looking for checkpoints in {where}",
     )
-    if chosen is None:
-        return spec
-    tag = chosen.tag
-    # What each OUT needs: node-local at the same world size its node's cut; else (shared storage,
-    # or node-local at another world size, which converts on each node) the whole checkpoint.
-    same_world = chosen.world_size == dist.world_size()
-    cut = layout.my_group if layout.node_local and same_world else None
-    # Every OUT (each node's) already holds that very commit, as much of it as it needs?
-    held = holds(out.read_manifest(tag) or {}, chosen.save_id, cut) if layout.leader else True
-    if chosen.save_id is not None and not dist.any_rank(not held):
-        logger.info("%s is already in %s", tag, out.root)
-    else:
-        try:
-            _download(chosen.root, tag, out, layout, cut)
-        except (ConfigError, dist.RankError) as e:
-            if explicit:
-                raise
-            # auto: a remote copy that does not download intact is passed over, as a damaged
-            # local checkpoint is; the resume goes on from what is local
-            dist.log_main(
-                logging.WARNING,
-                "fetching %s from %s failed (%s); resuming from %s",
-                tag,
-                chosen.root,
-                e,
-                out.root,
-            )
-    return str(out.root / tag) if explicit else spec
+    source = BucketSource(root, offered, out, layout)
+    if not explicit:
+        return spec, source
+    return str(out.root / offered[0].tag), source
 
 
 def holds(local: dict, save_id: str | None, cut: list[int] | None) -> bool:
@@ -126,64 +120,47 @@ def fetch_file(remote: S3Storage, key: str, path: Path, name: str, want: dict) -
     return f"{remote.describe(key)} downloaded: {problems[0]}" if problems else None
 
 
-def _choose(where: str, out: OutputDir, explicit: bool) -> Chosen | None:
-    """The remote checkpoint to fetch, or None (nothing newer than what is local)."""
+def _offered(where: str, explicit: bool) -> tuple[str, list[Committed]]:
+    """(the remote output dir, the commits ``where`` offers, newest first): the checkpoint it
+    names, or its newest (explicit), or every committed one (auto)."""
     try:
-        found = _remote_choice(where, out, explicit)
-        if found is None:
-            return None
-        root, tag = found
-        data = S3Storage(root).read_bytes(f"{tag}/{MANIFEST}")
+        return _listed(where, explicit)
     except (ConfigError, RemoteError):
         raise
+    except ValueError as e:  # a manifest that does not parse
+        raise ConfigError(f"{where}: cannot read its checkpoints ({e})") from None
     except Exception as e:  # noqa: BLE001 — the client's (credentials, endpoint, bucket)
         flag = "--resume_from_checkpoint" if explicit else "--remote_output_dir"
         raise client_error(e, f"{flag} {where}: cannot read it") from None
-    manifest = json.loads(data) if data is not None else {}
-    return Chosen(root, tag, manifest.get("save_id"), manifest.get("world_size"))
 
 
-def _remote_choice(where: str, out: OutputDir, explicit: bool) -> tuple[str, str] | None:
-    """(the remote output dir, the checkpoint's tag) ``where`` names: itself when it is a
-    checkpoint, else its newest committed one (with ``auto``, only when newer than every local
-    one); None when there is none to fetch."""
+def _listed(where: str, explicit: bool) -> tuple[str, list[Committed]]:
     try:
         remote = S3Storage(where)
     except RemoteError as e:
         raise ConfigError(f"--resume_from_checkpoint {where}: {e}") from None
     name = remote.uri.prefix.rsplit("/", 1)[-1]
-    marker = remote.stat(MANIFEST)
-    if marker is not None or step_of(name) is not None:
-        if marker is None:
+    data = remote.read_bytes(MANIFEST)
+    if data is not None or step_of(name) is not None:
+        if data is None:
             raise ConfigError(
                 f"--resume_from_checkpoint {where}: no {MANIFEST}, so not a committed checkpoint"
             )
         parent = where.rstrip("/").rsplit("/", 1)[0]
-        return parent, name
+        return parent, [Committed.from_manifest(name, json.loads(data))]
     found = newest_first(committed(OutputDir(remote)))
-    if not found:
-        if explicit:
-            raise ConfigError(f"--resume_from_checkpoint {where}: no committed checkpoint there")
-        return None
-    if not explicit:
-        local = newest_first(committed(out))
-        if local and local[0].order_key >= found[0].order_key:
-            return None  # the local one is as new: resume as usual
-        logger.info(
-            "the newest checkpoint is %s in %s (%s locally): fetching it",
-            found[0].tag,
-            where,
-            local[0].tag if local else "none",
-        )
-    return where.rstrip("/"), found[0].tag
+    if not found and explicit:
+        raise ConfigError(f"--resume_from_checkpoint {where}: no committed checkpoint there")
+    return where.rstrip("/"), found[:1] if explicit else found
 
 
 def _download(
-    root: str, tag: str, out: OutputDir, layout: OutSharing, cut: list[int] | None
+    root: str, tag: str, out: OutputDir, layout: OutSharing, cut: list[int] | None, need: bool
 ) -> None:
-    """Every rank its share of what this OUT needs (``cut``'s ranks' files and the shared ones,
-    or all), then each OUT's leader commits it. Any failure is a ConfigError on the rank that had
-    it (RankError on the others): every rank falls back, or stops, alike."""
+    """In every OUT where ``need``: every rank its share of what that OUT needs (``cut``'s ranks'
+    files and the shared ones, or all), then its leader sets aside the copy there and commits the
+    download. Any failure is a ConfigError on the rank that had it (RankError on the others): every
+    rank falls back, or stops, alike. Collective."""
     staged = Path(out.root) / STAGING / tag
     group = layout.my_group  # the ranks sharing this OUT split its download
 
@@ -223,15 +200,25 @@ def _download(
             data = (json.dumps(wanted(json.loads(data)), indent=2) + "\n").encode()
         write_bytes_durably(staged / MANIFEST, data)  # last: the folder is complete
         fsync_path(staged)
+        if out.exists(tag):  # missing files or damaged ones: kept, as the resume plan keeps them
+            where = out.set_aside(tag, f"unverified-{time.strftime('%Y%m%d-%H%M%S')}")
+            logger.warning(
+                "set aside %s (does not verify): now %s in %s; not deleted, not counted",
+                tag,
+                where,
+                out.root,
+            )
         out.publish(tag)
 
     # an earlier download cut short
-    dist.run_agreed(lambda: out.remove(f"{STAGING}/{tag}"), on=layout.leader)
-    logger.info("downloading %s from %s (every rank its share)", tag, root)
-    dist.run_agreed(one_line(mine), step=f"downloading {tag}", deadline_s=None)
-    # every node's leader, once every rank's download is complete (two phases)
-    dist.run_agreed(one_line(commit), on=layout.leader, step=f"committing {tag} locally")
-    dist.log_main(logging.INFO, "fetched %s from %s into %s", tag, root, out.root)
+    dist.run_agreed(lambda: out.remove(f"{STAGING}/{tag}"), on=layout.leader and need)
+    if need:
+        logger.info("downloading %s from %s (every rank its share)", tag, root)
+    dist.run_agreed(one_line(mine), on=need, step=f"downloading {tag}", deadline_s=None)
+    # every such OUT's leader, once every rank's download is complete (two phases)
+    dist.run_agreed(one_line(commit), on=layout.leader and need, step=f"committing {tag} locally")
+    if layout.leader and need:
+        logger.info("fetched %s from %s into %s", tag, root, out.root)
 
 
 def download_checkpoint(uri: str, into: Path) -> Path:
