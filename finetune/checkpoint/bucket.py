@@ -32,10 +32,17 @@ class BucketCopy(Protocol):
         """At start: copy OUT's newest committed checkpoint when the bucket holds none as new (a
         run stopped while copying it). Collective."""
 
-    def offer(self, tag: str, written: Files, committed: Files, save_id: str | None = None) -> None:
+    def offer(
+        self,
+        tag: str,
+        written: Files,
+        committed: Files,
+        save_id: str | None = None,
+        lineage: str | None = None,
+    ) -> None:
         """``tag`` was committed in OUT: copy, in the background, the files of ``committed``
-        this rank wrote (``written``); ``save_id``: the commit's. A copy stuck past its deadline on
-        any rank is given up here (``failed``). Collective."""
+        this rank wrote (``written``); ``save_id``, ``lineage``: the commit's. A copy stuck past
+        its deadline on any rank is given up here (``failed``). Collective."""
 
     def poll(self, step: int = 0) -> None:
         """At step boundary ``step``: learn which copies every rank finished, commit the newest
@@ -60,7 +67,14 @@ class NoRemoteCopy:
     def catch_up(self, out: OutputDir) -> None:
         pass
 
-    def offer(self, tag: str, written: Files, committed: Files, save_id: str | None = None) -> None:
+    def offer(
+        self,
+        tag: str,
+        written: Files,
+        committed: Files,
+        save_id: str | None = None,
+        lineage: str | None = None,
+    ) -> None:
         pass
 
     def poll(self, step: int = 0) -> None:

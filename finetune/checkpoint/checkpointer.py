@@ -324,7 +324,13 @@ class Checkpointer(SaveBoundaries):
         self.retain()
         clock.lap("retain")
         head = self.lineage.head  # --remote_output_dir
-        self.remote.offer(tag, self.writer.files, files, head.save_id if head else None)
+        self.remote.offer(
+            tag,
+            self.writer.files,
+            files,
+            head.save_id if head else None,
+            head.lineage if head else None,
+        )
         self.committed_step = pending.step
         total = sum(size for size, _ in files.values())
         self.on_event(

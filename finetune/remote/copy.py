@@ -37,8 +37,8 @@ from finetune.checkpoint_format.manifest import (
     share_of,
     stored_ranks,
 )
-from finetune.checkpoint_format.outdir import LATEST, MANIFEST, OutputDir, committed, uncommitted
-from finetune.checkpoint_format.policy import newest_first, select_for_deletion, step_of
+from finetune.checkpoint_format.outdir import LATEST, MANIFEST, OutputDir, committed
+from finetune.checkpoint_format.policy import newest_first
 from finetune.distributed import logger
 from finetune.io import seams
 from finetune.io.durable import hash_file
@@ -47,6 +47,7 @@ from finetune.io.remote import CHECKSUM_KEY, RemoteError
 from finetune.lease import describe
 from finetune.remote.lease import RemoteLeaseLost, held_by, holder
 from finetune.remote.prefix import Prefix
+from finetune.remote.retention import LINEAGE_KEY, retain
 from finetune.remote.tally import PollTally, TagTally
 
 Files: TypeAlias = dict[str, tuple[int, str]]  # name → (size, xxh3)
@@ -104,6 +105,7 @@ class RemoteCopy:
         self.remote_head: str | None = None  # the newest remotely committed
         # The trainer's side, this rank's own.
         self._save_ids: dict[str, str | None] = {}  # tag → its commit's save id (the thread's too)
+        self._lineages: dict[str, str | None] = {}  # tag → its commit's lineage (the thread's too)
         self._files: dict[str, Files] = {}  # outstanding tag → what this rank uploads of it
         self._retry_at: dict[str, float] = {}  # failed newest → when this rank tries it again
         # Shared with the thread, under the lock.
@@ -123,7 +125,14 @@ class RemoteCopy:
 
     # --- the trainer's side: every method is called on every rank ---------------------------
 
-    def offer(self, tag: str, written: Files, committed: Files, save_id: str | None = None) -> None:
+    def offer(
+        self,
+        tag: str,
+        written: Files,
+        committed: Files,
+        save_id: str | None = None,
+        lineage: str | None = None,
+    ) -> None:
         """``tag`` was committed locally: this rank uploads what it wrote of the ``committed``
         files (a consolidation dropped at the agree step is not among them). Node-local storage:
         the shared files only from rank 0 (every node's leader wrote them), and each node's
@@ -134,7 +143,7 @@ class RemoteCopy:
             files = {name: entry for name, entry in files.items() if rank_of_file(name) is not None}
         if self.failed is None:
             self._stalled(self.outstanding[-1] if self.outstanding else tag)
-        self._offer(tag, files, save_id)
+        self._offer(tag, files, save_id, lineage)
 
     def catch_up(self, out: OutputDir) -> None:
         """At start: OUT's newest committed checkpoint, when the bucket holds no commit as new (a
@@ -147,7 +156,7 @@ class RemoteCopy:
         if tag is None:
             return
 
-        def my_share() -> tuple[Files, str | None]:
+        def my_share() -> tuple[Files, str | None, str | None]:
             try:
                 return self._share_of(tag, out.read_manifest(tag))
             except RemoteError:
@@ -156,7 +165,7 @@ class RemoteCopy:
                 raise RemoteError(f"{tag}'s manifest: {type(e).__name__}: {e}") from None
 
         try:
-            files, save_id = dist.run_agreed(my_share, step=f"reading {tag}'s manifest")
+            files, save_id, lineage = dist.run_agreed(my_share, step=f"reading {tag}'s manifest")
         except (RemoteError, dist.RankError) as e:  # the rank that failed, the others
             dist.log_main(
                 logging.WARNING, "not copying %s to %s: %s", tag, self.remote.describe(), e
@@ -165,7 +174,7 @@ class RemoteCopy:
         dist.log_main(
             logging.INFO, "%s is not yet committed in %s: copying it", tag, self.remote.describe()
         )
-        self._offer(tag, files, save_id)
+        self._offer(tag, files, save_id, lineage)
 
     def unconfirmed(self) -> set[str]:
         """Local checkpoints retention must keep: committed here, newer than the newest remote
@@ -247,8 +256,9 @@ class RemoteCopy:
 
     # --- what offer and catch_up hand the thread ---------------------------------------------
 
-    def _offer(self, tag: str, files: Files, save_id: str | None) -> None:
+    def _offer(self, tag: str, files: Files, save_id: str | None, lineage: str | None) -> None:
         self._save_ids[tag] = save_id
+        self._lineages[tag] = lineage
         if self.node is not None and dist.rank() == self.node[0]:
             node_manifest = hash_file(self.out / tag / MANIFEST)
             files = {**files, node_manifest_name(self.node): node_manifest}
@@ -272,9 +282,9 @@ class RemoteCopy:
             return None
         return local[0].tag
 
-    def _share_of(self, tag: str, manifest: dict) -> tuple[Files, str | None]:
+    def _share_of(self, tag: str, manifest: dict) -> tuple[Files, str | None, str | None]:
         """What this rank uploads of the committed checkpoint ``tag`` (its ``manifest``), and the
-        commit's save id."""
+        commit's save id and lineage."""
         listed = manifest["files"]
         if self.node is None:  # the manifest may be another world size's: split it anew
             names = share_of(listed, dist.rank(), dist.world_size())
@@ -285,7 +295,7 @@ class RemoteCopy:
             wanted = [n for n in listed if rank_of_file(n) is not None or 0 in self.node]
             names = share_of(wanted, self.node.index(dist.rank()), len(self.node))
         files = {name: (listed[name]["size"], listed[name]["checksum"]) for name in names}
-        return files, manifest.get("save_id")
+        return files, manifest.get("save_id"), manifest.get("lineage")
 
     # --- the poll's steps ----------------------------------------------------------------------
 
@@ -443,7 +453,13 @@ class RemoteCopy:
             else:
                 local = name
             self._moving(f"uploading {rel}", allow=size / SLOWEST_UPLOAD)  # no bytes reported
-            self.remote.upload_file(self.out / tag / local, rel, digest)
+            self.remote.upload_file(self.out / tag / local, rel, digest, self._metadata(tag))
+
+    def _metadata(self, tag: str) -> dict[str, str]:
+        """What each uploaded object of ``tag`` carries besides its checksum: its commit's save id
+        and lineage."""
+        found = {SAVE_ID_KEY: self._save_ids.get(tag), LINEAGE_KEY: self._lineages.get(tag)}
+        return {key: value for key, value in found.items() if value is not None}
 
     def _uncommit_other(self, tag: str) -> None:
         """Another commit of ``tag`` in the bucket (an earlier timeline's: this run resumed from an
@@ -492,7 +508,7 @@ class RemoteCopy:
         self._moving(f"deleting older checkpoints in {self.remote.describe()}")
         try:
             self._ensure_lease("deleting older checkpoints")
-            self._retain(tag)
+            retain(self.remote, tag, self.limit)
         except Exception as e:  # noqa: BLE001 — the copy is committed; retried after the next
             logger.warning("retention in %s: %s: %s", self.remote.describe(), type(e).__name__, e)
 
@@ -517,35 +533,6 @@ class RemoteCopy:
         if self.lease is not None and not self.lease.check():
             raise RemoteError(
                 f"{self.remote.describe()}'s lease belongs to another run; not {before}"
-            )
-
-    def _retain(self, head_tag: str) -> None:
-        """After a remote commit: --save_total_limit over the bucket's commits up to the one just
-        committed, in commit order (not parent links: the copies skipped in between break them),
-        never it; and the folders older than it that hold no manifest (copies skipped or cut
-        off). A checkpoint goes manifest first, so it is never a committed checkpoint with files
-        missing."""
-        found = committed(OutputDir(self.remote))
-        head = next((c for c in found if c.tag == head_tag), None)
-        line = [
-            c.tag
-            for c in sorted(found, key=lambda c: c.order_key)
-            if head and c.order_key <= head.order_key
-        ]
-        best = head.best if head else None  # its line's best checkpoint: kept besides the limit
-        doomed = select_for_deletion(line, self.limit, {head_tag}, best) if self.limit else []
-        at = step_of(head_tag) or 0
-        partial = [t for t in uncommitted(OutputDir(self.remote), found) if step_of(t) < at]
-        for tag in doomed:
-            self.remote.remove(f"{tag}/{MANIFEST}")
-        for tag in doomed + partial:
-            self.remote.remove_tree(tag)
-        if doomed or partial:
-            logger.info(
-                "save_total_limit %s in %s: deleted %s",
-                self.limit,
-                self.remote.describe(),
-                ", ".join(doomed + partial),
             )
 
 

@@ -1,7 +1,8 @@
 """The bucket keeps one run's history (finetune/remote/lineage.py), with real ranks and a real S3
 server (SeaweedFS on loopback): a new run on a prefix that holds another run's checkpoints is
-refused before it writes there, and a rollback on a fresh disk sets aside the timeline it leaves,
-so that the next requeue's `auto` (another fresh disk) resumes the new timeline, not the old."""
+refused before it writes there; a rollback on a fresh disk sets aside the timeline it leaves, so
+that the next requeue's `auto` (another fresh disk) resumes the new timeline, not the old; and
+retention in the bucket deletes only what the lineage wrote."""
 
 from __future__ import annotations
 
@@ -70,6 +71,7 @@ def test_a_rollback_on_a_fresh_disk_is_where_the_next_auto_requeue_resumes(
 ):
     remote = S3Storage(PREFIX)
     abandoned = _save_id(remote, "global_step6")
+    remote.write_bytes("global_step1/notes.txt", b"a person's folder, not finetune's")
     # a fresh disk, rolled back to step 2; saves step 4 again, then is preempted (the run ends)
     back = run_finetune(
         "--max_steps", "4", *SAVES, "--remote_output_dir", PREFIX,
@@ -80,6 +82,10 @@ def test_a_rollback_on_a_fresh_disk_is_where_the_next_auto_requeue_resumes(
     assert "a timeline this resume leaves: global_step4-" in back.output
     assert remote.read_bytes("global_step6/manifest.json") is None, "step 6 is set aside"
     assert remote.read_bytes(f".abandoned/global_step6-{abandoned}/manifest.json") is not None
+    # retention after the new commit deleted nothing it did not write; what it wrote says so
+    assert remote.read_bytes("global_step1/notes.txt") is not None
+    lineage = json.loads(remote.read_bytes("global_step4/manifest.json"))["lineage"]
+    assert remote.head("global_step4/trainer_state.json")["Metadata"]["lineage"] == lineage
     new_four = _save_id(remote, "global_step4")
     assert new_four == json.loads((tmp_path / "rollback" / "global_step4" / "manifest.json")
                                   .read_text())["save_id"]  # fmt: skip
