@@ -5,19 +5,17 @@ tests/distributed/test_remote_copy.py's."""
 
 from __future__ import annotations
 
-import json
 import time
-from pathlib import Path
 
 import pytest
+from remote.bucket import commit_locally
 from s3_server import require_s3
 
 from finetune import distributed as dist
 from finetune.checkpoint_format.manifest import MANIFEST
 from finetune.io import seams
-from finetune.io.durable import hash_bytes
 from finetune.lease import encode, identity
-from finetune.remote.copy import SAVE_ID_KEY, Files, RemoteCopy
+from finetune.remote.copy import SAVE_ID_KEY, RemoteCopy
 from finetune.remote.lease import LEASE, RemoteLeaseLost
 from finetune.remote.prefix import Prefix
 from finetune.remote.tally import PollTally, TagTally
@@ -61,20 +59,6 @@ def copy_of(server, monkeypatch, request, tmp_path):
     copy.events = []
     copy.on_event = lambda kind, step, **details: copy.events.append((kind, step, details))
     return copy
-
-
-def commit_locally(out: Path, step: int, save_id: str, **contents: bytes) -> Files:
-    """A committed checkpoint in ``out`` holding ``contents``; its files as a writer lists them."""
-    folder = out / f"global_step{step}"
-    folder.mkdir(parents=True)
-    files = {}
-    for name, data in contents.items():
-        (folder / name).write_bytes(data)
-        files[name] = (len(data), hash_bytes(data))
-    listed = {name: {"size": size, "checksum": digest} for name, (size, digest) in files.items()}
-    manifest = {"commit_seq": step, "tag": folder.name, "save_id": save_id, "files": listed}
-    (folder / MANIFEST).write_text(json.dumps(manifest))
-    return files
 
 
 def poll_until(copy: RemoteCopy, done) -> None:

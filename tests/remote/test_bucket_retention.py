@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from s3_server import require_s3
+from remote.bucket import own_prefix
 
 from finetune.checkpoint_format.manifest import MANIFEST
 from finetune.checkpoint_format.outdir import ABANDONED
@@ -17,12 +17,7 @@ BUCKET = "retention"
 
 @pytest.fixture
 def prefix(server, monkeypatch, request):
-    require_s3()
-    for k, v in server.env().items():
-        monkeypatch.setenv(k, v)
-    from finetune.io.remote import S3Storage
-
-    return S3Storage(f"s3://{BUCKET}/{request.node.name}")
+    return own_prefix(server, monkeypatch, request)
 
 
 def put(remote, key: str, lineage: str | None = None) -> None:

@@ -9,9 +9,7 @@ tests/distributed/test_remote_deadline.py's."""
 
 from __future__ import annotations
 
-import json
 import time
-from pathlib import Path
 
 import pytest
 from checkpoint.fake_engine import (
@@ -20,14 +18,14 @@ from checkpoint.fake_engine import (
     make_manager,
     tiny_module,
 )
+from remote.bucket import commit_locally
 from s3_server import require_s3
 
 from finetune import distributed as dist
 from finetune.checkpoint_format.manifest import MANIFEST
 from finetune.checkpoint_format.outdir import OutputDir
 from finetune.io import seams
-from finetune.io.durable import hash_bytes
-from finetune.remote.copy import Files, RemoteCopy
+from finetune.remote.copy import RemoteCopy
 from finetune.remote.prefix import Prefix
 
 BUCKET = "deadlines"
@@ -51,20 +49,6 @@ def copy_of(server, monkeypatch, request, tmp_path):
     copy = RemoteCopy(Prefix(storage, "run-1"), tmp_path / "out", leader=True)
     copy.deadline_s = DEADLINE_S
     return copy
-
-
-def commit_locally(out: Path, step: int, save_id: str, **contents: bytes) -> Files:
-    """A committed checkpoint in ``out`` holding ``contents``; its files as a writer lists them."""
-    folder = out / f"global_step{step}"
-    folder.mkdir(parents=True)
-    files = {}
-    for name, data in contents.items():
-        (folder / name).write_bytes(data)
-        files[name] = (len(data), hash_bytes(data))
-    listed = {name: {"size": size, "checksum": digest} for name, (size, digest) in files.items()}
-    manifest = {"commit_seq": step, "tag": folder.name, "save_id": save_id, "files": listed}
-    (folder / MANIFEST).write_text(json.dumps(manifest))
-    return files
 
 
 def wait_stuck(copy: RemoteCopy, doing: str) -> None:

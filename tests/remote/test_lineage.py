@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 
 import pytest
-from s3_server import require_s3
+from remote.bucket import own_prefix
 
 from finetune.checkpoint_format.manifest import MANIFEST
 from finetune.checkpoint_format.outdir import ABANDONED, OutputDir
@@ -101,12 +101,7 @@ def test_lineage_of_each_kind_of_resume(tmp_path):
 
 @pytest.fixture
 def prefix(server, monkeypatch, request):
-    require_s3()
-    for k, v in server.env().items():
-        monkeypatch.setenv(k, v)
-    from finetune.io.remote import S3Storage
-
-    return S3Storage(f"s3://{BUCKET}/{request.node.name}")
+    return own_prefix(server, monkeypatch, request)
 
 
 def upload_commit(remote, c: Committed) -> None:
