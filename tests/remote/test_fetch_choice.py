@@ -1,0 +1,85 @@
+"""The resume plan's candidates with a bucket (resume.py's ``_with_bucket``), one process:
+the bucket's commits join OUT's in the one commit order, each local copy paired with the bucket's
+commit of that very save, so a newer bucket commit is never passed over for an older local one."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from finetune.checkpoint.resume import Resumer
+from finetune.checkpoint_format.outdir import OutputDir
+from finetune.checkpoint_format.policy import Committed
+from finetune.resolve import resolve
+
+
+class FakeSource:
+    """A bucket offering ``offered``; fetches nothing."""
+
+    def __init__(self, offered: list[Committed]):
+        self.offered = offered
+
+    def commits(self) -> list[Committed]:
+        return list(self.offered)
+
+    def fetch(self, commit: Committed, need: bool) -> None:
+        raise AssertionError("not fetched in these cases")
+
+
+def _commit(tag: str, seq: int, save_id: str) -> Committed:
+    return Committed(tag, seq, save_id, world_size=1)
+
+
+def _local(out: Path, tag: str, seq: int, save_id: str) -> None:
+    (out / tag).mkdir(parents=True)
+    manifest = {"commit_seq": seq, "save_id": save_id, "world_size": 1, "files": {}}
+    (out / tag / "manifest.json").write_text(json.dumps(manifest))
+
+
+def _candidates(out: Path, offered: list[Committed] | None) -> list[tuple[str, str | None]]:
+    cfg = resolve({"output_dir": str(out), "save_checkpoint": True}, world_size=1)
+    source = FakeSource(offered) if offered is not None else None
+    resumer = Resumer(cfg, OutputDir(cfg.ckpt.output_dir), source=source)
+    return [(f.name, c.save_id if c else None) for f, c in resumer._with_bucket("auto")]
+
+
+def test_without_a_bucket_the_local_commits_newest_first(tmp_path):
+    _local(tmp_path, "global_step2", 1, "a")
+    _local(tmp_path, "global_step4", 2, "b")
+    assert _candidates(tmp_path, None) == [("global_step4", None), ("global_step2", None)]
+
+
+def test_each_local_copy_is_paired_with_the_bucket_commit_of_the_same_save(tmp_path):
+    _local(tmp_path, "global_step2", 1, "a")
+    _local(tmp_path, "global_step4", 2, "b")
+    offered = [_commit("global_step4", 2, "b"), _commit("global_step2", 1, "a")]
+    assert _candidates(tmp_path, offered) == [("global_step4", "b"), ("global_step2", "a")]
+
+
+def test_a_newer_bucket_commit_comes_before_an_older_local_one(tmp_path):
+    _local(tmp_path, "global_step2", 1, "a")
+    offered = [_commit("global_step4", 2, "b"), _commit("global_step2", 1, "a")]
+    assert _candidates(tmp_path, offered) == [("global_step4", "b"), ("global_step2", "a")]
+
+
+def test_another_save_of_a_step_is_its_own_candidate_in_the_commit_order(tmp_path):
+    _local(tmp_path, "global_step2", 1, "a")
+    _local(tmp_path, "global_step4", 3, "new")  # saved after the bucket's step 4 (not yet copied)
+    offered = [_commit("global_step4", 2, "old"), _commit("global_step2", 1, "a")]
+    assert _candidates(tmp_path, offered) == [
+        ("global_step4", None),
+        ("global_step4", "old"),
+        ("global_step2", "a"),
+    ]
+
+
+def test_a_folder_whose_manifest_does_not_read_comes_last(tmp_path):
+    _local(tmp_path, "global_step2", 1, "a")
+    (tmp_path / "global_step6").mkdir()
+    (tmp_path / "global_step6" / "manifest.json").write_text("{not json")
+    offered = [_commit("global_step4", 2, "b")]
+    assert _candidates(tmp_path, offered) == [
+        ("global_step4", "b"),
+        ("global_step2", None),
+        ("global_step6", None),
+    ]
