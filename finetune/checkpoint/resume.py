@@ -108,10 +108,10 @@ class Resumer:
         # the ranks sharing this rank's OUT (node-local: its node's)
         self.group = group or list(range(dist.world_size()))
         self.source = source
-        self.saved_worlds: dict[str, int | None] = {}
+        self.saved_worlds: dict[str, int | None] = {}  # node-local: each candidate's world size
         # the candidates' save ids and places in the commit order (rank 0's listing)
         self.local_ids: dict[str, str | None] = {}
-        self.local_keys: dict[str, tuple] = {}  # node-local: each candidate's world size
+        self.local_keys: dict[str, tuple] = {}
 
     def plan_resume(self) -> ResumePlan | None:
         """Pick (and verify) what to resume from, before the engine exists. Collective.
