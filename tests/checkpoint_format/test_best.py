@@ -314,12 +314,13 @@ def test_export_best_without_an_evaluated_checkpoint_is_exit_2(tmp_path, tiny_mo
 
 
 def test_the_buckets_retention_keeps_the_best_the_newest_manifest_names():
-    """RemoteCopy._retain on an object store in memory: the best outlives --save_total_limit 1."""
+    """Retention in the bucket on an object store in memory: the best outlives
+    --save_total_limit 1."""
     import json
 
     from memory_storage import MemoryStorage
 
-    from finetune.remote.copy import RemoteCopy
+    from finetune.remote.retention import retain
 
     class Bucket(MemoryStorage):
         def remove_tree(self, rel: str) -> None:
@@ -333,5 +334,5 @@ def test_the_buckets_retention_keeps_the_best_the_newest_manifest_names():
         manifest["best"] = {"tag": "global_step4", "metric": "eval_loss", "value": 1.0}
         bucket.put(f"global_step{step}/manifest.json", json.dumps(manifest).encode())
         bucket.put(f"global_step{step}/model_states.pt")
-    RemoteCopy._retain(SimpleNamespace(remote=bucket, limit=1), "global_step8")
+    retain(bucket, "global_step8", limit=1)
     assert OutputDir(bucket).tags() == ["global_step4", "global_step8"]
