@@ -13,13 +13,9 @@ export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/$(VENV)/torch_extensions
 
 # Tests run on WORKERS processes (pytest-xdist): the CPU count, at most 4 (each real run is 2-4
 # ranks). A module that launches ranks stays on one worker (tests/conftest.py's scheduler).
-# `make check` runs CHECK_WORKERS, one more: its multi-rank tests spend much of their time waiting
-# (a scheduler's pass, a deadline running out, a throttled upload), and the extra worker keeps
-# the cores busy meanwhile. WORKERS=0 / CHECK_WORKERS=0: serial.
+# WORKERS=0: serial.
 WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 1); [ $$n -gt 4 ] && n=4; echo $$n)
-CHECK_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 1); n=$$((n + 1)); [ $$n -gt 4 ] && n=4; echo $$n)
-xdist = $(if $(filter 0,$(1)),,-n $(1) --dist loadscope)
-XDIST := $(call xdist,$(WORKERS))
+XDIST := $(if $(filter 0,$(WORKERS)),,-n $(WORKERS) --dist loadscope)
 
 .PHONY: setup gpu-setup demo test check test-gpu faults bench clean
 
@@ -50,7 +46,7 @@ test: setup
 	$(PY) -m pytest -ra --durations=10 $(XDIST) -m "not distributed and not e2e and not faults and not gpu" tests
 
 check: setup
-	$(PY) -m pytest -ra --durations=25 $(call xdist,$(CHECK_WORKERS)) tests
+	$(PY) -m pytest -ra --durations=25 $(XDIST) tests
 
 # The GPU suite (tests/gpu): one CUDA device, NCCL. `make check` runs it too, skipped without a GPU.
 test-gpu: setup
