@@ -98,6 +98,10 @@ def test_a_failed_upload_is_counted_kept_and_tried_again_until_drain_gives_up(co
     assert copy.drain(7, tries=2) is False
     assert copy.failures == {"global_step4": 2}
     assert copy.unconfirmed() == {"global_step4"}  # retention keeps what is not copied
+    # why, for exit_status.json: the tries and each rank's last error
+    assert copy.failed is not None and copy.failed.startswith(
+        "remote copy of global_step4 did not finish: 2 tries failed (rank 0: FileNotFoundError"
+    ), copy.failed
     assert [(kind, details["tries"]) for kind, _, details in copy.events] == [
         ("remote_upload_failed", 1),
         ("remote_upload_failed", 2),
