@@ -111,10 +111,9 @@ def build_trainer(
         remote = RemoteCopy(prefix, storage.root, dist.is_main(), cfg.ckpt.save_total_limit, groups)
     # The prefix's history: refused (exit 2) if it is another run's; this run's commit numbers
     # go above its highest.
-    named = cfg.ckpt.resume_from_checkpoint not in (None, "auto")
-    bucket_seq, continued = 0, None
+    bucket_seq, continued, later = 0, None, []
     if prefix is not None:
-        bucket_seq, continued = check_at_start(
+        bucket_seq, continued, later = check_at_start(
             prefix.storage, storage, cfg.ckpt.resume_from_checkpoint
         )
     # The bucket's commits join the resume plan's candidates; one it takes that an OUT lacks or
@@ -137,10 +136,8 @@ def build_trainer(
     except ConversionStopped as e:  # a preemption at start-up: the run exits 75 (run.py)
         raise Preempted(str(e)) from e
     point = (plan.head or continued) if plan is not None else None
-    if (
-        prefix is not None and named and point is not None
-    ):  # a rollback: as in OUT, so in the bucket
-        leave_later(prefix.storage, point)
+    if prefix is not None and later and point is not None:  # a rollback: as in OUT, in the bucket
+        leave_later(prefix.storage, point, later)
     # Collective: FusedAdam / CPU Adam where every rank can load it, else torch_adam
     # (finetune/ops.py); a checkpoint trained with torch_adam resumes with it.
     ds_config = ensure_adam(ds_config, saved=plan.saved.get(ADAM_KEY) if plan is not None else None)

@@ -151,15 +151,17 @@ def set_aside(remote: S3Storage, commits: list[Committed]) -> list[str]:
 
 def check_at_start(
     remote: S3Storage, out: OutputDir, spec: str | None
-) -> tuple[int, Committed | None]:
+) -> tuple[int, Committed | None, list[Committed]]:
     """Before anything is fetched from or written to the prefix: whether this run may write there
     (``check_prefix``: ConfigError on every rank if not). Returns the highest commit number the
-    prefix holds (this run numbers its commits above it) and the checkpoint the run continues as
-    far as OUT and the spec show it. Rank 0 reads. Collective."""
+    prefix holds (this run numbers its commits above it), the checkpoint the run continues as far
+    as OUT and the spec show it, and (a named checkpoint: a rollback) the prefix's commits after
+    it, for ``leave_later`` once the resume is planned. Rank 0 reads the prefix once. Collective."""
 
     where = remote.describe()
+    named = spec not in (None, "auto")
 
-    def decide() -> tuple[int, Committed | None]:
+    def decide() -> tuple[int, Committed | None, list[Committed]]:
         try:
             history = read_history(remote)
             fresh, head = lineage_of(out, spec)
@@ -172,19 +174,20 @@ def check_at_start(
         except Exception as e:  # noqa: BLE001 — the client's: an outage is waited for on a restart
             raise client_error(e, f"--remote_output_dir {where}: cannot read its history") from None
         check_prefix(history, fresh, head, where)
-        return history.max_seq, head
+        later = later_commits(history, head) if named and head is not None else []
+        return history.max_seq, head, later
 
     # a restart that finds the bucket unreachable waits for it (prefix.reach)
     return reach(decide, where, out.root, on=dist.is_main(), share=True, step=f"reading {where}")
 
 
-def leave_later(remote: S3Storage, point: Committed) -> None:
-    """A resume from a named checkpoint (``point``): the prefix's later commits of its lineage
-    are set aside. A failure is a warning (a later ``auto`` could then return to them; the run
-    itself resumes from ``point``). Rank 0. Collective."""
+def leave_later(remote: S3Storage, point: Committed, later: list[Committed]) -> None:
+    """A resume from a named checkpoint (``point``): the prefix's ``later`` commits of its
+    lineage (``check_at_start``'s) are set aside. A failure is a warning (a later ``auto`` could
+    then return to them; the run itself resumes from ``point``). Rank 0. Collective."""
 
     def move() -> list[str]:
-        return set_aside(remote, later_commits(read_history(remote), point))
+        return set_aside(remote, later)
 
     out = dist.gather_outcomes(
         move, on=dist.is_main(), step=f"setting aside in {remote.describe()}"
