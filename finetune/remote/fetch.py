@@ -8,8 +8,10 @@ committed checkpoint) offers that one; ``auto`` with ``--remote_output_dir`` off
 the prefix (one lineage, remote/lineage.py), and the plan takes the newest commit, local or in the
 bucket, that verifies wherever it is: a copy missing or damaged on any node is fetched, never
 passed over for an older local one. Rank 0 reads the bucket; every rank of an OUT that needs the
-commit downloads its share of the files (every world-th file of the manifest: no rank's work grows
-with the world size) into ``.staging/<tag>``, checked against the manifest's sizes and checksums;
+commit stages its share of the files (every world-th file of the manifest: no rank's work grows
+with the world size) in ``.staging/<tag>``: a file the copy already there holds intact (the same
+save, the manifest's size and checksum) is hard-linked, any other downloaded and checked against
+the manifest's size and checksum; only what that OUT lacks or holds damaged crosses the network;
 then that OUT's leader sets aside the damaged copy (``.abandoned/<tag>-unverified-…``), writes the
 manifest, last, and renames the folder into place, as a save commits. A download cut short leaves
 only staging, removed at the next start. A bucket that does not answer when rank 0 looks is exit 2
@@ -19,14 +21,22 @@ on a first start; a restart waits for it, then exits 75 (prefix.py's ``reach``).
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 from finetune import distributed as dist
-from finetune.checkpoint_format.manifest import MANIFEST, check_file, node_manifest, share_of
+from finetune.checkpoint_format.manifest import (
+    MANIFEST,
+    check_file,
+    node_manifest,
+    read_manifest,
+    share_of,
+)
 from finetune.checkpoint_format.outdir import STAGING, OutputDir, committed
 from finetune.checkpoint_format.policy import Committed, newest_first, step_of
 from finetune.config import CheckpointArgs, ConfigError
@@ -35,6 +45,8 @@ from finetune.io.durable import fsync_path, write_bytes_durably
 from finetune.io.remote import RemoteError, S3Storage, is_remote
 from finetune.remote.prefix import client_error, reach
 from finetune.remote.verify import PARALLEL, locate
+
+T = TypeVar("T")
 
 
 class OutSharing(Protocol):
@@ -120,6 +132,21 @@ def fetch_file(remote: S3Storage, key: str, path: Path, name: str, want: dict) -
     return f"{remote.describe(key)} downloaded: {problems[0]}" if problems else None
 
 
+def _reuse_file(local: Path, path: Path, name: str, want: dict) -> bool:
+    """Whether the file ``local`` matches its manifest entry ``want`` (size and checksum), and
+    is now at ``path`` too: hard-linked (its data already durable), or copied where a link cannot
+    be made (another device, a filesystem without links)."""
+    if check_file(local, name, want, checksums=True):
+        return False
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        os.link(local, path)
+    except OSError:
+        shutil.copyfile(local, path)
+    fsync_path(path)
+    return True
+
+
 def _offered(where: str, explicit: bool) -> tuple[str, list[Committed]]:
     """(the remote output dir, the commits ``where`` offers, newest first): the checkpoint it
     names, or its newest (explicit), or every committed one (auto)."""
@@ -157,10 +184,11 @@ def _listed(where: str, explicit: bool) -> tuple[str, list[Committed]]:
 def _download(
     root: str, tag: str, out: OutputDir, layout: OutSharing, cut: list[int] | None, need: bool
 ) -> None:
-    """In every OUT where ``need``: every rank its share of what that OUT needs (``cut``'s ranks'
-    files and the shared ones, or all), then its leader sets aside the copy there and commits the
-    download. Any failure is a ConfigError on the rank that had it (RankError on the others): every
-    rank falls back, or stops, alike. Collective."""
+    """In every OUT where ``need``: every rank stages its share of what that OUT needs (``cut``'s
+    ranks' files and the shared ones, or all), linking those the copy there holds intact and
+    downloading the rest; then its leader sets aside the copy there, commits the staged folder and
+    logs how many files came down. Any failure is a ConfigError on the rank that had it (RankError
+    on the others): every rank falls back, or stops, alike. Collective."""
     staged = Path(out.root) / STAGING / tag
     group = layout.my_group  # the ranks sharing this OUT split its download
 
@@ -168,12 +196,12 @@ def _download(
         """The manifest of what this OUT holds: all, or (node-local) this node's cut."""
         return node_manifest(manifest, cut) if cut is not None else manifest
 
-    def one_line(work: Callable[[], None]) -> Callable[[], None]:
+    def one_line(work: Callable[[], T]) -> Callable[[], T]:
         """``work`` with any failure but a ConfigError made one, naming the rank."""
 
-        def run() -> None:
+        def run() -> T:
             try:
-                work()
+                return work()
             except ConfigError:
                 raise
             except Exception as e:  # noqa: BLE001 — the client's, the disk's: one line, every rank
@@ -184,15 +212,27 @@ def _download(
 
         return run
 
-    def mine() -> None:
+    def mine() -> tuple[int, int]:
+        """This rank's share, staged: (files downloaded, files reused from the copy here)."""
         remote = S3Storage(root)
-        listed = wanted(json.loads(remote.read_bytes(f"{tag}/{MANIFEST}")))["files"]
+        manifest = json.loads(remote.read_bytes(f"{tag}/{MANIFEST}"))
+        listed = wanted(manifest)["files"]
+        # Only a copy of this very save may lend its files: another save's never are this one's,
+        # whatever their checksums say. Any cut of it will do (each file is checked).
+        here = read_manifest(Path(out.root) / tag) or {}
+        same = manifest.get("save_id") is not None and here.get("save_id") == manifest["save_id"]
         staged.mkdir(parents=True, exist_ok=True)
+        downloaded = reused = 0
         for name in share_of(listed, group.index(dist.rank()), len(group)):
+            if same and _reuse_file(Path(out.root) / tag / name, staged / name, name, listed[name]):
+                reused += 1
+                continue
             problem = fetch_file(remote, f"{tag}/{name}", staged / name, name, listed[name])
             if problem:
                 raise ConfigError(f"--resume_from_checkpoint: {problem}")
             fsync_path(staged / name)
+            downloaded += 1
+        return downloaded, reused
 
     def commit() -> None:
         data = S3Storage(root).read_bytes(f"{tag}/{MANIFEST}")
@@ -213,12 +253,27 @@ def _download(
     # an earlier download cut short
     dist.run_agreed(lambda: out.remove(f"{STAGING}/{tag}"), on=layout.leader and need)
     if need:
-        logger.info("downloading %s from %s (every rank its share)", tag, root)
-    dist.run_agreed(one_line(mine), on=need, step=f"downloading {tag}", deadline_s=None)
+        logger.info(
+            "fetching %s from %s (every rank its share of what is not intact here)", tag, root
+        )
+    shares = dist.gather_outcomes(
+        one_line(mine), on=need, share=True, step=f"downloading {tag}", deadline_s=None
+    )
+    shares.raise_any()
     # every such OUT's leader, once every rank's download is complete (two phases)
     dist.run_agreed(one_line(commit), on=layout.leader and need, step=f"committing {tag} locally")
     if layout.leader and need:
-        logger.info("fetched %s from %s into %s", tag, root, out.root)
+        downloaded = sum(shares.results[r][0] for r in group)
+        reused = sum(shares.results[r][1] for r in group)
+        logger.info(
+            "fetched %s from %s into %s: %d of %d files downloaded, %d already intact here",
+            tag,
+            root,
+            out.root,
+            downloaded,
+            downloaded + reused,
+            reused,
+        )
 
 
 def download_checkpoint(uri: str, into: Path) -> Path:
