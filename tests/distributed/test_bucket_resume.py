@@ -2,12 +2,13 @@
 finetune/checkpoint/resume.py), with real ranks and a real S3 server (SeaweedFS on loopback): a
 damaged local copy of the newest commit is fetched again from the bucket, not passed over for an
 older local one and not re-saved over the bucket's intact copy; an explicit s3:// checkpoint with a
-damaged local copy downloads; a node whose OUT is gone fetches its share and resumes with the
-others from the bucket's newest commit."""
+damaged local copy downloads; a node that holds only an older step, or whose OUT is gone, fetches
+its share and resumes with the others from the bucket's newest commit."""
 
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -107,7 +108,9 @@ def test_auto_fetches_a_damaged_newest_commit_from_the_bucket_and_keeps_its_copy
     r = _run(server, tmp_path, out, "--max_steps", "6", "--resume_from_checkpoint", "auto")
     assert r.returncode == 0, r.output[-6000:]
     assert _resumed_from(out) == ["global_step4"], r.output[-4000:]
-    assert f"fetched global_step4 from {PREFIX}" in r.output
+    # only the damaged file came down: the intact ones of that very save were kept
+    fetched = rf"fetched global_step4 from {PREFIX} into \S+: 1 of \d+ files downloaded"
+    assert re.search(fetched, r.output), r.output[-4000:]
     assert any(n.startswith("global_step4-unverified") for n in _set_aside(out)), _set_aside(out)
     local = json.loads((out / "global_step4" / "manifest.json").read_text())
     assert local["save_id"] == before
@@ -139,15 +142,39 @@ def _two_nodes(tmp: Path, *flags: str, env: dict) -> list[Result]:
     return [run.finish(TIMEOUT) for run in runs]
 
 
-def test_a_replaced_node_fetches_its_share_and_resumes_with_the_others(server, tmp_path, aws_env):
-    first = _two_nodes(tmp_path, "--max_steps", "4", env=server.env())
-    assert all(r.returncode == 0 for r in first), first[0].output[-4000:] + first[1].output[-3000:]
-    shutil.rmtree(tmp_path / "node1")  # node 1 replaced: a fresh disk
-    again = _two_nodes(
-        tmp_path, "--max_steps", "6", "--resume_from_checkpoint", "auto", env=server.env()
-    )
-    assert all(r.returncode == 0 for r in again), again[0].output[-4000:] + again[1].output[-3000:]
-    assert _resumed_from(tmp_path / "node0") == ["global_step4"]
-    manifest = json.loads((tmp_path / "node1" / "global_step4" / "manifest.json").read_text())
-    assert manifest["ranks"] == [1], "node 1's share of the bucket's step 4"
-    assert S3Storage(NODES).read_bytes("latest") == b"global_step6\n"
+def _both_pass(runs: list[Result]) -> None:
+    assert all(r.returncode == 0 for r in runs), runs[0].output[-4000:] + runs[1].output[-3000:]
+
+
+def _manifest(folder: Path) -> dict:
+    return json.loads((folder / "manifest.json").read_text())
+
+
+def test_a_node_with_an_older_step_or_none_fetches_its_share_and_resumes_with_the_others(
+    server, tmp_path, aws_env
+):
+    remote = S3Storage(NODES)
+    node0, node1 = tmp_path / "node0", tmp_path / "node1"  # events.jsonl: node 0's only
+    _both_pass(_two_nodes(tmp_path, "--max_steps", "4", env=server.env()))
+    step4 = _save_id(remote, "global_step4")
+    # Node 1 holds only step 2 (an older disk); node 0 and the bucket hold step 4: every node's
+    # view goes into the choice, so both resume from step 4, node 1 fetching its share of it.
+    shutil.rmtree(node1 / "global_step4")
+    auto = ("--resume_from_checkpoint", "auto")
+    _both_pass(_two_nodes(tmp_path, "--max_steps", "6", *auto, env=server.env()))
+    assert _resumed_from(node0) == ["global_step4"]
+    assert _set_aside(node0) == [], "node 0's step 4 was set aside"
+    assert _save_id(remote, "global_step4") == step4, "the bucket's step 4 was saved again"
+    fetched = _manifest(node1 / "global_step4")
+    assert (fetched["save_id"], fetched["ranks"]) == (step4, [1]), "node 1's share of step 4"
+    assert _manifest(node1 / "global_step6")["parent_save_id"] == step4
+    assert remote.read_bytes("latest") == b"global_step6\n"
+    # Node 1 replaced: a fresh disk.
+    shutil.rmtree(node1)
+    _both_pass(_two_nodes(tmp_path, "--max_steps", "8", *auto, env=server.env()))
+    assert _resumed_from(node0) == ["global_step4", "global_step6"]
+    fetched = _manifest(node1 / "global_step6")
+    step6 = _save_id(remote, "global_step6")
+    assert (fetched["save_id"], fetched["ranks"]) == (step6, [1]), "node 1's share of step 6"
+    assert _manifest(node1 / "global_step8")["parent_save_id"] == step6
+    assert remote.read_bytes("latest") == b"global_step8\n"
