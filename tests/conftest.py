@@ -448,9 +448,19 @@ GROUPED = (
     "tests/checkpoint/test_at_rest.py",
     "tests/test_bench.py",
 )
-# The longest units, handed out before all others (xdist's order is by test count): the bench
-# smoke's fixture (~8 min) and the SLURM tests (~10 min) once ran last, one worker alone on them.
-FIRST = ("tests/test_bench.py", "tests/slurm")
+# Handed out before all others, in this order (xdist's order is by test count): the longest units,
+# the bench smoke's fixture (~4 min) and the SLURM tests (~6 min), which once ran last, one worker
+# alone on them; then the tests that launch ranks from modules of unit tests (~15-45 s each), which
+# would otherwise come last of all, units of one test in collection order, one worker alone on the
+# last of them while the other has no work left.
+FIRST = (
+    "tests/test_bench.py",
+    "tests/slurm",
+    "tests/test_end_to_end.py",
+    "tests/test_gpu_readiness.py::test_the_fallback_config_trains_saves_and_resumes_under_offload",
+    "tests/test_schedules.py::test_every_steps_lr_is_transformers_schedule_across_a_resume",
+    "tests/test_trainer.py::test_real_deepspeed_skips_non_finite_steps",
+)
 
 
 @pytest.hookimpl(optionalhook=True)  # a hook of xdist's: without xdist, tests run serially
@@ -467,9 +477,12 @@ def pytest_xdist_make_scheduler(config, log):
             return module if module.startswith(GROUPED) else nodeid
 
         def _assign_work_unit(self, node) -> None:
-            for scope in reversed(FIRST):
-                if scope in self.workqueue:
-                    self.workqueue.move_to_end(scope, last=False)
+            first = [scope for scope in self.workqueue if scope.startswith(FIRST)]
+            first.sort(
+                key=lambda scope: next(i for i, p in enumerate(FIRST) if scope.startswith(p))
+            )
+            for scope in reversed(first):
+                self.workqueue.move_to_end(scope, last=False)
             super()._assign_work_unit(node)
 
     return ModuleGroups(config, log)
