@@ -31,12 +31,10 @@ def _job_env() -> dict:
     return {**child_env(), "PYTHON": sys.executable}
 
 
-def _submit(slurm, cwd, script: str, sbatch_opts: list[str], flags: list[str], wait: bool):
-    """sbatch -n2 [opts] scripts/slurm/<script> [flags]; returns (job id, sbatch's
-    CompletedProcess)."""
+def _submit(slurm, cwd, script: str, sbatch_opts: list[str], flags: list[str]) -> str:
+    """sbatch -n2 [opts] scripts/slurm/<script> [flags]; returns the job id."""
     proc = slurm.run(
         "sbatch",
-        *(["--wait"] if wait else []),
         "-n2",
         *sbatch_opts,
         str(SCRIPTS / script),
@@ -48,22 +46,24 @@ def _submit(slurm, cwd, script: str, sbatch_opts: list[str], flags: list[str], w
     )
     m = re.search(r"Submitted batch job (\d+)", proc.stdout)
     assert m, proc.stdout + proc.stderr
-    return m.group(1), proc
+    return m.group(1)
 
 
 def test_multinode_script_on_one_node_trains_and_commits(slurm, tmp_path):
     """The multi-node file (it runs finetune.sbatch from beside itself) with -N1 -n2."""
     out = tmp_path / "out"
-    job, proc = _submit(
+    job = _submit(
         slurm,
         tmp_path,
         "finetune-multinode.sbatch",
         ["-N1"],
         ["--max_steps", "4", "--logging_steps", "1", "--output_dir", str(out)],
-        wait=True,
     )
+    # polled every second: `sbatch --wait` polls at growing intervals (it returned ~30 s after
+    # this ~10 s job had ended)
+    info = slurm.wait_for_state(job, {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"}, JOB_TIMEOUT)
     log = (tmp_path / f"finetune-{job}.out").read_text()
-    assert proc.returncode == 0, log[-4000:]
+    assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", log[-4000:]
     assert "1 node(s) x 2 process(es)" in log
     assert (out / "latest").read_text().strip() == "global_step4"
     assert_verifies(out / "global_step4")
@@ -90,7 +90,7 @@ def test_preemption_time_limit_warning_and_scancel_each_save_requeue_and_resume(
     reaches the ranks as the warning's does, to the job's steps: the warning is that case;
     tests/distributed/test_preemption.py sends SIGUSR1 to a rank by hand.)"""
     out = tmp_path / "out"
-    job, _ = _submit(
+    job = _submit(
         slurm,
         tmp_path,
         "finetune.sbatch",
@@ -105,7 +105,6 @@ def test_preemption_time_limit_warning_and_scancel_each_save_requeue_and_resume(
             "--output_dir",
             str(out),
         ],
-        wait=False,
     )
     log = tmp_path / f"finetune-{job}.out"
     preempted_at: list[int] = []
