@@ -12,6 +12,7 @@ import math
 import random
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import replace
 
 import numpy as np
@@ -20,7 +21,7 @@ import torch
 from finetune import distributed as dist
 from finetune.checkpoint.bucket import BucketCopy, NoRemoteCopy
 from finetune.checkpoint.checkpointer import Checkpointer
-from finetune.checkpoint.resume import ConversionStopped, Resumer
+from finetune.checkpoint.resume import ConversionStopped, ResumePlan, Resumer
 from finetune.checkpoint.staging import Layout, tidy_storage
 from finetune.checkpoint_format.best import BestPolicy, require_evaluation
 from finetune.checkpoint_format.outdir import OutputDir
@@ -105,39 +106,7 @@ def build_trainer(
     )
     signalled = (lambda: bool(preemption.received)) if preemption is not None else (lambda: False)
     run_id = run_id or uuid.uuid4().hex[:12]
-    remote: BucketCopy = NoRemoteCopy()
-    if prefix is not None:  # --remote_output_dir, probed and leased by run()
-        groups = layout.groups if layout.node_local else None
-        remote = RemoteCopy(prefix, storage.root, dist.is_main(), cfg.ckpt.save_total_limit, groups)
-    # The prefix's history: refused (exit 2) if it is another run's; this run's commit numbers
-    # go above its highest.
-    bucket_seq, continued, later = 0, None, []
-    if prefix is not None:
-        bucket_seq, continued, later = check_at_start(
-            prefix.storage, storage, cfg.ckpt.resume_from_checkpoint
-        )
-    # The bucket's commits join the resume plan's candidates; one it takes that an OUT lacks or
-    # holds damaged is fetched into that OUT, and the resume is then local.
-    spec, source = fetch_for_resume(cfg.ckpt, storage, layout)
-    if spec != cfg.ckpt.resume_from_checkpoint:
-        cfg = replace(cfg, ckpt=replace(cfg.ckpt, resume_from_checkpoint=spec))
-    resumer = Resumer(
-        cfg,
-        storage,
-        layout.node_local,
-        layout.leader,
-        base=base,
-        signalled=signalled,
-        group=layout.my_group,
-        source=source,
-    )
-    try:
-        plan = resumer.plan_resume()
-    except ConversionStopped as e:  # a preemption at start-up: the run exits 75 (run.py)
-        raise Preempted(str(e)) from e
-    point = (plan.head or continued) if plan is not None else None
-    if prefix is not None and later and point is not None:  # a rollback: as in OUT, in the bucket
-        leave_later(prefix.storage, point, later)
+    cfg, plan, remote, bucket_seq = plan_checkpoints(cfg, storage, layout, prefix, base, signalled)
     # Collective: FusedAdam / CPU Adam where every rank can load it, else torch_adam
     # (finetune/ops.py); a checkpoint trained with torch_adam resumes with it.
     ds_config = ensure_adam(ds_config, saved=plan.saved.get(ADAM_KEY) if plan is not None else None)
@@ -249,6 +218,56 @@ def build_trainer(
         lease_taken_over=taken_over,
         loss_kwargs=accepts_loss_kwargs(engine.module),
     )
+
+
+def plan_checkpoints(
+    cfg: RunConfig,
+    storage: OutputDir,
+    layout: Layout,
+    prefix: Prefix | None,
+    base: dict | None = None,
+    signalled: Callable[[], bool] = lambda: False,
+) -> tuple[RunConfig, ResumePlan | None, BucketCopy, int]:
+    """The checkpoints' side of a start, before the engine exists: the bucket's copy, the prefix's
+    history checked (exit 2 if it is another run's), the resume planned over OUT and the bucket
+    (a commit an OUT lacks or holds damaged fetched), a rollback's later commits set aside in the
+    bucket. Returns the config with the resume spec the plan used, the plan (None: a fresh start),
+    the copy and the highest commit number the bucket holds (this run numbers its commits above
+    it). A universal conversion stopped for a preemption signal raises Preempted. Collective."""
+    remote: BucketCopy = NoRemoteCopy()
+    if prefix is not None:  # --remote_output_dir, probed and leased by run()
+        groups = layout.groups if layout.node_local else None
+        remote = RemoteCopy(prefix, storage.root, dist.is_main(), cfg.ckpt.save_total_limit, groups)
+    # The prefix's history: refused (exit 2) if it is another run's; this run's commit numbers
+    # go above its highest.
+    bucket_seq, continued, later = 0, None, []
+    if prefix is not None:
+        bucket_seq, continued, later = check_at_start(
+            prefix.storage, storage, cfg.ckpt.resume_from_checkpoint
+        )
+    # The bucket's commits join the resume plan's candidates; one it takes that an OUT lacks or
+    # holds damaged is fetched into that OUT, and the resume is then local.
+    spec, source = fetch_for_resume(cfg.ckpt, storage, layout)
+    if spec != cfg.ckpt.resume_from_checkpoint:
+        cfg = replace(cfg, ckpt=replace(cfg.ckpt, resume_from_checkpoint=spec))
+    resumer = Resumer(
+        cfg,
+        storage,
+        layout.node_local,
+        layout.leader,
+        base=base,
+        signalled=signalled,
+        group=layout.my_group,
+        source=source,
+    )
+    try:
+        plan = resumer.plan_resume()
+    except ConversionStopped as e:  # a preemption at start-up: the run exits 75 (run.py)
+        raise Preempted(str(e)) from e
+    point = (plan.head or continued) if plan is not None else None
+    if prefix is not None and later and point is not None:  # a rollback: as in OUT, in the bucket
+        leave_later(prefix.storage, point, later)
+    return cfg, plan, remote, bucket_seq
 
 
 def warmup_steps(value: float, total: int) -> int:
