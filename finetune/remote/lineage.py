@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 from finetune import distributed as dist
 from finetune.checkpoint_format.manifest import MANIFEST
-from finetune.checkpoint_format.outdir import ABANDONED, OutputDir, committed
+from finetune.checkpoint_format.outdir import ABANDONED, LATEST, OutputDir, committed
 from finetune.checkpoint_format.policy import Committed, newest_first
 from finetune.config import ConfigError
 from finetune.distributed import logger
@@ -54,6 +54,10 @@ class History:
     def lineages(self) -> set[str]:
         """The lineages of its commits (those saved before lineages were recorded aside)."""
         return {c.lineage for c in self.found if c.lineage is not None}
+
+    def set_aside_ids(self) -> set[str]:
+        """The save ids of the set-aside commits."""
+        return {name.split("-", 1)[1] for name in self.set_aside if "-" in name}
 
     def is_set_aside(self, tag: str) -> bool:
         """Whether ``tag``'s folder holds the data of a set-aside commit."""
@@ -122,8 +126,9 @@ def later_commits(history: History, point: Committed) -> list[Committed]:
 
 def set_aside(remote: S3Storage, commits: list[Committed]) -> list[str]:
     """Each commit's manifest copied to ``.abandoned/<tag>-<save id>/``, then deleted from its
-    folder only while it is still that very manifest (its ETag): un-committed, its data in place.
-    Returns the entries written. Rank 0; raises the client's errors."""
+    folder only while it is still that very manifest (its ETag): un-committed, its data in place;
+    then ``latest`` names the newest commit left. Returns the entries written. Rank 0; raises the
+    client's errors."""
     done = []
     for c in commits:
         found = remote.read_tagged(f"{c.tag}/{MANIFEST}")
@@ -134,6 +139,12 @@ def set_aside(remote: S3Storage, commits: list[Committed]) -> list[str]:
         remote.write_bytes(f"{ABANDONED}/{entry}/{MANIFEST}", data)
         if remote.delete_if(f"{c.tag}/{MANIFEST}", etag):
             done.append(entry)
+    if done:  # `latest` names the newest commit left, as after a commit (not a set-aside one)
+        remaining = newest_first(committed(OutputDir(remote)))
+        if remaining:
+            remote.replace_bytes(LATEST, f"{remaining[0].tag}\n".encode())
+        else:
+            remote.remove(LATEST)
     if done:
         logger.log(
             logging.INFO,
