@@ -36,7 +36,7 @@ from finetune.checkpoint_format.manifest import (
     verify,
 )
 from finetune.checkpoint_format.outdir import OutputDir, committed, find_checkpoint, step_of
-from finetune.checkpoint_format.policy import Committed, newer_than, resume_order
+from finetune.checkpoint_format.policy import Committed, newer_than, passed_over, resume_order
 from finetune.checkpoint_format.state import TRAINER_STATE
 from finetune.config import ConfigError, RunConfig, resume_may_change
 from finetune.distributed import logger
@@ -59,6 +59,9 @@ class Source(Protocol):
         """Bring ``commit`` into this rank's OUT where ``need`` (the same on the ranks sharing
         it), the copy there set aside first; ConfigError or RankError on every rank when it
         fails. Collective."""
+
+    def left_behind(self) -> set[str]:
+        """The save ids of the commits it set aside (a rollback's), the same on every rank."""
 
 
 class ConversionStopped(Exception):
@@ -109,9 +112,8 @@ class Resumer:
         self.group = group or list(range(dist.world_size()))
         self.source = source
         self.saved_worlds: dict[str, int | None] = {}  # node-local: each candidate's world size
-        # the candidates' save ids and places in the commit order (rank 0's listing)
-        self.local_ids: dict[str, str | None] = {}
-        self.local_keys: dict[str, tuple] = {}
+        # the committed candidates: their save ids and places in the commit order (rank 0's)
+        self.local: dict[str, Committed] = {}
 
     def plan_resume(self) -> ResumePlan | None:
         """Pick (and verify) what to resume from, before the engine exists. Collective.
@@ -301,25 +303,20 @@ class Resumer:
                 )
             ]
 
-        def listing() -> tuple[list[str], dict[str, str | None], dict[str, tuple]]:
+        def listing() -> tuple[list[str], dict[str, Committed]]:
             fault_point("resume.list")
             found = committed(self.storage)
-            return (
-                resume_order(self.storage.tags(), found),
-                {c.tag: c.save_id for c in found},
-                {c.tag: c.order_key for c in found},
-            )
+            return resume_order(self.storage.tags(), found), {c.tag: c for c in found}
 
         if not self.node_local:
-            order, self.local_ids, self.local_keys = dist.share_from(
+            order, self.local = dist.share_from(
                 0, listing, step="listing checkpoints", deadline_s=dist.io_deadline()
             )
             return [self.out / t for t in order]
 
-        def node_listing() -> tuple[list[str], dict[str, str | None], dict[str, int | None], dict]:
-            order, ids, keys = listing()
-            worlds = {c.tag: c.world_size for c in committed(self.storage)}
-            return order, ids, worlds, keys
+        def node_listing() -> tuple[list[str], dict[str, str | None], dict[str, Committed]]:
+            order, found = listing()
+            return order, {t: c.save_id for t, c in found.items()}, found
 
         out = dist.gather_outcomes(
             node_listing,
@@ -330,9 +327,8 @@ class Resumer:
         )
         out.raise_any()
         views = [v[:2] for v in out.results if v is not None]
-        self.saved_worlds = next(v[2] for v in out.results if v is not None)
-        self.local_ids = views[0][1]
-        self.local_keys = next(v[3] for v in out.results if v is not None)
+        self.local = next(v[2] for v in out.results if v is not None)
+        self.saved_worlds = {t: c.world_size for t, c in self.local.items()}
         common = [
             t
             for t in views[0][0]
@@ -363,16 +359,23 @@ class Resumer:
         if not offered:
             return [(f, None) for f in local]
         bucket = {(c.tag, c.save_id): c for c in offered}
-        readable = [f for f in local if f.name in self.local_keys]
+        # OUT's commits the bucket went on without (another disk's run resumed from before them)
+        left = passed_over(list(self.local.values()), offered, self.source.left_behind())
+        readable = [f for f in local if f.name in self.local and f.name not in left]
         ranked = [
-            (self.local_keys[f.name], f, bucket.pop((f.name, self.local_ids.get(f.name)), None))
+            (
+                self.local[f.name].order_key,
+                f,
+                bucket.pop((f.name, self.local[f.name].save_id), None),
+            )
             for f in readable
         ]
         ranked += [(c.order_key, self.out / c.tag, c) for c in bucket.values()]
         ranked.sort(key=lambda r: r[0], reverse=True)
         taken = {f.name for _, f, _ in ranked}
         # then the folders whose manifest does not read
-        return [(f, c) for _, f, c in ranked] + [(f, None) for f in local if f.name not in taken]
+        rest = [f for f in local if f.name not in taken and f.name not in left]
+        return [(f, c) for _, f, c in ranked] + [(f, None) for f in rest]
 
     def _refuse_another_world(self, folder: Path) -> None:
         """Node-local checkpoints resume only on the world size that saved them: ConfigError (exit

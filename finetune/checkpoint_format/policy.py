@@ -133,6 +133,47 @@ def newer_than(point: Committed, committed: list[Committed]) -> list[Committed]:
     return [c for c in committed if c.tag != point.tag and c.order_key > point.order_key]
 
 
+def passed_over(
+    local: list[Committed], bucket: list[Committed], set_aside: set[str] | None = None
+) -> set[str]:
+    """The tags of OUT's commits that the bucket's history went on without: not committed there,
+    and either the bucket holds a commit that continues their nearest ancestor there along
+    another line (a run on another disk resumed from that ancestor, never having seen them), or
+    they are, or descend from, a commit the bucket set aside (``set_aside``: save ids; a
+    rollback's). A resume never takes one: they are the timeline the bucket left. A commit whose
+    line the manifests do not trace back to the bucket is not one."""
+    there = {c.save_id for c in bucket}
+    aside = set_aside or set()
+    by_id = {c.save_id: c for c in [*local, *bucket] if c.save_id is not None}
+    lines = {c.save_id: _ancestors(c, by_id) for c in bucket}
+    left = set()
+    for c in local:
+        if c.save_id is None or c.save_id in there:
+            continue
+        line = [c.save_id, *_ancestors(c, by_id)]
+        base = next((i for i, sid in enumerate(line) if sid in there), len(line))
+        if aside.intersection(line[:base]):
+            left.add(c.tag)
+        elif base < len(line) and any(
+            line[base] in other and c.save_id not in other
+            for sid, other in lines.items()
+            if sid != line[base]
+        ):
+            left.add(c.tag)
+    return left
+
+
+def _ancestors(commit: Committed, by_id: dict[str, Committed]) -> list[str]:
+    """The save ids of ``commit``'s ancestors, parent first, as far as ``by_id`` traces them."""
+    line: list[str] = []
+    sid = commit.parent_save_id
+    while sid is not None and sid not in line:
+        line.append(sid)
+        parent = by_id.get(sid)
+        sid = parent.parent_save_id if parent is not None else None
+    return line
+
+
 def select_for_deletion(
     line: list[str], limit: int, protected: set, best: str | None = None
 ) -> list[str]:

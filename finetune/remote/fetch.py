@@ -37,12 +37,13 @@ from finetune.checkpoint_format.manifest import (
     read_manifest,
     share_of,
 )
-from finetune.checkpoint_format.outdir import STAGING, OutputDir, committed
+from finetune.checkpoint_format.outdir import STAGING, OutputDir
 from finetune.checkpoint_format.policy import Committed, newest_first, step_of
 from finetune.config import CheckpointArgs, ConfigError
 from finetune.distributed import logger
 from finetune.io.durable import fsync_path, write_bytes_durably
 from finetune.io.remote import RemoteError, S3Storage, is_remote
+from finetune.remote.lineage import read_history
 from finetune.remote.prefix import client_error, reach
 from finetune.remote.verify import PARALLEL, locate
 
@@ -70,15 +71,27 @@ class BucketSource:
     """The commits a bucket offers a resume, the same on every rank, and their fetch into OUT (the
     resume plan's ``Source``)."""
 
-    def __init__(self, root: str, offered: list[Committed], out: OutputDir, layout: OutSharing):
+    def __init__(
+        self,
+        root: str,
+        offered: list[Committed],
+        out: OutputDir,
+        layout: OutSharing,
+        left: set[str] | None = None,
+    ):
         self.root = root  # the remote output dir that holds them
         self.offered = offered
         self.out = out
         self.layout = layout
+        self.left = left or set()  # the save ids of the commits the prefix set aside
 
     def commits(self) -> list[Committed]:
         """The commits this resume may take from the bucket, newest first."""
         return list(self.offered)
+
+    def left_behind(self) -> set[str]:
+        """The save ids of the commits the bucket set aside (a rollback's)."""
+        return set(self.left)
 
     def fetch(self, commit: Committed, need: bool) -> None:
         """Bring ``commit`` into every OUT where ``need`` (the same on the ranks sharing an OUT):
@@ -103,7 +116,7 @@ def fetch_for_resume(
     explicit = is_remote(spec)
     where = spec if explicit else ckpt.remote_output_dir
     # Rank 0 looks; a restart that finds the bucket unreachable waits for it (prefix.reach).
-    root, offered = reach(
+    root, offered, left = reach(
         lambda: _offered(where, explicit),
         where,
         out.root,
@@ -111,7 +124,7 @@ def fetch_for_resume(
         share=True,
         step=f"looking for checkpoints in {where}",
     )
-    source = BucketSource(root, offered, out, layout)
+    source = BucketSource(root, offered, out, layout, left)
     if not explicit:
         return spec, source
     return str(out.root / offered[0].tag), source
@@ -147,9 +160,10 @@ def _reuse_file(local: Path, path: Path, name: str, want: dict) -> bool:
     return True
 
 
-def _offered(where: str, explicit: bool) -> tuple[str, list[Committed]]:
-    """(the remote output dir, the commits ``where`` offers, newest first): the checkpoint it
-    names, or its newest (explicit), or every committed one (auto)."""
+def _offered(where: str, explicit: bool) -> tuple[str, list[Committed], set[str]]:
+    """(the remote output dir, the commits ``where`` offers, newest first: the checkpoint it
+    names, or its newest (explicit), or every committed one (auto); the save ids of the commits
+    it set aside)."""
     try:
         return _listed(where, explicit)
     except (ConfigError, RemoteError):
@@ -161,7 +175,7 @@ def _offered(where: str, explicit: bool) -> tuple[str, list[Committed]]:
         raise client_error(e, f"{flag} {where}: cannot read it") from None
 
 
-def _listed(where: str, explicit: bool) -> tuple[str, list[Committed]]:
+def _listed(where: str, explicit: bool) -> tuple[str, list[Committed], set[str]]:
     try:
         remote = S3Storage(where)
     except RemoteError as e:
@@ -174,11 +188,12 @@ def _listed(where: str, explicit: bool) -> tuple[str, list[Committed]]:
                 f"--resume_from_checkpoint {where}: no {MANIFEST}, so not a committed checkpoint"
             )
         parent = where.rstrip("/").rsplit("/", 1)[0]
-        return parent, [Committed.from_manifest(name, json.loads(data))]
-    found = newest_first(committed(OutputDir(remote)))
+        return parent, [Committed.from_manifest(name, json.loads(data))], set()
+    history = read_history(remote)
+    found = newest_first(history.found)
     if not found and explicit:
         raise ConfigError(f"--resume_from_checkpoint {where}: no committed checkpoint there")
-    return where.rstrip("/"), found[:1] if explicit else found
+    return where.rstrip("/"), found[:1] if explicit else found, history.set_aside_ids()
 
 
 def _download(
