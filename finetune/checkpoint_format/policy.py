@@ -137,27 +137,26 @@ def passed_over(
     local: list[Committed], bucket: list[Committed], set_aside: set[str] | None = None
 ) -> set[str]:
     """The tags of OUT's commits that the bucket's history went on without: not committed there,
-    and either the bucket holds a commit that continues their nearest ancestor there along
-    another line (a run on another disk resumed from that ancestor, never having seen them), or
-    they are, or descend from, a commit the bucket set aside (``set_aside``: save ids; a
-    rollback's). A resume never takes one: they are the timeline the bucket left. A commit whose
-    line the manifests do not trace back to the bucket is not one."""
+    and either the bucket holds a commit on another branch of their line (neither their ancestor
+    nor their descendant, with an ancestor in common: a run on another disk resumed from before
+    them, never having seen them), or they are, or descend from, a commit the bucket set aside
+    (``set_aside``: save ids; a rollback's) after the last one it still holds. A resume never
+    takes one: they are the timeline the bucket left. Lines are traced by the manifests' parent
+    links (OUT's and the bucket's); a commit whose line they do not trace is not one."""
     there = {c.save_id for c in bucket}
     aside = set_aside or set()
     by_id = {c.save_id: c for c in [*local, *bucket] if c.save_id is not None}
-    lines = {c.save_id: _ancestors(c, by_id) for c in bucket}
+    lines = {c.save_id: set(_ancestors(c, by_id)) for c in bucket}
     left = set()
     for c in local:
         if c.save_id is None or c.save_id in there:
             continue
         line = [c.save_id, *_ancestors(c, by_id)]
         base = next((i for i, sid in enumerate(line) if sid in there), len(line))
-        if aside.intersection(line[:base]):
-            left.add(c.tag)
-        elif base < len(line) and any(
-            line[base] in other and c.save_id not in other
+        mine = set(line)
+        if aside.intersection(line[:base]) or any(
+            sid not in mine and c.save_id not in other and other & mine
             for sid, other in lines.items()
-            if sid != line[base]
         ):
             left.add(c.tag)
     return left

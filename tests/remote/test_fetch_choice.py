@@ -137,3 +137,12 @@ def test_a_local_commit_after_a_rollbacks_point_is_no_candidate(tmp_path):
     _local(tmp_path, "global_step3", 3, "a3", parent="a2")
     offered = [_commit("global_step1", 1, "a1")]
     assert _candidates(tmp_path, offered, left={"a2"}) == [("global_step1", "a1")]
+
+
+def test_a_fork_is_no_candidate_when_retention_took_the_common_ancestor_from_the_bucket(tmp_path):
+    # as above, but the other disk's run kept one checkpoint (--save_total_limit 1): the step 1
+    # both continued is gone from the bucket and known from this disk's manifests only
+    _local(tmp_path, "global_step1", 1, "a1")
+    _local(tmp_path, "global_step2", 2, "a2", parent="a1")
+    offered = [_commit("global_step2", 2, "b2", parent="a1")]
+    assert _candidates(tmp_path, offered) == [("global_step2", "b2"), ("global_step1", None)]
