@@ -61,7 +61,7 @@ class Model:
 
     def live(self, in_bucket: set[str]) -> list[str]:
         """The live commits, newest first (``in_bucket``: the bucket's intact commits)."""
-        lines = {x: self.ancestors(x) for x in in_bucket if x in self.commits}
+        lines = {x: set(self.ancestors(x)) for x in in_bucket if x in self.commits}
         # the prefix's lineage is its newest commit's; none yet: any run's may be continued
         there = [sid for sid in self.commits if sid in in_bucket]
         lineage = self.commits[there[-1]].lineage if there else None
@@ -69,11 +69,9 @@ class Model:
         for sid, commit in self.commits.items():
             if lineage not in (None, commit.lineage) or sid in self.left:
                 continue
-            if sid not in in_bucket:  # passed over: the bucket continued its base without it
-                base = next((a for a in self.ancestors(sid) if a in in_bucket), None)
-                if base is not None and any(
-                    base in line and sid not in line for line in lines.values()
-                ):
+            if sid not in in_bucket:  # passed over: the bucket holds another branch of its line
+                mine = {sid, *self.ancestors(sid)}
+                if any(x not in mine and sid not in line for x, line in lines.items()):
                     continue
             live.append(sid)
         return live[::-1]

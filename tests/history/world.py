@@ -341,6 +341,7 @@ class World:
             with copy._lock:
                 copy._waiting = ("global_step0", {})
                 copy._lock.notify_all()
+            copy._thread.join(timeout=5)
 
     def _spec(self, start: Start) -> str | None:
         if start.spec == "fresh":
