@@ -29,6 +29,7 @@ from finetune.checkpoint_format.manifest import read_manifest
 from finetune.checkpoint_format.outdir import OutputDir, step_of
 from finetune.commands import Parser
 from finetune.config import ConfigError
+from finetune.io.remote import is_remote
 from finetune.metrics import EVENTS, METRICS, json_rows, read_metrics
 
 if TYPE_CHECKING:
@@ -336,6 +337,13 @@ def main(argv: list[str]) -> int:
         help=f"Where to write the PNG (default: OUT/{DEFAULT_DEST}).",
     )
     ns = p.parse_args(argv)
+    if is_remote(ns.output_dir):  # metrics.jsonl and events.jsonl stay in OUT, never copied
+        print(
+            f"finetune: error: {ns.output_dir}: a bucket holds checkpoints, not a run's metrics; "
+            "plot the run's local output dir",
+            file=sys.stderr,
+        )
+        return 2
     run = load_run(ns.output_dir)
     dest = Path(ns.output) if ns.output else Path(ns.output_dir) / DEFAULT_DEST
     try:

@@ -307,3 +307,12 @@ def test_long_runs_are_thinned_for_drawing_after_smoothing_on_every_row():
     # the smoothed values are the full series' own
     assert x[0] == 1 and drawn[-1] == smooth[::4][-1]
     assert _thin(steps[:10], values[:10]) == (steps[:10], values[:10])
+
+
+def test_main_refuses_a_bucket_in_one_line_with_exit_2(capsys):
+    from finetune.plot import main
+
+    assert main(["s3://bucket/prefix"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("finetune: error: s3://bucket/prefix: a bucket holds checkpoints")
+    assert err.count("\n") == 1
