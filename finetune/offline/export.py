@@ -441,6 +441,9 @@ def main(argv: list[str]) -> int:
         try:
             folder = download_checkpoint(ns.checkpoint, staging)
             return main([str(folder) if a == ns.checkpoint else a for a in argv])
+        except OSError as e:  # the download's disk is full or failing: OUT was never created
+            print(f"finetune: error: export failed, {ns.out} was not written: {e}", file=sys.stderr)
+            return 1
         finally:
             shutil.rmtree(staging, ignore_errors=True)
     if ns.universal:

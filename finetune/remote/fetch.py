@@ -20,6 +20,7 @@ on a first start; a restart waits for it, then exits 75 (prefix.py's ``reach``).
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -48,6 +49,11 @@ from finetune.remote.prefix import client_error, reach
 from finetune.remote.verify import PARALLEL, locate
 
 T = TypeVar("T")
+
+
+# Why writing a download here failed, when it is the local disk's doing (full, over quota, failing,
+# read-only): not bad input.
+LOCAL_WRITE_ERRORS = (errno.ENOSPC, errno.EDQUOT, errno.EIO, errno.EROFS)
 
 
 class OutSharing(Protocol):
@@ -295,7 +301,8 @@ def download_checkpoint(uri: str, into: Path) -> Path:
     """One process (``finetune export s3://…``): the committed checkpoint ``uri`` names (or an
     s3:// output dir's newest) downloaded into ``into/<tag>``, every file checked against the
     manifest's size and checksum, the manifest written last. ConfigError, one line, when it is not
-    a committed checkpoint or a file does not download intact."""
+    a committed checkpoint or a file does not download intact; the OSError of a local disk that
+    fails the writes (``LOCAL_WRITE_ERRORS``)."""
     try:
         root, rel = locate(uri)
         prefix = f"{rel}/" if rel else ""
@@ -322,5 +329,9 @@ def download_checkpoint(uri: str, into: Path) -> Path:
         return folder
     except (ConfigError, RemoteError) as e:
         raise ConfigError(str(e)) from None
+    except OSError as e:
+        if e.errno in LOCAL_WRITE_ERRORS:  # this machine's disk, not the bucket: export's exit 1
+            raise
+        raise ConfigError(f"{uri}: cannot download it ({type(e).__name__}: {e})") from None
     except Exception as e:  # noqa: BLE001 — the client's (endpoint, credentials, bucket): one line
         raise ConfigError(f"{uri}: cannot download it ({type(e).__name__}: {e})") from None

@@ -12,6 +12,7 @@ import contextlib
 import io
 import json
 import shutil
+import subprocess
 from collections import OrderedDict
 from pathlib import Path
 
@@ -23,6 +24,8 @@ from finetune.checkpoint_format.outdir import STAGING, OutputDir
 from finetune.cli import main
 from finetune.io.durable import hash_file
 from finetune.io.remote import S3Storage
+
+from conftest import has_tmpfs_mount
 
 require_s3()  # skips the module without boto3 or the `weed` binary
 
@@ -193,3 +196,23 @@ def test_a_bucket_that_cannot_be_read_is_exit_2_naming_the_uri(argv, unreadable,
     assert code == 2 and len(lines) == 1 and uri in lines[0], (code, stderr)
     assert "not-the-secret" not in stderr, "credentials are never printed"
     assert not (tmp_path / "out").exists() and not list(tmp_path.iterdir())
+
+
+@pytest.mark.skipif(not has_tmpfs_mount(), reason="mounting a small tmpfs needs root and mount")
+def test_export_from_s3_onto_a_full_disk_is_exit_1_as_from_a_folder(tree, aws_env, tmp_path):
+    """The download beside OUT fills the disk: the local disk's failure (exit 1, OUT not
+    created, the download removed), not bad input."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=4k", "tmpfs", str(disk)], capture_output=True
+    )
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode().strip()}")
+    try:
+        for where in (str(tree / "run" / TAG), f"{TREE}/run/{TAG}"):
+            code, _, stderr = cli("export", where, str(disk / "hf"))
+            assert code == 1 and "was not written" in stderr, (where, code, stderr)
+            assert list(disk.iterdir()) == [], where
+    finally:
+        subprocess.run(["umount", str(disk)], check=False)
