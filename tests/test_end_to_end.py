@@ -48,7 +48,7 @@ def top_level(out) -> set[str]:
 
 
 def test_a_run_writes_exactly_its_files_and_a_resume_continues_its_losses(run_finetune):
-    first = run_finetune(*FLAGS, "--max_steps", str(STEPS))
+    first = run_finetune(*FLAGS, "--max_steps", str(STEPS), launcher="deepspeed")
     assert first.returncode == 0, first.output[-4000:]
     out = first.out_dir
 
@@ -68,7 +68,12 @@ def test_a_run_writes_exactly_its_files_and_a_resume_continues_its_losses(run_fi
     assert all(math.isfinite(r["loss"]) for r in rows)
 
     resumed = run_finetune(
-        *FLAGS, "--max_steps", str(MORE_STEPS), "--resume_from_checkpoint", "auto"
+        *FLAGS,
+        "--max_steps",
+        str(MORE_STEPS),
+        "--resume_from_checkpoint",
+        "auto",
+        launcher="deepspeed",
     )
     assert resumed.returncode == 0, resumed.output[-4000:]
     rows = resumed.train_rows()

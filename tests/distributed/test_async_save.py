@@ -14,6 +14,9 @@ from finetune.preemption import EXIT_PREEMPTED
 from conftest import assert_verifies, last_logged_step, wait_until
 
 pytestmark = pytest.mark.distributed
+# Runs that fail, are killed or are signalled go through DeepSpeed's launcher, which passes
+# a rank's exit code on and forwards signals its own way (torchrun reports any failure as 1);
+# the others take the fixtures' torchrun.
 
 TIMEOUT = 420
 FLAGS = [
@@ -109,7 +112,7 @@ def test_kill_during_a_background_write_keeps_latest_on_the_previous_checkpoint(
     start_finetune, run_finetune
 ):
     # Each file takes >= 1.5 s on the writer thread: a save is in the background for seconds.
-    run = start_finetune(*LONG, env={"FINETUNE_SLOW_SAVE": "1.5"})
+    run = start_finetune(*LONG, env={"FINETUNE_SLOW_SAVE": "1.5"}, launcher="deepspeed")
     out = run.out_dir
     wait_until(
         lambda: (out / "latest").exists() and (out / ".staging" / "global_step8").exists(),
@@ -135,6 +138,7 @@ def test_kill_during_a_background_write_keeps_latest_on_the_previous_checkpoint(
         "--resume_from_checkpoint",
         "auto",
         timeout=TIMEOUT,
+        launcher="deepspeed",
     )
     _ok(resumed)
     assert "Resumed from" in resumed.output and "global_step4" in resumed.output
@@ -173,6 +177,7 @@ def test_a_background_write_failure_is_agreed_and_follows_the_policy(
         policy,
         env={"FINETUNE_FAULT": fault},
         timeout=TIMEOUT,
+        launcher="deepspeed",
     )
     assert r.returncode == code, r.output[-4000:]
     kept = [f"global_step{s}" for s in kept]
@@ -194,7 +199,7 @@ def test_a_background_write_failure_is_agreed_and_follows_the_policy(
 
 
 def test_preemption_with_a_save_in_flight_commits_it_and_then_the_newest_step(start_finetune):
-    run = start_finetune(*LONG, env={"FINETUNE_SLOW_SAVE": "1"})
+    run = start_finetune(*LONG, env={"FINETUNE_SLOW_SAVE": "1"}, launcher="deepspeed")
     out = run.out_dir
     wait_until(
         lambda: (out / ".staging" / "global_step4").exists(), TIMEOUT, "global_step4 being written"

@@ -11,6 +11,9 @@ import pytest
 from finetune.data.cache import INFO, SUBDIR, TMP_PREFIX
 
 pytestmark = pytest.mark.distributed
+# Runs that fail, are killed or are signalled go through DeepSpeed's launcher, which passes
+# a rank's exit code on and forwards signals its own way (torchrun reports any failure as 1);
+# the others take the fixtures' torchrun.
 
 PC = ("--prompt_column", "question", "--completion_column", "answer")
 
@@ -63,6 +66,7 @@ def test_a_batch_failing_on_one_rank_stops_every_rank_with_its_error(
         "8",
         env={"FINETUNE_FAIL_BATCH": f"{rank}:{step}"},
         timeout=300,
+        launcher="deepspeed",
     )
     assert r.returncode != 0
     assert "injected by FINETUNE_FAIL_BATCH" in r.output  # the failing rank's own error

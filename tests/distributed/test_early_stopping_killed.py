@@ -8,6 +8,7 @@ import json
 import pytest
 
 pytestmark = pytest.mark.distributed
+# A rank killed mid-save: DeepSpeed's launcher, as the product's jobs run it, stops the other.
 
 
 def test_early_stopping_on_two_ranks_survives_a_killed_rank(run_finetune, tmp_path):
@@ -18,11 +19,13 @@ def test_early_stopping_on_two_ranks_survives_a_killed_rank(run_finetune, tmp_pa
         "--save_steps", "2", "--save_total_limit", "1", "--early_stopping_patience", "4",
         "--early_stopping_threshold", "0.5", "--warmup_steps", "100000",
     ]  # fmt: skip
-    killed = run_finetune(*flags, env={"FINETUNE_FAULT": "save.snapshot:1:6:kill"})
+    killed = run_finetune(
+        *flags, env={"FINETUNE_FAULT": "save.snapshot:1:6:kill"}, launcher="deepspeed"
+    )
     assert killed.returncode != 0, killed.output[-3000:]
     out = killed.out_dir
     assert (out / "latest").read_text().strip() == "global_step4"
-    resumed = run_finetune(*flags, "--resume_from_checkpoint", "auto")
+    resumed = run_finetune(*flags, "--resume_from_checkpoint", "auto", launcher="deepspeed")
     assert resumed.returncode == 0, resumed.output[-3000:]
     status = json.loads((out / "exit_status.json").read_text())
     assert (status["reason"], status["exit_code"], status["step"]) == ("early_stopped", 0, 8)

@@ -16,6 +16,7 @@ from finetune.lease import LEASE, identity
 from conftest import last_logged_step, wait_until
 
 pytestmark = pytest.mark.distributed
+# Exit 3 through DeepSpeed's launcher, which passes a rank's exit code on (torchrun reports 1).
 
 TIMEOUT = 420
 
@@ -45,6 +46,7 @@ def test_a_run_that_lost_its_lease_stops_with_exit_3_and_touches_nothing(start_f
         "--max_train_samples",
         "64",
         env={seams.LEASE_RENEW_S: "0.2"},
+        launcher="deepspeed",
     )
     out = run.out_dir
     wait_until(

@@ -14,6 +14,8 @@ from finetune.preemption import EXIT_PREEMPTED
 from conftest import assert_verifies, last_logged_step, wait_until
 
 pytestmark = pytest.mark.distributed
+# DeepSpeed's launcher forwards signals to the ranks its own way: the preemption tests keep it
+# unless they name torchrun.
 
 TIMEOUT = 300
 # Many steps so the run is still training when the signal comes; logging every step shows progress.
@@ -52,7 +54,7 @@ def test_sigusr1_to_one_rank_under_deepspeed_saves_once_and_resumes(
     """One rank signalled (twice: again while saving): all ranks commit one step, then resume to the
     end."""
     # each file takes ≥ 1 s: a save lasts ≥ 4 s
-    run = start_finetune(*LONG, env={"FINETUNE_SLOW_SAVE": "1"})
+    run = start_finetune(*LONG, env={"FINETUNE_SLOW_SAVE": "1"}, launcher="deepspeed")
     wait_until(lambda: last_logged_step(run.out_dir) >= 3, TIMEOUT, "three logged steps")
     ranks = run.rank_pids()
     assert sorted(ranks) == [0, 1], ranks
@@ -77,6 +79,7 @@ def test_sigusr1_to_one_rank_under_deepspeed_saves_once_and_resumes(
         "--resume_from_checkpoint",
         "auto",
         timeout=TIMEOUT,
+        launcher="deepspeed",
     )
     assert resumed.returncode == 0, resumed.output[-4000:]
     rows = [r for r in resumed.metrics() if "loss" in r]

@@ -27,6 +27,9 @@ from conftest import (
 
 pytestmark = pytest.mark.distributed
 require_s3()  # skips the module without boto3 or the `weed` binary
+# Runs that fail, are killed or are signalled go through DeepSpeed's launcher, which passes
+# a rank's exit code on and forwards signals its own way (torchrun reports any failure as 1);
+# the others take the fixtures' torchrun.
 
 BUCKET = "runs"
 TIMEOUT = 420
@@ -105,7 +108,7 @@ def test_a_wrong_credential_is_exit_2_naming_the_flag_before_training(
 ):
     uri = f"s3://{BUCKET}/refused"
     r = run_finetune(
-        "--max_steps", "2", "--save_checkpoint", "--remote_output_dir", uri,
+        "--max_steps", "2", "--save_checkpoint", "--remote_output_dir", uri, launcher="deepspeed",
         env=server.env(AWS_SECRET_ACCESS_KEY="not-the-secret"), timeout=TIMEOUT,
     )  # fmt: skip
     assert r.returncode == 2, r.output[-6000:]
@@ -247,7 +250,7 @@ def test_an_s3_checkpoint_named_explicitly_is_fetched_and_resumed(
     assert _verify(caught, "--full", env=server.env()).returncode == 0
     bad = run_finetune(
         "--max_steps", "7", *SAVES, "--resume_from_checkpoint", f"s3://{BUCKET}/nothing-here",
-        out_dir=tmp_path / "bad", env=server.env(), timeout=TIMEOUT,
+        out_dir=tmp_path / "bad", env=server.env(), timeout=TIMEOUT, launcher="deepspeed",
     )  # fmt: skip
     assert bad.returncode == 2, bad.output[-3000:]
     assert "--resume_from_checkpoint s3://runs/nothing-here: no committed checkpoint" in bad.output
@@ -290,7 +293,7 @@ def test_a_rank_killed_mid_copy_leaves_the_bucket_committed_and_the_next_run_fin
     uri, out = f"s3://{BUCKET}/killed", tmp_path / "out"
     run = start_finetune(
         "--max_steps", "100000", *SAVES, "--remote_output_dir", uri,
-        out_dir=out, env=server.env(FINETUNE_SLOW_UPLOAD="0.3"),
+        out_dir=out, env=server.env(FINETUNE_SLOW_UPLOAD="0.3"), launcher="deepspeed",
     )  # fmt: skip
     remote = S3Storage(uri)
 
@@ -316,7 +319,7 @@ def test_a_rank_killed_mid_copy_leaves_the_bucket_committed_and_the_next_run_fin
     # The next run: catch-up of OUT's newest, two more steps, committed in the bucket.
     again = run_finetune(
         "--max_steps", str(newest + 2), *SAVES, "--resume_from_checkpoint", "auto",
-        "--remote_output_dir", uri, out_dir=out, env=env, timeout=TIMEOUT,
+        "--remote_output_dir", uri, out_dir=out, env=env, timeout=TIMEOUT, launcher="deepspeed",
     )  # fmt: skip
     assert again.returncode == 0, again.output[-6000:]
     assert remote.read_bytes("latest") == f"global_step{newest + 2}\n".encode()
@@ -340,13 +343,14 @@ def test_one_run_per_prefix_a_second_is_exit_2_and_a_run_that_lost_the_prefix_st
     first = start_finetune(
         "--max_steps", "100000", *SAVES, "--remote_output_dir", uri, out_dir=tmp_path / "a",
         env=server.env(FINETUNE_SLOW_UPLOAD="0.2", FINETUNE_LEASE_RENEW_S="1"),
+        launcher="deepspeed",
     )  # fmt: skip
     remote = S3Storage(uri)
     wait_until(lambda: remote.read_bytes("latest"), TIMEOUT, "the first run's first commit")
     run_id = holder(remote)["run_id"]
     second = run_finetune(
         "--max_steps", "2", *SAVES, "--remote_output_dir", uri, out_dir=tmp_path / "b",
-        nprocs=1, env=server.env(), timeout=TIMEOUT,
+        nprocs=1, env=server.env(), timeout=TIMEOUT, launcher="deepspeed",
     )  # fmt: skip
     assert second.returncode == 2, second.output[-6000:]
     assert f"--remote_output_dir {uri} is in use by another run (run id {run_id}," in second.output

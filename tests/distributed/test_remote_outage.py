@@ -14,6 +14,7 @@ from finetune import run_config
 from finetune.cli import parse_train_args
 
 pytestmark = pytest.mark.distributed
+# Exit 75 through DeepSpeed's launcher, which passes a rank's exit code on (torchrun reports 1).
 pytest.importorskip("boto3", reason="the s3 extra (boto3) is not installed")
 
 PREFIX = "s3://ckpt/outage"
@@ -59,6 +60,7 @@ def test_a_restart_that_finds_the_bucket_down_exits_75_after_the_wait(run_finetu
         PREFIX,
         env=down(FINETUNE_RUN_ID="restart-1"),
         timeout=TIMEOUT,
+        launcher="deepspeed",
     )
     assert_requeued(result, "restart-1")
     assert f"--remote_output_dir {PREFIX}: cannot write there" in result.output

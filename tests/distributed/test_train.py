@@ -10,6 +10,8 @@ import pytest
 from conftest import EMBEDDED_TOKENIZER_FILES, checkpoint_files, partitioned_file_set
 
 pytestmark = pytest.mark.distributed
+# The product's everyday launch (`deepspeed --module finetune`): these runs keep DeepSpeed's
+# launcher, where the fixtures default to torchrun.
 
 
 def _assert_ok(result):
@@ -19,7 +21,7 @@ def _assert_ok(result):
 def test_embedded_default_learns_and_saves(run_finetune):
     """`finetune` with no model/data flags: 2 ranks, eval loss at least halves, a complete
     checkpoint."""
-    r = run_finetune("--save_checkpoint")
+    r = run_finetune("--save_checkpoint", launcher="deepspeed")
     _assert_ok(r)
     evals = r.eval_rows()
     assert [e["step"] for e in evals] == [0, 150]
@@ -65,6 +67,7 @@ def test_local_model_architectures(run_finetune, tiny_models, data_files, arch, 
         "--per_device_train_batch_size",
         "4",
         "--save_checkpoint",
+        launcher="deepspeed",
     )
     _assert_ok(r)
     rows = r.train_rows()
@@ -86,6 +89,7 @@ def test_offload_config(run_finetune):
         "--logging_steps",
         "1",
         "--save_checkpoint",
+        launcher="deepspeed",
     )
     _assert_ok(r)
     assert [x["step"] for x in r.train_rows()] == [1, 2, 3]
@@ -127,7 +131,9 @@ def test_single_process(run_finetune):
 def test_bad_input_under_launcher_exits_2_once(run_finetune, data_files):
     """A bad column found after the ranks start: both ranks exit 2, one error line, nothing
     written."""
-    r = run_finetune("--train_file", str(data_files["text_jsonl"]), "--text_column", "body")
+    r = run_finetune(
+        "--train_file", str(data_files["text_jsonl"]), "--text_column", "body", launcher="deepspeed"
+    )
     assert r.returncode == 2, r.output[-3000:]
     errors = [ln for ln in r.output.splitlines() if "finetune: error:" in ln]
     assert len(errors) == 1, errors

@@ -76,6 +76,7 @@ def _train(run_finetune, model, out, *flags, steps=STEPS, env=None):
             out_dir=out,
             timeout=900,
             env=env,
+            launcher="deepspeed",  # on a GPU, as the product's jobs launch it
         )
     )
 
