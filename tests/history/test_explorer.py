@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 from history.model import Model, outcome_line
-from history.world import START_SITES, Start, World
+from history.world import START_SITES, Start, World, disturb
 from hypothesis import HealthCheck, Phase, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
@@ -138,23 +138,9 @@ class Histories(RuleBasedStateMachine):
     def disturb(self, out, how, pick) -> None:
         """What happens to a disk between runs: 16 bytes of a rank file of a local checkpoint
         flipped, a checkpoint deleted by hand, or a fresh disk (the whole OUT gone)."""
-        folder = self.world.outs[out]
-        tags = sorted(committed(OutputDir(folder)), key=lambda c: c.order_key)
-        if how == "replace disk":
-            shutil.rmtree(folder, ignore_errors=True)
-            self._note(f"replace disk {out}")
-            return
-        if not tags:
-            return
-        tag = tags[pick % len(tags)].tag
-        if how == "delete":
-            shutil.rmtree(folder / tag)
-        else:
-            path = sorted((folder / tag).glob("*optim_states.pt"))[0]
-            data = bytearray(path.read_bytes())
-            data[-16:] = bytes(b ^ 0xFF for b in data[-16:])
-            path.write_bytes(bytes(data))
-        self._note(f"{how} {out}/{tag}")
+        done = disturb(self.world.outs[out], how, pick)
+        if done is not None:
+            self._note(done)
 
     @invariant()
     def promises_hold(self) -> None:

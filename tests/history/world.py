@@ -370,3 +370,25 @@ def _save_id(folder: Path) -> str | None:
 
     data = json.loads((folder / MANIFEST).read_text())
     return data.get("save_id")
+
+
+def disturb(out: Path, how: str, pick: int) -> str | None:
+    """What happens to a disk between runs: ``damage`` (16 bytes of a rank file of a committed
+    checkpoint flipped), ``delete`` (a checkpoint deleted by hand) or ``replace disk`` (the whole
+    OUT gone). What was done, or None when there was nothing to do it to."""
+    if how == "replace disk":
+        shutil.rmtree(out, ignore_errors=True)
+        return f"replace disk {out.name}"
+    found = sorted(committed(OutputDir(out)), key=lambda c: c.order_key)
+    if not found:
+        return None
+    tag = found[pick % len(found)].tag
+    if how == "delete":
+        shutil.rmtree(out / tag)
+    else:
+        path = sorted((out / tag).glob("*optim_states.pt"))[0]
+        data = bytearray(path.read_bytes())
+        middle = len(data) // 2
+        data[middle : middle + 16] = bytes(b ^ 0xFF for b in data[middle : middle + 16])
+        path.write_bytes(bytes(data))
+    return f"{how} {out.name}/{tag}"
