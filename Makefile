@@ -56,11 +56,12 @@ test-gpu: setup
 # fault site x rank x kind, 50 kill -9 trials of each kind, storms, disk full; over 1 h on a 2-core
 # machine (docs/RELIABILITY.md has the figures). Prints a summary table (cases, failures, max time
 # to exit) and writes output/faults/summary.json. `make check` runs its sample. Then the history
-# explorer's long form: 5,000 new histories (`make test` runs 300 fixed ones).
+# explorer's long form: 5,000 new histories, and the slow form's real runs (`make test` runs 300 fixed
+# histories, `make check` one real one).
 faults: setup
 	FINETUNE_FAULTS_LONG=1 FINETUNE_FAULTS_SUMMARY=output/faults/summary.json \
 		PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(PY) -m pytest -ra -m faults tests/faults tests/slurm
-	FINETUNE_HISTORIES=5000 FINETUNE_HISTORIES_FRESH=1 $(PY) -m pytest -ra -s tests/history
+	FINETUNE_FAULTS_LONG=1 FINETUNE_HISTORIES=5000 FINETUNE_HISTORIES_FRESH=1 $(PY) -m pytest -ra -s tests/history
 
 # The benchmark suite (P1…P10, ~30 min on 2 cores): writes bench/results/latest.json and rewrites the
 # tables in docs/BENCHMARKS.md and README.md. Each script under bench/<subject>/ also runs on its own
