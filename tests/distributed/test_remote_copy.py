@@ -1,7 +1,7 @@
 """--remote_output_dir against a real S3 server (SeaweedFS on loopback, tests/s3_server.py): a real
-2-rank run through the DeepSpeed launcher copies each committed checkpoint in the background, the
-manifest last, then `latest`; every object carries the manifest's checksum; retention keeps what
-is not yet copied; a bucket or credential that does not work is exit 2 before training."""
+2-rank run copies each committed checkpoint in the background, the manifest last, then `latest`;
+every object carries the manifest's checksum; retention keeps what is not yet copied; a bucket or
+credential that does not work is exit 2 before training."""
 
 from __future__ import annotations
 
@@ -52,7 +52,7 @@ def copied(server, tmp_path_factory):
     """One run for the module: 6 steps, a save every 2, --save_total_limit 1, copied to COPIED."""
     tmp = tmp_path_factory.mktemp("copied")
     args = ("--max_steps", "6", *SAVES, "--remote_output_dir", COPIED)
-    cmd = finetune_cmd("deepspeed", 2, args, tmp / "out")
+    cmd = finetune_cmd("torchrun", 2, args, tmp / "out")
     return Running(cmd, tmp, child_env(server.env()), tmp / "out").finish(TIMEOUT)
 
 
