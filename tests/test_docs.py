@@ -44,7 +44,6 @@ OTHER_TOOLS: dict[str, str] = {
     "--nodes": "sbatch",
     "--requeue": "sbatch",
     "--signal": "sbatch/scancel",
-    "--time": "sbatch",
     "--full": "scancel",
     # pip
     "--index-url": "pip",

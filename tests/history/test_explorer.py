@@ -4,7 +4,7 @@ a commit, retention, the copy or a start (kill -9, EIO, ENOSPC, a hang), the buc
 or in the middle of a run, a local checkpoint damaged or lost, a whole disk replaced — each checked
 after every operation against model.py's promises. The runs are the real code (world.py) on a
 fake engine and an in-memory bucket; hypothesis generates the histories and shrinks a failing one
-to its shortest form, which then becomes a named test in test_regressions.py.
+to its shortest form, which then becomes a named test in test_found_histories.py.
 
 ``FINETUNE_HISTORIES`` sets how many histories (``make test``: the default; ``make faults``:
 more); each has up to ``STEPS`` operations.

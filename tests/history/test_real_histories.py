@@ -3,7 +3,7 @@ server, a real SIGKILL), checked after every operation by the fast form's model 
 promises. The histories come from a seeded generator (``history(seed)``) of the operations the
 fast form draws (auto starts, rollbacks to a local or an s3:// checkpoint, a kill at a save's,
 commit's or copy's fault site, the bucket unreachable at a restart, a checkpoint damaged or
-deleted, a disk replaced), and the fast form's regression histories (test_regressions.py) run
+deleted, a disk replaced), and the fast form's regression histories (test_found_histories.py) run
 for real. ``make check`` runs one of those (a kill mid-copy, a run on another disk, a requeue on
 the first: 4 runs); ``make faults`` the rest."""
 
@@ -14,7 +14,7 @@ import random
 import pytest
 from history.model import Model, outcome_line
 from history.real_world import RealWorld
-from history.test_regressions import FOUND
+from history.test_found_histories import FOUND
 from history.world import Start, disturb
 from s3_server import require_s3
 
