@@ -138,7 +138,6 @@ def test_kill_during_a_background_write_keeps_latest_on_the_previous_checkpoint(
         "--resume_from_checkpoint",
         "auto",
         timeout=TIMEOUT,
-        launcher="deepspeed",
     )
     _ok(resumed)
     assert "Resumed from" in resumed.output and "global_step4" in resumed.output
@@ -177,7 +176,6 @@ def test_a_background_write_failure_is_agreed_and_follows_the_policy(
         policy,
         env={"FINETUNE_FAULT": fault},
         timeout=TIMEOUT,
-        launcher="deepspeed",
     )
     assert r.returncode == code, r.output[-4000:]
     kept = [f"global_step{s}" for s in kept]

@@ -42,7 +42,7 @@ def _save_id(remote: S3Storage, tag: str) -> str:
 def run_a(server, tmp_path_factory):
     """Run A: 6 steps on 2 ranks, saving steps 2, 4 and 6 to PREFIX."""
     tmp = tmp_path_factory.mktemp("run-a")
-    cmd = finetune_cmd("torchrun", 2, ("--max_steps", "6", *SAVES, "--remote_output_dir", PREFIX),
+    cmd = finetune_cmd("forked", 2, ("--max_steps", "6", *SAVES, "--remote_output_dir", PREFIX),
                        tmp / "out")  # fmt: skip
     r = Running(cmd, tmp, child_env(server.env()), tmp / "out").finish(TIMEOUT)
     assert r.returncode == 0, r.output[-6000:]
@@ -56,7 +56,7 @@ def test_a_new_run_on_a_prefix_with_another_runs_checkpoints_is_exit_2_and_write
     before = {k: v for k, v in _objects(remote).items() if not k.endswith("/lease.json")}
     b = run_finetune(
         "--max_steps", "4", *SAVES, "--learning_rate", "3e-3", "--remote_output_dir", PREFIX,
-        out_dir=tmp_path / "b", nprocs=1, env=server.env(), timeout=TIMEOUT, launcher="deepspeed",
+        out_dir=tmp_path / "b", nprocs=1, env=server.env(), timeout=TIMEOUT,
     )  # fmt: skip
     assert b.returncode == 2, b.output[-6000:]
     assert (

@@ -309,7 +309,6 @@ def test_failure_with_abort_stops_with_exit_1(run_finetune):
         "abort",
         env={"FINETUNE_FAULT": "save.write_rank_files:0:4"},
         timeout=TIMEOUT,
-        launcher="deepspeed",
     )
     assert r.returncode == 1, r.output[-3000:]
     assert (r.out_dir / "latest").read_text().strip() == "global_step2"
@@ -346,7 +345,6 @@ def test_enospc_mid_write_keeps_latest_and_final_failure_exits_1(run_finetune, s
         out_dir=out,
         env={"FINETUNE_SKIP_SPACE_CHECK": "1"},
         timeout=TIMEOUT,
-        launcher="deepspeed",
     )
     assert r.returncode == 1, r.output[-3000:]
     assert "No space left on device" in r.output
@@ -368,7 +366,6 @@ def test_free_space_precheck_fails_fast_without_writing(run_finetune, small_tmpf
         "2",
         out_dir=out,
         timeout=TIMEOUT,
-        launcher="deepspeed",
     )
     assert r.returncode == 1
     assert "not enough free space" in r.output
@@ -392,7 +389,6 @@ def test_auto_resume_falls_back_past_a_damaged_checkpoint(run_finetune, tmp_path
         out_dir=out,
         env={"FINETUNE_FAULT": "save.write_rank_files:1:4"},
         timeout=TIMEOUT,
-        launcher="deepspeed",
     )
     _ok(first)
     assert sorted(p.name for p in out.glob("global_step*")) == [
@@ -417,7 +413,6 @@ def test_auto_resume_falls_back_past_a_damaged_checkpoint(run_finetune, tmp_path
         str(out / "global_step8"),
         out_dir=out,
         timeout=TIMEOUT,
-        launcher="deepspeed",
     )
     assert explicit.returncode == 2 and "does not verify" in explicit.output
     # An EIO on one rank's read while verifying (bad media): every rank learns it, exit 2, no hang.
@@ -429,7 +424,6 @@ def test_auto_resume_falls_back_past_a_damaged_checkpoint(run_finetune, tmp_path
         out_dir=out,
         env={"FINETUNE_FAULT": "verify.read_file:1"},
         timeout=TIMEOUT,
-        launcher="deepspeed",
     )
     assert unreadable.returncode == 2, unreadable.output[-3000:]
     assert "does not verify" in unreadable.output and "unreadable (OSError" in unreadable.output
@@ -445,7 +439,6 @@ def test_auto_resume_falls_back_past_a_damaged_checkpoint(run_finetune, tmp_path
         "auto",
         out_dir=out,
         timeout=TIMEOUT,
-        launcher="deepspeed",
     )
     _ok(resumed)
     assert (

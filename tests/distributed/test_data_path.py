@@ -66,7 +66,6 @@ def test_a_batch_failing_on_one_rank_stops_every_rank_with_its_error(
         "8",
         env={"FINETUNE_FAIL_BATCH": f"{rank}:{step}"},
         timeout=300,
-        launcher="deepspeed",
     )
     assert r.returncode != 0
     assert "injected by FINETUNE_FAIL_BATCH" in r.output  # the failing rank's own error

@@ -27,7 +27,7 @@ def runs(tiny_models, tmp_path_factory):
     out = {}
     for arch in ("llama", "qwen2"):  # llama: untied head; qwen2: tied embeddings
         root = tmp_path_factory.mktemp(f"export_{arch}")
-        cmd = launcher_cmd("torchrun", 2) + [
+        cmd = launcher_cmd("forked", 2) + [
             "--model_name_or_path",
             str(tiny_models[arch]),
             "--max_steps",

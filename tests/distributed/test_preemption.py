@@ -79,7 +79,6 @@ def test_sigusr1_to_one_rank_under_deepspeed_saves_once_and_resumes(
         "--resume_from_checkpoint",
         "auto",
         timeout=TIMEOUT,
-        launcher="deepspeed",
     )
     assert resumed.returncode == 0, resumed.output[-4000:]
     rows = [r for r in resumed.metrics() if "loss" in r]

@@ -52,7 +52,7 @@ def copied(server, tmp_path_factory):
     """One run for the module: 6 steps, a save every 2, --save_total_limit 1, copied to COPIED."""
     tmp = tmp_path_factory.mktemp("copied")
     args = ("--max_steps", "6", *SAVES, "--remote_output_dir", COPIED)
-    cmd = finetune_cmd("torchrun", 2, args, tmp / "out")
+    cmd = finetune_cmd("forked", 2, args, tmp / "out")
     return Running(cmd, tmp, child_env(server.env()), tmp / "out").finish(TIMEOUT)
 
 
@@ -108,7 +108,7 @@ def test_a_wrong_credential_is_exit_2_naming_the_flag_before_training(
 ):
     uri = f"s3://{BUCKET}/refused"
     r = run_finetune(
-        "--max_steps", "2", "--save_checkpoint", "--remote_output_dir", uri, launcher="deepspeed",
+        "--max_steps", "2", "--save_checkpoint", "--remote_output_dir", uri,
         env=server.env(AWS_SECRET_ACCESS_KEY="not-the-secret"), timeout=TIMEOUT,
     )  # fmt: skip
     assert r.returncode == 2, r.output[-6000:]
@@ -250,7 +250,7 @@ def test_an_s3_checkpoint_named_explicitly_is_fetched_and_resumed(
     assert _verify(caught, "--full", env=server.env()).returncode == 0
     bad = run_finetune(
         "--max_steps", "7", *SAVES, "--resume_from_checkpoint", f"s3://{BUCKET}/nothing-here",
-        out_dir=tmp_path / "bad", env=server.env(), timeout=TIMEOUT, launcher="deepspeed",
+        out_dir=tmp_path / "bad", env=server.env(), timeout=TIMEOUT,
     )  # fmt: skip
     assert bad.returncode == 2, bad.output[-3000:]
     assert "--resume_from_checkpoint s3://runs/nothing-here: no committed checkpoint" in bad.output
@@ -319,7 +319,7 @@ def test_a_rank_killed_mid_copy_leaves_the_bucket_committed_and_the_next_run_fin
     # The next run: catch-up of OUT's newest, two more steps, committed in the bucket.
     again = run_finetune(
         "--max_steps", str(newest + 2), *SAVES, "--resume_from_checkpoint", "auto",
-        "--remote_output_dir", uri, out_dir=out, env=env, timeout=TIMEOUT, launcher="deepspeed",
+        "--remote_output_dir", uri, out_dir=out, env=env, timeout=TIMEOUT,
     )  # fmt: skip
     assert again.returncode == 0, again.output[-6000:]
     assert remote.read_bytes("latest") == f"global_step{newest + 2}\n".encode()
@@ -350,7 +350,7 @@ def test_one_run_per_prefix_a_second_is_exit_2_and_a_run_that_lost_the_prefix_st
     run_id = holder(remote)["run_id"]
     second = run_finetune(
         "--max_steps", "2", *SAVES, "--remote_output_dir", uri, out_dir=tmp_path / "b",
-        nprocs=1, env=server.env(), timeout=TIMEOUT, launcher="deepspeed",
+        nprocs=1, env=server.env(), timeout=TIMEOUT,
     )  # fmt: skip
     assert second.returncode == 2, second.output[-6000:]
     assert f"--remote_output_dir {uri} is in use by another run (run id {run_id}," in second.output

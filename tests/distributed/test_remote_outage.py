@@ -60,7 +60,6 @@ def test_a_restart_that_finds_the_bucket_down_exits_75_after_the_wait(run_finetu
         PREFIX,
         env=down(FINETUNE_RUN_ID="restart-1"),
         timeout=TIMEOUT,
-        launcher="deepspeed",
     )
     assert_requeued(result, "restart-1")
     assert f"--remote_output_dir {PREFIX}: cannot write there" in result.output

@@ -1,4 +1,5 @@
-"""Real 2-rank training runs through the real launchers on CPU (gloo/shm)."""
+"""Real 2-rank training runs on CPU (gloo/shm): the product's everyday launch, each other launcher,
+and model architectures and DeepSpeed configs on the tests' own rank launcher."""
 
 from __future__ import annotations
 
@@ -10,8 +11,8 @@ import pytest
 from conftest import EMBEDDED_TOKENIZER_FILES, checkpoint_files, partitioned_file_set
 
 pytestmark = pytest.mark.distributed
-# The product's everyday launch (`deepspeed --module finetune`): these runs keep DeepSpeed's
-# launcher, where the fixtures default to torchrun.
+# The product's everyday launch (`deepspeed --module finetune`) and a bad input under it keep
+# DeepSpeed's launcher, where the fixtures default to ranks forked after the imports.
 
 
 def _assert_ok(result):
@@ -67,7 +68,6 @@ def test_local_model_architectures(run_finetune, tiny_models, data_files, arch, 
         "--per_device_train_batch_size",
         "4",
         "--save_checkpoint",
-        launcher="deepspeed",
     )
     _assert_ok(r)
     rows = r.train_rows()
@@ -89,7 +89,6 @@ def test_offload_config(run_finetune):
         "--logging_steps",
         "1",
         "--save_checkpoint",
-        launcher="deepspeed",
     )
     _assert_ok(r)
     assert [x["step"] for x in r.train_rows()] == [1, 2, 3]

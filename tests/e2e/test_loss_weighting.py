@@ -52,7 +52,7 @@ def test_micro_batches_and_ranks_of_different_lengths_weigh_every_token_alike(
         launcher="python", nprocs=1, out_dir=tmp_path / "accum",
     )  # fmt: skip
     ranks = run_finetune(
-        *base, "--per_device_train_batch_size", "1", launcher="torchrun", nprocs=2,
+        *base, "--per_device_train_batch_size", "1", nprocs=2,
         out_dir=tmp_path / "ranks",
     )  # fmt: skip
     loss, norm = _first_row(one)

@@ -22,9 +22,8 @@ from finetune.checkpoint_format.outdir import ABANDONED, LATEST, TRASH, step_of,
 from finetune.io import seams
 from finetune.io.faults import HANG, KINDS
 
-from conftest import Running, child_env, free_port
+from conftest import SPAWN_RANKS, Running, child_env, free_port
 
-HERE = Path(__file__).resolve().parent
 DDP_TIMEOUT = 20  # every run's --ddp_timeout: a rank stuck in a collective fails after this long
 BOUND_S = 2 * DDP_TIMEOUT + 20  # a fault (or a kill) → the last rank exited
 RUN_TIMEOUT = 240  # one launch, start-up included: past it the test fails as a hang
@@ -106,7 +105,7 @@ class RankRun:
         self.nprocs = nprocs
         cmd = [
             sys.executable,
-            str(HERE / "spawn_ranks.py"),
+            str(SPAWN_RANKS),
             str(nprocs),
             str(self.report),
             str(free_port()),

@@ -7,8 +7,9 @@ waiting for a dead or failed peer shows up as one.
 Each rank gets RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR / MASTER_PORT and inherits this
 process's group and output. REPORT.json.pids holds ``{rank: pid}`` once every rank is started. When
 every rank has exited, REPORT.json holds each rank's exit code (negative: killed by that signal)
-and the wall-clock time it exited; the exit code is the first non-zero rank's (as the shell reports
-a signal: 128 + signal), else 0.
+and the wall-clock time it exited; REPORT ``-`` writes neither. The exit code is the first non-zero
+rank's (as the shell reports a signal: 128 + signal), else 0: a rank's own code passes through, as
+under DeepSpeed's launcher (torchrun reports any failure as 1).
 
 Without ``--fork`` each rank is ``python -m finetune``. With it, this process imports the libraries
 every rank imports (torch, transformers, DeepSpeed, datasets: ~6 s of one core) once, then forks
@@ -98,9 +99,10 @@ def main(argv: list[str]) -> int:
             for r in range(nprocs)
         ]
         pids = [p.pid for p in procs]
-    with open(report + ".pids.tmp", "w") as f:
-        json.dump({str(r): pid for r, pid in enumerate(pids)}, f)
-    os.replace(report + ".pids.tmp", report + ".pids")
+    if report != "-":
+        with open(report + ".pids.tmp", "w") as f:
+            json.dump({str(r): pid for r, pid in enumerate(pids)}, f)
+        os.replace(report + ".pids.tmp", report + ".pids")
     codes: list[int | None] = [None] * nprocs
     ended: list[float | None] = [None] * nprocs
     while None in codes:
@@ -110,9 +112,10 @@ def main(argv: list[str]) -> int:
                 if done:
                     codes[r], ended[r] = os.waitstatus_to_exitcode(status), time.time()
         time.sleep(0.02)
-    with open(report + ".tmp", "w") as f:
-        json.dump({"pids": pids, "codes": codes, "ended": ended, "started": started}, f)
-    os.replace(report + ".tmp", report)
+    if report != "-":
+        with open(report + ".tmp", "w") as f:
+            json.dump({"pids": pids, "codes": codes, "ended": ended, "started": started}, f)
+        os.replace(report + ".tmp", report)
     failed = next((c for c in codes if c), 0)
     return 128 - failed if failed < 0 else failed
 
