@@ -98,9 +98,13 @@ def test_a_hung_upload_is_given_up_at_the_next_offer(copy_of, monkeypatch):
 
 
 def test_a_slow_upload_that_moves_is_not_given_up(copy_of, monkeypatch):
-    monkeypatch.setenv(seams.SLOW_UPLOAD, "0.4")  # each file: 0.4 s, three files past 1 s
+    # Each file paused 0.5 s, six of them: 3 s in all, past a deadline of 2 s, which leaves 1.5 s
+    # for a file's own work beside its pause (with 0.4 s pauses and a 1 s deadline, the first
+    # file once went 1 s without progress under `make check`'s load on 2 cores).
     copy = copy_of
-    names = {f"file{i}.pt": b"w" * 10 for i in range(3)}
+    copy.deadline_s = 2.0
+    monkeypatch.setenv(seams.SLOW_UPLOAD, "0.5")
+    names = {f"file{i}.pt": b"w" * 10 for i in range(6)}
     files = commit_locally(copy.out, 2, "save-f", **names)
     copy.offer("global_step2", files, files, "save-f")
     assert copy.drain(2) is True
