@@ -50,8 +50,8 @@ if want ops; then
 fi
 
 if want gpu-suite; then
-    timeout 220 python -m pytest -q -ra -m gpu tests/gpu -p no:cacheprovider --durations=0 \
-        --timeout 120 >"$OUT/gpu_suite.log" 2>&1
+    timeout 420 python -m pytest -q -ra -m gpu tests/gpu -p no:cacheprovider --durations=0 \
+        --timeout 180 >"$OUT/gpu_suite.log" 2>&1
     echo "gpu suite rc=$?"; grep -E "passed|failed|PASSED|FAILED|SKIPPED|Error|s call" "$OUT/gpu_suite.log" | tail -30
 fi
 
