@@ -206,7 +206,7 @@ def versions() -> dict:
         try:
             return subprocess.run(
                 ["git", *args], cwd=REPO, capture_output=True, text=True, timeout=10
-            ).stdout.strip()
+            ).stdout.rstrip("\n")  # porcelain's lines start with a space where not staged
         except (OSError, subprocess.SubprocessError):
             return None
 
