@@ -189,9 +189,20 @@ def launcher_cmd(launcher: str, nprocs: int) -> list[str]:
         ]
     if launcher == "python":
         return [sys.executable, "-m", "finetune"]
-    if launcher == "forked":
-        return [sys.executable, str(SPAWN_RANKS), str(nprocs), "-", port, "--fork", "--"]
+    if launcher == "forked":  # its report (the ranks' pids) is named by the port: unique
+        report = Path(tempfile.gettempdir()) / f"finetune-ranks-{port}.json"
+        return [sys.executable, str(SPAWN_RANKS), str(nprocs), str(report), port, "--fork", "--"]
     raise ValueError(launcher)
+
+
+def node_launcher(node: int, port: str, nodes: int = 2) -> list[str]:
+    """torchrun for one "node" of one rank, on loopback: a job on ``nodes`` such launches sharing
+    ``port``, each with its own flags (a node-local --output_dir, a cache folder of its own)."""
+    return [
+        *(str(BIN / "torchrun"), "--nnodes", str(nodes), "--node_rank", str(node)),
+        *("--nproc_per_node", "1", "--master_addr", "127.0.0.1", "--master_port", port),
+        *("-m", "finetune"),
+    ]
 
 
 def child_env(extra: dict | None = None) -> dict:
@@ -276,18 +287,34 @@ class Running:
             ),
             None,
         )
-        if port is None and str(SPAWN_RANKS) in self.cmd:  # NPROCS REPORT PORT
-            port = self.cmd[self.cmd.index(str(SPAWN_RANKS)) + 3]
+        report = self._ranks_report()
+        if report is not None:
+            port = self.cmd[self.cmd.index(str(SPAWN_RANKS)) + 3]  # NPROCS REPORT PORT
+            for path in (report, Path(f"{report}.pids")):
+                path.unlink(missing_ok=True)
         self.leaked_shm = (
             tuple(Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_{port}_*")) if port else ()
         )
         for leaked in self.leaked_shm:
             leaked.unlink(missing_ok=True)  # left by a run that crashed or was killed on purpose
 
+    def _ranks_report(self) -> Path | None:
+        """Where tests/spawn_ranks.py reports this command's ranks; None under a launcher."""
+        if str(SPAWN_RANKS) not in self.cmd:
+            return None
+        return Path(self.cmd[self.cmd.index(str(SPAWN_RANKS)) + 2])
+
     def rank_pids(self) -> dict[int, int]:
         """{RANK: pid} of the training processes under this command (not the launchers)."""
         import psutil
 
+        report = self._ranks_report()
+        if report is not None:  # forked ranks show the environment they were forked with
+            try:
+                pids = json.loads(Path(f"{report}.pids").read_text())
+            except FileNotFoundError:
+                return {}
+            return {int(r): pid for r, pid in pids.items()}
         ranks = {}
         for child in psutil.Process(self.proc.pid).children(recursive=True):
             try:
@@ -388,14 +415,13 @@ def run_finetune(tmp_path):
 
 @pytest.fixture
 def start_finetune(tmp_path):
-    """Start the real CLI through a launcher and return the Running process (for signal tests);
-    torchrun unless a test names one (``Running.rank_pids`` finds a launcher's ranks by their
-    environment, which forked ranks do not show)."""
+    """Start the real CLI on ``nprocs`` ranks and return the Running process (for signal and kill
+    tests); the ranks forked as for run_finetune unless a test names a launcher."""
     started = []
 
     def start(
         *args: str,
-        launcher: str = "torchrun",
+        launcher: str = "forked",
         nprocs: int = 2,
         out_dir: Path | None = None,
         env: dict | None = None,

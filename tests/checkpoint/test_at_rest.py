@@ -47,7 +47,7 @@ RANK_FILE = "zero_pp_rank_{r}_mp_rank_00_{kind}_states.pt"
 
 def train(out: Path, *extra: str, max_steps: int = 2):
     """The CLI on 2 ranks into ``out``; (exit code, output). Never hangs past RUN_TIMEOUT."""
-    cmd = launcher_cmd("deepspeed", WORLD) + [
+    cmd = launcher_cmd("forked", WORLD) + [
         *TRAIN,
         "--max_steps",
         str(max_steps),

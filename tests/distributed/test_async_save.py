@@ -112,7 +112,7 @@ def test_kill_during_a_background_write_keeps_latest_on_the_previous_checkpoint(
     start_finetune, run_finetune
 ):
     # Each file takes >= 1.5 s on the writer thread: a save is in the background for seconds.
-    run = start_finetune(*LONG, env={"FINETUNE_SLOW_SAVE": "1.5"}, launcher="deepspeed")
+    run = start_finetune(*LONG, env={"FINETUNE_SLOW_SAVE": "1.5"})
     out = run.out_dir
     wait_until(
         lambda: (out / "latest").exists() and (out / ".staging" / "global_step8").exists(),
@@ -197,7 +197,7 @@ def test_a_background_write_failure_is_agreed_and_follows_the_policy(
 
 
 def test_preemption_with_a_save_in_flight_commits_it_and_then_the_newest_step(start_finetune):
-    run = start_finetune(*LONG, env={"FINETUNE_SLOW_SAVE": "1"}, launcher="deepspeed")
+    run = start_finetune(*LONG, env={"FINETUNE_SLOW_SAVE": "1"})
     out = run.out_dir
     wait_until(
         lambda: (out / ".staging" / "global_step4").exists(), TIMEOUT, "global_step4 being written"

@@ -17,7 +17,7 @@ from s3_server import require_s3
 
 from finetune.io.remote import S3Storage
 
-from conftest import BIN, REPO, Result, Running, child_env, finetune_cmd, free_port
+from conftest import REPO, Result, Running, child_env, finetune_cmd, free_port, node_launcher
 
 pytestmark = pytest.mark.distributed
 require_s3()  # skips the module without boto3 or the `weed` binary
@@ -124,16 +124,7 @@ def _two_nodes(tmp: Path, *flags: str, env: dict) -> list[Result]:
     for node in (0, 1):
         out = tmp / f"node{node}"
         cmd = [
-            *(
-                str(BIN / "torchrun"),
-                "--nnodes",
-                "2",
-                "--node_rank",
-                str(node),
-                "--nproc_per_node",
-                "1",
-            ),
-            *("--master_addr", "127.0.0.1", "--master_port", port, "-m", "finetune"),
+            *node_launcher(node, port),
             *SAVES,
             *("--deepspeed_config", NODE_LOCAL, "--remote_output_dir", NODES),
             *(*flags, "--output_dir", str(out)),

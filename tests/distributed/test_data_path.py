@@ -78,24 +78,12 @@ def test_a_batch_failing_on_one_rank_stops_every_rank_with_its_error(
 def test_each_node_with_its_own_cache_folder_builds_its_own_entry(tmp_path, data_files):
     """Two "nodes" (torchrun --nnodes 2 on loopback), each with a node-local --dataset_cache_dir:
     rank 1 cannot see rank 0's folder, so it leads its own node and builds there."""
-    from conftest import BIN, Running, child_env, free_port
+    from conftest import Running, child_env, free_port, node_launcher
 
     port, runs = str(free_port()), []
     for node in (0, 1):
         cmd = [
-            str(BIN / "torchrun"),
-            "--nnodes",
-            "2",
-            "--node_rank",
-            str(node),
-            "--nproc_per_node",
-            "1",
-            "--master_addr",
-            "127.0.0.1",
-            "--master_port",
-            port,
-            "-m",
-            "finetune",
+            *node_launcher(node, port),
             "--train_file",
             str(data_files["pc_csv"]),
             *PC,

@@ -46,7 +46,6 @@ def test_a_run_that_lost_its_lease_stops_with_exit_3_and_touches_nothing(start_f
         "--max_train_samples",
         "64",
         env={seams.LEASE_RENEW_S: "0.2"},
-        launcher="deepspeed",
     )
     out = run.out_dir
     wait_until(

@@ -17,7 +17,15 @@ from s3_server import require_s3
 
 from finetune.io.remote import S3Storage
 
-from conftest import BIN, REPO, Running, child_env, finetune_cmd, free_port, wait_until
+from conftest import (
+    REPO,
+    Running,
+    child_env,
+    finetune_cmd,
+    free_port,
+    node_launcher,
+    wait_until,
+)
 
 pytestmark = pytest.mark.distributed
 require_s3()  # skips the module without boto3 or the `weed` binary
@@ -38,11 +46,7 @@ def start_two_nodes(tmp_path, name: str, *flags: str, env: dict) -> list[Running
     runs = []
     for node in (0, 1):
         out = tmp_path / f"{name}-node{node}"
-        cmd = [
-            str(BIN / "torchrun"), "--nnodes", "2", "--node_rank", str(node),
-            "--nproc_per_node", "1", "--master_addr", "127.0.0.1", "--master_port", port,
-            "-m", "finetune", *COMMON, *flags, "--output_dir", str(out),
-        ]  # fmt: skip
+        cmd = [*node_launcher(node, port), *COMMON, *flags, "--output_dir", str(out)]
         runs.append(Running(cmd, tmp_path, child_env(env), out))
     return runs
 
@@ -110,7 +114,7 @@ def test_two_nodes_without_shared_storage_resume_from_the_bucket(server, tmp_pat
     # One node: a shared --output_dir on 1 rank, from the bucket, through the universal format.
     one = tmp_path / "one"
     cmd = finetune_cmd(
-        "deepspeed", 1,
+        "forked", 1,
         ("--max_steps", "10", "--save_checkpoint", "--logging_steps", "1",
          "--resume_from_checkpoint", f"{URI}/global_step8"),
         one,
@@ -122,7 +126,7 @@ def test_two_nodes_without_shared_storage_resume_from_the_bucket(server, tmp_pat
     # checkpoint is fetched there (not a node's cut), converted there, and resumed.
     local = tmp_path / "one-local"
     cmd = finetune_cmd(
-        "deepspeed", 1,
+        "forked", 1,
         ("--max_steps", "10", "--save_checkpoint", "--logging_steps", "1", "--deepspeed_config",
          CONFIG, "--resume_from_checkpoint", "auto", "--remote_output_dir", URI),
         local,
