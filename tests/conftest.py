@@ -22,6 +22,9 @@ os.environ.setdefault("HF_DATASETS_CACHE", tempfile.mkdtemp(prefix="finetune-tes
 BIN = Path(sys.executable).parent
 # Starts the ranks of a run itself, forked after the imports every rank makes (its docstring).
 SPAWN_RANKS = REPO / "tests" / "spawn_ranks.py"
+# launcher_cmd("forked")'s report of the ranks, in the temp folder: removed with the run (a fault
+# test's RankRun names its own report and reads it after the run).
+FORKED_REPORT = "finetune-ranks-"
 TOKENIZER_DIR = REPO / "finetune" / "resources" / "tokenizer"
 
 # Each architecture as small as it goes; all share the embedded tokenizer (vocab 513).
@@ -190,7 +193,7 @@ def launcher_cmd(launcher: str, nprocs: int) -> list[str]:
     if launcher == "python":
         return [sys.executable, "-m", "finetune"]
     if launcher == "forked":  # its report (the ranks' pids) is named by the port: unique
-        report = Path(tempfile.gettempdir()) / f"finetune-ranks-{port}.json"
+        report = Path(tempfile.gettempdir()) / f"{FORKED_REPORT}{port}.json"
         return [sys.executable, str(SPAWN_RANKS), str(nprocs), str(report), port, "--fork", "--"]
     raise ValueError(launcher)
 
@@ -290,8 +293,9 @@ class Running:
         report = self._ranks_report()
         if report is not None:
             port = self.cmd[self.cmd.index(str(SPAWN_RANKS)) + 3]  # NPROCS REPORT PORT
-            for path in (report, Path(f"{report}.pids")):
-                path.unlink(missing_ok=True)
+            if report.name.startswith(FORKED_REPORT):
+                for path in (report, Path(f"{report}.pids")):
+                    path.unlink(missing_ok=True)
         self.leaked_shm = (
             tuple(Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_{port}_*")) if port else ()
         )
