@@ -64,7 +64,7 @@ if want throughput; then
 fi
 
 if want async-save; then
-    timeout 110 python bench/save/async_save.py --num_gpus 1 --precision bf16 --repeats 2 --bg_saves 2 \
+    timeout 140 python bench/save/async_save.py --num_gpus 1 --precision bf16 --repeats 2 --bg_saves 2 \
         --e2e_steps 20 --every 5 --e2e_repeats 1 --dir /tmp/async \
         --out "$OUT/async_save.json" >"$OUT/async.log" 2>&1
     echo "async rc=$?"; tail -25 "$OUT/async.log"

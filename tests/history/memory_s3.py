@@ -86,11 +86,16 @@ class Process:
         self.gone = False
         self.turns = threading.Event()
 
+    def end(self) -> None:
+        """The process is gone: a request its copy thread is waiting to make fails now."""
+        self.gone = True
+        self.turns.set()
+
     def admit(self) -> None:
         if threading.current_thread().name == COPY_THREAD:
-            while not self.turns.wait(0.05):
-                if self.gone:
-                    break
+            # end() wakes it at once; the poll covers a turn ended by _settle as the process went
+            while not self.turns.wait(0.05) and not self.gone:
+                pass
         if self.gone:
             raise ProcessGone("this process was killed")
 

@@ -173,7 +173,7 @@ class World:
                 "objects": self.bucket.snapshot(),
                 "out": self._copy_out(),
             }
-        self.process.gone = True
+        self.process.end()
         raise Killed()
 
     def _hang(self) -> None:
@@ -319,7 +319,7 @@ class World:
                     prefix.lease._stop.set()  # a dead process's heartbeat is dead
             elif prefix is not None:
                 prefix.release()
-            self.process.gone = True
+            self.process.end()
             self._end_thread(self.copy)
             self.process = Process()  # whoever looks at the world next (a check, `finetune ls`)
             self.copy = None
@@ -357,7 +357,7 @@ class World:
         """After a kill: OUT and the bucket as they were when it happened; the dead run's lease
         taken over."""
         assert self.killed is not None
-        self.process.gone = True
+        self.process.end()
         self.bucket.restore(self.killed["objects"])
         shutil.rmtree(self._out, ignore_errors=True)
         if self.killed["out"] is not None:
