@@ -194,8 +194,50 @@ def launcher_cmd(launcher: str, nprocs: int) -> list[str]:
         return [sys.executable, "-m", "finetune"]
     if launcher == "forked":  # its report (the ranks' pids) is named by the port: unique
         report = Path(tempfile.gettempdir()) / f"{FORKED_REPORT}{port}.json"
-        return [sys.executable, str(SPAWN_RANKS), str(nprocs), str(report), port, "--fork", "--"]
+        return [
+            *(sys.executable, str(SPAWN_RANKS), str(nprocs), str(report), port, "--fork"),
+            *("--zygote", str(zygote()), "--"),
+        ]
     raise ValueError(launcher)
+
+
+_ZYGOTE: list[subprocess.Popen] = []
+
+
+def zygote() -> Path:
+    """This test process's zygote (tests/spawn_ranks.py --serve): it imports what every rank
+    imports once, then forks each forked launch's ranks, so a launch costs ~3.7 CPU-s instead of
+    ~9.7 (a 2-rank, 2-step run with a save). Started at the first forked launch, with the
+    environment tests give their runs; a launch whose environment differs in what imports read,
+    or that comes before the zygote listens, imports for itself. Stopped at the end of the
+    session."""
+    path = Path(tempfile.gettempdir()) / f"finetune-zygote-{os.getpid()}.sock"
+    if not _ZYGOTE:
+        path.unlink(missing_ok=True)
+        with open(Path(tempfile.gettempdir()) / f"finetune-zygote-{os.getpid()}.log", "w") as log:
+            _ZYGOTE.append(
+                subprocess.Popen(
+                    [sys.executable, str(SPAWN_RANKS), "--serve", str(path)],
+                    cwd=REPO,
+                    env=child_env(),
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                )
+            )
+    return path
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _stop_the_zygote():
+    yield
+    for proc in _ZYGOTE:
+        proc.kill()
+        proc.wait()
+        for suffix in ("sock", "log"):
+            (Path(tempfile.gettempdir()) / f"finetune-zygote-{os.getpid()}.{suffix}").unlink(
+                missing_ok=True
+            )
 
 
 def node_launcher(node: int, port: str, nodes: int = 2) -> list[str]:
@@ -393,10 +435,11 @@ def run_finetune(tmp_path):
     """Run the real CLI on ``nprocs`` ranks; returns a Result (never raises on a non-zero exit).
 
     Unless a test names a launcher, the ranks are forked by tests/spawn_ranks.py after the imports
-    every rank makes (torch, DeepSpeed, transformers, datasets), done once: a 2-step 2-rank run with
-    a save takes 9.5 CPU-s so, 13.8 under torchrun and more under DeepSpeed's launcher, which starts
-    two processes that each import DeepSpeed first. Each rank is still a process of its own with
-    the environment a launcher gives it, and a rank's exit code passes through. The tests of what a
+    every rank makes (torch, DeepSpeed, transformers, datasets), made once per test worker by its
+    zygote (``zygote()``): a 2-step 2-rank run with a save takes 3.7 CPU-s so, 9.7 when it imports
+    for itself, 13.8 under torchrun and more under DeepSpeed's launcher, which starts two processes
+    that each import DeepSpeed first. Each rank is still a process of its own with the environment
+    a launcher gives it, and a rank's exit code passes through. The tests of what a
     launcher does (its signal forwarding, how it reports a failure, the product's everyday run)
     name it: ``launcher="deepspeed"``, ``"torchrun"``, ``"accelerate"``.
     """

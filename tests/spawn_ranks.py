@@ -2,7 +2,8 @@
 or ``mpirun`` do: no launcher kills the survivors when one rank dies, so a rank that would hang
 waiting for a dead or failed peer shows up as one.
 
-    python spawn_ranks.py NPROCS REPORT.json MASTER_PORT [--fork] -- [finetune flags...]
+    python spawn_ranks.py NPROCS REPORT.json MASTER_PORT [--fork [--zygote SOCKET]] -- [flags...]
+    python spawn_ranks.py --serve SOCKET
 
 Each rank gets RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR / MASTER_PORT and inherits this
 process's group and output. REPORT.json.pids holds ``{rank: pid}`` once every rank is started. When
@@ -14,8 +15,10 @@ under DeepSpeed's launcher (torchrun reports any failure as 1).
 Without ``--fork`` each rank is ``python -m finetune``. With it, this process imports the libraries
 every rank imports (torch, transformers, DeepSpeed, datasets: ~6 s of one core) once, then forks
 the ranks, which run ``python -m finetune``'s code from there: the same processes, minus the
-imports, which are ~40 % of a short test run's CPU. What a fault test looks at (saves, commits,
+imports, which are ~60 % of a short test run's CPU. What a fault test looks at (saves, commits,
 kills, signals, exits) starts after that; a test about signals *during* start-up runs without it.
+With ``--zygote`` those imports were made once, by a zygote that serves many launches (its
+section below): the ranks are then in a group of their own, which this process's signals reach.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 
 # What every rank imports before its first step (import order as in a run); finetune itself is
 # not preloaded: its modules read their environment (the fault to inject, the rank) when imported.
@@ -71,18 +75,42 @@ def _forked_rank(env: dict, args: list[str]) -> None:
 
 
 def main(argv: list[str]) -> int:
+    if argv[:1] == ["--serve"]:
+        return serve(argv[1])
     nprocs, report, port = int(argv[0]), argv[1], argv[2]
     rest = argv[3:]
     fork = rest[:1] == ["--fork"]
     rest = rest[1:] if fork else rest
+    zygote = None
+    if rest[:1] == ["--zygote"]:
+        zygote, rest = rest[1], rest[2:]
     args = rest[1:] if rest[:1] == ["--"] else rest
+    if zygote is not None:
+        code = through_zygote(zygote, [str(nprocs), report, port, *args])
+        if code is not None:
+            return code
+    return launch(nprocs, report, port, args, fork, preloaded=False)
+
+
+def launch(
+    nprocs: int,
+    report: str,
+    port: str,
+    args: list[str],
+    fork: bool,
+    preloaded: bool,
+    then: Callable[[], None] = lambda: None,
+) -> int:
+    """Start the ranks, then ``then()``, wait for every one, write REPORT; the exit code as the
+    module's docstring says."""
     started = time.time()
     pids: list[int] = []
     if fork:
         import importlib
 
-        for name in PRELOAD:
-            importlib.import_module(name)
+        if not preloaded:
+            for name in PRELOAD:
+                importlib.import_module(name)
         sys.stdout.flush()
         sys.stderr.flush()
         for r in range(nprocs):
@@ -99,6 +127,7 @@ def main(argv: list[str]) -> int:
             for r in range(nprocs)
         ]
         pids = [p.pid for p in procs]
+    then()
     if report != "-":
         with open(report + ".pids.tmp", "w") as f:
             json.dump({str(r): pid for r, pid in enumerate(pids)}, f)
@@ -118,6 +147,154 @@ def main(argv: list[str]) -> int:
         os.replace(report + ".tmp", report)
     failed = next((c for c in codes if c), 0)
     return 128 - failed if failed < 0 else failed
+
+
+# --- a zygote: the imports made once per test worker ---------------------------------------------
+#
+# ``--serve SOCKET`` imports PRELOAD once and then, for each client (``--zygote SOCKET``: this
+# script as a launcher), forks a launch that takes over the client's standard streams, working
+# directory and environment, becomes a process group of its own, forks the ranks and reports their
+# exit code back. The client stays the test's process: a signal it gets is passed to the launch's
+# group, and when it dies (SIGKILL to its group) the launch kills its ranks. A client whose
+# environment differs from the zygote's in anything the imports may have read (all but FINETUNE_*,
+# which only finetune reads, pytest's per-test variable and the shell's own) is refused and starts
+# its ranks itself.
+
+IGNORED_ENV = ("FINETUNE_", "AWS_")  # AWS_*: read by boto3 when a client is made
+IGNORED_NAMES = {"PYTEST_CURRENT_TEST", "_", "PWD", "OLDPWD", "SHLVL"}
+FORWARDED = ("SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2", "SIGHUP", "SIGCONT")
+
+
+def _import_env(env: dict) -> dict:
+    return {
+        k: v for k, v in env.items() if not k.startswith(IGNORED_ENV) and k not in IGNORED_NAMES
+    }
+
+
+def _send(conn, message: dict, fds: list[int] | None = None) -> None:
+    import socket
+
+    data = json.dumps(message).encode() + b"\n"
+    if fds:
+        socket.send_fds(conn, [data], fds)
+    else:
+        conn.sendall(data)
+
+
+def _receive(conn, nfds: int = 0) -> tuple[dict | None, list[int]]:
+    import socket
+
+    data, fds = b"", []
+    while not data.endswith(b"\n"):
+        if nfds and not fds:
+            chunk, fds, _, _ = socket.recv_fds(conn, 1 << 20, nfds)
+        else:
+            chunk = conn.recv(1 << 20)
+        if not chunk:
+            return None, fds
+        data += chunk
+    return json.loads(data), fds
+
+
+def serve(path: str) -> int:
+    import importlib
+    import socket
+
+    own = _import_env(dict(os.environ))
+    for name in PRELOAD:
+        importlib.import_module(name)
+    # what the imports set for themselves (torch's and DeepSpeed's defaults): each launch keeps it
+    added = {k: v for k, v in os.environ.items() if k not in own and k not in IGNORED_NAMES}
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    server.bind(path)
+    server.listen(8)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    while True:
+        conn, _ = server.accept()
+        request, fds = _receive(conn, 3)
+        if request is not None and _import_env(request["env"]) != own:
+            theirs = _import_env(request["env"])
+            differ = sorted(k for k in own.keys() | theirs.keys() if own.get(k) != theirs.get(k))
+            print(f"spawn_ranks zygote: refused, environment differs in {differ}", file=sys.stderr)
+        if request is None or len(fds) != 3 or _import_env(request["env"]) != own:
+            _send(conn, {"ok": False})
+            conn.close()
+            for fd in fds:
+                os.close(fd)
+            continue
+        child = os.fork()
+        if child == 0:  # the launch, forked twice: its parent is gone at once, not this zygote's
+            server.close()
+            if os.fork() != 0:
+                os._exit(0)
+            _launched(conn, fds, request, added)
+        os.waitpid(child, 0)
+        conn.close()
+        for fd in fds:
+            os.close(fd)
+
+
+def _launched(conn, fds: list[int], request: dict, added: dict) -> None:
+    """In the launch: the client's streams, folder and environment, a group of its own; never
+    returns."""
+    import signal
+    import threading
+
+    code = 1
+    try:
+        os.setsid()
+        for target, fd in enumerate(fds):
+            os.dup2(fd, target)
+            os.close(fd)
+        os.chdir(request["cwd"])
+        os.environ.clear()
+        os.environ.update({**added, **request["env"]})
+        _send(conn, {"ok": True, "group": os.getpgrp()})
+        nprocs, report, port, *args = request["argv"]
+
+        def orphaned() -> None:  # the client died (SIGKILL to the test's group): so do the ranks
+            _receive(conn)
+            os.killpg(0, 9)
+
+        def started() -> None:  # the ranks get what the client passes on; the launch waits
+            for name in FORWARDED:
+                signal.signal(getattr(signal, name), signal.SIG_IGN)
+            threading.Thread(target=orphaned, daemon=True).start()
+
+        code = launch(int(nprocs), report, port, args, fork=True, preloaded=True, then=started)
+        _send(conn, {"code": code})
+    finally:
+        os._exit(0 if code is not None else 1)
+
+
+def through_zygote(path: str, argv: list[str]) -> int | None:
+    """As a client: the ranks started by the zygote at ``path``; their exit code, or None when
+    the zygote is not there or refuses this environment."""
+    import signal
+    import socket
+
+    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        conn.connect(path)
+        _send(conn, {"argv": argv, "env": dict(os.environ), "cwd": os.getcwd()}, [0, 1, 2])
+        reply, _ = _receive(conn)
+    except OSError:
+        return None
+    if not reply or not reply["ok"]:
+        return None
+    group = reply["group"]
+
+    def forward(sig: int, _frame: object) -> None:
+        try:
+            os.killpg(group, sig)
+        except ProcessLookupError:  # every rank has exited
+            pass
+
+    for name in FORWARDED:
+        signal.signal(getattr(signal, name), forward)
+    done, _ = _receive(conn)
+    return done["code"] if done else 1
 
 
 if __name__ == "__main__":
