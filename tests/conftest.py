@@ -211,10 +211,10 @@ def zygote() -> Path:
     environment tests give their runs; a launch whose environment differs in what imports read,
     or that comes before the zygote listens, imports for itself. Stopped at the end of the
     session."""
-    path = Path(tempfile.gettempdir()) / f"finetune-zygote-{os.getpid()}.sock"
+    path = _zygote_file("sock")
     if not _ZYGOTE:
         path.unlink(missing_ok=True)
-        with open(Path(tempfile.gettempdir()) / f"finetune-zygote-{os.getpid()}.log", "w") as log:
+        with open(_zygote_file("log"), "w") as log:
             _ZYGOTE.append(
                 subprocess.Popen(
                     [sys.executable, str(SPAWN_RANKS), "--serve", str(path)],
@@ -235,9 +235,12 @@ def _stop_the_zygote():
         proc.kill()
         proc.wait()
         for suffix in ("sock", "log"):
-            (Path(tempfile.gettempdir()) / f"finetune-zygote-{os.getpid()}.{suffix}").unlink(
-                missing_ok=True
-            )
+            _zygote_file(suffix).unlink(missing_ok=True)
+
+
+def _zygote_file(suffix: str) -> Path:
+    """This test process's zygote's socket ("sock") or output ("log"), in the temp folder."""
+    return Path(tempfile.gettempdir()) / f"finetune-zygote-{os.getpid()}.{suffix}"
 
 
 def node_launcher(node: int, port: str, nodes: int = 2) -> list[str]:

@@ -213,11 +213,15 @@ def serve(path: str) -> int:
     while True:
         conn, _ = server.accept()
         request, fds = _receive(conn, 3)
-        if request is not None and _import_env(request["env"]) != own:
-            theirs = _import_env(request["env"])
-            differ = sorted(k for k in own.keys() | theirs.keys() if own.get(k) != theirs.get(k))
-            print(f"spawn_ranks zygote: refused, environment differs in {differ}", file=sys.stderr)
-        if request is None or len(fds) != 3 or _import_env(request["env"]) != own:
+        theirs = _import_env(request["env"]) if request is not None else None
+        if theirs != own or len(fds) != 3:
+            if theirs is not None:
+                differ = sorted(
+                    k for k in own.keys() | theirs.keys() if own.get(k) != theirs.get(k)
+                )
+                print(
+                    f"spawn_ranks zygote: refused, environment differs in {differ}", file=sys.stderr
+                )
             _send(conn, {"ok": False})
             conn.close()
             for fd in fds:
@@ -241,8 +245,7 @@ def _launched(conn, fds: list[int], request: dict, added: dict) -> None:
     import signal
     import threading
 
-    code = 1
-    try:
+    try:  # a failure before "ok" sends the client to its own imports, after it to exit code 1
         os.setsid()
         for target, fd in enumerate(fds):
             os.dup2(fd, target)
@@ -265,7 +268,7 @@ def _launched(conn, fds: list[int], request: dict, added: dict) -> None:
         code = launch(int(nprocs), report, port, args, fork=True, preloaded=True, then=started)
         _send(conn, {"code": code})
     finally:
-        os._exit(0 if code is not None else 1)
+        os._exit(0)  # nobody waits for the launch: its ranks' code went to the client
 
 
 def through_zygote(path: str, argv: list[str]) -> int | None:
