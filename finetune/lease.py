@@ -212,8 +212,15 @@ class Lease:
                 return
 
     def _beat(self) -> bool:
-        """Renew the lease once; False when it is lost and beating must stop."""
+        """Renew the lease once; False when it is lost and beating must stop.
+
+        The new lease is written and synced to a temp file first; only then is the lease read and,
+        if still ours, replaced: the window in which a takeover can be overwritten is the read and
+        the rename, not the fsync (which a loaded disk can stretch to seconds)."""
+        info = {**self.info, "beat": self.info["beat"] + 1}
+        tmp = self.path.with_name(f"{LEASE}.tmp.{self._tag}")
         try:
+            _write_file(tmp, encode(info))
             current = _read(self.path)
             other = parse(current)
             if other is not None and not is_ours(current, self.info):
@@ -227,13 +234,14 @@ class Lease:
                     self.path.parent,
                 )
                 return False
-            info = {**self.info, "beat": self.info["beat"] + 1}
             if current is None:
                 logger.warning("%s vanished while this run held it; creating it again", self.path)
                 if not _publish(self.path, encode(info), self._tag):
                     return True  # another run's now: the next beat says whose
-            elif not self._replace(encode(info)):
-                return False
+            elif self._stop.is_set():
+                return False  # release() may be about to remove the lease: don't bring it back
+            else:
+                os.replace(tmp, self.path)
             self.info = info
         except OSError as e:
             if not self._failing:
@@ -242,23 +250,11 @@ class Lease:
                 )
             self._failing = True
             return True
+        finally:
+            tmp.unlink(missing_ok=True)
         if self._failing:
             logger.info("renewed %s again", self.path)
             self._failing = False
-        return True
-
-    def _replace(self, data: bytes) -> bool:
-        """Overwrite our lease atomically; False (nothing written) when
-        release() began meanwhile."""
-        tmp = self.path.with_name(f"{LEASE}.tmp.{self._tag}")
-        try:
-            _write_file(tmp, data)
-            # release() may be about to remove the lease: don't bring it back
-            if self._stop.is_set():
-                return False
-            os.replace(tmp, self.path)
-        finally:
-            tmp.unlink(missing_ok=True)
         return True
 
 

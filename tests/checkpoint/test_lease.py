@@ -361,6 +361,29 @@ def test_the_heartbeat_never_overwrites_a_run_that_took_over(tmp_path, caplog):
     assert holder(out) == written
 
 
+def test_a_takeover_while_the_heartbeat_syncs_is_seen_not_overwritten(tmp_path, monkeypatch):
+    """The heartbeat's slow part (write and fsync of the next lease) comes before it reads the
+    lease: a takeover landing during that sync is read, and the run stops beating. Read first,
+    the run would rename its lease over the newcomer's."""
+    out = tmp_path / "out"
+    lease = acquire(out, "stalled", renew_s=0.05)
+    wait_for(lambda: holder(out)["beat"] >= 1)
+    taken = threading.Event()
+    write = lease_mod._write_file
+
+    def slow_sync(path, data, mode="wb"):
+        write(path, data, mode)
+        if ".tmp." in path.name and not taken.is_set():
+            taken.set()
+            write_lease(out, run_id="newcomer", **ELSEWHERE)
+
+    monkeypatch.setattr(lease_mod, "_write_file", slow_sync)
+    wait_for(lambda: lease.lost)
+    assert holder(out)["run_id"] == "newcomer"
+    lease.release()
+    assert holder(out)["run_id"] == "newcomer"
+
+
 def test_a_failing_heartbeat_warns_and_keeps_trying(tmp_path, monkeypatch, caplog):
     out = tmp_path / "out"
     lease = acquire(out, "run", renew_s=0.02)
