@@ -202,15 +202,16 @@ def launcher_cmd(launcher: str, nprocs: int) -> list[str]:
 
 
 _ZYGOTE: list[subprocess.Popen] = []
+_SESSION_ENV = dict(os.environ)  # before any test changed it: the zygote's environment
 
 
 def zygote() -> Path:
     """This test process's zygote (tests/spawn_ranks.py --serve): it imports what every rank
     imports once, then forks each forked launch's ranks, so a launch costs ~3.7 CPU-s instead of
     ~9.7 (a 2-rank, 2-step run with a save). Started at the first forked launch, with the
-    environment tests give their runs; a launch whose environment differs in what imports read,
-    or that comes before the zygote listens, imports for itself. Stopped at the end of the
-    session."""
+    environment tests give their runs as it was when the session began (not as the first test
+    left it); a launch whose environment differs in what imports read, or that comes before the
+    zygote listens, imports for itself. Stopped at the end of the session."""
     path = _zygote_file("sock")
     if not _ZYGOTE:
         path.unlink(missing_ok=True)
@@ -219,7 +220,7 @@ def zygote() -> Path:
                 subprocess.Popen(
                     [sys.executable, str(SPAWN_RANKS), "--serve", str(path)],
                     cwd=REPO,
-                    env=child_env(),
+                    env=child_env(base=_SESSION_ENV),
                     stdout=log,
                     stderr=subprocess.STDOUT,
                     start_new_session=True,
@@ -253,8 +254,10 @@ def node_launcher(node: int, port: str, nodes: int = 2) -> list[str]:
     ]
 
 
-def child_env(extra: dict | None = None) -> dict:
-    env = dict(os.environ)
+def child_env(extra: dict | None = None, base: dict | None = None) -> dict:
+    """The environment of a run a test starts: ``base`` (default: this process's, now) with what
+    every run gets here, then ``extra``."""
+    env = dict(os.environ if base is None else base)
     # One DeepSpeed op cache per venv (see the Makefile): a shared one thrashes between checkouts.
     env.setdefault("TORCH_EXTENSIONS_DIR", str(Path(sys.prefix) / "torch_extensions"))
     env.update(
@@ -316,10 +319,14 @@ class Running:
             stray = psutil.Process(self.proc.pid).children(recursive=True)
         except psutil.NoSuchProcess:
             stray = []
-        try:
-            os.killpg(self.proc.pid, 9)
-        except (ProcessLookupError, PermissionError):
-            pass
+        # A zygote's ranks are no descendants, and their group is the launch's: killed first, and
+        # waited for, so that every rank is gone when this returns, as with the others.
+        ranks = list(self.rank_pids().values()) if self._ranks_report() is not None else []
+        for group in [*_groups_of(ranks), self.proc.pid]:
+            try:
+                os.killpg(group, 9)
+            except (ProcessLookupError, PermissionError):
+                pass
         for p in stray:
             try:
                 p.kill()
@@ -327,6 +334,7 @@ class Running:
                 pass
         if self.proc.poll() is None:
             self.proc.wait()
+        _wait_gone(ranks)
         port = next(
             (
                 self.cmd[i + 1]
@@ -373,6 +381,32 @@ class Running:
             if "LOCAL_RANK" in env and "RANK" in env and "finetune" in " ".join(child.cmdline()):
                 ranks[int(env["RANK"])] = child.pid
         return ranks
+
+
+def _groups_of(pids: list[int]) -> list[int]:
+    """The process groups of ``pids`` other than this test process's own."""
+    groups = set()
+    for pid in pids:
+        try:
+            groups.add(os.getpgid(pid))
+        except ProcessLookupError:
+            pass
+    return sorted(groups - {os.getpgrp(), 0, 1})
+
+
+def _wait_gone(pids: list[int], timeout: float = 10.0) -> None:
+    """Until each of ``pids`` has exited (a zombie counts: its parent reaps it), for ``timeout``."""
+    import psutil
+
+    deadline = time.monotonic() + timeout
+    for pid in pids:
+        while time.monotonic() < deadline:
+            try:
+                if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+                    break
+            except psutil.NoSuchProcess:
+                break
+            time.sleep(0.01)
 
 
 def run_cli(args: list[str], cwd) -> subprocess.CompletedProcess:

@@ -157,11 +157,16 @@ def launch(
 # exit code back. The client stays the test's process: a signal it gets is passed to the launch's
 # group, and when it dies (SIGKILL to its group) the launch kills its ranks. A client whose
 # environment differs from the zygote's in anything the imports may have read (all but FINETUNE_*,
-# which only finetune reads, pytest's per-test variable and the shell's own) is refused and starts
-# its ranks itself.
+# which only finetune reads, AWS_*, the libraries' verbosity, pytest's per-test variable and the
+# shell's own) is refused and starts its ranks itself.
 
 IGNORED_ENV = ("FINETUNE_", "AWS_")  # AWS_*: read by boto3 when a client is made
-IGNORED_NAMES = {"PYTEST_CURRENT_TEST", "_", "PWD", "OLDPWD", "SHLVL"}
+IGNORED_NAMES = {"PYTEST_CURRENT_TEST", "_", "PWD", "OLDPWD", "SHLVL"} | {
+    # read by transformers and datasets when imported, and set by finetune's CLI when it runs (in a
+    # test's own process too); a rank's console setup sets both libraries' levels itself
+    "TRANSFORMERS_VERBOSITY",
+    "DATASETS_VERBOSITY",
+}
 FORWARDED = ("SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2", "SIGHUP", "SIGCONT")
 
 
@@ -169,6 +174,18 @@ def _import_env(env: dict) -> dict:
     return {
         k: v for k, v in env.items() if not k.startswith(IGNORED_ENV) and k not in IGNORED_NAMES
     }
+
+
+def _differ(own: dict, added: dict, env: dict) -> list[str]:
+    """The variables a client's ``env`` has otherwise than the zygote's before its imports
+    (``own``), but for those the imports set (``added``), which the client may have set alike by
+    importing the same libraries."""
+    theirs = _import_env(env)
+    return sorted(
+        k
+        for k in own.keys() | theirs.keys()
+        if theirs.get(k) != own.get(k) and not (k in added and theirs.get(k) in (None, added[k]))
+    )
 
 
 def _send(conn, message: dict, fds: list[int] | None = None) -> None:
@@ -213,15 +230,10 @@ def serve(path: str) -> int:
     while True:
         conn, _ = server.accept()
         request, fds = _receive(conn, 3)
-        theirs = _import_env(request["env"]) if request is not None else None
-        if theirs != own or len(fds) != 3:
-            if theirs is not None:
-                differ = sorted(
-                    k for k in own.keys() | theirs.keys() if own.get(k) != theirs.get(k)
-                )
-                print(
-                    f"spawn_ranks zygote: refused, environment differs in {differ}", file=sys.stderr
-                )
+        differ = _differ(own, added, request["env"]) if request is not None else None
+        if differ != [] or len(fds) != 3:
+            if differ:
+                print(f"spawn_ranks zygote: refused, its environment differs: {differ}", flush=True)
             _send(conn, {"ok": False})
             conn.close()
             for fd in fds:

@@ -22,7 +22,7 @@ from finetune.checkpoint_format.outdir import ABANDONED, LATEST, TRASH, step_of,
 from finetune.io import seams
 from finetune.io.faults import HANG, KINDS
 
-from conftest import SPAWN_RANKS, Running, child_env, free_port
+from conftest import SPAWN_RANKS, Running, child_env, free_port, zygote
 
 DDP_TIMEOUT = 20  # every run's --ddp_timeout: a rank stuck in a collective fails after this long
 BOUND_S = 2 * DDP_TIMEOUT + 20  # a fault (or a kill) → the last rank exited
@@ -86,10 +86,11 @@ class Ranks:
 class RankRun:
     """``nprocs`` ranks started by spawn_ranks.py in one process group (see conftest.Running).
 
-    ``fork``: the ranks are forked from a process that has imported torch, transformers, DeepSpeed
-    and datasets (spawn_ranks.py --fork): what every test here looks at starts after the imports,
-    which are ~40 % of a short run's CPU. False: each rank is a fresh ``python -m finetune``, for
-    signals that must land while a rank is still importing."""
+    ``fork``: the ranks are forked from this test process's zygote, which has imported torch,
+    transformers, DeepSpeed and datasets once (spawn_ranks.py --fork --zygote, conftest.zygote):
+    what every test here looks at starts after the imports, which are ~60 % of a short run's CPU.
+    False: each rank is a fresh ``python -m finetune``, for signals that must land while a rank is
+    still importing."""
 
     def __init__(
         self,
@@ -109,7 +110,7 @@ class RankRun:
             str(nprocs),
             str(self.report),
             str(free_port()),
-            *(["--fork"] if fork else []),
+            *(["--fork", "--zygote", str(zygote())] if fork else []),
             "--",
             *args,
             "--output_dir",

@@ -150,8 +150,10 @@ def test_remote_site(site, rank, kind, aws_env, tmp_path, request, fault_record)
         # step 1's copy failed on one rank; the final checkpoint's copy landed
         assert r.codes == [0, 0], r.output[-6000:]
         assert remote_head(uri) == STEPS
-        failed = events(r.out_dir, "remote_upload_failed")
-        assert failed and failed[0]["tag"] == "global_step1", failed
+        # Step 1's failure is counted at a boundary, unless step 2's commit (the newest complete
+        # wins) landed before that boundary's tally: step 1 is then settled by it, as skipped.
+        fate = events(r.out_dir, "remote_upload_failed") or events(r.out_dir, "remote_skipped")
+        assert fate and fate[0]["tag"] == "global_step1", fate
     check_after(r, uri)
     resumes_to_the_end(tmp_path, r.out_dir, uri, STEPS + 2, aws_env.env())
 
