@@ -123,6 +123,14 @@ def test_smoke_run_has_every_measure(smoke):
 
 @pytest.mark.distributed
 @pytest.mark.timeout(960)
+def test_throughput_measure_records_each_tools_flops(smoke):
+    for tool in ("finetune", "hf"):
+        flops = smoke["P1"]["mfu"][tool]
+        assert flops["tflops"] > 0, flops
+        # no peak is known for a CPU: no MFU, rather than one against a made-up figure
+        assert flops["device"] != "cpu" or flops["mfu"] is None, flops
+
+
 def test_async_save_measure(smoke):
     if not async_api_present():
         pytest.skip(
@@ -311,6 +319,7 @@ def test_p1_is_the_median_of_alternating_pairs(tmp_path):
         "launches": launches,
         "model_config": {"num_hidden_layers": 4, "hidden_size": 256},
         "settings": {"per_device_train_batch_size": 16},
+        "mfu": {t: {"tflops": 0.01, "mfu": None, "device": "cpu"} for t in ("finetune", "hf")},
     }
     ctx = _FakeCtx(tmp_path, {}, {})
     ctx.sizes = {"P1": {"steps": 40, "warmup": 10, "logging_steps": 5, "rounds": 3}}
@@ -324,3 +333,53 @@ def test_p1_is_the_median_of_alternating_pairs(tmp_path):
     assert e["pair_ratios"] == [round(100 / 110, 4), round(99 / 90, 4), round(80 / 70, 4)]
     assert e["ratio"] == pytest.approx(99 / 90) and e["met"] is True
     assert e["ratio_total_tokens"] == pytest.approx((279 / 3) / (270 / 3))
+
+
+# --- MFU (bench/train/mfu.py) --------------------------------------------------------------------
+
+
+def _matmul_weights(cfg: dict) -> int:
+    """The weights of every nn.Linear of the model transformers builds from ``cfg`` (on the meta
+    device: no memory), counted independently of mfu.py's formula."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model("llama", **cfg)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    return sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+
+
+def test_mfu_counts_the_matmuls_transformers_builds():
+    mfu = _load("train.mfu")
+    shape = _load("train.train_throughput").SHAPES["llama-3.2-1b"]
+    llama_1b = {**shape, "vocab_size": 128256, "tie_word_embeddings": True}
+    # Llama-3.2-1B: 1.236 B parameters, the embedding tied to lm_head; what is not a matmul's
+    # weight is its norms (33 x 2048)
+    assert mfu.matmul_params(llama_1b) == _matmul_weights(llama_1b) == 1_235_746_816
+    # no head_dim (hidden / heads) and as many KV heads as heads
+    small = {k: v for k, v in shape.items() if k != "head_dim"}
+    small |= {"vocab_size": 1000, "num_key_value_heads": 32}
+    assert mfu.matmul_params(small) == _matmul_weights(small)
+    # 6 N + 12 L H Q T: at 2048 tokens a row, attention adds 12 * 16 * 32 * 64 * 2048 FLOPs
+    assert mfu.flops_per_token(llama_1b, 2048) == 6 * 1_235_746_816 + 805_306_368
+
+
+def test_mfu_is_measured_against_the_devices_own_peak():
+    mfu = _load("train.mfu")
+    assert mfu.peak_tflops("NVIDIA H100 80GB HBM3", "bf16") == 989.4
+    assert mfu.peak_tflops("NVIDIA H100 PCIe", "bf16") == 756.0
+    assert mfu.peak_tflops("NVIDIA H200", "fp32") == 494.7
+    assert mfu.peak_tflops("NVIDIA L40S", "bf16") == 362.1
+    assert mfu.peak_tflops("NVIDIA L4", "bf16") == 121.0
+    cfg = {**_load("train.train_throughput").SHAPES["llama-3.2-1b"], "vocab_size": 128256}
+    per_token = mfu.flops_per_token(cfg, 2048)
+    # 40 % of one H100's peak: the tokens/s that takes
+    tokens_per_s = 0.4 * 989.4e12 / per_token
+    on_h100 = mfu.mfu(tokens_per_s, cfg, 2048, "NVIDIA H100 80GB HBM3", 1, "bf16")
+    assert on_h100["mfu"] == pytest.approx(0.4) and on_h100["tflops"] == pytest.approx(395.76)
+    assert mfu.mfu(tokens_per_s, cfg, 2048, "NVIDIA H100 80GB HBM3", 2, "bf16")["mfu"] == (
+        pytest.approx(0.2)
+    )
+    on_cpu = mfu.mfu(1000.0, cfg, 64, "cpu", 2, "fp32")
+    assert on_cpu["mfu"] is None and "'cpu'" in on_cpu["why"] and on_cpu["tflops"] > 0

@@ -64,6 +64,7 @@ OTHER_TOOLS: dict[str, str] = {
     "--out": "bench/run_all.py",
     "--steps": "bench/train/train_throughput.py",
     "--wait_quiet": "bench/train/train_throughput.py",
+    "--shape": "bench/train/train_throughput.py",
     "--repeats": "bench/data/data_path.py",
     "--rows": "bench/data/data_path.py",
     "--finetune_src": "bench/data/data_path.py",

@@ -65,6 +65,11 @@ def p1(ctx: Ctx) -> dict:
         "HF Trainer + DeepSpeed ZeRO-3",
         raw,
         ratio_quiet_launches=quiet,
+        # each tool's achieved TFLOP/s and its share of the devices' peak (None on CPU)
+        mfu={
+            tool: {"tflops": round(u["tflops"], 6), "mfu": u["mfu"], "device": u["device"]}
+            for tool, u in r["mfu"].items()
+        },
         note=(
             "ratio = the median of the pairs' ratios (launches 1-2, 3-4, 5-6: one per tool, "
             "alternating order; ratio_total_tokens: all launches' tokens / seconds); "

@@ -92,6 +92,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository: bench.*
 from bench.harness import REPO, free_port, machine, versions  # noqa: E402
+from bench.train.mfu import mfu  # noqa: E402
 from finetune.ops import parsable_cuda_arch_list  # noqa: E402
 
 RES = REPO / "finetune" / "resources"
@@ -100,6 +101,18 @@ TOKENIZER_DIR = RES / "tokenizer"
 TRAIN_FILE = RES / "data" / "train.jsonl"
 DS_CONFIG = REPO / "configs" / "ds_zero3.json"
 HF_SCRIPT = Path(__file__).resolve().parent / "hf_trainer_run.py"
+# Real models' shapes, for a GPU's figures (--shape); "scaled" derives one from --hidden_size.
+SHAPES = {
+    "scaled": None,
+    "llama-3.2-1b": {
+        "hidden_size": 2048,
+        "intermediate_size": 8192,
+        "num_hidden_layers": 16,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "head_dim": 64,
+    },
+}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -115,6 +128,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     p.add_argument("--hidden_size", type=int, default=256)
     p.add_argument("--num_layers", type=int, default=4)
+    p.add_argument(
+        "--shape",
+        choices=tuple(SHAPES),
+        default="scaled",
+        help="the model: 'scaled' is the embedded config at --hidden_size x --num_layers; "
+        "a named shape is that model's (the embedded tokenizer's vocabulary either way)",
+    )
     p.add_argument("--num_gpus", type=int, default=2, help="ranks per launch")
     p.add_argument(
         "--precision",
@@ -178,12 +198,15 @@ def write_inputs(a: argparse.Namespace, tmp: Path) -> dict:
     kv_ratio = cfg["num_attention_heads"] // cfg["num_key_value_heads"]
     heads = max(1, a.hidden_size // head_dim)
     cfg.update(
-        hidden_size=a.hidden_size,
-        intermediate_size=3 * a.hidden_size,
-        num_hidden_layers=a.num_layers,
-        num_attention_heads=heads,
-        num_key_value_heads=max(1, heads // kv_ratio),
-        head_dim=head_dim,
+        SHAPES[a.shape]
+        or dict(
+            hidden_size=a.hidden_size,
+            intermediate_size=3 * a.hidden_size,
+            num_hidden_layers=a.num_layers,
+            num_attention_heads=heads,
+            num_key_value_heads=max(1, heads // kv_ratio),
+            head_dim=head_dim,
+        )
     )
     model_dir = tmp / "model"
     model_dir.mkdir()
@@ -433,6 +456,25 @@ def measure_hf(out_dir: Path, a) -> dict:
     }
 
 
+def model_flops(a: argparse.Namespace, cfg: dict, summary: dict) -> dict:
+    """Each tool's MFU (bench/train/mfu.py) at its tokens/s, rows as long as its mean row."""
+    import torch
+
+    device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
+    rows_per_step = a.per_device_train_batch_size * a.num_gpus
+    return {
+        tool: mfu(
+            s["tokens_per_s"],
+            cfg,
+            s["mean_tokens_per_step"] / rows_per_step,
+            device,
+            a.num_gpus,
+            a.precision,
+        )
+        for tool, s in summary.items()
+    }
+
+
 def finetune_meta(log: Path) -> dict:
     meta = {}
     for line in log.read_text(errors="replace").splitlines():
@@ -530,6 +572,7 @@ def main(argv=None) -> int:
     quiet = summarize(lambda m: not m["contended"])
     ratio_quiet = quiet["finetune"]["tokens_per_s"] / quiet["hf"]["tokens_per_s"] if quiet else None
 
+    utilisation = model_flops(a, inputs["model_config"], summary)
     result = {
         "benchmark": "train_throughput",
         "date_utc": started.isoformat(timespec="seconds"),
@@ -557,6 +600,7 @@ def main(argv=None) -> int:
         "ratio_finetune_over_hf": ratio,
         "summary_quiet_launches": quiet,
         "ratio_finetune_over_hf_quiet_launches": ratio_quiet,
+        "mfu": utilisation,
         "launches": launches,
         "logs_dir": str(logs_dir),
     }
@@ -600,6 +644,17 @@ def main(argv=None) -> int:
                 f"launches {','.join(map(str, sm['launches']))}"
             )
         print(f"        ratio finetune/HF (tokens/s): {r:.3f}")
+    for tool, u in utilisation.items():
+        share = (
+            f"no MFU: {u['why']}"
+            if u["mfu"] is None
+            else f"MFU {100 * u['mfu']:.1f}% of {u['devices']} x {u['peak_tflops_per_device']} "
+            f"TFLOP/s ({u['device']})"
+        )
+        print(
+            f"{names[tool]}: {u['tflops']:.3g} TFLOP/s ({u['flops_per_token'] / 1e9:.3g} GFLOP "
+            f"a token, rows of {u['seq_len']:.0f} tokens); {share}"
+        )
     if any(m["contended"] for m in launches):
         print(
             "warning: other processes used the CPU during some launches; their numbers are skewed"
