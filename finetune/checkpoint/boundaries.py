@@ -7,7 +7,8 @@ unless it is already saved. At the end (``at_end``): the final save, whose failu
 the run exit 1, then the bucket's copy drained. A failed save goes through --on_save_error
 (``_failed``). Under --async_save a save's rank files are written on the writer's thread and the
 save is committed at a later boundary: ``poll`` when every rank has written its files, ``wait``
-when a save is due or training stops (``settle``). The bucket's copy (--remote_output_dir) is
+when a save is due or training stops (``settle``); a due save that waited for it is said
+(``_keep_pace``, cadence.py). The bucket's copy (--remote_output_dir) is
 polled at every boundary; a copy given up (no progress within its deadline) stops the run with
 exit 1. Every method is collective unless it says rank-local.
 """
@@ -15,12 +16,14 @@ exit 1. Every method is collective unless it says rank-local.
 from __future__ import annotations
 
 import logging
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from pathlib import Path
 
 from finetune import distributed as dist
 from finetune.checkpoint.bucket import BucketCopy
+from finetune.checkpoint.cadence import Cadence
 from finetune.checkpoint.contents import Pending
 from finetune.checkpoint.retention import Lineage
 from finetune.checkpoint.staging import SaveError, Staging
@@ -44,7 +47,8 @@ class SaveBoundaries(ABC):
     pending: Pending | None  # --async_save: written on the writer's thread, not yet committed
     committed_step: int | None  # the newest step committed (or resumed from)
     copy_wait_s: float  # --async_save: what optimizer steps waited for snapshot copies
-    on_event: Callable[..., None]  # MetricsWriter.event: "checkpoint", "save_failed"
+    on_event: Callable[..., None]  # MetricsWriter.event: "checkpoint", "save_failed", …
+    cadence: Cadence  # whether saves come faster than they are written
 
     @abstractmethod
     def save(
@@ -77,7 +81,10 @@ class SaveBoundaries(ABC):
         ck = self.ckpt
         self.remote.poll(step)  # an all-reduce while a copy to --remote_output_dir is outstanding
         due = ck.save_checkpoint and ck.save_steps and step % ck.save_steps == 0 and step < total
+        since, in_flight = time.perf_counter(), self.pending is not None
         code = self._settle_in_flight(block=bool(due), written=written)
+        if due:
+            self._keep_pace(step, since, in_flight)
         if code is None and due:
             try:
                 self.save(step, background=ck.async_save)
@@ -89,6 +96,17 @@ class SaveBoundaries(ABC):
             )
             code = 1
         return code
+
+    def _keep_pace(self, step: int, since: float, in_flight: bool) -> None:
+        """The save of ``step`` is due; from ``since`` until now it waited for the one in flight
+        (``in_flight``). When that wait shows saves come faster than they are written: said once,
+        with the numbers, and an event each time (cadence.py)."""
+        behind = self.cadence.started(step, since, in_flight)
+        if behind is None:
+            return
+        if self.cadence.first():
+            dist.log_main(logging.WARNING, "%s", behind.message())
+        self.on_event("save_behind", step, **behind.event())
 
     def _failed(self, step: int, e: SaveError) -> int | None:
         """A save of ``step`` failed (every rank knows): the event, then --on_save_error."""
@@ -135,7 +153,10 @@ class SaveBoundaries(ABC):
         or it made no progress within its deadline). Collective."""
         if not self.ckpt.save_checkpoint:
             return 0
+        since, in_flight = time.perf_counter(), self.pending is not None
         self.settle()
+        if self.committed_step != step:
+            self._keep_pace(step, since, in_flight)
         if self.committed_step == step:
             # Resumed at (or past) the last step: re-saving would swap a complete checkpoint for a
             # copy of itself. A crash after its rename may have left `latest`, retention undone.

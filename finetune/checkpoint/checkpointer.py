@@ -7,7 +7,8 @@ bucket.py), which catches up here with what a stopped run left uncopied. The tra
 step boundaries (``at_step``, ``at_preemption``, ``at_end``); the sections below follow a save
 from top to bottom:
   when     (boundaries.py) every --save_steps, at a preemption, at the end; --on_save_error;
-           --async_save's save in flight committed at a later boundary (``poll``/``wait``);
+           --async_save's save in flight committed at a later boundary (``poll``/``wait``),
+           and a due save that had to wait for it said (cadence.py);
   save     free space, then each rank's snapshot (RNG, log window; leaders trainer_state), then
            DeepSpeed's rank files through a writer that fsyncs and checksums each file as it is
            written and records a failure instead of raising (every rank still reaches
@@ -41,6 +42,7 @@ import torch
 from finetune import distributed as dist
 from finetune.checkpoint.boundaries import SaveBoundaries
 from finetune.checkpoint.bucket import BucketCopy, NoRemoteCopy
+from finetune.checkpoint.cadence import Cadence
 from finetune.checkpoint.contents import (
     RANK_WINDOW,
     Clock,
@@ -147,6 +149,7 @@ class Checkpointer(SaveBoundaries):
         self.evaluated: dict[str, float] | None = None  # the last eval row (the trainer's)
         # Where commits and failed saves go (MetricsWriter.event); every rank calls it: no raising.
         self.on_event: Callable[..., None] = _no_event
+        self.cadence = Cadence()  # whether saves come faster than they are written
         self.remote = remote if remote is not None else NoRemoteCopy()
         self.remote.catch_up(storage)  # a copy a stopped run left unfinished
         head = plan.head if plan else None

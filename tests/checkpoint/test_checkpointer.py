@@ -631,6 +631,29 @@ def test_a_failed_background_save_is_reported_under_its_step_and_the_due_save_st
     assert OutputDir(tmp_path).tags() == [f"global_step{s}" for s in (1, 3, 4, 5, 6)]
 
 
+def test_saves_that_come_faster_than_they_are_written_are_said_once_and_each_counted(
+    tmp_path, tiny_module, monkeypatch, caplog
+):
+    """--async_save --save_steps 1 with each file's write slowed: every save after the first
+    waits for the one in flight. The run says so once, with the --save_steps that keeps up, and
+    records each wait as a save_behind event."""
+    monkeypatch.setenv(seams.SLOW_SAVE, "0.3")
+    m, progress, _ = make_manager(make_cfg(tmp_path, async_save=True, save_steps=1), tiny_module)
+    events = []
+    m.on_event = lambda kind, step, **fields: events.append((kind, step, fields))
+    for step in range(1, 4):
+        progress.global_step = step
+        assert m.at_step(step, 4) is None
+    progress.global_step = 4
+    assert m.at_end(4) == 0
+    behind = [(step, fields) for kind, step, fields in events if kind == "save_behind"]
+    assert [step for step, _ in behind] == [2, 3, 4], events
+    assert all(f["waited_s"] >= 0.5 and f["writer_s"] >= f["waited_s"] for _, f in behind)
+    said = [r.getMessage() for r in caplog.records if "saves come faster" in r.getMessage()]
+    assert len(said) == 1 and "raise --save_steps to" in said[0], said
+    assert [s for kind, s, _ in events if kind == "checkpoint"] == [1, 2, 3, 4]
+
+
 def test_retention_deletes_in_the_background_and_the_space_check_waits_for_what_it_frees(
     tmp_path, tiny_module, monkeypatch
 ):
