@@ -343,6 +343,8 @@ class Checkpointer(SaveBoundaries):
             bytes=total,
             seconds=round(clock.total, 3),
             consolidated=pending.consolidated and self.consolidation_error is None,
+            # each phase's seconds: --async_save's writer time is "copy" and "background"
+            phases={name: round(seconds, 3) for name, seconds in clock.laps},
         )
         own = pending.io.finish(tag, self.writer.files, clock.total)
         logger.info("%s", finished(tag, clock, total, own, pending.final))
