@@ -22,7 +22,7 @@ import pytest
 from conftest import REPO, child_env, run_group
 
 MEASURES = [f"P{i}" for i in range(1, 11)]
-SUBS = {"P2": ("P2b", "P2c"), "P5": ("P5b",), "P9": ("P6b",)}
+SUBS = {"P2": ("P2b", "P2c", "P3b"), "P5": ("P5b",), "P9": ("P6b",)}
 # Sub-measures the smoke sizes cannot run (P6b needs P9's HF restarts: none in --smoke).
 SMOKE_SKIPPED = {"P6b"}
 DOCS = [REPO / "docs" / "BENCHMARKS.md", REPO / "README.md"]

@@ -36,7 +36,7 @@ import sys
 import time
 from pathlib import Path
 
-from checkpoint_save_worker import exit_now, folder_bytes, timed  # noqa: E402 — this script's folder is on sys.path
+from checkpoint_save_worker import exit_now, folder_bytes, raw_write, timed  # noqa: E402 — this script's folder is on sys.path
 
 from finetune import distributed as dist
 
@@ -223,6 +223,17 @@ def main() -> None:
                 flush=True,
             )
 
+    # P3b's baseline: each rank writes as many bytes as its snapshot, at once, into the output dir
+    # with a plain write + fdatasync (the writer's files went there, with training alongside)
+    raw_s = []
+    for _ in range(a.repeats):
+        settle()
+        raw = out / f"raw-{dist.rank()}"
+        raw_s.append(timed(lambda raw=raw: raw_write(raw, manager.writer.snapshot_bytes)))
+        raw.unlink()
+    if dist.is_main():
+        print(f"raw write + fdatasync of the snapshot's bytes: {raw_s}", flush=True)
+
     # (b) step time with a write in flight vs none
     def step_time() -> float:
         t0 = time.perf_counter()
@@ -301,6 +312,7 @@ def main() -> None:
                     "first_async_stall_s": first_stall,
                     "stall": stall,
                     "profile": profile,
+                    "raw_write_s": raw_s,
                     "background": per_save,
                     "inflight_steps_s": inflight,
                     "idle_steps_s": idle,

@@ -54,7 +54,8 @@ class HashingWriter:
         pace=None,
     ):
         self.f, self.h, self.size, self.cancelled = f, xxhash.xxh3_128(), 0, cancelled
-        self.stats = stats  # seconds spent hashing and writing, added up (a save's profile)
+        # seconds spent hashing, writing and (paced) waiting, added up (a save's profile)
+        self.stats = stats
         self.pace = pace  # called with each piece's size once written (a background save's Pacer)
         self.direct = getattr(f, "direct", False)
         # torch.save's C++ writer turns an exception from write() into an opaque RuntimeError;
@@ -79,15 +80,20 @@ class HashingWriter:
                 # O_DIRECT (io/direct.py) bypasses the page cache: nothing to start
                 if self.size - self.kicked >= _WRITEBACK_EVERY and not self.direct:
                     self._start_writeback()
-                if self.stats is not None:
-                    self.stats["hash"] = self.stats.get("hash", 0.0) + t1 - t0
-                    self.stats["write"] = self.stats.get("write", 0.0) + time.perf_counter() - t1
+                t2 = time.perf_counter()
+                self._add("hash", t1 - t0)
+                self._add("write", t2 - t1)
                 if self.pace is not None:
                     self.pace(len(piece))
+                    self._add("paced", time.perf_counter() - t2)  # waiting, not writing
             return len(view)
         except OSError as e:
             self.os_error = self.os_error or e
             raise
+
+    def _add(self, key: str, seconds: float) -> None:
+        if self.stats is not None:
+            self.stats[key] = self.stats.get(key, 0.0) + seconds
 
     def _start_writeback(self) -> None:
         """Ask the kernel to start writing what we wrote so far, without waiting for it, so the
