@@ -10,7 +10,7 @@
 # WHEELDIR (default .whl) holds the wheels the machine lacks (deepspeed, datasets and their needs,
 # the transformers finetune is tested with); they go into a venv that sees the system's torch.
 # Parts: versions; DeepSpeed's ops built side by side (FusedAdam, CPU Adam); the GPU suite
-# (tests/gpu); tokens/s of finetune vs HF Trainer in bf16 (bench/train/train_throughput.py); the
+# (tests/gpu); tokens/s and MFU of finetune vs HF Trainer in bf16 (bench/train/train_throughput.py); the
 # --async_save stall and interference (bench/save/async_save.py). Logs and JSON go to OUTDIR.
 set -u
 OUT=${1:?usage: gpu_session.sh OUTDIR [WHEELDIR]}
@@ -56,9 +56,10 @@ if want gpu-suite; then
 fi
 
 if want throughput; then
+    # Llama-3.2-1B's shape, full rows of 2048 tokens: tokens/s and MFU of both tools
     timeout 160 python bench/train/train_throughput.py --num_gpus 1 --precision bf16 --rounds 1 \
-        --hidden_size 2048 --num_layers 16 --steps 30 --warmup 10 --logging_steps 5 \
-        --per_device_train_batch_size 16 --max_seq_length 512 --threads_per_rank 0 \
+        --shape llama-3.2-1b --long_rows --steps 30 --warmup 10 --logging_steps 5 \
+        --per_device_train_batch_size 8 --max_seq_length 2048 --threads_per_rank 0 \
         --out "$OUT/train_throughput.json" >"$OUT/throughput.log" 2>&1
     echo "throughput rc=$?"; tail -25 "$OUT/throughput.log"
 fi

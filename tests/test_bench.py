@@ -383,3 +383,14 @@ def test_mfu_is_measured_against_the_devices_own_peak():
     )
     on_cpu = mfu.mfu(1000.0, cfg, 64, "cpu", 2, "fp32")
     assert on_cpu["mfu"] is None and "'cpu'" in on_cpu["why"] and on_cpu["tflops"] > 0
+
+
+def test_long_rows_fill_the_sequence_length_for_both_tools(tmp_path):
+    from transformers import AutoTokenizer
+
+    tp = _load("train.train_throughput")
+    a = tp.parse_args(["--long_rows", "--max_seq_length", "256", "--steps", "10", "--warmup", "5"])
+    rows = [json.loads(line)["text"] for line in tp.long_rows(a, tmp_path / "t.jsonl").open()]
+    assert len(rows) == 10 * 16 * 2  # as many as a launch trains
+    tokenizer = AutoTokenizer.from_pretrained(str(tp.TOKENIZER_DIR))
+    assert min(len(tokenizer(row)["input_ids"]) for row in rows[:20]) >= 256

@@ -65,6 +65,7 @@ OTHER_TOOLS: dict[str, str] = {
     "--steps": "bench/train/train_throughput.py",
     "--wait_quiet": "bench/train/train_throughput.py",
     "--shape": "bench/train/train_throughput.py",
+    "--long_rows": "bench/train/train_throughput.py",
     "--repeats": "bench/data/data_path.py",
     "--rows": "bench/data/data_path.py",
     "--finetune_src": "bench/data/data_path.py",

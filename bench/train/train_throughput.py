@@ -81,6 +81,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as _dt
+import itertools
 import json
 import os
 import shutil
@@ -128,6 +129,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     p.add_argument("--hidden_size", type=int, default=256)
     p.add_argument("--num_layers", type=int, default=4)
+    p.add_argument(
+        "--long_rows",
+        action="store_true",
+        help="train on rows that fill --max_seq_length (the embedded texts one after another) "
+        "instead of the embedded rows (33-47 tokens each)",
+    )
     p.add_argument(
         "--shape",
         choices=tuple(SHAPES),
@@ -208,6 +215,7 @@ def write_inputs(a: argparse.Namespace, tmp: Path) -> dict:
             head_dim=head_dim,
         )
     )
+    train_file = long_rows(a, tmp / "train.jsonl") if a.long_rows else TRAIN_FILE
     model_dir = tmp / "model"
     model_dir.mkdir()
     (model_dir / "config.json").write_text(json.dumps(cfg, indent=2))
@@ -220,9 +228,27 @@ def write_inputs(a: argparse.Namespace, tmp: Path) -> dict:
         "ds_finetune": ds,
         "ds_hf": ds_hf,
         "model_dir": str(model_dir),
+        "train_file": str(train_file),
         "ds_finetune_path": str(tmp / "ds_finetune.json"),
         "ds_hf_path": str(tmp / "ds_hf.json"),
     }
+
+
+def long_rows(a: argparse.Namespace, path: Path) -> Path:
+    """As many rows as the launches train (at least 64), each the embedded texts one after
+    another (cycling) up to 8 characters a token of --max_seq_length: more than any tokenizer here
+    needs to fill the row, which both tools then truncate alike."""
+    texts = [json.loads(line)["text"] for line in TRAIN_FILE.read_text().splitlines() if line]
+    cycle = itertools.cycle(texts)
+    rows = max(64, a.steps * a.per_device_train_batch_size * a.num_gpus)
+    with open(path, "w") as f:
+        for _ in range(rows):
+            parts, chars = [], 0
+            while chars < 8 * a.max_seq_length:
+                parts.append(next(cycle))
+                chars += len(parts[-1]) + 2
+            f.write(json.dumps({"text": "\n\n".join(parts)}) + "\n")
+    return path
 
 
 def common_flags(a: argparse.Namespace) -> list[str]:
@@ -258,7 +284,7 @@ def finetune_cmd(a, inputs: dict, out_dir: Path) -> list[str]:
         "--tokenizer_name",
         str(TOKENIZER_DIR),
         "--train_file",
-        str(TRAIN_FILE),
+        inputs["train_file"],
         "--validation_split_percentage",
         "0",
         "--deepspeed_config",
@@ -292,7 +318,7 @@ def hf_cmd(a, inputs: dict, out_dir: Path) -> list[str]:
         "--tokenizer_dir",
         str(TOKENIZER_DIR),
         "--train_file",
-        str(TRAIN_FILE),
+        inputs["train_file"],
         "--ds_config",
         inputs["ds_hf_path"],
         "--output_dir",
@@ -584,7 +610,7 @@ def main(argv=None) -> int:
             "omp_num_threads": env.get("OMP_NUM_THREADS"),
             "order": order,
             "tokenizer": str(TOKENIZER_DIR.relative_to(REPO)),
-            "train_file": str(TRAIN_FILE.relative_to(REPO)),
+            "train_file": str(TRAIN_FILE.relative_to(REPO)),  # or its long rows (long_rows)
             "gradient_accumulation_steps": 1,
             "zero_stage": 3,
         },
