@@ -272,7 +272,11 @@ def child_env(extra: dict | None = None, base: dict | None = None) -> dict:
             # ~1 s of CPU per rank, every start (deepspeed/runtime/zero/utils.py
             # is_zero_supported_optimizer). A test of a compiled path would set it to "0".
             "TORCHDYNAMO_DISABLE": "1",
-            "PATH": f"{BIN}:{env.get('PATH', '')}",
+            # BIN first, once: finetune's op setup, run in this process by some tests, puts it
+            # first in os.environ too, and the zygote compares environments (spawn_ranks.py)
+            "PATH": os.pathsep.join(
+                [str(BIN), *(p for p in env.get("PATH", "").split(os.pathsep) if p != str(BIN))]
+            ),
         }
     )
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
