@@ -81,7 +81,10 @@ class SaveBoundaries(ABC):
         ck = self.ckpt
         self.remote.poll(step)  # an all-reduce while a copy to --remote_output_dir is outstanding
         due = ck.save_checkpoint and ck.save_steps and step % ck.save_steps == 0 and step < total
-        since, in_flight = time.perf_counter(), self.pending is not None
+        # still being written (agreed when ``written`` is given): a wait for a commit alone is not
+        # the writer falling behind
+        writing = self.writing() if written is None else not written
+        since, in_flight = time.perf_counter(), self.pending is not None and writing
         code = self._settle_in_flight(block=bool(due), written=written)
         if due:
             self._keep_pace(step, since, in_flight)
@@ -153,7 +156,7 @@ class SaveBoundaries(ABC):
         or it made no progress within its deadline). Collective."""
         if not self.ckpt.save_checkpoint:
             return 0
-        since, in_flight = time.perf_counter(), self.pending is not None
+        since, in_flight = time.perf_counter(), self.writing()
         self.settle()
         if self.committed_step != step:
             self._keep_pace(step, since, in_flight)
