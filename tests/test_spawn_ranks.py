@@ -10,31 +10,36 @@ import spawn_ranks
 from conftest import _SESSION_ENV, BIN, child_env
 
 
-def _differ(env: dict) -> list[str]:
-    """What the zygote, started with the session's environment, refuses in a run's ``env``."""
+def _zygote() -> tuple[dict, dict]:
+    """The zygote's view: the session's environment, and what this process's imports set since
+    (as the zygote's own imports did). Taken before a test changes anything."""
     own = spawn_ranks._import_env(child_env(base=_SESSION_ENV))
-    return spawn_ranks._differ(own, {}, env)
+    added = {k: v for k, v in os.environ.items() if k not in _SESSION_ENV}
+    return own, added
 
 
 def test_a_run_after_finetunes_op_setup_in_this_process_is_the_zygotes(monkeypatch):
+    own, added = _zygote()
     # finetune.ops puts the venv's bin first in os.environ; finetune's console sets the libraries'
     # verbosity: both happen in a test's own process when it runs finetune's code there
     monkeypatch.setenv("PATH", os.pathsep.join([str(BIN), os.environ.get("PATH", "")]))
     monkeypatch.setenv("TRANSFORMERS_VERBOSITY", "warning")
     monkeypatch.setenv("DATASETS_VERBOSITY", "warning")
     env = child_env({"FINETUNE_FAULT": "save.fsync:0:2", "AWS_ACCESS_KEY_ID": "key"})
-    assert _differ(env) == []
+    assert spawn_ranks._differ(own, added, env) == []
 
 
 def test_what_imports_read_is_refused(monkeypatch):
+    own, added = _zygote()
     monkeypatch.setenv("HF_HOME", "/elsewhere")
-    assert _differ(child_env({"OMP_NUM_THREADS": "2"})) == ["HF_HOME", "OMP_NUM_THREADS"]
+    env = child_env({"OMP_NUM_THREADS": "2"})
+    assert spawn_ranks._differ(own, added, env) == ["HF_HOME", "OMP_NUM_THREADS"]
 
 
 def test_what_the_imports_set_themselves_is_not_a_difference():
-    added = {"TORCHINDUCTOR_CACHE_DIR": "/tmp/inductor"}
-    own = spawn_ranks._import_env(child_env(base=_SESSION_ENV))
-    assert spawn_ranks._differ(own, added, child_env(added)) == []
-    assert spawn_ranks._differ(own, added, child_env({"TORCHINDUCTOR_CACHE_DIR": "/x"})) == [
-        "TORCHINDUCTOR_CACHE_DIR"
+    own, added = _zygote()
+    added["A_LIBRARYS_CACHE"] = "/tmp/cache"  # set by the zygote's imports
+    assert spawn_ranks._differ(own, added, child_env({"A_LIBRARYS_CACHE": "/tmp/cache"})) == []
+    assert spawn_ranks._differ(own, added, child_env({"A_LIBRARYS_CACHE": "/x"})) == [
+        "A_LIBRARYS_CACHE"
     ]

@@ -125,11 +125,6 @@ class GuardedWriter:
 
     def __init__(self, inner: CheckpointEngine):
         self.inner = inner
-        # torch.save's CRC-32 of every zip record, on one core at about 3 GB/s, was most of the
-        # serialization time: a second checksum of bytes the manifest's xxh3 (about 20 GB/s)
-        # already covers. Without it torch.load, DeepSpeed and safe_load read the files alike;
-        # only a zip tool's own CRC check would fail. Process-wide: every torch.save in a run.
-        torch.serialization.set_crc32_options(False)
         self.buffers: Pool = {}  # --async_save: host buffers kept from one save to the next
         self.pace_s: float | None = None  # --async_save: PACE_STEPS x the last step's time
         self.last_update: float | None = None  # when the last optimizer step began
@@ -277,13 +272,7 @@ class GuardedWriter:
                 w = HashingWriter(f, record.cancelled, record.stats, record.pacer)
                 record.current = w
                 t0 = time.perf_counter()
-                torch.save(
-                    state_dict,
-                    w,
-                    _use_new_zipfile_serialization=getattr(
-                        self.inner, "zipfile_serialization", True
-                    ),
-                )
+                _save_without_crc(state_dict, w, getattr(self.inner, "zipfile_serialization", True))
                 finish(f)
                 t1 = time.perf_counter()
                 fault_point("save.fsync", record.step)
@@ -326,6 +315,19 @@ class GuardedWriter:
 # running statistics) may be changed in place by the next forward; the partitions and optimizer
 # states, changed only by the optimizer step, are far larger.
 EAGER_BYTES = 64 << 10
+
+
+def _save_without_crc(state_dict: object, f: HashingWriter, zipfile: bool) -> None:
+    """torch.save without its CRC-32 of every zip record, which on one core at about 3 GB/s was
+    most of the serialization time: a second checksum of bytes the file's xxh3 (about 20 GB/s)
+    already covers. torch.load, DeepSpeed and safe_load read the file alike; only a zip tool's own
+    CRC check would fail. torch keeps the option per thread: set for this save only."""
+    crc = torch.serialization.get_crc32_options()
+    torch.serialization.set_crc32_options(False)
+    try:
+        torch.save(state_dict, f, _use_new_zipfile_serialization=zipfile)
+    finally:
+        torch.serialization.set_crc32_options(crc)
 
 
 def host_plan(obj: object, pool: Pool | None = None, name: str = "") -> tuple[object, int, Copies]:
