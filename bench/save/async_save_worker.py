@@ -155,14 +155,15 @@ def main() -> None:
     manager.wait()
     if dist.is_main():
         print(f"first async save (allocates its buffers): stall {first_stall:.3f}s", flush=True)
-    stall, profile = [], []
+    stall, profile, snapshot_sizes = [], [], []
     for i in range(a.repeats):
         train_step()
         step = state.global_step
         settle()
         t_save = timed(lambda step=step: manager.save(step, background=True))
         laps = dict(manager.pending.clock.laps) if manager.pending is not None else {}
-        snapshot_bytes = manager.writer.snapshot_bytes
+        snapshot_bytes = manager.writer.snapshot_bytes  # this rank's: a later sync save resets it
+        snapshot_sizes.append(snapshot_bytes)
         # The stall is everything training waits for: save() itself, and the next optimizer
         # step's wait for the lazy copy (0 when the copy was done during forward and backward).
         waited0 = getattr(manager, "copy_wait_s", 0.0)
@@ -226,10 +227,10 @@ def main() -> None:
     # P3b's baseline: each rank writes as many bytes as its snapshot, at once, into the output dir
     # with a plain write + fdatasync (the writer's files went there, with training alongside)
     raw_s = []
-    for _ in range(a.repeats):
+    for nbytes in snapshot_sizes:
         settle()
         raw = out / f"raw-{dist.rank()}"
-        raw_s.append(timed(lambda raw=raw: raw_write(raw, manager.writer.snapshot_bytes)))
+        raw_s.append(timed(lambda raw=raw, nbytes=nbytes: raw_write(raw, nbytes)))
         raw.unlink()
     if dist.is_main():
         print(f"raw write + fdatasync of the snapshot's bytes: {raw_s}", flush=True)

@@ -8,6 +8,8 @@ import os
 import random
 import shutil
 import subprocess
+import threading
+import time
 import uuid
 
 import pytest
@@ -42,15 +44,12 @@ def _pieces(seed: int) -> list[bytes]:
 
 
 @pytest.mark.parametrize("seed", range(4))
-def test_any_pieces_give_the_bytes_written(folder, seed):
+def test_any_pieces_give_the_bytes_written(folder, seed, monkeypatch):
     pieces = _pieces(seed)
     path = folder / "f.bin"
+    monkeypatch.setattr(direct, "_BUFFER", 4 * 4096)  # small buffers: pieces straddle them
     with open_for_write(path) as f:
         assert isinstance(f, DirectFile) and f.direct
-        f.view = None
-        f.buf.close()  # a small buffer, so pieces straddle it: 4 blocks
-        f.buf = direct.mmap.mmap(-1, 4 * 4096)
-        f.view = direct.np.frombuffer(f.buf, dtype=direct.np.uint8)
         for p in pieces:
             assert f.write(p) == len(p)
             if seed % 2:
@@ -76,15 +75,15 @@ def test_torch_save_through_it_equals_a_plain_torch_save(folder):
 
 def test_a_write_refused_with_einval_goes_on_buffered(folder, monkeypatch):
     """A filesystem that takes O_DIRECT at open but refuses the aligned write."""
-    real, refused = os.write, []
+    real, refused = os.pwrite, []
 
-    def write(fd, data):
+    def pwrite(fd, data, offset):
         if not refused:
             refused.append(1)
             raise OSError(errno.EINVAL, "Invalid argument")
-        return real(fd, data)
+        return real(fd, data, offset)
 
-    monkeypatch.setattr(direct.os, "write", write)
+    monkeypatch.setattr(direct.os, "pwrite", pwrite)
     data = os.urandom(3 * (8 << 20) + 123)
     with open_for_write(folder / "f.bin") as f:
         f.write(data)
@@ -107,6 +106,80 @@ def test_where_o_direct_is_refused_at_open_a_buffered_file_is_used(monkeypatch, 
         f.write(b"abc")
         finish(f)
     assert (tmp_path / "f.bin").read_bytes() == b"abc"
+
+
+def test_the_next_buffer_fills_while_earlier_ones_are_written(folder, monkeypatch):
+    """The pipeline: DEPTH writes in flight at once, the caller filling the next buffer meanwhile;
+    the bytes land in order whatever order the writes end in."""
+    real, lock, state = os.pwrite, threading.Lock(), {"now": 0, "most": 0, "calls": 0}
+    release = threading.Event()
+
+    def pwrite(fd, data, offset):
+        with lock:
+            state["now"] += 1
+            state["calls"] += 1
+            state["most"] = max(state["most"], state["now"])
+            first = state["calls"] == 1
+        if first:
+            release.wait(10)  # the first write ends last
+        try:
+            return real(fd, data, offset)
+        finally:
+            with lock:
+                state["now"] -= 1
+
+    monkeypatch.setattr(direct.os, "pwrite", pwrite)
+    monkeypatch.setattr(direct, "_BUFFER", 4 * 4096)
+    data = os.urandom(10 * 4 * 4096 + 777)
+    with open_for_write(folder / "f.bin") as f:
+        f.write(data[: 2 * 4 * 4096])  # two buffers handed over, the first held back
+        deadline = time.monotonic() + 10
+        while state["most"] < direct.DEPTH and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert state["most"] == direct.DEPTH  # both in flight while the caller went on
+        release.set()
+        f.write(data[2 * 4 * 4096 :])
+        finish(f)
+        os.fsync(f.fileno())
+    assert (folder / "f.bin").read_bytes() == data
+
+
+def test_buffers_are_kept_for_the_next_file(folder, monkeypatch):
+    made = []
+    real = direct.mmap.mmap
+
+    def mmap(*a):
+        made.append(a)
+        return real(*a)
+
+    monkeypatch.setattr(direct, "_BUFFER", 4 * 4096)
+    data = os.urandom(8 * 4 * 4096)
+    with open_for_write(folder / "a.bin") as f:  # fills the pool for this buffer size
+        f.write(data)
+        finish(f)
+    monkeypatch.setattr(direct.mmap, "mmap", mmap)
+    for name in ("b.bin", "c.bin"):
+        with open_for_write(folder / name) as f:
+            f.write(data)
+            finish(f)
+        assert (folder / name).read_bytes() == data
+    assert made == []  # every buffer came from the pool
+
+
+def test_a_failed_write_in_flight_is_raised_and_the_file_closed(folder, monkeypatch):
+    def pwrite(fd, data, offset):
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(direct.os, "pwrite", pwrite)
+    monkeypatch.setattr(direct, "_BUFFER", 4 * 4096)
+    with pytest.raises(OSError) as e:
+        with open_for_write(folder / "f.bin") as f:
+            for _ in range(8):  # more buffers than DEPTH: a later write waits for a failed one
+                f.write(os.urandom(4 * 4096))
+            finish(f)
+    assert e.value.errno == errno.EIO
+    with pytest.raises(OSError):
+        os.fstat(f.fd)  # closed
 
 
 @pytest.fixture
