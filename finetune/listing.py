@@ -1,14 +1,16 @@
 """``finetune ls OUT``: the checkpoints of an output dir, one row each, and what else is in it.
 
 Per checkpoint: step, when it was committed, size, world size, the train and eval loss logged at
-(or last before) its step, whether it holds consolidated weights, and its state: sizes checked
+(or last before) its step, whether it holds consolidated weights, the seconds its rank files took
+to write (its ``checkpoint`` event's ``writer_s``), and its state: sizes checked
 against the manifest, or with ``--verify`` checksums too (what ``finetune verify`` checks). Below:
 the notes ``finetune verify OUT`` gives (uncommitted folders, a stale ``latest``, leftovers of
 crashed saves, torn metrics lines), and the disk space. Node-local storage: each node lists the
 ranks' files it holds.
 
-Cheap by design: manifests are read and files stat'ed, metrics.jsonl is read once; checksums
-only with ``--verify``. Reads only; a damaged checkpoint is reported, not an error (exit 0).
+Cheap by design: manifests are read and files stat'ed, metrics.jsonl and events.jsonl are read
+once; checksums only with ``--verify``. Reads only; a damaged checkpoint is reported, not an error
+(exit 0).
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ from finetune.data.mixture import read_tokens_by_source, source_lines
 from finetune.exit_status import EXIT_STATUS
 from finetune.io.remote import is_remote
 from finetune.lease import LEASE
-from finetune.metrics import METRICS, read_metrics
+from finetune.metrics import METRICS, read_events, read_metrics
 from finetune.offline.verify import notes
 from finetune.weights.adapter import ADAPTER_CONFIG, is_adapter_checkpoint
 from finetune.weights.universal import UNIVERSAL
@@ -72,6 +74,7 @@ class Checkpoint:
     tokens_by_source: dict | None = None  # --dataset_mixture: trainer_state.json's (local only)
     eval: dict | None = None  # the evaluation of its step, from its manifest
     best: bool = False  # the best checkpoint (--metric_for_best_model), as the newest commit says
+    writer_s: float | None = None  # seconds its rank files took to write (events.jsonl)
 
 
 @dataclass
@@ -91,7 +94,8 @@ def main(argv: list[str]) -> int:
     p = Parser(
         prog="finetune ls",
         description="List an output dir's checkpoints (step, time, size, world size, "
-        "losses, state) and what else is in it. Exit 0 when listed, damaged checkpoints included; "
+        "losses, seconds to write, state) and what else is in it. Exit 0 when listed, damaged "
+        "checkpoints included; "
         "2 when OUT is not an output dir.",
     )
     p.add_argument(
@@ -127,8 +131,10 @@ def collect(out: Path, checksums: bool = False) -> Listing:
     losses = _Losses(read_metrics(str(out)))
     manifests: dict = {}  # each read once, by _checkpoint
     rows = [_checkpoint(out / tag, losses, checksums, manifests) for tag in storage.tags()]
+    written = _writer_seconds(out)
     for row in rows:
         row.latest = row.tag == latest
+        row.writer_s = written.get(row.tag)
         row.tokens_by_source = read_tokens_by_source(out / row.tag)
     extra = _node_local_note(rows) + _set_aside_note(out) + _universal_notes(out, rows)
     return Listing(
@@ -273,6 +279,17 @@ def _checkpoint(folder: Path, losses: _Losses, checksums: bool, manifests: dict)
         problems=problems,
         lora=is_adapter_checkpoint(folder),
     )
+
+
+def _writer_seconds(out: Path) -> dict[str, float]:
+    """Each tag's ``writer_s`` from its ``checkpoint`` event (the last one: a later save of the
+    same step is the folder there now); events from before the field existed give none."""
+    found = {}
+    for event in read_events(out):
+        seconds = event.get("writer_s")
+        if event.get("event") == "checkpoint" and isinstance(seconds, (int, float)):
+            found[str(event.get("tag"))] = float(seconds)
+    return found
 
 
 def _problems(folder: Path, manifest: dict, checksums: bool) -> list[str]:
@@ -421,9 +438,10 @@ HEADERS = (
     "committed at",
     "size",
     "world",
-    "train loss",
-    "eval loss",
+    "train",  # losses
+    "eval",
     "consolidated",
+    "write",
     "status",
 )
 
@@ -497,6 +515,7 @@ def _cells(c: Checkpoint) -> list[str]:
         _loss(c.train_loss, c.train_loss_step, c.step),
         _loss(c.eval_loss, c.eval_loss_step, c.step),
         consolidated,
+        "-" if c.writer_s is None else f"{c.writer_s:.1f}s",
         c.status,
     ]
 
@@ -511,7 +530,7 @@ def _loss(value: float | None, logged_at: int | None, step: int) -> str:
 def _table(rows: list[list[str]]) -> list[str]:
     """Left-aligned text columns, numbers right-aligned; the last column (status) cut to WIDTH."""
     widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(HEADERS)]
-    right = {1, 3, 4, 5, 6}
+    right = {1, 3, 4, 5, 6, 8}
     out = []
     for cells in [list(HEADERS), *rows]:
         text = "  ".join(

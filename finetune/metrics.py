@@ -168,6 +168,16 @@ def truncate_after(path: Path, step: int) -> None:
         )
 
 
+def read_events(output_dir: str | os.PathLike) -> list[dict]:
+    """OUT/events.jsonl's events in file order, torn lines skipped; none when there is no file (runs
+    from before it existed) or it cannot be read."""
+    try:
+        text = (Path(output_dir) / EVENTS).read_text(errors="replace")
+    except OSError:  # absent, or a folder in its place
+        return []
+    return [row for _, row in json_rows(text)]
+
+
 def read_metrics(output_dir: str) -> list[dict]:
     """OUT/metrics.jsonl's rows, torn lines skipped; none when there is no file."""
     path = Path(output_dir) / METRICS

@@ -25,12 +25,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from finetune import distributed as dist
+from finetune import metrics
 from finetune.checkpoint_format.manifest import read_manifest
 from finetune.checkpoint_format.outdir import OutputDir, step_of
 from finetune.commands import Parser
 from finetune.config import ConfigError
 from finetune.io.remote import is_remote
-from finetune.metrics import EVENTS, METRICS, json_rows, read_metrics
+from finetune.metrics import METRICS, read_metrics
 
 if TYPE_CHECKING:
     from matplotlib.artist import Artist
@@ -87,14 +88,10 @@ def load_run(output_dir: str | os.PathLike) -> Run:
 
 
 def read_events(output_dir: str | os.PathLike) -> list[dict]:
-    """OUT/events.jsonl's events in file order; absent file: none. A torn line, an unknown kind or
-    a row without an integer step is skipped. A checkpoint event without a step takes its tag's."""
-    try:
-        text = (Path(output_dir) / EVENTS).read_text(errors="replace")
-    except OSError:  # absent (runs before events.jsonl existed), a folder in its place
-        return []
+    """OUT/events.jsonl's events to mark, in file order: an unknown kind or a row without an
+    integer step is skipped. A checkpoint event without a step takes its tag's."""
     events = []
-    for _, event in json_rows(text):
+    for event in metrics.read_events(output_dir):
         if event.get("event") not in (*MARKS, "start", "end"):
             continue
         if event["event"] == "checkpoint" and not _is_int(event.get("step")):

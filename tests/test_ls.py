@@ -30,6 +30,7 @@ KEYS = {
     "status",
     "problems",
     "latest",
+    "writer_s",
 }
 
 
@@ -127,6 +128,27 @@ def test_losses_are_the_rows_at_or_last_before_each_step(run):
     )
     cells = listing._cells(found[10])
     assert cells[5:7] == ["1.0000@8", "2.5000@4"] and listing._cells(found[2])[5:7] == ["-", "-"]
+
+
+def test_each_checkpoint_shows_the_seconds_its_files_took_to_write(run, capsys):
+    """From the checkpoint events a run appends to events.jsonl: the last one of a tag wins (a
+    later save of the same step is the folder there), an event without the field shows "-"."""
+    events = [
+        {"event": "checkpoint", "step": 2, "tag": "global_step2"},  # before the field existed
+        {"event": "checkpoint", "step": 4, "tag": "global_step4", "writer_s": 9.0},
+        {"event": "save_behind", "step": 4, "writer_s": 5.0},  # not a checkpoint's
+        {"event": "checkpoint", "step": 4, "tag": "global_step4", "writer_s": 12.34},
+        {"event": "checkpoint", "step": 10, "tag": "global_step10", "writer_s": 0.5},
+    ]
+    (run / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events) + '{"ev')
+    found = {c.step: c.writer_s for c in listing.collect(run).checkpoints}
+    assert found == {2: None, 4: 12.34, 10: 0.5}
+    code, out = ls(capsys, run)
+    header = out.splitlines()[0]
+    assert code == 0 and " write " in header
+    at = header.index(" write ") + len(" write")  # right-aligned under its header
+    rows = rows_of(out)
+    assert [rows[s][:at].split()[-1] for s in ("2", "4", "10")] == ["-", "12.3s", "0.5s"]
 
 
 def test_json_is_one_object_with_the_documented_keys(run, capsys):

@@ -345,6 +345,7 @@ class Checkpointer(SaveBoundaries):
             consolidated=pending.consolidated and self.consolidation_error is None,
             # each phase's seconds: --async_save's writer time is "copy" and "background"
             phases={name: round(seconds, 3) for name, seconds in clock.laps},
+            writer_s=round(clock.writer, 3),
         )
         own = pending.io.finish(tag, self.writer.files, clock.total)
         logger.info("%s", finished(tag, clock, total, own, pending.final))

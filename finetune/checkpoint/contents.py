@@ -333,6 +333,9 @@ def _proc_io() -> dict[str, int]:
     }
 
 
+WRITER_LAPS = ("write", "copy", "background")
+
+
 class Clock:
     """Per-phase timings of one save, for the log line."""
 
@@ -349,6 +352,13 @@ class Clock:
     @property
     def total(self) -> float:
         return self.last - self.start
+
+    @property
+    def writer(self) -> float:
+        """Seconds the save's rank files took to write: a synchronous save's "write" lap; an
+        --async_save's "copy" (its snapshot planned) and "background" (until its writes were found
+        done, at a step boundary)."""
+        return sum(seconds for name, seconds in self.laps if name in WRITER_LAPS)
 
     def __str__(self) -> str:
         return " ".join(f"{name} {seconds:.2f}s" for name, seconds in self.laps)

@@ -674,6 +674,12 @@ def test_saves_that_come_faster_than_they_are_written_are_said_once_and_each_cou
     assert [s for s, _ in commits] == [1, 2, 3, 4]
     # each commit says where its time went: the background writes of the slowed files too
     assert all(f["phases"]["background"] >= 0.3 for s, f in commits if s < 4), commits
+    # and the writer's seconds, what `finetune ls` shows: its planning and its background writes
+    assert all(
+        f["writer_s"] == pytest.approx(f["phases"]["copy"] + f["phases"]["background"], abs=2e-3)
+        for s, f in commits
+        if s < 4
+    ), commits
 
 
 def test_retention_deletes_in_the_background_and_the_space_check_waits_for_what_it_frees(
