@@ -42,6 +42,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--logging_steps", type=int, required=True)
     p.add_argument("--seed", type=int, default=42)
     p.add_argument("--bf16", action="store_true", help="bf16 mixed precision (GPU runs)")
+    p.add_argument("--liger", action="store_true", help="use_liger_kernel=True (GPU runs)")
     p.add_argument("--local_rank", "--local-rank", type=int, default=-1)
     return p.parse_args()
 
@@ -84,6 +85,7 @@ def main() -> None:
         seed=args.seed,
         bf16=args.bf16,
         fp16=False,
+        use_liger_kernel=args.liger,
         dataloader_num_workers=0,
         dataloader_drop_last=True,  # finetune's sampler also drops the tail of an epoch
     )

@@ -116,6 +116,20 @@ SHAPES = {
 }
 
 
+# What --setting changes, on both tools alike: "default" is finetune's defaults; "liger" adds
+# Liger's fused kernels (finetune --use_liger_kernel, Trainer use_liger_kernel=True); "tuned" raises
+# ZeRO-3's prefetch and persistence thresholds for one GPU holding the whole model (every
+# parameter under 1M elements kept resident, 500M elements prefetched ahead).
+TUNED_ZERO3 = {
+    "stage3_prefetch_bucket_size": 5e8,
+    "stage3_param_persistence_threshold": 1e6,
+    "stage3_max_live_parameters": 3e9,
+    "stage3_max_reuse_distance": 3e9,
+    "reduce_bucket_size": 5e8,
+}
+SETTINGS = ("default", "liger", "tuned")
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--steps", type=int, default=60, help="optimizer steps per launch (N)")
@@ -141,6 +155,13 @@ def parse_args(argv=None) -> argparse.Namespace:
         default="scaled",
         help="the model: 'scaled' is the embedded config at --hidden_size x --num_layers; "
         "a named shape is that model's (the embedded tokenizer's vocabulary either way)",
+    )
+    p.add_argument(
+        "--setting",
+        choices=SETTINGS,
+        default="default",
+        help="both tools: the defaults, Liger's kernels (GPU), or ZeRO-3's prefetch and "
+        "persistence thresholds raised (TUNED_ZERO3)",
     )
     p.add_argument("--num_gpus", type=int, default=2, help="ranks per launch")
     p.add_argument(
@@ -220,6 +241,8 @@ def write_inputs(a: argparse.Namespace, tmp: Path) -> dict:
     model_dir.mkdir()
     (model_dir / "config.json").write_text(json.dumps(cfg, indent=2))
     ds = json.loads(DS_CONFIG.read_text())
+    if a.setting == "tuned":
+        ds["zero_optimization"].update(TUNED_ZERO3)
     (tmp / "ds_finetune.json").write_text(json.dumps(ds, indent=2))
     ds_hf = {k: v for k, v in ds.items() if k != "train_batch_size"}
     (tmp / "ds_hf.json").write_text(json.dumps(ds_hf, indent=2))
@@ -301,6 +324,7 @@ def finetune_cmd(a, inputs: dict, out_dir: Path) -> list[str]:
         "linear",
         "--precision",
         a.precision,
+        *(["--use_liger_kernel"] if a.setting == "liger" else []),
         *common_flags(a),
     ]
 
@@ -326,6 +350,7 @@ def hf_cmd(a, inputs: dict, out_dir: Path) -> list[str]:
         "--result",
         str(out_dir / "hf"),
         *(["--bf16"] if a.precision == "bf16" else []),
+        *(["--liger"] if a.setting == "liger" else []),
         *common_flags(a),
     ]
 
@@ -634,7 +659,7 @@ def main(argv=None) -> int:
 
     print()
     print(
-        f"Training throughput, {a.num_gpus} ranks, ZeRO-3, {a.precision}, "
+        f"Training throughput, {a.num_gpus} ranks, ZeRO-3, {a.precision}, setting {a.setting}, "
         f"{inputs['model_config']['num_hidden_layers']} layers "
         f"x {inputs['model_config']['hidden_size']}, batch {a.per_device_train_batch_size}/rank, "
         f"OMP_NUM_THREADS={env.get('OMP_NUM_THREADS', 'unset')}"
