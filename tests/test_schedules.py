@@ -116,16 +116,33 @@ def test_every_steps_lr_is_transformers_schedule_across_a_resume(
 ):
     total, lr = 10, 1e-3
     flags = (
-        "--lr_scheduler_type", name, "--lr_scheduler_kwargs", json.dumps(kwargs), *warmup,
-        "--max_steps", str(total), "--logging_steps", "1", "--learning_rate", str(lr),
-        "--save_checkpoint", "--save_steps", "5", "--validation_split_percentage", "0",
-    )  # fmt: skip
+        "--lr_scheduler_type",
+        name,
+        "--lr_scheduler_kwargs",
+        json.dumps(kwargs),
+        *warmup,
+        "--max_steps",
+        str(total),
+        "--logging_steps",
+        "1",
+        "--learning_rate",
+        str(lr),
+        "--save_checkpoint",
+        "--save_steps",
+        "5",
+        "--validation_split_percentage",
+        "0",
+    )
     full = run_finetune(*flags, launcher="python", nprocs=1, out_dir=tmp_path / "full")
     assert full.returncode == 0, full.output[-3000:]
     resumed = run_finetune(
-        *flags, "--resume_from_checkpoint", str(tmp_path / "full" / "global_step5"),
-        launcher="python", nprocs=1, out_dir=tmp_path / "resumed",
-    )  # fmt: skip
+        *flags,
+        "--resume_from_checkpoint",
+        str(tmp_path / "full" / "global_step5"),
+        launcher="python",
+        nprocs=1,
+        out_dir=tmp_path / "resumed",
+    )
     assert resumed.returncode == 0, resumed.output[-3000:]
     want = _expected_lrs(name, kwargs, math.ceil(0.2 * total), total, lr)
     got = {r["step"]: r["lr"] for r in full.train_rows()}

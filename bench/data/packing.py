@@ -29,11 +29,26 @@ EFFICIENCY = re.compile(r"packing \(bfd\): .* efficiency ([\d.]+)%")
 
 def launch(out: Path, steps: int, nprocs: int, packing: bool, batch: int, every: int) -> dict:
     cmd = [
-        str(Path(PY).parent / "deepspeed"), "--num_gpus", str(nprocs), "--module", "finetune",
-        "--max_steps", str(steps), "--logging_steps", str(every), "--per_device_train_batch_size",
-        str(batch), "--output_dir", str(out), "--no_plot", "--eval_steps", str(10 * steps),
-        "--log_level", "info", *(["--packing"] if packing else []),
-    ]  # fmt: skip
+        str(Path(PY).parent / "deepspeed"),
+        "--num_gpus",
+        str(nprocs),
+        "--module",
+        "finetune",
+        "--max_steps",
+        str(steps),
+        "--logging_steps",
+        str(every),
+        "--per_device_train_batch_size",
+        str(batch),
+        "--output_dir",
+        str(out),
+        "--no_plot",
+        "--eval_steps",
+        str(10 * steps),
+        "--log_level",
+        "info",
+        *(["--packing"] if packing else []),
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ))
     if proc.returncode != 0:
         raise SystemExit(f"{' '.join(cmd)} exited {proc.returncode}:\n{proc.stderr[-3000:]}")

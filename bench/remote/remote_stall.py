@@ -42,15 +42,43 @@ def run(work: Path, name: str, steps: int, every: int, extra: list[str], env: di
     cfg_dir, ds_path = write_inputs(work / "model")
     out = work / name
     cmd = [
-        str(BIN / "deepspeed"), "--num_gpus", "2", "--master_port", str(free_ports(1)[0]),
-        "--module", "finetune", "--config_name", str(cfg_dir),
-        "--tokenizer_name", str(REPO / "finetune" / "resources" / "tokenizer"),
-        "--deepspeed_config", str(ds_path), "--max_steps", str(steps),
-        "--max_seq_length", "32", "--per_device_train_batch_size", "1",
-        "--max_eval_samples", "4", "--eval_steps", "1000000", "--logging_steps", "1",
-        "--lr_scheduler_type", "constant", "--save_checkpoint", "--save_steps", str(every),
-        "--save_total_limit", "2", "--no_plot", "--output_dir", str(out), *extra,
-    ]  # fmt: skip
+        str(BIN / "deepspeed"),
+        "--num_gpus",
+        "2",
+        "--master_port",
+        str(free_ports(1)[0]),
+        "--module",
+        "finetune",
+        "--config_name",
+        str(cfg_dir),
+        "--tokenizer_name",
+        str(REPO / "finetune" / "resources" / "tokenizer"),
+        "--deepspeed_config",
+        str(ds_path),
+        "--max_steps",
+        str(steps),
+        "--max_seq_length",
+        "32",
+        "--per_device_train_batch_size",
+        "1",
+        "--max_eval_samples",
+        "4",
+        "--eval_steps",
+        "1000000",
+        "--logging_steps",
+        "1",
+        "--lr_scheduler_type",
+        "constant",
+        "--save_checkpoint",
+        "--save_steps",
+        str(every),
+        "--save_total_limit",
+        "2",
+        "--no_plot",
+        "--output_dir",
+        str(out),
+        *extra,
+    ]
     start = time.perf_counter()
     proc = subprocess.run(
         cmd,
@@ -99,9 +127,13 @@ def main() -> None:
         s3.create_bucket(BUCKET)
         plain = run(work, "plain", a.steps, a.every, [], {})
         copying = run(
-            work, "copying", a.steps, a.every,
-            ["--remote_output_dir", f"s3://{BUCKET}/run"], s3.env(),
-        )  # fmt: skip
+            work,
+            "copying",
+            a.steps,
+            a.every,
+            ["--remote_output_dir", f"s3://{BUCKET}/run"],
+            s3.env(),
+        )
     inflight, idle = classify(copying, a.every)
     _, plain_idle = classify({**plain, "events": []}, a.every)
     summary = {

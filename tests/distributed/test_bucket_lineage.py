@@ -42,8 +42,9 @@ def _save_id(remote: S3Storage, tag: str) -> str:
 def run_a(server, tmp_path_factory):
     """Run A: 6 steps on 2 ranks, saving steps 2, 4 and 6 to PREFIX."""
     tmp = tmp_path_factory.mktemp("run-a")
-    cmd = finetune_cmd("forked", 2, ("--max_steps", "6", *SAVES, "--remote_output_dir", PREFIX),
-                       tmp / "out")  # fmt: skip
+    cmd = finetune_cmd(
+        "forked", 2, ("--max_steps", "6", *SAVES, "--remote_output_dir", PREFIX), tmp / "out"
+    )
     r = Running(cmd, tmp, child_env(server.env()), tmp / "out").finish(TIMEOUT)
     assert r.returncode == 0, r.output[-6000:]
     return r
@@ -55,9 +56,18 @@ def test_a_new_run_on_a_prefix_with_another_runs_checkpoints_is_exit_2_and_write
     remote = S3Storage(PREFIX)
     before = {k: v for k, v in _objects(remote).items() if not k.endswith("/lease.json")}
     b = run_finetune(
-        "--max_steps", "4", *SAVES, "--learning_rate", "3e-3", "--remote_output_dir", PREFIX,
-        out_dir=tmp_path / "b", nprocs=1, env=server.env(), timeout=TIMEOUT,
-    )  # fmt: skip
+        "--max_steps",
+        "4",
+        *SAVES,
+        "--learning_rate",
+        "3e-3",
+        "--remote_output_dir",
+        PREFIX,
+        out_dir=tmp_path / "b",
+        nprocs=1,
+        env=server.env(),
+        timeout=TIMEOUT,
+    )
     assert b.returncode == 2, b.output[-6000:]
     assert (
         f"--remote_output_dir {PREFIX} holds another run's checkpoints (newest global_step6)"
@@ -76,10 +86,17 @@ def test_a_rollback_on_a_fresh_disk_is_where_the_next_auto_requeue_resumes(
     remote.write_bytes("global_step1/notes.txt", b"a person's folder, not finetune's")
     # a fresh disk, rolled back to step 2; saves step 4 again, then is preempted (the run ends)
     back = run_finetune(
-        "--max_steps", "4", *SAVES, "--remote_output_dir", PREFIX,
-        "--resume_from_checkpoint", f"{PREFIX}/global_step2",
-        out_dir=tmp_path / "rollback", env=server.env(), timeout=TIMEOUT,
-    )  # fmt: skip
+        "--max_steps",
+        "4",
+        *SAVES,
+        "--remote_output_dir",
+        PREFIX,
+        "--resume_from_checkpoint",
+        f"{PREFIX}/global_step2",
+        out_dir=tmp_path / "rollback",
+        env=server.env(),
+        timeout=TIMEOUT,
+    )
     assert back.returncode == 0, back.output[-6000:]
     assert "a timeline this resume leaves: global_step4-" in back.output
     assert remote.read_bytes("global_step6/manifest.json") is None, "step 6 is set aside"
@@ -89,14 +106,25 @@ def test_a_rollback_on_a_fresh_disk_is_where_the_next_auto_requeue_resumes(
     lineage = json.loads(remote.read_bytes("global_step4/manifest.json"))["lineage"]
     assert remote.head("global_step4/trainer_state.json")["Metadata"]["lineage"] == lineage
     new_four = _save_id(remote, "global_step4")
-    assert new_four == json.loads((tmp_path / "rollback" / "global_step4" / "manifest.json")
-                                  .read_text())["save_id"]  # fmt: skip
+    assert (
+        new_four
+        == json.loads((tmp_path / "rollback" / "global_step4" / "manifest.json").read_text())[
+            "save_id"
+        ]
+    )
     # the requeue: another fresh disk, `auto`
     again = run_finetune(
-        "--max_steps", "6", *SAVES, "--remote_output_dir", PREFIX,
-        "--resume_from_checkpoint", "auto",
-        out_dir=tmp_path / "requeue", env=server.env(), timeout=TIMEOUT,
-    )  # fmt: skip
+        "--max_steps",
+        "6",
+        *SAVES,
+        "--remote_output_dir",
+        PREFIX,
+        "--resume_from_checkpoint",
+        "auto",
+        out_dir=tmp_path / "requeue",
+        env=server.env(),
+        timeout=TIMEOUT,
+    )
     assert again.returncode == 0, again.output[-6000:]
     fetched = json.loads((tmp_path / "requeue" / "global_step4" / "manifest.json").read_text())
     assert fetched["save_id"] == new_four, "auto went back to the abandoned timeline"

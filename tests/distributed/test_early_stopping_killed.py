@@ -15,10 +15,24 @@ def test_early_stopping_on_two_ranks_survives_a_killed_rank(run_finetune, tmp_pa
     # Warmup over 100,000 steps: the weights barely move, no evaluation beats step 0's by 0.5, so
     # patience 4 (evaluations at 2, 4, 6, 8) stops at step 8.
     flags = [
-        "--max_steps", "40", "--eval_steps", "2", "--logging_steps", "1", "--save_checkpoint",
-        "--save_steps", "2", "--save_total_limit", "1", "--early_stopping_patience", "4",
-        "--early_stopping_threshold", "0.5", "--warmup_steps", "100000",
-    ]  # fmt: skip
+        "--max_steps",
+        "40",
+        "--eval_steps",
+        "2",
+        "--logging_steps",
+        "1",
+        "--save_checkpoint",
+        "--save_steps",
+        "2",
+        "--save_total_limit",
+        "1",
+        "--early_stopping_patience",
+        "4",
+        "--early_stopping_threshold",
+        "0.5",
+        "--warmup_steps",
+        "100000",
+    ]
     killed = run_finetune(
         *flags, env={"FINETUNE_FAULT": "save.snapshot:1:6:kill"}, launcher="deepspeed"
     )

@@ -38,9 +38,16 @@ TIMEOUT = 420
 COPIED = f"s3://{BUCKET}/copied"
 # a constant learning rate: 6 steps and a resume to 8 train the steps an 8-step run trains
 SAVES = (
-    "--save_checkpoint", "--save_steps", "2", "--save_total_limit", "1", "--logging_steps", "1",
-    "--lr_scheduler_type", "constant",
-)  # fmt: skip
+    "--save_checkpoint",
+    "--save_steps",
+    "2",
+    "--save_total_limit",
+    "1",
+    "--logging_steps",
+    "1",
+    "--lr_scheduler_type",
+    "constant",
+)
 
 
 def _events(out) -> list[dict]:
@@ -108,9 +115,14 @@ def test_a_wrong_credential_is_exit_2_naming_the_flag_before_training(
 ):
     uri = f"s3://{BUCKET}/refused"
     r = run_finetune(
-        "--max_steps", "2", "--save_checkpoint", "--remote_output_dir", uri,
-        env=server.env(AWS_SECRET_ACCESS_KEY="not-the-secret"), timeout=TIMEOUT,
-    )  # fmt: skip
+        "--max_steps",
+        "2",
+        "--save_checkpoint",
+        "--remote_output_dir",
+        uri,
+        env=server.env(AWS_SECRET_ACCESS_KEY="not-the-secret"),
+        timeout=TIMEOUT,
+    )
     assert r.returncode == 2, r.output[-6000:]
     errors = [ln for ln in r.output.splitlines() if "finetune: error:" in ln]
     assert errors and all("--remote_output_dir" in ln and uri in ln for ln in errors), errors
@@ -197,8 +209,9 @@ def test_ls_and_export_take_s3_uris(copied, server, tmp_path):
     remote_out, local_out = tmp_path / "from-bucket", tmp_path / "from-disk"
     got = _cli("export", f"{COPIED}/global_step6", str(remote_out), "--dtype", "fp32", env=env)
     assert got.returncode == 0, got.stdout + got.stderr
-    want = _cli("export", str(copied.out_dir / "global_step6"), str(local_out), "--dtype", "fp32",
-                env=env)  # fmt: skip
+    want = _cli(
+        "export", str(copied.out_dir / "global_step6"), str(local_out), "--dtype", "fp32", env=env
+    )
     assert want.returncode == 0, want.stdout + want.stderr
     a, b = load_file(remote_out / "model.safetensors"), load_file(local_out / "model.safetensors")
     assert a.keys() == b.keys() and all(a[k].equal(b[k]) for k in a)
@@ -228,9 +241,15 @@ def test_an_s3_checkpoint_named_explicitly_is_fetched_and_resumed(
     source = f"{COPIED}/global_step6"
     out = tmp_path / "explicit"
     r = run_finetune(
-        "--max_steps", "7", *SAVES, "--resume_from_checkpoint", source,
-        out_dir=out, env=server.env(), timeout=TIMEOUT,
-    )  # fmt: skip
+        "--max_steps",
+        "7",
+        *SAVES,
+        "--resume_from_checkpoint",
+        source,
+        out_dir=out,
+        env=server.env(),
+        timeout=TIMEOUT,
+    )
     assert r.returncode == 0, r.output[-6000:]
     assert sorted(_rows(out)) == [7] and f"fetched global_step6 from {COPIED}" in r.output
     resumed = [e["from"] for e in _events(out) if e["event"] == "resume"]
@@ -241,17 +260,31 @@ def test_an_s3_checkpoint_named_explicitly_is_fetched_and_resumed(
     # start, from what both sides hold, and ends (already at its last step) once it is there.
     caught = f"s3://{BUCKET}/caught"
     again = run_finetune(
-        "--max_steps", "7", *SAVES, "--resume_from_checkpoint", "auto",
-        "--remote_output_dir", caught, out_dir=out, env=server.env(), timeout=TIMEOUT,
-    )  # fmt: skip
+        "--max_steps",
+        "7",
+        *SAVES,
+        "--resume_from_checkpoint",
+        "auto",
+        "--remote_output_dir",
+        caught,
+        out_dir=out,
+        env=server.env(),
+        timeout=TIMEOUT,
+    )
     assert again.returncode == 0, again.output[-6000:]
     assert "global_step7 is not yet committed in" in again.output
     assert S3Storage(caught).read_bytes("latest") == b"global_step7\n"
     assert _verify(caught, "--full", env=server.env()).returncode == 0
     bad = run_finetune(
-        "--max_steps", "7", *SAVES, "--resume_from_checkpoint", f"s3://{BUCKET}/nothing-here",
-        out_dir=tmp_path / "bad", env=server.env(), timeout=TIMEOUT,
-    )  # fmt: skip
+        "--max_steps",
+        "7",
+        *SAVES,
+        "--resume_from_checkpoint",
+        f"s3://{BUCKET}/nothing-here",
+        out_dir=tmp_path / "bad",
+        env=server.env(),
+        timeout=TIMEOUT,
+    )
     assert bad.returncode == 2, bad.output[-3000:]
     assert "--resume_from_checkpoint s3://runs/nothing-here: no committed checkpoint" in bad.output
 
@@ -267,9 +300,17 @@ def test_auto_resumes_from_the_bucket_when_the_local_checkpoints_are_gone(
     assert ref.returncode == 0, ref.output[-6000:]
     new = tmp_path / "new"
     r = run_finetune(
-        "--max_steps", "8", *SAVES, "--resume_from_checkpoint", "auto",
-        "--remote_output_dir", COPIED, out_dir=new, env=server.env(), timeout=TIMEOUT,
-    )  # fmt: skip
+        "--max_steps",
+        "8",
+        *SAVES,
+        "--resume_from_checkpoint",
+        "auto",
+        "--remote_output_dir",
+        COPIED,
+        out_dir=new,
+        env=server.env(),
+        timeout=TIMEOUT,
+    )
     assert r.returncode == 0, r.output[-6000:]
     assert "fetched global_step6 from" in r.output
     resumed = [e for e in _events(new) if e["event"] == "resume"]
@@ -292,9 +333,15 @@ def test_a_rank_killed_mid_copy_leaves_the_bucket_committed_and_the_next_run_fin
     newest, trains on, and the half copy is gone once a newer one is committed."""
     uri, out = f"s3://{BUCKET}/killed", tmp_path / "out"
     run = start_finetune(
-        "--max_steps", "100000", *SAVES, "--remote_output_dir", uri,
-        out_dir=out, env=server.env(FINETUNE_SLOW_UPLOAD="0.3"), launcher="deepspeed",
-    )  # fmt: skip
+        "--max_steps",
+        "100000",
+        *SAVES,
+        "--remote_output_dir",
+        uri,
+        out_dir=out,
+        env=server.env(FINETUNE_SLOW_UPLOAD="0.3"),
+        launcher="deepspeed",
+    )
     remote = S3Storage(uri)
 
     def half_copied() -> list[str]:
@@ -318,9 +365,17 @@ def test_a_rank_killed_mid_copy_leaves_the_bucket_committed_and_the_next_run_fin
     assert newest > int(latest.removeprefix("global_step"))
     # The next run: catch-up of OUT's newest, two more steps, committed in the bucket.
     again = run_finetune(
-        "--max_steps", str(newest + 2), *SAVES, "--resume_from_checkpoint", "auto",
-        "--remote_output_dir", uri, out_dir=out, env=env, timeout=TIMEOUT,
-    )  # fmt: skip
+        "--max_steps",
+        str(newest + 2),
+        *SAVES,
+        "--resume_from_checkpoint",
+        "auto",
+        "--remote_output_dir",
+        uri,
+        out_dir=out,
+        env=env,
+        timeout=TIMEOUT,
+    )
     assert again.returncode == 0, again.output[-6000:]
     assert remote.read_bytes("latest") == f"global_step{newest + 2}\n".encode()
     assert _verify(uri, "--full", env=env).returncode == 0
@@ -341,17 +396,29 @@ def test_one_run_per_prefix_a_second_is_exit_2_and_a_run_that_lost_the_prefix_st
 
     uri = f"s3://{BUCKET}/leased"
     first = start_finetune(
-        "--max_steps", "100000", *SAVES, "--remote_output_dir", uri, out_dir=tmp_path / "a",
+        "--max_steps",
+        "100000",
+        *SAVES,
+        "--remote_output_dir",
+        uri,
+        out_dir=tmp_path / "a",
         env=server.env(FINETUNE_SLOW_UPLOAD="0.2", FINETUNE_LEASE_RENEW_S="1"),
         launcher="deepspeed",
-    )  # fmt: skip
+    )
     remote = S3Storage(uri)
     wait_until(lambda: remote.read_bytes("latest"), TIMEOUT, "the first run's first commit")
     run_id = holder(remote)["run_id"]
     second = run_finetune(
-        "--max_steps", "2", *SAVES, "--remote_output_dir", uri, out_dir=tmp_path / "b",
-        nprocs=1, env=server.env(), timeout=TIMEOUT,
-    )  # fmt: skip
+        "--max_steps",
+        "2",
+        *SAVES,
+        "--remote_output_dir",
+        uri,
+        out_dir=tmp_path / "b",
+        nprocs=1,
+        env=server.env(),
+        timeout=TIMEOUT,
+    )
     assert second.returncode == 2, second.output[-6000:]
     assert f"--remote_output_dir {uri} is in use by another run (run id {run_id}," in second.output
     assert not list(second.out_dir.glob("global_step*"))
@@ -380,16 +447,30 @@ def test_a_step_saved_again_on_a_new_timeline_is_uncommitted_before_its_objects_
 
     uri, out = f"s3://{BUCKET}/timelines", tmp_path / "out"
     saves = ("--save_checkpoint", "--save_steps", "2", "--logging_steps", "1")
-    first = run_finetune("--max_steps", "4", *saves, "--remote_output_dir", uri, out_dir=out,
-                         env=server.env(), timeout=TIMEOUT)  # fmt: skip
+    first = run_finetune(
+        "--max_steps",
+        "4",
+        *saves,
+        "--remote_output_dir",
+        uri,
+        out_dir=out,
+        env=server.env(),
+        timeout=TIMEOUT,
+    )
     assert first.returncode == 0, first.output[-6000:]
     remote = S3Storage(uri)
     old = json.loads(remote.read_bytes("global_step4/manifest.json"))["save_id"]
     again = start_finetune(
-        "--max_steps", "4", *saves, "--remote_output_dir", uri,
-        "--resume_from_checkpoint", str(out / "global_step2"),
-        out_dir=out, env=server.env(FINETUNE_SLOW_UPLOAD="0.2"),
-    )  # fmt: skip
+        "--max_steps",
+        "4",
+        *saves,
+        "--remote_output_dir",
+        uri,
+        "--resume_from_checkpoint",
+        str(out / "global_step2"),
+        out_dir=out,
+        env=server.env(FINETUNE_SLOW_UPLOAD="0.2"),
+    )
     seen_mismatch, polls = [], 0
     while again.proc.poll() is None:
         found = remote.read_bytes("global_step4/manifest.json")

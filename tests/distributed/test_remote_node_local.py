@@ -36,9 +36,18 @@ URI = f"s3://{BUCKET}/job"
 CONFIG = str(REPO / "configs" / "ds_zero3_node_local.json")
 # a constant learning rate: a run resumed at step K trains the steps an uninterrupted one does
 COMMON = (
-    "--logging_steps", "1", "--eval_steps", "100000", "--save_checkpoint", "--save_steps", "2",
-    "--lr_scheduler_type", "constant", "--deepspeed_config", CONFIG,
-)  # fmt: skip
+    "--logging_steps",
+    "1",
+    "--eval_steps",
+    "100000",
+    "--save_checkpoint",
+    "--save_steps",
+    "2",
+    "--lr_scheduler_type",
+    "constant",
+    "--deepspeed_config",
+    CONFIG,
+)
 
 
 def start_two_nodes(tmp_path, name: str, *flags: str, env: dict) -> list[Running]:
@@ -59,24 +68,34 @@ def losses(out) -> dict[int, float]:
 def verify(uri: str, *flags: str, env: dict) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "finetune", "verify", uri, *flags],
-        capture_output=True, text=True, env={**os.environ, **env}, timeout=120,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        env={**os.environ, **env},
+        timeout=120,
+    )
 
 
 def test_two_nodes_without_shared_storage_resume_from_the_bucket(server, tmp_path, monkeypatch):
     for k, v in server.env().items():
         monkeypatch.setenv(k, v)
     env = server.env()
-    reference = [r.finish(TIMEOUT) for r in start_two_nodes(
-        tmp_path, "reference", "--max_steps", "8", env=env)]  # fmt: skip
+    reference = [
+        r.finish(TIMEOUT)
+        for r in start_two_nodes(tmp_path, "reference", "--max_steps", "8", env=env)
+    ]
     assert all(r.returncode == 0 for r in reference), reference[0].output[-4000:]
     want = losses(reference[0].out_dir)
 
     # Killed (-9, the whole job) once the bucket holds a commit; saves slowed so that it is early.
     first = start_two_nodes(
-        tmp_path, "job", "--max_steps", "8", "--remote_output_dir", URI,
+        tmp_path,
+        "job",
+        "--max_steps",
+        "8",
+        "--remote_output_dir",
+        URI,
         env=server.env(FINETUNE_SLOW_SAVE="0.3"),
-    )  # fmt: skip
+    )
     remote = S3Storage(URI)
     wait_until(lambda: remote.read_bytes("latest"), TIMEOUT, "a first commit in the bucket")
     for run in first:
@@ -96,10 +115,20 @@ def test_two_nodes_without_shared_storage_resume_from_the_bucket(server, tmp_pat
     for run in first:  # the nodes' disks are gone
         shutil.rmtree(run.out_dir)
 
-    again = [r.finish(TIMEOUT) for r in start_two_nodes(
-        tmp_path, "job", "--max_steps", "8", "--resume_from_checkpoint", "auto",
-        "--remote_output_dir", URI, env=env,
-    )]  # fmt: skip
+    again = [
+        r.finish(TIMEOUT)
+        for r in start_two_nodes(
+            tmp_path,
+            "job",
+            "--max_steps",
+            "8",
+            "--resume_from_checkpoint",
+            "auto",
+            "--remote_output_dir",
+            URI,
+            env=env,
+        )
+    ]
     assert all(r.returncode == 0 for r in again), again[0].output[-6000:] + again[1].output[-3000:]
     assert f"fetched {latest} from {URI}" in again[0].output
     for node, run in enumerate(again):
@@ -114,11 +143,19 @@ def test_two_nodes_without_shared_storage_resume_from_the_bucket(server, tmp_pat
     # One node: a shared --output_dir on 1 rank, from the bucket, through the universal format.
     one = tmp_path / "one"
     cmd = finetune_cmd(
-        "forked", 1,
-        ("--max_steps", "10", "--save_checkpoint", "--logging_steps", "1",
-         "--resume_from_checkpoint", f"{URI}/global_step8"),
+        "forked",
+        1,
+        (
+            "--max_steps",
+            "10",
+            "--save_checkpoint",
+            "--logging_steps",
+            "1",
+            "--resume_from_checkpoint",
+            f"{URI}/global_step8",
+        ),
         one,
-    )  # fmt: skip
+    )
     r = Running(cmd, tmp_path, child_env(env), one).finish(TIMEOUT)
     assert r.returncode == 0, r.output[-6000:]
     assert "universal" in r.output and sorted(losses(one)) == [9, 10], r.output[-3000:]
@@ -126,11 +163,23 @@ def test_two_nodes_without_shared_storage_resume_from_the_bucket(server, tmp_pat
     # checkpoint is fetched there (not a node's cut), converted there, and resumed.
     local = tmp_path / "one-local"
     cmd = finetune_cmd(
-        "forked", 1,
-        ("--max_steps", "10", "--save_checkpoint", "--logging_steps", "1", "--deepspeed_config",
-         CONFIG, "--resume_from_checkpoint", "auto", "--remote_output_dir", URI),
+        "forked",
+        1,
+        (
+            "--max_steps",
+            "10",
+            "--save_checkpoint",
+            "--logging_steps",
+            "1",
+            "--deepspeed_config",
+            CONFIG,
+            "--resume_from_checkpoint",
+            "auto",
+            "--remote_output_dir",
+            URI,
+        ),
         local,
-    )  # fmt: skip
+    )
     r = Running(cmd, tmp_path, child_env(env), local).finish(TIMEOUT)
     assert r.returncode == 0, r.output[-6000:]
     fetched = json.loads((local / "global_step8" / "manifest.json").read_text())

@@ -46,10 +46,25 @@ def test_early_stopping_stops_at_the_same_step_after_kill_9_and_resume(
     # such change can beat: evaluations at 2, 4, 6, 8 do not improve on step 0's, so patience 4
     # stops at 8 (a resume that forgot the counters would stop at 14).
     flags = [
-        *files, "--max_steps", "40", "--eval_steps", "2", "--logging_steps", "1",
-        "--save_checkpoint", "--save_steps", "2", "--early_stopping_patience", "4",
-        "--early_stopping_threshold", "0.5", "--warmup_steps", "100000", "--max_seq_length", "64",
-    ]  # fmt: skip
+        *files,
+        "--max_steps",
+        "40",
+        "--eval_steps",
+        "2",
+        "--logging_steps",
+        "1",
+        "--save_checkpoint",
+        "--save_steps",
+        "2",
+        "--early_stopping_patience",
+        "4",
+        "--early_stopping_threshold",
+        "0.5",
+        "--warmup_steps",
+        "100000",
+        "--max_seq_length",
+        "64",
+    ]
     whole = run_finetune(*flags, launcher="python", nprocs=1, out_dir=tmp_path / "whole")
     assert whole.returncode == 0, whole.output[-3000:]
     status = exit_status(whole.out_dir)
@@ -61,9 +76,12 @@ def test_early_stopping_stops_at_the_same_step_after_kill_9_and_resume(
     # SIGKILL in the save of step 6 (after its evaluation): the run resumes from step 4.
     out = tmp_path / "killed"
     killed = run_finetune(
-        *flags, launcher="python", nprocs=1, out_dir=out,
+        *flags,
+        launcher="python",
+        nprocs=1,
+        out_dir=out,
         env={"FINETUNE_FAULT": "save.snapshot:0:6:kill"},
-    )  # fmt: skip
+    )
     assert killed.returncode in (-9, 137), killed.output[-3000:]
     assert (out / "latest").read_text().strip() == "global_step4"
     resumed = run_finetune(
@@ -121,10 +139,25 @@ def test_the_best_checkpoint_survives_retention_and_exports_with_its_eval_loss(
     # greater_is_better on the loss: the earliest evaluated checkpoint is the best (training lowers
     # the loss), every later one worse; --async_save: each commit comes a step boundary later.
     flags = [
-        *files, "--max_steps", "10", "--eval_steps", "2", "--logging_steps", "2",
-        "--save_checkpoint", "--save_steps", "2", "--save_total_limit", "1", "--async_save",
-        "--metric_for_best_model", "loss", "--greater_is_better", "--max_seq_length", "64",
-    ]  # fmt: skip
+        *files,
+        "--max_steps",
+        "10",
+        "--eval_steps",
+        "2",
+        "--logging_steps",
+        "2",
+        "--save_checkpoint",
+        "--save_steps",
+        "2",
+        "--save_total_limit",
+        "1",
+        "--async_save",
+        "--metric_for_best_model",
+        "loss",
+        "--greater_is_better",
+        "--max_seq_length",
+        "64",
+    ]
     r = run_finetune(*flags, launcher="python", nprocs=1)
     assert r.returncode == 0, r.output[-3000:]
     evals = {row["step"]: row for row in r.eval_rows()}
@@ -139,8 +172,10 @@ def test_the_best_checkpoint_survives_retention_and_exports_with_its_eval_loss(
 
     ls = subprocess.run(
         [sys.executable, "-m", "finetune", "ls", str(r.out_dir), "--json"],
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert ls.returncode == 0, ls.stderr
     listed = json.loads(ls.stdout)
     assert listed["best"]["tag"] == tag
@@ -149,8 +184,10 @@ def test_the_best_checkpoint_survives_retention_and_exports_with_its_eval_loss(
     exported = tmp_path / "exported"
     proc = subprocess.run(
         [sys.executable, "-m", "finetune", "export", str(r.out_dir), str(exported), "--best"],
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr
     assert tag in proc.stdout
     recomputed = eval_loss_of(exported, tmp_path / "val.jsonl", 64)
@@ -164,10 +201,22 @@ def test_early_stopping_without_saving_checkpoints(run_finetune, files, tmp_path
     """No --save_checkpoint: early stopping still ends the run (exit 0, reason early_stopped),
     with nothing saved."""
     r = run_finetune(
-        *files, "--max_steps", "40", "--eval_steps", "3", "--early_stopping_patience", "2",
-        "--early_stopping_threshold", "0.5", "--warmup_steps", "100000", "--max_seq_length", "64",
-        launcher="python", nprocs=1,
-    )  # fmt: skip
+        *files,
+        "--max_steps",
+        "40",
+        "--eval_steps",
+        "3",
+        "--early_stopping_patience",
+        "2",
+        "--early_stopping_threshold",
+        "0.5",
+        "--warmup_steps",
+        "100000",
+        "--max_seq_length",
+        "64",
+        launcher="python",
+        nprocs=1,
+    )
     assert r.returncode == 0, r.output[-3000:]
     status = exit_status(r.out_dir)
     assert (status["reason"], status["step"]) == ("early_stopped", 6)

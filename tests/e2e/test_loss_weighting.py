@@ -44,17 +44,30 @@ def test_micro_batches_and_ranks_of_different_lengths_weigh_every_token_alike(
     data = _data(tmp_path, TEXTS[:2])
     base = ("--model_name_or_path", str(tiny_models["llama"]), "--train_file", data, *COMMON)
     one = run_finetune(
-        *base, "--per_device_train_batch_size", "2", launcher="python", nprocs=1,
+        *base,
+        "--per_device_train_batch_size",
+        "2",
+        launcher="python",
+        nprocs=1,
         out_dir=tmp_path / "one",
-    )  # fmt: skip
+    )
     accum = run_finetune(
-        *base, "--per_device_train_batch_size", "1", "--gradient_accumulation_steps", "2",
-        launcher="python", nprocs=1, out_dir=tmp_path / "accum",
-    )  # fmt: skip
+        *base,
+        "--per_device_train_batch_size",
+        "1",
+        "--gradient_accumulation_steps",
+        "2",
+        launcher="python",
+        nprocs=1,
+        out_dir=tmp_path / "accum",
+    )
     ranks = run_finetune(
-        *base, "--per_device_train_batch_size", "1", nprocs=2,
+        *base,
+        "--per_device_train_batch_size",
+        "1",
+        nprocs=2,
         out_dir=tmp_path / "ranks",
-    )  # fmt: skip
+    )
     loss, norm = _first_row(one)
     for other in (accum, ranks):
         other_loss, other_norm = _first_row(other)
@@ -71,21 +84,35 @@ def test_a_packed_step_has_the_padded_steps_loss_and_gradient(tmp_path, run_fine
     texts = [t + f" Number {i}." for i in range(3) for t in TEXTS]  # 12 examples
     data = _data(tmp_path, texts)
     base = (
-        "--model_name_or_path", str(tiny_models["llama"]), "--train_file", data,
-        "--max_seq_length", "64", *COMMON,
-    )  # fmt: skip
+        "--model_name_or_path",
+        str(tiny_models["llama"]),
+        "--train_file",
+        data,
+        "--max_seq_length",
+        "64",
+        *COMMON,
+    )
     # how many blocks the 12 examples pack into: the step takes them all
     cfg = parse_train_args([*base, "--packing", "--output_dir", str(tmp_path / "unused")])
     blocks = len(prepare(cfg, load_tokenizer(cfg.model))[0])
     assert 1 < blocks < len(texts)
     padded = run_finetune(
-        *base, "--per_device_train_batch_size", str(len(texts)), launcher="python", nprocs=1,
+        *base,
+        "--per_device_train_batch_size",
+        str(len(texts)),
+        launcher="python",
+        nprocs=1,
         out_dir=tmp_path / "padded",
-    )  # fmt: skip
+    )
     packed = run_finetune(
-        *base, "--packing", "--per_device_train_batch_size", str(blocks), launcher="python",
-        nprocs=1, out_dir=tmp_path / "packed",
-    )  # fmt: skip
+        *base,
+        "--packing",
+        "--per_device_train_batch_size",
+        str(blocks),
+        launcher="python",
+        nprocs=1,
+        out_dir=tmp_path / "packed",
+    )
     assert "efficiency" in packed.output
     (loss, norm), (packed_loss, packed_norm) = _first_row(padded), _first_row(packed)
     assert packed_loss == pytest.approx(loss, rel=1e-5)

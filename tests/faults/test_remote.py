@@ -126,9 +126,12 @@ def _cases():
             for kind in KINDS:
                 long = (site, rank, kind) not in SAMPLE
                 yield pytest.param(
-                    site, rank, kind, id=f"{site}-{rank}-{kind}",
+                    site,
+                    rank,
+                    kind,
+                    id=f"{site}-{rank}-{kind}",
                     marks=[pytest.mark.faults_long] if long else [],
-                )  # fmt: skip
+                )
 
 
 @pytest.mark.timeout(4 * RUN_TIMEOUT)

@@ -231,9 +231,14 @@ def test_liger_kernel_trains_to_the_same_loss(run_finetune, dropout_model, tmp_p
     pytest.importorskip("liger_kernel", reason="needs `pip install liger-kernel`")
     plain = _train(run_finetune, dropout_model, tmp_path / "plain", "--precision", "bf16", steps=2)
     liger = _train(
-        run_finetune, dropout_model, tmp_path / "liger", "--precision", "bf16",
-        "--use_liger_kernel", steps=2,
-    )  # fmt: skip
+        run_finetune,
+        dropout_model,
+        tmp_path / "liger",
+        "--precision",
+        "bf16",
+        "--use_liger_kernel",
+        steps=2,
+    )
     first = [r.train_rows()[0]["loss"] for r in (plain, liger)]
     assert math.isclose(first[0], first[1], rel_tol=2e-2), first
     assert_verifies(tmp_path / "liger" / "global_step2")
@@ -254,7 +259,7 @@ def test_packing_with_flash_attention_matches_sdpa(run_finetune, dropout_model, 
             "--attn_implementation",
             attn,
             steps=1,
-        )  # fmt: skip
+        )
         for attn in ("sdpa", "flash_attention_2")
     ]
     first = [r.train_rows()[0]["loss"] for r in runs]

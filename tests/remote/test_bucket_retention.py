@@ -26,8 +26,13 @@ def put(remote, key: str, lineage: str | None = None) -> None:
 
 def commit(remote, step: int, seq: int, lineage: str) -> None:
     put(remote, f"global_step{step}/rank.pt", lineage)
-    manifest = {"tag": f"global_step{step}", "commit_seq": seq, "save_id": f"{lineage}-{seq}",
-                "lineage": lineage, "files": {}}  # fmt: skip
+    manifest = {
+        "tag": f"global_step{step}",
+        "commit_seq": seq,
+        "save_id": f"{lineage}-{seq}",
+        "lineage": lineage,
+        "files": {},
+    }
     remote.write_bytes(f"global_step{step}/{MANIFEST}", json.dumps(manifest).encode())
 
 

@@ -68,8 +68,11 @@ def test_a_free_prefix_is_taken_renewed_and_released(remote):
 def test_a_live_run_on_the_prefix_is_refused_naming_it(remote):
     lease = acquire(remote, "first")
     t0 = time.monotonic()
-    with pytest.raises(RemoteLeaseHeld, match=r"--remote_output_dir s3://leases/.* is in use by "
-                       r"another run \(run id first, pid \d+ on host"):  # fmt: skip
+    with pytest.raises(
+        RemoteLeaseHeld,
+        match=r"--remote_output_dir s3://leases/.* is in use by "
+        r"another run \(run id first, pid \d+ on host",
+    ):
         acquire(remote, "second")
     assert time.monotonic() - t0 < AT_ONCE, "the same machine: decided from the pid, at once"
     assert holder(remote)["run_id"] == "first"
