@@ -86,6 +86,29 @@ def test_a_slow_step_that_reports_progress_is_not_given_up(two_ranks):
     assert out.ok and out.results == ["done", "done"]
 
 
+@pytest.mark.parametrize("carried", [True, False])
+def test_progress_made_on_helper_threads_counts_when_carried(two_ranks, carried):
+    """Files hashed on a pool's threads (manifest.check_files) report to the step that started
+    them: carried, the slow step lives; without carry it would be given up."""
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    from finetune.io.progress import carry, progress
+
+    def piece(_):
+        for _ in range(4):
+            time.sleep(0.1)
+            progress()
+
+    def step():
+        with ThreadPoolExecutor(2) as pool:
+            list(pool.map(carry(piece) if carried else piece, range(4)))
+        return "done"
+
+    out = dist.gather_outcomes(step, share=True, step="verifying", deadline_s=0.35, poll_s=0.05)
+    assert out.ok is carried, out.errors
+
+
 def test_one_process_gets_the_deadline_too(monkeypatch):
     import time
 

@@ -30,3 +30,19 @@ def progress() -> None:
 def watch(step: dict | None) -> None:
     """From now on this thread's ``progress()`` calls go to ``step`` (None: nowhere)."""
     _current.step = step
+
+
+def carry(fn):
+    """``fn``, reporting its progress to this thread's agreed step from whichever thread runs it
+    (a pool's worker): a deadline sees work done on helper threads as progress."""
+    step = _current.step
+
+    def run(*args, **kwargs):
+        before = _current.step  # the running thread's own (the caller's, when it runs there)
+        watch(step)
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            watch(before)
+
+    return run

@@ -20,7 +20,7 @@ from typing import BinaryIO
 
 import torch
 
-from finetune.checkpoint_format.manifest import MANIFEST, check_file, read_manifest
+from finetune.checkpoint_format.manifest import MANIFEST, check_files, read_manifest
 from finetune.checkpoint_format.outdir import LATEST
 from finetune.checkpoint_format.state import TRAINER_STATE
 from finetune.config import ConfigError
@@ -100,7 +100,7 @@ def verify_inputs(folder: Path, names: list[str]) -> tuple[int, float]:
         )
     listed = manifest.get("files") if isinstance(manifest.get("files"), dict) else {}
     problems: list[str] = []
-    checked = 0
+    entries = {}
     for name in dict.fromkeys(names):
         meta = listed.get(name)
         if not (
@@ -112,8 +112,9 @@ def verify_inputs(folder: Path, names: list[str]) -> tuple[int, float]:
                 else f"{name}: unreadable {MANIFEST} entry"
             )
             continue
-        problems += check_file(folder / name, name, meta, checksums=True)
-        checked += meta["size"]
+        entries[name] = meta
+    problems += check_files(folder, entries, checksums=True)
+    checked = sum(meta["size"] for meta in entries.values())
     if problems:
         shown = "; ".join(problems[:5]) + (
             f"; and {len(problems) - 5} more" if len(problems) > 5 else ""
