@@ -18,6 +18,7 @@ from typing import Any, BinaryIO
 import torch
 
 from finetune.checkpoint_format.outdir import step_of
+from finetune.config.checkpoint import size_bytes
 from finetune.io import seams
 from finetune.io.durable import HashingWriter, write_json_durably
 from finetune.io.faults import fault_point
@@ -85,13 +86,7 @@ def plan_shards(
     for a dtype safetensors can't hold: from metadata every rank shares, so every rank raises it
     before the first collective rather than rank 0 alone in the middle of the gathers.
     """
-    from huggingface_hub.serialization._base import parse_size_to_int
-
-    limit = (
-        parse_size_to_int(max_shard_size)
-        if isinstance(max_shard_size, str)
-        else int(max_shard_size)
-    )
+    limit = size_bytes(max_shard_size) if isinstance(max_shard_size, str) else int(max_shard_size)
     meta: dict[str, torch.Tensor] = {}
     shards: list[list[str]] = [[]]
     size = 0  # bytes in the last shard
