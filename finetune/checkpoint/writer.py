@@ -93,7 +93,7 @@ class SaveRecord:
 
 # A background write is spread over this many training steps' time (measured between optimizer
 # steps), so that no single step absorbs all of its CPU; anyone waiting for it ends the pacing.
-PACE_STEPS = 1
+PACE_STEPS = 2
 PACE_MAX_S = 60.0
 PACE_MIN_BYTES = 64 << 20  # a smaller write's CPU is too little to spread: at full speed
 
