@@ -93,10 +93,9 @@ class Listing:
 def main(argv: list[str]) -> int:
     p = Parser(
         prog="finetune ls",
-        description="List an output dir's checkpoints (step, time, size, world size, "
-        "losses, seconds to write, state) and what else is in it. Exit 0 when listed, damaged "
-        "checkpoints included; "
-        "2 when OUT is not an output dir.",
+        description="List an output dir's checkpoints (step, time, size, world size, losses, "
+        "seconds to write, state) and what else is in it. Exit 0 when listed, damaged "
+        "checkpoints included; 2 when OUT is not an output dir.",
     )
     p.add_argument(
         "output_dir",

@@ -66,6 +66,7 @@ OTHER_TOOLS: dict[str, str] = {
     "--wait_quiet": "bench/train/train_throughput.py",
     "--shape": "bench/train/train_throughput.py",
     "--long_rows": "bench/train/train_throughput.py",
+    "--setting": "bench/train/train_throughput.py",
     "--repeats": "bench/data/data_path.py",
     "--rows": "bench/data/data_path.py",
     "--finetune_src": "bench/data/data_path.py",

@@ -29,7 +29,7 @@ def p1(ctx: Ctx) -> dict:
         "--out",
         out,
     ]
-    for k in ("hidden_size", "num_layers"):
+    for k in ("hidden_size", "num_layers", "wait_quiet"):
         if k in s:
             args += [f"--{k}", s[k]]
     ctx.run("P1", "train/train_throughput.py", args)
@@ -71,7 +71,7 @@ def p1(ctx: Ctx) -> dict:
             for tool, u in r["mfu"].items()
         },
         note=(
-            "ratio = the median of the pairs' ratios (launches 1-2, 3-4, 5-6: one per tool, "
+            "ratio = the median of the pairs' ratios (launches 1-2, 3-4, ...: one per tool, "
             "alternating order; ratio_total_tokens: all launches' tokens / seconds); "
             "tokens/s = total tokens / total timed seconds of each tool's launches (order ABBA…); "
             "other_load_pct = CPU the rest of the machine used during a launch "
@@ -103,9 +103,10 @@ RUNS = (
         (P1,),
         "train/train_throughput.py",
         p1,
-        # three alternating pairs (finetune, HF), (HF, finetune), (finetune, HF): the ratio is the
-        # median of the pairs' ratios, P1 being noisy on a shared machine
-        full={"steps": 40, "warmup": 10, "logging_steps": 5, "rounds": 3},
+        # five alternating pairs (finetune, HF), (HF, finetune), ...: the ratio is the median of the
+        # pairs' ratios, P1 being noisy on a shared machine; each launch first waits up to 30 s for
+        # the rest of the machine to go quiet
+        full={"steps": 40, "warmup": 10, "logging_steps": 5, "rounds": 5, "wait_quiet": 30},
         smoke={
             "steps": 4,
             "warmup": 2,
