@@ -101,8 +101,12 @@ class DirectFile:
         full, rest = self.buf, self.fill - n
         self.inflight.append((self.io.submit(self._pwrite, full, n, self.offset), full))
         self.offset += n
-        self.buf = self._free_buffer()
-        self.view = np.frombuffer(self.buf, dtype=np.uint8)
+        # ``full`` is the pipeline's now: should the wait for a free buffer raise, nothing holds
+        # it twice (it would go back to the pool twice, and two files would share it)
+        self.buf = self.view = None
+        self.fill = 0
+        buf = self._free_buffer()
+        self.buf, self.view = buf, np.frombuffer(buf, dtype=np.uint8)
         if rest:  # the unaligned tail stays ahead of what comes next
             self.view[:rest] = np.frombuffer(full, dtype=np.uint8)[n : n + rest]
         self.fill = rest
@@ -190,8 +194,10 @@ class DirectFile:
             if self.io is not None:
                 self.io.shutdown(wait=True)
             os.close(self.fd)
-            self.view = None
-            _give(self.buf)
+            if self.buf is not None:
+                self.view = None
+                _give(self.buf)
+                self.buf = None
 
     def __enter__(self):
         return self

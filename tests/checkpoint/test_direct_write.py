@@ -180,6 +180,9 @@ def test_a_failed_write_in_flight_is_raised_and_the_file_closed(folder, monkeypa
     assert e.value.errno == errno.EIO
     with pytest.raises(OSError):
         os.fstat(f.fd)  # closed
+    # every buffer went back to the pool once: none is shared by two later files
+    spare = direct._pool.get(4 * 4096, [])
+    assert len({id(b) for b in spare}) == len(spare)
 
 
 @pytest.fixture
