@@ -121,7 +121,7 @@ RUNS = (
         (P5,),
         "resume/export.py",
         p5,
-        full={"repeats": 3, "floor_repeats": 2},
+        full={"repeats": 5, "floor_repeats": 2},
         smoke={"repeats": 1, "floor_repeats": 1},
         subs=(P5B,),
     ),
