@@ -74,7 +74,8 @@ class Checkpoint:
     tokens_by_source: dict | None = None  # --dataset_mixture: trainer_state.json's (local only)
     eval: dict | None = None  # the evaluation of its step, from its manifest
     best: bool = False  # the best checkpoint (--metric_for_best_model), as the newest commit says
-    writer_s: float | None = None  # seconds its rank files took to write (events.jsonl)
+    # seconds rank 0's writer spent on its files, pacing excluded (events.jsonl)
+    writer_s: float | None = None
 
 
 @dataclass
@@ -281,13 +282,19 @@ def _checkpoint(folder: Path, losses: _Losses, checksums: bool, manifests: dict)
 
 
 def _writer_seconds(out: Path) -> dict[str, float]:
-    """Each tag's ``writer_s`` from its ``checkpoint`` event (the last one: a later save of the
-    same step is the folder there now); events from before the field existed give none."""
+    """Each tag's writer seconds from its ``checkpoint`` event (the last one: a later save of the
+    same step is the folder there now): ``writer_busy_s``, rank 0's writer's own seconds on its
+    files with the waits that pace an --async_save excluded, else (events from before it)
+    ``writer_s``, the wall time of the writes; none from events older than both."""
     found = {}
     for event in read_events(out):
-        seconds = event.get("writer_s")
-        if event.get("event") == "checkpoint" and isinstance(seconds, (int, float)):
-            found[str(event.get("tag"))] = float(seconds)
+        if event.get("event") != "checkpoint":
+            continue
+        for key in ("writer_busy_s", "writer_s"):
+            seconds = event.get(key)
+            if isinstance(seconds, (int, float)) and not isinstance(seconds, bool):
+                found[str(event.get("tag"))] = float(seconds)
+                break
     return found
 
 

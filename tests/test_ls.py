@@ -138,7 +138,14 @@ def test_each_checkpoint_shows_the_seconds_its_files_took_to_write(run, capsys):
         {"event": "checkpoint", "step": 4, "tag": "global_step4", "writer_s": 9.0},
         {"event": "save_behind", "step": 4, "writer_s": 5.0},  # not a checkpoint's
         {"event": "checkpoint", "step": 4, "tag": "global_step4", "writer_s": 12.34},
-        {"event": "checkpoint", "step": 10, "tag": "global_step10", "writer_s": 0.5},
+        # the writer's own seconds, pacing excluded, where the event has them
+        {
+            "event": "checkpoint",
+            "step": 10,
+            "tag": "global_step10",
+            "writer_s": 7.0,
+            "writer_busy_s": 0.5,
+        },
     ]
     (run / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events) + '{"ev')
     found = {c.step: c.writer_s for c in listing.collect(run).checkpoints}

@@ -346,6 +346,8 @@ class Checkpointer(SaveBoundaries):
             # each phase's seconds: --async_save's writer time is "copy" and "background"
             phases={name: round(seconds, 3) for name, seconds in clock.laps},
             writer_s=round(clock.writer, 3),
+            # rank 0's writer's own seconds, pacing excluded: what `finetune ls` shows
+            writer_busy_s=round(self.writer.record.busy_s(), 3),
         )
         own = pending.io.finish(tag, self.writer.files, clock.total)
         logger.info("%s", finished(tag, clock, total, own, pending.final))

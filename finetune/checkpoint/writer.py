@@ -85,6 +85,18 @@ class SaveRecord:
         if self.pacer is not None:
             self.pacer.released.set()
 
+    def busy_s(self) -> float:
+        """Seconds this rank's writer spent on the save's files: an --async_save's copy of the
+        snapshot, serialization with hashing and writing, fsync; the waits that pace a background
+        write to training excluded (what the same files take when nothing paces them)."""
+        s = self.stats
+        return (
+            s.get("copy", 0.0)
+            + s.get("torch_save", 0.0)
+            + s.get("fsync", 0.0)
+            - s.get("paced", 0.0)
+        )
+
     def fail(self, path: str | Path | None, e: BaseException) -> None:
         """Keep the first failure: the one every rank is told of."""
         if self.error is None:

@@ -680,6 +680,8 @@ def test_saves_that_come_faster_than_they_are_written_are_said_once_and_each_cou
         for s, f in commits
         if s < 4
     ), commits
+    # and rank 0's writer's own seconds: the pauses after each slowed file are not writing
+    assert all(0 < f["writer_busy_s"] < f["writer_s"] for s, f in commits if s < 4), commits
 
 
 def test_retention_deletes_in_the_background_and_the_space_check_waits_for_what_it_frees(
