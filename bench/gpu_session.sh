@@ -102,7 +102,10 @@ cuda_part() { # as part, when there is a GPU
 }
 
 if want ops; then
-    if compgen -G "${TORCH_EXTENSIONS_DIR:-$HOME/.cache/torch_extensions}/*/fused_adam/*.so" >/dev/null; then
+    # where torch's JIT puts a build: TORCH_EXTENSIONS_DIR/NAME, or ~/.cache/torch_extensions/pyXY_cuZ/NAME
+    built="$HOME/.cache/torch_extensions/*/fused_adam*/*.so"
+    [[ -n ${TORCH_EXTENSIONS_DIR:-} ]] && built="$TORCH_EXTENSIONS_DIR/fused_adam*/*.so"
+    if compgen -G "$built" >/dev/null; then
         stamp "ops: FusedAdam is built already (an earlier call on this machine)"
     else
         cuda_part ops 70 30 python scripts/build_ops.py >"$OUT/ops.log" 2>&1
