@@ -20,22 +20,25 @@ Fault sites (faults.py): ``save.makedirs``, ``save.write_rank_files``, ``save.fs
 rank) while a save is surely in flight.
 
 --async_save's snapshot: ``host_plan`` and ``run_copies`` copy a state dict's tensors into host
-memory *storage by storage*: tensors that share a storage (views, DeepSpeed's flat partitions)
-still share one in the copy, so ``torch.save`` of the copy writes the same bytes as ``torch.save``
-of the original would have at that instant (tests compare the manifests' checksums). Everything
-else in the dict is deep-copied: optimizer param groups, the scheduler's counters and the like
-change at the next step. On a GPU the copies go into page-locked buffers. Either way the buffers
-are kept from one save to the next (keyed by file name and position, reused when the storage's
-size matches), so a save after the first allocates nothing and faults in no pages: the host
-memory stays allocated between saves. ``Queue`` holds the copies and the paths and writes them on
-one thread, in order, with the same write function as a synchronous save (fsync, checksums,
-failures recorded). Its host memory is the sum of the copied storages: the bytes this rank's rank
-files hold, about 1x its shard.
+memory *storage by storage*: tensors that share a storage (views, DeepSpeed's flat partitions) still
+share one in the copy, so ``torch.save`` of the copy writes the same bytes as ``torch.save`` of the
+original would have at that instant (tests compare the manifests' checksums). Everything else in the
+dict is deep-copied: optimizer param groups, the scheduler's counters and the like change at the
+next step. On a GPU the copies go into page-locked buffers, else into page-aligned ones, and every
+storage starts at a 4096-byte boundary in the file (STORAGE_ALIGNMENT), so O_DIRECT writes a
+snapshot from where it lies (io/direct.py). Either way the buffers are kept from one save to the
+next (keyed by file name and position, reused when the storage's size matches), so a save after the
+first allocates nothing and faults in no pages: the host memory stays allocated between saves.
+``Queue`` holds the copies and the paths and writes them on one thread, in order, with the same
+write function as a synchronous save (fsync, checksums, failures recorded); once the copy is done,
+at a lower CPU priority than training (WRITER_NICE). Its host memory is the sum of the copied
+storages: the bytes this rank's rank files hold, about 1x its shard.
 """
 
 from __future__ import annotations
 
 import copy
+import mmap
 import os
 import threading
 import time
@@ -45,9 +48,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
+from torch.utils.serialization import config as serialization_config
 
 from finetune.io import seams
-from finetune.io.direct import finish, open_for_write
+from finetune.io.direct import ZERO_COPY_MIN, finish, open_for_write
 from finetune.io.durable import HashingWriter, WriteCancelled
 from finetune.io.faults import fault_point
 from finetune.io.progress import progress
@@ -284,7 +288,7 @@ class GuardedWriter:
                 w = HashingWriter(f, record.cancelled, record.stats, record.pacer)
                 record.current = w
                 t0 = time.perf_counter()
-                _save_without_crc(state_dict, w, getattr(self.inner, "zipfile_serialization", True))
+                _torch_save(state_dict, w, getattr(self.inner, "zipfile_serialization", True))
                 finish(f)
                 t1 = time.perf_counter()
                 fault_point("save.fsync", record.step)
@@ -329,17 +333,36 @@ class GuardedWriter:
 EAGER_BYTES = 64 << 10
 
 
-def _save_without_crc(state_dict: object, f: HashingWriter, zipfile: bool) -> None:
-    """torch.save without its CRC-32 of every zip record, which on one core at about 3 GB/s was
-    most of the serialization time: a second checksum of bytes the file's xxh3 (about 20 GB/s)
-    already covers. torch.load, DeepSpeed and safe_load read the file alike; only a zip tool's own
-    CRC check would fail. torch keeps the option per thread: set for this save only."""
-    crc = torch.serialization.get_crc32_options()
-    torch.serialization.set_crc32_options(False)
+# Every storage starts at a multiple of this in a rank file (torch's default is 64): an
+# --async_save's snapshot, in page-aligned host memory, then goes to disk with O_DIRECT from where
+# it lies (io/direct.py). A record's padding grows by at most this; torch.load and DeepSpeed read
+# any alignment.
+STORAGE_ALIGNMENT = 4096
+
+
+def _torch_save(state_dict: object, f: HashingWriter, zipfile: bool) -> None:
+    """torch.save with every storage aligned to STORAGE_ALIGNMENT and without its CRC-32 of every
+    zip record, which on one core at about 3 GB/s was most of the serialization time: a second
+    checksum of bytes the file's xxh3 (about 20 GB/s) already covers. torch.load, DeepSpeed and
+    safe_load read the file alike; only a zip tool's own CRC check would fail. torch keeps both
+    options per thread: set for this save only."""
+    config = serialization_config.save
+    crc, alignment = config.compute_crc32, config.storage_alignment
+    config.compute_crc32, config.storage_alignment = False, STORAGE_ALIGNMENT
     try:
         torch.save(state_dict, f, _use_new_zipfile_serialization=zipfile)
     finally:
-        torch.serialization.set_crc32_options(crc)
+        config.compute_crc32, config.storage_alignment = crc, alignment
+
+
+def host_buffer(nbytes: int, pinned: bool) -> torch.Tensor:
+    """A snapshot's byte buffer: page-locked for a device's tensors (the copy is then a DMA), else
+    page-aligned when long enough to be written from where it lies (io/direct.py)."""
+    if pinned:
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    if nbytes >= ZERO_COPY_MIN:
+        return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=torch.uint8)
+    return torch.empty(nbytes, dtype=torch.uint8)
 
 
 def host_plan(obj: object, pool: Pool | None = None, name: str = "") -> tuple[object, int, Copies]:
@@ -368,9 +391,7 @@ def host_plan(obj: object, pool: Pool | None = None, name: str = "") -> tuple[ob
             if dst is None or dst.numel() != st.nbytes():
                 # Kept for the next save: a fresh buffer costs its page faults at every save
                 # (bench/writer_interference.py: 65-135 ms for 300 MiB, 15-28 ms into a kept one).
-                dst = torch.empty(
-                    st.nbytes(), dtype=torch.uint8, pin_memory=st.device.type != "cpu"
-                )
+                dst = host_buffer(st.nbytes(), pinned=st.device.type != "cpu")
                 if pool is not None:
                     pool[slot] = dst
             if st.nbytes() <= EAGER_BYTES:  # a buffer a forward may change in place: now
@@ -439,6 +460,22 @@ def run_copies(
         stream.synchronize()
 
 
+# Once the snapshot is copied (training waits for that), the writer thread runs this much nicer than
+# training: its serialization, hashing and writes take the CPU training leaves (idle cores on a GPU
+# host; the gaps between a CPU rank's ops), not a share of training's own.
+WRITER_NICE = 10
+
+
+def yield_cpu(nice: int = WRITER_NICE) -> None:
+    """Lower the calling thread's CPU priority by ``nice`` (Linux: nice is per thread, and the
+    threads it starts inherit it). Never raises: where it can't, the writer keeps its priority."""
+    try:
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + nice))
+    except (AttributeError, OSError):
+        pass
+
+
 def add_time(stats: dict[str, float] | None, key: str, seconds: float) -> None:
     if stats is not None:
         stats[key] = stats.get(key, 0.0) + seconds
@@ -502,6 +539,7 @@ class Queue:
                 self.copies = []
                 self.copied.set()
                 add_time(stats, "copy", time.perf_counter() - t0)
+            yield_cpu()
             while self.items:
                 state, path = self.items.pop(0)
                 self.write(state, path)

@@ -9,16 +9,19 @@ kernel's write-back; O_DIRECT took 0.26-0.44 s and 0.02 s of CPU. The CPU is wha
 save takes from training (FastPersist and DeepNVMe write this way for the same reason).
 
 ``open_for_write(path)`` gives a ``DirectFile`` where the filesystem takes O_DIRECT, else a plain
-buffered file (tmpfs, some network filesystems: EINVAL at open). A ``DirectFile`` is a pipeline:
-the caller's thread copies what it is given into an aligned buffer (numpy: the GIL is released for
-the copy) while up to ``DEPTH`` earlier buffers are being written by I/O threads, each at its own
-offset (``os.pwrite``), so a save's time approaches its slower stage (serializing and hashing, or
-the device), not their sum. The buffers come from a small pool kept from one file, and one save, to
-the next. ``finish`` (or ``close``) waits for the writes in flight and writes the unaligned tail
-with O_DIRECT cleared. A write refused with EINVAL (a filesystem that takes the flag at open only)
-switches the file to buffered writes. A write's error (ENOSPC, EIO) is raised by the next
-``write``, ``flush`` or ``finish``. Either way the caller's closing fsync makes the file durable, as
-before.
+buffered file (tmpfs, some network filesystems: EINVAL at open). A ``DirectFile`` is a pipeline: the
+caller's thread copies what it is given into an aligned buffer (numpy: the GIL is released for the
+copy) while up to ``DEPTH`` earlier buffers are being written by I/O threads, each at its own offset
+(``os.pwrite``), so a save's time approaches its slower stage (serializing and hashing, or the
+device), not their sum. The buffers come from a small pool kept from one file, and one save, to the
+next. A long write that starts on a block boundary both in memory and in the file skips the copy:
+its whole blocks are written from where they lie (the caller keeps that memory unchanged until
+``finish``). An --async_save's snapshot is such memory: page-aligned host buffers, serialized with
+every storage aligned to 4096 bytes in the file. ``finish`` (or ``close``) waits for the writes in
+flight and writes the unaligned tail with O_DIRECT cleared. A write refused with EINVAL (a
+filesystem that takes the flag at open only) switches the file to buffered writes. A write's error
+(ENOSPC, EIO) is raised by the next ``write``, ``flush`` or ``finish``. Either way the caller's
+closing fsync makes the file durable, as before.
 """
 
 from __future__ import annotations
@@ -41,6 +44,10 @@ _DIRECT = getattr(os, "O_DIRECT", 0)
 # Buffers being written at once, per file: two keep a device busy while the next one fills.
 DEPTH = 2
 _POOL_MAX = 8  # buffers kept for the next file (8 MB each)
+# A write at least this long that starts on a block boundary in memory and in the file goes to the
+# device from where it lies, without the copy into a buffer (torch.save hands over each storage in
+# one write: at a 4096-byte storage alignment, and from page-aligned memory, that is every storage).
+ZERO_COPY_MIN = 1 << 20
 
 _pool: dict[int, list[mmap.mmap]] = {}  # spare buffers by size, kept across files and saves
 _pool_lock = threading.Lock()
@@ -82,8 +89,16 @@ class DirectFile:
         self.closed = False
 
     def write(self, data) -> int:
-        src = np.frombuffer(data, dtype=np.uint8)
+        view = memoryview(data).cast("B")
+        src = np.frombuffer(view, dtype=np.uint8)
         done = 0
+        if self.direct and len(src) >= ZERO_COPY_MIN and self._at_block(src):
+            # written from where it lies: what is held goes first (it ends on a block boundary)
+            done = len(src) - len(src) % _ALIGN
+            if self.fill:
+                self._hand_over(self.fill)
+            self._make_room()
+            self._submit(view[:done], done, None)
         while done < len(src):
             n = min(len(self.view) - self.fill, len(src) - done)
             self.view[self.fill : self.fill + n] = src[done : done + n]
@@ -93,14 +108,23 @@ class DirectFile:
                 self._hand_over(self.fill)
         return done
 
+    def _at_block(self, src: np.ndarray) -> bool:
+        """Whether ``src`` starts on a block boundary both in memory and in the file."""
+        return src.ctypes.data % _ALIGN == 0 and (self.offset + self.fill) % _ALIGN == 0
+
+    def _submit(self, data: mmap.mmap | memoryview, n: int, buf: mmap.mmap | None) -> None:
+        """Write ``data``'s first ``n`` bytes at the file's end on an I/O thread; ``buf``: the
+        pool's buffer they lie in (None: the caller's memory, which outlives ``finish``)."""
+        if self.io is None:
+            self.io = ThreadPoolExecutor(self.depth, thread_name_prefix="finetune-direct")
+        self.inflight.append((self.io.submit(self._pwrite, data, n, self.offset), buf))
+        self.offset += n
+
     def _hand_over(self, n: int) -> None:
         """Send the buffer's first ``n`` bytes (a multiple of _ALIGN while direct) to be written,
         and go on filling a free buffer, starting with what followed them."""
-        if self.io is None:
-            self.io = ThreadPoolExecutor(self.depth, thread_name_prefix="finetune-direct")
         full, rest = self.buf, self.fill - n
-        self.inflight.append((self.io.submit(self._pwrite, full, n, self.offset), full))
-        self.offset += n
+        self._submit(full, n, full)
         # ``full`` is the pipeline's now: should the wait for a free buffer raise, nothing holds
         # it twice (it would go back to the pool twice, and two files would share it)
         self.buf = self.view = None
@@ -112,21 +136,33 @@ class DirectFile:
         self.fill = rest
 
     def _free_buffer(self) -> mmap.mmap:
-        """A buffer to fill: from the pool while fewer than ``depth`` are being written, else the
-        oldest one's once its write is done (its error raised here)."""
-        if len(self.inflight) < self.depth:
-            return _take(self.buffer)
-        future, buf = self.inflight.popleft()
-        try:
-            future.result()
-        except BaseException:
-            _give(buf)
-            raise
-        return buf
+        """A buffer to fill: from the pool while fewer than ``depth`` writes are in flight, else
+        the oldest buffer's once its write is done (each awaited write's error raised here)."""
+        while len(self.inflight) >= self.depth:
+            future, buf = self.inflight.popleft()
+            try:
+                future.result()
+            except BaseException:
+                if buf is not None:
+                    _give(buf)
+                raise
+            if buf is not None:
+                return buf
+        return _take(self.buffer)
 
-    def _pwrite(self, buf: mmap.mmap, n: int, offset: int) -> None:
-        """An I/O thread's part: ``buf``'s first ``n`` bytes to the file at ``offset``."""
-        view, written = memoryview(buf), 0
+    def _make_room(self) -> None:
+        """Wait until fewer than ``depth`` writes are in flight (an awaited one's error raised)."""
+        while len(self.inflight) >= self.depth:
+            future, buf = self.inflight.popleft()
+            try:
+                future.result()
+            finally:
+                if buf is not None:
+                    _give(buf)
+
+    def _pwrite(self, data: mmap.mmap | memoryview, n: int, offset: int) -> None:
+        """An I/O thread's part: ``data``'s first ``n`` bytes to the file at ``offset``."""
+        view, written = memoryview(data), 0
         try:
             while written < n:
                 try:
@@ -148,7 +184,8 @@ class DirectFile:
                 future.result()
             except BaseException as e:  # noqa: BLE001 — raised below, once nothing is in flight
                 error = error or e
-            _give(buf)
+            if buf is not None:
+                _give(buf)
         if error is not None:
             raise error
 

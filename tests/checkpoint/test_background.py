@@ -4,12 +4,17 @@ queue, in one process."""
 from __future__ import annotations
 
 import io
+import os
+import threading
 
+import numpy as np
 import pytest
 import torch
 from checkpoint.fake_engine import Inner
 
+from finetune.checkpoint import writer
 from finetune.checkpoint.writer import GuardedWriter, Pool, Queue, host_plan, run_copies
+from finetune.io import direct
 
 
 def copied_now(obj: object, pool: Pool | None = None, name: str = "") -> tuple[object, int]:
@@ -104,6 +109,23 @@ def test_the_queue_writes_in_order_on_its_thread_and_reports_done():
     assert q.done() and written == [("first", {"a": 1}), ("second", {"b": 2})]
 
 
+@pytest.mark.skipif(not hasattr(os, "setpriority"), reason="no per-thread nice here")
+def test_the_writer_copies_at_trainings_priority_and_writes_below_it(monkeypatch):
+    """The copy, which the optimizer step waits for, runs at training's priority; the writes after
+    it at WRITER_NICE more (a nice value is per thread on Linux)."""
+
+    def nice() -> int:
+        return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+    seen = {}
+    monkeypatch.setattr(writer, "run_copies", lambda *a: seen.setdefault("copy", nice()))
+    q = Queue(lambda state, path: seen.setdefault("write", nice()))
+    q.add({"a": 1}, "f", 1)
+    q.start()
+    q.join()
+    assert seen == {"copy": nice(), "write": min(19, nice() + writer.WRITER_NICE)}
+
+
 def test_a_background_write_equals_a_synchronous_one(tmp_path):
     state = _state()
     sync = GuardedWriter(Inner())
@@ -129,6 +151,38 @@ def test_a_background_write_equals_a_synchronous_one(tmp_path):
     assert background.done() and background.error is None
     assert background.files == sync.files  # same size and checksum
     assert background.record.stats["copy"] >= 0 and background.record.stats["fsync"] >= 0
+
+
+def test_a_large_storage_is_written_from_the_snapshot_where_it_lies(tmp_path, monkeypatch):
+    """The snapshot's long buffers are page-aligned and their storages 4096-aligned in the file:
+    O_DIRECT takes them without a copy, and the file is a synchronous save's, byte for byte."""
+    try:
+        os.close(os.open(tmp_path / "probe", os.O_WRONLY | os.O_CREAT | getattr(os, "O_DIRECT", 0)))
+    except OSError:
+        pytest.skip(f"{tmp_path}'s filesystem does not take O_DIRECT")
+    state = {"big": torch.randn(3 << 18), "small": torch.arange(5), "step": 7}  # 3 MiB + 40 B
+    sync = GuardedWriter(Inner())
+    (tmp_path / "sync").mkdir()
+    sync.reset(tmp_path / "sync", 4)
+    sync.save(state, str(tmp_path / "sync" / "f.pt"))
+
+    sources, real = [], os.pwrite
+
+    def pwrite(fd, data, offset):
+        sources.append(np.frombuffer(data, dtype=np.uint8).ctypes.data)
+        return real(fd, data, offset)
+
+    monkeypatch.setattr(direct.os, "pwrite", pwrite)
+    background = GuardedWriter(Inner())
+    (tmp_path / "async").mkdir()
+    background.reset(tmp_path / "async", 4, background=True)
+    background.save(state, str(tmp_path / "async" / "f.pt"))
+    background.start()
+    background.join()
+    assert background.error is None and background.files == sync.files
+    (snapshot,) = [b for b in background.buffers.values() if b.numel() == 3 << 20]
+    assert snapshot.data_ptr() % 4096 == 0 and snapshot.data_ptr() in sources
+    assert torch.equal(torch.load(tmp_path / "async" / "f.pt")["big"], state["big"])
 
 
 def _started(folder):

@@ -4,6 +4,7 @@ write, whatever the pieces; a fallback where the filesystem refuses the flag; er
 from __future__ import annotations
 
 import errno
+import mmap
 import os
 import random
 import shutil
@@ -12,6 +13,7 @@ import threading
 import time
 import uuid
 
+import numpy as np
 import pytest
 import torch
 
@@ -90,6 +92,37 @@ def test_a_write_refused_with_einval_goes_on_buffered(folder, monkeypatch):
         finish(f)
         assert not f.direct
     assert refused and (folder / "f.bin").read_bytes() == data
+
+
+def _in_pages(data: bytes) -> memoryview:
+    """``data`` in page-aligned memory (an anonymous mapping), as a snapshot's buffer is."""
+    pages = mmap.mmap(-1, len(data))
+    pages[:] = data
+    return memoryview(pages)
+
+
+@pytest.mark.parametrize("lead", [3 * 4096, 100])
+def test_aligned_memory_at_a_block_boundary_is_written_where_it_lies(folder, monkeypatch, lead):
+    """A long piece starting on a block boundary in memory and in the file is written without a
+    copy (its tail copied); one that starts mid-block in the file is copied whole."""
+    sources, real = [], os.pwrite
+
+    def pwrite(fd, data, offset):
+        sources.append(np.frombuffer(data, dtype=np.uint8).ctypes.data)
+        return real(fd, data, offset)
+
+    monkeypatch.setattr(direct.os, "pwrite", pwrite)
+    monkeypatch.setattr(direct, "_BUFFER", 4 * 4096)
+    head, tail = os.urandom(lead), os.urandom(300 * 4096 + 5)  # the tail: ordinary memory
+    big = _in_pages(os.urandom(direct.ZERO_COPY_MIN + 4096 + 100))
+    with open_for_write(folder / "f.bin") as f:
+        for piece in (head, big, tail):
+            assert f.write(piece) == len(piece)
+        finish(f)
+        os.fsync(f.fileno())
+    assert (folder / "f.bin").read_bytes() == head + bytes(big) + tail
+    at_boundary = lead % 4096 == 0
+    assert (np.frombuffer(big, dtype=np.uint8).ctypes.data in sources) == at_boundary
 
 
 def test_where_o_direct_is_refused_at_open_a_buffered_file_is_used(monkeypatch, tmp_path):
