@@ -103,10 +103,11 @@ RUNS = (
         (P1,),
         "train/train_throughput.py",
         p1,
-        # five alternating pairs (finetune, HF), (HF, finetune), ...: the ratio is the median of the
-        # pairs' ratios, P1 being noisy on a shared machine; each launch first waits up to 30 s for
-        # the rest of the machine to go quiet
-        full={"steps": 40, "warmup": 10, "logging_steps": 5, "rounds": 5, "wait_quiet": 30},
+        # seven alternating pairs (finetune, HF), (HF, finetune), ...: the ratio is the median of
+        # the pairs' ratios, P1 being noisy on a shared machine (adjacent launches of one tool
+        # differ by up to 10%); each launch first waits up to 30 s for the rest of the machine to
+        # go quiet
+        full={"steps": 40, "warmup": 10, "logging_steps": 5, "rounds": 7, "wait_quiet": 30},
         smoke={
             "steps": 4,
             "warmup": 2,
