@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from finetune import distributed as dist
+from finetune import sequence_parallel
 from finetune.checkpoint.bucket import BucketCopy, NoRemoteCopy
 from finetune.checkpoint.checkpointer import Checkpointer
 from finetune.checkpoint.resume import ConversionStopped, ResumePlan, Resumer
@@ -72,12 +73,18 @@ def build_trainer(
     set_seed(t.seed)
     # Every rank loads its own copy; one that fails (a bad file on one node) fails them all.
     tokenizer = dist.run_agreed(lambda: load_tokenizer(cfg.model))
+    # --sequence_parallel_size: the ranks of a group share rows, so rows are dealt by data-parallel
+    # rank and each micro-batch is cut into this rank's shard of every row
+    sp = t.sequence_parallel_size
+    dist.set_sequence_parallel(sp)
+    dp, dp_rank = dist.data_parallel_size(), dist.data_parallel_rank()
     if cfg.data.dataset_mixture:  # each source cached on its own, sampled by weight
-        train, evalset, sampler = prepare_mixture(cfg, tokenizer, dist.world_size(), dist.rank())
+        train, evalset, sampler = prepare_mixture(cfg, tokenizer, dp, dp_rank)
     else:
         train, evalset = prepare(cfg, tokenizer)
-        sampler = ResumableSampler(len(train), dist.world_size(), dist.rank(), t.seed)
+        sampler = ResumableSampler(len(train), dp, dp_rank, t.seed)
     require_evaluation(t, evalset)  # early stopping without an eval set: exit 2, on every rank
+    flatten = (cfg.model.attn_implementation or "").startswith("flash_attention")
     data = TrainData(
         train,
         sampler,
@@ -89,7 +96,8 @@ def build_trainer(
         # on the host's cores it only competes with it (P1, docs/BENCHMARKS.md: 0.943 with it,
         # 1.014 without, vs HF Trainer on 2 CPU ranks): there the batch is made inline.
         prefetch=dist.device().type != "cpu",
-        flatten=(cfg.model.attn_implementation or "").startswith("flash_attention"),
+        flatten=flatten,
+        sequence=(sp, dist.sequence_parallel_rank()) if sp > 1 else None,
     )
     total = t.max_steps or math.ceil(t.num_train_epochs * data.steps_per_epoch)
     warmup = warmup_steps(t.warmup_steps, total)
@@ -116,6 +124,13 @@ def build_trainer(
     # before the model loads.
     trackers = open_trackers(cfg, run_id, resumed=plan is not None)
     model = load_model(cfg.model, ds_config, t.precision, t.seed)
+    loss_kwargs = accepts_loss_kwargs(model)
+    if sp > 1:
+        sequence_parallel.check(model, sp, loss_kwargs)  # exit 2, alike on every rank
+    # collective (the groups); flattened packed rows are one row per micro-batch
+    mpu = sequence_parallel.setup(
+        model, sp, 1 if flatten and cfg.data.packing else t.per_device_train_batch_size
+    )
 
     def lr_schedule(opt: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRScheduler:
         return get_scheduler(
@@ -143,6 +158,7 @@ def build_trainer(
         lr_scheduler=scheduler,
         config=ds_config,
         model_parameters=None if optimizer else _param_groups(model, t.weight_decay),
+        mpu=mpu,
     )
     lora = (
         f" ({trainable_parameters(engine.module):,} trainable: LoRA r={cfg.model.lora_r})"
@@ -216,7 +232,7 @@ def build_trainer(
         preemption or Preemption(()),
         plotter,
         lease_taken_over=taken_over,
-        loss_kwargs=accepts_loss_kwargs(engine.module),
+        loss_kwargs=loss_kwargs,
     )
 
 

@@ -163,6 +163,34 @@ def world_size() -> int:
     return td.get_world_size() if td is not None else world_size_env()
 
 
+# --sequence_parallel_size: the ranks that share each sequence, contiguous (DeepSpeed's groups:
+# ranks r*N .. r*N+N-1 hold one row's shards); set once, by build, before the data is made.
+_sequence_parallel = 1
+
+
+def set_sequence_parallel(size: int) -> None:
+    global _sequence_parallel
+    _sequence_parallel = size
+
+
+def sequence_parallel_size() -> int:
+    return _sequence_parallel
+
+
+def sequence_parallel_rank() -> int:
+    """Which shard of each row this rank holds."""
+    return rank() % _sequence_parallel
+
+
+def data_parallel_size() -> int:
+    """Ranks that train on different rows: the world size / --sequence_parallel_size."""
+    return world_size() // _sequence_parallel
+
+
+def data_parallel_rank() -> int:
+    return rank() // _sequence_parallel
+
+
 def is_main() -> bool:
     return rank() == 0
 

@@ -137,7 +137,8 @@ def reconcile_ds(
     v: dict[str, Any], ds: dict, world: int, fallbacks: Mapping[str, Any], precision_flag: str
 ) -> None:
     """Settle every value that both a flag and the DeepSpeed JSON set; updates ``v``
-    and ``ds`` in place.
+    and ``ds`` in place. ``world``: the data-parallel ranks (the world size /
+    --sequence_parallel_size), whose micro-batches make a step's batch.
 
     ``fallbacks`` fill what neither sets; ``precision_flag`` is how errors name the precision flag.
     """
@@ -160,7 +161,8 @@ def reconcile_ds(
     if tbs != "auto" and tbs != want:
         raise ConfigError(
             f"`train_batch_size: {tbs}` in {path} must equal --per_device_train_batch_size × "
-            f"--gradient_accumulation_steps × world size = {want}"
+            f"--gradient_accumulation_steps × data-parallel ranks (world size / "
+            f"--sequence_parallel_size) = {want}"
         )
     ds["train_batch_size"] = want
     if isinstance(ds.get("optimizer"), dict):

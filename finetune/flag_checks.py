@@ -10,6 +10,8 @@ that need another module's knowledge, which config (importing nothing of finetun
                   the top-level flags and each --dataset_mixture source
   the bucket      --remote_output_dir's URI and client package (io/remote.py)
   the signals     --preempt_signals, as preemption parses them
+  the sequence    --sequence_parallel_size with the attention kernel, --packing and the model's
+                  patches (sequence_parallel.py checks the model itself once its config is read)
 
 resolve calls ``check`` first, then sources.validate_paths (the files the flags name); each failure
 is a ConfigError naming its flag (exit 2 before anything is written).
@@ -25,6 +27,9 @@ from finetune.checkpoint_format.best import explicit
 from finetune.config import GROUPS, ConfigError
 from finetune.data import formats, mixture
 from finetune.preemption import parse_signals
+
+# The attention kernels that keep packed examples apart under sequence parallelism.
+SEQUENCE_PARALLEL_PACKED_ATTN = ("flash_attention_2", "flash_attention_3")
 
 
 def check(v: Mapping[str, Any]) -> None:
@@ -44,6 +49,34 @@ def check(v: Mapping[str, Any]) -> None:
             "(e.g. SIGTERM,SIGUSR1 or none)"
         ) from None
     check_best_across_groups(v)
+    check_sequence_parallel(v)
+
+
+def check_sequence_parallel(v: Mapping[str, Any]) -> None:
+    """--sequence_parallel_size above 1 with the flags it cannot work with: packed rows need an
+    attention that keeps examples apart without a mask (flash attention's varlen path reads their
+    boundaries from the position ids; Ulysses drops every mask); Liger's fused loss and NEFTune's
+    noise (scaled by the row's length) see one shard of a row, not the row."""
+    n = v["sequence_parallel_size"]
+    if n is None or n == 1:
+        return
+    attn = v["attn_implementation"]
+    if v["packing"] and attn not in SEQUENCE_PARALLEL_PACKED_ATTN:
+        raise ConfigError(
+            f"`--packing` with `--sequence_parallel_size {n}` needs `--attn_implementation "
+            f"flash_attention_2` or `flash_attention_3` (got {attn or 'the default, sdpa'}): "
+            "sequence parallelism drops the attention mask, and only flash attention's varlen "
+            "path keeps packed examples from attending to each other without it"
+        )
+    for flag, name in (
+        ("use_liger_kernel", "--use_liger_kernel"),
+        ("neftune_noise_alpha", "--neftune_noise_alpha"),
+    ):
+        if v[flag]:
+            raise ConfigError(
+                f"`{name}` does not work with `--sequence_parallel_size {n}`: it would see one "
+                "shard of each row, not the row"
+            )
 
 
 def check_best_across_groups(v: Mapping[str, Any]) -> None:

@@ -5,6 +5,12 @@ accumulation) and its ranks: transformers' ``num_items_in_batch``. DeepSpeed div
 micro-batch's loss by the accumulation steps and averages gradients over ranks, so each micro-batch
 passes the model ``items`` = the step's label tokens / (accumulation steps x ranks): the gradient is
 then that of the sum of the step's token losses / its label tokens, however the tokens were split.
+
+Under --sequence_parallel_size N a row's label tokens are split over N ranks, each counting its own
+shard's, so summed over all ranks each counts once; and ZeRO-3's gradient reduce-scatter averages
+over every rank (the world size), not over the data-parallel ranks (world / N), so the same
+``items`` make each rank's shard loss weigh its tokens right. (Without ``reduce_scatter``, which
+resolve refuses with sequence parallelism, ZeRO-3 divides some buckets by world / N instead.)
 """
 
 from __future__ import annotations

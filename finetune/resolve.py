@@ -73,8 +73,23 @@ def resolve(
         v["num_train_epochs"] = 3.0
     v["ddp_timeout"] = resolve_ddp_timeout(v["ddp_timeout"])
     world = env_world_size() if world_size is None else world_size
+    sp = v["sequence_parallel_size"]
+    if world % sp:
+        raise ConfigError(
+            f"`--sequence_parallel_size {sp}` must divide the world size ({world} ranks): "
+            f"each row is shared by {sp} ranks"
+        )
     ds = load_ds_json(v["deepspeed_config"])
-    reconcile_ds(v, ds, world, fallbacks, precision_flag or f"precision {v['precision']}")
+    reconcile_ds(v, ds, world // sp, fallbacks, precision_flag or f"precision {v['precision']}")
+    if ds.get("sequence_parallel_size", sp) != sp:
+        raise ConfigError(
+            f"`sequence_parallel_size: {ds['sequence_parallel_size']}` in "
+            f"{v['deepspeed_config']} differs from `--sequence_parallel_size {sp}`: drop one"
+        )
+    if sp > 1:
+        _check_sequence_parallel_ds(ds, sp, v["deepspeed_config"])
+        # what DeepSpeed's own config divides the world by (zero.Init's, before the mpu exists)
+        ds["sequence_parallel_size"] = sp
     for k, fallback in fallbacks.items():
         v[k] = fallback if v[k] is None else v[k]
     groups = {
@@ -87,3 +102,14 @@ def resolve(
         uses_embedded_model=embedded_model,
         uses_embedded_data=embedded_data,
     )
+
+
+def _check_sequence_parallel_ds(ds: dict, sp: int, path: str) -> None:
+    """The DeepSpeed JSON --sequence_parallel_size can train with: ZeRO-3's gradient
+    reduce-scatter, which averages over every rank (what loss.py weighs the shards' tokens by);
+    without it ZeRO-3 averages each bucket over every rank or over world / N by its size."""
+    if ds.get("zero_optimization", {}).get("reduce_scatter", True) is False:
+        raise ConfigError(
+            f"`--sequence_parallel_size {sp}` needs `zero_optimization.reduce_scatter: true` "
+            f"(the default) in {path}"
+        )

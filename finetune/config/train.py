@@ -114,6 +114,14 @@ class TrainArgs:
     precision: str = flag(
         "auto", "auto = bf16 where the accelerator supports it, else fp32.", choices=PRECISIONS
     )
+    sequence_parallel_size: int = flag(
+        1,
+        "Ranks that share each row (DeepSpeed's Ulysses sequence parallelism): each holds 1/N of "
+        "its tokens and attention exchanges them all-to-all, so rows about N times longer fit. "
+        "The world size must be a multiple of N; the N ranks of a group train on the same rows "
+        "(data-parallel ranks = world size / N). Needs sdpa or flash_attention_2/3 (with "
+        "--packing, flash_attention_2/3); evaluation runs whole rows on each rank.",
+    )
     logging_steps: int | None = flag(
         None,
         "Log train metrics every N optimizer steps (default 10; 5 for the embedded model).",
@@ -201,6 +209,7 @@ class TrainArgs:
                 "eval_steps",
                 "num_train_epochs",
                 "learning_rate",
+                "sequence_parallel_size",
             ),
         )
         require_not_negative(

@@ -1,5 +1,6 @@
 """The data path: the data formats (formats.py), load and tokenize (load.py), pack (packing.py),
-cache the tokenized sets (cache.py), and deal rows to ranks step by step (sampler.py).
+cache the tokenized sets (cache.py), deal rows to ranks step by step (sampler.py), and cut each
+row into a rank's shard under sequence parallelism (sequence.py).
 
 load.py and sampler.py import torch (packing.py numpy); their names load on first use (PEP 562),
 so that the CLI, which reads the formats' flags while it parses arguments, reports a bad flag

@@ -21,7 +21,10 @@ IGNORE = -100  # label value the loss skips
 
 def label_tokens(inputs: dict) -> int:
     """The tokens a micro-batch's loss is taken over (the model shifts labels: a row's first label
-    is never a target). Read on the host copy: no device sync."""
+    is never a target; a sequence-parallel shard's ``shift_labels`` are shifted already). Read on
+    the host copy: no device sync."""
+    if "shift_labels" in inputs:
+        return int((inputs["shift_labels"] != IGNORE).sum())
     return int((inputs["labels"][..., 1:] != IGNORE).sum())
 
 

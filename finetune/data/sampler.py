@@ -19,6 +19,7 @@ import torch
 from finetune.config import ConfigError
 from finetune.data.formats import label_tokens
 from finetune.data.load import collate
+from finetune.data.sequence import shard
 from finetune.io import seams
 
 
@@ -124,9 +125,12 @@ class TrainData:
         prefetch: bool = True,
         pin_memory: bool = False,
         flatten: bool = False,
+        sequence: tuple[int, int] | None = None,
     ):
         self.dataset, self.sampler = dataset, sampler
         self.flatten = flatten  # packed micro-batches as one row (flash-attention's varlen path)
+        # --sequence_parallel_size: (N, this rank's shard); each micro-batch cut to its shard
+        self.sequence = sequence
         self.micro_batch, self.grad_accum, self.pad_id = micro_batch, grad_accum, pad_id
         self.pin_memory = pin_memory
         # A --dataset_mixture's sources (MixtureSampler); the step's tokens per source, as it
@@ -166,10 +170,14 @@ class TrainData:
             )
         rows = self._rows(idx)
         by_source = self.sampler.tokens_by_source(idx, rows) if self.source_names else None
+        if by_source is not None and self.sequence is not None and self.sequence[1] != 0:
+            by_source = [0] * len(by_source)  # a group's rows: counted by its first rank only
         batches = [
             collate(rows[i : i + self.micro_batch], self.pad_id, self.flatten)
             for i in range(0, len(rows), self.micro_batch)
         ]
+        if self.sequence is not None:
+            batches = [shard(b, *self.sequence, self.pad_id) for b in batches]
         if self.pin_memory:
             batches = [{k: v.pin_memory() for k, v in b.items()} for b in batches]
         return after, batches, by_source
