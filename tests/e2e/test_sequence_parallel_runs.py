@@ -29,22 +29,23 @@ def _data(tmp_path) -> str:
     return str(path)
 
 
+def _args(tmp_path, tiny_models, *flags: str) -> tuple[str, ...]:
+    """The tiny Llama trained on TEXTS, a row logged every step, and ``flags``."""
+    model = ("--model_name_or_path", str(tiny_models["llama"]))
+    return (*model, "--train_file", _data(tmp_path), "--logging_steps", "1", *flags)
+
+
 @pytest.mark.parametrize("batch, accumulation", [(1, 1), (2, 1), (1, 2)])
 def test_two_ranks_sharing_each_row_train_as_one_rank_holding_it(
     tmp_path, run_finetune, tiny_models, batch, accumulation
 ):
-    data = _data(tmp_path)
-    args = (
-        "--model_name_or_path",
-        str(tiny_models["llama"]),
-        "--train_file",
-        data,
+    args = _args(
+        tmp_path,
+        tiny_models,
         "--validation_file",
-        data,
+        _data(tmp_path),
         "--max_steps",
         "2",
-        "--logging_steps",
-        "1",
         "--per_device_train_batch_size",
         str(batch),
         "--gradient_accumulation_steps",
@@ -74,18 +75,13 @@ def _comparable(rows: list[dict]) -> list[dict]:
 def test_a_sequence_parallel_run_resumes_exactly(tmp_path, run_finetune, tiny_models):
     """Killed at its step-4 save, resumed from step 2 with the same --sequence_parallel_size: every
     logged row equals the uninterrupted run's, across an epoch end (4 rows an epoch)."""
-    data = _data(tmp_path)
-    args = (
-        "--model_name_or_path",
-        str(tiny_models["llama"]),
-        "--train_file",
-        data,
+    args = _args(
+        tmp_path,
+        tiny_models,
         "--validation_split_percentage",
         "0",
         "--max_steps",
         "6",
-        "--logging_steps",
-        "1",
         "--per_device_train_batch_size",
         "1",
         "--sequence_parallel_size",
