@@ -333,26 +333,40 @@ class GuardedWriter:
 EAGER_BYTES = 64 << 10
 
 
-# Every storage starts at a multiple of this in a rank file (torch's default is 64): an
-# --async_save's snapshot, in page-aligned host memory, then goes to disk with O_DIRECT from where
-# it lies (io/direct.py). A record's padding grows by at most this; torch.load and DeepSpeed read
-# any alignment.
+# In a rank file holding a storage of ZERO_COPY_MIN bytes or more, every storage starts at a
+# multiple of this (torch's default is 64): an --async_save's snapshot, in page-aligned host
+# memory, then goes to disk with O_DIRECT from where it lies (io/direct.py). A record's padding
+# grows by at most this; torch.load and DeepSpeed read any alignment. A file of small storages only
+# (a LoRA adapter's, a tiny model's) keeps torch's alignment: there the padding would be most of it.
 STORAGE_ALIGNMENT = 4096
 
 
 def _torch_save(state_dict: object, f: HashingWriter, zipfile: bool) -> None:
-    """torch.save with every storage aligned to STORAGE_ALIGNMENT and without its CRC-32 of every
-    zip record, which on one core at about 3 GB/s was most of the serialization time: a second
-    checksum of bytes the file's xxh3 (about 20 GB/s) already covers. torch.load, DeepSpeed and
-    safe_load read the file alike; only a zip tool's own CRC check would fail. torch keeps both
-    options per thread: set for this save only."""
+    """torch.save with every storage aligned to STORAGE_ALIGNMENT (where one is large) and without
+    its CRC-32 of every zip record, which on one core at about 3 GB/s was most of the serialization
+    time: a second checksum of bytes the file's xxh3 (about 20 GB/s) already covers. torch.load,
+    DeepSpeed and safe_load read the file alike; only a zip tool's own CRC check would fail. torch
+    keeps both options per thread: set for this save only."""
     config = serialization_config.save
     crc, alignment = config.compute_crc32, config.storage_alignment
-    config.compute_crc32, config.storage_alignment = False, STORAGE_ALIGNMENT
+    config.compute_crc32 = False
+    if _largest_storage(state_dict) >= ZERO_COPY_MIN:
+        config.storage_alignment = STORAGE_ALIGNMENT
     try:
         torch.save(state_dict, f, _use_new_zipfile_serialization=zipfile)
     finally:
         config.compute_crc32, config.storage_alignment = crc, alignment
+
+
+def _largest_storage(obj: object) -> int:
+    """The bytes of the largest tensor storage in ``obj`` (dicts, lists and tuples walked)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.untyped_storage().nbytes() if obj.layout == torch.strided else 0
+    if isinstance(obj, dict):
+        obj = obj.values()
+    elif not isinstance(obj, (list, tuple)):
+        return 0
+    return max((_largest_storage(v) for v in obj), default=0)
 
 
 def host_buffer(nbytes: int, pinned: bool) -> torch.Tensor:

@@ -97,10 +97,10 @@ def test_a_write_that_runs_out_of_space_reports_the_space_freed(tmp_path, tiny_m
 
     m, progress, _ = make_manager(make_cfg(tmp_path), tiny_module)
     run_saves(m, progress, [1])
-    # through the page cache: the 20,000 bytes before the fake full disk land in the file (O_DIRECT
+    # through the page cache: the 3,000 bytes before the fake full disk land in the file (O_DIRECT
     # would hold them in its aligned buffer), so the removed staging frees something to report
     monkeypatch.setenv("FINETUNE_BUFFERED_WRITES", "1")
-    monkeypatch.setattr(HashingWriter, "write", _DiskFull(20_000).write(HashingWriter.write))
+    monkeypatch.setattr(HashingWriter, "write", _DiskFull(3_000).write(HashingWriter.write))
     reads = iter([100_000_000, 4_000])  # the check's, then after the staging went
     monkeypatch.setattr(m.storage, "free_bytes", lambda: next(reads))
     (tmp_path / "zero_to_fp32.py").write_text("# the whole script\n")
