@@ -136,18 +136,9 @@ class DirectFile:
         self.fill = rest
 
     def _free_buffer(self) -> mmap.mmap:
-        """A buffer to fill: from the pool while fewer than ``depth`` writes are in flight, else
-        the oldest buffer's once its write is done (each awaited write's error raised here)."""
-        while len(self.inflight) >= self.depth:
-            future, buf = self.inflight.popleft()
-            try:
-                future.result()
-            except BaseException:
-                if buf is not None:
-                    _give(buf)
-                raise
-            if buf is not None:
-                return buf
+        """A buffer to fill once fewer than ``depth`` writes are in flight: from the pool, where
+        the awaited writes' buffers went (an awaited write's error raised here)."""
+        self._make_room()
         return _take(self.buffer)
 
     def _make_room(self) -> None:
