@@ -153,11 +153,14 @@ class SaveBoundaries(ABC):
     def at_end(self, step: int) -> int:
         """The final save: its failure always makes the run exit 1; so does a final checkpoint
         that did not reach --remote_output_dir (the copy's ``failed`` says why: its tries failed,
-        or it made no progress within its deadline). Collective."""
+        or it made no progress within its deadline). A save in flight that failed goes through
+        --on_save_error first: under abort the run stops there, as at any boundary, with no final
+        save. Collective."""
         if not self.ckpt.save_checkpoint:
             return 0
         since, in_flight = time.perf_counter(), self.writing()
-        self.settle()
+        if self._settle_in_flight(block=True) is not None:
+            return 1
         if self.committed_step != step:
             self._keep_pace(step, since, in_flight)
         if self.committed_step == step:

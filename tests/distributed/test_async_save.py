@@ -193,7 +193,37 @@ def test_a_background_write_failure_is_agreed_and_follows_the_policy(
     # under its own step
     assert [e["step"] for e in events if e["event"] == "save_failed"] == [int(failed_step)]
     if policy == "abort":
-        assert r.train_rows()[-1]["step"] == 5  # surfaced at the boundary after the one that saved
+        # surfaced at the first boundary where every rank's writes are done: the next one, or the
+        # end of training when the writer is slower than the last steps; no save after it either way
+        assert r.train_rows()[-1]["step"] in (5, 6)
+        assert "(--on_save_error abort)" in r.output
+
+
+def test_a_background_failure_found_at_the_end_stops_an_abort_run_without_the_final_save(
+    run_finetune,
+):
+    # the writer is slower than the last steps (a pause after each file): step 4's failure is
+    # first known when training has ended
+    r = run_finetune(
+        "--max_steps",
+        "6",
+        "--save_checkpoint",
+        "--save_steps",
+        "4",
+        "--async_save",
+        "--logging_steps",
+        "1",
+        "--on_save_error",
+        "abort",
+        env={"FINETUNE_FAULT": "save.fsync:0:4:enospc", "FINETUNE_SLOW_SAVE": "1.5"},
+        timeout=TIMEOUT,
+    )
+    assert r.returncode == 1, r.output[-4000:]
+    assert r.train_rows()[-1]["step"] == 6
+    assert "(--on_save_error abort)" in r.output
+    assert not list(r.out_dir.glob("global_step*")) and not (r.out_dir / "latest").exists()
+    events = [json.loads(line) for line in (r.out_dir / "events.jsonl").read_text().splitlines()]
+    assert [e["step"] for e in events if e["event"] == "save_failed"] == [4]
 
 
 def test_preemption_with_a_save_in_flight_commits_it_and_then_the_newest_step(start_finetune):
