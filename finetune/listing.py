@@ -1,12 +1,12 @@
 """``finetune ls OUT``: the checkpoints of an output dir, one row each, and what else is in it.
 
-Per checkpoint: step, when it was committed, size, world size, the train and eval loss logged at
-(or last before) its step, whether it holds consolidated weights, the seconds its rank files took
-to write (its ``checkpoint`` event's ``writer_s``), and its state: sizes checked
-against the manifest, or with ``--verify`` checksums too (what ``finetune verify`` checks). Below:
-the notes ``finetune verify OUT`` gives (uncommitted folders, a stale ``latest``, leftovers of
-crashed saves, torn metrics lines), and the disk space. Node-local storage: each node lists the
-ranks' files it holds.
+Per checkpoint: step, when it was committed, size, world size (with ``spN`` when N ranks shared
+each row: sequence parallelism), the train and eval loss logged at (or last before) its step,
+whether it holds consolidated weights, the seconds its rank files took to write (its
+``checkpoint`` event's ``writer_s``), and its state: sizes checked against the manifest, or with
+``--verify`` checksums too (what ``finetune verify`` checks). Below: the notes ``finetune verify
+OUT`` gives (uncommitted folders, a stale ``latest``, leftovers of crashed saves, torn metrics
+lines), and the disk space. Node-local storage: each node lists the ranks' files it holds.
 
 Cheap by design: manifests are read and files stat'ed, metrics.jsonl and events.jsonl are read
 once; checksums only with ``--verify``. Reads only; a damaged checkpoint is reported, not an error
@@ -61,6 +61,7 @@ class Checkpoint:
     bytes: int
     world_size: int | None = None
     ranks: list[int] | None = None  # node-local storage: the ranks whose files this folder holds
+    sequence_parallel_size: int | None = None  # ranks that shared each row (None: not recorded)
     train_loss: float | None = None
     # the step it was logged at: the checkpoint's, or the last before
     train_loss_step: int | None = None
@@ -180,6 +181,7 @@ def collect_remote(uri: str, checksums: bool = False) -> Listing:
                 bytes=row["bytes"],
                 world_size=_int_or_none(manifest.get("world_size")),
                 ranks=_ranks(manifest),
+                sequence_parallel_size=_sequence_parallel(manifest),
                 consolidated=_bool_or_none(manifest.get("consolidated")),
                 status=_status(problems, checksums),
                 problems=problems,
@@ -213,6 +215,10 @@ def _status(problems: list[str], checksums: bool) -> str:
 def _ranks(manifest: dict) -> list[int] | None:
     ranks = manifest.get("ranks")
     return ranks if isinstance(ranks, list) else None
+
+
+def _sequence_parallel(manifest: dict) -> int | None:
+    return _int_or_none(manifest.get("sequence_parallel_size", 1))  # absent: whole rows
 
 
 def _bool_or_none(value: object) -> bool | None:
@@ -270,6 +276,7 @@ def _checkpoint(folder: Path, losses: _Losses, checksums: bool, manifests: dict)
         bytes=_int_or_none(manifest.get("total_bytes")) or _folder_bytes(folder),
         world_size=_int_or_none(manifest.get("world_size")),
         ranks=_ranks(manifest),
+        sequence_parallel_size=_sequence_parallel(manifest),
         train_loss=train,
         train_loss_step=train_step,
         eval_loss=evaluated,
@@ -509,6 +516,8 @@ def _cells(c: Checkpoint) -> list[str]:
     world = "-" if c.world_size is None else str(c.world_size)
     if c.ranks is not None and c.ranks != list(range(c.world_size or 0)):
         world = f"{len(c.ranks)}/{world}"  # node-local: ranks held here / world size
+    if (c.sequence_parallel_size or 1) > 1:
+        world += f" sp{c.sequence_parallel_size}"  # ranks sharing each row
     consolidated = {True: "yes", False: "no", None: "-"}[c.consolidated]
     if c.lora:
         consolidated = "adapter" if c.consolidated else f"{consolidated} (LoRA)"

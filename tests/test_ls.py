@@ -24,6 +24,7 @@ KEYS = {
     "committed_at",
     "bytes",
     "world_size",
+    "sequence_parallel_size",
     "train_loss",
     "eval_loss",
     "consolidated",
@@ -35,7 +36,12 @@ KEYS = {
 
 
 def commit(
-    out, step: int, world: int = WORLD, ranks: list[int] | None = None, consolidated: bool = False
+    out,
+    step: int,
+    world: int = WORLD,
+    ranks: list[int] | None = None,
+    consolidated: bool = False,
+    **identity,
 ):
     """A checkpoint committed the way a save commits it: files staged, manifest, rename,
     `latest`."""
@@ -55,7 +61,9 @@ def commit(
         json.dumps({"global_step": step, "world_size": world})
     )
     files = {p.name: hash_file(p) for p in staged.iterdir()}
-    storage.commit(tag, files, world, {}, ranks, {"commit_seq": step, "consolidated": consolidated})
+    storage.commit(
+        tag, files, world, {}, ranks, {"commit_seq": step, "consolidated": consolidated, **identity}
+    )
     return out / tag
 
 
@@ -255,6 +263,17 @@ def test_node_local_checkpoints_show_the_ranks_held_here(tmp_path, capsys):
     row = rows_of(text)["5"]
     assert " 2/4 " in row and "ok (checksums)" in row
     assert "rank(s) 2-3 of 4" in text
+
+
+def test_the_ranks_sharing_each_row_are_shown_beside_the_world_size(tmp_path, capsys):
+    out = tmp_path / "out"
+    commit(out, 2)
+    commit(out, 4, world=4, sequence_parallel_size=2)
+    code, text = ls(capsys, out)
+    rows = rows_of(text)
+    assert code == 0 and " 4 sp2 " in rows["4"] and " sp" not in rows["2"]
+    code, text = ls(capsys, out, "--json")
+    assert [c["sequence_parallel_size"] for c in json.loads(text)["checkpoints"]] == [1, 2]
 
 
 def test_a_run_without_checkpoints_lists_nothing_but_its_disk(tmp_path, capsys):

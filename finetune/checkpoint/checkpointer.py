@@ -384,6 +384,8 @@ class Checkpointer(SaveBoundaries):
         then rename and advance ``latest``. Collective."""
         identity = self.lineage.identity(tag, self.run_id, evaluated)
         identity["consolidated"] = consolidated
+        if dist.sequence_parallel_size() > 1:  # absent: 1 (every rank held whole rows)
+            identity["sequence_parallel_size"] = dist.sequence_parallel_size()
         # what `finetune verify` holds the adapter file to
         if consolidated and self.adapter_summary is not None:
             identity["adapter"] = self.adapter_summary
