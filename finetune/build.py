@@ -20,9 +20,10 @@ import torch
 
 from finetune import distributed as dist
 from finetune import sequence_parallel
+from finetune.checkpoint.another_layout import ConversionStopped
 from finetune.checkpoint.bucket import BucketCopy, NoRemoteCopy
 from finetune.checkpoint.checkpointer import Checkpointer
-from finetune.checkpoint.resume import ConversionStopped, ResumePlan, Resumer
+from finetune.checkpoint.resume import ResumePlan, Resumer
 from finetune.checkpoint.staging import Layout, tidy_storage
 from finetune.checkpoint_format.best import BestPolicy, require_evaluation
 from finetune.checkpoint_format.outdir import OutputDir

@@ -12,16 +12,13 @@ node-local storage, every node's leader) reads the filesystem and every rank rec
 candidates; verification splits the files between ranks and all-gathers the problems found; a
 failure on any rank reaches all of them (``dist.gather_outcomes``).
 
-A universal conversion stopped for a preemption signal raises ``ConversionStopped`` on every
-rank; what the run does then (exit 75, requeue) is the loop's to decide (build.py).
+Another world size or --sequence_parallel_size than the save's: another_layout.py.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import shutil
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -29,6 +26,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from finetune import distributed as dist
+from finetune.checkpoint.another_layout import convert_for_this_world, say_layout_change
 from finetune.checkpoint_format.manifest import (
     MANIFEST,
     looks_like_checkpoint,
@@ -44,7 +42,6 @@ from finetune.io.faults import fault_point
 from finetune.lora import check_resumable
 from finetune.modeling import check_checkpoint_model
 from finetune.weights import safe_load
-from finetune.weights.universal import UNIVERSAL, to_universal, verify_universal
 
 
 class Source(Protocol):
@@ -62,11 +59,6 @@ class Source(Protocol):
 
     def left_behind(self) -> set[str]:
         """The save ids of the commits it set aside (a rollback's), the same on every rank."""
-
-
-class ConversionStopped(Exception):
-    """The universal conversion was stopped for a preemption signal (``signalled``), the pieces
-    it finished kept for the next start; raised alike on every rank."""
 
 
 @dataclass
@@ -165,17 +157,14 @@ class Resumer:
         universal = None
         if saved["world_size"] != dist.world_size():
             # (node-local: every node holds the whole checkpoint, _refuse_another_world checked)
-            universal = self._universal(folder, manifest or {})
-            dist.log_main(
-                logging.INFO,
-                "Resuming a %d-rank checkpoint on %d ranks: loading DeepSpeed's universal "
-                "format from %s; the data order continues from global sample %d of epoch %d.",
-                saved["world_size"],
-                dist.world_size(),
-                universal,
-                saved["sampler"]["consumed"],
-                saved["sampler"]["epoch"],
+            universal = convert_for_this_world(
+                folder,
+                manifest or {},
+                checksums=not self.cfg.ckpt.resume_skip_checksum,
+                leader=self.leader,
+                signalled=self.signalled,
             )
+        say_layout_change(saved, universal)
         return ResumePlan(folder, saved, universal, head, max_seq)
 
     # --- choosing ------------------------------------------------------------------------------
@@ -522,55 +511,6 @@ class Resumer:
                     where,
                     self.out,
                 )
-
-    # --- another world size ----------------------------------------------------------------------
-
-    def _universal(self, folder: Path, manifest: dict[str, Any]) -> Path:
-        """Rank 0 converts with DeepSpeed's ZeRO-3 conversion in resumable pieces (universal.py),
-        staged, then renamed, with a manifest of its own; an existing conversion is reused only if
-        it verifies against that manifest. The other ranks wait in short polling collectives,
-        however long it takes. A preemption signal on any rank stops it (the pieces done are kept
-        for the next start): ConversionStopped on every rank."""
-        target = folder / UNIVERSAL
-        checksums = not self.cfg.ckpt.resume_skip_checksum
-        cancel = threading.Event()
-
-        def convert() -> str:
-            fault_point("resume.universal", step_of(folder.name))
-            if target.is_dir():
-                problems = verify_universal(target, manifest.get("save_id"), checksums, cancel)
-                if not problems:
-                    return "reused"
-                logger.warning(
-                    "not reusing %s: %s; converting again", target, "; ".join(problems[:3])
-                )
-                shutil.rmtree(target)
-            start = time.perf_counter()
-            summary = to_universal(folder, target, cancel)
-            logger.info(
-                "Converted %s to the universal format in %.1f seconds (%s).",
-                folder.name,
-                time.perf_counter() - start,
-                summary,
-            )
-            return "converted"
-
-        out = dist.gather_outcomes(
-            convert,
-            on=self.leader,  # node-local: each node's leader converts its node's copy
-            step=f"converting {folder.name} for {dist.world_size()} ranks",
-            stop=self.signalled,
-            cancel=cancel,
-        )
-        if not out.ok and (cancel.is_set() or "Interrupted" in out.kinds.values()):
-            # Stopped for a signal (or its converter died of one first): the pieces are kept.
-            raise ConversionStopped(
-                f"preempted while converting {folder.name} to the universal format: "
-                f"{out.describe()}"
-            )
-        # a conversion that finished despite a signal goes on: the first boundary stops
-        out.raise_any()
-        return target
 
     def _check_compatible(self, saved: dict[str, Any]) -> None:
         """Warn of each flag the checkpoint was saved with another value of (unless a resume may

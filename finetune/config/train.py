@@ -120,7 +120,9 @@ class TrainArgs:
         "its tokens and attention exchanges them all-to-all, so rows about N times longer fit. "
         "The world size must be a multiple of N; the N ranks of a group train on the same rows "
         "(data-parallel ranks = world size / N). Needs sdpa or flash_attention_2/3 (with "
-        "--packing, flash_attention_2/3); evaluation runs whole rows on each rank.",
+        "--packing, flash_attention_2/3); evaluation runs whole rows on each rank. A resume may "
+        "change it (the checkpoint's layout does not depend on it).",
+        resume_may_change=True,
     )
     logging_steps: int | None = flag(
         None,

@@ -100,3 +100,77 @@ def test_a_sequence_parallel_run_resumes_exactly(tmp_path, run_finetune, tiny_mo
     assert "global_step2 at step 2" in resumed.output
     assert [r["step"] for r in resumed.train_rows()] == [1, 2, 3, 4, 5, 6]
     assert _comparable(resumed.metrics()) == _comparable(straight.metrics())
+
+
+def _deltas(rows: list[dict], key: str) -> list[int]:
+    return [b[key] - a[key] for a, b in zip(rows, rows[1:])]
+
+
+def test_a_sequence_parallel_checkpoint_resumes_on_another_split_and_world_size(
+    tmp_path, run_finetune, tiny_models
+):
+    """Saved at step 2 by 2 ranks sharing each row (1 data-parallel rank), resumed:
+    - on 1 rank holding whole rows (universal format, same rows per step): the rows the
+      uninterrupted run logged;
+    - on 2 ranks, each with its own rows (2 data-parallel ranks now): the data continues where it
+      stopped, each step taking the rows a fresh 2-data-parallel run takes at the same position
+      (equal token counts), nothing skipped or repeated across the epoch end;
+    - on 4 ranks, 2 sharing each row (universal, 2 data-parallel ranks): the rows of the 2-rank
+      resume, the same model on the same rows split another way."""
+    common = ("--validation_split_percentage", "0", "--per_device_train_batch_size", "1")
+    args = _args(tmp_path, tiny_models, *common, "--max_steps", "6")
+    saved = run_finetune(
+        *args,
+        "--sequence_parallel_size",
+        "2",
+        "--save_checkpoint",
+        "--save_steps",
+        "2",
+        out_dir=tmp_path / "saved",
+    )
+    assert saved.returncode == 0, saved.output[-3000:]
+    manifest = json.loads((tmp_path / "saved" / "global_step2" / "manifest.json").read_text())
+    assert manifest["sequence_parallel_size"] == 2
+    at_2 = ("--resume_from_checkpoint", str(tmp_path / "saved" / "global_step2"))
+
+    def resumed(name: str, nprocs: int, n: int, **kw):
+        r = run_finetune(
+            *args,
+            *at_2,
+            "--sequence_parallel_size",
+            str(n),
+            nprocs=nprocs,
+            out_dir=tmp_path / name,
+            **kw,
+        )
+        assert r.returncode == 0, r.output[-3000:]
+        assert [row["step"] for row in r.train_rows()] == [3, 4, 5, 6]
+        return r
+
+    whole = resumed("whole", 1, 1, launcher="python")
+    assert "universal" in whole.output
+    for a, b in zip(saved.train_rows()[2:], whole.train_rows(), strict=True):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-5)
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4)
+        assert (b["samples_seen"], b["tokens_seen"]) == (a["samples_seen"], a["tokens_seen"])
+
+    fresh = run_finetune(
+        *_args(tmp_path, tiny_models, *common, "--max_steps", "5"),
+        nprocs=2,
+        out_dir=tmp_path / "fresh",
+    )
+    assert fresh.returncode == 0, fresh.output[-3000:]
+    split = resumed("split", 2, 1)
+    assert "--sequence_parallel_size 2 on 2 ranks (1 data-parallel) with 1 on 2" in split.output
+    step_2 = saved.train_rows()[1]
+    assert _deltas([step_2, *split.train_rows()], "tokens_seen") == _deltas(
+        fresh.train_rows(), "tokens_seen"
+    )
+    assert _deltas([step_2, *split.train_rows()], "samples_seen") == [2, 2, 2, 2]
+
+    four = resumed("four", 4, 2)
+    assert "universal" in four.output
+    for a, b in zip(split.train_rows(), four.train_rows(), strict=True):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-5)
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4)
+        assert (b["samples_seen"], b["tokens_seen"]) == (a["samples_seen"], a["tokens_seen"])
