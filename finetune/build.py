@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from finetune import distributed as dist
-from finetune import sequence_parallel
+from finetune import sequence_parallel, tiled
 from finetune.checkpoint.another_layout import ConversionStopped
 from finetune.checkpoint.bucket import BucketCopy, NoRemoteCopy
 from finetune.checkpoint.checkpointer import Checkpointer
@@ -128,6 +128,9 @@ def build_trainer(
     loss_kwargs = accepts_loss_kwargs(model)
     if sp > 1:
         sequence_parallel.check(model, sp, loss_kwargs)  # exit 2, alike on every rank
+    if t.tiled_mlp:  # exit 2 (alike on every rank) for a model it cannot tile
+        tiled.setup(model, cfg.data.max_seq_length, sp, t, flatten and cfg.data.packing)
+        loss_kwargs = True  # the tiled loss takes num_items_in_batch
     # collective (the groups); flattened packed rows are one row per micro-batch
     mpu = sequence_parallel.setup(
         model, sp, 1 if flatten and cfg.data.packing else t.per_device_train_batch_size

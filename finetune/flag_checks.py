@@ -11,7 +11,8 @@ that need another module's knowledge, which config (importing nothing of finetun
   the bucket      --remote_output_dir's URI and client package (io/remote.py)
   the signals     --preempt_signals, as preemption parses them
   the sequence    --sequence_parallel_size with the attention kernel, --packing and the model's
-                  patches (sequence_parallel.py checks the model itself once its config is read)
+                  patches (sequence_parallel.py checks the model itself once its config is read);
+                  --tiled_mlp with the other patches of the model (tiled.py checks the model)
 
 resolve calls ``check`` first, then sources.validate_paths (the files the flags name); each failure
 is a ConfigError naming its flag (exit 2 before anything is written).
@@ -50,6 +51,20 @@ def check(v: Mapping[str, Any]) -> None:
         ) from None
     check_best_across_groups(v)
     check_sequence_parallel(v)
+    check_tiled(v)
+
+
+def check_tiled(v: Mapping[str, Any]) -> None:
+    """--tiled_mlp replaces the causal LM's forward (the loss from tiles of the hidden states) and
+    each MLP's: LoRA's wrapped model and Liger's fused MLP and loss would take those places."""
+    if not v["tiled_mlp"]:
+        return
+    for flag, name in (("use_peft", "--use_peft"), ("use_liger_kernel", "--use_liger_kernel")):
+        if v[flag]:
+            raise ConfigError(
+                f"`--tiled_mlp` does not work with `{name}`: both replace the model's MLP and "
+                "loss computation"
+            )
 
 
 def check_sequence_parallel(v: Mapping[str, Any]) -> None:

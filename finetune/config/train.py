@@ -124,6 +124,16 @@ class TrainArgs:
         "change it (the checkpoint's layout does not depend on it).",
         resume_may_change=True,
     )
+    tiled_mlp: bool = flag(
+        False,
+        "Compute each MLP and the logits + loss in tiles along the sequence (DeepSpeed's tiled "
+        "compute, Arctic Long Sequence Training), recomputed one tile at a time in the backward: "
+        "their activations and the logits are never held for a whole row, for about one more "
+        "forward of the MLPs and lm_head. For long rows, with or without "
+        "--sequence_parallel_size; not with --use_peft or --use_liger_kernel. A resume may "
+        "change it.",
+        resume_may_change=True,
+    )
     logging_steps: int | None = flag(
         None,
         "Log train metrics every N optimizer steps (default 10; 5 for the embedded model).",
