@@ -1,8 +1,9 @@
 """--sequence_parallel_size through the CLI, on real ranks (gloo, sdpa, DeepSpeed's Ulysses
-attention): two ranks sharing each row train as one rank holding it whole. Same rows, same first
-step: the loss (the token mean over the whole rows) and the gradient norm, at batch 1 and 2 and at
-gradient accumulation 2; the counts (samples, tokens) count each once; evaluation (whole rows on
-each rank) gives the unsplit eval loss."""
+attention): two ranks sharing each row train as one rank holding it whole. Same rows, same ten
+steps: the loss (the token mean over the whole rows, rel 1e-5) and the gradient norm (rel 1e-4),
+at batch 1 and 2 and at gradient accumulation 2; the counts (samples, tokens) count each once;
+evaluation (whole rows on each rank) gives the unsplit eval loss. Then resumes: at the same split,
+and on another split and world size."""
 
 from __future__ import annotations
 
@@ -45,7 +46,7 @@ def test_two_ranks_sharing_each_row_train_as_one_rank_holding_it(
         "--validation_file",
         _data(tmp_path),
         "--max_steps",
-        "2",
+        "10",
         "--per_device_train_batch_size",
         str(batch),
         "--gradient_accumulation_steps",
@@ -62,7 +63,7 @@ def test_two_ranks_sharing_each_row_train_as_one_rank_holding_it(
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-5)
         assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4)
         assert (b["samples_seen"], b["tokens_seen"]) == (a["samples_seen"], a["tokens_seen"])
-    assert len(whole.train_rows()) == 2
+    assert len(whole.train_rows()) == 10
     for a, b in zip(whole.eval_rows(), shared.eval_rows(), strict=True):
         assert b["eval_loss"] == pytest.approx(a["eval_loss"], rel=1e-5)
         assert b["eval_tokens"] == a["eval_tokens"]
