@@ -59,7 +59,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
+
+from hf_trainer_run import exit_now  # (this folder: the script's own, first on sys.path)
 
 
 def parse_args() -> argparse.Namespace:
@@ -265,15 +266,6 @@ def main() -> None:
     with open(f"{args.result}.rank{rank}.json", "w") as f:
         json.dump(out, f)
     exit_now()
-
-
-def exit_now() -> None:
-    """Everything is recorded: skip interpreter teardown, which with DeepSpeed's and gloo's threads
-    still alive sometimes aborts ("terminate called without an active exception", exit -6) and
-    would fail the launch after the fact."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from test_sequence_parallel_runs import TEXTS, _data
 
 from conftest import BIN, REPO, Running, child_env, free_port
 
@@ -20,16 +21,8 @@ pytestmark = pytest.mark.e2e
 
 HF_SCRIPT = REPO / "bench" / "train" / "hf_sp_run.py"
 DS_CONFIG = str(REPO / "configs" / "ds_zero3.json")
-# Rows of different lengths: the two long ones are cut at MAX_LEN; "Tiny.", padded to MAX_LEN on
-# HF's side, leaves the second rank of its group nothing but padding to train on.
-TEXTS = [
-    "The quick brown fox jumps over the lazy dog near the river bank while the sun sets slowly "
-    "behind the distant hills and the birds return to their nests for the night.",
-    "Short one, with an odd count of words.",
-    "A second long example talks about checkpoints, partitions and the optimizer state that every "
-    "rank keeps for its own shard of the parameters during training.",
-    "Tiny.",
-]
+# TEXTS, rows of different lengths: the two long ones are cut at MAX_LEN; "Tiny.", padded to
+# MAX_LEN on HF's side, leaves the second rank of its group nothing but padding to train on.
 MAX_LEN = 64  # HF pads every row to it: its adapter all-gathers equally wide rows only (gloo)
 STEPS = len(TEXTS)  # one epoch, every row once
 # Warmup 0: step 1 already updates the weights, so later steps compare the optimizers too.
@@ -37,12 +30,6 @@ COMMON = (
     *("--max_seq_length", str(MAX_LEN), "--max_steps", str(STEPS)),
     *("--learning_rate", "1e-3", "--warmup_steps", "0"),
 )
-
-
-def _data(tmp_path) -> str:
-    path = tmp_path / "train.jsonl"
-    path.write_text("".join(json.dumps({"text": t}) + "\n" for t in TEXTS))
-    return str(path)
 
 
 def _finetune(run_finetune, tmp_path, config: str, data: str, *flags: str) -> list[dict]:
