@@ -129,7 +129,8 @@ def build_trainer(
     if sp > 1:
         sequence_parallel.check(model, sp, loss_kwargs)  # exit 2, alike on every rank
     if t.tiled_mlp:  # exit 2 (alike on every rank) for a model it cannot tile
-        tiled.setup(model, cfg.data.max_seq_length, sp, t, flatten and cfg.data.packing)
+        flat = flatten and cfg.data.packing
+        tiled.setup(model, cfg.data.max_seq_length, sp, t, flat, evalset is not None)
         loss_kwargs = True  # the tiled loss takes num_items_in_batch
     # collective (the groups); flattened packed rows are one row per micro-batch
     mpu = sequence_parallel.setup(

@@ -101,14 +101,18 @@ def apply(model: PreTrainedModel, row_tokens: int, forward_tokens: int) -> tuple
     return mlp_tiles, loss_tiles
 
 
-def setup(model: PreTrainedModel, max_length: int, n: int, t: TrainArgs, flat: bool) -> None:
+def setup(
+    model: PreTrainedModel, max_length: int, n: int, t: TrainArgs, flat: bool, evaluates: bool
+) -> None:
     """``check`` then ``apply`` for rows of up to ``max_length`` tokens, 1/``n`` of each on a rank
-    in training (--sequence_parallel_size), whole in evaluation; ``flat``: a micro-batch's packed
-    rows are one row."""
+    in training (--sequence_parallel_size), whole in evaluation (``evaluates``: the run has an eval
+    set, the same on every rank); ``flat``: a micro-batch's packed rows are one row."""
     check(model)
     local = math.ceil(max_length / n)
     row = local * (t.per_device_train_batch_size if flat else 1)
-    forward = max(t.per_device_train_batch_size * local, t.per_device_eval_batch_size * max_length)
+    forward = t.per_device_train_batch_size * local
+    if evaluates:
+        forward = max(forward, t.per_device_eval_batch_size * max_length)
     mlp_tiles, loss_tiles = apply(model, row, forward)
     dist.log_main(
         logging.INFO,
