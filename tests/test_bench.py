@@ -1,4 +1,4 @@
-"""The benchmark suite (bench/run_all.py, `make bench`): its smoke mode runs every measure P1…P10
+"""The benchmark suite (bench/run_all.py, `make bench`): its smoke mode runs every measure P1…P12
 end to end at tiny sizes and writes latest.json's shape; bench/table.py renders it into the docs'
 blocks; the measures defined beside their scripts (bench/SUBJECT/measures.py) read the scripts'
 JSON as run_all expects.
@@ -21,10 +21,11 @@ import pytest
 
 from conftest import REPO, child_env, run_group
 
-MEASURES = [f"P{i}" for i in range(1, 11)]
-SUBS = {"P2": ("P2b", "P2c", "P3b"), "P5": ("P5b",), "P9": ("P6b",)}
-# Sub-measures the smoke sizes cannot run (P6b needs P9's HF restarts: none in --smoke).
-SMOKE_SKIPPED = {"P6b"}
+MEASURES = [f"P{i}" for i in range(1, 13)]
+SUBS = {"P2": ("P2b", "P2c", "P3b"), "P5": ("P5b",), "P9": ("P6b",), "P11": ("P11b",)}
+# Sub-measures the smoke sizes cannot run (P6b needs P9's HF restarts, P11b --tiled_mlp launches:
+# none in --smoke).
+SMOKE_SKIPPED = {"P6b", "P11b"}
 DOCS = [REPO / "docs" / "BENCHMARKS.md", REPO / "README.md"]
 LATEST = REPO / "bench" / "results" / "latest.json"
 
@@ -117,7 +118,7 @@ def test_smoke_run_has_every_measure(smoke):
             assert_entry(sub, smoke[key]["sub"][sub])
     # The block bench/table.py writes into the docs has a row for each.
     block = _load("table").block(smoke, short=False)
-    for key in MEASURES + ["P2b", "P2c", "P5b", "P6b"]:
+    for key in MEASURES + ["P2b", "P2c", "P5b", "P6b", "P11b"]:
         assert f"| {key} |" in block
 
 
@@ -173,6 +174,7 @@ def _fake_result() -> dict:
     result["P2"] = {"what": "w", "error": "not run: no async API", "skipped": True}
     result["P5"]["sub"] = {"P5b": dict(e, met=False)}
     result["P9"]["sub"] = {"P6b": dict(e, goal="<= 1.0")}
+    result["P11"]["sub"] = {"P11b": dict(e, goal=">= 3.6")}
     return result
 
 
@@ -180,7 +182,7 @@ def test_table_renders_every_measure_and_replaces_only_the_block():
     table = _load("table")
     result = _fake_result()
     text = table.table(result)
-    assert text.count("\n") == 1 + 10 + 2  # header, rule, P1…P10, P5b and P6b
+    assert text.count("\n") == 1 + 12 + 3  # header, rule, P1…P12, P5b, P6b and P11b
     assert "| P2 | w | – |" in text and "not run: no async API" in text
     assert "| P5b |" in text and "| no |" in text
     assert text.index("| P9 |") < text.index("| P6b |") < text.index("| P10 |")
@@ -261,7 +263,7 @@ def test_p6b_not_run_without_hf_restarts(tmp_path):
 def test_measures_table_says_goal_figure_machine_and_rerun():
     table = _load("table")
     text = table.measures_table(_fake_result())
-    assert text.count("\n") == 1 + 10 + 2
+    assert text.count("\n") == 1 + 12 + 3
     row = next(line for line in text.splitlines() if line.startswith("| P5b |"))
     assert row == (
         "| P5b | w | ≤ 0.6 | **0.500** = 2.00 / 4.00 s; baseline: b | no "
@@ -273,7 +275,7 @@ def test_measures_table_says_goal_figure_machine_and_rerun():
 
 def test_every_measure_runs_a_script_of_its_subject():
     run_all = _load("run_all")
-    assert set(run_all.GOALS) == {*MEASURES, "P2b", "P2c", "P3b", "P5b", "P6b"}
+    assert set(run_all.GOALS) == {*MEASURES, "P2b", "P2c", "P3b", "P5b", "P6b", "P11b"}
     assert set(run_all.FULL) == set(run_all.SMOKE) == {run.key for run in run_all.RUNS}
     for run in run_all.RUNS:
         assert (REPO / "bench" / run.script).is_file(), run.script
