@@ -10,8 +10,11 @@ gradient accumulation's, fp16's loss scale) reaches lm_head too. (DeepSpeed's
 ``TiledFusedLogitsLoss`` runs lm_head's backward inside the forward and scales only the hidden
 states' gradient afterwards: a later scale would miss lm_head.)
 
-The number of tiles is fixed when the run starts, from the longest row a rank can be given: the
-same on every rank, with no collective. Under ZeRO-3 each tile calls the MLP's (and lm_head's)
+A tile holds at most hidden size tokens: an MLP tile's activations are then a few times the hidden
+size squared, and a logits tile no bigger than lm_head's weight (for Llama-3-8B, 4096 tokens of
+its 128k vocabulary: 2.1 GB in fp32, where a 16k row's logits are 8.4 GB). The number of tiles is
+fixed when the run starts, from the longest row a rank can be given: the same on every rank, with
+no collective. Under ZeRO-3 each tile calls the MLP's (and lm_head's)
 layers once, and each call gathers their partitioned weights with every rank: a rank that ran
 fewer tiles than another would leave it waiting. ``sequence_tiled_compute`` always runs the number
 it is given (a short row's last tiles are empty); DeepSpeed's ``TiledMLP`` cuts with
@@ -40,13 +43,10 @@ import torch.nn.functional as F
 from finetune import distributed as dist
 from finetune.config import ConfigError, TrainArgs
 from finetune.data.formats import IGNORE
-from finetune.io import seams
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
-# A tile of logits (fp32) is at most this many bytes: ALST's 1 GiB.
-LOGITS_TILE_BYTES = 2**30
 # Config attributes that change the logits after lm_head: the tiled loss would skip them.
 LOGIT_CHANGES = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier")
 
@@ -80,21 +80,19 @@ def check(model: PreTrainedModel) -> None:
         raise ConfigError(f"`--tiled_mlp`: this {kind} model has no separate lm_head to tile")
 
 
-def tiles(length: int, per_token: int, per_tile: int) -> int:
-    """Tiles for rows of up to ``length`` tokens, ``per_token`` elements each, at most
-    ``per_tile`` elements a tile (at least 1)."""
-    return max(1, math.ceil(length * per_token / per_tile))
+def tiles(tokens: int, per_tile: int) -> int:
+    """Tiles of at most ``per_tile`` for ``tokens`` (at least 1)."""
+    return max(1, math.ceil(tokens / per_tile))
 
 
 def apply(model: PreTrainedModel, row_tokens: int, forward_tokens: int) -> tuple[int, int]:
     """Tile ``model``'s MLPs and its loss: a training row holds at most ``row_tokens`` tokens on a
-    rank, a forward (training or evaluation) at most ``forward_tokens``. The MLPs' tiles: the
-    longest row's tokens / the hidden size (ALST's choice); the loss's: a forward's fp32 logits /
-    LOGITS_TILE_BYTES. Returns (MLP tiles, loss tiles). Rank-local, the same on every rank."""
-    config = model.config.get_text_config()
-    mlp_tiles = tiles(row_tokens, 1, config.hidden_size)
-    per_tile = seams.number(seams.LOGITS_TILE_BYTES, LOGITS_TILE_BYTES) / 4
-    loss_tiles = tiles(forward_tokens, config.vocab_size, per_tile)
+    rank, a forward (training or evaluation) at most ``forward_tokens``. Tiles of at most hidden
+    size tokens: the MLPs' cut the longest row (ALST's choice), the loss's a forward's tokens, so a
+    tile of logits holds no more numbers than lm_head's weight. Returns (MLP tiles, loss tiles).
+    Rank-local, the same on every rank."""
+    hidden = model.config.get_text_config().hidden_size
+    mlp_tiles, loss_tiles = tiles(row_tokens, hidden), tiles(forward_tokens, hidden)
     for mlp in mlps(model):
         mlp.forward = types.MethodType(_tiled_mlp(type(mlp).forward, mlp_tiles), mlp)
     model.forward = types.MethodType(_tiled_loss(type(model).forward, loss_tiles), model)

@@ -42,13 +42,13 @@ def _batch(rows: int = 2, width: int = 13) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.parametrize("tied", [False, True])
-def test_tiled_loss_and_gradients_are_the_models(tied, monkeypatch):
+def test_tiled_loss_and_gradients_are_the_models(tied):
     plain = _llama(tied)
     tiled = copy.deepcopy(plain)
-    # 2 rows of 13 tokens: 4 MLP tiles (rows of up to 128 tokens, hidden size 32), the last one
-    # short; 6 loss tiles of 450 logits (2 x 13 x 97 in all), the last one empty
-    monkeypatch.setenv("FINETUNE_LOGITS_TILE_BYTES", str(450 * 4))
-    assert apply(tiled, 128, 26) == (4, 6)
+    # tiles of up to 32 tokens (the hidden size): 4 for the MLPs (rows of up to 128 tokens), 6 for
+    # the loss (forwards of up to 192); rows of 13 tokens: MLP tiles of 4, the last one short;
+    # loss tiles of 3, the last one empty
+    assert apply(tiled, 128, 192) == (4, 6)
     batch = _batch()
     items = float((batch["labels"][:, 1:] != IGNORE).sum())
     want = plain(**batch).loss  # the mean over the label tokens
@@ -66,9 +66,9 @@ def test_tiled_loss_and_gradients_are_the_models(tied, monkeypatch):
 
 
 def test_tile_counts_round_up_and_never_reach_zero():
-    assert tiles(1, 1, 4096) == 1
-    assert tiles(4097, 1, 4096) == 2
-    assert tiles(16384, 128256, 2**30 / 4) == 8  # a 16k row of Llama-3 logits: 8.4 GB in fp32
+    assert tiles(1, 4096) == 1
+    assert tiles(4097, 4096) == 2
+    assert tiles(16384, 4096) == 4  # a 16k row of Llama-3-8B: 4 tiles of 2.1 GB of logits
 
 
 def _config_model(kind: str, **extra):

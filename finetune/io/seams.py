@@ -34,8 +34,6 @@ environment of the ranks it launches.
   FINETUNE_PROBE_LOGITS=<file>    the trained model's logits on a fixed input, saved after the
                                   final evaluation (probe.py): compared with an exported model
   FINETUNE_FAIL_BATCH=<r>:<k>     rank r fails preparing optimizer step k's batches
-  FINETUNE_LOGITS_TILE_BYTES=<n>  --tiled_mlp's logits tiles hold at most n bytes (default 1 GiB,
-                                  tiled.py): a tiny model's loss is cut into several
 """
 
 from __future__ import annotations
@@ -58,7 +56,6 @@ SAVE_IO = "FINETUNE_SAVE_IO"
 LEASE_RENEW_S = "FINETUNE_LEASE_RENEW_S"
 PROBE_LOGITS = "FINETUNE_PROBE_LOGITS"
 FAIL_BATCH = "FINETUNE_FAIL_BATCH"
-LOGITS_TILE_BYTES = "FINETUNE_LOGITS_TILE_BYTES"
 
 ALL = (
     FAULT,
@@ -76,7 +73,6 @@ ALL = (
     LEASE_RENEW_S,
     PROBE_LOGITS,
     FAIL_BATCH,
-    LOGITS_TILE_BYTES,
 )
 
 

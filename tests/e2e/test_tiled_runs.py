@@ -1,7 +1,7 @@
 """--tiled_mlp through the CLI on real ranks (gloo, ZeRO-3): the MLPs and the logits + loss in
-tiles give the rows of the untiled run. The loss is cut into many tiles (a tiny logits tile, the
-FINETUNE_LOGITS_TILE_BYTES seam), the MLPs into several (rows longer than the hidden size), and
-short rows leave trailing tiles empty. With lm_head tied to the input embedding (the embedded
+tiles give the rows of the untiled run. Tiles hold up to hidden size tokens: the loss is cut into
+many, the MLPs into several (rows longer than the hidden size), and short rows leave trailing
+tiles empty. With lm_head tied to the input embedding (the embedded
 model), at gradient accumulation 2; with sequence parallelism and gradient checkpointing (the
 tiny Llama): same losses, same gradient norms, same eval loss."""
 
@@ -13,9 +13,6 @@ import pytest
 from test_sequence_parallel_runs import TEXTS
 
 pytestmark = pytest.mark.e2e
-
-# ~100 tokens of logits a tile: the embedded vocabulary is 513 (fp32)
-TILE = {"FINETUNE_LOGITS_TILE_BYTES": "200000"}
 
 
 def _data(tmp_path) -> str:
@@ -54,9 +51,10 @@ def test_a_tied_lm_head_trains_the_same_tiled(tmp_path, run_finetune):
         "2",
     )
     whole = run_finetune(*args, nprocs=2, out_dir=tmp_path / "whole")
-    tiled = run_finetune(*args, "--tiled_mlp", nprocs=2, out_dir=tmp_path / "tiled", env=TILE)
+    tiled = run_finetune(*args, "--tiled_mlp", nprocs=2, out_dir=tmp_path / "tiled")
     _same_rows(whole, tiled)
-    assert "the logits and loss in 11" in tiled.output  # 8 eval rows of 128 tokens: 11 tiles
+    # 8 eval rows of 128 tokens in tiles of 128 (the hidden size)
+    assert "the logits and loss in 8" in tiled.output
 
 
 def test_tiles_under_sequence_parallelism_and_checkpointing_train_as_one_rank(
@@ -87,8 +85,10 @@ def test_tiles_under_sequence_parallelism_and_checkpointing_train_as_one_rank(
         "--gradient_checkpointing",
         nprocs=2,
         out_dir=tmp_path / "shared",
-        env=TILE,
     )
     _same_rows(whole, shared)
-    # 128 tokens of a row on each rank, hidden size 64
-    assert "each MLP in 2 tiles (rows of up to 128 tokens on a rank)" in shared.output
+    # 128 tokens of a row on each rank, 8 eval rows of 256 tokens, hidden size 64
+    assert (
+        "each MLP in 2 tiles (rows of up to 128 tokens on a rank), the logits and loss in 32"
+        in (shared.output)
+    )
