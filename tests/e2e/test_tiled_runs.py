@@ -88,7 +88,5 @@ def test_tiles_under_sequence_parallelism_and_checkpointing_train_as_one_rank(
     )
     _same_rows(whole, shared)
     # 128 tokens of a row on each rank, 8 eval rows of 256 tokens, hidden size 64
-    assert (
-        "each MLP in 2 tiles (rows of up to 128 tokens on a rank), the logits and loss in 32"
-        in (shared.output)
-    )
+    said = "each MLP in 2 tiles (rows of up to 128 tokens on a rank), the logits and loss in 32"
+    assert said in shared.output
