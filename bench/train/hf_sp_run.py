@@ -60,7 +60,8 @@ import argparse
 import json
 import os
 
-from hf_trainer_run import exit_now  # (this folder: the script's own, first on sys.path)
+# (this folder: the script's own, first on sys.path)
+from hf_trainer_run import encoded_rows, exit_now
 
 
 def parse_args() -> argparse.Namespace:
@@ -157,22 +158,9 @@ def training_args(args: argparse.Namespace, configured_state: bool):
 def train_rows(args: argparse.Namespace, tokenizer):
     """The ``text`` rows encoded as finetune encodes plain text, in the order finetune's sampler
     draws its first epoch."""
-    import datasets
     import torch
 
-    datasets.disable_progress_bars()
-    raw = datasets.load_dataset("json", data_files={"train": args.train_file})["train"]
-    eos = tokenizer.eos_token_id
-
-    def encode(row):
-        ids = tokenizer(str(row["text"] or ""), add_special_tokens=True)["input_ids"]
-        if not ids or ids[-1] != eos:
-            ids = ids + [eos]
-        return {"input_ids": ids[: args.max_seq_length]}
-
-    rows = raw.map(
-        encode, remove_columns=raw.column_names, load_from_cache_file=False, keep_in_memory=True
-    )
+    rows = encoded_rows(args.train_file, tokenizer, args.max_seq_length)
     order = torch.randperm(len(rows), generator=torch.Generator().manual_seed(args.seed))
     return rows.select(order.tolist())
 

@@ -50,7 +50,6 @@ def parse_args() -> argparse.Namespace:
 def main() -> None:
     t_start = time.perf_counter()
     args = parse_args()
-    import datasets
     import torch
     from transformers import (
         AutoConfig,
@@ -95,19 +94,7 @@ def main() -> None:
     torch.manual_seed(args.seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
 
-    datasets.disable_progress_bars()
-    raw = datasets.load_dataset("json", data_files={"train": args.train_file})["train"]
-    eos = tokenizer.eos_token_id
-
-    def encode(row):
-        ids = tokenizer(str(row["text"] or ""), add_special_tokens=True)["input_ids"]
-        if not ids or ids[-1] != eos:
-            ids = ids + [eos]
-        return {"input_ids": ids[: args.max_seq_length]}
-
-    train = raw.map(
-        encode, remove_columns=raw.column_names, load_from_cache_file=False, keep_in_memory=True
-    )
+    train = encoded_rows(args.train_file, tokenizer, args.max_seq_length)
     collator = DataCollatorForLanguageModeling(tokenizer, mlm=False)
 
     class CountingTrainer(Trainer):
@@ -177,6 +164,26 @@ def main() -> None:
     with open(f"{args.result}.rank{rank}.json", "w") as f:
         json.dump(out, f)
     exit_now()
+
+
+def encoded_rows(train_file: str, tokenizer, max_seq_length: int):
+    """The ``text`` rows of a jsonl file encoded as finetune encodes plain text: the tokenizer's
+    special tokens, eos appended, truncated to ``max_seq_length``."""
+    import datasets
+
+    datasets.disable_progress_bars()
+    raw = datasets.load_dataset("json", data_files={"train": train_file})["train"]
+    eos = tokenizer.eos_token_id
+
+    def encode(row):
+        ids = tokenizer(str(row["text"] or ""), add_special_tokens=True)["input_ids"]
+        if not ids or ids[-1] != eos:
+            ids = ids + [eos]
+        return {"input_ids": ids[:max_seq_length]}
+
+    return raw.map(
+        encode, remove_columns=raw.column_names, load_from_cache_file=False, keep_in_memory=True
+    )
 
 
 def exit_now() -> None:
