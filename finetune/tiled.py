@@ -94,8 +94,15 @@ def apply(model: PreTrainedModel, row_tokens: int, forward_tokens: int) -> tuple
     hidden = model.config.get_text_config().hidden_size
     mlp_tiles, loss_tiles = tiles(row_tokens, hidden), tiles(forward_tokens, hidden)
     for mlp in mlps(model):
-        mlp.forward = types.MethodType(_tiled_mlp(type(mlp).forward, mlp_tiles), mlp)
-    model.forward = types.MethodType(_tiled_loss(type(model).forward, loss_tiles), model)
+        weights = [p for p in mlp.parameters() if p.requires_grad]
+        mlp.forward = types.MethodType(_tiled_mlp(type(mlp).forward, mlp_tiles, weights), mlp)
+    head = [p for p in model.get_output_embeddings().parameters() if p.requires_grad]
+    embedding = getattr(model.get_input_embeddings(), "weight", None)
+    tied = [p for p in head if p is embedding]
+    untied = [p for p in head if p is not embedding]
+    model.forward = types.MethodType(
+        _tiled_loss(type(model).forward, loss_tiles, tied, untied), model
+    )
     return mlp_tiles, loss_tiles
 
 
@@ -122,7 +129,7 @@ def setup(
     )
 
 
-def _tiled_mlp(forward: Any, shards: int) -> Any:
+def _tiled_mlp(forward: Any, shards: int, weights: list[torch.nn.Parameter]) -> Any:
     from deepspeed.runtime.sequence_parallel.ulysses_sp import sequence_tiled_compute
 
     def tiled(self: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -135,7 +142,7 @@ def _tiled_mlp(forward: Any, shards: int) -> Any:
             {"x": x},
             {},
             "x",
-            compute_params=[p for p in self.parameters() if p.requires_grad],
+            compute_params=weights,
             output_unshard_dimension=1,
             output_reduction=None,
         )
@@ -159,7 +166,10 @@ class _ReadyAfter(torch.autograd.Function):
         return grad, None
 
 
-def _tiled_loss(forward: Any, shards: int) -> Any:
+def _tiled_loss(
+    forward: Any, shards: int, tied: list[torch.nn.Parameter], untied: list[torch.nn.Parameter]
+) -> Any:
+    """``tied``: lm_head's weights that are the input embedding's too; ``untied``: the others."""
     from deepspeed.runtime.sequence_parallel.ulysses_sp import sequence_tiled_compute
     from transformers.modeling_outputs import CausalLMOutputWithPast
 
@@ -177,8 +187,6 @@ def _tiled_loss(forward: Any, shards: int) -> Any:
         if shift_labels is None:  # each token predicts the next; the row's last predicts nothing
             shift_labels = F.pad(labels[:, 1:], (0, 1), value=IGNORE)
         head = self.get_output_embeddings()
-        weights = [p for p in head.parameters() if p.requires_grad]
-        tied = [p for p in weights if p is getattr(self.get_input_embeddings(), "weight", None)]
         if tied and torch.is_grad_enabled():
             hidden = _ReadyAfter.apply(hidden, tied)
 
@@ -201,7 +209,7 @@ def _tiled_loss(forward: Any, shards: int) -> Any:
             {"hidden_states": hidden, "targets": shift_labels},
             {},
             "hidden_states",
-            compute_params=[p for p in weights if not any(p is t for t in tied)],
+            compute_params=untied,
             output_unshard_dimension=0,
             output_reduction="sum",
         )
