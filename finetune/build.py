@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from finetune import distributed as dist
-from finetune import sequence_parallel, tiled
+from finetune import reference, sequence_parallel, tiled
 from finetune.checkpoint.another_layout import ConversionStopped
 from finetune.checkpoint.bucket import BucketCopy, NoRemoteCopy
 from finetune.checkpoint.checkpointer import Checkpointer
@@ -32,6 +32,7 @@ from finetune.config import RunConfig
 from finetune.data import ResumableSampler, TrainData
 from finetune.data.cache import prepare
 from finetune.data.mixture_sampler import prepare_mixture
+from finetune.data.preference import collate_pairs
 from finetune.distributed import logger
 from finetune.ds_config import check_precision, finalize_ds_config, zero_stage
 from finetune.lease import Lease
@@ -45,6 +46,7 @@ from finetune.modeling import (
     load_model,
     load_tokenizer,
 )
+from finetune.objectives import from_config
 from finetune.ops import ADAM_KEY, adam_impl, ensure_adam, import_muon_lazily
 from finetune.plot import Plotter
 from finetune.preemption import Preempted, Preemption
@@ -86,6 +88,11 @@ def build_trainer(
         sampler = ResumableSampler(len(train), dp, dp_rank, t.seed)
     require_evaluation(t, evalset)  # early stopping without an eval set: exit 2, on every rank
     flatten = (cfg.model.attn_implementation or "").startswith("flash_attention")
+    objective = from_config(cfg.preference)  # a preference --objective's loss (None: sft)
+    pairs = {}
+    if objective is not None:  # micro-batches of pairs; the boundary sums ORPO's NLL tokens
+        pad = tokenizer.pad_token_id
+        pairs = {"collate_fn": lambda rows: collate_pairs(rows, pad), "count": objective.nll_tokens}
     data = TrainData(
         train,
         sampler,
@@ -99,6 +106,7 @@ def build_trainer(
         prefetch=dist.device().type != "cpu",
         flatten=flatten,
         sequence=(sp, dist.sequence_parallel_rank()) if sp > 1 else None,
+        **pairs,
     )
     total = t.max_steps or math.ceil(t.num_train_epochs * data.steps_per_epoch)
     warmup = warmup_steps(t.warmup_steps, total)
@@ -108,14 +116,20 @@ def build_trainer(
     tidy_storage(storage, layout)  # leftovers of crashed saves (this run holds OUT's lease)
     # --use_peft: the base model's identity (rank 0 samples its weight files), recorded in every
     # checkpoint; a resume refuses a checkpoint whose adapters were trained on another base.
-    base = (
+    # The initial weights' identity: the base of --use_peft, and dpo's and ipo's reference
+    # (reference.py), recorded in every checkpoint; a resume refuses other weights.
+    weights = (
         dist.share_from(0, lambda: base_identity(cfg.model, t.seed, EMBEDDED_MODEL_DIR))
-        if cfg.model.use_peft
+        if cfg.model.use_peft or (objective is not None and objective.needs_reference)
         else None
     )
+    base = weights if cfg.model.use_peft else None
+    ref_record = reference.record(cfg, weights)
     signalled = (lambda: bool(preemption.received)) if preemption is not None else (lambda: False)
     run_id = run_id or uuid.uuid4().hex[:12]
-    cfg, plan, remote, bucket_seq = plan_checkpoints(cfg, storage, layout, prefix, base, signalled)
+    cfg, plan, remote, bucket_seq = plan_checkpoints(
+        cfg, storage, layout, prefix, base, signalled, ref_record
+    )
     # Collective: FusedAdam / CPU Adam where every rank can load it, else torch_adam
     # (finetune/ops.py); a checkpoint trained with torch_adam resumes with it.
     ds_config = ensure_adam(ds_config, saved=plan.saved.get(ADAM_KEY) if plan is not None else None)
@@ -165,6 +179,15 @@ def build_trainer(
         model_parameters=None if optimizer else _param_groups(model, t.weight_decay),
         mpu=mpu,
     )
+    live = None
+    if objective is not None and cfg.preference.reference == "precompute":
+        # with the initial weights: before any checkpoint loads (Trainer.train)
+        train, evalset = reference.precompute(
+            cfg, engine, train, evalset, weights, tokenizer.pad_token_id
+        )
+        data.dataset = train
+    elif objective is not None and cfg.preference.reference == "live":
+        live = reference.LiveReference.build(cfg, ds_config, engine)
     lora = (
         f" ({trainable_parameters(engine.module):,} trainable: LoRA r={cfg.model.lora_r})"
         if base
@@ -194,6 +217,7 @@ def build_trainer(
         "args": cfg.to_json_dict(),
         "lr_scheduler": "in DeepSpeed's model_states files (lr_scheduler key)",
         BASE_KEY: base,
+        reference.REFERENCE_KEY: ref_record,
     }
     checkpoints = Checkpointer(
         storage,
@@ -238,6 +262,8 @@ def build_trainer(
         plotter,
         lease_taken_over=taken_over,
         loss_kwargs=loss_kwargs,
+        objective=objective,
+        reference=live,
     )
 
 
@@ -248,6 +274,7 @@ def plan_checkpoints(
     prefix: Prefix | None,
     base: dict | None = None,
     signalled: Callable[[], bool] = lambda: False,
+    ref_record: dict | None = None,
 ) -> tuple[RunConfig, ResumePlan | None, BucketCopy, int]:
     """The checkpoints' side of a start, before the engine exists: the bucket's copy, the prefix's
     history checked (exit 2 if it is another run's), the resume planned over OUT and the bucket
@@ -277,6 +304,7 @@ def plan_checkpoints(
         layout.node_local,
         layout.leader,
         base=base,
+        reference=ref_record,
         signalled=signalled,
         group=layout.my_group,
         source=source,

@@ -10,6 +10,8 @@ that need another module's knowledge, which config (importing nothing of finetun
                   the top-level flags and each --dataset_mixture source
   the bucket      --remote_output_dir's URI and client package (io/remote.py)
   the signals     --preempt_signals, as preemption parses them
+  the objective   a preference --objective with the data format, packing, the model's patches and
+                  the best metric it can produce
   the sequence    --sequence_parallel_size with the attention kernel, --packing and the model's
                   patches (sequence_parallel.py checks the model itself once its config is read);
                   --tiled_mlp with the other patches of the model (tiled.py checks the model)
@@ -25,7 +27,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from finetune.checkpoint_format.best import explicit
-from finetune.config import GROUPS, ConfigError
+from finetune.config import GROUPS, ConfigError, is_preference, metric_name
+from finetune.config.train import PREFERENCE_METRICS
 from finetune.data import formats, mixture
 from finetune.preemption import parse_signals
 
@@ -50,8 +53,58 @@ def check(v: Mapping[str, Any]) -> None:
             "(e.g. SIGTERM,SIGUSR1 or none)"
         ) from None
     check_best_across_groups(v)
+    check_preference(v)
     check_sequence_parallel(v)
     check_tiled(v)
+
+
+def check_preference(v: Mapping[str, Any]) -> None:
+    """A preference --objective reads pairs (prompt/chosen/rejected) and scores whole completions:
+    no other data format, no packing (a pair's two rows are one example), and no patch that
+    replaces the model's loss or splits its rows. Its columns' flags need one; and the best metric
+    must be one its evaluation writes."""
+    objective = v["objective"]
+    metric = metric_name(v["metric_for_best_model"]) if v["metric_for_best_model"] else None
+    if not is_preference(objective):
+        for flag in ("chosen_column", "rejected_column", "max_prompt_length"):
+            if v[flag] is not None:
+                raise ConfigError(
+                    f"`--{flag}` needs a preference `--objective` (dpo, ipo, simpo, orpo)"
+                )
+        if metric in PREFERENCE_METRICS:
+            raise ConfigError(
+                f"`--metric_for_best_model {v['metric_for_best_model']}` is written only under a "
+                "preference `--objective` (dpo, ipo, simpo, orpo)"
+            )
+        return
+    if metric == "eval_perplexity":
+        raise ConfigError(
+            f"`--metric_for_best_model eval_perplexity`: `--objective {objective}` evaluates "
+            f"eval_loss and {', '.join(PREFERENCE_METRICS)}, no perplexity"
+        )
+    for flag in ("prompt_column", "completion_column", "messages_column"):
+        if v[flag]:
+            raise ConfigError(
+                f"`--{flag}` is not a column of `--objective {objective}`'s pairs: it reads a "
+                "`prompt` column, `--chosen_column` and `--rejected_column`"
+            )
+    refused = (
+        ("packing", "`--packing`", "a pair's chosen and rejected rows are one example"),
+        ("dataset_mixture", "`--dataset_mixture`", "its sources are sampled as token rows"),
+        ("tiled_mlp", "`--tiled_mlp`", "it replaces the loss the objective computes"),
+        ("use_liger_kernel", "`--use_liger_kernel`", "it replaces the loss the objective computes"),
+    )
+    for flag, name, why in refused:
+        if v[flag]:
+            raise ConfigError(f"{name} does not work with `--objective {objective}`: {why}")
+    n = v["sequence_parallel_size"]
+    if n is not None and n > 1:
+        raise ConfigError(
+            f"`--sequence_parallel_size {n}` does not work with `--objective {objective}`: each "
+            "rank would score one shard of a completion, not the completion"
+        )
+    if v["max_prompt_length"] is not None and v["max_prompt_length"] < 1:
+        raise ConfigError(f"`--max_prompt_length` must be positive, got {v['max_prompt_length']}")
 
 
 def check_tiled(v: Mapping[str, Any]) -> None:

@@ -28,6 +28,7 @@ from finetune.config import (
     resolve_ddp_timeout,
     split_names,
 )
+from finetune.config.preference import is_preference, preference_values
 from finetune.config.train import schedule_values
 from finetune.data import mixture
 from finetune.ds_config import load_ds_json, reconcile_ds
@@ -59,6 +60,10 @@ def resolve(
     )
     flag_checks.check(v)
     v.update(schedule_values(v))
+    v.update(preference_values(v))
+    if is_preference(v["objective"]):  # the preference format's columns (TRL's names)
+        v["chosen_column"] = v["chosen_column"] or "chosen"
+        v["rejected_column"] = v["rejected_column"] or "rejected"
     validate_paths(v)
     # The preset is a default, not a flag: an explicit DeepSpeed JSON value must win over it.
     fallbacks = {**FALLBACKS, **EMBEDDED_PRESET} if embedded_model else FALLBACKS

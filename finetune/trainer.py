@@ -4,7 +4,6 @@ where saves happen."""
 from __future__ import annotations
 
 import logging
-import math
 import sys
 import time
 from collections.abc import Callable
@@ -21,9 +20,9 @@ from finetune.checkpoint_format import best
 from finetune.checkpoint_format.outdir import tag_for
 from finetune.checkpoint_format.state import TrainingState
 from finetune.config import RunConfig
-from finetune.data import TrainData, eval_batches, model_inputs
-from finetune.data.formats import label_tokens
+from finetune.data import TrainData, model_inputs, to_device
 from finetune.distributed import logger
+from finetune.evaluation import Evaluation, describe
 from finetune.exit_status import EXIT_LEASE_LOST, REMOTE_COPY_FAILED
 from finetune.lease import LeaseLost, describe_holder
 from finetune.loss import (
@@ -33,6 +32,7 @@ from finetune.loss import (
     sum_dtype,
 )
 from finetune.metrics import MetricsWriter
+from finetune.objectives import STATS, Objective
 from finetune.plot import Plotter
 from finetune.preemption import EXIT_PREEMPTED, Preemption
 from finetune.probe import maybe_probe
@@ -43,6 +43,8 @@ if TYPE_CHECKING:
     from datasets import Dataset
     from deepspeed import DeepSpeedEngine
     from transformers import PreTrainedTokenizerBase
+
+    from finetune.reference import LiveReference
 
 # Skipped optimizer steps in a row that stop a run: more than fp16's dynamic scaling ever needs
 # (from the largest initial scale, 2**32, to 1 is 32 halvings plus its hysteresis; DeepSpeed itself
@@ -59,13 +61,6 @@ Stop = int | str | None
 def _reraise(error: BaseException | None) -> None:
     if error is not None:
         raise error
-
-
-def _to(batch: dict, device: torch.device) -> dict:
-    # Asynchronous only from pinned memory (TrainData and eval_batches pin on GPUs); from pageable
-    # memory CUDA copies synchronously, so correct either way. PyTorch's pinned-memory allocator
-    # records the copy on its stream and reuses a block only after the copy has finished.
-    return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
 
 
 @dataclass
@@ -92,6 +87,8 @@ class Trainer:
     t_window: float = 0.0  # when the log window began (tokens/s)
     # the model takes num_items_in_batch (transformers' loss kwargs); else its mean is rescaled
     loss_kwargs: bool = False
+    objective: Objective | None = None  # a preference --objective (None: sft)
+    reference: LiveReference | None = None  # --reference live: scored in the step
 
     # --- the loop --------------------------------------------------------------------------
 
@@ -102,6 +99,7 @@ class Trainer:
         w = self.state.window
         n = len(self.data.source_names)
         w.source_tokens = (list(w.source_tokens) + [0] * n)[:n]
+        w.pair_sums = self._pair_sums(w.pair_floats())
         self._started(resumed)
         if not resumed:
             self.evaluate()
@@ -331,16 +329,22 @@ class Trainer:
         w.lr = float(engine.get_lr()[0])
         steps = [model_inputs(b) for b in batches]
         # The step's loss is the mean over every label token of the step, across micro-batches
-        # and ranks (transformers' num_items_in_batch), not a mean of micro-batch means.
-        labels = [label_tokens(inputs) for inputs, _, _ in steps]
+        # and ranks (transformers' num_items_in_batch), not a mean of micro-batch means (a
+        # preference objective's: the pairs' mean, and ORPO's NLL over its tokens).
+        labels = [self.data.count(inputs) for inputs, _, _ in steps]
         agreed = self.step_labels  # summed at the boundary, if it could
         self.step_labels = None
         items = items_per_micro_batch(sum(labels), len(steps), engine.device, agreed)
         for i, ((inputs, tokens, _), n) in enumerate(zip(steps, labels, strict=True)):
             w.tokens += tokens  # counted on the host copy: no device sync
-            inputs = _to(inputs, engine.device)  # DeepSpeed's forward does not move inputs
-            out = engine(**inputs, **({"num_items_in_batch": items} if self.loss_kwargs else {}))
-            loss = out.loss if self.loss_kwargs else rescaled(out, n, items)
+            inputs = to_device(inputs, engine.device)  # DeepSpeed's forward does not move inputs
+            if self.objective is not None:
+                loss, stats = self._preference_loss(inputs, items)
+                w.pair_sums = w.pair_sums + stats
+            else:
+                kwargs = {"num_items_in_batch": items} if self.loss_kwargs else {}
+                out = engine(**inputs, **kwargs)
+                loss = out.loss if self.loss_kwargs else rescaled(out, n, items)
             engine.backward(loss)  # the gradient of the step's token-loss sum / its label tokens
             if i == len(steps) - 1:  # the accumulation boundary: the optimizer step comes
                 self.checkpoints.before_update()  # --async_save: its snapshot copied first
@@ -357,6 +361,29 @@ class Trainer:
         self.state.epoch = self.data.epoch_float
         self.state.sampler = self.data.sampler.state_dict()
         return applied
+
+    def _preference_loss(
+        self, inputs: dict, items: torch.Tensor | float | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A micro-batch of pairs: one forward of its chosen and rejected rows (no labels: the
+        model computes no loss of its own), the reference's log-probabilities from the batch
+        (precomputed) or the live reference, and the objective's loss and STATS."""
+        labels = inputs.pop("labels")
+        reference = None
+        if "ref_chosen" in inputs:
+            reference = (inputs.pop("ref_chosen"), inputs.pop("ref_rejected"))
+        if self.reference is not None:
+            reference = self.reference.logps(inputs, labels)
+        logits = self.engine(**inputs).logits
+        batch = {**inputs, "labels": labels}
+        return self.objective.loss(logits, batch, reference, items)
+
+    def _pair_sums(self, values: list[float]) -> torch.Tensor | list:
+        """A log window's preference sums on the device (the same length on every rank)."""
+        if self.objective is None:
+            return []
+        values = (list(values) + [0.0] * len(STATS))[: len(STATS)]
+        return torch.tensor(values, dtype=torch.float64, device=self.engine.device)
 
     def _skipped(self) -> int | None:
         """Count an optimizer step DeepSpeed skipped (its batches stay consumed); the exit code when
@@ -413,7 +440,8 @@ class Trainer:
         # A window restored from a checkpoint written before it recorded its lr: the next step's.
         lr = w.lr if w.lr is not None else float(self.engine.get_lr()[0])
         # float(): the window's one device sync; the all-reduce that follows is one anyway.
-        loss_sum, micro, tokens, *by_source = dist.all_reduce_sum(w.world_sums())
+        loss_sum, micro, tokens, *rest = dist.all_reduce_sum(w.world_sums())
+        by_source, pair_sums = rest[: len(w.source_tokens)], rest[len(w.source_tokens) :]
         now = time.perf_counter()
         loss = loss_sum / max(micro, 1)  # over the window's micro-batches, skipped steps' included
         # of this step: a row is only written at an applied one
@@ -438,59 +466,41 @@ class Trainer:
             "skipped_steps": w.skipped_steps,
             "loss_scale": loss_scale(self.engine),
             **({"tokens_seen_by_source": dict(seen)} if self.data.source_names else {}),
+            **(self.objective.metrics(pair_sums) if self.objective is not None else {}),
         }
         self.metrics.write(row)
         self.state.last_losses = (self.state.last_losses + [loss])[-10:]
-        self.state.window = type(w)(source_tokens=[0] * len(self.data.source_names))
+        self.state.window = type(w)(
+            source_tokens=[0] * len(self.data.source_names), pair_sums=self._pair_sums([])
+        )
         self.t_window = now
         if bar is not None:
             bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}", tok_s=f"{row['tokens_per_s']:.0f}")
 
-    @torch.no_grad()
     def evaluate(self) -> float | None:
-        """Token-weighted eval loss over the whole eval set. Collective (every
-        rank, same batches)."""
+        """The eval set's loss and metrics, one row in metrics.jsonl (evaluation.py). Collective
+        (every rank, same batches)."""
         if self.evalset is None or len(self.evalset) == 0:
             return None
         self.engine.eval()
-        # Summed on the device, read once at the end: no host sync per batch.
-        loss_sum = torch.zeros((), dtype=sum_dtype(self.engine.device), device=self.engine.device)
-        n_tokens = 0
-        for batch, real in eval_batches(
-            self.evalset,
+        sets = Evaluation(
+            self.engine,
             self.cfg.train.per_device_eval_batch_size,
-            dist.world_size(),
-            dist.rank(),
             self.tokenizer.pad_token_id,
-            pin_memory=self.data.pin_memory,
-            flatten=self.data.flatten,
-        ):
-            batch, _, _ = model_inputs(batch)
-            n = label_tokens(batch)  # on the host copy: no device sync
-            out = self.engine(**_to(batch, self.engine.device))
-            if real:
-                loss_sum += out.loss.detach().double() * n
-                n_tokens += n
-        total, count = dist.all_reduce_sum([float(loss_sum), n_tokens])
-        eval_loss = total / max(count, 1)
-        row = {
-            "step": self.state.global_step,
-            "eval_loss": eval_loss,
-            "eval_perplexity": math.exp(min(eval_loss, 50.0)),
-            "eval_tokens": int(count),
-        }
+            self.data,
+        )
+        if self.objective is not None:
+            metrics = sets.pairs(self.evalset, self.objective, self._preference_loss)
+        else:
+            metrics = sets.tokens(self.evalset)
+        row = {"step": self.state.global_step, **metrics}
         self.metrics.write(row)
         self._evaluated(row)
-        logger.info(
-            "step %d: eval_loss %.4f (perplexity %.2f)",
-            self.state.global_step,
-            eval_loss,
-            math.exp(min(eval_loss, 50.0)),
-        )
+        logger.info("step %d: %s", self.state.global_step, describe(row))
         if self.plotter is not None and not self.lease_taken_over():
             self.plotter.request()  # drawn on a thread; training goes on
         self.engine.train()
-        return eval_loss
+        return row["eval_loss"]
 
     # --- saves -------------------------------------------------------------------------------
 

@@ -65,6 +65,7 @@ TITLES = {
     "data arguments": "Data",
     "train arguments": "Training",
     "ckpt arguments": "Checkpoints",
+    "preference arguments": "Objective",
 }
 
 

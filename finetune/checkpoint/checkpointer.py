@@ -71,6 +71,7 @@ from finetune.config import CheckpointArgs
 from finetune.distributed import logger
 from finetune.io import seams
 from finetune.io.faults import fault_point
+from finetune.reference import REFERENCE_KEY
 
 if TYPE_CHECKING:
     from deepspeed import DeepSpeedEngine
@@ -386,6 +387,9 @@ class Checkpointer(SaveBoundaries):
         identity["consolidated"] = consolidated
         if dist.sequence_parallel_size() > 1:  # absent: 1 (every rank held whole rows)
             identity["sequence_parallel_size"] = dist.sequence_parallel_size()
+        preference = self.run_info.get(REFERENCE_KEY)
+        if preference:  # absent: sft (a preference objective's, with its reference)
+            identity[REFERENCE_KEY] = preference
         # what `finetune verify` holds the adapter file to
         if consolidated and self.adapter_summary is not None:
             identity["adapter"] = self.adapter_summary

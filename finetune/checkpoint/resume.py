@@ -27,6 +27,7 @@ from typing import Any, Protocol
 
 from finetune import distributed as dist
 from finetune.checkpoint.another_layout import convert_for_this_world, say_layout_change
+from finetune.checkpoint.compatible import check_compatible
 from finetune.checkpoint_format.manifest import (
     MANIFEST,
     looks_like_checkpoint,
@@ -36,10 +37,9 @@ from finetune.checkpoint_format.manifest import (
 from finetune.checkpoint_format.outdir import OutputDir, committed, find_checkpoint, step_of
 from finetune.checkpoint_format.policy import Committed, newer_than, passed_over, resume_order
 from finetune.checkpoint_format.state import TRAINER_STATE
-from finetune.config import ConfigError, RunConfig, resume_may_change
+from finetune.config import ConfigError, RunConfig
 from finetune.distributed import logger
 from finetune.io.faults import fault_point
-from finetune.lora import check_resumable
 from finetune.modeling import check_checkpoint_model
 from finetune.weights import safe_load
 
@@ -84,19 +84,21 @@ class Resumer:
         node_local: bool = False,
         leader: bool | None = None,
         base: dict[str, Any] | None = None,
+        reference: dict[str, Any] | None = None,
         signalled: Callable[[], bool] = lambda: False,
         group: list[int] | None = None,
         source: Source | None = None,
     ):
         """``node_local``: each node has its own OUT; ``leader``: this rank does rank 0's part for
         its OUT (rank 0, or each node's first rank; default rank 0); ``base``: with --use_peft, the
-        base model's identity (lora.base_identity), the same on every rank; ``signalled``: whether
+        base model's identity (lora.base_identity), the same on every rank; ``reference``: a
+        preference objective's reference (reference.record); ``signalled``: whether
         this rank got a preemption signal (stops a universal conversion); ``source``: the bucket
         a commit missing or damaged in OUT is fetched from."""
         self.cfg = cfg
         self.storage = storage
         self.out = storage.root
-        self.base = base
+        self.base, self.reference = base, reference
         self.signalled = signalled
         self.node_local = node_local
         self.leader = dist.is_main() if leader is None else leader
@@ -141,10 +143,9 @@ class Resumer:
             step=f"reading {folder.name}'s trainer state",
             deadline_s=dist.io_deadline(),
         )
-        self._check_compatible(saved)
-        # From facts every rank shares (the saved state, the base's
-        # identity): raises alike everywhere.
-        check_resumable(folder, saved, self.cfg.model, self.base)
+        # From facts every rank shares (the saved state, the base's and the reference's
+        # identities): raises alike everywhere, before anything is set aside.
+        check_compatible(folder, saved, self.cfg, self.base, self.reference)
         # Before anything is set aside or built: another architecture or vocabulary is bad input.
         dist.run_agreed(lambda: check_checkpoint_model(folder, self.cfg.model), on=dist.is_main())
         head = None
@@ -511,21 +512,6 @@ class Resumer:
                     where,
                     self.out,
                 )
-
-    def _check_compatible(self, saved: dict[str, Any]) -> None:
-        """Warn of each flag the checkpoint was saved with another value of (unless a resume may
-        change it), naming both."""
-        for group, now in self.cfg.to_json_dict().items():
-            for key, value in now.items():
-                before = saved.get("args", {}).get(group, {}).get(key, value)
-                if before != value and key not in resume_may_change():
-                    dist.log_main(
-                        logging.WARNING,
-                        "resume: --%s is %r now, was %r in the checkpoint",
-                        key,
-                        value,
-                        before,
-                    )
 
 
 def _node_local_world(folder: Path, saved: int) -> str:

@@ -45,11 +45,19 @@ class LogWindow:
     grad_norm: float | None = None
     # --dataset_mixture: tokens per source, in the sources' order ([] = none yet, or no mixture)
     source_tokens: list = field(default_factory=list)
+    # A preference --objective's metric sums (objectives.STATS; [] under sft): a device tensor
+    # while training, like loss_sum; a list in JSON.
+    pair_sums: list | torch.Tensor = field(default_factory=list)
 
     def state_dict(self) -> dict:
         sd = {f.name: getattr(self, f.name) for f in fields(self)}
         sd["loss_sum"] = float(self.loss_sum)  # a device sync, once per save
+        sd["pair_sums"] = self.pair_floats()
         return sd
+
+    def pair_floats(self) -> list[float]:
+        sums = self.pair_sums
+        return [float(x) for x in (sums.tolist() if hasattr(sums, "tolist") else sums)]
 
     @classmethod
     def from_state_dict(cls, sd: dict) -> LogWindow:
@@ -57,9 +65,10 @@ class LogWindow:
         return cls(**{k: v for k, v in sd.items() if k in known})  # an older file lacks newer keys
 
     def summed(self, totals: list[float]) -> LogWindow:
-        """This window with the world's ``[loss_sum, micro_batches, tokens, *source_tokens]``
-        (``world_sums``)."""
+        """This window with the world's ``[loss_sum, micro_batches, tokens, *source_tokens,
+        *pair_sums]`` (``world_sums``)."""
         loss_sum, micro, tokens = totals[:3]
+        sources = 3 + len(self.source_tokens)
         return LogWindow(
             loss_sum=loss_sum,
             micro_batches=int(micro),
@@ -69,13 +78,20 @@ class LogWindow:
             skipped_steps=self.skipped_steps,
             lr=self.lr,
             grad_norm=self.grad_norm,
-            source_tokens=[int(n) for n in totals[3:]],
+            source_tokens=[int(n) for n in totals[3:sources]],
+            pair_sums=list(totals[sources:]),
         )
 
     def world_sums(self) -> list[float]:
         """What the ranks add up, for ``all_reduce_sum`` (one device sync). Every rank's
-        source_tokens has the same length (the trainer pads a restored window's)."""
-        return [float(self.loss_sum), self.micro_batches, self.tokens, *self.source_tokens]
+        source_tokens and pair_sums have the same length (the trainer pads a restored window's)."""
+        return [
+            float(self.loss_sum),
+            self.micro_batches,
+            self.tokens,
+            *self.source_tokens,
+            *self.pair_floats(),
+        ]
 
 
 @dataclass

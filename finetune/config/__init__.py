@@ -6,6 +6,7 @@ that read only its own flags.
   data.py        DataArgs        the data, its format's columns, packing, a mixture
   train.py       TrainArgs       batch, optimizer, schedule, length, logging, the best metric
   checkpoint.py  CheckpointArgs  saving, the bucket copy, resuming, preemption
+  preference.py  PreferenceArgs  the objective: SFT, or DPO and its cousins, and the reference
   run.py         RunConfig (the groups frozen together), GROUPS, fallbacks and presets
 
 Each group's ``check(values)`` holds its own rules; the rules across groups, and those that need
@@ -29,6 +30,7 @@ from finetune.config.fields import (
     split_names,
 )
 from finetune.config.model import WEIGHT_FILES, ModelArgs
+from finetune.config.preference import OBJECTIVES, SFT, PreferenceArgs, is_preference
 from finetune.config.run import (
     EMBEDDED_MAX_STEPS,
     EMBEDDED_PRESET,
@@ -83,12 +85,16 @@ __all__ = [
     "ConfigError",
     "DataArgs",
     "ModelArgs",
+    "OBJECTIVES",
+    "PreferenceArgs",
+    "SFT",
     "RunConfig",
     "TrainArgs",
     "check_size",
     "data_format",
     "env_world_size",
     "flag_defaults",
+    "is_preference",
     "metric_name",
     "precision_shorthand",
     "report_targets",

@@ -45,10 +45,28 @@ class DataArgs:
     messages_column: str | None = flag(
         None, "Column holding chat messages, rendered with the tokenizer's chat template."
     )
+    chosen_column: str | None = flag(
+        None,
+        "Column holding each example's preferred completion under a preference --objective: "
+        "text, or a list of messages (then the prompt is the messages it shares with "
+        "--rejected_column's, or a `prompt` column of messages) (default chosen).",
+    )
+    rejected_column: str | None = flag(
+        None,
+        "Column holding each example's dispreferred completion under a preference --objective "
+        "(default rejected). The prompt is the `prompt` column (TRL's name), if there is one.",
+    )
     max_seq_length: int | None = flag(
         None,
         "Truncate (or pack) sequences to this many tokens (default "
         "512; 128 for the embedded model).",
+    )
+    max_prompt_length: int | None = flag(
+        None,
+        "Under a preference --objective: prompts keep their last this many tokens; then "
+        "prompt + completion keep their first --max_seq_length (default: no limit of its own). "
+        "A pair left with no completion token, or whose completions are then equal, is dropped "
+        "and counted.",
     )
     packing: bool = flag(
         False,
@@ -111,6 +129,7 @@ class DataArgs:
             v,
             (
                 "max_seq_length",
+                "max_prompt_length",
                 "max_train_samples",
                 "max_eval_samples",
                 "preprocessing_num_workers",

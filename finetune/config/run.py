@@ -1,4 +1,4 @@
-"""The run's configuration as a whole: the four groups frozen into a ``RunConfig``, the table of
+"""The run's configuration as a whole: the five groups frozen into a ``RunConfig``, the table of
 groups every flag is found through, and what fills a flag left unset."""
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from typing import Any
 from finetune.config.checkpoint import CheckpointArgs
 from finetune.config.data import DataArgs
 from finetune.config.model import ModelArgs
+from finetune.config.preference import PreferenceArgs
 from finetune.config.train import TrainArgs
 
 
@@ -20,6 +21,7 @@ class RunConfig:
     data: DataArgs
     train: TrainArgs
     ckpt: CheckpointArgs
+    preference: PreferenceArgs
     # The DeepSpeed config with every "auto" resolved except those needing the dataset's size
     # (scheduler total steps), which the trainer fills via ``finalize_ds_config``.
     ds_config: dict
@@ -28,12 +30,18 @@ class RunConfig:
     uses_embedded_data: bool
 
     def to_json_dict(self) -> dict:
-        return {k: asdict(getattr(self, k)) for k in ("model", "data", "train", "ckpt")}
+        return {k: asdict(getattr(self, k)) for k, _ in GROUPS}
 
 
 # Each group's name in RunConfig and its dataclass, in the order the CLI's help lists them and
 # their checks run.
-GROUPS = (("model", ModelArgs), ("data", DataArgs), ("train", TrainArgs), ("ckpt", CheckpointArgs))
+GROUPS = (
+    ("model", ModelArgs),
+    ("data", DataArgs),
+    ("train", TrainArgs),
+    ("ckpt", CheckpointArgs),
+    ("preference", PreferenceArgs),
+)
 # Flags that take several values (space-separated on the command line, a list in a --config file).
 LIST_FLAGS = tuple(
     f.name for _, cls in GROUPS for f in dataclasses.fields(cls) if f.metadata.get("nargs")

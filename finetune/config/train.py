@@ -55,6 +55,15 @@ LEGACY_TIMEOUT_ENV = "FINETUNE_DIST_TIMEOUT_MIN"
 # What Trainer.evaluate writes into an eval row besides "step" and "eval_tokens": the values
 # --metric_for_best_model may name.
 METRICS = ("eval_loss", "eval_perplexity")
+# What it writes instead of the perplexity under a preference --objective (TRL's names).
+PREFERENCE_METRICS = (
+    "eval_rewards/chosen",
+    "eval_rewards/rejected",
+    "eval_rewards/accuracies",
+    "eval_rewards/margins",
+    "eval_logps/chosen",
+    "eval_logps/rejected",
+)
 DEFAULT_METRIC = "eval_loss"
 
 
@@ -181,7 +190,9 @@ class TrainArgs:
         None,
         "The evaluation metric that picks the best checkpoint (kept by --save_total_limit besides "
         "the newest, marked by `finetune ls`, exported by `finetune export --best`) and that early "
-        "stopping watches: eval_loss or eval_perplexity, the eval_ prefix optional. Given "
+        "stopping watches: eval_loss or eval_perplexity (under a preference --objective eval_loss "
+        "or one of eval_rewards/chosen, rejected, accuracies, margins, eval_logps/chosen, "
+        "rejected), the eval_ prefix optional. Given "
         "explicitly, or with --early_stopping_patience, --save_steps must be a multiple of "
         "--eval_steps (as HF's load_best_model_at_end), so every checkpoint has its evaluation; "
         "a checkpoint saved without one is never the best (default: eval_loss)",
@@ -241,10 +252,11 @@ def _check_best(v: Mapping[str, Any]) -> None:
     """--metric_for_best_model and early stopping (the rules that also read the data and
     checkpoint flags are flag_checks')."""
     metric, patience = v["metric_for_best_model"], v["early_stopping_patience"]
-    if metric is not None and metric_name(metric) not in METRICS:
+    if metric is not None and metric_name(metric) not in METRICS + PREFERENCE_METRICS:
         raise ConfigError(
             f"`--metric_for_best_model` {metric}: evaluation produces "
-            f"{', '.join(METRICS)} (the eval_ prefix may be left out)"
+            f"{', '.join(METRICS)}, and under a preference --objective eval_loss and "
+            f"{', '.join(PREFERENCE_METRICS)} (the eval_ prefix may be left out)"
         )
     require_positive(v, ("early_stopping_patience",))
     threshold = v["early_stopping_threshold"]

@@ -9,6 +9,7 @@ without importing torch (~3 s) first.
 
 import importlib
 
+from finetune.data import preference  # noqa: E402,F401 — registers the preference format
 from finetune.data.formats import (
     FORMATS,
     IGNORE,
@@ -21,7 +22,9 @@ from finetune.data.formats import (
 )
 
 _LAZY = {
-    **dict.fromkeys(("EMBEDDED_DATA", "collate", "load_raw", "model_inputs", "tokenize"), "load"),
+    **dict.fromkeys(
+        ("EMBEDDED_DATA", "collate", "load_raw", "model_inputs", "to_device", "tokenize"), "load"
+    ),
     "pack_concat": "packing",
     **dict.fromkeys(("ResumableSampler", "SamplerState", "TrainData", "eval_batches"), "sampler"),
 }

@@ -31,7 +31,7 @@ import xxhash
 from finetune import distributed as dist
 from finetune.config import ConfigError, RunConfig
 from finetune.data.formats import choose
-from finetune.data.load import EMBEDDED_DATA, load_raw, load_splits, nothing_to_learn, tokenize
+from finetune.data.load import data_files, load_raw, load_splits, nothing_to_learn, tokenize
 from finetune.data.packing import pack_sets
 from finetune.distributed import logger
 from finetune.io.durable import fsync_path, hash_file, write_json_durably
@@ -149,9 +149,7 @@ def _data_identity(cfg: RunConfig) -> dict:
             "config": d.dataset_config_name,
             "splits": {name: split._fingerprint for name, split in raw.items()},
         }
-    files = dict(EMBEDDED_DATA) if not d.train_file else {"train": d.train_file}
-    if d.validation_file:
-        files["validation"] = d.validation_file
+    files = data_files(d)
     # The bytes, not the path or mtime: a file rewritten in place (or
     # copied with its mtime) is new data.
     return {split: hash_file(path) for split, path in sorted(files.items())}

@@ -39,7 +39,12 @@ class Format:
     flags: ClassVar[tuple[str, ...]]  # the DataArgs fields that configure it: the cache key's share
     # The flag whose value (when set) picks this format; the default format needs none.
     selected_by: ClassVar[str | None] = None
+    # The flags given all or none (None: all of ``flags``).
+    together: ClassVar[tuple[str, ...] | None] = None
     empty_rows: ClassVar[str] = "empty rows"  # a row with nothing to learn from, in errors
+    # The int32 sequence columns ``encode`` writes (the tokenized set's columns).
+    features: ClassVar[tuple[str, ...]] = ("input_ids", "labels")
+    pairs: ClassVar[bool] = False  # rows are preference pairs (a prompt, chosen and rejected)
 
     def __init__(self, args: DataArgs):
         self.values: dict[str, Any] = {flag: getattr(args, flag) for flag in self.flags}
@@ -61,6 +66,11 @@ class Format:
         """A batch of raw rows (column → values) → each row's {"input_ids", "labels"}, at most
         ``max_len`` long; rows left with no label are kept (the caller drops them)."""
         raise NotImplementedError
+
+    def keeps(self, row: dict[str, list[int]]) -> bool:
+        """Whether an encoded row is worth training on: a label after the first token (the model
+        shifts labels, so a row's first label is never a target)."""
+        return any(x != IGNORE for x in row["labels"][1:])
 
 
 FORMATS: dict[str, type[Format]] = {}
@@ -98,9 +108,10 @@ def check_flags(values: Mapping[str, Any]) -> None:
     value, so it picks nothing). Raises ConfigError naming the flags."""
     picking = [cls for name, cls in FORMATS.items() if name != DEFAULT]
     for cls in picking:
-        given = [f for f in cls.flags if values.get(f)]
-        if given and len(given) < len(cls.flags):
-            names = [f"`--{f}`" for f in cls.flags]
+        together = cls.flags if cls.together is None else cls.together
+        given = [f for f in together if values.get(f)]
+        if given and len(given) < len(together):
+            names = [f"`--{f}`" for f in together]
             both = "both" if len(names) == 2 else "all"
             raise ConfigError(
                 f"{', '.join(names[:-1])} and {names[-1]} go together: give {both} or neither"

@@ -17,6 +17,24 @@ EMBEDDED_DATA = {
     "train": str(RESOURCES_DIR / "data" / "train.jsonl"),
     "validation": str(RESOURCES_DIR / "data" / "validation.jsonl"),
 }
+# The embedded pairs a preference --objective trains on when no data is given.
+EMBEDDED_PREFERENCE_DATA = {
+    "train": str(RESOURCES_DIR / "data" / "preference_train.jsonl"),
+    "validation": str(RESOURCES_DIR / "data" / "preference_validation.jsonl"),
+}
+
+
+def data_files(args: DataArgs) -> dict[str, str]:
+    """The local files a run reads: --train_file (and --validation_file), else the embedded set
+    of its format (pairs for a preference objective, text otherwise)."""
+    if not args.train_file:
+        embedded = EMBEDDED_PREFERENCE_DATA if choose(args).pairs else EMBEDDED_DATA
+        files = dict(embedded)
+    else:
+        files = {"train": args.train_file}
+    if args.validation_file:
+        files["validation"] = args.validation_file
+    return files
 
 
 # --- loading -------------------------------------------------------------------------------
@@ -62,9 +80,7 @@ def load_splits(args: DataArgs):
             raise ConfigError(
                 f"--dataset_name: cannot load '{args.dataset_name}': {str(e).splitlines()[0]}"
             ) from None
-    files = EMBEDDED_DATA if not args.train_file else {"train": args.train_file}
-    if args.validation_file:
-        files["validation"] = args.validation_file
+    files = data_files(args)
     fmt = data_format(files["train"])
     for flag in ("train_file", "validation_file"):
         # datasets' json builder raises a bare StopIteration on an empty file.
@@ -116,10 +132,7 @@ def tokenize(
     fmt = choose(args)
     fmt.check_tokenizer(tokenizer)
     features = datasets.Features(
-        {
-            "input_ids": datasets.Sequence(datasets.Value("int32")),
-            "labels": datasets.Sequence(datasets.Value("int32")),
-        }
+        {name: datasets.Sequence(datasets.Value("int32")) for name in fmt.features}
     )
     out = ds.map(
         _BatchEncoder(tokenizer, fmt, max_len),
@@ -147,8 +160,8 @@ class _BatchEncoder:
 
     def __call__(self, batch: dict[str, list]) -> dict[str, list]:
         rows = self.fmt.encode(batch, self.tokenizer, self.max_len)
-        rows = [r for r in rows if any(x != IGNORE for x in r["labels"][1:])]
-        return {"input_ids": [r["input_ids"] for r in rows], "labels": [r["labels"] for r in rows]}
+        rows = [r for r in rows if self.fmt.keeps(r)]
+        return {name: [r[name] for r in rows] for name in self.fmt.features}
 
 
 def nothing_to_learn(args: DataArgs, tokenizer, raw, max_len: int) -> str:
@@ -159,7 +172,7 @@ def nothing_to_learn(args: DataArgs, tokenizer, raw, max_len: int) -> str:
     """
     fmt = choose(args)
     sample = raw.select(range(min(100, len(raw))))[:]
-    if _BatchEncoder(tokenizer, fmt, 2**31)(sample)["input_ids"]:
+    if _BatchEncoder(tokenizer, fmt, 2**31)(sample)[fmt.features[0]]:
         return (
             f"--max_seq_length {max_len}: in every training example the prompt fills the "
             f"first {max_len} tokens, leaving nothing to learn from "
@@ -215,3 +228,11 @@ def model_inputs(batch: dict) -> tuple[dict, int, int]:
     copy, before the inputs move to the device."""
     inputs = dict(batch)
     return inputs, int(inputs.pop(NUM_TOKENS)), int(inputs.pop(NUM_ROWS))
+
+
+def to_device(batch: dict, device: torch.device) -> dict:
+    """A micro-batch's tensors on the device (DeepSpeed's forward does not move inputs).
+    Asynchronous only from pinned memory (TrainData and eval_batches pin on GPUs); from pageable
+    memory CUDA copies synchronously, so correct either way. PyTorch's pinned-memory allocator
+    records the copy on its stream and reuses a block only after the copy has finished."""
+    return {k: v.to(device, non_blocking=True) for k, v in batch.items()}

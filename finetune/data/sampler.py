@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import errno
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -126,8 +126,14 @@ class TrainData:
         pin_memory: bool = False,
         flatten: bool = False,
         sequence: tuple[int, int] | None = None,
+        collate_fn: Callable[[list[dict]], dict] | None = None,
+        count: Callable[[dict], int] = label_tokens,
     ):
         self.dataset, self.sampler = dataset, sampler
+        # rows → a micro-batch (a preference objective's pairs: data/preference.collate_pairs),
+        # and what the step-boundary all-reduce sums of one (the loss's token count, loss.py)
+        self.collate_fn = collate_fn or (lambda rows: collate(rows, pad_id, flatten))
+        self.count = count
         self.flatten = flatten  # packed micro-batches as one row (flash-attention's varlen path)
         # --sequence_parallel_size: (N, this rank's shard); each micro-batch cut to its shard
         self.sequence = sequence
@@ -173,7 +179,7 @@ class TrainData:
         if by_source is not None and self.sequence is not None and self.sequence[1] != 0:
             by_source = [0] * len(by_source)  # a group's rows: counted by its first rank only
         batches = [
-            collate(rows[i : i + self.micro_batch], self.pad_id, self.flatten)
+            self.collate_fn(rows[i : i + self.micro_batch])
             for i in range(0, len(rows), self.micro_batch)
         ]
         if self.sequence is not None:
@@ -217,7 +223,7 @@ class TrainData:
         future = self._ahead[1]
         if not future.done() or future.exception() is not None:
             return None
-        return sum(label_tokens(b) for b in future.result()[1])
+        return sum(self.count(b) for b in future.result()[1])
 
     def next_step(self) -> list[dict[str, torch.Tensor]]:
         state, ahead = self.sampler.state, self._ahead
@@ -263,6 +269,7 @@ def eval_batches(
     pad_id: int,
     pin_memory: bool = False,
     flatten: bool = False,
+    collate_fn: Callable[[list[dict]], dict] | None = None,
 ) -> Iterator[tuple[dict, bool]]:
     """This rank's eval batches and whether each is real; pinned with ``pin_memory`` (GPUs), so
     the copy to the device is asynchronous, like the training batches'.
@@ -275,5 +282,6 @@ def eval_batches(
     for b in range(n_batches):
         idx = list(range(rank, len(dataset), world_size)[b * batch_size : (b + 1) * batch_size])
         real = bool(idx)
-        batch = collate([dataset[i] for i in (idx or [0])], pad_id, flatten)
+        rows = [dataset[i] for i in (idx or [0])]
+        batch = collate_fn(rows) if collate_fn is not None else collate(rows, pad_id, flatten)
         yield ({k: v.pin_memory() for k, v in batch.items()} if pin_memory else batch), real

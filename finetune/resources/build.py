@@ -12,6 +12,18 @@ needs lives next to this file and is produced by this script:
   vocabulary ("mia has 3 red apples. she gives 1 to tom. ...").  The structure
   repeats, so a model with ~0.4M parameters learns it in ~150 steps.  Rows are
   de-duplicated before the split, so no validation row is a copy of a train row.
+* ``data/preference_train.jsonl`` / ``data/preference_validation.jsonl`` -- a
+  preference set for DPO-style training in TRL's explicit-prompt format, one
+  ``{"prompt": ..., "chosen": ..., "rejected": ...}`` object per line, from the
+  same vocabulary.  ``chosen`` is the correct continuation of ``prompt`` (the
+  right sum/difference, the place walked to, the colour liked), ``rejected`` a
+  plausible wrong one (off by one, the old place, another colour).  Prompts end
+  without a space and completions start with one, so the tokenized prompt is a
+  prefix of the tokenized prompt+completion; ``main`` asserts this, and the
+  length bound, for every row.  Rows are unique by prompt before the split, so
+  no validation prompt (hence no validation row) is also in train.  Built with
+  their own seed and ``Random`` after the text data and the tokenizer, and never
+  fed to the tokenizer, so the existing files do not change.
 * ``tokenizer/`` -- a byte-level BPE (``tokenizers``) trained on the train
   split, wrapped in ``transformers.PreTrainedTokenizerFast`` and written with
   ``save_pretrained`` so ``AutoTokenizer.from_pretrained(dir)`` works offline.
@@ -53,6 +65,10 @@ MODEL_DIR = HERE / "model"
 SEED = 1234
 N_TRAIN = 2000
 N_VALIDATION = 200
+PREFERENCE_SEED = 4321
+N_PREFERENCE_TRAIN = 1000
+N_PREFERENCE_VALIDATION = 100
+MAX_PREFERENCE_TOKENS = 40  # prompt + longer completion, in tokens
 VOCAB_SIZE = 1024
 MAX_LENGTH = 512
 
@@ -168,11 +184,112 @@ def make_splits(seed: int = SEED) -> tuple[list[str], list[str]]:
     return ordered[:N_TRAIN], ordered[N_TRAIN:]
 
 
+def _pref_get(rng: random.Random) -> tuple[str, str, str]:
+    """Addition: the right total vs. one off by one or the unchanged count."""
+    a, b = rng.sample(sorted(NAMES), 2)
+    n, k = rng.randint(1, 9), rng.randint(1, 9)
+    thing = rng.choice(THINGS)
+    wrong = rng.choice([n + k - 1, n + k + 1, n])
+    return (
+        f"{a} has {n} {thing}. {b} gives {a} {k} more.",
+        f" now {a} has {n + k} {thing}.",
+        f" now {a} has {wrong} {thing}.",
+    )
+
+
+def _pref_give(rng: random.Random) -> tuple[str, str, str]:
+    """Subtraction: the right rest vs. one off by one, the start count or the sum."""
+    a, b = rng.sample(sorted(NAMES), 2)
+    n = rng.randint(2, 9)
+    k = rng.randint(1, n - 1)
+    color, thing = rng.choice(COLORS), rng.choice(THINGS)
+    wrong = rng.choice([n - k - 1, n - k + 1, n, n + k])
+    return (
+        f"{a} has {n} {color} {thing}. {NAMES[a]} gives {k} to {b}.",
+        f" now {a} has {n - k} {color} {thing}.",
+        f" now {a} has {wrong} {color} {thing}.",
+    )
+
+
+def _pref_move(rng: random.Random) -> tuple[str, str, str]:
+    """Where someone is: the place walked to vs. the place left (or another)."""
+    a = rng.choice(sorted(NAMES))
+    p1, p2 = rng.sample(PLACES, 2)
+    wrong = p1 if rng.random() < 0.5 else rng.choice([p for p in PLACES if p not in (p1, p2)])
+    return (
+        f"{a} is in the {p1}. then {NAMES[a]} walks to the {p2}. where is {a}?",
+        f" {a} is in the {p2}.",
+        f" {a} is in the {wrong}.",
+    )
+
+
+def _pref_likes(rng: random.Random) -> tuple[str, str, str]:
+    """Colour consistency: the colour of the thing held vs. another colour."""
+    a = rng.choice(sorted(NAMES))
+    color, thing = rng.choice(COLORS), rng.choice(THINGS)[:-1]
+    wrong = rng.choice([c for c in COLORS if c != color])
+    return (
+        f"{a} likes {color}. {NAMES[a]} has a {color} {thing}. {NAMES[a]} says:",
+        f" i like my {color} {thing}.",
+        f" i like my {wrong} {thing}.",
+    )
+
+
+PREFERENCE_TEMPLATES = [_pref_get, _pref_give, _pref_move, _pref_likes]
+
+PreferenceRow = dict[str, str]
+
+
+def make_preference_splits(
+    seed: int = PREFERENCE_SEED,
+) -> tuple[list[PreferenceRow], list[PreferenceRow]]:
+    """Rows unique by prompt, shuffled, split: no validation prompt is in train.
+
+    Own ``Random`` so the text splits above are unaffected."""
+    rng = random.Random(seed)
+    rows: dict[str, PreferenceRow] = {}
+    while len(rows) < N_PREFERENCE_TRAIN + N_PREFERENCE_VALIDATION:
+        prompt, chosen, rejected = rng.choice(PREFERENCE_TEMPLATES)(rng)
+        assert chosen != rejected, (prompt, chosen)
+        rows.setdefault(prompt, {"prompt": prompt, "chosen": chosen, "rejected": rejected})
+    ordered = list(rows.values())
+    rng.shuffle(ordered)
+    return ordered[:N_PREFERENCE_TRAIN], ordered[N_PREFERENCE_TRAIN:]
+
+
+def check_preference_rows(tokenizer, rows: list[PreferenceRow]) -> tuple[int, int]:
+    """Assert, per row: chosen != rejected, prompt has no trailing space and each
+    completion starts with one, ``tok(prompt)`` is a prefix of ``tok(prompt +
+    completion)``, and prompt + completion fits in ``MAX_PREFERENCE_TOKENS``.
+    Returns the (min, max) token length of prompt + completion."""
+    lengths = []
+    for row in rows:
+        prompt, chosen, rejected = row["prompt"], row["chosen"], row["rejected"]
+        assert chosen != rejected, row
+        assert prompt and not prompt[-1].isspace(), row
+        prompt_ids = tokenizer(prompt)["input_ids"]
+        for completion in (chosen, rejected):
+            assert completion.startswith(" ") and not completion[1:2].isspace(), row
+            full_ids = tokenizer(prompt + completion)["input_ids"]
+            assert full_ids[: len(prompt_ids)] == prompt_ids, (row, completion)
+            assert len(full_ids) > len(prompt_ids), (row, completion)
+            assert len(full_ids) <= MAX_PREFERENCE_TOKENS, (row, completion, len(full_ids))
+            lengths.append(len(full_ids))
+    return min(lengths), max(lengths)
+
+
 def write_jsonl(path: Path, texts: list[str]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("w", encoding="utf-8", newline="\n") as f:
         for text in texts:
             f.write(json.dumps({"text": text}, ensure_ascii=False) + "\n")
+
+
+def write_rows_jsonl(path: Path, rows: list[dict[str, str]]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w", encoding="utf-8", newline="\n") as f:
+        for row in rows:
+            f.write(json.dumps(row, ensure_ascii=False) + "\n")
 
 
 def train_bpe(texts: list[str]):
@@ -246,7 +363,21 @@ def main() -> None:
     write_jsonl(DATA_DIR / "validation.jsonl", validation)
     tokenizer = build_tokenizer(train, TOKENIZER_DIR)
     config = build_model_config(tokenizer, MODEL_DIR)
+    # preference data: after the tokenizer (never trained on it), checked with the saved one
+    from transformers import AutoTokenizer
+
+    saved = AutoTokenizer.from_pretrained(str(TOKENIZER_DIR))
+    pref_train, pref_validation = make_preference_splits()
+    seen = {tuple(r.values()) for r in pref_train}
+    assert not any(tuple(r.values()) in seen for r in pref_validation)
+    lo, hi = check_preference_rows(saved, pref_train + pref_validation)
+    write_rows_jsonl(DATA_DIR / "preference_train.jsonl", pref_train)
+    write_rows_jsonl(DATA_DIR / "preference_validation.jsonl", pref_validation)
     print(f"train rows: {len(train)}, validation rows: {len(validation)}")
+    print(
+        f"preference train rows: {len(pref_train)}, validation rows: {len(pref_validation)}, "
+        f"prompt+completion {lo}-{hi} tokens"
+    )
     print(f"tokenizer: {len(tokenizer)} tokens -> {TOKENIZER_DIR}")
     print(f"model config: vocab_size={config.vocab_size} -> {MODEL_DIR}")
 
