@@ -65,9 +65,10 @@ def check_preference(v: Mapping[str, Any]) -> None:
     must be one its evaluation writes."""
     objective = v["objective"]
     metric = metric_name(v["metric_for_best_model"]) if v["metric_for_best_model"] else None
+    entries = v["dataset_mixture"] or []
     if not is_preference(objective):
         for flag in ("chosen_column", "rejected_column", "max_prompt_length"):
-            if v[flag] is not None:
+            if v[flag] is not None or any(flag in e for e in entries):
                 raise ConfigError(
                     f"`--{flag}` needs a preference `--objective` (dpo, ipo, simpo, orpo)"
                 )
@@ -82,15 +83,21 @@ def check_preference(v: Mapping[str, Any]) -> None:
             f"`--metric_for_best_model eval_perplexity`: `--objective {objective}` evaluates "
             f"eval_loss and {', '.join(PREFERENCE_METRICS)}, no perplexity"
         )
-    for flag in ("prompt_column", "completion_column", "messages_column"):
-        if v[flag]:
+    for flag in ("prompt_column", "completion_column", "messages_column", "text_column"):
+        named = [e["name"] for e in entries if flag in e]
+        if named:
+            raise ConfigError(
+                f"`--dataset_mixture` source {named[0]}: `{flag}` is not a column of "
+                f"`--objective {objective}`'s pairs (a source may name its chosen_column and "
+                "rejected_column)"
+            )
+        if v[flag] and flag != "text_column":
             raise ConfigError(
                 f"`--{flag}` is not a column of `--objective {objective}`'s pairs: it reads a "
                 "`prompt` column, `--chosen_column` and `--rejected_column`"
             )
     refused = (
         ("packing", "`--packing`", "a pair's chosen and rejected rows are one example"),
-        ("dataset_mixture", "`--dataset_mixture`", "its sources are sampled as token rows"),
         ("tiled_mlp", "`--tiled_mlp`", "it replaces the loss the objective computes"),
         ("use_liger_kernel", "`--use_liger_kernel`", "it replaces the loss the objective computes"),
     )

@@ -1,8 +1,9 @@
 """Loss plots: OUT/plots/training.png from OUT/metrics.jsonl, OUT/events.jsonl and the
 committed checkpoints.
 
-Three panels sharing the step axis: loss (train raw and smoothed, eval), learning rate, tokens/s;
-every committed checkpoint, resume, preemption and failed save is a vertical line in each panel.
+Three panels sharing the step axis: loss (train raw and smoothed, eval), learning rate, tokens/s
+(a preference objective's run adds its reward margins, train and eval, under the loss); every
+committed checkpoint, resume, preemption and failed save is a vertical line in each panel.
 The image is 1200x900 px (12x9 inches at 100 dpi).
 
 ``render`` is the one drawing function; ``finetune plot OUT`` (``main``) calls it once, the
@@ -186,7 +187,16 @@ def _draw(run: Run) -> Figure:
 
     fig = Figure(figsize=FIGSIZE, dpi=DPI, layout="constrained")
     FigureCanvasAgg(fig)
-    loss_ax, lr_ax, tps_ax = fig.subplots(3, 1, sharex=True, height_ratios=(3, 1.2, 1.2))
+    # a preference objective's run: its reward margins under the loss
+    pairs = any("rewards/margins" in r for r in run.train + run.evals)
+    heights = (3, 1.2, 1.2, 1.2) if pairs else (3, 1.2, 1.2)
+    loss_ax, *axes = fig.subplots(len(heights), 1, sharex=True, height_ratios=heights)
+    if pairs:
+        margin_ax = axes.pop(0)
+        _line_panel(margin_ax, run.train, "rewards/margins", "reward margin", "tab:green", True)
+        e_steps, e_margin = _series(run.evals, "eval_rewards/margins")
+        margin_ax.plot(e_steps, e_margin, color="tab:orange", lw=1.5, marker="o", ms=4)
+    lr_ax, tps_ax = axes
     handles = _loss_panel(loss_ax, run)
     _line_panel(lr_ax, run.train, "lr", "learning rate", "tab:brown", smooth=False)
     _line_panel(tps_ax, run.train, "tokens_per_s", "tokens/s", "tab:cyan", smooth=True)

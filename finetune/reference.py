@@ -28,7 +28,6 @@ import logging
 import os
 import shutil
 import socket
-import sys
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -245,7 +244,7 @@ def _publish(root: Path, entry: Path, arrays: dict[str, np.ndarray]) -> None:
 def _attach(ds, array: np.ndarray):
     """The set with the reference's log-probabilities as two float64 columns."""
     for column, values in zip(REF_COLUMNS, array.T, strict=True):
-        ds = ds.add_column(column, values.tolist())
+        ds = ds.add_column(column, np.ascontiguousarray(values))
     return ds
 
 

@@ -156,6 +156,19 @@ def test_render_copes_with_eval_rows_only_and_bad_values(tmp_path):
     assert_plot(plot.render(tmp_path, tmp_path / "deep" / "er" / "x.png"))
 
 
+def test_a_preference_runs_reward_margins_get_their_own_panel(tmp_path):
+    rows = [{"step": s, "loss": 0.69 - s / 100, "rewards/margins": s / 10} for s in range(1, 40)]
+    rows.append({"step": 39, "eval_loss": 0.6, "eval_rewards/margins": 2.0})
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    fig = plot._draw(plot.load_run(tmp_path))
+    labels = [ax.get_ylabel() for ax in fig.axes]
+    assert labels[1].startswith("reward margin") and len(labels) == 4
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    (plain / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 1.0}) + "\n")
+    assert len(plot._draw(plot.load_run(plain)).axes) == 3
+
+
 def test_the_demo_run_renders(tmp_path):
     """The repository's real 2-rank run, copied first (it may be being regenerated)."""
     demo = REPO / "output" / "demo"

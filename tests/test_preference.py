@@ -205,3 +205,32 @@ def test_a_resume_keeps_the_objective_the_reference_and_its_weights(tmp_path):
     with pytest.raises(ConfigError, match="--objective: .* sft, this run has dpo"):
         check_resume(tmp_path, {}, cfg, record(cfg, weights))
     check_resume(tmp_path, {}, sft, None)
+
+
+def test_a_pair_set_missing_a_column_is_refused_naming_its_flag(tmp_path):
+    no_rejected = [{k: v for k, v in PAIR.items() if k != "rejected"}]
+    cfg = parse_train_args(["--objective", "dpo", "--train_file", _file(tmp_path, no_rejected)])
+    with pytest.raises(ConfigError, match="--rejected_column: no column 'rejected'"):
+        load_raw(cfg.data, 0)
+    no_prompt = [{k: v for k, v in PAIR.items() if k != "prompt"}]
+    cfg = parse_train_args(["--objective", "dpo", "--train_file", _file(tmp_path, no_prompt)])
+    with pytest.raises(ConfigError, match="text pairs need a 'prompt' column"):
+        load_raw(cfg.data, 0)
+
+
+def test_a_mixtures_sources_are_pairs_and_count_each_pairs_tokens(tok, tmp_path):
+    from finetune.data.formats import row_tokens
+    from finetune.data.mixture_sampler import token_count
+
+    ds, _ = _encode(tok, tmp_path, [PAIR] * 3)
+    assert (
+        token_count(ds)
+        == sum(row_tokens(r) for r in ds)
+        == 3 * collate_pairs([ds[0]], 0)["num_tokens"].item()
+    )
+    mix = json.dumps([{"train_file": "a.jsonl", "text_column": "t", "weight": 1}])
+    with pytest.raises(ConfigError, match="source .*: `text_column` is not a column"):
+        parse_train_args(["--objective", "dpo", "--dataset_mixture", mix])
+    mix = json.dumps([{"train_file": "a.jsonl", "chosen_column": "good", "weight": 1}])
+    with pytest.raises(ConfigError, match="`--chosen_column` needs a preference"):
+        parse_train_args(["--dataset_mixture", mix])

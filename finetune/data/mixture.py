@@ -31,6 +31,8 @@ LOCATION_KEYS = SINGLE_DATASET_FLAGS
 # one that gives none inherits the top-level format flags.
 FORMAT_KEYS = tuple(dict.fromkeys(f for cls in FORMATS.values() for f in cls.flags))
 # Run-wide data flags a source may set for itself; unset, it inherits the top-level value.
+# A preference objective's format keys (data/preference.py).
+PAIR_KEYS = FORMATS["preference"].flags
 OWN_KEYS = ("validation_split_percentage", "max_train_samples", "max_eval_samples")
 SOURCE_KEYS = (*LOCATION_KEYS, *FORMAT_KEYS, *OWN_KEYS)
 META_KEYS = ("name", "weight")
@@ -150,7 +152,9 @@ def source_values(top: Mapping[str, Any], entry: dict) -> dict:
     v = {f.name: top[f.name] for f in dataclasses.fields(DataArgs)}
     v.update({k: None for k in LOCATION_KEYS}, dataset_mixture=None)
     if any(k in entry for k in FORMAT_KEYS):
-        v.update({k: defaults[k] for k in FORMAT_KEYS})
+        # a preference run's pairs keep its columns: a source may rename one of them
+        kept = PAIR_KEYS if top.get("chosen_column") else ()
+        v.update({k: defaults[k] for k in FORMAT_KEYS if k not in kept})
     v.update({k: entry[k] for k in SOURCE_KEYS if k in entry})
     return v
 

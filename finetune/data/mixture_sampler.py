@@ -30,6 +30,7 @@ import torch
 from finetune import distributed as dist
 from finetune.config import ConfigError, RunConfig
 from finetune.data.cache import prepare
+from finetune.data.formats import PAIR_TOKEN_COLUMNS, TOKEN_COLUMNS, row_tokens
 from finetune.data.mixture import FLAG, Source, probabilities, sources
 
 CHUNK = 4096  # positions whose sources one generator call draws
@@ -165,7 +166,7 @@ class MixtureSampler:
         the trainer's tokens_seen is (a row's tokens, padding not included)."""
         counts = [0] * len(self.sizes)
         for i, row in zip(idx, rows):
-            counts[self.source_of(i)] += len(row["input_ids"])
+            counts[self.source_of(i)] += row_tokens(row)
         return counts
 
     # --- checkpoint -------------------------------------------------------------------------
@@ -238,11 +239,17 @@ def prepare_mixture(cfg: RunConfig, tokenizer, world_size: int, rank: int):
 
 
 def token_count(ds) -> int:
-    """Tokens in a tokenized set: from its Arrow list offsets, without reading the tokens."""
-    column = ds.data.column("input_ids")
+    """Tokens in a tokenized set (``row_tokens`` of every row): from its Arrow list offsets,
+    without reading the tokens."""
+    columns = TOKEN_COLUMNS if "input_ids" in ds.column_names else PAIR_TOKEN_COLUMNS
+    return sum(n * _column_tokens(ds, name) for name, n in columns.items())
+
+
+def _column_tokens(ds, name: str) -> int:
+    column = ds.data.column(name)
     if getattr(ds, "_indices", None) is None:
         return sum(int(c.offsets[-1].as_py()) - int(c.offsets[0].as_py()) for c in column.chunks)
-    return sum(len(r) for r in ds["input_ids"])  # a selection: the rows themselves
+    return sum(len(r) for r in ds[name])  # a selection: the rows themselves
 
 
 def _log_sources(mix: list[Source], trains: list) -> None:
