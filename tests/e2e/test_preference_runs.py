@@ -114,3 +114,56 @@ def test_the_live_reference_and_loras_adapters_off_give_the_precomputed_numbers(
                 )
     # Step 2 moved away from the reference: a reward that is not zero, the same both ways.
     assert first["live"][(2, False)]["rewards/chosen"] != 0.0
+
+
+def test_an_orpo_run_saves_async_keeps_its_best_by_reward_accuracy_resumes_on_one_rank_and_exports(
+    run_finetune, tmp_path
+):
+    """What checkpoints promise, under a preference objective: --async_save, the best checkpoint
+    by an eval_rewards metric, a resume on another world size (universal), an export."""
+    import json
+    import subprocess
+    import sys
+
+    out = tmp_path / "out"
+    flags = [
+        "--objective",
+        "orpo",
+        "--per_device_train_batch_size",
+        "4",
+        "--logging_steps",
+        "2",
+        "--eval_steps",
+        "2",
+        "--max_eval_samples",
+        "16",
+        "--save_checkpoint",
+        "--save_steps",
+        "2",
+        "--async_save",
+        "--metric_for_best_model",
+        "rewards/accuracies",
+        "--dataset_cache_dir",
+        str(tmp_path / "cache"),
+    ]
+    first = run_finetune(*flags, "--max_steps", "4", out_dir=out)
+    assert first.returncode == 0, first.output[-3000:]
+    manifest = json.loads((out / "global_step4" / "manifest.json").read_text())
+    assert manifest["reference"] == {"objective": "orpo", "mode": "none", "weights": None}
+    assert manifest["best"]["metric"] == "eval_rewards/accuracies"
+    resumed = run_finetune(
+        *flags, "--max_steps", "6", "--resume_from_checkpoint", "auto", nprocs=1, out_dir=out
+    )
+    assert resumed.returncode == 0, resumed.output[-3000:]
+    rows = resumed.train_rows()
+    assert rows[-1]["step"] == 6 and "nll_loss" in rows[-1] and "log_odds_ratio" in rows[-1]
+    evals = {r["step"]: r["eval_rewards/accuracies"] for r in resumed.eval_rows()}
+    best = json.loads((out / "global_step6" / "manifest.json").read_text())["best"]
+    assert best["value"] == max(evals[s] for s in (2, 4, 6) if s in evals)
+    export = subprocess.run(
+        [sys.executable, "-m", "finetune", "export", str(out), str(tmp_path / "hf"), "--best"],
+        capture_output=True,
+        text=True,
+    )
+    assert export.returncode == 0, export.stdout + export.stderr
+    assert (tmp_path / "hf" / "config.json").is_file()
