@@ -234,3 +234,20 @@ def test_a_mixtures_sources_are_pairs_and_count_each_pairs_tokens(tok, tmp_path)
     mix = json.dumps([{"train_file": "a.jsonl", "chosen_column": "good", "weight": 1}])
     with pytest.raises(ConfigError, match="`--chosen_column` needs a preference"):
         parse_train_args(["--dataset_mixture", mix])
+
+
+def test_text_that_starts_with_a_bracket_is_text_and_messages_as_json_text_are_messages(
+    tok, tmp_path
+):
+    bracket = {**PAIR, "chosen": " [10] pens.", "rejected": " [9] pens."}
+    ds, _ = _encode(tok, tmp_path, [bracket])
+    assert tok.decode(ds[0]["chosen_ids"]).startswith(" [10]")
+    user = {"role": "user", "content": PAIR["prompt"]}
+    as_json = {
+        side: json.dumps([user, {"role": "assistant", "content": PAIR[side]}])
+        for side in ("chosen", "rejected")
+    }
+    listed = {side: json.loads(text) for side, text in as_json.items()}
+    a, _ = _encode(tok, tmp_path, [as_json])
+    b, _ = _encode(tok, tmp_path, [listed])
+    assert a[0] == b[0]

@@ -125,9 +125,15 @@ def _pair(
 
 
 def _conversational(value: Any) -> bool:
+    """A list of messages (or its JSON text, as CSV and some exports carry it), not plain text."""
     if isinstance(value, str):
-        return value.lstrip().startswith("[")  # a JSON list of messages (CSV, some exports)
-    return isinstance(value, (list, tuple))
+        if not value.lstrip().startswith("["):
+            return False
+        try:
+            value = json.loads(value)
+        except ValueError:
+            return False  # text that happens to start with a bracket
+    return isinstance(value, (list, tuple)) and all(isinstance(m, dict) for m in value)
 
 
 def _messages(value: Any, column: str) -> list[dict]:
