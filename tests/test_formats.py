@@ -172,7 +172,12 @@ def test_a_registered_formats_flags_are_checked_with_no_other_code_changed(shout
 
 
 def test_the_formats_that_exclude_each_other_are_the_ones_a_flag_picks():
-    pairs = [({"messages_column"}, {"prompt_column", "completion_column"})]
+    pair = {"chosen_column", "rejected_column", "max_prompt_length"}
+    pairs = [
+        ({"messages_column"}, {"prompt_column", "completion_column"}),
+        ({"messages_column"}, pair),
+        ({"prompt_column", "completion_column"}, pair),
+    ]
     assert formats.exclusive_flags() == pairs
 
 

@@ -17,6 +17,7 @@ import pytest
 import torch
 from torch.overrides import TorchFunctionMode
 
+import finetune.evaluation as evaluation
 import finetune.run as run_module
 import finetune.trainer as trainer_module
 from finetune.checkpoint.checkpointer import Checkpointer
@@ -458,13 +459,13 @@ def test_evaluation_reads_the_device_once_and_pins_like_training(
         per_device_eval_batch_size=2,
     )
     t.data.pin_memory = True  # what build_trainer sets on CUDA
-    real, pinned = trainer_module.eval_batches, []
+    real, pinned = evaluation.eval_batches, []
 
-    def spy(*args, pin_memory=False, flatten=False):
+    def spy(*args, pin_memory=False, **collation):
         pinned.append(pin_memory)
-        return real(*args, flatten=flatten)  # this machine may have no CUDA to pin with
+        return real(*args, **collation)  # this machine may have no CUDA to pin with
 
-    monkeypatch.setattr(trainer_module, "eval_batches", spy)
+    monkeypatch.setattr(evaluation, "eval_batches", spy)
     with HostReads() as mode:
         t.evaluate()  # 5 batches
     assert mode.reads == ["__float__"] and pinned == [True]

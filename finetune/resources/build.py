@@ -250,30 +250,39 @@ def make_preference_splits(
     rows: dict[str, PreferenceRow] = {}
     while len(rows) < N_PREFERENCE_TRAIN + N_PREFERENCE_VALIDATION:
         prompt, chosen, rejected = rng.choice(PREFERENCE_TEMPLATES)(rng)
-        assert chosen != rejected, (prompt, chosen)
+        _require(chosen != rejected, "chosen equals rejected", prompt)
         rows.setdefault(prompt, {"prompt": prompt, "chosen": chosen, "rejected": rejected})
     ordered = list(rows.values())
     rng.shuffle(ordered)
     return ordered[:N_PREFERENCE_TRAIN], ordered[N_PREFERENCE_TRAIN:]
 
 
+def _require(ok: bool, what: str, row: object) -> None:
+    """A generated row that breaks a rule stops the build (an explicit raise: ``python -O``
+    keeps it)."""
+    if not ok:
+        raise ValueError(f"preference data: {what}: {row!r}")
+
+
 def check_preference_rows(tokenizer, rows: list[PreferenceRow]) -> tuple[int, int]:
-    """Assert, per row: chosen != rejected, prompt has no trailing space and each
+    """Check, per row: chosen != rejected, prompt has no trailing space and each
     completion starts with one, ``tok(prompt)`` is a prefix of ``tok(prompt +
     completion)``, and prompt + completion fits in ``MAX_PREFERENCE_TOKENS``.
     Returns the (min, max) token length of prompt + completion."""
     lengths = []
     for row in rows:
         prompt, chosen, rejected = row["prompt"], row["chosen"], row["rejected"]
-        assert chosen != rejected, row
-        assert prompt and not prompt[-1].isspace(), row
+        _require(chosen != rejected, "chosen equals rejected", row)
+        _require(bool(prompt) and not prompt[-1].isspace(), "a prompt ends with a space", row)
         prompt_ids = tokenizer(prompt)["input_ids"]
         for completion in (chosen, rejected):
-            assert completion.startswith(" ") and not completion[1:2].isspace(), row
+            spaced = completion.startswith(" ") and not completion[1:2].isspace()
+            _require(spaced, "a completion does not start with one space", row)
             full_ids = tokenizer(prompt + completion)["input_ids"]
-            assert full_ids[: len(prompt_ids)] == prompt_ids, (row, completion)
-            assert len(full_ids) > len(prompt_ids), (row, completion)
-            assert len(full_ids) <= MAX_PREFERENCE_TOKENS, (row, completion, len(full_ids))
+            prefix = full_ids[: len(prompt_ids)] == prompt_ids
+            _require(prefix, "the tokenized prompt is not a prefix of prompt + completion", row)
+            _require(len(full_ids) > len(prompt_ids), "an empty completion", row)
+            _require(len(full_ids) <= MAX_PREFERENCE_TOKENS, "a row too long", row)
             lengths.append(len(full_ids))
     return min(lengths), max(lengths)
 
@@ -369,7 +378,8 @@ def main() -> None:
     saved = AutoTokenizer.from_pretrained(str(TOKENIZER_DIR))
     pref_train, pref_validation = make_preference_splits()
     seen = {tuple(r.values()) for r in pref_train}
-    assert not any(tuple(r.values()) in seen for r in pref_validation)
+    overlap = [r for r in pref_validation if tuple(r.values()) in seen]
+    _require(not overlap, "validation rows also in train", overlap[:1])
     lo, hi = check_preference_rows(saved, pref_train + pref_validation)
     write_rows_jsonl(DATA_DIR / "preference_train.jsonl", pref_train)
     write_rows_jsonl(DATA_DIR / "preference_validation.jsonl", pref_validation)
