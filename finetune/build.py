@@ -30,7 +30,8 @@ from finetune.checkpoint_format.outdir import OutputDir
 from finetune.checkpoint_format.state import TrainingState
 from finetune.config import RunConfig
 from finetune.data import ResumableSampler, TrainData
-from finetune.data.cache import prepare
+from finetune.data.cache import prepare, prepare_eval_sets
+from finetune.data.eval_sets import held_out
 from finetune.data.mixture_sampler import prepare_mixture
 from finetune.data.preference import collate_pairs
 from finetune.distributed import logger
@@ -86,7 +87,15 @@ def build_trainer(
     else:
         train, evalset = prepare(cfg, tokenizer)
         sampler = ResumableSampler(len(train), dp, dp_rank, t.seed)
-    require_evaluation(t, evalset)  # early stopping without an eval set: exit 2, on every rank
+    # Held-out sets (data/eval_sets.py): the one eval set given apart from the training data, or
+    # the named ones (--eval_datasets), each cached as a dataset of its own.
+    named = prepare_eval_sets(cfg, tokenizer, held_out(cfg.data))
+    if named:
+        evalset = named.pop(None, None)
+    evals = {None: evalset} if evalset is not None else {}
+    evals |= named
+    # early stopping without an eval set: exit 2, on every rank
+    require_evaluation(t, next(iter(evals.values()), None))
     flatten = (cfg.model.attn_implementation or "").startswith("flash_attention")
     objective = from_config(cfg.preference)  # a preference --objective's loss (None: sft)
     pairs = {}
@@ -144,7 +153,7 @@ def build_trainer(
         sequence_parallel.check(model, sp, loss_kwargs)  # exit 2, alike on every rank
     if t.tiled_mlp:  # exit 2 (alike on every rank) for a model it cannot tile
         flat = flatten and cfg.data.packing
-        tiled.setup(model, cfg.data.max_seq_length, sp, t, flat, evalset is not None)
+        tiled.setup(model, cfg.data.max_seq_length, sp, t, flat, bool(evals))
         loss_kwargs = True  # the tiled loss takes num_items_in_batch
     # collective (the groups); flattened packed rows are one row per micro-batch
     mpu = sequence_parallel.setup(
@@ -182,9 +191,10 @@ def build_trainer(
     live = None
     if objective is not None and cfg.preference.reference == "precompute":
         # with the initial weights: before any checkpoint loads (Trainer.train)
-        train, evalset = reference.precompute(
-            cfg, engine, train, evalset, weights, tokenizer.pad_token_id
-        )
+        sets = {"train": train} | {f"eval_{n}" if n else "eval": ds for n, ds in evals.items()}
+        sets = reference.precompute(cfg, engine, sets, weights, tokenizer.pad_token_id)
+        train, evalset = sets["train"], sets.get("eval")
+        named = {n: sets[f"eval_{n}"] for n in named}
         data.dataset = train
     elif objective is not None and cfg.preference.reference == "live":
         live = reference.LiveReference.build(cfg, ds_config, engine)
@@ -200,7 +210,7 @@ def build_trainer(
         lora,
         t.precision,
         len(train),
-        len(evalset) if evalset is not None else 0,
+        sum(len(ds) for ds in evals.values()),
         total,
         data.steps_per_epoch,
         dist.world_size(),
@@ -264,6 +274,7 @@ def build_trainer(
         loss_kwargs=loss_kwargs,
         objective=objective,
         reference=live,
+        named_evals=named,
     )
 
 

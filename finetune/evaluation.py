@@ -3,7 +3,8 @@
 Next-token objectives: the token-weighted loss (every label token of the set counts once, however
 the batches split it), its perplexity and the tokens. A preference objective: the pairs' mean loss
 (ORPO adds its NLL per token) and TRL's metrics with the eval_ prefix (objectives.py). Sums stay on
-the device and are read once, in one all-reduce: no host sync per batch.
+the device and are read once per set, in one all-reduce: no host sync per batch. Named sets
+(--eval_datasets) are each summed alone (metrics eval_<name>_...) and all together (eval_...).
 """
 
 from __future__ import annotations
@@ -46,8 +47,8 @@ class Evaluation:
         )
 
     @torch.no_grad()
-    def tokens(self, evalset) -> dict[str, float]:
-        """eval_loss (token-weighted), eval_perplexity, eval_tokens. Collective."""
+    def token_sums(self, evalset) -> list[float]:
+        """[loss summed over every label token, label tokens] over the set and the ranks."""
         device = self.engine.device
         loss_sum = torch.zeros((), dtype=sum_dtype(device), device=device)
         n_tokens = 0
@@ -58,35 +59,41 @@ class Evaluation:
             if real:
                 loss_sum += out.loss.detach().double() * n
                 n_tokens += n
-        total, count = dist.all_reduce_sum([float(loss_sum), n_tokens])
-        eval_loss = total / max(count, 1)
-        return {
-            "eval_loss": eval_loss,
-            "eval_perplexity": math.exp(min(eval_loss, 50.0)),
-            "eval_tokens": int(count),
-        }
+        return dist.all_reduce_sum([float(loss_sum), n_tokens])
 
     @torch.no_grad()
-    def pairs(
-        self,
-        evalset,
-        objective: Objective,
-        score: Callable[[dict, None], tuple[torch.Tensor, torch.Tensor]],
-    ) -> dict[str, float]:
-        """eval_loss (the pairs' mean), eval_pairs and the objective's eval_ metrics; ``score``
-        is the trainer's loss of a micro-batch of pairs (on the device). Collective."""
+    def pair_sums(
+        self, evalset, score: Callable[[dict, None], tuple[torch.Tensor, torch.Tensor]]
+    ) -> list[float]:
+        """The objective's STATS over the set's pairs and the ranks; ``score`` is the trainer's
+        loss of a micro-batch of pairs (on the device)."""
         sums = torch.zeros(len(STATS), dtype=torch.float64, device=self.engine.device)
         for batch, real in self._batches(evalset, collate_fn=self.data.collate_fn):
             batch, _, _ = model_inputs(batch)
             _, stats = score(to_device(batch, self.engine.device), None)
             if real:
                 sums += stats
-        totals = dist.all_reduce_sum(sums.tolist())
-        return {
-            "eval_loss": objective.eval_loss(totals),
-            "eval_pairs": int(totals[0]),
-            **objective.metrics(totals, prefix="eval_"),
-        }
+        return dist.all_reduce_sum(sums.tolist())
+
+
+def token_metrics(sums: list[float], prefix: str = "eval_") -> dict[str, float]:
+    """{prefix}loss (token-weighted), {prefix}perplexity, {prefix}tokens from ``token_sums``."""
+    total, count = sums
+    loss = total / max(count, 1)
+    return {
+        f"{prefix}loss": loss,
+        f"{prefix}perplexity": math.exp(min(loss, 50.0)),
+        f"{prefix}tokens": int(count),
+    }
+
+
+def pair_metrics(objective: Objective, sums: list[float], prefix: str = "eval_") -> dict:
+    """{prefix}loss (the pairs' mean), {prefix}pairs and the objective's metrics."""
+    return {
+        f"{prefix}loss": objective.eval_loss(sums),
+        f"{prefix}pairs": int(sums[0]),
+        **objective.metrics(sums, prefix=prefix),
+    }
 
 
 def describe(row: dict) -> str:

@@ -10,8 +10,8 @@ that need another module's knowledge, which config (importing nothing of finetun
                   the top-level flags and each --dataset_mixture source
   the bucket      --remote_output_dir's URI and client package (io/remote.py)
   the signals     --preempt_signals, as preemption parses them
-  the objective   a preference --objective with the data format, packing, the model's patches and
-                  the best metric it can produce
+  the objective   a preference --objective with the data format, packing and the model's patches
+  the metric      --metric_for_best_model among what the objective and the eval sets write
   the sequence    --sequence_parallel_size with the attention kernel, --packing and the model's
                   patches (sequence_parallel.py checks the model itself once its config is read);
                   --tiled_mlp with the other patches of the model (tiled.py checks the model)
@@ -54,6 +54,7 @@ def check(v: Mapping[str, Any]) -> None:
         ) from None
     check_best_across_groups(v)
     check_preference(v)
+    check_metric(v)
     check_sequence_parallel(v)
     check_tiled(v)
 
@@ -64,7 +65,6 @@ def check_preference(v: Mapping[str, Any]) -> None:
     replaces the model's loss or splits its rows. Its columns' flags need one; and the best metric
     must be one its evaluation writes."""
     objective = v["objective"]
-    metric = metric_name(v["metric_for_best_model"]) if v["metric_for_best_model"] else None
     entries = v["dataset_mixture"] or []
     if not is_preference(objective):
         for flag in ("chosen_column", "rejected_column", "max_prompt_length"):
@@ -72,17 +72,7 @@ def check_preference(v: Mapping[str, Any]) -> None:
                 raise ConfigError(
                     f"`--{flag}` needs a preference `--objective` (dpo, ipo, simpo, orpo)"
                 )
-        if metric in PREFERENCE_METRICS:
-            raise ConfigError(
-                f"`--metric_for_best_model {v['metric_for_best_model']}` is written only under a "
-                "preference `--objective` (dpo, ipo, simpo, orpo)"
-            )
         return
-    if metric == "eval_perplexity":
-        raise ConfigError(
-            f"`--metric_for_best_model eval_perplexity`: `--objective {objective}` evaluates "
-            f"eval_loss and {', '.join(PREFERENCE_METRICS)}, no perplexity"
-        )
     for flag in ("prompt_column", "completion_column", "messages_column", "text_column"):
         named = [e["name"] for e in entries if flag in e]
         if named:
@@ -112,6 +102,28 @@ def check_preference(v: Mapping[str, Any]) -> None:
         )
     if v["max_prompt_length"] is not None and v["max_prompt_length"] < 1:
         raise ConfigError(f"`--max_prompt_length` must be positive, got {v['max_prompt_length']}")
+
+
+def check_metric(v: Mapping[str, Any]) -> None:
+    """--metric_for_best_model names what the evaluation writes: eval_loss and eval_perplexity, or
+    under a preference --objective eval_loss and its rewards and log-probs; with --eval_datasets
+    also each set's own (eval_<name>_loss, ...)."""
+    given = v["metric_for_best_model"]
+    if not given:
+        return
+    metric = metric_name(given)
+    own = ("loss", *(m[len("eval_") :] for m in PREFERENCE_METRICS))
+    if not is_preference(v["objective"]):
+        own = ("loss", "perplexity")
+    prefixes = ["eval_", *(f"eval_{e['name']}_" for e in v["eval_datasets"] or ())]
+    if any(metric == p + m for p in prefixes for m in own):
+        return
+    sets = " (and each --eval_datasets set's, eval_<name>_loss, ...)" if v["eval_datasets"] else ""
+    written = ", ".join(f"eval_{m}" for m in own)
+    raise ConfigError(
+        f"`--metric_for_best_model {given}`: the evaluation writes {written}{sets} "
+        f"under `--objective {v['objective']}` (the eval_ prefix may be left out)"
+    )
 
 
 def check_tiled(v: Mapping[str, Any]) -> None:

@@ -228,6 +228,11 @@ def _loss_panel(ax: Axes, run: Run) -> list[Artist]:
         handles += ax.plot(
             e_steps, e_loss, color="tab:orange", lw=1.5, marker=marker, ms=5, label="eval loss"
         )
+    named = sorted({k for r in run.evals for k in r if k.endswith("_loss") and k != "eval_loss"})
+    for key in named:  # --eval_datasets: each set's own loss, dashed
+        n_steps, n_loss = _series(run.evals, key)
+        handles += ax.plot(n_steps, n_loss, lw=1.2, ls="--", marker=".", label=key)
+        e_loss = e_loss + n_loss
     values = [v for v in loss + e_loss if v > 0]
     if values and max(values) / min(values) > LOG_LOSS_SPAN:
         ax.set_yscale("log")

@@ -105,12 +105,12 @@ def _describe(weights: dict) -> str:
 
 
 def precompute(
-    cfg: RunConfig, engine: DeepSpeedEngine, train, evalset, weights: dict | None, pad_id: int
-):
-    """(train, eval) with the reference's log-probabilities as columns REF_COLUMNS: cached, or
-    computed now with the engine's (initial) weights and cached. Collective."""
+    cfg: RunConfig, engine: DeepSpeedEngine, sets: dict, weights: dict | None, pad_id: int
+) -> dict:
+    """The sets (train, and each eval set, by name) with the reference's log-probabilities as
+    columns REF_COLUMNS: cached, or computed now with the engine's (initial) weights and cached.
+    Collective."""
     start = time.perf_counter()
-    sets = {"train": train, **({"eval": evalset} if evalset is not None else {})}
     key = dist.share_from(0, lambda: entry_key(cfg, sets, weights))
     root = cache_root(cfg)
     entry = root / f"reference-{key}"
@@ -131,8 +131,7 @@ def precompute(
         time.perf_counter() - start,
         entry,
     )
-    out = {name: _attach(ds, arrays[name]) for name, ds in sets.items()}
-    return out["train"], out.get("eval")
+    return {name: _attach(ds, arrays[name]) for name, ds in sets.items()}
 
 
 def entry_key(cfg: RunConfig, sets: dict, weights: dict | None) -> str:

@@ -30,7 +30,7 @@ from finetune.config import (
 )
 from finetune.config.preference import is_preference, preference_values
 from finetune.config.train import schedule_values
-from finetune.data import mixture
+from finetune.data import eval_sets, mixture
 from finetune.ds_config import load_ds_json, reconcile_ds
 from finetune.sources import validate_paths
 
@@ -55,12 +55,16 @@ def resolve(
     embedded_model = v["model_name_or_path"] is None and v["config_name"] is None
     entries = mixture.parse(v["dataset_mixture"])  # JSON (command line) or a list (a file)
     v["dataset_mixture"] = mixture.normalize(entries) if entries is not None else None
+    named = eval_sets.parse(v["eval_datasets"])
+    v["eval_datasets"] = eval_sets.normalize(named) if named is not None else None
     embedded_data = (
         v["dataset_name"] is None and v["train_file"] is None and not v["dataset_mixture"]
     )
     flag_checks.check(v)
     v.update(schedule_values(v))
     v.update(preference_values(v))
+    if eval_sets.has_held_out(v):  # the run is judged on held-out sets: train on all the data
+        v["validation_split_percentage"] = 0
     if is_preference(v["objective"]):  # the preference format's columns (TRL's names)
         v["chosen_column"] = v["chosen_column"] or "chosen"
         v["rejected_column"] = v["rejected_column"] or "rejected"

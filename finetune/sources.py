@@ -30,6 +30,8 @@ def validate_paths(v: Mapping[str, Any]) -> None:
     check_data_files(v)
     for i, entry in enumerate(v.get("dataset_mixture") or ()):
         check_data_files(entry, f"--dataset_mixture[{i}] ({entry['name']}): ")
+    for i, entry in enumerate(v.get("eval_datasets") or ()):
+        check_data_files(entry, f"--eval_datasets[{i}] ({entry['name']}): ")
     for flag in ("model_name_or_path", "config_name", "tokenizer_name"):
         if v[flag]:
             check_model_source(flag, v[flag])

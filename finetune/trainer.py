@@ -7,7 +7,7 @@ import logging
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 from typing import TYPE_CHECKING
 
@@ -22,7 +22,7 @@ from finetune.checkpoint_format.state import TrainingState
 from finetune.config import RunConfig
 from finetune.data import TrainData, model_inputs, to_device
 from finetune.distributed import logger
-from finetune.evaluation import Evaluation, describe
+from finetune.evaluation import Evaluation, describe, pair_metrics, token_metrics
 from finetune.exit_status import EXIT_LEASE_LOST, REMOTE_COPY_FAILED
 from finetune.lease import LeaseLost, describe_holder
 from finetune.loss import (
@@ -89,6 +89,8 @@ class Trainer:
     loss_kwargs: bool = False
     objective: Objective | None = None  # a preference --objective (None: sft)
     reference: LiveReference | None = None  # --reference live: scored in the step
+    # --eval_datasets: the named held-out sets (evaluated in place of ``evalset``)
+    named_evals: dict[str, Dataset] = field(default_factory=dict)
 
     # --- the loop --------------------------------------------------------------------------
 
@@ -478,22 +480,29 @@ class Trainer:
             bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}", tok_s=f"{row['tokens_per_s']:.0f}")
 
     def evaluate(self) -> float | None:
-        """The eval set's loss and metrics, one row in metrics.jsonl (evaluation.py). Collective
-        (every rank, same batches)."""
-        if self.evalset is None or len(self.evalset) == 0:
+        """The eval sets' losses and metrics, one row in metrics.jsonl (evaluation.py): the one
+        set's as eval_*, or each named set's as eval_<name>_* and all of them together as eval_*.
+        Collective (every rank, same batches)."""
+        sets = self.named_evals or {None: self.evalset}
+        if any(ds is None or len(ds) == 0 for ds in sets.values()):
             return None
         self.engine.eval()
-        sets = Evaluation(
+        ev = Evaluation(
             self.engine,
             self.cfg.train.per_device_eval_batch_size,
             self.tokenizer.pad_token_id,
             self.data,
         )
-        if self.objective is not None:
-            metrics = sets.pairs(self.evalset, self.objective, self._preference_loss)
-        else:
-            metrics = sets.tokens(self.evalset)
-        row = {"step": self.state.global_step, **metrics}
+        row, total = {"step": self.state.global_step}, None
+        for name, ds in sets.items():
+            if self.objective is not None:
+                sums = ev.pair_sums(ds, self._preference_loss)
+            else:
+                sums = ev.token_sums(ds)
+            total = sums if total is None else [a + b for a, b in zip(total, sums, strict=True)]
+            if name is not None:
+                row |= self._eval_metrics(sums, f"eval_{name}_")
+        row = {"step": row.pop("step"), **self._eval_metrics(total, "eval_"), **row}
         self.metrics.write(row)
         self._evaluated(row)
         logger.info("step %d: %s", self.state.global_step, describe(row))
@@ -501,6 +510,11 @@ class Trainer:
             self.plotter.request()  # drawn on a thread; training goes on
         self.engine.train()
         return row["eval_loss"]
+
+    def _eval_metrics(self, sums: list[float], prefix: str) -> dict:
+        if self.objective is not None:
+            return pair_metrics(self.objective, sums, prefix)
+        return token_metrics(sums, prefix)
 
     # --- saves -------------------------------------------------------------------------------
 

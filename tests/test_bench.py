@@ -1,9 +1,9 @@
-"""The benchmark suite (bench/run_all.py, `make bench`): its smoke mode runs every measure P1…P12
+"""The benchmark suite (bench/run_all.py, `make bench`): its smoke mode runs every measure P1…P13
 end to end at tiny sizes and writes latest.json's shape; bench/table.py renders it into the docs'
 blocks; the measures defined beside their scripts (bench/SUBJECT/measures.py) read the scripts'
 JSON as run_all expects.
 
-The smoke run takes ~2.5 min on 2 cores (~15 short DeepSpeed launches, two measures at a time), so
+The smoke run takes ~2.5 min on 2 cores (~17 short DeepSpeed launches, two measures at a time), so
 it is a `distributed` test; the rendering tests are fast.
 """
 
@@ -21,8 +21,14 @@ import pytest
 
 from conftest import REPO, child_env, run_group
 
-MEASURES = [f"P{i}" for i in range(1, 13)]
-SUBS = {"P2": ("P2b", "P2c", "P3b"), "P5": ("P5b",), "P9": ("P6b",), "P11": ("P11b",)}
+MEASURES = [f"P{i}" for i in range(1, 14)]
+SUBS = {
+    "P2": ("P2b", "P2c", "P3b"),
+    "P5": ("P5b",),
+    "P9": ("P6b",),
+    "P11": ("P11b",),
+    "P13": ("P13b",),
+}
 # Sub-measures the smoke sizes cannot run (P6b needs P9's HF restarts, P11b --tiled_mlp launches:
 # none in --smoke).
 SMOKE_SKIPPED = {"P6b", "P11b"}
@@ -118,7 +124,7 @@ def test_smoke_run_has_every_measure(smoke):
             assert_entry(sub, smoke[key]["sub"][sub])
     # The block bench/table.py writes into the docs has a row for each.
     block = _load("table").block(smoke, short=False)
-    for key in MEASURES + ["P2b", "P2c", "P5b", "P6b", "P11b"]:
+    for key in MEASURES + ["P2b", "P2c", "P5b", "P6b", "P11b", "P13b"]:
         assert f"| {key} |" in block
 
 
@@ -182,7 +188,7 @@ def test_table_renders_every_measure_and_replaces_only_the_block():
     table = _load("table")
     result = _fake_result()
     text = table.table(result)
-    assert text.count("\n") == 1 + 12 + 3  # header, rule, P1…P12, P5b, P6b and P11b
+    assert text.count("\n") == 1 + 13 + 3  # header, rule, P1…P13, P5b, P6b and P11b
     assert "| P2 | w | – |" in text and "not run: no async API" in text
     assert "| P5b |" in text and "| no |" in text
     assert text.index("| P9 |") < text.index("| P6b |") < text.index("| P10 |")
@@ -263,7 +269,7 @@ def test_p6b_not_run_without_hf_restarts(tmp_path):
 def test_measures_table_says_goal_figure_machine_and_rerun():
     table = _load("table")
     text = table.measures_table(_fake_result())
-    assert text.count("\n") == 1 + 12 + 3
+    assert text.count("\n") == 1 + 13 + 3
     row = next(line for line in text.splitlines() if line.startswith("| P5b |"))
     assert row == (
         "| P5b | w | ≤ 0.6 | **0.500** = 2.00 / 4.00 s; baseline: b | no "
@@ -275,7 +281,7 @@ def test_measures_table_says_goal_figure_machine_and_rerun():
 
 def test_every_measure_runs_a_script_of_its_subject():
     run_all = _load("run_all")
-    assert set(run_all.GOALS) == {*MEASURES, "P2b", "P2c", "P3b", "P5b", "P6b", "P11b"}
+    assert set(run_all.GOALS) == {*MEASURES, "P2b", "P2c", "P3b", "P5b", "P6b", "P11b", "P13b"}
     assert set(run_all.FULL) == set(run_all.SMOKE) == {run.key for run in run_all.RUNS}
     for run in run_all.RUNS:
         assert (REPO / "bench" / run.script).is_file(), run.script

@@ -166,9 +166,12 @@ def test_token_logps_are_the_log_softmax_of_each_label_after_the_shift():
         (["--objective", "simpo", "--messages_column", "m"], "`--messages_column` is not a column"),
         (
             ["--objective", "dpo", "--metric_for_best_model", "perplexity"],
-            "evaluates eval_loss and eval_rewards",
+            "the evaluation writes eval_loss, eval_rewards/chosen",
         ),
-        (["--metric_for_best_model", "rewards/accuracies"], "only under a preference"),
+        (
+            ["--metric_for_best_model", "rewards/accuracies"],
+            "writes eval_loss, eval_perplexity under `--objective sft`",
+        ),
     ],
 )
 def test_bad_preference_flags_are_refused_naming_the_flag(flags, names):

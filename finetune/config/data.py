@@ -20,6 +20,8 @@ DATA_EXTENSIONS = {
 }
 # The flags that name a single dataset's data, which a mixture's sources each name for themselves.
 SINGLE_DATASET_FLAGS = ("train_file", "dataset_name", "dataset_config_name", "validation_file")
+# Those a mixture cannot be given with (a --validation_file beside it is the run's eval set).
+NOT_WITH_A_MIXTURE = ("train_file", "dataset_name", "dataset_config_name")
 
 
 def data_format(path: str) -> str | None:
@@ -35,7 +37,24 @@ class DataArgs:
         None, "Local training file: .json, .jsonl, .csv, .parquet or .txt."
     )
     validation_file: str | None = flag(
-        None, "Local validation file (same formats as --train_file)."
+        None,
+        "Local validation file (same formats as --train_file); beside a --dataset_mixture, the "
+        "run's held-out eval set (the sources' own validation splits are then not used).",
+    )
+    validation_dataset_name: str | None = flag(
+        None,
+        "Hub dataset id whose validation split is the run's eval set (the training data is then "
+        "not split).",
+    )
+    eval_datasets: list | None = flag(
+        None,
+        "Several named eval sets, evaluated together at each --eval_steps: a list (a --config "
+        "file's eval_datasets:, or JSON here), each with a unique name (letters, digits, _ . -), "
+        "a validation_file or a dataset_name (its validation split; dataset_config_name), the "
+        "format's column keys and its own max_eval_samples. Each is logged as eval_<name>_loss, "
+        "beside eval_loss over all of them; the training data is then not split. See "
+        "docs/MIXTURES.md.",
+        json=list,
     )
     text_column: str = flag("text", "Column holding plain text.")
     prompt_column: str | None = flag(
@@ -84,10 +103,17 @@ class DataArgs:
         choices=("bfd", "concat"),
     )
     validation_split_percentage: int = flag(
-        5, "Percent of the training data held out for eval when there is no validation split."
+        5,
+        "Percent of the training data held out for eval when there is no validation split (not "
+        "used with a held-out set: --validation_dataset_name, --eval_datasets, or "
+        "--validation_file beside a --dataset_mixture).",
     )
     max_train_samples: int | None = flag(None, "Truncate the training set to this many examples.")
-    max_eval_samples: int | None = flag(None, "Truncate the eval set to this many examples.")
+    max_eval_samples: int | None = flag(
+        None,
+        "Evaluate at most this many examples of an eval set: a fixed subset drawn with --seed "
+        "(each --eval_datasets set may give its own).",
+    )
     dataset_cache_dir: str | None = flag(
         None,
         "Where tokenized datasets are cached and reused by later runs "
@@ -117,14 +143,25 @@ class DataArgs:
         if v["dataset_name"] and v["train_file"]:
             raise ConfigError("Can't give both `--dataset_name` and `--train_file`")
         if v["dataset_mixture"]:
-            for name in SINGLE_DATASET_FLAGS:
+            for name in NOT_WITH_A_MIXTURE:
                 if v[name]:
                     raise ConfigError(
                         f"Can't give both `--dataset_mixture` and `--{name}` (a mixture's "
                         "sources each name their own data)"
                     )
-        if v["validation_file"] and not (v["train_file"] or v["dataset_name"]):
-            raise ConfigError("`--validation_file` needs `--train_file` or `--dataset_name`")
+        if v["validation_file"] and not (
+            v["train_file"] or v["dataset_name"] or v["dataset_mixture"]
+        ):
+            raise ConfigError(
+                "`--validation_file` needs `--train_file`, `--dataset_name` or `--dataset_mixture`"
+            )
+        held = [f for f in ("validation_file", "validation_dataset_name") if v[f]]
+        if len(held) == 2 or (held and v["eval_datasets"]):
+            raise ConfigError(
+                f"Can't give both `--{held[0]}` and "
+                f"`--{held[1] if len(held) == 2 else 'eval_datasets'}`: name the held-out set as "
+                "an entry of eval_datasets instead"
+            )
         require_positive(
             v,
             (

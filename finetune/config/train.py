@@ -249,15 +249,9 @@ class TrainArgs:
 
 
 def _check_best(v: Mapping[str, Any]) -> None:
-    """--metric_for_best_model and early stopping (the rules that also read the data and
-    checkpoint flags are flag_checks')."""
-    metric, patience = v["metric_for_best_model"], v["early_stopping_patience"]
-    if metric is not None and metric_name(metric) not in METRICS + PREFERENCE_METRICS:
-        raise ConfigError(
-            f"`--metric_for_best_model` {metric}: evaluation produces "
-            f"{', '.join(METRICS)}, and under a preference --objective eval_loss and "
-            f"{', '.join(PREFERENCE_METRICS)} (the eval_ prefix may be left out)"
-        )
+    """Early stopping's flags (the metric's name is checked against what the objective and the eval
+    sets write, and the rules that also read the data and checkpoint flags, in flag_checks)."""
+    patience = v["early_stopping_patience"]
     require_positive(v, ("early_stopping_patience",))
     threshold = v["early_stopping_threshold"]
     if threshold is not None and not threshold >= 0:

@@ -24,12 +24,15 @@ import shutil
 import socket
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import xxhash
 
 from finetune import distributed as dist
 from finetune.config import ConfigError, RunConfig
+from finetune.data.eval_sets import EvalSet, seeded_subset
 from finetune.data.formats import choose
 from finetune.data.load import data_files, load_raw, load_splits, nothing_to_learn, tokenize
 from finetune.data.packing import pack_sets
@@ -38,7 +41,7 @@ from finetune.io.durable import fsync_path, hash_file, write_json_durably
 from finetune.io.storage import LocalStorage
 from finetune.sharing import leads_storage
 
-CACHE_FORMAT = 2  # bump when what tokenize/pack produce changes for the same inputs
+CACHE_FORMAT = 3  # bump when what tokenize/pack produce changes for the same inputs
 SUBDIR = "finetune-tokenized"
 INFO = "info.json"  # written last inside the temporary folder: the entry's contents and provenance
 TMP_PREFIX = ".tmp-"
@@ -53,8 +56,10 @@ def cache_root(cfg: RunConfig) -> Path:
     return Path(datasets.config.HF_DATASETS_CACHE) / SUBDIR
 
 
-def prepare(cfg: RunConfig, tokenizer):
-    """The tokenized (train, eval or None) sets, memory-mapped from the cache. Collective."""
+def prepare(cfg: RunConfig, tokenizer, what: str = "dataset"):
+    """The tokenized (train, eval or None) sets, memory-mapped from the cache. Collective.
+    ``what`` names them in the log (a held-out eval set is "eval set NAME": its rows are the
+    "train" part of its own entry)."""
     start, root = time.perf_counter(), cache_root(cfg)
     # Rank 0 fingerprints (reads the data files once); everyone needs the key.
     key = dist.share_from(0, lambda: fingerprint(cfg, tokenizer))
@@ -71,7 +76,8 @@ def prepare(cfg: RunConfig, tokenizer):
     )
     dist.log_main(
         logging.INFO,
-        "dataset %s in %s: %s train / %s eval examples; ready in %.1f s",
+        "%s %s in %s: %s train / %s eval examples; ready in %.1f s",
+        what,
         how,
         root / key,
         f"{len(train):,}",
@@ -98,6 +104,27 @@ def prepare(cfg: RunConfig, tokenizer):
             info["raw_rows"],
         )
     return train, evalset
+
+
+def prepare_eval_sets(cfg: RunConfig, tokenizer, sets: list[EvalSet]) -> dict[str | None, Any]:
+    """The held-out sets (data/eval_sets.py) by name, each tokenized and cached as a single dataset
+    and cut to its seeded subset. Collective; a set with no rows to evaluate is exit 2, named."""
+    out = {}
+    for s in sets:
+        where = f"--eval_datasets set {s.name}" if s.name else "the eval set"
+        one = replace(cfg, data=s.args, uses_embedded_data=False)
+        try:
+            train, evalset = prepare(one, tokenizer, f"held-out {s.described}:")
+        except ConfigError as e:  # raised alike on every rank (prepare agrees): name the set
+            raise ConfigError(f"{where} ({s.described}): {e}") from None
+        ds = evalset if s.from_hub else train
+        if ds is None or len(ds) == 0:
+            raise ConfigError(
+                f"{where} ({s.described}): no rows to evaluate"
+                + (" (the dataset has no validation split)" if ds is None else "")
+            )
+        out[s.name] = seeded_subset(ds, s.args.max_eval_samples, cfg.train.seed)
+    return out
 
 
 # --- the key -------------------------------------------------------------------------------
@@ -128,8 +155,11 @@ def fingerprint(cfg: RunConfig, tokenizer) -> str:
                 "max_eval_samples",
             )
         },
-        # The seed only matters where the eval set is split off the training data.
-        "split_seed": None if d.validation_file or cfg.uses_embedded_data else cfg.train.seed,
+        # The seed only matters where the eval set is split off the training data, or is a subset
+        # (--max_eval_samples) drawn with it.
+        "split_seed": None
+        if (d.validation_file or cfg.uses_embedded_data) and not d.max_eval_samples
+        else cfg.train.seed,
         "versions": {
             "datasets": datasets.__version__,
             "tokenizers": tokenizers.__version__,

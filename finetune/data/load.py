@@ -11,6 +11,7 @@ import os
 import torch
 
 from finetune.config import RESOURCES_DIR, ConfigError, DataArgs, data_format
+from finetune.data.eval_sets import seeded_subset
 from finetune.data.formats import IGNORE, Format, choose
 
 EMBEDDED_DATA = {
@@ -59,8 +60,8 @@ def load_raw(args: DataArgs, seed: int):
         train, evalset = split["train"], split["test"]
     if args.max_train_samples:
         train = train.select(range(min(args.max_train_samples, len(train))))
-    if evalset is not None and args.max_eval_samples:
-        evalset = evalset.select(range(min(args.max_eval_samples, len(evalset))))
+    if evalset is not None:  # a fixed subset drawn with the seed, not the file's first rows
+        evalset = seeded_subset(evalset, args.max_eval_samples, seed)
     _check_columns(args, train, "training data")
     if evalset is not None:
         _check_columns(args, evalset, "validation data")

@@ -150,7 +150,8 @@ def source_values(top: Mapping[str, Any], entry: dict) -> dict:
     format when it gives any)."""
     defaults = {f.name: f.default for f in dataclasses.fields(DataArgs)}
     v = {f.name: top[f.name] for f in dataclasses.fields(DataArgs)}
-    v.update({k: None for k in LOCATION_KEYS}, dataset_mixture=None)
+    v.update(dict.fromkeys(LOCATION_KEYS), dataset_mixture=None, eval_datasets=None)
+    v["validation_dataset_name"] = None
     if any(k in entry for k in FORMAT_KEYS):
         # a preference run's pairs keep its columns: a source may rename one of them
         kept = PAIR_KEYS if top.get("chosen_column") else ()
@@ -160,12 +161,17 @@ def source_values(top: Mapping[str, Any], entry: dict) -> dict:
 
 
 def sources(data: DataArgs) -> list[Source]:
-    """The resolved mixture's sources, each as the DataArgs of a single dataset."""
+    """The resolved mixture's sources, each as the DataArgs of a single dataset. With held-out
+    eval sets (data/eval_sets.py) a source is not split and its validation_file is not read."""
     top = dataclasses.asdict(data)
-    return [
-        Source(e["name"], e["weight"], DataArgs(**source_values(top, e)))
-        for e in data.dataset_mixture or ()
-    ]
+    held_out = top["validation_file"] or top["validation_dataset_name"] or top["eval_datasets"]
+    out = []
+    for e in data.dataset_mixture or ():
+        v = source_values(top, e)
+        if held_out:
+            v.update(validation_split_percentage=0, validation_file=None)
+        out.append(Source(e["name"], e["weight"], DataArgs(**v)))
+    return out
 
 
 def probabilities(weights: list[float]) -> list[float]:
