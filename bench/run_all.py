@@ -1,4 +1,4 @@
-"""The benchmark suite in one command: P1…P12, written to bench/results/latest.json and rendered
+"""The benchmark suite in one command: P1…P13, written to bench/results/latest.json and rendered
 into docs/BENCHMARKS.md and README.md (``make bench`` runs exactly this).
 
     .venv/bin/python bench/run_all.py [--out bench/results/latest.json] [--work DIR] [--no_docs]
@@ -61,6 +61,7 @@ from bench.harness import (  # noqa: E402
     versions,
 )
 from bench.long import measures as long  # noqa: E402
+from bench.preference import measures as preference  # noqa: E402
 from bench.resume import measures as resume  # noqa: E402
 from bench.save import measures as save  # noqa: E402
 from bench.train import measures as train  # noqa: E402
@@ -70,7 +71,7 @@ DEFAULT_OUT = REPO / "bench" / "results" / "latest.json"
 # Every run of the suite, in the order a full run takes them.
 RUNS: tuple[Run, ...] = tuple(
     sorted(
-        (*train.RUNS, *save.RUNS, *resume.RUNS, *data.RUNS, *long.RUNS),
+        (*train.RUNS, *save.RUNS, *resume.RUNS, *data.RUNS, *long.RUNS, *preference.RUNS),
         key=lambda run: int(run.key[1:]),
     )
 )
@@ -84,13 +85,14 @@ TIMEOUT_S = {"full": 1500, "smoke": 240}
 
 # --smoke --jobs N: the measures as N lanes side by side, the longest (in a smoke run on 2 cores)
 # first, so that the last to start are the shortest and the lanes end together (seconds on 2
-# cores: P9 ~100, P5+P6 ~100, P10 ~60, P1 ~45, P7 ~40, P8 ~35, P2 ~30, P11 ~25, P3 ~25). A chain
-# runs in order in one lane: P6 resumes from the checkpoint P5 creates in work/export.
+# cores: P9 ~100, P5+P6 ~100, P10 ~60, P1 ~45, P13 ~45, P7 ~40, P8 ~35, P2 ~30, P11 ~25, P3 ~25).
+# A chain runs in order in one lane: P6 resumes from the checkpoint P5 creates in work/export.
 SMOKE_CHAINS = [
     ("P9",),
     ("P5", "P6"),
     ("P10",),
     ("P1",),
+    ("P13",),
     ("P7",),
     ("P8",),
     ("P2",),
@@ -121,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
         "--only",
         nargs="+",
         default=None,
-        help="run only these measures (P1 … P12; P3 and P4 run together, P11 and P12 too)",
+        help="run only these measures (P1 … P13; P3 and P4 run together, P11 and P12 too)",
     )
     ap.add_argument(
         "--no_docs", action="store_true", help="don't rewrite docs/BENCHMARKS.md and README.md"

@@ -263,13 +263,16 @@ class LiveReference:
             return cls(None, policy)
         import deepspeed
 
+        from finetune.checkpoint_format.state import rng_state, set_rng_state
         from finetune.modeling import load_model
 
         frozen = _frozen_config(ds_config)
+        streams = rng_state()  # building the copy reseeds: training's streams go on untouched
         model = load_model(cfg.model, frozen, cfg.train.precision, cfg.train.seed)
         model.requires_grad_(False)
         engine, *_ = deepspeed.initialize(model=model, config=frozen)
         engine.eval()
+        set_rng_state(streams)
         return cls(engine, policy)
 
     @torch.no_grad()

@@ -478,8 +478,8 @@ def measure_hf(out_dir: Path, a) -> dict:
         }
         for i, s in enumerate(steps)
     ]
-    meta = {
-        k: r0[k]
+    meta = {  # (.get: bench/train/trl_pref_run.py's rank files have no hf_view, train_examples)
+        k: r0.get(k)
         for k in (
             "hf_view",
             "world_size",
@@ -502,7 +502,7 @@ def measure_hf(out_dir: Path, a) -> dict:
         "tokens_per_s": tokens / seconds,
         "per_step": per_step,
         "meta": meta,
-        "log_history": r0["log_history"],
+        "log_history": r0.get("log_history", r0.get("logs")),
         "tokens_cum_by_step": {s: tok_cum[i] for i, s in enumerate(steps)},
     }
 

@@ -27,9 +27,10 @@ tokenizer's bos token is unset, so all four train on the same ids (prompt withou
 ending with eos). ``--data_order finetune`` (default) puts the rows in finetune's first-epoch order
 (one ``torch.randperm`` per ``--seed``) and reads them in order, so each optimizer step trains
 finetune's rows (accelerate deals the batches round-robin to the ranks); ``trainer`` keeps
-Trainer's random sampler. Training: ``max_grad_norm`` 1.0, constant learning rate, no warmup or
-weight decay, no checkpointing, fp32 unless ``--bf16``, no saves, reports or evaluation during
-training; with ``--eval_file`` one ``trainer.evaluate()`` after it (eval batch = train batch).
+Trainer's random sampler. Training: ``max_grad_norm`` 1.0, a constant learning rate with no
+warmup (or ``--lr_scheduler_type`` after ``--warmup_steps``), no weight decay, no checkpointing,
+fp32 unless ``--bf16``, no saves, reports or evaluation during training; with ``--eval_file``
+one ``trainer.evaluate()`` after it (eval batch = train batch).
 
 What it records: every dict Trainer logs (``TrainerCallback.on_log``, with ``step`` =
 ``state.global_step``; TRL's keys: ``loss``, ``grad_norm``, ``rewards/*``, ``logps/*``,
@@ -76,6 +77,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--per_device_train_batch_size", type=int, required=True)
     p.add_argument("--gradient_accumulation_steps", type=int, default=1)
     p.add_argument("--learning_rate", type=float, required=True)
+    p.add_argument("--lr_scheduler_type", default="constant", help="transformers' schedule name")
+    p.add_argument("--warmup_steps", type=int, default=0, help="linear warmup steps")
     p.add_argument("--beta", type=float, required=True)
     p.add_argument("--simpo_gamma", type=float, default=0.5)
     p.add_argument("--seed", type=int, default=42)
@@ -101,8 +104,8 @@ def trainer_config(args: argparse.Namespace, configured_state: bool):
         per_device_eval_batch_size=args.per_device_train_batch_size,
         gradient_accumulation_steps=args.gradient_accumulation_steps,
         learning_rate=args.learning_rate,
-        lr_scheduler_type="constant",
-        warmup_steps=0,
+        lr_scheduler_type=args.lr_scheduler_type,
+        warmup_steps=args.warmup_steps,
         weight_decay=0.0,
         max_grad_norm=1.0,
         max_steps=args.max_steps,
