@@ -29,7 +29,7 @@ from typing import Any
 from finetune.checkpoint_format.best import explicit
 from finetune.config import GROUPS, ConfigError, is_preference, metric_name
 from finetune.config.train import PREFERENCE_METRICS
-from finetune.data import formats, mixture
+from finetune.data import eval_sets, formats, mixture
 from finetune.preemption import parse_signals
 
 # The attention kernels that keep packed examples apart under sequence parallelism.
@@ -43,6 +43,8 @@ def check(v: Mapping[str, Any]) -> None:
     formats.check_flags(v)
     if v["dataset_mixture"]:
         mixture.check_source_formats(v)
+    if v["eval_datasets"]:
+        eval_sets.check_set_formats(v)
     if v["remote_output_dir"]:
         check_remote(v["remote_output_dir"])
     try:
@@ -65,7 +67,7 @@ def check_preference(v: Mapping[str, Any]) -> None:
     replaces the model's loss or splits its rows. Its columns' flags need one; and the best metric
     must be one its evaluation writes."""
     objective = v["objective"]
-    entries = v["dataset_mixture"] or []
+    entries = [*(v["dataset_mixture"] or []), *(v["eval_datasets"] or [])]
     if not is_preference(objective):
         for flag in ("chosen_column", "rejected_column", "max_prompt_length"):
             if v[flag] is not None or any(flag in e for e in entries):
@@ -77,7 +79,7 @@ def check_preference(v: Mapping[str, Any]) -> None:
         named = [e["name"] for e in entries if flag in e]
         if named:
             raise ConfigError(
-                f"`--dataset_mixture` source {named[0]}: `{flag}` is not a column of "
+                f"source or eval set {named[0]}: `{flag}` is not a column of "
                 f"`--objective {objective}`'s pairs (a source may name its chosen_column and "
                 "rejected_column)"
             )
@@ -113,6 +115,8 @@ def check_metric(v: Mapping[str, Any]) -> None:
         return
     metric = metric_name(given)
     own = ("loss", *(m[len("eval_") :] for m in PREFERENCE_METRICS))
+    if v["objective"] == "orpo":
+        own += ("nll_loss", "log_odds_ratio", "log_odds_chosen")
     if not is_preference(v["objective"]):
         own = ("loss", "perplexity")
     prefixes = ["eval_", *(f"eval_{e['name']}_" for e in v["eval_datasets"] or ())]
@@ -172,7 +176,13 @@ def check_best_across_groups(v: Mapping[str, Any]) -> None:
     named = explicit(v)
     if not named:
         return
-    if v["train_file"] and not v["validation_file"] and not v["validation_split_percentage"]:
+    held_out = eval_sets.has_held_out(v)  # those are the evaluation
+    if (
+        v["train_file"]
+        and not v["validation_file"]
+        and not v["validation_split_percentage"]
+        and not held_out
+    ):
         raise ConfigError(
             f"`{named}` needs an evaluation: `--validation_split_percentage 0` without "
             "`--validation_file` leaves no eval set"

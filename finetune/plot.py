@@ -40,6 +40,7 @@ if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
 DEFAULT_DEST = Path("plots") / "training.png"  # under OUT
+_TOTALS = ("eval_tokens", "eval_pairs")  # the whole evaluation's counts, not a named set's
 FIGSIZE = (12.0, 9.0)  # inches; at DPI: 1200x900 px
 DPI = 100
 MAX_POINTS = 5000  # per drawn series (see _thin)
@@ -228,8 +229,12 @@ def _loss_panel(ax: Axes, run: Run) -> list[Artist]:
         handles += ax.plot(
             e_steps, e_loss, color="tab:orange", lw=1.5, marker=marker, ms=5, label="eval loss"
         )
-    named = sorted({k for r in run.evals for k in r if k.endswith("_loss") and k != "eval_loss"})
-    for key in named:  # --eval_datasets: each set's own loss, dashed
+    # --eval_datasets: each set's own loss, dashed (a set is known by its own count of tokens or
+    # pairs: eval_<name>_tokens, eval_<name>_pairs)
+    counts = {k for r in run.evals for k in r if k.startswith("eval_") and k not in _TOTALS}
+    sets = {k.rsplit("_", 1)[0] for k in counts if k.endswith(("_tokens", "_pairs"))}
+    named = sorted(f"{s}_loss" for s in sets)
+    for key in named:
         n_steps, n_loss = _series(run.evals, key)
         handles += ax.plot(n_steps, n_loss, lw=1.2, ls="--", marker=".", label=key)
         e_loss = e_loss + n_loss

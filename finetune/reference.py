@@ -61,10 +61,15 @@ def record(cfg: RunConfig, weights: dict | None) -> dict | None:
     p = cfg.preference
     if p.objective == "sft":
         return None
+    if p.reference == "none":
+        return {"objective": p.objective, "mode": p.reference, "weights": None}
     return {
         "objective": p.objective,
         "mode": p.reference,
-        "weights": weights if p.reference != "none" else None,
+        "weights": weights,
+        # what the reference's numbers also depend on (a recompute must use the same)
+        "precision": cfg.train.precision,
+        "attn_implementation": cfg.model.attn_implementation,
     }
 
 
@@ -87,6 +92,13 @@ def check_resume(folder: Path, saved: dict, cfg: RunConfig, now: dict | None) ->
             f"--reference: {folder} was trained with --reference {before.get('mode')}, this run "
             f"has {now['mode']}; resume with the same reference"
         )
+    for flag in ("precision", "attn_implementation"):
+        if flag in before and before[flag] != now.get(flag):
+            raise ConfigError(
+                f"--{flag}: {folder}'s reference log-probabilities were computed with --{flag} "
+                f"{before[flag]}, this run has {now.get(flag)}: a recompute would give other "
+                "numbers mid-run; resume with the same value"
+            )
     a, b = (before.get("weights") or {}), (now.get("weights") or {})
     if a.get("fingerprint") is not None and a.get("fingerprint") != b.get("fingerprint"):
         raise ConfigError(
@@ -153,7 +165,7 @@ def _read(entry: Path, sets: dict) -> dict[str, np.ndarray] | None:
     try:
         info = json.loads((entry / INFO).read_text())
         arrays = {name: np.load(entry / f"{name}.npy") for name in sets}
-    except (OSError, ValueError):
+    except Exception:  # noqa: BLE001 — missing or damaged (a partial copy): computed again, agreed
         return None
     if info.get("format") != CACHE_FORMAT:
         return None

@@ -141,3 +141,54 @@ def test_a_named_sets_missing_file_is_refused_before_anything_runs(tmp_path):
     sets = json.dumps([{"name": "held", "validation_file": str(tmp_path / "gone.jsonl")}])
     with pytest.raises(ConfigError, match=r"--eval_datasets\[0\] \(held\): validation_file: file"):
         parse_train_args(["--train_file", train, "--eval_datasets", sets])
+
+
+def test_a_datasets_validation_split_is_a_held_out_set(tmp_path):
+    """dataset_name (a hub id, here a local folder datasets reads the same way): its validation
+    split is the set; its train split is cut to a few rows and never used."""
+    folder = tmp_path / "hub"
+    folder.mkdir()
+    rows = [json.loads(line) for line in (TEXT / "validation.jsonl").read_text().splitlines()]
+    _file(folder, "train.jsonl", rows[:50])
+    _file(folder, "validation.jsonl", rows[50:80])
+    train = _file(tmp_path, "t.jsonl", rows[:8])
+    cache = ["--dataset_cache_dir", str(tmp_path / "cache")]
+    sets = json.dumps([{"name": "hub", "dataset_name": str(folder)}])
+    named = parse_train_args(["--train_file", train, "--eval_datasets", sets, *cache])
+    one = parse_train_args(
+        ["--train_file", train, "--validation_dataset_name", str(folder), *cache]
+    )
+    tok = load_tokenizer(named.model)
+    (hub,) = prepare_eval_sets(named, tok, held_out(named.data)).values()
+    (held,) = prepare_eval_sets(one, tok, held_out(one.data)).values()
+    assert len(hub) == len(held) == 30
+    assert one.data.validation_split_percentage == 0
+
+
+def test_a_set_is_every_row_of_its_file_unpacked_and_checked_like_a_mixture_source(tmp_path):
+    a = _file(tmp_path, "a.jsonl", [{"text": "x."}])
+    sets = json.dumps([{"name": "held", "validation_file": a}])
+    flags = ["--train_file", a, "--eval_datasets", sets, "--max_train_samples", "3", "--packing"]
+    (held,) = held_out(parse_train_args(flags).data)
+    assert held.args.max_train_samples is None and held.args.packing is False
+    pairs = json.dumps([{"name": "held", "validation_file": a, "chosen_column": "c"}])
+    with pytest.raises(ConfigError, match="`--chosen_column` needs a preference"):
+        parse_train_args(["--train_file", a, "--eval_datasets", pairs])
+    chat = json.dumps([{"name": "held", "validation_file": a, "messages_column": "m"}])
+    with pytest.raises(ConfigError, match="eval set held: `messages_column` is not a column"):
+        parse_train_args(["--objective", "dpo", "--train_file", a, "--eval_datasets", chat])
+    half = json.dumps([{"name": "held", "validation_file": a, "prompt_column": "q"}])
+    with pytest.raises(ConfigError, match=r"--eval_datasets\[0\] \(held\): .*go together"):
+        parse_train_args(["--train_file", a, "--eval_datasets", half])
+
+
+def test_the_best_metric_may_watch_held_out_sets_when_the_training_data_is_not_split(tmp_path):
+    a = _file(tmp_path, "a.jsonl", [{"text": "x."}])
+    sets = json.dumps([{"name": "held", "validation_file": a}])
+    cfg = parse_train_args(
+        ["--train_file", a, "--eval_datasets", sets, "--validation_split_percentage", "0"]
+        + ["--metric_for_best_model", "held_loss", "--eval_steps", "2"]
+    )
+    assert cfg.train.metric_for_best_model == "held_loss"
+    orpo = parse_train_args(["--objective", "orpo", "--metric_for_best_model", "nll_loss"])
+    assert orpo.train.metric_for_best_model == "nll_loss"

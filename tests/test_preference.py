@@ -254,3 +254,26 @@ def test_text_that_starts_with_a_bracket_is_text_and_messages_as_json_text_are_m
     a, _ = _encode(tok, tmp_path, [as_json])
     b, _ = _encode(tok, tmp_path, [listed])
     assert a[0] == b[0]
+
+
+def test_what_is_not_messages_stays_text_and_an_unscored_completion_is_dropped(tok, tmp_path):
+    from finetune.data.preference import Preference, _conversational
+
+    assert not _conversational("[]") and not _conversational([])
+    assert not _conversational('[{"name": "x"}]')  # structured output, not messages
+    assert _conversational([{"role": "user", "content": "hi"}])
+    fmt = Preference(parse_train_args(["--objective", "dpo"]).data)
+    assert not fmt.keeps({"prompt_ids": [], "chosen_ids": [2], "rejected_ids": [5, 2]})
+    assert fmt.keeps({"prompt_ids": [], "chosen_ids": [4, 2], "rejected_ids": [5, 2]})
+    assert fmt.keeps({"prompt_ids": [7], "chosen_ids": [2], "rejected_ids": [5]})
+
+
+def test_a_resume_keeps_the_precision_the_reference_was_computed_in(tmp_path):
+    cfg = parse_train_args(["--objective", "dpo"])
+    weights = {"source": "m", "fingerprint": {"seed": 42}}
+    saved = {"reference": record(cfg, weights)}
+    bf16 = parse_train_args(["--objective", "dpo", "--precision", "fp32"])
+    check_resume(tmp_path, saved, bf16, record(bf16, weights))  # auto = fp32 here: the same
+    changed = {"reference": {**record(cfg, weights), "precision": "bf16"}}
+    with pytest.raises(ConfigError, match="--precision: .* bf16, this run has fp32"):
+        check_resume(tmp_path, changed, cfg, record(cfg, weights))

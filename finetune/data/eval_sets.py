@@ -28,6 +28,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from finetune.config import ConfigError, DataArgs
+from finetune.data.formats import check_flags
 from finetune.data.mixture import FORMAT_KEYS, source_values
 
 FLAG = "--eval_datasets"
@@ -107,6 +108,17 @@ def normalize(entries: list[dict]) -> list[dict]:
     return entries
 
 
+def check_set_formats(v: Mapping[str, Any]) -> None:
+    """Each named set's format flags as a single dataset's (its own keys over the top-level
+    flags), from the formats' registry; ConfigError names the set."""
+    for i, entry in enumerate(v["eval_datasets"]):
+        one = {k: entry[k] for k in FORMAT_KEYS if k in entry}
+        try:
+            check_flags(source_values(v, one))
+        except ConfigError as e:
+            raise ConfigError(f"{FLAG}[{i}] ({entry['name']}): {e}") from None
+
+
 def held_out(data: DataArgs) -> list[EvalSet]:
     """The run's held-out sets, each as a single dataset: the named ones, or the one set given
     beside a mixture or as a hub dataset's validation split; [] when the eval set comes with the
@@ -132,20 +144,22 @@ def has_held_out(v: Mapping[str, Any]) -> bool:
 
 def _set(top: dict, name: str | None, entry: Mapping[str, Any]) -> EvalSet:
     """An entry as the DataArgs of a single dataset, as a mixture's source is made one (the
-    top-level format flags, or the entry's own replacing them), not split, with the set's own
-    max_eval_samples: a file's rows are that dataset's train part; a hub dataset's eval set is its
-    validation split (its train split cut to HUB_TRAIN_ROWS rows, never used)."""
+    top-level format flags, or the entry's own replacing them), not split, unpacked, with the
+    set's own max_eval_samples: a file's rows are that dataset's train part; a hub dataset's eval
+    set is its validation split (its train split cut to HUB_TRAIN_ROWS rows, never used)."""
     one: dict[str, Any] = {k: entry[k] for k in FORMAT_KEYS if k in entry}
     one.update(
         validation_split_percentage=0,
         max_eval_samples=entry.get("max_eval_samples", top["max_eval_samples"]),
+        max_train_samples=None,  # every row of the set
     )
     if entry.get("validation_file"):
         one["train_file"] = entry["validation_file"]
     else:
         one.update(dataset_name=entry["dataset_name"], max_train_samples=HUB_TRAIN_ROWS)
         one["dataset_config_name"] = entry.get("dataset_config_name")
-    args = DataArgs(**source_values(top, one))
+    # evaluated unpacked: its bound counts examples, not blocks
+    args = DataArgs(**{**source_values(top, one), "packing": False})
     return EvalSet(name, args, from_hub=not entry.get("validation_file"))
 
 

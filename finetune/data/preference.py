@@ -89,11 +89,11 @@ class Preference(Format):
         return [_pair(p, c, r, max_len, limit) for p, c, r in zip(*ids, strict=True)]
 
     def keeps(self, row: dict[str, list[int]]) -> bool:
-        return (
-            bool(row["chosen_ids"])
-            and bool(row["rejected_ids"])
-            and (row["chosen_ids"] != row["rejected_ids"])
-        )
+        """Both completions scored (a token after the row's first: the model shifts labels) and
+        not equal."""
+        first = 0 if row["prompt_ids"] else 1  # without a prompt, the first token is not scored
+        scored = all(len(row[side]) > first for side in ("chosen_ids", "rejected_ids"))
+        return scored and row["chosen_ids"] != row["rejected_ids"]
 
 
 def _ending(text: str, eos: str) -> str:
@@ -133,7 +133,11 @@ def _conversational(value: Any) -> bool:
             value = json.loads(value)
         except ValueError:
             return False  # text that happens to start with a bracket
-    return isinstance(value, (list, tuple)) and all(isinstance(m, dict) for m in value)
+    return (
+        isinstance(value, (list, tuple))
+        and bool(value)
+        and all(isinstance(m, dict) and "role" in m and "content" in m for m in value)
+    )
 
 
 def _messages(value: Any, column: str) -> list[dict]:
