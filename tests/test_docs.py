@@ -68,6 +68,7 @@ OTHER_TOOLS: dict[str, str] = {
     "--long_rows": "bench/train/train_throughput.py",
     "--setting": "bench/train/train_throughput.py",
     "--repeats": "bench/data/data_path.py",
+    "--precompute_ref": "bench/train/trl_pref_run.py",
     "--rows": "bench/data/data_path.py",
     "--finetune_src": "bench/data/data_path.py",
     "--rounds": "bench/data/packing.py",
