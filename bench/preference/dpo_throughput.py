@@ -60,7 +60,6 @@ from __future__ import annotations
 import argparse
 import datetime as _dt
 import json
-import os
 import re
 import shutil
 import sys
@@ -70,7 +69,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository: bench.*
 from bench.harness import REPO, free_port, machine, med, versions  # noqa: E402
 from bench.train import train_throughput as tp  # noqa: E402
-from finetune.ops import parsable_cuda_arch_list  # noqa: E402
 
 PAIRS = tp.RES / "data" / "preference_train.jsonl"
 TRL_SCRIPT = REPO / "bench" / "train" / "trl_pref_run.py"
@@ -119,33 +117,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         default=3,
         help="pairs of launches; order alternates (finetune, TRL), (TRL, finetune), ...",
     )
-    p.add_argument(
-        "--threads_per_rank",
-        type=int,
-        default=max(1, (os.cpu_count() or 2) // 2),
-        help="exported as OMP_NUM_THREADS to both launches; 0 = inherit",
-    )
-    p.add_argument("--timeout", type=int, default=900, help="seconds per launch")
-    p.add_argument(
-        "--quiet_threshold",
-        type=float,
-        default=0.05,
-        help="a launch is 'contended' when other processes used more than this share of all cores",
-    )
-    p.add_argument(
-        "--wait_quiet",
-        type=float,
-        default=0,
-        help="before each launch wait up to this many seconds for other processes to go idle",
-    )
+    tp.add_launch_args(p)
     p.add_argument("--out", default=str(REPO / "bench" / "results" / "dpo_throughput.json"))
     a = p.parse_args(argv)
-    if a.warmup % a.logging_steps or a.steps % a.logging_steps:
-        p.error(
-            "--warmup and --steps must be multiples of --logging_steps (finetune logs per window)"
-        )
-    if not 0 <= a.warmup < a.steps:
-        p.error("need 0 <= --warmup < --steps")
+    tp.check_window(p, a)
     # what P1's helpers read: its default model shape and setting, fp32, the given rows
     a.shape, a.setting, a.precision, a.long_rows = "scaled", "default", "fp32", False
     return a
@@ -281,11 +256,7 @@ def main(argv=None) -> int:
     if logs_dir.exists():
         shutil.rmtree(logs_dir)
     logs_dir.mkdir()
-    env = dict(os.environ)
-    env["PATH"] = str(Path(sys.executable).parent) + os.pathsep + env.get("PATH", "")
-    parsable_cuda_arch_list(env)
-    if a.threads_per_rank:
-        env["OMP_NUM_THREADS"] = str(a.threads_per_rank)
+    env = tp.launch_env(a)
     started = _dt.datetime.now(_dt.timezone.utc)
     order = [t for i in range(a.rounds) for t in (TOOLS if i % 2 == 0 else TOOLS[::-1])]
     launches = []
@@ -298,17 +269,8 @@ def main(argv=None) -> int:
             run_dir.mkdir()
             log = logs_dir / f"{i}_{tool}.log"
             cmd = (finetune_cmd if tool == "finetune" else trl_cmd)(a, inputs, run_dir)
-            waited = tp.wait_quiet(a.wait_quiet, a.quiet_threshold) if a.wait_quiet else 0.0
             print(f"[bench] launch {i + 1}/{len(order)}: {tool} (log: {log})", flush=True)
-            info = tp.launch(cmd, tmp, env, log, a.timeout)
-            info["waited_for_quiet_s"] = waited
-            share = (
-                None
-                if info["foreign_cpu_s"] is None
-                else info["foreign_cpu_s"] / (info["wall_s"] * (os.cpu_count() or 1))
-            )
-            info["foreign_cpu_share"] = None if share is None else round(share, 3)
-            info["contended"] = share is not None and share > a.quiet_threshold
+            info = tp.timed_launch(a, cmd, tmp, env, log)
             if tool == "finetune":
                 m = tp.measure_finetune(run_dir / "out", a)
                 m["reference"] = finetune_reference(log)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 
 from bench.harness import Ctx, Measure, Run, goal_met
+from bench.train.measures import launch_row
 
 P13 = Measure(
     "P13",
@@ -38,19 +39,7 @@ def p13(ctx: Ctx) -> dict:
     r = json.loads(out.read_text())
     fs, trl = r["summary"]["finetune"], r["summary"]["trl"]
     raw = [
-        {
-            "launch": m["launch"] + 1,
-            "tool": m["tool"],
-            "tokens_per_s": round(m["tokens_per_s"], 1),
-            "seconds": round(m["seconds"], 2),
-            "tokens": m["tokens"],
-            "wall_s": m["wall_s"],
-            "reference_s": m["reference_s"],
-            "other_load_pct": None
-            if m.get("foreign_cpu_share") is None
-            else round(100 * m["foreign_cpu_share"], 1),
-            "contended": m.get("contended"),
-        }
+        {**launch_row(m), "wall_s": m["wall_s"], "reference_s": m["reference_s"]}
         for m in r["launches"]
     ]
     cfg = r["model_config"]

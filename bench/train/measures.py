@@ -35,20 +35,7 @@ def p1(ctx: Ctx) -> dict:
     ctx.run("P1", "train/train_throughput.py", args)
     r = json.loads(out.read_text())
     fs, hf = r["summary"]["finetune"], r["summary"]["hf"]
-    raw = [
-        {
-            "launch": m["launch"] + 1,
-            "tool": m["tool"],
-            "tokens_per_s": round(m["tokens_per_s"], 1),
-            "seconds": round(m["seconds"], 2),
-            "tokens": m["tokens"],
-            "other_load_pct": None
-            if m.get("foreign_cpu_share") is None
-            else round(100 * m["foreign_cpu_share"], 1),
-            "contended": m.get("contended"),
-        }
-        for m in r["launches"]
-    ]
+    raw = [launch_row(m) for m in r["launches"]]
     quiet = r.get("ratio_finetune_over_hf_quiet_launches")
     # each pair of launches in a row (one per tool, alternating order) gives a ratio: their median
     rate = {m["launch"]: (m["tool"], m["tokens_per_s"]) for m in r["launches"]}
@@ -96,6 +83,21 @@ def p1(ctx: Ctx) -> dict:
             pair_ratios=[round(x, 4) for x in pair_ratios],
         )
     return e
+
+
+def launch_row(m: dict) -> dict:
+    """One launch of a throughput script as a raw entry (also P13's)."""
+    return {
+        "launch": m["launch"] + 1,
+        "tool": m["tool"],
+        "tokens_per_s": round(m["tokens_per_s"], 1),
+        "seconds": round(m["seconds"], 2),
+        "tokens": m["tokens"],
+        "other_load_pct": None
+        if m.get("foreign_cpu_share") is None
+        else round(100 * m["foreign_cpu_share"], 1),
+        "contended": m.get("contended"),
+    }
 
 
 RUNS = (

@@ -176,6 +176,15 @@ def parse_args(argv=None) -> argparse.Namespace:
         default=2,
         help="launches per tool; order alternates finetune,HF,HF,finetune,...",
     )
+    add_launch_args(p)
+    p.add_argument("--out", default=str(REPO / "bench" / "results" / "train_throughput.json"))
+    a = p.parse_args(argv)
+    check_window(p, a)
+    return a
+
+
+def add_launch_args(p: argparse.ArgumentParser) -> None:
+    """How each launch runs, on a machine other work may share (also P13's)."""
     p.add_argument(
         "--threads_per_rank",
         type=int,
@@ -195,15 +204,16 @@ def parse_args(argv=None) -> argparse.Namespace:
         default=0,
         help="before each launch wait up to this many seconds for other processes to go idle",
     )
-    p.add_argument("--out", default=str(REPO / "bench" / "results" / "train_throughput.json"))
-    a = p.parse_args(argv)
+
+
+def check_window(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
+    """The timed window: whole logging windows after the warmup (also P13's)."""
     if a.warmup % a.logging_steps or a.steps % a.logging_steps:
         p.error(
             "--warmup and --steps must be multiples of --logging_steps (finetune logs per window)"
         )
     if not 0 <= a.warmup < a.steps:
         p.error("need 0 <= --warmup < --steps")
-    return a
 
 
 # --- the launcher --------------------------------------------------------------------------
@@ -526,6 +536,33 @@ def model_flops(a: argparse.Namespace, cfg: dict, summary: dict) -> dict:
     }
 
 
+def launch_env(a: argparse.Namespace) -> dict:
+    """The environment both tools' launches get (also P13's)."""
+    env = dict(os.environ)
+    env["PATH"] = str(Path(sys.executable).parent) + os.pathsep + env.get("PATH", "")
+    # HF Trainer's FusedAdam needs the arch list DeepSpeed can parse, as finetune makes it itself
+    parsable_cuda_arch_list(env)
+    if a.threads_per_rank:
+        env["OMP_NUM_THREADS"] = str(a.threads_per_rank)
+    return env
+
+
+def timed_launch(a: argparse.Namespace, cmd: list[str], cwd: Path, env: dict, log: Path) -> dict:
+    """One launch after waiting for a quiet machine (--wait_quiet), with the share of the
+    machine other processes used meanwhile and whether that makes it contended (also P13's)."""
+    waited = wait_quiet(a.wait_quiet, a.quiet_threshold) if a.wait_quiet else 0.0
+    info = launch(cmd, cwd, env, log, a.timeout)
+    info["waited_for_quiet_s"] = waited
+    share = (
+        None
+        if info["foreign_cpu_s"] is None
+        else info["foreign_cpu_s"] / (info["wall_s"] * (os.cpu_count() or 1))
+    )
+    info["foreign_cpu_share"] = None if share is None else round(share, 3)
+    info["contended"] = share is not None and share > a.quiet_threshold
+    return info
+
+
 def finetune_meta(log: Path) -> dict:
     meta = {}
     for line in log.read_text(errors="replace").splitlines():
@@ -543,12 +580,7 @@ def main(argv=None) -> int:
     if logs_dir.exists():
         shutil.rmtree(logs_dir)
     logs_dir.mkdir()
-    env = dict(os.environ)
-    env["PATH"] = str(Path(sys.executable).parent) + os.pathsep + env.get("PATH", "")
-    # HF Trainer's FusedAdam needs the arch list DeepSpeed can parse, as finetune makes it itself
-    parsable_cuda_arch_list(env)
-    if a.threads_per_rank:
-        env["OMP_NUM_THREADS"] = str(a.threads_per_rank)
+    env = launch_env(a)
     started = _dt.datetime.now(_dt.timezone.utc)
     order = []
     for i in range(a.rounds):
@@ -566,17 +598,8 @@ def main(argv=None) -> int:
                 if tool == "finetune"
                 else hf_cmd(a, inputs, run_dir)
             )
-            waited = wait_quiet(a.wait_quiet, a.quiet_threshold) if a.wait_quiet else 0.0
             print(f"[bench] launch {i + 1}/{len(order)}: {tool} (log: {log})", flush=True)
-            info = launch(cmd, tmp, env, log, a.timeout)
-            info["waited_for_quiet_s"] = waited
-            share = (
-                None
-                if info["foreign_cpu_s"] is None
-                else info["foreign_cpu_s"] / (info["wall_s"] * (os.cpu_count() or 1))
-            )
-            info["foreign_cpu_share"] = None if share is None else round(share, 3)
-            info["contended"] = share is not None and share > a.quiet_threshold
+            info = timed_launch(a, cmd, tmp, env, log)
             if tool == "finetune":
                 m = measure_finetune(run_dir / "out", a)
                 m["meta"] = finetune_meta(log)

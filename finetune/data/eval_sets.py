@@ -22,7 +22,6 @@ Pure: no data is read here and torch is not imported (the CLI reports a bad entr
 from __future__ import annotations
 
 import dataclasses
-import json
 import re
 from collections.abc import Mapping
 from typing import Any
@@ -30,6 +29,7 @@ from typing import Any
 from finetune.config import ConfigError, DataArgs
 from finetune.data.formats import check_flags
 from finetune.data.mixture import FORMAT_KEYS, source_values
+from finetune.data.mixture import parse as parse_entries
 
 FLAG = "--eval_datasets"
 LOCATION_KEYS = ("validation_file", "dataset_name", "dataset_config_name")
@@ -60,22 +60,7 @@ class EvalSet:
 
 def parse(value: Any) -> list[dict] | None:
     """The flag's value (JSON text, or a list from a --config file) as a list of mappings."""
-    if value is None:
-        return None
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except ValueError as e:
-            raise ConfigError(f"`{FLAG}`: not valid JSON: {e}") from None
-    if not isinstance(value, (list, tuple)) or not value:
-        raise ConfigError(
-            f"`{FLAG}` must be a non-empty list of sets, each a mapping with a name and a "
-            "validation_file or dataset_name"
-        )
-    for i, entry in enumerate(value):
-        if not isinstance(entry, dict):
-            raise ConfigError(f"`{FLAG}[{i}]` must be a mapping, got {type(entry).__name__}")
-    return [dict(e) for e in value]
+    return parse_entries(value, FLAG, "set", "name, validation_file or dataset_name, ...")
 
 
 def normalize(entries: list[dict]) -> list[dict]:

@@ -153,7 +153,7 @@ class Chat(Format):
     def check(self, ds) -> None:
         column = self.values["messages_column"]
         if len(ds):
-            _messages(ds[0][column], column)  # the first row's shape; later ones fail in tokenizing
+            messages(ds[0][column], column)  # the first row's shape; later ones fail in tokenizing
 
     def check_tokenizer(self, tokenizer) -> None:
         if not getattr(tokenizer, "chat_template", None):
@@ -164,7 +164,7 @@ class Chat(Format):
 
     def encode(self, batch: dict[str, list], tokenizer, max_len: int) -> list[dict[str, list[int]]]:
         column = self.values["messages_column"]
-        return [encode_chat(tokenizer, _messages(m, column), max_len) for m in batch[column]]
+        return [encode_chat(tokenizer, messages(m, column), max_len) for m in batch[column]]
 
 
 @register
@@ -237,10 +237,10 @@ def _prompt_completion(eos: int | None, p: list[int], c: list[int], max_len: int
     return {"input_ids": ids, "labels": labels}
 
 
-def _messages(value: Any, column: str) -> list[dict]:
+def messages(value: Any, column: str, flag: str | None = "messages_column") -> list[dict]:
     """A row's conversation: a list of {"role", "content"} messages (CSV and some exports carry it
-    as a JSON string). Anything else is bad input naming the column, not a traceback from the
-    template."""
+    as a JSON string). Anything else is bad input naming the column (and ``flag``, the flag that
+    named it, if one did), not a traceback from the template."""
     messages = value
     if isinstance(value, str):
         try:
@@ -252,7 +252,7 @@ def _messages(value: Any, column: str) -> list[dict]:
     ):
         shown = repr(value) if len(repr(value)) <= 80 else repr(value)[:77] + "..."
         raise ConfigError(
-            f"--messages_column: column '{column}' must hold lists of "
+            f"{f'--{flag}: ' if flag else ''}column '{column}' must hold lists of "
             f'{{"role", "content"}} messages, found {shown}'
         )
     return list(messages)

@@ -49,28 +49,30 @@ class Source:
         return self.args.train_file or self.args.dataset_name or self.name
 
 
-def parse(value: Any) -> list[dict] | None:
-    """The flag's value (a JSON string from the command line, or a list from a --config file) as
-    a list of entries, each a mapping; None when unset. Checks the shape only."""
+def parse(
+    value: Any, flag: str = FLAG, entry: str = "source", keys: str = "train_file, weight, ..."
+) -> list[dict] | None:
+    """A list flag's value (a JSON string from the command line, or a list from a --config file)
+    as a list of entries, each a mapping; None when unset. Checks the shape only. ``entry`` and
+    ``keys`` say in errors what an entry is and holds (also --eval_datasets')."""
     if value is None:
         return None
     if isinstance(value, str):
         try:
             value = json.loads(value)
         except ValueError as e:
-            raise ConfigError(f"`{FLAG}`: not valid JSON: {e}") from None
+            raise ConfigError(f"`{flag}`: not valid JSON: {e}") from None
     if not isinstance(value, (list, tuple)):
         raise ConfigError(
-            f"`{FLAG}` must be a list of sources (each a mapping with a weight), "
+            f"`{flag}` must be a list of {entry}s (each a mapping of {keys}), "
             f"got {type(value).__name__}"
         )
     if not value:
-        raise ConfigError(f"`{FLAG}` is empty: give at least one source")
-    for i, entry in enumerate(value):
-        if not isinstance(entry, dict):
+        raise ConfigError(f"`{flag}` is empty: give at least one {entry}")
+    for i, item in enumerate(value):
+        if not isinstance(item, dict):
             raise ConfigError(
-                f"`{FLAG}[{i}]` must be a mapping of keys (train_file, weight, ...), "
-                f"got {type(entry).__name__}"
+                f"`{flag}[{i}]` must be a mapping of keys ({keys}), got {type(item).__name__}"
             )
     return [dict(e) for e in value]
 

@@ -26,7 +26,7 @@ import json
 from typing import Any, ClassVar
 
 from finetune.config import ConfigError
-from finetune.data.formats import IGNORE, Format, register
+from finetune.data.formats import IGNORE, Format, messages, register
 
 PROMPT = "prompt"  # TRL's name for the prompt column
 
@@ -52,7 +52,7 @@ class Preference(Format):
             row = ds[0]
             chosen = self.values["chosen_column"]
             if _conversational(row[chosen]):
-                _messages(row[chosen], chosen)
+                messages(row[chosen], chosen, "chosen_column")
             elif PROMPT not in ds.column_names:
                 raise ConfigError(
                     f"--chosen_column: text pairs need a '{PROMPT}' column beside '{chosen}' "
@@ -70,7 +70,12 @@ class Preference(Format):
                     "(pass --tokenizer_name with one)"
                 )
             texts = [
-                _render(tokenizer, p, _messages(c, chosen_col), _messages(r, rejected_col))
+                _render(
+                    tokenizer,
+                    p,
+                    messages(c, chosen_col, "chosen_column"),
+                    messages(r, rejected_col, "rejected_column"),
+                )
                 for p, c, r in zip(prompts, chosen, rejected, strict=True)
             ]
             prompt_t, chosen_t, rejected_t = (list(t) for t in zip(*texts, strict=True))
@@ -140,24 +145,6 @@ def _conversational(value: Any) -> bool:
     )
 
 
-def _messages(value: Any, column: str) -> list[dict]:
-    messages = value
-    if isinstance(value, str):
-        try:
-            messages = json.loads(value)
-        except ValueError:
-            messages = None
-    if not isinstance(messages, (list, tuple)) or not all(
-        isinstance(m, dict) and "role" in m and "content" in m for m in messages
-    ):
-        shown = repr(value) if len(repr(value)) <= 80 else repr(value)[:77] + "..."
-        raise ConfigError(
-            f"--{column}: column '{column}' must hold text or lists of "
-            f'{{"role", "content"}} messages, found {shown}'
-        )
-    return list(messages)
-
-
 def _render(tokenizer, prompt: Any, chosen: list[dict], rejected: list[dict]) -> tuple[str, ...]:
     """(prompt, prompt + chosen, prompt + rejected) as the chat template renders them. Without a
     prompt, the messages chosen and rejected share at their start are the prompt (TRL's
@@ -166,7 +153,7 @@ def _render(tokenizer, prompt: Any, chosen: list[dict], rejected: list[dict]) ->
         n = _common_prefix(chosen, rejected)
         prompt, chosen, rejected = chosen[:n], chosen[n:], rejected[n:]
     else:
-        prompt = _messages(prompt, PROMPT)
+        prompt = messages(prompt, PROMPT, None)
 
     def render(msgs: list[dict], gen: bool) -> str:
         return tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=gen)

@@ -9,23 +9,12 @@ import shutil
 
 import pytest
 
+from finetune.objectives import PAIR_METRICS
+
 pytestmark = pytest.mark.e2e
 
 # The metrics a row's numbers are compared on (not the timings).
-COMPARED = (
-    "loss",
-    "grad_norm",
-    "eval_loss",
-    "rewards/chosen",
-    "rewards/rejected",
-    "rewards/accuracies",
-    "rewards/margins",
-    "logps/chosen",
-    "logps/rejected",
-    "eval_rewards/accuracies",
-    "eval_rewards/margins",
-    "eval_logps/chosen",
-)
+COMPARED = ("loss", "grad_norm", "eval_loss", *PAIR_METRICS, *(f"eval_{m}" for m in PAIR_METRICS))
 
 
 def _rows(result) -> dict:

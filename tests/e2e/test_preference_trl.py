@@ -13,18 +13,13 @@ from pathlib import Path
 
 import pytest
 
+from finetune.objectives import PAIR_METRICS
+
 pytestmark = pytest.mark.e2e
 
 REPO = Path(__file__).resolve().parents[2]
 PAIRS = REPO / "finetune" / "resources" / "data" / "preference_train.jsonl"
-METRICS = (
-    "rewards/chosen",
-    "rewards/rejected",
-    "rewards/accuracies",
-    "rewards/margins",
-    "logps/chosen",
-    "logps/rejected",
-)
+METRICS = PAIR_METRICS  # TRL's names
 COMMON = (
     "--max_steps",
     "2",
