@@ -119,7 +119,8 @@ def check_metric(v: Mapping[str, Any]) -> None:
         own += ("nll_loss", "log_odds_ratio", "log_odds_chosen")
     if not is_preference(v["objective"]):
         own = ("loss", "perplexity")
-    prefixes = ["eval_", *(f"eval_{e['name']}_" for e in v["eval_datasets"] or ())]
+    names = [None, *(e["name"] for e in v["eval_datasets"] or ())]
+    prefixes = [eval_sets.metric_prefix(name) for name in names]
     if any(metric == p + m for p in prefixes for m in own):
         return
     sets = " (and each --eval_datasets set's, eval_<name>_loss, ...)" if v["eval_datasets"] else ""

@@ -111,7 +111,7 @@ class Objective:
         logps = self.sequence_logps(logits, batch)
         chosen, rejected = logps[:pairs], logps[pairs:]
         zero = chosen.new_zeros(())
-        nll_sum, nll_tokens, extra = zero, 0, [zero, zero]
+        nll_sum, nll_tokens, extra = zero, zero, [zero, zero]
         # what the rewards are beta times: the log-ratios to the reference, or the log-probs
         chosen_scores, rejected_scores = chosen, rejected
         if self.needs_reference:
@@ -135,7 +135,8 @@ class Objective:
             ratio = F.logsigmoid(log_odds)
             losses = -self.beta * ratio
             nll_sum, nll_tokens = self._nll_sum(logits[:pairs], batch, pairs)
-            nll = nll_sum / (nll_tokens if items is None else items) if nll_tokens else nll_sum * 0
+            # on the device: no host sync per micro-batch (a kept pair's chosen row has a token)
+            nll = nll_sum / (nll_tokens.clamp(min=1) if items is None else items)
             total = nll + losses.mean()
             extra = [ratio.detach().sum(), log_odds.detach().sum()]
         chosen_rewards = self.beta * chosen_scores.detach()
@@ -152,18 +153,20 @@ class Objective:
                 rejected.detach().sum(),
                 *extra,
                 nll_sum.detach(),
-                chosen.new_tensor(float(nll_tokens)),
+                nll_tokens.to(chosen.dtype),
             ]
         ).double()
         return total, stats
 
-    def _nll_sum(self, logits: torch.Tensor, batch: dict, pairs: int) -> tuple[torch.Tensor, int]:
+    def _nll_sum(
+        self, logits: torch.Tensor, batch: dict, pairs: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """ORPO's NLL over the chosen rows' prompt and completion (every real token: TRL's
         labels are the input ids where the attention mask is 1): its sum and its tokens."""
         ids, mask = batch["input_ids"][:pairs], batch["attention_mask"][:pairs]
         labels = ids.masked_fill(mask == 0, IGNORE)
         logps, scored = token_logps(logits, labels)
-        return -logps.sum(), int(scored.sum())
+        return -logps.sum(), scored.sum()
 
     def eval_loss(self, sums: list[float]) -> float:
         """An evaluation's loss from its STATS: the pairs' mean (and ORPO's NLL per token)."""

@@ -25,9 +25,7 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import shutil
-import socket
+import sys
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -39,10 +37,10 @@ from tqdm.auto import tqdm
 
 from finetune import distributed as dist
 from finetune.config import ConfigError, RunConfig
-from finetune.data.cache import TMP_PREFIX, cache_root
+from finetune.data.cache import INFO, cache_root, publish
 from finetune.data.preference import collate_pairs
-from finetune.io.durable import fsync_path, write_json_durably
 from finetune.io.storage import LocalStorage
+from finetune.lora import describe_base, same_base
 from finetune.sharing import leads_storage
 
 if TYPE_CHECKING:
@@ -51,7 +49,6 @@ if TYPE_CHECKING:
 
 REFERENCE_KEY = "reference"  # trainer_state.json's record of the reference
 CACHE_FORMAT = 1  # bump when what a reference entry holds changes
-INFO = "info.json"
 REF_COLUMNS = ("ref_chosen", "ref_rejected")
 
 
@@ -99,18 +96,13 @@ def check_resume(folder: Path, saved: dict, cfg: RunConfig, now: dict | None) ->
                 f"{before[flag]}, this run has {now.get(flag)}: a recompute would give other "
                 "numbers mid-run; resume with the same value"
             )
-    a, b = (before.get("weights") or {}), (now.get("weights") or {})
-    if a.get("fingerprint") is not None and a.get("fingerprint") != b.get("fingerprint"):
+    a, b = before.get("weights"), now.get("weights")
+    if a is not None and b is not None and not same_base(a, b):
         raise ConfigError(
-            f"--model_name_or_path: {folder}'s reference is {_describe(a)}, but this run's "
-            f"initial weights are {_describe(b)}: the reference log-probabilities would change "
-            "mid-run; resume with the weights the run started from"
+            f"--model_name_or_path: {folder}'s reference is {describe_base(a)}, but this run's "
+            f"initial weights are {describe_base(b)}: the reference log-probabilities would "
+            "change mid-run; resume with the weights the run started from"
         )
-
-
-def _describe(weights: dict) -> str:
-    fp = json.dumps(weights.get("fingerprint"), sort_keys=True)
-    return f"{weights.get('source')} (fingerprint {xxhash.xxh3_64(fp.encode()).hexdigest()})"
 
 
 # --- precompute -------------------------------------------------------------------------------
@@ -191,6 +183,7 @@ def _compute(engine: DeepSpeedEngine, ds, cfg: RunConfig, name: str, pad_id: int
         desc=f"reference log-probs ({name})",
         disable=not dist.is_main(),
         unit="batch",
+        mininterval=0.1 if sys.stderr.isatty() else 30,  # a log file: a line twice a minute
     )
     with torch.no_grad():
         for b in range(batches):
@@ -226,30 +219,14 @@ def _gathered(local: np.ndarray, n: int) -> np.ndarray:
 
 
 def _publish(root: Path, entry: Path, arrays: dict[str, np.ndarray]) -> None:
-    """Write the entry into a temporary folder, fsync it and rename it into place (complete or
-    absent; a second publisher's rename fails and its copy is dropped)."""
-    if (entry / INFO).is_file():
-        return
-    root.mkdir(parents=True, exist_ok=True)
-    tmp = root / f"{TMP_PREFIX}{entry.name}-{socket.gethostname()}-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    try:
+    """The entry published as the tokenized sets' are (cache.publish: complete or absent)."""
+
+    def fill(tmp: Path) -> dict:
         for name, array in arrays.items():
-            with open(tmp / f"{name}.npy", "wb") as f:
-                np.save(f, array)
-                f.flush()
-                os.fsync(f.fileno())
-        write_json_durably(tmp / INFO, {"format": CACHE_FORMAT, "sets": sorted(arrays)})
-        fsync_path(tmp)
-        try:
-            os.rename(tmp, entry)
-        except OSError:
-            if not (entry / INFO).is_file():
-                raise
-        fsync_path(root)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+            np.save(tmp / f"{name}.npy", array)
+        return {"format": CACHE_FORMAT, "sets": sorted(arrays)}
+
+    publish(root, entry, fill)
 
 
 def _attach(ds, array: np.ndarray):

@@ -21,6 +21,7 @@ from finetune.checkpoint_format.outdir import tag_for
 from finetune.checkpoint_format.state import TrainingState
 from finetune.config import RunConfig
 from finetune.data import TrainData, model_inputs, to_device
+from finetune.data.eval_sets import metric_prefix
 from finetune.distributed import logger
 from finetune.evaluation import Evaluation, describe, pair_metrics, token_metrics
 from finetune.exit_status import EXIT_LEASE_LOST, REMOTE_COPY_FAILED
@@ -501,8 +502,8 @@ class Trainer:
                 sums = ev.token_sums(ds)
             total = sums if total is None else [a + b for a, b in zip(total, sums, strict=True)]
             if name is not None:
-                row |= self._eval_metrics(sums, f"eval_{name}_")
-        row = {"step": row.pop("step"), **self._eval_metrics(total, "eval_"), **row}
+                row |= self._eval_metrics(sums, metric_prefix(name))
+        row = {"step": row.pop("step"), **self._eval_metrics(total, metric_prefix(None)), **row}
         self.metrics.write(row)
         self._evaluated(row)
         logger.info("step %d: %s", self.state.global_step, describe(row))

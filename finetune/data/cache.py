@@ -24,6 +24,7 @@ import shutil
 import socket
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -202,17 +203,34 @@ def _tokenizer_identity(tokenizer) -> str:
 
 def ensure(cfg: RunConfig, tokenizer, root: Path, key: str) -> dict:
     """Make ``root/key`` exist (a storage group's leader). Returns what it did, for the log."""
-    entry = root / key
-    if (entry / INFO).is_file():
-        return {"built": False}
-    root.mkdir(parents=True, exist_ok=True)
-    remove_abandoned(root)
-    tmp = root / f"{TMP_PREFIX}{key}-{socket.gethostname()}-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
     start = time.perf_counter()
-    try:
+
+    def fill(tmp: Path) -> dict:
         info = _build(cfg, tokenizer, tmp)
         info["seconds"] = round(time.perf_counter() - start, 3)
+        return info
+
+    info = publish(root, root / key, fill)
+    if info is None:
+        return {"built": False}
+    return {"built": True, "seconds": info["seconds"], "num_proc": info["num_proc"]}
+
+
+def publish(root: Path, entry: Path, fill: Callable[[Path], dict]) -> dict | None:
+    """Make ``entry`` (under ``root``) exist, complete or absent, never torn: ``fill`` writes its
+    files into a temporary folder of this host and process and returns its info, written last
+    (INFO); the folder is fsync'd and renamed into place (a second builder's rename fails and its
+    copy is dropped). The info, or None when the entry was there already (also the reference's
+    entries: reference.py)."""
+    if (entry / INFO).is_file():
+        return None
+    root.mkdir(parents=True, exist_ok=True)
+    remove_abandoned(root)
+    tmp = root / f"{TMP_PREFIX}{entry.name}-{socket.gethostname()}-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        info = fill(tmp)
         write_json_durably(tmp / INFO, info)
         _fsync_tree(tmp)
         try:
@@ -220,11 +238,11 @@ def ensure(cfg: RunConfig, tokenizer, root: Path, key: str) -> dict:
         except OSError as e:
             if e.errno not in (errno.ENOTEMPTY, errno.EEXIST):
                 raise
-            logger.info("dataset cache: another builder published %s first; using theirs", entry)
+            logger.info("cache: another builder published %s first; using theirs", entry)
         fsync_path(root)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    return {"built": True, "seconds": info["seconds"], "num_proc": info["num_proc"]}
+    return info
 
 
 def _build(cfg: RunConfig, tokenizer, tmp: Path) -> dict:

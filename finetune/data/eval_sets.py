@@ -50,7 +50,7 @@ class EvalSet:
     @property
     def prefix(self) -> str:
         """Its metrics' prefix: eval_ for the one set, eval_<name>_ for a named one."""
-        return "eval_" if self.name is None else f"eval_{self.name}_"
+        return metric_prefix(self.name)
 
     @property
     def described(self) -> str:
@@ -148,9 +148,10 @@ def _set(top: dict, name: str | None, entry: Mapping[str, Any]) -> EvalSet:
     return EvalSet(name, args, from_hub=not entry.get("validation_file"))
 
 
-def metric_names(entries: list[dict] | None) -> set[str]:
-    """The eval_<name>_ prefixes of the named sets."""
-    return {f"eval_{e['name']}_" for e in entries or ()}
+def metric_prefix(name: str | None) -> str:
+    """The prefix of a set's metrics: eval_ for the run's one set (or all sets together),
+    eval_<name>_ for a named one (HF's naming)."""
+    return "eval_" if name is None else f"eval_{name}_"
 
 
 def seeded_subset(ds, n: int | None, seed: int):

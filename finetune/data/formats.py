@@ -28,17 +28,20 @@ def label_tokens(inputs: dict) -> int:
     return int((inputs["labels"][..., 1:] != IGNORE).sum())
 
 
-def row_tokens(row: dict) -> int:
-    """The tokens a tokenized row feeds the model: its ids, or a preference pair's prompt twice
-    (once with each completion) and both completions."""
-    if "input_ids" in row:
-        return len(row["input_ids"])
-    return 2 * len(row["prompt_ids"]) + len(row["chosen_ids"]) + len(row["rejected_ids"])
-
-
-# The columns a tokenized set's tokens are counted from, and how often each feeds the model.
+# The columns a tokenized set's tokens are counted from, and how often each feeds the model: a
+# preference pair's prompt twice (once with each completion).
 TOKEN_COLUMNS = {"input_ids": 1}
 PAIR_TOKEN_COLUMNS = {"prompt_ids": 2, "chosen_ids": 1, "rejected_ids": 1}
+
+
+def token_columns(columns) -> dict[str, int]:
+    """Those of a tokenized set with these columns (or a row with these keys)."""
+    return TOKEN_COLUMNS if "input_ids" in columns else PAIR_TOKEN_COLUMNS
+
+
+def row_tokens(row: dict) -> int:
+    """The tokens a tokenized row feeds the model."""
+    return sum(n * len(row[name]) for name, n in token_columns(row).items())
 
 
 DEFAULT = "text"  # the format when no other one's flag is set

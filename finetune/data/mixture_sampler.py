@@ -30,7 +30,7 @@ import torch
 from finetune import distributed as dist
 from finetune.config import ConfigError, RunConfig
 from finetune.data.cache import prepare
-from finetune.data.formats import PAIR_TOKEN_COLUMNS, TOKEN_COLUMNS, row_tokens
+from finetune.data.formats import row_tokens, token_columns
 from finetune.data.mixture import FLAG, Source, probabilities, sources
 
 CHUNK = 4096  # positions whose sources one generator call draws
@@ -241,8 +241,7 @@ def prepare_mixture(cfg: RunConfig, tokenizer, world_size: int, rank: int):
 def token_count(ds) -> int:
     """Tokens in a tokenized set (``row_tokens`` of every row): from its Arrow list offsets,
     without reading the tokens."""
-    columns = TOKEN_COLUMNS if "input_ids" in ds.column_names else PAIR_TOKEN_COLUMNS
-    return sum(n * _column_tokens(ds, name) for name, n in columns.items())
+    return sum(n * _column_tokens(ds, name) for name, n in token_columns(ds.column_names).items())
 
 
 def _column_tokens(ds, name: str) -> int:
