@@ -214,6 +214,10 @@ def trl_reference_s(log: Path) -> float | None:
     return 3600 * int(h or 0) + 60 * int(m) + int(s)
 
 
+# what each tool's summary also lists per launch
+PER_LAUNCH = ("wall_s", "reference_s")
+
+
 def pair_ratios(launches: list[dict]) -> list[float]:
     """finetune / TRL tokens/s of each pair of launches in a row (1-2, 3-4, ...)."""
     out = []
@@ -221,30 +225,6 @@ def pair_ratios(launches: list[dict]) -> list[float]:
         pair = {m["tool"]: m["tokens_per_s"] for m in launches[i : i + 2]}
         if set(pair) == set(TOOLS):
             out.append(pair["finetune"] / pair["trl"])
-    return out
-
-
-def summarize(launches: list[dict]) -> dict:
-    """Each tool's total tokens / total timed seconds over ``launches`` ({}: a tool has none)."""
-    out = {}
-    for tool in TOOLS:
-        ms = [m for m in launches if m["tool"] == tool]
-        if not ms:
-            return {}
-        tokens, seconds = sum(m["tokens"] for m in ms), sum(m["seconds"] for m in ms)
-        steps = sum(m["steps_timed"] for m in ms)
-        out[tool] = {
-            "launches": [m["launch"] + 1 for m in ms],
-            "steps_timed": steps,
-            "tokens": tokens,
-            "seconds": seconds,
-            "tokens_per_s": tokens / seconds,
-            "tokens_per_s_per_launch": [m["tokens_per_s"] for m in ms],
-            "mean_tokens_per_step": tokens / steps,
-            "wall_s_per_launch": [m["wall_s"] for m in ms],
-            "reference_s_per_launch": [m["reference_s"] for m in ms],
-            "foreign_cpu_s_per_launch": [m["foreign_cpu_s"] for m in ms],
-        }
     return out
 
 
@@ -298,8 +278,8 @@ def main(argv=None) -> int:
             )
             launches.append(m)
 
-    summary = summarize(launches)
-    quiet = summarize([m for m in launches if not m["contended"]])
+    summary = tp.summarize(launches, TOOLS, PER_LAUNCH)
+    quiet = tp.summarize([m for m in launches if not m["contended"]], TOOLS, PER_LAUNCH)
     ratios = pair_ratios(launches)
     ft = [m for m in launches if m["tool"] == "finetune"]
     reference = {

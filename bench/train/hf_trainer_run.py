@@ -47,6 +47,31 @@ def parse_args() -> argparse.Namespace:
     return p.parse_args()
 
 
+def recorder(tokens):
+    """A ``TrainerCallback`` recording, after every optimizer step, ``time.perf_counter()``, the
+    step and ``tokens()`` (the non-pad tokens fed so far); every logged dict in ``logs``; and when
+    training began (also trl_pref_run.py's)."""
+    from transformers import TrainerCallback
+
+    class Recorder(TrainerCallback):
+        def __init__(self):
+            self.logs, self.steps, self.times, self.tokens = [], [], [], []
+            self.t_train_begin = None
+
+        def on_log(self, a, state, control, logs=None, **kw):
+            self.logs.append({"step": state.global_step, **(logs or {})})
+
+        def on_train_begin(self, a, state, control, **kw):
+            self.t_train_begin = time.perf_counter()
+
+        def on_step_end(self, a, state, control, **kw):
+            self.times.append(time.perf_counter())
+            self.steps.append(state.global_step)
+            self.tokens.append(tokens())
+
+    return Recorder()
+
+
 def main() -> None:
     t_start = time.perf_counter()
     args = parse_args()
@@ -57,7 +82,6 @@ def main() -> None:
         AutoTokenizer,
         DataCollatorForLanguageModeling,
         Trainer,
-        TrainerCallback,
         TrainingArguments,
         set_seed,
     )
@@ -105,20 +129,7 @@ def main() -> None:
             CountingTrainer.tokens += int(inputs["attention_mask"].sum())
             return super().training_step(model, inputs, num_items_in_batch)
 
-    class Recorder(TrainerCallback):
-        def __init__(self):
-            self.steps, self.times, self.tokens = [], [], []
-            self.t_train_begin = None
-
-        def on_train_begin(self, a, state, control, **kw):
-            self.t_train_begin = time.perf_counter()
-
-        def on_step_end(self, a, state, control, **kw):
-            self.times.append(time.perf_counter())
-            self.steps.append(state.global_step)
-            self.tokens.append(CountingTrainer.tokens)
-
-    rec = Recorder()
+    rec = recorder(lambda: CountingTrainer.tokens)
     trainer = CountingTrainer(
         model=model, args=targs, train_dataset=train, data_collator=collator, callbacks=[rec]
     )

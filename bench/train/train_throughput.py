@@ -536,6 +536,33 @@ def model_flops(a: argparse.Namespace, cfg: dict, summary: dict) -> dict:
     }
 
 
+def summarize(launches: list[dict], tools: tuple[str, ...], per_launch: tuple = ()) -> dict:
+    """Each tool's total tokens / total timed seconds over ``launches`` ({}: a tool has none),
+    with each launch's rate and foreign CPU, and each of ``per_launch``'s fields (also P13's)."""
+    out = {}
+    for tool in tools:
+        ms = [m for m in launches if m["tool"] == tool]
+        if not ms:
+            return {}
+        tokens, seconds = sum(m["tokens"] for m in ms), sum(m["seconds"] for m in ms)
+        rates = [m["tokens_per_s"] for m in ms]
+        steps = sum(m["steps_timed"] for m in ms)
+        out[tool] = {
+            "launches": [m["launch"] + 1 for m in ms],
+            "steps_timed": steps,
+            "tokens": tokens,
+            "seconds": seconds,
+            "tokens_per_s": tokens / seconds,
+            "tokens_per_s_per_launch": rates,
+            "min": min(rates),
+            "max": max(rates),
+            "mean_tokens_per_step": tokens / steps,
+            "foreign_cpu_s_per_launch": [m["foreign_cpu_s"] for m in ms],
+            **{f"{key}_per_launch": [m[key] for m in ms] for key in per_launch},
+        }
+    return out
+
+
 def launch_env(a: argparse.Namespace) -> dict:
     """The environment both tools' launches get (also P13's)."""
     env = dict(os.environ)
@@ -618,32 +645,9 @@ def main(argv=None) -> int:
             )
             launches.append(m)
 
-    def summarize(pick) -> dict:
-        out = {}
-        for tool in ("finetune", "hf"):
-            ms = [m for m in launches if m["tool"] == tool and pick(m)]
-            if not ms:
-                return {}
-            tokens, seconds = sum(m["tokens"] for m in ms), sum(m["seconds"] for m in ms)
-            rates = [m["tokens_per_s"] for m in ms]
-            steps = sum(m["steps_timed"] for m in ms)
-            out[tool] = {
-                "launches": [m["launch"] + 1 for m in ms],
-                "steps_timed": steps,
-                "tokens": tokens,
-                "seconds": seconds,
-                "tokens_per_s": tokens / seconds,
-                "tokens_per_s_per_launch": rates,
-                "min": min(rates),
-                "max": max(rates),
-                "mean_tokens_per_step": tokens / steps,
-                "foreign_cpu_s_per_launch": [m["foreign_cpu_s"] for m in ms],
-            }
-        return out
-
-    summary = summarize(lambda m: True)
+    summary = summarize(launches, ("finetune", "hf"))
     ratio = summary["finetune"]["tokens_per_s"] / summary["hf"]["tokens_per_s"]
-    quiet = summarize(lambda m: not m["contended"])
+    quiet = summarize([m for m in launches if not m["contended"]], ("finetune", "hf"))
     ratio_quiet = quiet["finetune"]["tokens_per_s"] / quiet["hf"]["tokens_per_s"] if quiet else None
 
     utilisation = model_flops(a, inputs["model_config"], summary)

@@ -57,7 +57,7 @@ import time
 
 # (this folder: the script's own, first on sys.path)
 from hf_sp_run import gloo_state
-from hf_trainer_run import exit_now
+from hf_trainer_run import exit_now, recorder
 
 NO_TRUNCATION = 1 << 20  # max_length / max_completion_length of CPO and ORPO
 
@@ -176,7 +176,7 @@ def main() -> None:
     args = parse_args()
     import torch
     from accelerate import PartialState
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
     from transformers.trainer_utils import set_seed
 
     configured = gloo_state() if args.ds_config else False
@@ -227,23 +227,7 @@ def main() -> None:
             )
             return super().training_step(model, inputs, num_items_in_batch)
 
-    class Recorder(TrainerCallback):
-        def __init__(self):
-            self.logs, self.steps, self.times, self.tokens = [], [], [], []
-            self.t_train_begin = None
-
-        def on_log(self, a, state, control, logs=None, **kw):
-            self.logs.append({"step": state.global_step, **(logs or {})})
-
-        def on_train_begin(self, a, state, control, **kw):
-            self.t_train_begin = time.perf_counter()
-
-        def on_step_end(self, a, state, control, **kw):
-            self.times.append(time.perf_counter())
-            self.steps.append(state.global_step)
-            self.tokens.append(CountingTrainer.tokens)
-
-    rec = Recorder()
+    rec = recorder(lambda: CountingTrainer.tokens)
     trainer = CountingTrainer(
         model=model,
         args=targs,
