@@ -58,10 +58,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 
 # (this folder: the script's own, first on sys.path)
-from hf_trainer_run import encoded_rows, exit_now
+from hf_trainer_run import encoded_rows, exit_now, gloo_state
 
 
 def parse_args() -> argparse.Namespace:
@@ -98,21 +97,6 @@ def parse_args() -> argparse.Namespace:
 def width_multiple(args: argparse.Namespace) -> int:
     """What every batch's width is a multiple of: --pad_to_multiple_of, else --max_seq_length."""
     return args.pad_to_multiple_of or args.max_seq_length
-
-
-def gloo_state() -> bool:
-    """On a machine without GPUs: accelerate's process state for DeepSpeed on gloo, made before
-    ``TrainingArguments`` so that Trainer uses it (see the module's docstring for why); returns
-    whether it made one. Collective (it initializes the process group)."""
-    import torch
-    from accelerate import PartialState
-
-    if torch.cuda.is_available():
-        return False
-    os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"  # as TrainingArguments sets it for its own
-    PartialState(backend="gloo")
-    del os.environ["ACCELERATE_USE_DEEPSPEED"]
-    return True
 
 
 def training_args(args: argparse.Namespace, configured_state: bool):

@@ -9,7 +9,9 @@ Builds the same model (``from_config`` of the bench's config, fp32, same seed, p
 ``zero.Init`` because ``TrainingArguments(deepspeed=...)`` exists before the model), the same data
 (``text`` column, tokenizer special tokens, eos appended, truncated to ``--max_seq_length``, padded
 per batch to the longest row, pad masked from the loss) and trains with ``Trainer``: no eval, no
-saves, no reporting integrations.
+saves, no reporting integrations. On a CPU accelerate's process state is made on gloo first
+(``gloo_state``), so Trainer runs as on GPUs: accelerate sees every rank, each rank trains its own
+rows, and the step's token count is gathered across ranks (``average_tokens_across_devices``).
 
 What it records, per rank, into ``R.rank{r}.json``: after every optimizer step
 (``TrainerCallback.on_step_end``) the ``time.perf_counter()`` and the cumulative number of non-pad
@@ -86,9 +88,12 @@ def main() -> None:
         set_seed,
     )
 
+    # As on GPUs: one process per rank to accelerate, each rank its own rows.
+    configured = gloo_state()
     # Before the model: a live HfDeepSpeedConfig makes from_config build it under zero.Init.
     targs = TrainingArguments(
         output_dir=args.output_dir,
+        accelerator_config={"use_configured_state": configured},
         deepspeed=args.ds_config,
         per_device_train_batch_size=args.per_device_train_batch_size,
         gradient_accumulation_steps=1,
@@ -175,6 +180,24 @@ def main() -> None:
     with open(f"{args.result}.rank{rank}.json", "w") as f:
         json.dump(out, f)
     exit_now()
+
+
+def gloo_state() -> bool:
+    """On a machine without GPUs: accelerate's process state for DeepSpeed on gloo, made before
+    ``TrainingArguments`` so that Trainer uses it (``use_configured_state``); returns whether it
+    made one. Without it accelerate names no backend on a CPU and reports 1 process to every
+    rank: the dataloader is not sharded (every rank trains the same rows) and the per-step token
+    count is not gathered. Collective (it initializes the process group). Also hf_sp_run's and
+    trl_pref_run's."""
+    import torch
+    from accelerate import PartialState
+
+    if torch.cuda.is_available():
+        return False
+    os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"  # as TrainingArguments sets it for its own
+    PartialState(backend="gloo")
+    del os.environ["ACCELERATE_USE_DEEPSPEED"]
+    return True
 
 
 def encoded_rows(train_file: str, tokenizer, max_seq_length: int):

@@ -28,20 +28,18 @@ Identical on both sides
   steps then linear decay, AdamW (0.9, 0.999, 1e-8, weight decay 0), clipping 1.0,
   ``--logging_steps`` (5) on both (each tool's own per-log work is part of what is timed).
 * DeepSpeed JSON: ``configs/ds_zero3.json`` copied to a temp file for each; for HF
-  ``train_batch_size`` is left out (HF's "auto" fill would use world size 1 on CPU and DeepSpeed
-  rejects the product); HF fills the other "auto"s itself, finetune from its flags.
+  ``train_batch_size`` is left out (DeepSpeed derives it from micro-batch x accumulation x ranks);
+  HF fills the other "auto"s itself, finetune from its flags.
 * Environment: the same for both launches; ``OMP_NUM_THREADS`` is set to ``--threads_per_rank``
   (default: cores // 2, so 2 ranks do not oversubscribe the machine; 0 = leave the environment as
   is).
-* Each rank trains ``--per_device_train_batch_size`` rows per step from the same 2000-row pool, so
-  per-rank work per step has the same shape on both sides. Not the same rows, though: on CPU,
-  ``Trainer``'s accelerate state has no backend under the DeepSpeed launcher and reports
-  ``num_processes == 1`` (the same reason its "auto" ``train_batch_size`` is wrong), so its
-  dataloader is not sharded and both HF ranks train the *same* batch each step, while DeepSpeed's
-  engine still partitions over 2 ranks. (It also skips its per-step cross-rank token-count gather
-  then.) The HF script records what accelerate believes (``hf_view`` in the JSON); tokens are
-  counted per rank as trained, so the token totals stay comparable (mean tokens per step is in the
-  JSON).
+* Each rank trains ``--per_device_train_batch_size`` rows of its own per step, as on GPUs: on a
+  CPU accelerate names no backend under the DeepSpeed launcher and would report one process to
+  each rank (every HF rank training the *same* rows, so the ranks' steps are perfectly balanced,
+  and no cross-rank token count); ``hf_trainer_run.gloo_state`` makes its state on gloo first, so
+  Trainer shards the dataloader and gathers the step's token count as it does on GPUs. The HF
+  script records what accelerate believes (``hf_view`` in the JSON); tokens are counted per rank
+  as trained (mean tokens per step is in the JSON).
 * ``PATH`` gets this interpreter's bin directory first (as ``make bench`` does), so DeepSpeed's JIT
   op builds use the venv's ``ninja``: a different ninja version hashes build commands differently
   and makes ``~/.cache/torch_extensions`` rebuild (minutes) every time the two alternate.

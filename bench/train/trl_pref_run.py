@@ -56,8 +56,7 @@ import os
 import time
 
 # (this folder: the script's own, first on sys.path)
-from hf_sp_run import gloo_state
-from hf_trainer_run import exit_now, recorder
+from hf_trainer_run import exit_now, gloo_state, recorder
 
 NO_TRUNCATION = 1 << 20  # max_length / max_completion_length of CPO and ORPO
 
