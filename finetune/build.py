@@ -58,6 +58,10 @@ from finetune.remote.prefix import Prefix
 from finetune.trackers import open_trackers
 from finetune.trainer import Trainer
 
+# trainer_state.json: the optimizer's parameter groups (group_layout)
+GROUPS_KEY = "optimizer_groups"
+ONE_GROUP, DECAY_SPLIT = "one", "decay_split"
+
 
 def build_trainer(
     cfg: RunConfig,
@@ -142,6 +146,7 @@ def build_trainer(
     # Collective: FusedAdam / CPU Adam where every rank can load it, else torch_adam
     # (finetune/ops.py); a checkpoint trained with torch_adam resumes with it.
     ds_config = ensure_adam(ds_config, saved=plan.saved.get(ADAM_KEY) if plan is not None else None)
+    groups = group_layout(t.weight_decay, plan.saved if plan is not None else None)
     if plan is not None and plan.universal is not None:
         ds_config["checkpoint"] = {**ds_config.get("checkpoint", {}), "load_universal": True}
     # Collective: wandb starts on rank 0, and its failure (not logged in) stops every rank here,
@@ -174,7 +179,7 @@ def build_trainer(
     optimizer = None
     if "optimizer" not in ds_config:
         optimizer = torch.optim.AdamW(
-            _param_groups(model, t.weight_decay),
+            _param_groups(model, t.weight_decay, groups),
             lr=t.learning_rate,
             betas=(t.adam_beta1, t.adam_beta2),
             eps=t.adam_epsilon,
@@ -185,7 +190,7 @@ def build_trainer(
         optimizer=optimizer,
         lr_scheduler=scheduler,
         config=ds_config,
-        model_parameters=None if optimizer else _param_groups(model, t.weight_decay),
+        model_parameters=None if optimizer else _param_groups(model, t.weight_decay, groups),
         mpu=mpu,
     )
     live = None
@@ -224,6 +229,7 @@ def build_trainer(
         "zero_stage": zero_stage(cfg.ds_config),
         "dtype": t.precision,
         ADAM_KEY: adam_impl(ds_config),
+        GROUPS_KEY: groups,
         "args": cfg.to_json_dict(),
         "lr_scheduler": "in DeepSpeed's model_states files (lr_scheduler key)",
         BASE_KEY: base,
@@ -342,14 +348,31 @@ def set_seed(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def _param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, object]]:
-    """No weight decay on biases and norm weights (1-D); under ZeRO-3 the full shape is ds_shape."""
+def group_layout(weight_decay: float, saved: dict | None) -> str:
+    """The optimizer's parameter groups: ONE_GROUP when nothing decays, else DECAY_SPLIT (matrices
+    decay; biases and norm weights do not). ZeRO-3 runs each group as a sub-group of its own, with
+    its own gradient-norm all-reduce, optimizer call and copy back every step, so a second group
+    that decays nothing costs a collective a step. A resume keeps the layout of the checkpoint
+    ``saved`` (its optimizer state holds one flat partition per group); a checkpoint that does not
+    record one has two groups."""
+    if saved is not None:
+        return saved.get(GROUPS_KEY, DECAY_SPLIT)
+    return DECAY_SPLIT if weight_decay else ONE_GROUP
+
+
+def _param_groups(
+    model: torch.nn.Module, weight_decay: float, layout: str
+) -> list[dict[str, object]]:
+    """The groups of ``layout`` (group_layout). No weight decay on biases and norm weights (1-D);
+    under ZeRO-3 the full shape is ds_shape."""
     decay: list[torch.nn.Parameter] = []
     no_decay: list[torch.nn.Parameter] = []
     for _, p in model.named_parameters():
         if not p.requires_grad:
             continue
         (decay if len(getattr(p, "ds_shape", p.shape)) >= 2 else no_decay).append(p)
+    if layout == ONE_GROUP:
+        return [{"params": decay + no_decay, "weight_decay": weight_decay}]
     return [
         {"params": decay, "weight_decay": weight_decay},
         {"params": no_decay, "weight_decay": 0.0},

@@ -155,15 +155,21 @@ def _comparable(rows):
     return [{k: v for k, v in row.items() if k not in ("tokens_per_s", "data_ms")} for row in rows]
 
 
-@pytest.mark.parametrize("launcher,nprocs", [("deepspeed", 2), ("python", 1)])
-def test_resume_is_bitwise_identical(run_finetune, tiny_models, tmp_path, launcher, nprocs):
+@pytest.mark.parametrize(
+    "launcher,nprocs,weight_decay,groups",
+    [("deepspeed", 2, "0.0", "one"), ("python", 1, "0.1", "decay_split")],
+)
+def test_resume_is_bitwise_identical(
+    run_finetune, tiny_models, tmp_path, launcher, nprocs, weight_decay, groups
+):
     """N steps + save + resume + M steps == N+M steps: mid-epoch, GA=2, dropout on (GPT-2), across
     an epoch end. The run saves at step 4, one step into a log window (--logging_steps 3), and is
     killed at its next save (step 8); `auto` resumes from global_step4. Every logged row (the
     window sums of every rank, not only rank 0's; tokens seen; eval losses) equals the
     uninterrupted run's bit for bit. (Only rank 0's window used to be saved and every rank loaded
-    it: the first row after a resume counted rank 0's partial sums twice.)"""
-    model = ["--model_name_or_path", str(tiny_models["gpt2"])]
+    it: the first row after a resume counted rank 0's partial sums twice.) Both optimizer layouts:
+    one parameter group without weight decay, two (biases and norms apart) with it."""
+    model = ["--model_name_or_path", str(tiny_models["gpt2"]), "--weight_decay", weight_decay]
     straight = run_finetune(
         *model,
         *RESUME_FLAGS,
@@ -189,6 +195,7 @@ def test_resume_is_bitwise_identical(run_finetune, tiny_models, tmp_path, launch
     state = json.loads((tmp_path / "b" / "global_step4" / "trainer_state.json").read_text())
     # mid-epoch
     assert state["global_step"] == 4 and 0 < state["sampler"]["consumed"], state["sampler"]
+    assert state["optimizer_groups"] == groups
     resumed = run_finetune(
         *model,
         *RESUME_FLAGS,
