@@ -34,16 +34,27 @@ def main() -> None:
         sys.argv = [target, *local_rank, *rest]
         run = lambda: runpy.run_path(target, run_name="__main__")  # noqa: E731
     prof = cProfile.Profile()
+
+    def dump() -> None:
+        prof.disable()
+        if os.environ.get("RANK", "0") == "0":
+            prof.dump_stats(stats)
+
+    # Both targets end with os._exit (no interpreter teardown): write the stats first.
+    real_exit = os._exit
+
+    def exit_after_dump(status: int) -> None:
+        dump()
+        real_exit(status)
+
+    os._exit = exit_after_dump
     code = 0
     prof.enable()
     try:
         run()
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-    finally:
-        prof.disable()
-        if os.environ.get("RANK", "0") == "0":
-            prof.dump_stats(stats)
+    dump()
     sys.exit(code)
 
 
