@@ -88,8 +88,12 @@ def main() -> None:
 
     class Stamp(TrainerCallback):
         def on_step_end(self, a, state, control, **kw):
-            if state.is_world_process_zero and not Path(args.stamp).exists():
-                Path(args.stamp).write_text(repr(time.time()))
+            stamp = Path(args.stamp)
+            if state.is_world_process_zero and not stamp.exists():
+                # renamed into place: the driver polls for the file and reads it at once
+                tmp = stamp.with_name(stamp.name + ".tmp")
+                tmp.write_text(repr(time.time()))
+                tmp.replace(stamp)
 
     trainer = Trainer(
         model=model,
