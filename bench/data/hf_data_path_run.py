@@ -90,8 +90,10 @@ def main() -> None:
         def on_step_end(self, a, state, control, **kw):
             stamp = Path(args.stamp)
             if state.is_world_process_zero and not stamp.exists():
-                # renamed into place: the driver polls for the file and reads it at once
-                tmp = stamp.with_name(stamp.name + ".tmp")
+                # Renamed into place: the driver polls for the file and reads it at once. On a CPU
+                # accelerate reports one process, so every rank is "process zero" and writes it:
+                # each its own temporary file.
+                tmp = stamp.with_name(f"{stamp.name}.{os.getpid()}.tmp")
                 tmp.write_text(repr(time.time()))
                 tmp.replace(stamp)
 
