@@ -38,6 +38,32 @@ _sync_file_range = _load_sync_file_range()
 _CHUNK = 8 << 20
 
 
+class Writeback:
+    """Starts the kernel's writeback of what was written to ``f`` every 32 MB without waiting for
+    it (sync_file_range(2)), so the disk works while the writer produces the rest and the closing
+    fsync has little left to do. ``write`` passes bytes through; ``wrote(n)`` counts bytes written
+    to ``f`` directly. Offsets count from where ``f`` was when this began: a file opened empty."""
+
+    def __init__(self, f: BinaryIO):
+        self.f, self.size, self.kicked = f, 0, 0  # kicked: bytes already handed to writeback
+
+    def write(self, data) -> int:
+        n = self.f.write(data)
+        self.wrote(n)
+        return n
+
+    def wrote(self, n: int) -> None:
+        self.size += n
+        if self.size - self.kicked < _WRITEBACK_EVERY:
+            return
+        self.f.flush()
+        if _sync_file_range is not None:
+            _sync_file_range(
+                self.f.fileno(), self.kicked, self.size - self.kicked, _SYNC_FILE_RANGE_WRITE
+            )
+        self.kicked = self.size
+
+
 class WriteCancelled(RuntimeError):
     """A write given up on purpose (``HashingWriter``'s ``cancelled`` was set)."""
 
@@ -61,7 +87,7 @@ class HashingWriter:
         # torch.save's C++ writer turns an exception from write() into an opaque RuntimeError;
         # keep the real one (ENOSPC, EIO…) so the report names it.
         self.os_error: OSError | None = None
-        self.kicked = 0  # bytes already handed to the kernel's writeback
+        self.writeback = Writeback(f)
 
     def write(self, data) -> int:
         view = memoryview(data).cast("B")
@@ -78,8 +104,8 @@ class HashingWriter:
                 self.f.write(piece)
                 self.size += len(piece)
                 # O_DIRECT (io/direct.py) bypasses the page cache: nothing to start
-                if self.size - self.kicked >= _WRITEBACK_EVERY and not self.direct:
-                    self._start_writeback()
+                if not self.direct:
+                    self.writeback.wrote(len(piece))
                 t2 = time.perf_counter()
                 self._add("hash", t1 - t0)
                 self._add("write", t2 - t1)
@@ -94,16 +120,6 @@ class HashingWriter:
     def _add(self, key: str, seconds: float) -> None:
         if self.stats is not None:
             self.stats[key] = self.stats.get(key, 0.0) + seconds
-
-    def _start_writeback(self) -> None:
-        """Ask the kernel to start writing what we wrote so far, without waiting for it, so the
-        disk works while we serialise the rest and the closing fsync has little left to do."""
-        self.f.flush()
-        if _sync_file_range is not None:
-            _sync_file_range(
-                self.f.fileno(), self.kicked, self.size - self.kicked, _SYNC_FILE_RANGE_WRITE
-            )
-        self.kicked = self.size
 
     def flush(self) -> None:
         self.f.flush()

@@ -39,7 +39,7 @@ from finetune.checkpoint_format.manifest import read_manifest
 from finetune.checkpoint_format.outdir import OutputDir, find_checkpoint, step_of
 from finetune.commands import Parser
 from finetune.config import ConfigError, check_size
-from finetune.io.durable import fsync_path
+from finetune.io.durable import Writeback, fsync_path
 from finetune.io.faults import fault_point
 from finetune.io.remote import is_remote
 from finetune.modeling import DTYPES
@@ -344,10 +344,11 @@ def _write_hf(
         for fname, names in split.filename_to_tensors.items():
             fault_point("export.write", step_of(source.folder.name))
             with open(staging / fname, "wb") as f:
+                w = Writeback(f)  # the disk writes while later tensors are rebuilt
                 # as a consolidated save records it
-                f.write(shard_header(names, meta, {SOURCE_KEY: FROM_MASTER}))
+                w.write(shard_header(names, meta, {SOURCE_KEY: FROM_MASTER}))
                 for name in names:
-                    bar.update(write_tensor(source, f, by_name[name], meta[name], buffers))
+                    bar.update(write_tensor(source, w, by_name[name], meta[name], buffers))
                 f.flush()
                 os.fsync(f.fileno())
     files = list(split.filename_to_tensors) + list(split.write_index(staging))

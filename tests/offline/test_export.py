@@ -18,6 +18,7 @@ from safetensors.torch import load_file
 
 from finetune.checkpoint_format.manifest import build_manifest
 from finetune.cli import main
+from finetune.io import durable
 from finetune.io.durable import hash_file
 from finetune.offline import export as ex
 from finetune.weights import safe_load
@@ -169,6 +170,20 @@ def test_rebuilds_weights_like_save_pretrained(tmp_path, qwen_checkpoint):
     x = torch.randint(0, VOCAB, (2, 9))
     with torch.no_grad():
         assert torch.equal(loaded.eval()(x).logits, model.eval()(x).logits)
+
+
+def test_a_shard_goes_to_writeback_as_it_is_written(tmp_path, qwen_checkpoint, monkeypatch):
+    """The disk writes a shard while its later tensors are rebuilt (io/durable.py Writeback): the
+    ranges handed to writeback follow each other from the shard's start to near its end."""
+    every, kicks = 4096, []
+    monkeypatch.setattr(durable, "_WRITEBACK_EVERY", every)
+    monkeypatch.setattr(durable, "_sync_file_range", lambda fd, off, n, fl: kicks.append((off, n)))
+    _, folder = qwen_checkpoint
+    ex.export_hf(folder, tmp_path / "hf", progress=False)
+    size = (tmp_path / "hf" / "model.safetensors").stat().st_size
+    assert size > 4 * every and kicks[0][0] == 0, (size, kicks[:2])
+    assert all(off + n == nxt for (off, n), (nxt, _) in zip(kicks, kicks[1:]))
+    assert size - every < kicks[-1][0] + kicks[-1][1] <= size
 
 
 def test_bf16_shards_and_excluded_frozen(tmp_path, qwen_checkpoint):
