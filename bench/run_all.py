@@ -102,6 +102,12 @@ SMOKE_CHAINS = [
 SMOKE_JOBS = 2
 
 
+def failed_subs(run: Run, measures: dict, msg: str, skipped: bool = False) -> None:
+    """A run that gave no results: its sub-measures too say why (the tables keep their rows)."""
+    if run.subs:
+        measures[run.key]["sub"] = {m.key: m.error(msg, skipped=skipped) for m in run.subs}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument(
@@ -224,11 +230,13 @@ def run_measure(ctx: Ctx, run: Run) -> dict:
     except Unavailable as e:
         for m in run.measures:
             measures[m.key] = m.error(f"not run: {e}", skipped=True)
+        failed_subs(run, measures, f"not run: {e}", skipped=True)
     except Exception as e:  # noqa: BLE001 — recorded; the rest of the suite still runs
         msg = f"{type(e).__name__}: {e}"
         print(f"{key} failed: {msg}\n{traceback.format_exc()}", file=sys.stderr, flush=True)
         for m in run.measures:
             measures[m.key] = m.error(msg[-3000:])
+        failed_subs(run, measures, msg[-3000:])
     wall = round(time.monotonic() - m0, 1)
     for k in keys:
         measures[k]["wall_s"] = wall if k == keys[0] else 0.0

@@ -402,3 +402,18 @@ def test_long_rows_fill_the_sequence_length_for_both_tools(tmp_path):
     assert len(rows) == 10 * 16 * 2  # as many as a launch trains
     tokenizer = AutoTokenizer.from_pretrained(str(tp.TOKENIZER_DIR))
     assert min(len(tokenizer(row)["input_ids"]) for row in rows[:20]) >= 256
+
+
+def test_a_run_that_fails_leaves_its_sub_measures_saying_why():
+    """A failed run's sub-measures keep their rows in the tables (with its error), not vanish."""
+    run_all = _load("run_all")
+    from bench.data.measures import P6B, P9
+    from bench.harness import Run
+
+    def fails(ctx):
+        raise RuntimeError("data/data_path.py exited 1")
+
+    run = Run((P9,), "data/data_path.py", fails, full={}, smoke={}, subs=(P6B,))
+    got = run_all.run_measure(None, run)
+    assert "exited 1" in got["P9"]["error"]
+    assert "exited 1" in got["P9"]["sub"]["P6b"]["error"]
