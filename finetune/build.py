@@ -8,6 +8,7 @@ Every step that can fail on one rank alone (a bad file on one node) is agreed, s
 
 from __future__ import annotations
 
+import logging
 import math
 import random
 import time
@@ -30,6 +31,7 @@ from finetune.checkpoint_format.outdir import OutputDir
 from finetune.checkpoint_format.state import TrainingState
 from finetune.config import RunConfig
 from finetune.data import ResumableSampler, TrainData
+from finetune.data.balance import token_lengths
 from finetune.data.cache import prepare, prepare_eval_sets
 from finetune.data.eval_sets import held_out
 from finetune.data.mixture_sampler import prepare_mixture
@@ -106,6 +108,12 @@ def build_trainer(
     if objective is not None:  # micro-batches of pairs; the boundary sums ORPO's NLL tokens
         pad = tokenizer.pad_token_id
         pairs = {"collate_fn": lambda rows: collate_pairs(rows, pad), "count": objective.nll_tokens}
+    # --balance_by_length: every row's tokens (from the Arrow offsets), to deal each micro-step's
+    # rows to the ranks by length (data/balance.py); a preference pair's rows are dealt whole
+    lengths = None
+    if cfg.data.balance_by_length and objective is None and dp > 1:
+        lengths = token_lengths(train)
+        dist.log_main(logging.INFO, "each micro-step's rows dealt to the ranks by length")
     data = TrainData(
         train,
         sampler,
@@ -119,6 +127,7 @@ def build_trainer(
         prefetch=dist.device().type != "cpu",
         flatten=flatten,
         sequence=(sp, dist.sequence_parallel_rank()) if sp > 1 else None,
+        lengths=lengths,
         **pairs,
     )
     total = t.max_steps or math.ceil(t.num_train_epochs * data.steps_per_epoch)

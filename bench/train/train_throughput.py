@@ -33,13 +33,17 @@ Identical on both sides
 * Environment: the same for both launches; ``OMP_NUM_THREADS`` is set to ``--threads_per_rank``
   (default: cores // 2, so 2 ranks do not oversubscribe the machine; 0 = leave the environment as
   is).
-* Each rank trains ``--per_device_train_batch_size`` rows of its own per step, as on GPUs: on a
+* Each rank trains rows of its own per step (``--per_device_train_batch_size`` of them on average;
+  the rows are dealt as below), as on GPUs: on a
   CPU accelerate names no backend under the DeepSpeed launcher and would report one process to
   each rank (every HF rank training the *same* rows, so the ranks' steps are perfectly balanced,
   and no cross-rank token count); ``hf_trainer_run.gloo_state`` makes its state on gloo first, so
   Trainer shards the dataloader and gathers the step's token count as it does on GPUs. The HF
   script records what accelerate believes (``hf_view`` in the JSON); tokens are counted per rank
   as trained (mean tokens per step is in the JSON).
+* The same rows per step, not the same rows per rank: finetune deals each step's rows to its ranks
+  by length (its default, ``--balance_by_length``, docs/TRAINING.md), Trainer round-robin. Each
+  tool's launches count the same tokens over the timed steps.
 * ``PATH`` gets this interpreter's bin directory first (as ``make bench`` does), so DeepSpeed's JIT
   op builds use the venv's ``ninja``: a different ninja version hashes build commands differently
   and makes ``~/.cache/torch_extensions`` rebuild (minutes) every time the two alternate.

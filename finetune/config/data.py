@@ -102,6 +102,15 @@ class DataArgs:
         "(pretraining-style) text only.",
         choices=("bfd", "concat"),
     )
+    balance_by_length: bool = flag(
+        True,
+        "Deal each micro-step's rows to the data-parallel ranks by length: sorted longest first "
+        "and cut so every rank computes about the same tokens, padding included (ranks with long "
+        "rows get fewer), instead of round-robin, where the rank that drew a long row pads all "
+        "its rows to it and the others wait. The step trains the same rows and its loss is the "
+        "same up to the order of float sums. Preference pairs are dealt round-robin.",
+        resume_may_change=True,
+    )
     validation_split_percentage: int = flag(
         5,
         "Percent of the training data held out for eval when there is no validation split (not "

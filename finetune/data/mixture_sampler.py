@@ -135,9 +135,15 @@ class MixtureSampler:
         return rows + self.offsets[s]
 
     def plan(self, state: MixtureState, per_rank: int) -> tuple[MixtureState, list[int]]:
+        """The state after the next global step from ``state``, and this rank's rows of it, dealt
+        round-robin."""
+        after, rows = self.plan_step(state, per_rank)
+        return after, rows[self.rank :: self.world_size].tolist()
+
+    def plan_step(self, state: MixtureState, per_rank: int) -> tuple[MixtureState, torch.Tensor]:
         """The state after the next global step of ``per_rank`` × world samples from ``state``, and
-        this rank's rows of it. Pure apart from the caches; O(per_rank × world). Never None: the
-        stream has no end (a source that runs out starts its next epoch)."""
+        the step's rows (dataset indices). Pure apart from the caches; O(per_rank × world). Never
+        None: the stream has no end (a source that runs out starts its next epoch)."""
         start, size = state.position, per_rank * self.world_size
         src = self.sources_at(start, start + size)
         rows = torch.empty(size, dtype=torch.long)
@@ -147,8 +153,7 @@ class MixtureSampler:
             if len(where):
                 rows[where] = self._rows(s, draws[s], len(where))
                 draws[s] += len(where)
-        after = MixtureState(start + size, tuple(draws), self.num_samples)
-        return after, rows[self.rank :: self.world_size].tolist()
+        return MixtureState(start + size, tuple(draws), self.num_samples), rows
 
     def take(self, per_rank: int) -> list[int]:
         self.state, idx = self.plan(self.state, per_rank)

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from finetune.config import ConfigError, DataArgs
+from finetune.data.balance import token_lengths
 from finetune.data.formats import IGNORE
 
 if TYPE_CHECKING:
@@ -122,15 +123,9 @@ def pack_bfd(
     a temporary one). Returns (dataset, stats)."""
     import datasets
     import pyarrow as pa
-    import pyarrow.compute as pc
 
     arrow = ds.with_format("arrow")
-    lengths = np.concatenate(
-        [
-            pc.list_value_length(t.column("input_ids")).to_numpy(zero_copy_only=False)
-            for t in arrow.iter(batch_size=100_000)
-        ]
-    ).astype(np.int64)
+    lengths = token_lengths(ds)
     if len(lengths) == 0:
         raise ConfigError("--packing: no example to pack")
     block_of, n_blocks = plan_bfd(lengths, max_len)

@@ -14,9 +14,11 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from finetune.config import ConfigError
+from finetune.data.balance import deal
 from finetune.data.formats import label_tokens
 from finetune.data.load import collate
 from finetune.data.sequence import shard
@@ -67,16 +69,23 @@ class ResumableSampler:
     def samples_per_rank(self) -> int:
         return self.num_samples // self.world_size
 
-    def plan(self, state: SamplerState, per_rank: int) -> tuple[SamplerState, list[int] | None]:
-        """The state after this rank's next ``per_rank`` indices from ``state``, and those indices
-        (None at the end of the epoch). Pure apart from the one-epoch cache; O(per_rank)."""
+    def plan_step(
+        self, state: SamplerState, per_rank: int
+    ) -> tuple[SamplerState, torch.Tensor | None]:
+        """The state after the next ``per_rank`` × world indices of the global order from
+        ``state``, and those indices (None at the end of the epoch). Pure apart from the one-epoch
+        cache; O(per_rank × world)."""
         order = self._epoch_tensor(state.epoch)
         end = state.consumed + per_rank * self.world_size
         if end > len(order):
             return state, None
-        return SamplerState(state.epoch, end), order[state.consumed : end][
-            self.rank :: self.world_size
-        ].tolist()
+        return SamplerState(state.epoch, end), order[state.consumed : end]
+
+    def plan(self, state: SamplerState, per_rank: int) -> tuple[SamplerState, list[int] | None]:
+        """The state after this rank's next ``per_rank`` indices from ``state``, and those indices
+        (None at the end of the epoch), dealt round-robin."""
+        after, rows = self.plan_step(state, per_rank)
+        return after, None if rows is None else rows[self.rank :: self.world_size].tolist()
 
     def take(self, per_rank: int) -> list[int] | None:
         """This rank's next ``per_rank`` indices, advancing the state; None at epoch end."""
@@ -128,8 +137,12 @@ class TrainData:
         sequence: tuple[int, int] | None = None,
         collate_fn: Callable[[list[dict]], dict] | None = None,
         count: Callable[[dict], int] = label_tokens,
+        lengths: np.ndarray | None = None,
     ):
         self.dataset, self.sampler = dataset, sampler
+        # every row's tokens (balance.token_lengths): each micro-step's rows dealt to the ranks by
+        # length (balance.py); None: round-robin
+        self.lengths = lengths
         # rows → a micro-batch (a preference objective's pairs: data/preference.collate_pairs),
         # and what the step-boundary all-reduce sums of one (the loss's token count, loss.py)
         self.collate_fn = collate_fn or (lambda rows: collate(rows, pad_id, flatten))
@@ -161,27 +174,37 @@ class TrainData:
         # (the state it starts from, its result)
         self._ahead: tuple[SamplerState, Future] | None = None
 
-    def _plan(self, state: SamplerState) -> tuple[SamplerState, list[int]]:
+    def _plan(self, state: SamplerState) -> tuple[SamplerState, list[list[int]]]:
+        """The state after the step from ``state``, and this rank's rows of each of its
+        micro-batches."""
         per_rank = self.micro_batch * self.grad_accum
-        after, idx = self.sampler.plan(state, per_rank)
-        if idx is None:  # not a full step left: the epoch rolls
-            after, idx = self.sampler.plan(SamplerState(state.epoch + 1, 0), per_rank)
-        return after, idx
+        after, rows = self.sampler.plan_step(state, per_rank)
+        if rows is None:  # not a full step left: the epoch rolls
+            after, rows = self.sampler.plan_step(SamplerState(state.epoch + 1, 0), per_rank)
+        ranks, rank = self.sampler.world_size, self.sampler.rank
+        if self.lengths is None or ranks == 1:
+            mine = rows[rank::ranks].tolist()
+            return after, [
+                mine[i : i + self.micro_batch] for i in range(0, per_rank, self.micro_batch)
+            ]
+        # micro-batch i of every rank: the step's i-th micro_batch × ranks rows
+        size = self.micro_batch * ranks
+        return after, [
+            deal(rows[i : i + size], self.lengths, ranks, rank) for i in range(0, len(rows), size)
+        ]
 
     def _prepare(self, state: SamplerState) -> tuple[SamplerState, list[dict], list[int] | None]:
-        after, idx = self._plan(state)
+        after, micro = self._plan(state)
         if after.epoch == 0:
-            _injected_failure(
-                self.sampler.rank, after.consumed // (len(idx) * self.sampler.world_size)
-            )
+            per_step = self.micro_batch * self.grad_accum * self.sampler.world_size
+            _injected_failure(self.sampler.rank, after.consumed // per_step)
+        idx = [i for m in micro for i in m]
         rows = self._rows(idx)
         by_source = self.sampler.tokens_by_source(idx, rows) if self.source_names else None
         if by_source is not None and self.sequence is not None and self.sequence[1] != 0:
             by_source = [0] * len(by_source)  # a group's rows: counted by its first rank only
-        batches = [
-            self.collate_fn(rows[i : i + self.micro_batch])
-            for i in range(0, len(rows), self.micro_batch)
-        ]
+        ends = np.cumsum([len(m) for m in micro]).tolist()
+        batches = [self.collate_fn(rows[a:b]) for a, b in zip([0, *ends[:-1]], ends)]
         if self.sequence is not None:
             batches = [shard(b, *self.sequence, self.pad_id) for b in batches]
         if self.pin_memory:

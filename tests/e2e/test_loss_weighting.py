@@ -117,3 +117,43 @@ def test_a_packed_step_has_the_padded_steps_loss_and_gradient(tmp_path, run_fine
     (loss, norm), (packed_loss, packed_norm) = _first_row(padded), _first_row(packed)
     assert packed_loss == pytest.approx(loss, rel=1e-5)
     assert packed_norm == pytest.approx(norm, rel=1e-4)
+
+
+def test_rows_dealt_to_ranks_by_length_give_the_one_batch_loss_and_gradient(
+    tmp_path, run_finetune, tiny_models
+):
+    """--balance_by_length gives a step's two long rows to one rank and its six short ones to the
+    other, where round-robin pads four rows to a long one on each: the step trains the same
+    tokens, so it has the same loss and gradient as one batch of them all."""
+    from finetune.cli import parse_train_args
+    from finetune.data import ResumableSampler
+    from finetune.data.balance import deal, token_lengths
+    from finetune.data.cache import prepare
+    from finetune.data.sampler import SamplerState
+    from finetune.modeling import load_tokenizer
+
+    data = _data(tmp_path, [TEXTS[0], TEXTS[2], *(f"Short {i}." for i in range(6))])
+    base = ("--model_name_or_path", str(tiny_models["llama"]), "--train_file", data, *COMMON)
+    cfg = parse_train_args([*base, "--output_dir", str(tmp_path / "unused")])
+    lengths = token_lengths(prepare(cfg, load_tokenizer(cfg.model))[0])
+    _, step = ResumableSampler(len(lengths), 2, 0, cfg.train.seed).plan_step(SamplerState(), 4)
+    dealt = [deal(step, lengths, 2, r) for r in range(2)]
+    assert sorted(dealt[0]) == sorted(lengths.argsort()[-2:].tolist())  # the two long rows
+    assert [len(d) for d in dealt] == [2, 6]
+    one = run_finetune(
+        *base,
+        "--per_device_train_batch_size",
+        "8",
+        launcher="python",
+        nprocs=1,
+        out_dir=tmp_path / "one",
+    )
+    loss, norm = _first_row(one)
+    for flag in ("--balance_by_length", "--no_balance_by_length"):
+        ranks = run_finetune(
+            *base, flag, "--per_device_train_batch_size", "4", nprocs=2, out_dir=tmp_path / flag
+        )
+        assert ("rows dealt to the ranks by length" in ranks.output) == (flag == "--balance_by_length")
+        ranks_loss, ranks_norm = _first_row(ranks)
+        assert ranks_loss == pytest.approx(loss, rel=1e-5)
+        assert ranks_norm == pytest.approx(norm, rel=1e-4)
