@@ -359,8 +359,7 @@ class Trainer:
         # made neither an optimizer nor a scheduler step (engine.py _take_model_step).
         applied = engine.was_step_applied()
         w.steps += 1
-        # every rank of a sequence-parallel group saw the same rows
-        self.state.samples_seen += sum(rows for _, _, rows in steps) * dist.data_parallel_size()
+        self.state.samples_seen += self.data.rows_per_step
         self.state.epoch = self.data.epoch_float
         self.state.sampler = self.data.sampler.state_dict()
         return applied

@@ -264,6 +264,12 @@ class TrainData:
             self._pool.shutdown(wait=True, cancel_futures=True)
 
     @property
+    def rows_per_step(self) -> int:
+        """The rows (pairs) a step trains, over all data-parallel ranks: a rank's own vary when
+        they are dealt by length, and a sequence-parallel group's ranks share theirs."""
+        return self.micro_batch * self.grad_accum * self.sampler.world_size
+
+    @property
     def epoch_float(self) -> float:
         """Epochs consumed. A step DeepSpeed skipped consumed its batches too, and the trainer
         counts applied steps only, so a --num_train_epochs run with skips ends a few steps into
