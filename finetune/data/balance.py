@@ -39,7 +39,7 @@ def token_lengths(ds) -> np.ndarray:
         pc.list_value_length(t.column("input_ids")).to_numpy(zero_copy_only=False)
         for t in arrow.iter(batch_size=100_000)
     ]
-    return np.concatenate(chunks).astype(np.int64) if chunks else np.zeros(0, dtype=np.int64)
+    return np.concatenate(chunks).astype(np.int32) if chunks else np.zeros(0, dtype=np.int32)
 
 
 def runs(lengths: Sequence[int], parts: int) -> list[int]:
