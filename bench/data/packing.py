@@ -23,6 +23,9 @@ import sys
 import tempfile
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository: bench.*
+from bench.harness import free_port  # noqa: E402
+
 PY = sys.executable
 EFFICIENCY = re.compile(r"packing \(bfd\): .* efficiency ([\d.]+)%")
 
@@ -32,6 +35,8 @@ def launch(out: Path, steps: int, nprocs: int, packing: bool, batch: int, every:
         str(Path(PY).parent / "deepspeed"),
         "--num_gpus",
         str(nprocs),
+        "--master_port",  # not the launcher's 29500, which another launch may hold
+        str(free_port()),
         "--module",
         "finetune",
         "--max_steps",
