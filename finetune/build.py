@@ -109,10 +109,11 @@ def build_trainer(
         pad = tokenizer.pad_token_id
         pairs = {"collate_fn": lambda rows: collate_pairs(rows, pad), "count": objective.nll_tokens}
     # --balance_by_length: every row's tokens (from the Arrow offsets), to deal each micro-step's
-    # rows to the ranks by length (data/balance.py); a preference pair's rows are dealt whole
+    # rows to the ranks by length (data/balance.py); a preference pair's rows are dealt whole.
+    # Read by every rank from its own mapping of the cache: agreed, as the load before it.
     lengths = None
     if cfg.data.balance_by_length and objective is None and dp > 1:
-        lengths = token_lengths(train)
+        lengths = dist.run_agreed(lambda: token_lengths(train))
         dist.log_main(logging.INFO, "each micro-step's rows dealt to the ranks by length")
     data = TrainData(
         train,

@@ -9,6 +9,7 @@ the current step computes.
 from __future__ import annotations
 
 import errno
+import itertools
 import math
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -196,15 +197,14 @@ class TrainData:
     def _prepare(self, state: SamplerState) -> tuple[SamplerState, list[dict], list[int] | None]:
         after, micro = self._plan(state)
         if after.epoch == 0:
-            per_step = self.micro_batch * self.grad_accum * self.sampler.world_size
-            _injected_failure(self.sampler.rank, after.consumed // per_step)
+            _injected_failure(self.sampler.rank, after.consumed // self.rows_per_step)
         idx = [i for m in micro for i in m]
         rows = self._rows(idx)
         by_source = self.sampler.tokens_by_source(idx, rows) if self.source_names else None
         if by_source is not None and self.sequence is not None and self.sequence[1] != 0:
             by_source = [0] * len(by_source)  # a group's rows: counted by its first rank only
-        ends = np.cumsum([len(m) for m in micro]).tolist()
-        batches = [self.collate_fn(rows[a:b]) for a, b in zip([0, *ends[:-1]], ends)]
+        bounds = [0, *itertools.accumulate(len(m) for m in micro)]
+        batches = [self.collate_fn(rows[a:b]) for a, b in itertools.pairwise(bounds)]
         if self.sequence is not None:
             batches = [shard(b, *self.sequence, self.pad_id) for b in batches]
         if self.pin_memory:
